@@ -1,0 +1,44 @@
+"""Typed KV cache events, as published by vLLM engines.
+
+A block hash is opaque: an int (possibly negative before vLLM 0.10.2, uint64
+since) or 32 raw bytes. Only the engine that published it can interpret it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Union
+
+BlockHash = Union[int, bytes]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    block_hashes: tuple[BlockHash, ...]
+    parent_block_hash: BlockHash | None
+    token_ids: tuple[int, ...]  # flat: len(block_hashes) * block_size ids
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None  # "GPU", "CPU", ...; None means GPU (pre-0.10.2)
+    lora_name: str | None = None
+    extra_keys: tuple | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    block_hashes: tuple[BlockHash, ...]
+    medium: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    pass
+
+
+KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+
+
+@dataclass(frozen=True, slots=True)
+class EventBatch:
+    ts: float
+    events: tuple[KVEvent, ...]
+    data_parallel_rank: int | None = None

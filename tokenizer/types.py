@@ -1,0 +1,45 @@
+"""What to tokenize: a completion prompt or a chat request, as the engine receives it."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Union
+
+
+@dataclass(frozen=True, slots=True)
+class PromptInput:
+    """A /v1/completions prompt: text to tokenize, or token ids given directly."""
+
+    text: str | None = None
+    token_ids: tuple[int, ...] | None = None
+    add_special_tokens: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class ChatInput:
+    """A /v1/chat/completions request's tokenization-relevant fields."""
+
+    messages: tuple[dict[str, Any], ...]
+    tools: tuple[dict[str, Any], ...] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+
+TokenizeInput = Union[PromptInput, ChatInput]
+
+
+class TokenizerError(Exception):
+    """Tokenization failed (backend down, slow or refused); routing falls back to load only."""
+
+
+class Tokenizer(Protocol):
+    async def tokenize(self, model: str, item: TokenizeInput, *, base_url: str | None = None) -> list[int]:
+        """Token ids the engine serving `model` would see for `item`.
+
+        `base_url` is a ready engine of that model, for backends that ask the engine.
+        Raises TokenizerError on any failure.
+        """
+        ...
+
+    async def aclose(self) -> None: ...
