@@ -1,0 +1,224 @@
+"""kvgate's configuration: every KVGATE_* environment variable, read once at start-up.
+
+`VARIABLES` is the single list of variables: `Settings.from_env` reads exactly
+these, and the README's table is generated from it (`python -m plugin.config`),
+so a variable cannot be documented and read nowhere, or read and undocumented.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Mapping
+
+
+class ConfigError(ValueError):
+    """A KVGATE_* variable holds a value kvgate cannot use; the message names it."""
+
+
+def _bool(raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("expected true or false")
+
+
+def _int_range(lo: int, hi: int) -> Callable[[str], int]:
+    def parse(raw: str) -> int:
+        value = int(raw.strip())
+        if not lo <= value <= hi:
+            raise ValueError(f"expected an integer from {lo} to {hi}")
+        return value
+
+    return parse
+
+
+def _positive_float(raw: str) -> float:
+    value = float(raw.strip())
+    if not value > 0 or value != value or value == float("inf"):
+        raise ValueError("expected a positive number")
+    return value
+
+
+def _choice(*options: str) -> Callable[[str], str]:
+    def parse(raw: str) -> str:
+        value = raw.strip()
+        if value not in options:
+            raise ValueError(f"expected one of {', '.join(options)}")
+        return value
+
+    return parse
+
+
+def _text(raw: str) -> str:
+    return raw.strip()
+
+
+def _redis_url(raw: str) -> str:
+    value = raw.strip()
+    if value and not value.startswith(("redis://", "rediss://", "unix://")):
+        raise ValueError("expected a redis://, rediss:// or unix:// URL, or empty for in-process counts")
+    return value
+
+
+STRATEGIES = ("random", "round-robin", "least-request", "prefix-cache", "kv-sync")
+
+
+@dataclass(frozen=True)
+class Variable:
+    env: str
+    field: str
+    parse: Callable[[str], Any]
+    default: Any
+    help: str
+    secret: bool = False
+
+
+PORT = _int_range(0, 65535)
+
+VARIABLES: tuple[Variable, ...] = (
+    Variable("KVGATE_LISTEN_HOST", "listen_host", _text, "127.0.0.1",
+             "Address the gRPC and HTTP servers bind to (`0.0.0.0` or `::` in a cluster)."),
+    Variable("KVGATE_GRPC_PORT", "grpc_port", PORT, 50051, "ext_proc gRPC port (also serves gRPC health)."),
+    Variable("KVGATE_HTTP_PORT", "http_port", PORT, 8080, "HTTP port: `/metrics`, `/healthz`, `/debug`."),
+    Variable("KVGATE_DISCOVERY", "discovery", _choice("static", "kubernetes"), "static",
+             "Pod discovery source: `static` (file or list below) or `kubernetes`."),
+    Variable("KVGATE_PODS_FILE", "pods_file", _text, "",
+             "YAML list of pods (`name`, `address`, `port`, `model`, optional `kv_events`, `lora`); re-read when it changes."),
+    Variable("KVGATE_PODS", "pods", _text, "", "Pods as one line: `name=host:port/model,...`."),
+    Variable("KVGATE_K8S_NAMESPACE", "k8s_namespace", _text, "",
+             "Namespace to watch (empty: the service account's own namespace)."),
+    Variable("KVGATE_K8S_LABEL_SELECTOR", "k8s_label_selector", _text, "model.aibrix.ai/name",
+             "Label selector of the vLLM pods to watch."),
+    Variable("KVGATE_K8S_API_URL", "k8s_api_url", _text, "",
+             "Kubernetes API URL (empty: in-cluster service account)."),
+    Variable("KVGATE_ROUTING_STRATEGY", "routing_strategy", _choice(*STRATEGIES), "kv-sync",
+             "Default strategy; a request may choose another with the `routing-strategy` header."),
+    Variable("KVGATE_REDIS_URL", "redis_url", _redis_url, "",
+             "Redis for running-request counts shared by gateway replicas (`redis://`, `rediss://`); "
+             "empty: in-process counts.", secret=True),
+    Variable("KVGATE_GATEWAY_ID", "gateway_id", _text, "",
+             "This replica's name in Redis (empty: host name and process id)."),
+    Variable("KVGATE_TOKENIZER", "tokenizer", _choice("remote", "local"), "remote",
+             "`remote`: the engine's own `/tokenize`; `local`: a transformers tokenizer at KVGATE_TOKENIZER_PATH."),
+    Variable("KVGATE_TOKENIZER_PATH", "tokenizer_path", _text, "",
+             "Local tokenizer directory (required with `local`); never downloaded from a hub."),
+    Variable("KVGATE_TOKENIZER_URL", "tokenizer_url", _text, "",
+             "Fixed base URL for remote tokenization (empty: a ready pod of the request's model)."),
+    Variable("KVGATE_TOKENIZER_TIMEOUT_S", "tokenizer_timeout_s", _positive_float, 2.0,
+             "Budget for one tokenization, retries included; past it the request is routed on load alone."),
+    Variable("KVGATE_TOKENIZER_CACHE_MB", "tokenizer_cache_mb", _int_range(0, 1 << 20), 256,
+             "Tokenization cache size in MiB (0 disables it)."),
+    Variable("KVGATE_MAX_BODY_BYTES", "max_body_bytes", _int_range(1024, 1 << 30), 8 << 20,
+             "Largest request body accepted; larger gets 413. Keep below Envoy's buffer limit."),
+    Variable("KVGATE_TARGET_POD_HEADER", "target_pod_header", _bool, True,
+             "Also set AIBrix's `target-pod` header on routed requests."),
+    Variable("KVGATE_INDEX_MAX_ENTRIES", "index_max_entries", _int_range(1, 1 << 40), 4_000_000,
+             "Most (block, pod) entries the prefix index holds; least recently used go first."),
+    Variable("KVGATE_KV_EVENTS_BACKOFF_MIN_S", "kv_events_backoff_min_s", _positive_float, 1.0,
+             "First reconnect delay of a KV event subscription."),
+    Variable("KVGATE_KV_EVENTS_BACKOFF_MAX_S", "kv_events_backoff_max_s", _positive_float, 30.0,
+             "Longest reconnect delay (the delay doubles up to it)."),
+    Variable("KVGATE_KV_EVENTS_REPLAY_TIMEOUT_S", "kv_events_replay_timeout_s", _positive_float, 0.5,
+             "How long to wait for an engine's replay answer before going on without it."),
+    Variable("KVGATE_LOG_LEVEL", "log_level", _choice("debug", "info", "warning", "error"), "info", "Log level."),
+)
+
+
+@dataclass(frozen=True)
+class Settings:
+    listen_host: str = "127.0.0.1"
+    grpc_port: int = 50051
+    http_port: int = 8080
+    discovery: str = "static"
+    pods_file: str = ""
+    pods: str = ""
+    k8s_namespace: str = ""
+    k8s_label_selector: str = "model.aibrix.ai/name"
+    k8s_api_url: str = ""
+    routing_strategy: str = "kv-sync"
+    redis_url: str = ""
+    gateway_id: str = ""
+    tokenizer: str = "remote"
+    tokenizer_path: str = ""
+    tokenizer_url: str = ""
+    tokenizer_timeout_s: float = 2.0
+    tokenizer_cache_mb: int = 256
+    max_body_bytes: int = 8 << 20
+    target_pod_header: bool = True
+    index_max_entries: int = 4_000_000
+    kv_events_backoff_min_s: float = 1.0
+    kv_events_backoff_max_s: float = 30.0
+    kv_events_replay_timeout_s: float = 0.5
+    log_level: str = "info"
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> "Settings":
+        """Read every KVGATE_* variable; raise ConfigError naming the first bad one."""
+        known = {v.env for v in VARIABLES}
+        unknown = sorted(k for k in environ if k.startswith("KVGATE_") and k not in known)
+        if unknown:
+            raise ConfigError(f"{unknown[0]}: unknown variable (known: see README's table)")
+        values: dict[str, Any] = {}
+        for var in VARIABLES:
+            raw = environ.get(var.env)
+            if raw is None or (raw.strip() == "" and var.default != ""):
+                continue
+            try:
+                values[var.field] = var.parse(raw)
+            except ValueError as e:
+                shown = "<hidden>" if var.secret else repr(raw)
+                raise ConfigError(f"{var.env}={shown}: {e}") from None
+        settings = cls(**values)
+        settings._check()
+        return settings
+
+    def _check(self) -> None:
+        if self.discovery == "static" and not (self.pods_file or self.pods):
+            raise ConfigError("KVGATE_PODS_FILE or KVGATE_PODS: one is required with KVGATE_DISCOVERY=static")
+        if self.tokenizer == "local" and not self.tokenizer_path:
+            raise ConfigError("KVGATE_TOKENIZER_PATH: required with KVGATE_TOKENIZER=local")
+        if self.kv_events_backoff_max_s < self.kv_events_backoff_min_s:
+            raise ConfigError("KVGATE_KV_EVENTS_BACKOFF_MAX_S: must be at least KVGATE_KV_EVENTS_BACKOFF_MIN_S")
+        if self.grpc_port and self.grpc_port == self.http_port:
+            raise ConfigError("KVGATE_HTTP_PORT: must differ from KVGATE_GRPC_PORT")
+
+    def redacted(self) -> dict[str, Any]:
+        """Settings for logs and the debug endpoint, with secrets hidden."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["redis_url"] = redact_url(self.redis_url)
+        return out
+
+
+def redact_url(url: str) -> str:
+    """`rediss://user:secret@host:6380/0` -> `rediss://user:***@host:6380/0`."""
+    if "@" not in url or "://" not in url:
+        return url
+    scheme, rest = url.split("://", 1)
+    creds, host = rest.rsplit("@", 1)
+    user = creds.split(":", 1)[0] if ":" in creds else ""
+    return f"{scheme}://{user}:***@{host}" if user else f"{scheme}://***@{host}"
+
+
+def markdown_table() -> str:
+    rows = ["| Variable | Default | Meaning |", "|---|---|---|"]
+    for var in VARIABLES:
+        default = var.default
+        shown = "(empty)" if default == "" else (str(default).lower() if isinstance(default, bool) else str(default))
+        rows.append(f"| `{var.env}` | `{shown}` | {var.help} |")
+    return "\n".join(rows)
+
+
+def _self_check() -> None:
+    names = [f.name for f in fields(Settings)]
+    assert names == [v.field for v in VARIABLES], "Settings fields and VARIABLES must list the same names in order"
+    for var in VARIABLES:
+        assert getattr(Settings, var.field) == var.default, var.env
+
+
+_self_check()
+
+if __name__ == "__main__":
+    print(markdown_table())
+    sys.exit(0)

