@@ -1,0 +1,217 @@
+"""The cache returns exactly the uncached tokenizer's tokens, on random and adversarial inputs."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from tokenizer import testdata
+from tokenizer.cache import ByteLRU, CachedTokenizer, CacheOptions
+from tokenizer.local import LocalBackend, LocalTokenizer
+from tokenizer.segments import NotSegmentable, Segmenter, SpecialAffixes
+from tokenizer.types import ChatInput, PromptInput, TokenizerError
+
+MODEL = "m"
+SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
+# Fragments that sit next to special tokens in awkward ways: partial markers, spaces, newlines, bytes of multi-byte chars.
+FRAGMENTS = SPECIALS + ["<|im_", "start|>", "<|", "|>", "<", ">", "|", " ", "  ", "\n", "\n\n", "'s", "é", "😀", "a", "ab", "hello", "world", "0", "42", ".", "{\"", "tool"]
+
+text_st = st.lists(st.one_of(st.sampled_from(FRAGMENTS), st.text(max_size=8)), max_size=25).map("".join)
+message_st = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "tool"]), "content": text_st})
+
+
+@pytest.fixture(scope="module")
+def local() -> LocalTokenizer:
+    return LocalTokenizer.from_path(testdata.path())
+
+
+class CountingBackend(LocalBackend):
+    def __init__(self, tokenizers):
+        super().__init__(tokenizers)
+        self.calls: list = []
+
+    async def tokenize(self, model, item, *, base_url=None):
+        self.calls.append(item)
+        return await super().tokenize(model, item, base_url=base_url)
+
+
+def make_cached(local: LocalTokenizer, **kw) -> tuple[CachedTokenizer, CountingBackend]:
+    inner = CountingBackend({MODEL: local})
+    return CachedTokenizer(inner, segmenters={MODEL: Segmenter.from_local(local)}, **kw), inner
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(texts=st.lists(text_st, min_size=1, max_size=6), add_special=st.booleans())
+def test_prompts_match_uncached(local: LocalTokenizer, texts: list[str], add_special: bool) -> None:
+    cached, _ = make_cached(local, options=CacheOptions(max_bytes=4096))  # small: eviction happens too
+
+    async def go():
+        for t in texts + texts[::-1]:
+            got = await cached.tokenize(MODEL, PromptInput(text=t, add_special_tokens=add_special))
+            assert got == local.encode_prompt(t, add_special), repr(t)
+
+    run(go())
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    conversation=st.lists(message_st, min_size=1, max_size=6),
+    gen=st.booleans(),
+    kwargs=st.sampled_from([None, {"enable_thinking": False}, {"enable_thinking": True}]),
+    tools=st.sampled_from([None, ({"type": "function", "function": {"name": "f<|im_end|>", "parameters": {}}},)]),
+)
+def test_multi_turn_chats_match_uncached(local, conversation, gen, kwargs, tools) -> None:
+    cached, _ = make_cached(local, options=CacheOptions(max_bytes=64 * 1024))
+
+    async def go():
+        for turn in range(1, len(conversation) + 1):
+            item = ChatInput(messages=tuple(conversation[:turn]), tools=tools, chat_template_kwargs=kwargs,
+                             add_generation_prompt=gen, continue_final_message=not gen)
+            assert await cached.tokenize(MODEL, item) == local.encode_chat(item)
+
+    run(go())
+
+
+def test_segmenter_cuts_at_every_added_token(local) -> None:
+    seg = Segmenter.from_local(local)
+    ids = {s: local.hf.convert_tokens_to_ids(s) for s in SPECIALS}
+    assert seg.split("a<|im_start|><|im_end|>b<|im_") == ["a", ids["<|im_start|>"], ids["<|im_end|>"], "b<|im_"]
+    assert seg.split("") == []
+    assert seg.pieces(PromptInput(text="x", add_special_tokens=True)) == (["x"], SpecialAffixes())
+
+
+def test_shared_system_prompt_is_tokenized_once(local) -> None:
+    cached, inner = make_cached(local)
+    system = {"role": "system", "content": "You are a careful assistant. " * 50}
+
+    async def go():
+        for user in range(10):
+            item = ChatInput(messages=(system, {"role": "user", "content": f"question number {user}"}))
+            assert await cached.tokenize(MODEL, item) == local.encode_chat(item)
+
+    run(go())
+    sent = [c.text for c in inner.calls]
+    assert sum("careful assistant" in t for t in sent) == 1
+    assert all(not c.add_special_tokens for c in inner.calls)
+    assert cached.hit_ratio > 0.8
+
+
+def test_repeated_request_costs_no_backend_call_and_metrics_count(local) -> None:
+    registry = CollectorRegistry()
+    inner = CountingBackend({MODEL: local})
+    cached = CachedTokenizer(inner, registry=registry)  # no segmenter: whole-request level only
+    item = ChatInput(messages=({"role": "user", "content": "hi"},))
+
+    async def go():
+        a = await cached.tokenize(MODEL, item)
+        b = await cached.tokenize(MODEL, item)
+        return a, b
+
+    a, b = run(go())
+    assert a == b == local.encode_chat(item)
+    assert len(inner.calls) == 1
+    assert registry.get_sample_value("kvgate_tokenizer_cache_lookups_total", {"level": "request", "result": "hit"}) == 1
+    assert registry.get_sample_value("kvgate_tokenizer_cache_hit_ratio") == pytest.approx(0.5)
+    assert registry.get_sample_value("kvgate_tokenizer_cache_bytes") > 0
+
+
+def test_key_order_and_types_are_not_confused(local) -> None:
+    cached, _ = make_cached(local)
+    t1 = ({"type": "function", "function": {"name": "a", "b": 1}},)
+    t2 = ({"type": "function", "function": {"b": 1, "name": "a"}},)
+    t3 = ({"type": "function", "function": {"name": "a", "b": 1.0}},)
+    msgs = ({"role": "user", "content": "x"},)
+
+    async def go():
+        for tools in (t1, t2, t3, t1):
+            item = ChatInput(messages=msgs, tools=tools)
+            assert await cached.tokenize(MODEL, item) == local.encode_chat(item)
+
+    run(go())
+
+
+def test_separator_inside_piece_falls_back_to_one_call_per_piece(local) -> None:
+    """A backend whose pieces yield the separator id must not corrupt the split."""
+    sep_id = Segmenter.from_local(local).separator[1]
+
+    class Weird(CountingBackend):
+        async def tokenize(self, model, item, *, base_url=None):
+            ids = await super().tokenize(model, item, base_url=base_url)
+            return [sep_id if i == 67 else i for i in ids]  # "a" encodes to the separator's id
+
+    inner = Weird({MODEL: local})
+    cached = CachedTokenizer(inner, segmenters={MODEL: Segmenter.from_local(local)})
+    item = PromptInput(text="a b<|im_end|>c a", add_special_tokens=False)
+    expected = [sep_id if i == 67 else i for i in local.encode_prompt(item.text, False)]
+    assert run(cached.tokenize(MODEL, item)) == expected
+    assert len(inner.calls) == 3  # the joined call, then one per piece
+
+
+def test_lru_is_bounded_by_bytes() -> None:
+    lru = ByteLRU(max_bytes=2000, max_entry_bytes=1000)
+    for i in range(100):
+        lru.put(i, list(range(50)), 10)
+        assert lru.bytes <= 2000
+    assert lru.get(99) is not None and lru.get(0) is None
+    lru.put("huge", list(range(1000)), 10)
+    assert lru.get("huge") is None
+
+
+def test_template_failure_is_a_tokenizer_error(local) -> None:
+    cached, _ = make_cached(local)
+    item = ChatInput(messages=({"role": "user", "content": "x"},), add_generation_prompt=True, continue_final_message=True)
+    with pytest.raises(TokenizerError):
+        run(cached.tokenize(MODEL, item))
+    with pytest.raises(TokenizerError):
+        run(cached.tokenize(MODEL, ChatInput(messages=({"role": "user", "content": [{"type": "image_url"}]},))))
+
+
+def test_token_ids_given_directly_pass_through(local) -> None:
+    cached, inner = make_cached(local)
+    assert run(cached.tokenize(MODEL, PromptInput(token_ids=(5, 6, 7)))) == [5, 6, 7]
+    assert inner.calls == []
+
+
+def _tokenizer_with(tmp_path, pre_tokenizer, added_kw=None, post=None):
+    from tokenizers import AddedToken
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(vocab={"a": 0, "b": 1, "▁": 2}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizer
+    tok.add_special_tokens([AddedToken("<x>", **(added_kw or {}))])
+    if post is not None:
+        tok.post_processor = post
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok)
+    hf.save_pretrained(tmp_path)
+    return LocalTokenizer.from_path(tmp_path)
+
+
+def test_unsafe_configurations_are_refused(tmp_path) -> None:
+    first = _tokenizer_with(tmp_path / "first", pre_tokenizers.Metaspace(prepend_scheme="first"))
+    with pytest.raises(NotSegmentable, match="first"):
+        Segmenter.from_local(first)
+    stripping = _tokenizer_with(tmp_path / "lstrip", pre_tokenizers.Whitespace(), {"lstrip": True})
+    with pytest.raises(NotSegmentable, match="lstrip"):
+        Segmenter.from_local(stripping)
+
+
+def test_metaspace_always_with_template_processing_is_exact(tmp_path) -> None:
+    from tokenizers.processors import TemplateProcessing
+
+    post = TemplateProcessing(single="<x> $A <x>", special_tokens=[("<x>", 3)])
+    local = _tokenizer_with(tmp_path / "always", pre_tokenizers.Metaspace(prepend_scheme="always"), post=post)
+    seg = Segmenter.from_local(local)
+    cached = CachedTokenizer(LocalBackend({MODEL: local}), segmenters={MODEL: seg})
+    for text in ["ab<x>ba", "<x><x>a", "a b <x> b a", ""]:
+        for special in (True, False):
+            assert run(cached.tokenize(MODEL, PromptInput(text=text, add_special_tokens=special))) == \
+                local.encode_prompt(text, special), (text, special)

@@ -1,0 +1,215 @@
+"""A cache in front of any Tokenizer that never returns tokens the engine would not.
+
+Two levels, one byte-bounded LRU:
+- whole requests: (model, canonical JSON of the input) -> ids. Exact because
+  tokenization is a deterministic function of the model's tokenizer and the input.
+- pieces: for models with a local copy of the engine's tokenizer files, the input
+  is rendered locally (chat template) and cut at added tokens such as the ChatML
+  turn markers (see tokenizer.segments for why the tokenizer never merges across
+  them, and the conditions checked before a model is segmented). Then
+      tokens(input) = prefix + concat(tokens(piece) or id(added token)) + suffix
+  holds exactly, so each plain piece is looked up on its own and only the pieces
+  never seen before are tokenized by the backend, all in one call (joined by an
+  added token, and split back at its id; a mismatch in the count of that id falls
+  back to one call per piece). A shared system prompt, and every earlier turn of a
+  multi-turn chat, are then tokenized once.
+The pieces' tokens come from the same backend (the engine's /tokenize, or the local
+tokenizer), tokenized with add_special_tokens=False as the identity requires. The
+local files must be the engine's own (same tokenizer.json and chat template).
+"""
+from __future__ import annotations
+
+import sys
+from array import array
+from collections import OrderedDict
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from tokenizer.segments import Piece, Segmenter, join_pieces
+from tokenizer.types import ChatInput, PromptInput, TokenizeInput, Tokenizer, TokenizerError
+
+_ENTRY_OVERHEAD = 120  # dict slot, OrderedDict links, key tuple, array header
+
+
+@dataclass(frozen=True, slots=True)
+class CacheOptions:
+    max_bytes: int = 64 * 1024 * 1024
+    max_entry_bytes: int = 4 * 1024 * 1024  # a larger single entry is not kept
+
+
+class ByteLRU:
+    """Token id arrays by key, least recently used dropped first, bounded in approximate bytes."""
+
+    def __init__(self, max_bytes: int, max_entry_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.max_entry_bytes = max_entry_bytes
+        self.bytes = 0
+        self._data: OrderedDict[Hashable, tuple[array, int]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def get(self, key: Hashable) -> array | None:
+        hit = self._data.get(key)
+        if hit is None:
+            return None
+        self._data.move_to_end(key)
+        return hit[0]
+
+    def put(self, key: Hashable, ids: Sequence[int], key_bytes: int) -> None:
+        values = array("l", ids)
+        cost = key_bytes + values.itemsize * len(values) + _ENTRY_OVERHEAD
+        if cost > self.max_entry_bytes or cost > self.max_bytes:
+            return
+        old = self._data.pop(key, None)
+        if old is not None:
+            self.bytes -= old[1]
+        self._data[key] = (values, cost)
+        self.bytes += cost
+        while self.bytes > self.max_bytes:
+            _, (_, dropped) = self._data.popitem(last=False)
+            self.bytes -= dropped
+
+    def clear(self) -> None:
+        self._data.clear()
+        self.bytes = 0
+
+
+class CacheMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.lookups = Counter(
+            "kvgate_tokenizer_cache_lookups", "Tokenizer cache lookups", ["level", "result"], registry=registry
+        )
+        self.tokens = Counter(
+            "kvgate_tokenizer_cache_tokens", "Tokens returned, by where they came from", ["source"], registry=registry
+        )
+        self.hit_ratio = Gauge(
+            "kvgate_tokenizer_cache_hit_ratio", "Fraction of returned tokens served from the cache", registry=registry
+        )
+        self.bytes = Gauge("kvgate_tokenizer_cache_bytes", "Approximate bytes held by the cache", registry=registry)
+        self.entries = Gauge("kvgate_tokenizer_cache_entries", "Entries held by the cache", registry=registry)
+
+
+class CachedTokenizer:
+    """Tokenizer protocol: `inner`'s tokens, served from a cache of whole requests and of pieces."""
+
+    def __init__(
+        self,
+        inner: Tokenizer,
+        *,
+        segmenters: Mapping[str, Segmenter] | None = None,
+        options: CacheOptions = CacheOptions(),
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self._inner = inner
+        self._segmenters = dict(segmenters or {})
+        self._lru = ByteLRU(options.max_bytes, options.max_entry_bytes)
+        self._metrics = CacheMetrics(registry if registry is not None else CollectorRegistry())
+        self.tokens_cached = 0
+        self.tokens_total = 0
+
+    @property
+    def hit_ratio(self) -> float:
+        return self.tokens_cached / self.tokens_total if self.tokens_total else 0.0
+
+    def clear(self) -> None:
+        """Forget everything, e.g. when a model's tokenizer changed."""
+        self._lru.clear()
+        self._update_size()
+
+    async def tokenize(self, model: str, item: TokenizeInput, *, base_url: str | None = None) -> list[int]:
+        if isinstance(item, PromptInput) and item.token_ids is not None:
+            return list(item.token_ids)
+        key_text = _request_key(item)
+        key = ("req", model, key_text)
+        hit = self._lru.get(key)
+        if hit is not None:
+            self._metrics.lookups.labels("request", "hit").inc()
+            self._count(len(hit), len(hit))
+            return hit.tolist()
+        self._metrics.lookups.labels("request", "miss").inc()
+        segmenter = self._segmenters.get(model)
+        try:
+            planned = segmenter.pieces(item) if segmenter is not None else None
+        except ValueError as e:
+            raise TokenizerError(f"cannot tokenize for model {model!r}: {e}") from e
+        if planned is None:
+            ids = await self._inner.tokenize(model, item, base_url=base_url)
+            self._count(0, len(ids))
+        else:
+            pieces, affixes = planned
+            ids = await self._from_pieces(model, segmenter, pieces, base_url, affixes)
+        self._lru.put(key, ids, sys.getsizeof(key_text))
+        self._update_size()
+        return ids
+
+    async def _from_pieces(self, model, segmenter: Segmenter, pieces: list[Piece], base_url, affixes) -> list[int]:
+        tokens: dict[str, Sequence[int]] = {}
+        missing: list[str] = []
+        for p in pieces:
+            if isinstance(p, int) or p in tokens:
+                continue
+            hit = self._lru.get(("seg", model, p))
+            if hit is None:
+                self._metrics.lookups.labels("piece", "miss").inc()
+                tokens[p] = ()
+                missing.append(p)
+            else:
+                self._metrics.lookups.labels("piece", "hit").inc()
+                tokens[p] = hit
+        fetched = await self._fetch(model, segmenter, missing, base_url) if missing else {}
+        for text, ids in fetched.items():
+            tokens[text] = ids
+            self._lru.put(("seg", model, text), ids, sys.getsizeof(text))
+        out = join_pieces(pieces, tokens, affixes)
+        new = sum(len(fetched[p]) for p in pieces if isinstance(p, str) and p in fetched)
+        self._count(len(out) - new, len(out))
+        return out
+
+    async def _fetch(self, model: str, segmenter: Segmenter, texts: list[str], base_url) -> dict[str, list[int]]:
+        sep = segmenter.separator
+        if sep is not None and len(texts) > 1:
+            joined = await self._inner.tokenize(
+                model, PromptInput(text=sep[0].join(texts), add_special_tokens=False), base_url=base_url
+            )
+            parts = _split_at(joined, sep[1])
+            if len(parts) == len(texts):
+                return dict(zip(texts, parts))
+        out = {}
+        for text in texts:  # sequential: one slow backend should not get a burst from one request
+            out[text] = await self._inner.tokenize(model, PromptInput(text=text, add_special_tokens=False), base_url=base_url)
+        return out
+
+    def _count(self, cached: int, total: int) -> None:
+        self.tokens_cached += cached
+        self.tokens_total += total
+        self._metrics.tokens.labels("cache").inc(cached)
+        self._metrics.tokens.labels("backend").inc(total - cached)
+        self._metrics.hit_ratio.set(self.hit_ratio)
+
+    def _update_size(self) -> None:
+        self._metrics.bytes.set(self._lru.bytes)
+        self._metrics.entries.set(len(self._lru))
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+def _split_at(ids: Sequence[int], sep: int) -> list[list[int]]:
+    parts: list[list[int]] = [[]]
+    for i in ids:
+        if i == sep:
+            parts.append([])
+        else:
+            parts[-1].append(i)
+    return parts
+
+
+def _request_key(item: TokenizeInput) -> str:
+    """repr keeps key order, and tells 1 from 1.0, True and "1": templates may render any of those differently."""
+    if isinstance(item, ChatInput):
+        return repr(("chat", item.messages, item.tools, item.chat_template, item.chat_template_kwargs,
+                     item.add_generation_prompt, item.continue_final_message))
+    return repr(("prompt", item.text, item.add_special_tokens))

@@ -1,0 +1,169 @@
+"""A `transformers` tokenizer loaded from a local directory, tokenizing as vLLM does.
+
+Chat requests are rendered to text with the tokenizer's chat template and that
+text is tokenized without added special tokens, the way vLLM's chat and
+/tokenize endpoints do it. The simulated engine's /tokenize uses this class, so
+the gateway and the engine agree token for token.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from tokenizer.types import ChatInput, PromptInput, TokenizeInput, TokenizerError
+
+_DEFAULT_MAX_MODEL_LEN = 8192
+
+
+class LocalTokenizer:
+    """Synchronous tokenization with one local tokenizer; safe to call from several threads."""
+
+    def __init__(self, hf_tokenizer: Any, *, source: str = "") -> None:
+        self._tok = hf_tokenizer
+        self.source = source
+        # Fast tokenizers may mutate their Rust state while encoding (truncation/padding), so calls are serialised.
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_path(cls, path: str | Path) -> LocalTokenizer:
+        """Load from a local directory (tokenizer.json, tokenizer_config.json); never touches a hub."""
+        from transformers import AutoTokenizer
+
+        directory = Path(path)
+        if not directory.is_dir():
+            raise ValueError(f"tokenizer path {str(directory)!r} is not a directory")
+        try:
+            tok = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+        except Exception as e:  # transformers raises many types for unusable files
+            raise ValueError(f"cannot load a tokenizer from {str(directory)!r}: {e}") from e
+        if not getattr(tok, "is_fast", False):
+            raise ValueError(f"tokenizer at {str(directory)!r} is not a fast (tokenizer.json) tokenizer")
+        return cls(tok, source=str(directory))
+
+    @property
+    def hf(self) -> Any:
+        """The underlying transformers tokenizer (read-only use)."""
+        return self._tok
+
+    @property
+    def max_model_len(self) -> int:
+        n = getattr(self._tok, "model_max_length", None)
+        return n if isinstance(n, int) and 0 < n < 10**9 else _DEFAULT_MAX_MODEL_LEN
+
+    def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if not isinstance(text, str):
+            raise ValueError(f"prompt must be a string, got {type(text).__name__}")
+        with self._lock:
+            return list(self._tok(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def render_chat(self, item: ChatInput) -> str:
+        """The chat template applied to `item`: the text vLLM would tokenize. Raises ValueError on bad input."""
+        if item.add_generation_prompt and item.continue_final_message:
+            raise ValueError("cannot set both continue_final_message and add_generation_prompt")
+        messages = [_text_message(i, m) for i, m in enumerate(item.messages)]
+        kwargs = dict(item.chat_template_kwargs or {})
+        for reserved in ("tokenize", "conversation", "messages", "tools", "chat_template"):
+            kwargs.pop(reserved, None)
+        try:
+            with self._lock:
+                text = self._tok.apply_chat_template(
+                    messages,
+                    tools=list(item.tools) if item.tools else None,
+                    chat_template=item.chat_template,
+                    add_generation_prompt=item.add_generation_prompt,
+                    continue_final_message=item.continue_final_message,
+                    tokenize=False,
+                    **kwargs,
+                )
+        except ValueError:
+            raise
+        except Exception as e:  # jinja2 errors, templates calling raise_exception, ...
+            raise ValueError(f"chat template failed: {type(e).__name__}: {e}") from e
+        if not isinstance(text, str):
+            raise ValueError("chat template did not render to a string")
+        return text
+
+    def encode_chat(self, item: ChatInput) -> list[int]:
+        return self.encode_prompt(self.render_chat(item), add_special_tokens=False)
+
+    def encode(self, item: TokenizeInput) -> list[int]:
+        """Either kind of input; ids given directly are returned as they are."""
+        if isinstance(item, ChatInput):
+            return self.encode_chat(item)
+        if item.token_ids is not None:
+            return list(item.token_ids)
+        if item.text is None:
+            raise ValueError("prompt has neither text nor token ids")
+        return self.encode_prompt(item.text, item.add_special_tokens)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        with self._lock:
+            return self._tok.decode(list(ids), skip_special_tokens=False)
+
+    def token_strs(self, ids: Sequence[int]) -> list[str]:
+        with self._lock:
+            return list(self._tok.convert_ids_to_tokens(list(ids)))
+
+
+def _text_message(index: int, message: Any) -> dict[str, Any]:
+    """vLLM's "string" content format: text parts joined by newlines; other parts are refused."""
+    if not isinstance(message, Mapping):
+        raise ValueError(f"messages[{index}] is not an object")
+    if not isinstance(message.get("role"), str):
+        raise ValueError(f"messages[{index}].role must be a string")
+    content = message.get("content")
+    if content is None or isinstance(content, str):
+        return dict(message)
+    if not isinstance(content, list):
+        raise ValueError(f"messages[{index}].content must be a string or a list of parts")
+    texts = []
+    for j, part in enumerate(content):
+        if isinstance(part, str):
+            texts.append(part)
+        elif isinstance(part, Mapping) and part.get("type") in ("text", "input_text") and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        else:
+            kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+            raise ValueError(f"messages[{index}].content[{j}]: unsupported part {kind!r} (text only)")
+    return {**message, "content": "\n".join(texts)}
+
+
+def input_size(item: TokenizeInput) -> int:
+    """Rough size in characters, to decide whether to leave the event loop."""
+    if isinstance(item, PromptInput):
+        return len(item.text or "")
+    try:
+        return len(json.dumps(item.messages, default=str)) + (len(json.dumps(item.tools, default=str)) if item.tools else 0)
+    except (TypeError, ValueError):
+        return 0
+
+
+class LocalBackend:
+    """The Tokenizer protocol over LocalTokenizers, one per model; long inputs run off the event loop."""
+
+    def __init__(self, tokenizers: Mapping[str, LocalTokenizer], *, offload_chars: int = 2048) -> None:
+        self._tokenizers = dict(tokenizers)
+        self._offload_chars = offload_chars
+
+    def get(self, model: str) -> LocalTokenizer | None:
+        return self._tokenizers.get(model)
+
+    async def tokenize(self, model: str, item: TokenizeInput, *, base_url: str | None = None) -> list[int]:
+        tok = self._tokenizers.get(model)
+        if tok is None:
+            raise TokenizerError(f"no local tokenizer configured for model {model!r}")
+        if isinstance(item, PromptInput) and item.token_ids is not None:
+            return list(item.token_ids)
+        try:
+            if input_size(item) >= self._offload_chars:
+                return await asyncio.to_thread(tok.encode, item)
+            return tok.encode(item)
+        except ValueError as e:
+            raise TokenizerError(f"cannot tokenize for model {model!r}: {e}") from e
+
+    async def aclose(self) -> None:
+        return None
