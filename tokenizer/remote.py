@@ -1,0 +1,199 @@
+"""The engine's own tokenizer: vLLM's `POST /tokenize`, through one pooled HTTP client.
+
+Requests use vLLM's TokenizeCompletionRequest / TokenizeChatRequest shapes and read
+TokenizeResponse (`count`, `max_model_len`, `tokens`, `token_strs`). 429 and 5xx
+answers and connection failures are retried with exponential backoff (full
+jitter), honouring Retry-After, all within one total time budget; anything else,
+or running out of budget, raises TokenizerError quickly so routing can fall back.
+"""
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import json
+import random
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from tokenizer.types import ChatInput, PromptInput, TokenizeInput, TokenizerError
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteOptions:
+    total_timeout_s: float = 1.0  # whole tokenize call, retries included
+    attempt_timeout_s: float = 0.5  # one HTTP attempt
+    max_retries: int = 2
+    backoff_base_s: float = 0.02
+    backoff_max_s: float = 0.25
+    max_connections: int = 64
+
+    def __post_init__(self) -> None:
+        if self.total_timeout_s <= 0 or self.attempt_timeout_s <= 0:
+            raise ValueError("tokenizer timeouts must be positive")
+        if self.max_retries < 0 or self.backoff_base_s < 0 or self.backoff_max_s < 0:
+            raise ValueError("tokenizer retries and backoff must not be negative")
+        if self.max_connections < 1:
+            raise ValueError("tokenizer max_connections must be at least 1")
+
+
+class RemoteMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.attempts = Counter(
+            "kvgate_tokenizer_remote_attempts", "HTTP attempts to engines' /tokenize, by outcome", ["outcome"],
+            registry=registry,
+        )
+        self.failures = Counter(
+            "kvgate_tokenizer_remote_failures", "Tokenize calls that raised TokenizerError", registry=registry
+        )
+        self.seconds = Histogram(
+            "kvgate_tokenizer_remote_seconds", "Successful tokenize calls, retries included", registry=registry,
+            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+        )
+
+
+class _Retryable(Exception):
+    def __init__(self, reason: str, retry_after: float | None = None) -> None:
+        super().__init__(reason)
+        self.retry_after = retry_after
+
+
+class RemoteTokenizer:
+    """Tokenizer protocol over engines' /tokenize. The endpoint of a model is its configured
+    URL if any, else the `base_url` of a ready pod passed by the caller."""
+
+    def __init__(
+        self,
+        endpoints: Mapping[str, str] | None = None,
+        *,
+        options: RemoteOptions = RemoteOptions(),
+        client: httpx.AsyncClient | None = None,
+        registry: CollectorRegistry | None = None,
+        rng: Callable[[], float] = random.random,
+    ) -> None:
+        self._endpoints = {m: u.rstrip("/") for m, u in (endpoints or {}).items()}
+        self._options = options
+        self._owns_client = client is None
+        self._client = client or httpx.AsyncClient(
+            limits=httpx.Limits(max_connections=options.max_connections, max_keepalive_connections=options.max_connections),
+            timeout=options.attempt_timeout_s,
+        )
+        self._metrics = RemoteMetrics(registry if registry is not None else CollectorRegistry())
+        self._rng = rng
+
+    async def tokenize(self, model: str, item: TokenizeInput, *, base_url: str | None = None) -> list[int]:
+        if isinstance(item, PromptInput) and item.token_ids is not None:
+            return list(item.token_ids)
+        base = self._endpoints.get(model) or (base_url.rstrip("/") if base_url else None)
+        if not base:
+            raise TokenizerError(f"no tokenizer endpoint for model {model!r}: none configured and no ready pod given")
+        body = request_body(model, item)
+        url = f"{base}/tokenize"
+        started = time.monotonic()
+        deadline = started + self._options.total_timeout_s
+        attempt = 0
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                ids = await self._attempt(url, body, min(self._options.attempt_timeout_s, remaining))
+            except _Retryable as e:
+                attempt += 1
+                delay = self._delay(attempt, e.retry_after)
+                if attempt > self._options.max_retries or time.monotonic() + delay >= deadline:
+                    self._metrics.failures.inc()
+                    raise TokenizerError(
+                        f"tokenizer at {url} failed for model {model!r} after {attempt} attempt(s): {e}"
+                    ) from None
+                await asyncio.sleep(delay)
+                continue
+            except TokenizerError:
+                self._metrics.failures.inc()
+                raise
+            self._metrics.seconds.observe(time.monotonic() - started)
+            return ids
+
+    async def _attempt(self, url: str, body: dict[str, Any], timeout_s: float) -> list[int]:
+        if timeout_s <= 0:
+            raise _Retryable("no time left")
+        try:
+            resp = await self._client.post(url, json=body, timeout=timeout_s)
+        except httpx.TimeoutException:
+            self._metrics.attempts.labels("timeout").inc()
+            raise _Retryable(f"timed out after {timeout_s * 1000:.0f} ms") from None
+        except httpx.TransportError as e:
+            self._metrics.attempts.labels("connect_error").inc()
+            raise _Retryable(f"{type(e).__name__}: {e}") from None
+        if resp.status_code == 429 or resp.status_code >= 500:
+            self._metrics.attempts.labels(f"{resp.status_code // 100}xx" if resp.status_code != 429 else "429").inc()
+            raise _Retryable(f"HTTP {resp.status_code}", parse_retry_after(resp.headers.get("retry-after")))
+        if resp.status_code != 200:
+            self._metrics.attempts.labels("refused").inc()
+            raise TokenizerError(f"tokenizer at {url} refused the request: HTTP {resp.status_code}: {resp.text[:200]}")
+        self._metrics.attempts.labels("ok").inc()
+        return parse_response(resp.content, url)
+
+    def _delay(self, attempt: int, retry_after: float | None) -> float:
+        backoff = self._rng() * min(self._options.backoff_max_s, self._options.backoff_base_s * 2 ** (attempt - 1))
+        return max(backoff, retry_after) if retry_after is not None else backoff
+
+    async def aclose(self) -> None:
+        if self._owns_client:
+            await self._client.aclose()
+
+
+def request_body(model: str, item: TokenizeInput) -> dict[str, Any]:
+    """vLLM's TokenizeCompletionRequest or TokenizeChatRequest for `item`."""
+    if isinstance(item, ChatInput):
+        body: dict[str, Any] = {
+            "model": model,
+            "messages": list(item.messages),
+            "add_generation_prompt": item.add_generation_prompt,
+            "continue_final_message": item.continue_final_message,
+            "add_special_tokens": False,
+        }
+        if item.tools is not None:
+            body["tools"] = list(item.tools)
+        if item.chat_template is not None:
+            body["chat_template"] = item.chat_template
+        if item.chat_template_kwargs is not None:
+            body["chat_template_kwargs"] = item.chat_template_kwargs
+        return body
+    if item.text is None:
+        raise TokenizerError("prompt has neither text nor token ids")
+    return {"model": model, "prompt": item.text, "add_special_tokens": item.add_special_tokens}
+
+
+def parse_response(content: bytes, url: str = "tokenizer") -> list[int]:
+    try:
+        data = json.loads(content)
+    except ValueError:
+        raise TokenizerError(f"{url} answered with something that is not JSON") from None
+    tokens = data.get("tokens") if isinstance(data, dict) else None
+    if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+        raise TokenizerError(f"{url} answered without a list of integer `tokens`")
+    count = data.get("count")
+    if count is not None and count != len(tokens):
+        raise TokenizerError(f"{url} answered count={count!r} for {len(tokens)} tokens")
+    return tokens
+
+
+def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
+    """Retry-After as seconds from now: delta-seconds or an HTTP date; None if absent or unreadable."""
+    if not value:
+        return None
+    value = value.strip()
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when is None:
+        return None
+    return max(0.0, when.timestamp() - (time.time() if now is None else now))
