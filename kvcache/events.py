@@ -20,13 +20,17 @@ class BlockStored:
     lora_id: int | None = None
     medium: str | None = None  # "GPU", "CPU", ...; None means GPU (pre-0.10.2)
     lora_name: str | None = None
-    extra_keys: tuple | None = None
+    extra_keys: tuple | None = None  # one entry per block (a tuple or None), 0.17+
+    group_idx: int | None = None  # KV cache group, 0.20+
+    kv_cache_spec_kind: str | None = None  # e.g. "full_attention", 0.22+
+    kv_cache_spec_sliding_window: int | None = None  # 0.22+
 
 
 @dataclass(frozen=True, slots=True)
 class BlockRemoved:
     block_hashes: tuple[BlockHash, ...]
     medium: str | None = None
+    group_idx: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
