@@ -1,0 +1,312 @@
+"""Running-request counts per pod: in-process, or shared by every gateway replica through Redis.
+
+Redis layout (one hash slot, so a Redis Cluster works too):
+  `{prefix}gw:<gateway id>`  hash pod -> running count of that gateway, plus field `~`;
+                             PEXPIRE ttl, rewritten whole by its gateway at each change
+                             and every heartbeat, so a dead gateway's counts vanish within ttl.
+  `{prefix}gateways`         set of gateway ids (readers drop ids whose hash expired).
+A pod's total is this gateway's exact local count plus the sum over the other live
+gateways, read by one Lua script and cached for `read_max_age_s`.
+
+The local count changes synchronously at the pick, so the next pick on this gateway sees it
+before any I/O. Redis is never awaited for longer than `op_timeout_s`; after a failure a
+circuit breaker keeps it out of the request path for a back-off, and the next successful
+write republishes the whole local state, so counts reconverge when Redis returns.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from typing import Protocol
+from urllib.parse import urlsplit
+
+from routing.metrics import RoutingMetrics
+
+log = logging.getLogger(__name__)
+
+
+class RunningCounts(Protocol):
+    def add(self, pod: str, delta: int) -> None:
+        """Change this gateway's count for `pod` now (synchronously); shared asynchronously."""
+        ...
+
+    def totals(self) -> dict[str, int]:
+        """Running requests per pod over every live gateway, as known now (never blocks)."""
+        ...
+
+    async def refresh(self) -> None:
+        """Bring other gateways' counts up to date if the cached view is stale; bounded in time."""
+        ...
+
+    def local(self) -> dict[str, int]: ...
+
+    def snapshot(self) -> dict: ...
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class LocalCounts:
+    """In-process counts: the single-gateway default when no Redis URL is configured."""
+
+    def __init__(self) -> None:
+        self._local: dict[str, int] = {}
+
+    def add(self, pod: str, delta: int) -> None:
+        _apply(self._local, pod, delta)
+
+    def totals(self) -> dict[str, int]:
+        return dict(self._local)
+
+    def local(self) -> dict[str, int]:
+        return dict(self._local)
+
+    async def refresh(self) -> None:
+        return None
+
+    def snapshot(self) -> dict:
+        return {"backend": "local", "local": self.local(), "totals": self.totals()}
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+
+def _apply(counts: dict[str, int], pod: str, delta: int) -> None:
+    value = counts.get(pod, 0) + delta
+    if value < 0:
+        log.warning("running count of %s would go below zero (%d); clamped", pod, value)
+        value = 0
+    if value:
+        counts[pod] = value
+    else:
+        counts.pop(pod, None)
+
+
+def redact_url(url: str) -> str:
+    """The URL without its password, for logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    host = f"[{host}]" if ":" in host else host
+    port = f":{parts.port}" if parts.port else ""
+    return parts._replace(netloc=f"{user}:***@{host}{port}").geturl()
+
+
+def default_gateway_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+_SYNC = """
+redis.call('DEL', KEYS[1])
+redis.call('HSET', KEYS[1], '~', '1', unpack(ARGV, 3))
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+redis.call('SADD', KEYS[2], ARGV[2])
+return 1
+"""
+
+_READ = """
+local ids = redis.call('SMEMBERS', KEYS[1])
+local sums = {}
+local live = 0
+for _, id in ipairs(ids) do
+  if id ~= ARGV[2] then
+    local h = redis.call('HGETALL', ARGV[1] .. id)
+    if #h == 0 then
+      redis.call('SREM', KEYS[1], id)
+    else
+      live = live + 1
+      for i = 1, #h, 2 do
+        if h[i] ~= '~' then sums[h[i]] = (sums[h[i]] or 0) + tonumber(h[i + 1]) end
+      end
+    end
+  end
+end
+local out = {live}
+for k, v in pairs(sums) do out[#out + 1] = k; out[#out + 1] = v end
+return out
+"""
+
+
+class RedisCounts:
+    """Counts shared through Redis; see the module docstring for the layout and failure model."""
+
+    def __init__(self, url: str, gateway_id: str = "", *, key_prefix: str = "kvgate:{running}:",
+                 ttl_s: float = 5.0, heartbeat_s: float = 1.0, read_max_age_s: float = 0.005,
+                 op_timeout_s: float = 0.1, backoff_min_s: float = 0.2, backoff_max_s: float = 2.0,
+                 metrics: RoutingMetrics | None = None) -> None:
+        if not url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"KVGATE_REDIS_URL: expected redis://, rediss:// or unix://, got {redact_url(url)!r}")
+        if heartbeat_s >= ttl_s:
+            raise ValueError("heartbeat must be shorter than the key TTL")
+        from redis.asyncio import Redis
+        from redis.asyncio.retry import Retry
+        from redis.backoff import NoBackoff
+
+        self.gateway_id = gateway_id or default_gateway_id()
+        self._url_shown = redact_url(url)
+        self._redis = Redis.from_url(url, socket_timeout=op_timeout_s * 2, socket_connect_timeout=op_timeout_s * 2,
+                                     retry=Retry(NoBackoff(), 0), decode_responses=True)
+        self._sync = self._redis.register_script(_SYNC)
+        self._read = self._redis.register_script(_READ)
+        self._key = f"{key_prefix}gw:{self.gateway_id}"
+        self._gw_prefix = f"{key_prefix}gw:"
+        self._set_key = f"{key_prefix}gateways"
+        self._ttl_ms = int(ttl_s * 1000)
+        self._ttl_s = ttl_s
+        self._heartbeat_s = heartbeat_s
+        self._max_age = read_max_age_s
+        self._timeout = op_timeout_s
+        self._backoff_min, self._backoff_max = backoff_min_s, backoff_max_s
+        self._metrics = metrics or RoutingMetrics()
+
+        self._local: dict[str, int] = {}
+        self._others: dict[str, int] = {}
+        self._others_at = float("-inf")
+        self._live_others = 0
+        self._reading: asyncio.Future | None = None
+        self._dirty = asyncio.Event()
+        self._writer: asyncio.Task | None = None
+        self._down_until = 0.0
+        self._backoff = backoff_min_s
+        self.up = False
+        self.failures = 0
+
+    # -- the request path ------------------------------------------------------------------
+
+    def add(self, pod: str, delta: int) -> None:
+        _apply(self._local, pod, delta)
+        self._dirty.set()
+
+    def local(self) -> dict[str, int]:
+        return dict(self._local)
+
+    def totals(self) -> dict[str, int]:
+        out = dict(self._local)
+        if time.monotonic() - self._others_at <= self._ttl_s:  # older than a key TTL: unknown, not "still busy"
+            for pod, n in self._others.items():
+                out[pod] = out.get(pod, 0) + n
+        return out
+
+    async def refresh(self) -> None:
+        now = time.monotonic()
+        if now - self._others_at <= self._max_age or now < self._down_until:
+            return
+        if self._reading is None:
+            self._reading = asyncio.ensure_future(self._read_others())
+        reading = self._reading
+        # shield: a cancelled pick must not cancel the read other picks share
+        await asyncio.shield(reading)
+
+    async def _read_others(self) -> None:
+        try:
+            reply = await asyncio.wait_for(self._read(keys=[self._set_key], args=[self._gw_prefix, self.gateway_id]),
+                                           self._timeout)
+            self._live_others = int(reply[0])
+            self._others = {reply[i]: int(reply[i + 1]) for i in range(1, len(reply), 2) if int(reply[i + 1]) > 0}
+            self._others_at = time.monotonic()
+            self._ok()
+        except Exception as e:
+            self._failed("read", e)
+        finally:
+            self._reading = None
+
+    # -- the background writer (heartbeat) -------------------------------------------------------
+
+    async def _write_loop(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._dirty.wait(), self._heartbeat_s)
+            except asyncio.TimeoutError:
+                pass
+            delay = self._down_until - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(min(delay, self._heartbeat_s))
+                if time.monotonic() < self._down_until:
+                    continue
+            self._dirty.clear()
+            await self.flush()
+
+    async def flush(self) -> bool:
+        """Publish this gateway's whole local state now; False if Redis did not take it."""
+        args: list[str | int] = [self._ttl_ms, self.gateway_id]
+        for pod, n in self._local.items():
+            args += [pod, n]
+        try:
+            await asyncio.wait_for(self._sync(keys=[self._key, self._set_key], args=args), self._timeout)
+        except Exception as e:
+            self._dirty.set()
+            self._failed("write", e)
+            return False
+        self._ok()
+        return True
+
+    def _ok(self) -> None:
+        if not self.up:
+            log.info("running counts: Redis %s reachable, shared counts on", self._url_shown)
+        self.up = True
+        self._backoff = self._backoff_min
+        self._metrics.redis_up.set(1)
+
+    def _failed(self, op: str, e: Exception) -> None:
+        self.failures += 1
+        self._metrics.redis_errors.labels(op).inc()
+        if self.up or self.failures == 1:
+            log.warning("running counts: Redis %s %s failed (%s: %s); local counts for %.1fs",
+                        self._url_shown, op, type(e).__name__, e, self._backoff)
+        self.up = False
+        self._metrics.redis_up.set(0)
+        self._down_until = time.monotonic() + self._backoff
+        self._backoff = min(self._backoff * 2, self._backoff_max)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the heartbeat; does not wait for Redis (a dead Redis only means local counts)."""
+        if self._writer is None:
+            self._writer = asyncio.create_task(self._write_loop(), name=f"kvgate-counts-{self.gateway_id}")
+            self._dirty.set()
+
+    async def close(self, *, unregister: bool = True) -> None:
+        """Stop the heartbeat; with `unregister`, delete this gateway's counts now instead of at expiry."""
+        if self._writer is not None:
+            self._writer.cancel()
+            await asyncio.gather(self._writer, return_exceptions=True)
+            self._writer = None
+        if unregister and self.up:
+            try:
+                await asyncio.wait_for(self._redis.delete(self._key), self._timeout)
+            except Exception:
+                pass
+        try:
+            await self._redis.aclose()
+        except Exception:
+            pass
+
+    def snapshot(self) -> dict:
+        return {
+            "backend": "redis",
+            "redis": self._url_shown,
+            "gateway_id": self.gateway_id,
+            "redis_up": self.up,
+            "other_gateways": self._live_others,
+            "others_age_s": round(time.monotonic() - self._others_at, 3) if self._others_at > 0 else None,
+            "local": self.local(),
+            "totals": self.totals(),
+        }
+
+
+def build_counts(redis_url: str, gateway_id: str = "", *, metrics: RoutingMetrics | None = None,
+                 **redis_options) -> RunningCounts:
+    """Redis-shared counts for a URL, in-process counts for an empty one."""
+    if not redis_url:
+        return LocalCounts()
+    return RedisCounts(redis_url, gateway_id, metrics=metrics, **redis_options)

@@ -1,0 +1,114 @@
+"""Engine load scraped from each pod's Prometheus `/metrics` (vLLM metric names)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from routing.metrics import RoutingMetrics
+from routing.pods import Pod
+from routing.registry import PodRegistry
+
+log = logging.getLogger(__name__)
+
+WAITING = "vllm:num_requests_waiting"
+RUNNING = "vllm:num_requests_running"
+KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # new name, pre-0.10 name
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    waiting: float
+    running: float
+    kv_usage: float | None  # 0..1
+    at: float  # time.monotonic() of the scrape
+
+
+def parse_engine_metrics(text: str, at: float = 0.0) -> EngineLoad:
+    """Queue lengths summed over an engine's series, KV usage averaged (DP ranks report one each)."""
+    waiting = running = 0.0
+    usage: list[float] = []
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == WAITING:
+                waiting += s.value
+            elif s.name == RUNNING:
+                running += s.value
+            elif s.name in KV_USAGE:
+                usage.append(s.value)
+    kv = min(1.0, max(0.0, sum(usage) / len(usage))) if usage else None
+    return EngineLoad(waiting=waiting, running=running, kv_usage=kv, at=at)
+
+
+class EngineMetrics:
+    """Scrapes every ready pod every `interval_s`; `get(pod)` is None when unknown or stale."""
+
+    def __init__(self, registry: PodRegistry, *, interval_s: float = 1.0, timeout_s: float = 0.5,
+                 metrics: RoutingMetrics | None = None, client: httpx.AsyncClient | None = None) -> None:
+        self._registry = registry
+        self._interval = interval_s
+        self._timeout = timeout_s
+        self._metrics = metrics or RoutingMetrics()
+        self._client = client
+        self._own_client = client is None
+        self._loads: dict[str, EngineLoad] = {}
+        self._task: asyncio.Task | None = None
+        registry.add_listener(self._on_pods)
+
+    def _on_pods(self, added: list[Pod], removed: list[Pod]) -> None:
+        for p in removed:
+            self._loads.pop(p.name, None)
+
+    def get(self, pod: str) -> EngineLoad | None:
+        load = self._loads.get(pod)
+        if load is None or time.monotonic() - load.at > 3 * self._interval:
+            return None
+        return load
+
+    def put(self, pod: str, load: EngineLoad) -> None:
+        self._loads[pod] = load
+
+    async def scrape_once(self) -> None:
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=self._timeout)
+        pods = [p for p in self._registry.pods() if p.ready]
+        await asyncio.gather(*(self._scrape(p) for p in pods))
+
+    async def _scrape(self, pod: Pod) -> None:
+        try:
+            resp = await self._client.get(f"{pod.base_url}/metrics", timeout=self._timeout)
+            resp.raise_for_status()
+            self._loads[pod.name] = parse_engine_metrics(resp.text, time.monotonic())
+        except Exception as e:
+            self._metrics.scrape_errors.inc()
+            log.debug("scrape of %s failed: %s", pod.name, e)
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self.scrape_once()
+            except Exception:
+                log.exception("engine metrics scrape round failed")
+            await asyncio.sleep(self._interval)
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._loop(), name="kvgate-engine-metrics")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        if self._own_client and self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    def snapshot(self) -> dict:
+        now = time.monotonic()
+        return {name: {"waiting": l.waiting, "running": l.running, "kv_usage": l.kv_usage,
+                       "age_s": round(now - l.at, 3)} for name, l in self._loads.items()}

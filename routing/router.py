@@ -1,0 +1,170 @@
+"""Router: per request, the strategy's pick among the model's ready pods, counted as running
+until `release`."""
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+from typing import Any, Mapping
+
+from routing.counts import LocalCounts, RunningCounts
+from routing.engine_metrics import EngineMetrics
+from routing.errors import NoReadyPodError, UnknownModelError, UnknownStrategyError
+from routing.metrics import RoutingMetrics
+from routing.pods import Pod
+from routing.registry import PodRegistry
+from routing.scorers import ApproxPrefixScorer, PrefixSource
+from routing.scoring import Decision, PickContext, RouteRequest, Strategy
+from routing.strategies import StrategyConfig, build_strategies
+
+log = logging.getLogger(__name__)
+
+
+class Router:
+    def __init__(self, registry: PodRegistry, *, default_strategy: str = "kv-sync",
+                 counts: RunningCounts | None = None, index: PrefixSource | None = None,
+                 engines: EngineMetrics | None = None, config: StrategyConfig | None = None,
+                 metrics: RoutingMetrics | None = None, seed: int | None = None) -> None:
+        self._registry = registry
+        self._counts = counts if counts is not None else LocalCounts()
+        self._index = index
+        self._engines = engines
+        self._metrics = metrics or RoutingMetrics()
+        self._strategies: dict[str, Strategy] = build_strategies(config or StrategyConfig(), random.Random(seed),
+                                                                 index=index, engines=engines)
+        if default_strategy not in self._strategies:
+            raise UnknownStrategyError(default_strategy, self.strategy_names())
+        self.default_strategy = default_strategy
+        self._tickets = itertools.count(1)
+        self._active: dict[int, str] = {}  # ticket -> pod name, until released
+        registry.add_listener(self._on_pods)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the shared counts' heartbeat and the engine metrics scraper (if any)."""
+        await self._counts.start()
+        if self._engines is not None:
+            await self._engines.start()
+
+    async def close(self) -> None:
+        if self._engines is not None:
+            await self._engines.close()
+        await self._counts.close()
+
+    # -- the request path -----------------------------------------------------------------------
+
+    def strategy_names(self) -> tuple[str, ...]:
+        return tuple(self._strategies)
+
+    def _strategy(self, name: str | None) -> Strategy:
+        strategy = self._strategies.get(name or self.default_strategy)
+        if strategy is None:
+            raise UnknownStrategyError(str(name), self.strategy_names())
+        return strategy
+
+    def needs_tokens(self, strategy: str | None) -> bool:
+        """Whether `pick` with this strategy uses token ids (raises UnknownStrategyError)."""
+        return self._strategy(strategy).needs_tokens
+
+    def _candidates(self, model: str) -> list[Pod]:
+        serving = self._registry.serving(model)
+        if not serving:
+            raise UnknownModelError(model)
+        ready = [p for p in serving if p.ready]
+        if not ready:
+            raise NoReadyPodError(model)
+        return ready
+
+    async def pick(self, request: RouteRequest) -> Decision:
+        """The pod for `request`, counted as running from now until `release(decision)`."""
+        strategy = self._strategy(request.strategy)
+        self._candidates(request.model)  # fail fast, before any I/O
+        await self._counts.refresh()
+        # From here to the count increment nothing awaits: the next pick sees this one.
+        pods = self._candidates(request.model)
+        base, lora = self._resolve_model(request.model, pods)
+        ctx = PickContext(request=request, base_model=base, lora=lora, running=self._counts.totals())
+        pod, _ = strategy.choose(
+            ctx, pods,
+            on_error=lambda name: self._metrics.scorer_errors.labels(name).inc(),
+            on_filtered=lambda n: self._metrics.guard_excluded.labels(strategy.name).inc(n),
+        )
+        self._counts.add(pod.name, 1)
+        ticket = next(self._tickets)
+        self._active[ticket] = pod.name
+        self._metrics.decisions.labels(strategy.name).inc()
+        return Decision(pod=pod, strategy=strategy.name, matched_blocks=ctx.matched.get(pod.name, 0),
+                        total_blocks=ctx.total_blocks, request_id=request.request_id, ticket=ticket)
+
+    async def release(self, decision: Decision) -> None:
+        """The request's stream ended (finished, cancelled or failed); idempotent."""
+        pod = self._active.pop(decision.ticket, None)
+        if pod is not None:
+            self._counts.add(pod, -1)
+
+    @staticmethod
+    def _resolve_model(model: str, pods: list[Pod]) -> tuple[str, str | None]:
+        """(base model, adapter or None): a name that is no pod's base model is an adapter."""
+        if any(p.model == model for p in pods):
+            return model, None
+        return pods[0].model, model
+
+    def _on_pods(self, added: list[Pod], removed: list[Pod]) -> None:
+        for strategy in self._strategies.values():
+            for scorer, _ in strategy.scorers:
+                if isinstance(scorer, ApproxPrefixScorer):
+                    for p in removed:
+                        scorer.table.forget_pod(p.name)
+
+    # -- debugging ------------------------------------------------------------------------------
+
+    def running(self) -> dict[str, int]:
+        """Running requests per pod over every live gateway, as this gateway sees them now."""
+        return self._counts.totals()
+
+    def debug_snapshot(self, subscriptions: Any = None) -> dict:
+        """Pods, blocks held per pod (index stats), running counts and strategies, JSON-able."""
+        totals = self._counts.totals()
+        local = self._counts.local()
+        index_stats: dict = {}
+        if self._index is not None:
+            try:
+                index_stats = dict(self._index.stats())
+            except Exception as e:
+                index_stats = {"error": f"{type(e).__name__}: {e}"}
+        per_pod_blocks = _blocks_per_pod(index_stats)
+        engines = self._engines.snapshot() if self._engines is not None else {}
+        pods = []
+        for p in sorted(self._registry.pods(), key=lambda p: p.name):
+            entry: dict[str, Any] = {
+                "name": p.name, "endpoint": p.endpoint, "model": p.model, "lora": list(p.lora),
+                "ready": p.ready, "running": totals.get(p.name, 0), "running_here": local.get(p.name, 0),
+                "kv_events": None if p.kv_events is None else {
+                    "pub_port": p.kv_events.pub_port, "replay_port": p.kv_events.replay_port,
+                    "dp_size": p.kv_events.dp_size},
+            }
+            if p.name in per_pod_blocks:
+                entry["blocks"] = per_pod_blocks[p.name]
+            if p.name in engines:
+                entry["engine"] = engines[p.name]
+            pods.append(entry)
+        out: dict[str, Any] = {
+            "pods": pods,
+            "strategies": {"default": self.default_strategy, "available": list(self._strategies),
+                           "weights": {s.name: {sc.name: w for sc, w in s.scorers} for s in self._strategies.values()}},
+            "counts": self._counts.snapshot(),
+            "in_flight_here": len(self._active),
+            "index": index_stats,
+        }
+        if subscriptions is not None:
+            out["subscriptions"] = subscriptions
+        return out
+
+
+def _blocks_per_pod(stats: Mapping[str, Any]) -> dict[str, Any]:
+    for key in ("blocks_per_pod", "pods", "per_pod"):
+        value = stats.get(key)
+        if isinstance(value, Mapping):
+            return dict(value)
+    return {}

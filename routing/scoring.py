@@ -1,0 +1,165 @@
+"""The scoring framework: filters narrow the candidates, scorers give each 0..1, weights
+combine them, a picker chooses. A strategy is a named configuration of these pieces.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+from dataclasses import dataclass, field
+from typing import Mapping, Protocol, Sequence
+
+from routing.pods import Pod
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    model: str
+    token_ids: Sequence[int] | None = None  # None: not tokenized (tokenizer down or not needed)
+    strategy: str | None = None  # None: the configured default
+    request_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    pod: Pod
+    strategy: str
+    matched_blocks: int = 0  # leading prompt blocks the picked pod holds (prefix strategies)
+    total_blocks: int = 0  # full blocks in the prompt (0 when not computed)
+    request_id: str = ""
+    ticket: int = 0  # identifies the running-count increment `release` undoes
+
+
+@dataclass(slots=True)
+class PickContext:
+    """What scorers see for one request; prefix scorers fill `matched` and `total_blocks`."""
+
+    request: RouteRequest
+    base_model: str
+    lora: str | None
+    running: Mapping[str, int]
+    matched: dict[str, int] = field(default_factory=dict)
+    total_blocks: int = 0
+
+
+class Filter(Protocol):
+    name: str
+
+    def filter(self, ctx: PickContext, pods: Sequence[Pod]) -> list[Pod]: ...
+
+
+class Scorer(Protocol):
+    name: str
+    needs_tokens: bool
+
+    def score(self, ctx: PickContext, pods: Sequence[Pod]) -> dict[str, float]:
+        """0..1 per pod name (missing names count 0); higher is better."""
+        ...
+
+    def picked(self, ctx: PickContext, pod: Pod) -> None:
+        """Called once the pod is chosen (learning scorers remember it)."""
+        ...
+
+
+class Picker(Protocol):
+    def pick(self, ctx: PickContext, pods: Sequence[Pod], scores: Mapping[str, float]) -> Pod: ...
+
+
+# ---- pickers -------------------------------------------------------------------------------
+
+class MaxScorePicker:
+    """Highest combined score; ties (within 1e-9) broken at random so equals share the load."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self._rng = rng
+
+    def pick(self, ctx: PickContext, pods: Sequence[Pod], scores: Mapping[str, float]) -> Pod:
+        best = max(scores.get(p.name, 0.0) for p in pods)
+        top = [p for p in pods if scores.get(p.name, 0.0) >= best - 1e-9]
+        return top[0] if len(top) == 1 else self._rng.choice(top)
+
+
+class RandomPicker:
+    def __init__(self, rng: random.Random) -> None:
+        self._rng = rng
+
+    def pick(self, ctx: PickContext, pods: Sequence[Pod], scores: Mapping[str, float]) -> Pod:
+        return self._rng.choice(list(pods))
+
+
+class RoundRobinPicker:
+    """Cycles through a model's ready pods in name order."""
+
+    def __init__(self) -> None:
+        self._next: dict[str, itertools.count] = {}
+
+    def pick(self, ctx: PickContext, pods: Sequence[Pod], scores: Mapping[str, float]) -> Pod:
+        ordered = sorted(pods, key=lambda p: p.name)
+        n = next(self._next.setdefault(ctx.request.model, itertools.count()))
+        return ordered[n % len(ordered)]
+
+
+# ---- the load guard ------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class LoadGuard:
+    """Imbalance rule: a pod running `max(abs_slack, rel_slack * least)` or more requests beyond
+    the least-loaded candidate is set aside, whatever its cache holds."""
+
+    abs_slack: int = 8
+    rel_slack: float = 0.5
+    name: str = "load-guard"
+
+    def filter(self, ctx: PickContext, pods: Sequence[Pod]) -> list[Pod]:
+        least = min(ctx.running.get(p.name, 0) for p in pods)
+        slack = max(self.abs_slack, self.rel_slack * least)
+        return [p for p in pods if ctx.running.get(p.name, 0) - least < slack]
+
+
+# ---- strategies ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Strategy:
+    name: str
+    picker: Picker
+    scorers: tuple[tuple[Scorer, float], ...] = ()
+    filters: tuple[Filter, ...] = ()
+
+    @property
+    def needs_tokens(self) -> bool:
+        return any(s.needs_tokens for s, w in self.scorers if w > 0)
+
+    def choose(self, ctx: PickContext, pods: Sequence[Pod],
+               on_error=None, on_filtered=None) -> tuple[Pod, dict[str, float]]:
+        """The chosen pod and the combined scores; `pods` must not be empty."""
+        candidates = list(pods)
+        for f in self.filters:
+            kept = f.filter(ctx, candidates)
+            if kept and len(kept) < len(candidates):
+                if on_filtered:
+                    on_filtered(len(candidates) - len(kept))
+                candidates = kept
+        total = {p.name: 0.0 for p in candidates}
+        for scorer, weight in self.scorers:
+            if weight <= 0:
+                continue
+            try:
+                part = scorer.score(ctx, candidates)
+            except Exception:
+                # a failing scorer counts 0 for everyone: the others still decide
+                log.exception("scorer %s failed for request %s", scorer.name, ctx.request.request_id)
+                if on_error:
+                    on_error(scorer.name)
+                continue
+            for name in total:
+                total[name] += weight * min(1.0, max(0.0, part.get(name, 0.0)))
+        pod = self.picker.pick(ctx, candidates, total)
+        for scorer, weight in self.scorers:
+            if weight > 0:
+                try:
+                    scorer.picked(ctx, pod)
+                except Exception:
+                    log.exception("scorer %s failed to record a pick", scorer.name)
+        return pod, total

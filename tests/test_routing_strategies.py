@@ -1,0 +1,275 @@
+"""Decision tables for every strategy, the load guard, burst spreading, errors, release."""
+from __future__ import annotations
+
+import asyncio
+import collections
+from dataclasses import dataclass, field
+
+import pytest
+
+from routing.engine_metrics import EngineLoad, EngineMetrics, parse_engine_metrics
+from routing.errors import NoReadyPodError, UnknownModelError, UnknownStrategyError
+from routing.metrics import RoutingMetrics
+from routing.pods import Pod
+from routing.registry import PodRegistry
+from routing.router import Router
+from routing.scoring import RouteRequest
+from routing.strategies import StrategyConfig, parse_weights
+
+TOKENS = list(range(64))  # 4 blocks of 16
+
+
+@dataclass
+class Match:
+    blocks: int
+    by_medium: dict
+    total_blocks: int = 4
+
+
+@dataclass
+class FakeIndex:
+    """Answers match() from a table pod -> (blocks, by_medium); records the calls."""
+
+    table: dict = field(default_factory=dict)
+    calls: list = field(default_factory=list)
+    fail: bool = False
+
+    def match(self, model, lora, token_ids, pods):
+        self.calls.append((model, lora, len(token_ids), tuple(pods)))
+        if self.fail:
+            raise RuntimeError("index exploded")
+        return {p: Match(*self.table.get(p, (0, {}))) for p in pods}
+
+    def stats(self):
+        return {"entries": 3, "blocks_per_pod": {"a": 4}}
+
+
+def pods(*names, model="m", **kw):
+    return [Pod(n, f"10.0.0.{i + 1}", 8000, model, **kw) for i, n in enumerate(names)]
+
+
+def router(strategy="kv-sync", index=None, pod_list=None, seed=1, **kw):
+    reg = PodRegistry(pod_list if pod_list is not None else pods("a", "b", "c"))
+    return Router(reg, default_strategy=strategy, index=index if index is not None else FakeIndex(), seed=seed, **kw)
+
+
+async def hold(r: Router, counts: dict[str, int]):
+    """Make pods look busy: pick them through the router's own counts."""
+    for pod, n in counts.items():
+        for _ in range(n):
+            r._counts.add(pod, 1)
+
+
+async def test_random_uses_only_ready_pods_of_the_model():
+    reg_pods = pods("a", "b", "c") + [Pod("d", "10.0.0.9", 8000, "m", ready=False), Pod("e", "10.0.1.1", 8000, "other")]
+    r = router("random", pod_list=reg_pods)
+    seen = collections.Counter()
+    for i in range(300):
+        d = await r.pick(RouteRequest("m", request_id=str(i)))
+        seen[d.pod.name] += 1
+        await r.release(d)
+    assert set(seen) == {"a", "b", "c"}
+    assert min(seen.values()) > 50
+
+
+async def test_round_robin_cycles_in_name_order():
+    r = router("round-robin", pod_list=pods("c", "a", "b"))
+    names = [(await r.pick(RouteRequest("m"))).pod.name for _ in range(6)]
+    assert names == ["a", "b", "c", "a", "b", "c"]
+
+
+@pytest.mark.parametrize("running, expected", [
+    ({"a": 2, "b": 1, "c": 3}, {"b"}),
+    ({"a": 0, "b": 5, "c": 0}, {"a", "c"}),
+    ({"a": 1, "b": 1, "c": 1}, {"a", "b", "c"}),
+])
+async def test_least_request_table(running, expected):
+    got = set()
+    for seed in range(12):
+        r = router("least-request", seed=seed)
+        await hold(r, running)
+        got.add((await r.pick(RouteRequest("m"))).pod.name)
+    assert got == expected
+
+
+# (index table, running, tokens?) -> expected pod
+KV_SYNC_TABLE = [
+    ("full GPU hit wins at equal load", {"a": (4, {"GPU": 4})}, {}, True, "a"),
+    ("GPU beats CPU for the same blocks", {"a": (4, {"CPU": 4}), "b": (4, {"GPU": 4})}, {}, True, "b"),
+    ("CPU hit beats no hit", {"a": (4, {"CPU": 4})}, {}, True, "a"),
+    ("longer prefix wins", {"a": (1, {"GPU": 1}), "b": (3, {"GPU": 3})}, {}, True, "b"),
+    ("affinity beats a small load gap", {"a": (4, {"GPU": 4})}, {"a": 3}, True, "a"),
+    ("load guard: hit pod 8 above least", {"a": (4, {"GPU": 4})}, {"a": 8}, True, None),
+    ("partial hit loses to a big load gap", {"a": (1, {"GPU": 1})}, {"a": 7, "b": 0, "c": 0}, True, None),
+    ("no tokens: load only", {"a": (4, {"GPU": 4})}, {"a": 1, "c": 1}, False, "b"),
+]
+
+
+@pytest.mark.parametrize("case, table, running, with_tokens, expected", KV_SYNC_TABLE, ids=[c[0] for c in KV_SYNC_TABLE])
+async def test_kv_sync_table(case, table, running, with_tokens, expected):
+    for seed in range(6):
+        index = FakeIndex(table)
+        r = router("kv-sync", index=index, seed=seed)
+        await hold(r, running)
+        d = await r.pick(RouteRequest("m", TOKENS if with_tokens else None))
+        if expected is None:  # anything but "a"
+            assert d.pod.name in {"b", "c"}, case
+        else:
+            assert d.pod.name == expected, case
+        if with_tokens:
+            assert d.total_blocks == 4
+            assert d.matched_blocks == table.get(d.pod.name, (0,))[0]
+        else:
+            assert index.calls == []
+
+
+async def test_kv_sync_index_failure_falls_back_to_load_and_is_counted():
+    metrics = RoutingMetrics()
+    r = router("kv-sync", index=FakeIndex(fail=True), metrics=metrics)
+    await hold(r, {"a": 2, "b": 2})
+    d = await r.pick(RouteRequest("m", TOKENS))
+    assert d.pod.name == "c"
+    assert metrics.registry.get_sample_value("kvgate_routing_scorer_errors_total", {"scorer": "prefix"}) == 1
+
+
+async def test_kv_sync_asks_the_index_for_base_model_and_adapter():
+    index = FakeIndex({"b": (4, {"GPU": 4})})
+    reg = pods("a", "b", model="base", lora=("ad1",)) + pods("z", model="other")
+    r = router("kv-sync", index=index, pod_list=reg)
+    d = await r.pick(RouteRequest("ad1", TOKENS))
+    assert d.pod.name == "b"
+    assert index.calls[-1][:2] == ("base", "ad1")
+    await r.pick(RouteRequest("base", TOKENS))
+    assert index.calls[-1][:2] == ("base", None)
+
+
+async def test_prefix_cache_learns_from_its_own_decisions():
+    r = router("prefix-cache", seed=3)
+    first = await r.pick(RouteRequest("m", TOKENS))
+    await r.release(first)
+    # same prompt prefix, longer prompt: same pod
+    again = await r.pick(RouteRequest("m", TOKENS + [999] * 20))
+    assert again.pod.name == first.pod.name
+    assert again.matched_blocks == 4 and again.total_blocks == 5
+    await r.release(again)
+    # the affinity pod busier by a few: still chosen; by the guard's slack: not
+    await hold(r, {first.pod.name: 3})
+    assert (await r.pick(RouteRequest("m", TOKENS))).pod.name == first.pod.name
+    await hold(r, {first.pod.name: 5})
+    assert (await r.pick(RouteRequest("m", TOKENS))).pod.name != first.pod.name
+
+
+async def test_prefix_cache_forgets_removed_pods():
+    reg = PodRegistry(pods("a", "b"))
+    r = Router(reg, default_strategy="prefix-cache", seed=0)
+    first = await r.pick(RouteRequest("m", TOKENS))
+    await r.release(first)
+    reg.replace([p for p in reg.pods() if p.name != first.pod.name])
+    d = await r.pick(RouteRequest("m", TOKENS))
+    assert d.pod.name != first.pod.name and d.matched_blocks == 0
+
+
+@pytest.mark.parametrize("strategy", ["kv-sync", "prefix-cache"])
+async def test_burst_of_identical_requests_spreads(strategy):
+    """100 identical requests at once: the hit pod takes more, but none runs away (load guard +
+    counts taken at pick time)."""
+    index = FakeIndex({"a": (4, {"GPU": 4})})
+    r = router(strategy, index=index, pod_list=pods("a", "b", "c", "d"))
+    decisions = await asyncio.gather(*(r.pick(RouteRequest("m", TOKENS, request_id=str(i))) for i in range(100)))
+    per_pod = collections.Counter(d.pod.name for d in decisions)
+    assert len(per_pod) == 4, per_pod
+    least = min(per_pod.values())
+    assert max(per_pod.values()) - least <= max(8, 0.5 * least), per_pod  # the guard's rule
+    assert max(per_pod.values()) <= 40, per_pod
+    assert r.running() == dict(per_pod)
+    await asyncio.gather(*(r.release(d) for d in decisions))
+    assert r.running() == {}
+
+
+async def test_release_is_idempotent():
+    r = router("least-request")
+    d = await r.pick(RouteRequest("m"))
+    await r.release(d)
+    await r.release(d)
+    assert r.running() == {}
+    d2 = await r.pick(RouteRequest("m"))
+    assert r.running() == {d2.pod.name: 1}
+
+
+async def test_errors_and_needs_tokens():
+    r = router("kv-sync", pod_list=pods("a") + [Pod("x", "10.0.0.8", 8000, "cold", ready=False)])
+    with pytest.raises(UnknownModelError):
+        await r.pick(RouteRequest("nope"))
+    with pytest.raises(NoReadyPodError):
+        await r.pick(RouteRequest("cold"))
+    with pytest.raises(UnknownStrategyError, match="known: random"):
+        await r.pick(RouteRequest("m", strategy="fastest"))
+    with pytest.raises(UnknownStrategyError):
+        r.needs_tokens("fastest")
+    assert {s: r.needs_tokens(s) for s in r.strategy_names()} == {
+        "random": False, "round-robin": False, "least-request": False, "prefix-cache": True, "kv-sync": True}
+    assert r.needs_tokens(None) is True
+    assert r.running() == {}
+
+
+async def test_kv_sync_absent_without_index():
+    r = Router(PodRegistry(pods("a")), default_strategy="least-request")
+    assert "kv-sync" not in r.strategy_names()
+    with pytest.raises(UnknownStrategyError):
+        Router(PodRegistry(pods("a")), default_strategy="kv-sync")
+
+
+VLLM_METRICS = """# HELP vllm:num_requests_waiting Waiting.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 3.0
+vllm:num_requests_waiting{engine="1",model_name="m"} 2.0
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 7.0
+# TYPE vllm:gpu_cache_usage_perc gauge
+vllm:gpu_cache_usage_perc{engine="0",model_name="m"} 0.5
+vllm:gpu_cache_usage_perc{engine="1",model_name="m"} 0.7
+"""
+
+
+def test_parse_engine_metrics():
+    load = parse_engine_metrics(VLLM_METRICS, at=1.0)
+    assert (load.waiting, load.running, round(load.kv_usage, 3)) == (5.0, 7.0, 0.6)
+    assert parse_engine_metrics("").kv_usage is None
+
+
+async def test_engine_metric_scorers_join_a_strategy_by_weights():
+    import time
+    reg = PodRegistry(pods("a", "b", "c"))
+    engines = EngineMetrics(reg, interval_s=60)
+    now = time.monotonic()
+    engines.put("a", EngineLoad(waiting=9, running=4, kv_usage=0.9, at=now))
+    engines.put("b", EngineLoad(waiting=0, running=4, kv_usage=0.95, at=now))
+    engines.put("c", EngineLoad(waiting=0, running=4, kv_usage=0.2, at=now))
+    cfg = StrategyConfig(weights=parse_weights("least-request:load=1,queue=2,kv-util=2"))
+    r = Router(reg, default_strategy="least-request", engines=engines, config=cfg, seed=0)
+    assert (await r.pick(RouteRequest("m"))).pod.name == "c"
+    assert r.debug_snapshot()["strategies"]["weights"]["least-request"] == {"load": 1.0, "queue": 2.0, "kv-util": 2.0}
+
+
+def test_parse_weights_rejects_bad_input():
+    assert parse_weights("kv-sync:prefix=3,load=1,queue=0.5") == {"kv-sync": {"prefix": 3.0, "load": 1.0, "queue": 0.5}}
+    for bad in ("fast:load=1", "kv-sync:speed=1", "kv-sync:load=x", "kv-sync:load=-1", "kv-sync"):
+        with pytest.raises(ValueError, match="KVGATE_ROUTING_WEIGHTS"):
+            parse_weights(bad)
+    with pytest.raises(ValueError, match="engine metrics"):
+        Router(PodRegistry(pods("a")), default_strategy="random",
+               config=StrategyConfig(weights={"least-request": {"queue": 1}}))
+
+
+async def test_debug_snapshot_is_json_and_complete():
+    import json
+    r = router("kv-sync")
+    d = await r.pick(RouteRequest("m", TOKENS))
+    snap = json.loads(json.dumps(r.debug_snapshot(subscriptions=[{"pod": "a", "state": "live"}])))
+    assert [p["name"] for p in snap["pods"]] == ["a", "b", "c"]
+    by_name = {p["name"]: p for p in snap["pods"]}
+    assert by_name[d.pod.name]["running"] == 1
+    assert by_name["a"]["blocks"] == 4
+    assert snap["strategies"]["default"] == "kv-sync"
+    assert snap["counts"]["backend"] == "local"
+    assert snap["subscriptions"] == [{"pod": "a", "state": "live"}]
