@@ -1,0 +1,398 @@
+"""The simulated engine on the network: vLLM's HTTP API in real time over one
+`EngineModel` per data-parallel rank, each publishing its KV events through a
+`kvcache.publisher.EventPublisher` (rank r on ports + r).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from kvcache.publisher import EventPublisher
+from sim.engine import Completion, EngineConfig, EngineModel
+from sim.metrics import EngineCollector, engine_registry
+from sim.protocol import (
+    ApiError, GenerationRequest, ServedModels, chunk, full_body, parse_chat, parse_completion, parse_tokenize, usage,
+)
+from tokenizer.local import LocalTokenizer
+from tokenizer.types import ChatInput
+
+log = logging.getLogger(__name__)
+
+_MIN_POLL_S = 0.002
+
+
+@dataclass(frozen=True, slots=True)
+class SimOptions:
+    model: str = "sim-model"
+    name: str = "sim"  # reported in `system_fingerprint` and the `x-sim-name` header
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0: any free port
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    dp_size: int = 1
+    kv_events: bool = True
+    kv_events_port: int = 5557  # rank r publishes on kv_events_port + r
+    replay_port: int | None = 5558  # rank r replays on replay_port + r; None: no replay socket
+    kv_events_generation: str = "0.33"
+    max_tokens_default: int = 16
+    tokenizer_path: str | None = None  # None: the project's test tokenizer
+
+    def __post_init__(self) -> None:
+        if self.dp_size < 1:
+            raise ValueError(f"dp_size must be >= 1, got {self.dp_size}")
+        if self.max_tokens_default < 1:
+            raise ValueError(f"max_tokens_default must be >= 1, got {self.max_tokens_default}")
+        if not self.model:
+            raise ValueError("model must not be empty")
+        pub = set(range(self.kv_events_port, self.kv_events_port + self.dp_size))
+        if self.kv_events and self.replay_port is not None and pub & {self.replay_port + r for r in range(self.dp_size)}:
+            raise ValueError(f"KV event ports {sorted(pub)} overlap the replay ports from {self.replay_port}: "
+                             f"with dp_size {self.dp_size} put them at least {self.dp_size} apart")
+
+
+def _tcp(host: str, port: int) -> str:
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+def _output_pool(tok: LocalTokenizer) -> tuple[int, ...]:
+    """Whole-word tokens that decode alone to ' word': streamed text then equals the decoded output."""
+    pool = []
+    for i in range(len(tok.hf)):
+        s = tok.decode([i])
+        if len(s) >= 3 and s[0] == " " and s[1:].isalpha():
+            pool.append(i)
+    special = set(tok.hf.all_special_ids)
+    return tuple(pool) or tuple(i for i in range(len(tok.hf)) if i not in special)
+
+
+class _Rank:
+    """One data-parallel rank: its engine model, its publisher and the waiters for its requests."""
+
+    def __init__(self, index: int, engine: EngineModel, publisher: EventPublisher | None, clock: Any) -> None:
+        self.index = index
+        self.engine = engine
+        self.publisher = publisher
+        self._clock = clock
+        self.waiters: dict[str, asyncio.Future[Completion]] = {}
+        self._wake = asyncio.Event()
+        self.publish_errors = 0
+
+    def load(self) -> int:
+        m = self.engine.metrics()
+        return m.running + m.waiting
+
+    def sync(self) -> None:
+        """Bring the engine to now: resolve finished requests, publish its KV events."""
+        for done in self.engine.advance(self._clock()):
+            fut = self.waiters.pop(done.req_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(done)
+        self._publish()
+
+    def submit(self, req_id: str, tokens: list[int], max_tokens: int, lora: str | None) -> asyncio.Future[Completion]:
+        self.engine.add_request(req_id, tokens, max_tokens, self._clock(), lora)  # ValueError: bad request
+        fut: asyncio.Future[Completion] = asyncio.get_running_loop().create_future()
+        self.waiters[req_id] = fut
+        self.sync()
+        self._wake.set()
+        return fut
+
+    def abort(self, req_id: str) -> None:
+        self.waiters.pop(req_id, None)
+        if self.engine.abort(req_id, self._clock()):
+            self.sync()
+            self._wake.set()
+
+    def _publish(self) -> None:
+        for batch in self.engine.drain_events():
+            if self.publisher is None:
+                continue
+            try:
+                self.publisher.publish(batch.events)
+            except Exception:  # a broken publisher must not stop the engine
+                self.publish_errors += 1
+                log.exception("rank %d: cannot publish KV events", self.index)
+
+    async def run(self) -> None:
+        """Wake at the engine's next event (or a new request) and step it."""
+        while True:
+            t = self.engine.next_event_time()
+            self._wake.clear()
+            timeout = None if t is None else max(0.0, t - self._clock())
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            except TimeoutError:
+                pass
+            self.sync()
+
+    def cancel_waiters(self) -> None:
+        for fut in self.waiters.values():
+            if not fut.done():
+                fut.cancel()
+        self.waiters.clear()
+
+
+class SimServer:
+    """A simulated vLLM engine serving HTTP on `options.host:options.port`."""
+
+    def __init__(self, options: SimOptions, *, registry: CollectorRegistry | None = None) -> None:
+        self.options = options
+        path = options.tokenizer_path
+        if path is None:
+            from tokenizer import testdata
+            path = str(testdata.path())
+        self.tokenizer = LocalTokenizer.from_path(path)
+        self._vocab_size = len(self.tokenizer.hf)
+        pool = _output_pool(self.tokenizer)
+        self._token_text = {i: self.tokenizer.decode([i]) for i in pool}
+        self.engine_config = dataclasses.replace(options.engine, output_token_ids=pool)
+        self._served = ServedModels(options.model, self.engine_config.lora_names)
+        self._t0 = time.monotonic()
+        self.ranks: list[_Rank] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._runner: web.AppRunner | None = None
+        self.port: int = options.port
+        self.registry = engine_registry(
+            EngineCollector(options.model, lambda: [r.engine.metrics() for r in self.ranks],
+                            self.engine_config.block_size), registry)
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+
+    def _clock(self) -> float:
+        return time.monotonic() - self._t0
+
+    async def start(self) -> None:
+        o = self.options
+        try:
+            for r in range(o.dp_size):
+                config = dataclasses.replace(self.engine_config, data_parallel_rank=r)
+                publisher = None
+                if o.kv_events:
+                    publisher = EventPublisher(
+                        _tcp(o.host, o.kv_events_port + r),
+                        None if o.replay_port is None else _tcp(o.host, o.replay_port + r),
+                        generation=o.kv_events_generation, data_parallel_rank=r)
+                self.ranks.append(_Rank(r, EngineModel(config), publisher, self._clock))
+            self._tasks = [asyncio.create_task(rank.run(), name=f"sim-rank-{rank.index}") for rank in self.ranks]
+            app = web.Application(middlewares=[_errors], client_max_size=64 * 2**20)
+            app.add_routes([
+                web.post("/v1/completions", self._completions),
+                web.post("/v1/chat/completions", self._chat),
+                web.get("/v1/models", self._models),
+                web.post("/tokenize", self._tokenize),
+                web.get("/health", self._health),
+                web.get("/metrics", self._metrics),
+                web.post("/reset_prefix_cache", self._reset_prefix_cache),
+            ])
+            self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
+            await self._runner.setup()
+            site = web.TCPSite(self._runner, o.host, o.port)
+            await site.start()
+            self.port = site._server.sockets[0].getsockname()[1]  # the real port when o.port == 0
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def stop(self) -> None:
+        for rank in self.ranks:
+            rank.cancel_waiters()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        for rank in self.ranks:
+            if rank.publisher is not None:
+                rank.publisher.close()
+        self.ranks = []
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.options.host}]" if ":" in self.options.host else self.options.host
+        return f"http://{host}:{self.port}"
+
+    def ready_info(self) -> dict[str, Any]:
+        """What `kvgate sim` prints once serving."""
+        o = self.options
+        kv = None
+        if o.kv_events:
+            kv = {"generation": o.kv_events_generation,
+                  "pub_ports": [o.kv_events_port + r for r in range(o.dp_size)],
+                  "replay_ports": None if o.replay_port is None else [o.replay_port + r for r in range(o.dp_size)]}
+        return {"name": o.name, "url": self.url, "model": o.model, "loras": list(self.engine_config.lora_names),
+                "dp_size": o.dp_size, "block_size": self.engine_config.block_size,
+                "num_blocks": self.engine_config.num_blocks, "kv_events": kv}
+
+    # ---- handlers -----------------------------------------------------------------------------
+
+    def _headers(self, rank: _Rank | None = None) -> dict[str, str]:
+        h = {"x-sim-name": self.options.name}
+        if rank is not None:
+            h["x-sim-rank"] = str(rank.index)
+        return h
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, parse_completion(await _json(request), self._served))
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, parse_chat(await _json(request), self._served))
+
+    async def _encode(self, item: Any, add_special_tokens: bool | None = None) -> list[int]:
+        try:
+            if isinstance(item, ChatInput) and add_special_tokens:
+                text = await asyncio.to_thread(self.tokenizer.render_chat, item)
+                return await asyncio.to_thread(self.tokenizer.encode_prompt, text, True)
+            return await asyncio.to_thread(self.tokenizer.encode, item)
+        except ValueError as e:
+            raise ApiError(400, str(e)) from e
+
+    async def _generate(self, request: web.Request, req: GenerationRequest) -> web.StreamResponse:
+        tokens = await self._encode(req.item)
+        if not tokens:
+            raise ApiError(400, "the prompt encodes to no tokens", "prompt")
+        bad = next((t for t in tokens if not 0 <= t < self._vocab_size), None)
+        if bad is not None:
+            raise ApiError(400, f"Token id {bad} is out of vocabulary", "prompt")
+        limit = self.engine_config.max_model_len
+        max_tokens = req.max_tokens
+        if max_tokens is None:
+            max_tokens = max(1, min(self.options.max_tokens_default, limit - len(tokens)))
+        if len(tokens) + max_tokens > limit:
+            raise ApiError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                                f"{len(tokens) + max_tokens} tokens ({len(tokens)} in the messages, {max_tokens} "
+                                f"in the completion). Please reduce the length of the messages or completion.")
+        rank = min(self.ranks, key=_Rank.load)
+        prefix = "chatcmpl" if req.kind == "chat" else "cmpl"
+        response_id = f"{prefix}-{request.headers.get('X-Request-Id') or uuid.uuid4().hex}"
+        engine_id = f"{response_id}-{uuid.uuid4().hex[:8]}"
+        try:
+            fut = rank.submit(engine_id, tokens, max_tokens, req.lora)
+        except ValueError as e:
+            raise ApiError(400, str(e)) from e
+        try:
+            if req.stream:
+                return await self._stream(request, req, rank, engine_id, fut, response_id)
+            done = await fut
+            text = "".join(self._text(t) for t in done.output_token_ids)
+            body = full_body(req, response_id, self.options.name, text,
+                             usage(done.prompt_tokens, len(done.output_token_ids), done.cached_tokens))
+            return web.json_response(body, headers=self._headers(rank))
+        finally:
+            if not fut.done():
+                rank.abort(engine_id)
+
+    def _text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        return text if text is not None else self.tokenizer.decode([token_id])
+
+    async def _stream(self, request: web.Request, req: GenerationRequest, rank: _Rank, engine_id: str,
+                      fut: asyncio.Future[Completion], response_id: str) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           **self._headers(rank)})
+        await resp.prepare(request)
+        created = int(time.time())
+        fp = self.options.name
+        config = self.engine_config
+        sent = 0
+        try:
+            while True:
+                rank.sync()
+                if fut.done():
+                    done = fut.result()
+                    out = done.output_token_ids
+                else:
+                    out = rank.engine.output_so_far(engine_id, self._clock()) or ()
+                for i in range(sent, len(out)):
+                    if i == 0 and req.kind == "chat":
+                        await _send(resp, chunk(req, response_id, created, fp, first=True))
+                    last = fut.done() and i == len(out) - 1
+                    await _send(resp, chunk(req, response_id, created, fp, text=self._text(out[i]), finish=last))
+                sent = len(out)
+                if fut.done():
+                    break
+                poll = config.tpot_base_s + config.tpot_per_seq_s * rank.engine.metrics().running
+                await asyncio.wait((fut,), timeout=max(_MIN_POLL_S, poll))
+            if req.include_usage:
+                u = usage(done.prompt_tokens, len(done.output_token_ids), done.cached_tokens)
+                await _send(resp, chunk(req, response_id, created, fp, usage_=u))
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except (ConnectionError, asyncio.CancelledError):
+            log.debug("stream %s: client went away", response_id)
+            if not fut.done():
+                rank.abort(engine_id)
+            raise
+        return resp
+
+    async def _models(self, request: web.Request) -> web.Response:
+        created = int(time.time())
+        limit = self.engine_config.max_model_len
+        data = [{"id": self.options.model, "object": "model", "created": created, "owned_by": "vllm",
+                 "root": self.options.model, "parent": None, "max_model_len": limit}]
+        data += [{"id": name, "object": "model", "created": created, "owned_by": "vllm", "root": name,
+                  "parent": self.options.model, "max_model_len": None} for name in self.engine_config.lora_names]
+        return web.json_response({"object": "list", "data": data}, headers=self._headers())
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        req = parse_tokenize(await _json(request), self._served)
+        tokens = await self._encode(req.item, req.add_special_tokens)
+        strs = await asyncio.to_thread(self.tokenizer.token_strs, tokens) if req.return_token_strs else None
+        body = {"count": len(tokens), "max_model_len": self.engine_config.max_model_len, "tokens": tokens,
+                "token_strs": strs}
+        return web.json_response(body, headers=self._headers())
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200, headers=self._headers())
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        for rank in self.ranks:
+            rank.sync()
+        return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
+        refused = []
+        for rank in self.ranks:
+            rank.sync()
+            if not rank.engine.reset_prefix_cache(self._clock()):
+                refused.append(rank.index)
+            rank.sync()
+        if refused:
+            raise ApiError(409, f"requests are running on rank(s) {refused}: their prefix cache was not reset")
+        return web.Response(status=200, headers=self._headers())
+
+
+async def _json(request: web.Request) -> Any:
+    try:
+        return await request.json(loads=json.loads)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from e
+
+
+async def _send(resp: web.StreamResponse, body: dict[str, Any]) -> None:
+    await resp.write(b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n")
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as e:
+        return web.json_response(e.body(), status=e.status)
+    except web.HTTPException as e:
+        if e.status in (404, 405):
+            return web.json_response({"detail": e.reason}, status=e.status)
+        raise
+    except Exception:
+        log.exception("%s %s failed", request.method, request.path)
+        return web.json_response(ApiError(500, "internal error in the simulated engine").body(), status=500)
