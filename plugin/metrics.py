@@ -12,7 +12,7 @@ class GatewayMetrics:
             "kvgate_requests", "Requests seen by the ext_proc server, by path kind and outcome",
             ["kind", "outcome"], registry=registry)
         self.decisions = Counter(
-            "kvgate_routing_decisions", "Routing decisions by strategy and chosen pod",
+            "kvgate_routed_requests", "Requests routed, by strategy and chosen pod",
             ["strategy", "pod"], registry=registry)
         self.errors = Counter(
             "kvgate_request_errors", "Requests answered with an error by kvgate, by HTTP status and code",

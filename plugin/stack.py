@@ -203,3 +203,31 @@ class Stack:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _render_main(argv: list[str] | None = None) -> int:
+    """`python -m plugin.stack --listen-port ... --extproc HOST:PORT --pool HOST:PORT,...`:
+    print the shipped Envoy config with other addresses (used by docker-compose)."""
+    import argparse
+
+    def hostport(value: str) -> tuple[str, int]:
+        host, _, port = value.rpartition(":")
+        return host.strip("[]"), int(port)
+
+    p = argparse.ArgumentParser(prog="python -m plugin.stack", description=_render_main.__doc__)
+    p.add_argument("--listen-host", default="127.0.0.1")
+    p.add_argument("--listen-port", type=int, default=10000)
+    p.add_argument("--admin-port", type=int, default=9901)
+    p.add_argument("--extproc", type=hostport, default=("127.0.0.1", 50051))
+    p.add_argument("--pool", default="127.0.0.1:8000", help="default route's upstreams, comma separated")
+    args = p.parse_args(argv)
+    config = render_envoy_config(listen_port=args.listen_port, admin_port=args.admin_port,
+                                 extproc_port=args.extproc[1], extproc_host=args.extproc[0],
+                                 default_pool=[hostport(x) for x in args.pool.split(",") if x])
+    config["static_resources"]["listeners"][0]["address"]["socket_address"]["address"] = args.listen_host
+    sys.stdout.write(yaml.safe_dump(config, sort_keys=False))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_render_main())

@@ -1,0 +1,166 @@
+"""Wiring: Settings -> discovery, index, KV event subscriptions, tokenizer, router,
+the ext_proc gRPC server and the HTTP port. Built once per process; nothing global."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from kvcache.index import PrefixIndex
+from kvcache.metrics import KVEventMetrics
+from kvcache.subscriber import EndpointSpec, SubscriberManager, SubscriberOptions
+from plugin.config import Settings
+from plugin.extproc import ExternalProcessor, Gateway
+from plugin.http import build_http_app
+from plugin.metrics import GatewayMetrics
+from routing.counts import LocalCounts, RedisCounts, RunningCounts
+from routing.discovery import StaticSource
+from routing.engine_metrics import EngineMetrics
+from routing.k8s import KubernetesConfig, KubernetesSource
+from routing.metrics import RoutingMetrics
+from routing.pods import Pod
+from routing.registry import PodRegistry
+from routing.router import Router
+from tokenizer.cache import CachedTokenizer, CacheOptions
+from tokenizer.local import LocalBackend, LocalTokenizer
+from tokenizer.remote import RemoteOptions, RemoteTokenizer
+from tokenizer.segments import Segmenter
+from tokenizer.types import Tokenizer
+
+log = logging.getLogger("kvgate")
+
+
+def endpoint_specs(pods: list[Pod]) -> list[EndpointSpec]:
+    """One KV event subscription per (pod, data-parallel rank): rank r publishes on ports + r."""
+    specs = []
+    for pod in pods:
+        ev = pod.kv_events
+        if ev is None:
+            continue
+        for rank in range(ev.dp_size):
+            replay = None if ev.replay_port is None else ev.replay_port + rank
+            specs.append(EndpointSpec(pod=pod.name, model=pod.model, host=pod.address,
+                                      pub_port=ev.pub_port + rank, replay_port=replay, rank=rank))
+    return specs
+
+
+def _tokenizer(settings: Settings, registry: CollectorRegistry) -> Tokenizer:
+    local = LocalTokenizer.from_path(settings.tokenizer_path) if settings.tokenizer_path else None
+    if settings.tokenizer == "local":
+        inner: Tokenizer = LocalBackend(default=local)
+    else:
+        timeout = settings.tokenizer_timeout_s
+        inner = RemoteTokenizer(options=RemoteOptions(total_timeout_s=timeout,
+                                                      attempt_timeout_s=min(timeout, max(timeout / 2, 0.25))),
+                                registry=registry)
+    if settings.tokenizer_cache_mb == 0:
+        return inner
+    segmenter = Segmenter.from_local(local) if local is not None else None
+    return CachedTokenizer(inner, default_segmenter=segmenter,
+                           options=CacheOptions(max_bytes=settings.tokenizer_cache_mb << 20), registry=registry)
+
+
+@dataclass
+class App:
+    settings: Settings
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        s = self.settings
+        self.routing_metrics = RoutingMetrics(self.registry)
+        self.pods = PodRegistry()
+        if s.discovery == "kubernetes":
+            self.source = KubernetesSource(KubernetesConfig(api_url=s.k8s_api_url, namespace=s.k8s_namespace,
+                                                            label_selector=s.k8s_label_selector),
+                                           metrics=self.routing_metrics)
+        else:
+            self.source = StaticSource(s.pods_file, s.pods, metrics=self.routing_metrics)
+        self.index = PrefixIndex(max_entries=s.index_max_entries)
+        self.subscriptions = SubscriberManager(self.index, SubscriberOptions(
+            replay_timeout=s.kv_events_replay_timeout_s, reconnect_initial=s.kv_events_backoff_min_s,
+            reconnect_max=s.kv_events_backoff_max_s), KVEventMetrics(self.registry))
+        counts: RunningCounts = (RedisCounts(s.redis_url, s.gateway_id, metrics=self.routing_metrics)
+                                 if s.redis_url else LocalCounts())
+        self.engines = EngineMetrics(self.pods, metrics=self.routing_metrics)
+        self.router = Router(self.pods, default_strategy=s.routing_strategy, counts=counts, index=self.index,
+                             engines=self.engines, metrics=self.routing_metrics)
+        self.tokenizer = _tokenizer(s, self.registry)
+        self.gateway_metrics = GatewayMetrics(self.registry)
+        self.processor = ExternalProcessor(Gateway(
+            router=self.router, registry=self.pods, tokenizer=self.tokenizer, metrics=self.gateway_metrics,
+            default_strategy=s.routing_strategy, max_body_bytes=s.max_body_bytes,
+            tokenizer_timeout_s=s.tokenizer_timeout_s, tokenizer_url=s.tokenizer_url or None,
+            target_pod_header=s.target_pod_header))
+        self.pods.add_listener(self._on_pods)
+        self._grpc: grpc.aio.Server | None = None
+        self._http: web.AppRunner | None = None
+        self.health = health.aio.HealthServicer()
+
+    def _on_pods(self, added: list[Pod], removed: list[Pod]) -> None:
+        # Subscriptions and index entries follow pods in and out of discovery.
+        for pod in removed:
+            if self.pods.get(pod.name) is None:
+                self.index.remove_pod(pod.name)
+        self.subscriptions.sync(endpoint_specs(self.pods.pods()))
+        log.info("pods: %d known (%s added, %s removed)", len(self.pods.pods()),
+                 ", ".join(p.name for p in added) or "none", ", ".join(p.name for p in removed) or "none")
+
+    def healthy(self) -> tuple[bool, str]:
+        ready = sum(1 for p in self.pods.pods() if p.ready)
+        return (ready > 0, f"{ready} ready pods")
+
+    def debug(self) -> dict:
+        snapshot = self.router.debug_snapshot(subscriptions=self.subscriptions.status())
+        snapshot["settings"] = self.settings.redacted()
+        return snapshot
+
+    async def start(self) -> tuple[int, int]:
+        s = self.settings
+        await self.source.start(self.pods)
+        self.subscriptions.sync(endpoint_specs(self.pods.pods()))
+        await self.router.start()
+        # so_reuseport off: a stale kvgate on the same port must not keep taking Envoy's streams.
+        self._grpc = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        pb_grpc.add_ExternalProcessorServicer_to_server(self.processor, self._grpc)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
+        grpc_port = self._grpc.add_insecure_port(_join(s.listen_host, s.grpc_port))
+        if grpc_port == 0:
+            raise OSError(f"KVGATE_GRPC_PORT: cannot listen on {_join(s.listen_host, s.grpc_port)}")
+        await self._grpc.start()
+        http_app = build_http_app(self.registry, healthy=self.healthy, debug=self.debug)
+        self._http = web.AppRunner(http_app, access_log=None)
+        await self._http.setup()
+        site = web.TCPSite(self._http, s.listen_host, s.http_port, reuse_port=False)
+        await site.start()
+        http_port = site._server.sockets[0].getsockname()[1] if site._server else s.http_port
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set("envoy.service.ext_proc.v3.ExternalProcessor", health_pb2.HealthCheckResponse.SERVING)
+        log.info("kvgate serving: ext_proc on %s, HTTP on %s:%d, strategy %s, %d pods",
+                 _join(s.listen_host, grpc_port), s.listen_host, http_port, s.routing_strategy, len(self.pods.pods()))
+        return grpc_port, http_port
+
+    async def wait(self) -> None:
+        assert self._grpc is not None
+        await self._grpc.wait_for_termination()
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        await self.health.enter_graceful_shutdown()
+        if self._grpc is not None:
+            await self._grpc.stop(grace_s)
+        await self.processor.drain()
+        if self._http is not None:
+            await self._http.cleanup()
+        await self.subscriptions.aclose()
+        await self.source.stop()
+        await self.router.close()
+        await self.tokenizer.aclose()
+
+
+def _join(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

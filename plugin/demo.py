@@ -1,0 +1,219 @@
+"""`kvgate demo`: the whole stack on loopback, then one workload run per strategy.
+
+Starts simulated engines (publishing KV events), redis-server when installed
+(else the embedded in-process counts), `kvgate serve` and a real Envoy; drives
+a multi-turn chat workload through Envoy once per strategy and prints, per
+strategy, the prefix cache hit rate (from the engines' own /metrics), TTFT p50/p90,
+requests/s and errors. Every process it starts is stopped on exit, Ctrl-C included.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import signal
+import sys
+import time
+from dataclasses import dataclass
+
+import httpx
+import yaml
+
+from plugin.stack import Stack, StackError, free_port
+from plugin.workload import ChatWorkload, Results, WorkloadShape
+
+MODEL = "demo-model"
+STRATEGIES = ("random", "round-robin", "least-request", "prefix-cache", "kv-sync")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--duration", type=float, default=20.0, help="seconds of traffic per strategy (default 20)")
+    p.add_argument("--json", action="store_true", help="print one JSON object at the end instead of tables")
+    p.add_argument("--no-traffic", action="store_true",
+                   help="start the stack, print one JSON line with its addresses, run until SIGINT/SIGTERM")
+    p.add_argument("--sims", type=int, default=3, help="simulated engines (default 3)")
+    p.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated strategies to compare")
+    p.add_argument("--concurrency", type=int, default=8, help="requests in flight (default 8)")
+    p.add_argument("--external", metavar="URL",
+                   help="drive traffic at an existing gateway (e.g. docker-compose's Envoy) instead of starting one")
+    p.add_argument("--engines", metavar="URL,...", default="",
+                   help="with --external: the engines whose /metrics give the hit rate")
+
+
+@dataclass
+class Engine:
+    name: str
+    url: str
+    kv_events: str
+
+
+# Small caches, so a strategy that scatters a group's conversations over every engine evicts them.
+_SIM_ARGS = ["--num-blocks", "320", "--block-size", "16", "--ttft-overhead-ms", "5",
+             "--prefill-ms-per-token", "0.05", "--tpot-ms", "2"]
+
+
+def _start(stack: Stack, n_sims: int, log) -> dict:
+    engines: list[Engine] = []
+    pods = []
+    for i in range(n_sims):
+        name = f"sim{i}"
+        port, pub, replay = free_port(), free_port(), free_port()
+        stack.sim(name=name, port=port, model=MODEL, kv_events_port=pub, replay_port=replay, extra=_SIM_ARGS)
+        engines.append(Engine(name, f"http://127.0.0.1:{port}", f"tcp://127.0.0.1:{pub}"))
+        pods.append({"name": name, "address": "127.0.0.1", "port": port, "model": MODEL,
+                     "kv_events": {"pub_port": pub, "replay_port": replay}})
+        log(f"  engine {name} on :{port} (KV events :{pub}, replay :{replay})")
+    pods_file = stack.workdir / "pods.yaml"
+    pods_file.write_text(yaml.safe_dump(pods, sort_keys=False))
+    redis_url = ""
+    if shutil.which("redis-server"):
+        _, redis_url = stack.redis()
+        log(f"  redis-server at {redis_url}")
+    else:
+        log("  redis-server not installed: running counts stay in process")
+    grpc_port, http_port = free_port(), free_port()
+    env = {"KVGATE_PODS_FILE": str(pods_file), "KVGATE_GRPC_PORT": str(grpc_port), "KVGATE_HTTP_PORT": str(http_port),
+           "KVGATE_REDIS_URL": redis_url, "KVGATE_ROUTING_STRATEGY": "kv-sync"}
+    stack.kvgate(env=env, grpc_port=grpc_port)
+    log(f"  kvgate serve: ext_proc :{grpc_port}, metrics http://127.0.0.1:{http_port}/metrics")
+    listen = free_port()
+    stack.envoy(listen_port=listen, extproc_port=grpc_port, default_pool=[("127.0.0.1", int(e.url.rsplit(":", 1)[1]))
+                                                                           for e in engines])
+    log(f"  envoy on http://127.0.0.1:{listen}")
+    return {"envoy_url": f"http://127.0.0.1:{listen}", "metrics_url": f"http://127.0.0.1:{http_port}/metrics",
+            "debug_url": f"http://127.0.0.1:{http_port}/debug", "redis_url": redis_url,
+            "pods": [{"name": e.name, "url": e.url, "model": MODEL, "kv_events": e.kv_events} for e in engines],
+            "model": MODEL}
+
+
+def _prefix_counters(text: str) -> tuple[float, float]:
+    queries = hits = 0.0
+    for line in text.splitlines():
+        if line.startswith("vllm:prefix_cache_queries_total"):
+            queries += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("vllm:prefix_cache_hits_total"):
+            hits += float(line.rsplit(" ", 1)[1])
+    return queries, hits
+
+
+async def _engine_counters(urls: list[str]) -> tuple[float, float]:
+    async with httpx.AsyncClient(timeout=5.0) as client:
+        texts = await asyncio.gather(*(client.get(u + "/metrics") for u in urls))
+    q = h = 0.0
+    for r in texts:
+        dq, dh = _prefix_counters(r.text)
+        q, h = q + dq, h + dh
+    return q, h
+
+
+async def _reset_caches(urls: list[str]) -> None:
+    async with httpx.AsyncClient(timeout=5.0) as client:
+        await asyncio.gather(*(client.post(u + "/reset_prefix_cache") for u in urls))
+
+
+async def _compare(envoy_url: str, engine_urls: list[str], strategies: list[str], duration: float,
+                   concurrency: int, log) -> dict[str, dict]:
+    out: dict[str, dict] = {}
+    for strategy in strategies:
+        if engine_urls:
+            await _reset_caches(engine_urls)
+            await asyncio.sleep(0.3)  # let the cache-cleared events reach the index
+            before = await _engine_counters(engine_urls)
+        workload = ChatWorkload(WorkloadShape(concurrency=concurrency), MODEL, seed=1)
+        last = [0.0]
+
+        def progress(res: Results, elapsed: float) -> None:
+            if elapsed - last[0] >= 2.0:
+                last[0] = elapsed
+                log(f"  {strategy:<14} {elapsed:5.1f}/{duration:.0f} s  {res.requests} requests, {res.errors} errors")
+
+        res = await workload.run(envoy_url, duration, strategy=strategy, progress=progress)
+        hit_rate = None
+        if engine_urls:
+            after = await _engine_counters(engine_urls)
+            dq, dh = after[0] - before[0], after[1] - before[1]
+            hit_rate = dh / dq if dq else 0.0
+        p50, p90 = res.percentile(0.5), res.percentile(0.9)
+        out[strategy] = {
+            "hit_rate": None if hit_rate is None else round(hit_rate, 4),
+            "ttft_p50_ms": None if p50 is None else round(p50 * 1000, 2),
+            "ttft_p90_ms": None if p90 is None else round(p90 * 1000, 2),
+            "requests": res.requests,
+            "requests_per_s": round(res.requests / res.elapsed_s, 2) if res.elapsed_s else 0.0,
+            "errors": res.errors,
+            "pods": res.pods,
+        }
+        if res.error_samples:
+            log(f"  {strategy}: first errors: {res.error_samples[:3]}")
+    return out
+
+
+def _table(results: dict[str, dict]) -> str:
+    def f(v, fmt):
+        return "-" if v is None else format(v, fmt)
+
+    lines = [f"{'strategy':<14} {'hit rate':>9} {'TTFT p50 ms':>12} {'TTFT p90 ms':>12} {'req/s':>7} "
+             f"{'requests':>9} {'errors':>7}"]
+    for name, r in results.items():
+        hit = None if r["hit_rate"] is None else r["hit_rate"] * 100
+        lines.append(f"{name:<14} {f(hit, '8.1f')}% {f(r['ttft_p50_ms'], '12.1f')} {f(r['ttft_p90_ms'], '12.1f')} "
+                     f"{r['requests_per_s']:7.1f} {r['requests']:9d} {r['errors']:7d}")
+    return "\n".join(lines)
+
+
+class _Stop(Exception):
+    pass
+
+
+def _raise_stop(signum, frame):  # SIGTERM behaves like Ctrl-C: unwind, stopping every process
+    raise _Stop()
+
+
+def main(args: argparse.Namespace) -> int:
+    strategies = [s for s in args.strategies.split(",") if s]
+    unknown = [s for s in strategies if s not in STRATEGIES]
+    if unknown:
+        print(f"kvgate demo: unknown strategy {unknown[0]!r}; known: {', '.join(STRATEGIES)}", file=sys.stderr)
+        return 2
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    if args.external:
+        engines = [u for u in args.engines.split(",") if u]
+        results = asyncio.run(_compare(args.external, engines, strategies, args.duration, args.concurrency, log))
+        print(json.dumps({"strategies": results}) if args.json else _table(results), flush=True)
+        return 0
+
+    signal.signal(signal.SIGTERM, _raise_stop)
+    stack = Stack()
+    try:
+        log(f"kvgate demo: starting {args.sims} engines, kvgate and Envoy on loopback (logs in {stack.workdir})")
+        info = _start(stack, args.sims, log)
+        if args.no_traffic:
+            print(json.dumps(info), flush=True)
+            signal.signal(signal.SIGINT, _raise_stop)
+            while all(p.alive() for p in stack.procs):
+                time.sleep(0.5)
+            dead = [p.name for p in stack.procs if not p.alive()]
+            log(f"kvgate demo: {', '.join(dead)} exited; stopping the stack")
+            return 1
+        log(f"kvgate demo: {args.duration:.0f} s of multi-turn chat traffic per strategy: {', '.join(strategies)}")
+        results = asyncio.run(_compare(info["envoy_url"], [p["url"] for p in info["pods"]], strategies,
+                                       args.duration, args.concurrency, log))
+        if args.json:
+            print(json.dumps({"strategies": results}), flush=True)
+        else:
+            print(_table(results), flush=True)
+            print("\nhit rate: prompt tokens served from the engines' prefix caches (their own /metrics).",
+                  flush=True)
+        return 0
+    except (KeyboardInterrupt, _Stop):
+        log("kvgate demo: stopping")
+        return 130 if not args.no_traffic else 0
+    except StackError as e:
+        log(f"kvgate demo: {e}")
+        return 1
+    finally:
+        stack.close()

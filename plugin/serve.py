@@ -1,0 +1,48 @@
+"""`kvgate serve`: the ext_proc server, configured by KVGATE_* environment variables."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+from plugin.config import ConfigError, Settings
+
+log = logging.getLogger("kvgate")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.epilog = "Every setting is an environment variable; see the README's table."
+
+
+async def _serve(settings: Settings) -> int:
+    from plugin.app import App  # heavy imports only once the configuration is known to be good
+
+    app = App(settings)
+    try:
+        await app.start()
+    except Exception as e:
+        log.error("kvgate could not start: %s", e)
+        await app.stop(0)
+        return 1
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("kvgate stopping")
+    await app.stop()
+    return 0
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        settings = Settings.from_env(os.environ)
+    except ConfigError as e:
+        print(f"kvgate serve: invalid configuration: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return asyncio.run(_serve(settings))

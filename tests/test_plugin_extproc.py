@@ -1,0 +1,202 @@
+"""The ext_proc servicer over real gRPC, with a fake router: the protocol answers."""
+import asyncio
+import json
+from dataclasses import dataclass
+
+import grpc
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from prometheus_client import CollectorRegistry
+
+from plugin.extproc import ExternalProcessor, Gateway
+from plugin.metrics import GatewayMetrics
+from routing.errors import NoReadyPodError, UnknownModelError, UnknownStrategyError
+from routing.pods import Pod
+from tokenizer.types import TokenizerError
+
+POD = Pod("p0", "10.0.0.7", 8000, "m")
+
+
+@dataclass
+class FakeDecision:
+    pod: Pod
+    strategy: str
+    matched_blocks: int = 0
+    total_blocks: int = 0
+
+
+class FakeRouter:
+    def __init__(self, fail: Exception | None = None, needs_tokens: bool = True):
+        self.fail = fail
+        self.tokens = needs_tokens
+        self.picks = []
+        self.running = 0
+
+    def needs_tokens(self, strategy):
+        if strategy == "bogus":
+            raise UnknownStrategyError(strategy, ("random",))
+        return self.tokens
+
+    async def pick(self, req):
+        if self.fail:
+            raise self.fail
+        self.picks.append(req)
+        self.running += 1
+        return FakeDecision(POD, req.strategy)
+
+    async def release(self, d):
+        self.running -= 1
+
+
+class FakeRegistry:
+    def __init__(self, pods):
+        self._pods = pods
+
+    def pods(self):
+        return self._pods
+
+    def ready_pods(self, model):
+        return [p for p in self._pods if p.ready and p.serves(model)]
+
+
+class FakeTokenizer:
+    def __init__(self, fail=False, delay=0.0):
+        self.fail, self.delay = fail, delay
+
+    async def tokenize(self, model, item, *, base_url=None):
+        await asyncio.sleep(self.delay)
+        if self.fail:
+            raise TokenizerError("down")
+        return [1, 2, 3]
+
+    async def aclose(self):
+        pass
+
+
+def headers(method, path, extra=(), eos=False):
+    hs = [(":method", method), (":path", path), ("x-request-id", "rid-1")] + list(extra)
+    return pb.ProcessingRequest(request_headers=pb.HttpHeaders(
+        headers=base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in hs]),
+        end_of_stream=eos))
+
+
+def body(obj):
+    raw = obj if isinstance(obj, bytes) else json.dumps(obj).encode()
+    return pb.ProcessingRequest(request_body=pb.HttpBody(body=raw, end_of_stream=True))
+
+
+async def run_stream(gw, messages):
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    proc = ExternalProcessor(gw)
+    pb_grpc.add_ExternalProcessorServicer_to_server(proc, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = pb_grpc.ExternalProcessorStub(ch)
+            call = stub.Process(iter(messages))
+            out = [r async for r in call]
+        await asyncio.sleep(0.05)
+        await proc.drain()
+        return out
+    finally:
+        await server.stop(0)
+
+
+def gateway(router=None, tokenizer=None, pods=(POD,), **kw):
+    return Gateway(router=router or FakeRouter(), registry=FakeRegistry(list(pods)), tokenizer=tokenizer,
+                   metrics=GatewayMetrics(CollectorRegistry()), default_strategy="kv-sync",
+                   max_body_bytes=kw.pop("max_body_bytes", 1 << 20), tokenizer_timeout_s=kw.pop("timeout", 1.0), **kw)
+
+
+def set_headers(resp_common):
+    return {h.header.key: h.header.raw_value.decode() for h in resp_common.header_mutation.set_headers}
+
+
+async def test_routed_body_sets_destination_headers_and_metadata():
+    router = FakeRouter()
+    gw = gateway(router, FakeTokenizer())
+    out = await run_stream(gw, [headers("POST", "/v1/completions?x=1",
+                                        [("x-gateway-destination-endpoint", "6.6.6.6:1"), ("target-pod", "evil"),
+                                         ("x-kvgate-pod", "evil")]),
+                                body({"model": "m", "prompt": "hello"})])
+    assert len(out) == 2
+    assert set(out[0].request_headers.response.header_mutation.remove_headers) == {
+        "x-gateway-destination-endpoint", "target-pod", "x-kvgate-pod"}
+    hs = set_headers(out[1].request_body.response)
+    assert hs == {"x-gateway-destination-endpoint": "10.0.0.7:8000", "target-pod": "10.0.0.7:8000"}
+    md = out[1].dynamic_metadata
+    assert md["envoy.lb"]["x-gateway-destination-endpoint"] == "10.0.0.7:8000"
+    assert md["kvgate"]["pod"] == "p0" and md["kvgate"]["strategy"] == "kv-sync"
+    assert router.picks[0].token_ids == [1, 2, 3] and router.picks[0].request_id == "rid-1"
+    assert router.running == 0  # released when the stream ended
+
+
+async def test_target_pod_header_can_be_switched_off():
+    out = await run_stream(gateway(FakeRouter(needs_tokens=False), target_pod_header=False),
+                           [headers("POST", "/v1/chat/completions"),
+                            body({"model": "m", "messages": [{"role": "user", "content": "x"}]})])
+    assert set(set_headers(out[1].request_body.response)) == {"x-gateway-destination-endpoint"}
+
+
+@pytest.mark.parametrize("exc, status, code", [
+    (UnknownModelError("zz"), 404, "model_not_found"),
+    (NoReadyPodError("m"), 503, "no_ready_pod"),
+    (RuntimeError("boom"), 500, "internal_error"),
+])
+async def test_routing_failures_become_openai_errors(exc, status, code):
+    out = await run_stream(gateway(FakeRouter(fail=exc), FakeTokenizer()),
+                           [headers("POST", "/v1/completions"), body({"model": "m", "prompt": "x"})])
+    imm = out[-1].immediate_response
+    assert imm.status.code == status
+    err = json.loads(imm.body)["error"]
+    assert err["code"] == code and set(err) == {"message", "type", "code", "param"}
+    if status == 500:
+        assert "rid-1" in err["message"]
+
+
+async def test_unknown_strategy_header_is_400():
+    out = await run_stream(gateway(FakeRouter(), FakeTokenizer()),
+                           [headers("POST", "/v1/completions", [("routing-strategy", "bogus")]),
+                            body({"model": "m", "prompt": "x"})])
+    assert out[-1].immediate_response.status.code == 400
+    assert json.loads(out[-1].immediate_response.body)["error"]["code"] == "unknown_routing_strategy"
+
+
+async def test_oversized_body_is_413_and_empty_post_is_400():
+    out = await run_stream(gateway(max_body_bytes=2048), [headers("POST", "/v1/completions"),
+                                                          body({"model": "m", "prompt": "x" * 4096})])
+    assert out[-1].immediate_response.status.code == 413
+    out = await run_stream(gateway(), [headers("POST", "/v1/completions", eos=True)])
+    assert out[-1].immediate_response.status.code == 400
+
+
+@pytest.mark.parametrize("tok", [FakeTokenizer(fail=True), FakeTokenizer(delay=5.0)])
+async def test_tokenizer_down_or_slow_routes_on_load(tok):
+    router = FakeRouter()
+    gw = gateway(router, tok, timeout=0.2)
+    out = await run_stream(gw, [headers("POST", "/v1/completions"), body({"model": "m", "prompt": "x"})])
+    assert out[-1].HasField("request_body")
+    assert router.picks[0].token_ids is None
+    assert sum(s.value for m in gw.metrics.tokenizer_fallbacks.collect() for s in m.samples
+               if s.name.endswith("_total")) == 1
+
+
+async def test_token_ids_given_directly_skip_the_tokenizer():
+    router = FakeRouter()
+    await run_stream(gateway(router, FakeTokenizer(fail=True)),
+                     [headers("POST", "/v1/completions"), body({"model": "m", "prompt": [5, 6, 7]})])
+    assert router.picks[0].token_ids == [5, 6, 7]
+
+
+async def test_models_any_ready_pod_and_passthrough():
+    out = await run_stream(gateway(), [headers("GET", "/v1/models", eos=True)])
+    assert set_headers(out[0].request_headers.response)["x-gateway-destination-endpoint"] == "10.0.0.7:8000"
+    out = await run_stream(gateway(pods=()), [headers("GET", "/v1/models", eos=True)])
+    assert out[0].immediate_response.status.code == 503
+    out = await run_stream(gateway(), [headers("GET", "/health", [("target-pod", "x")], eos=True)])
+    common = out[0].request_headers.response
+    assert not common.header_mutation.set_headers and list(common.header_mutation.remove_headers) == ["target-pod"]
+    assert not out[0].HasField("dynamic_metadata")
