@@ -208,7 +208,7 @@ class EngineModel:
         if self._decoding:
             td = self._next_boundary()
             t = td if t is None or td < t else t
-        return t
+        return t if t is None or t > self._clock else self._clock  # float rounding never goes back in time
 
     def abort(self, req_id: str, now: float) -> bool:
         """Drop a live request (client gone) at `now`; False if it is not live."""
@@ -276,6 +276,11 @@ class EngineModel:
             generation_tokens=self._gen_tokens,
         )
 
+    @property
+    def now(self) -> float:
+        """The latest time the engine has been run to."""
+        return self._clock
+
     def cached_block_hashes(self) -> set[BlockHash]:
         """The keys of every block now in the prefix cache (for checks)."""
         return set(self._blocks)
@@ -338,6 +343,7 @@ class EngineModel:
         """Count the whole steps run since the last boundary (before the batch size changes)."""
         d = self._step_time()
         j = floor((now - self._decode_t) / d) if now > self._decode_t else 0
+        j = min(j, self._segment_steps() - 1)  # the segment's end is a boundary not yet processed
         if j > 0:
             self._steps += j
             self._decode_t += j * d
