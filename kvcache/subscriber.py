@@ -1,0 +1,460 @@
+"""Subscribers that keep each engine endpoint's KV event stream complete.
+
+One `Subscriber` per (pod, DP rank): a SUB socket for live batches and a
+short-lived DEALER per replay request. Every loss is either repaired by replay
+or declared to the sink with `drop(pod, rank)`, counted and logged:
+- start: replay from seq 0, then follow the live stream;
+- gap in seq: replay the missing range; if the engine no longer holds it, drop;
+- reconnect: replay from the last applied seq, whose payload must match the one
+  applied before (otherwise the engine restarted);
+- seq going backwards: the engine restarted; drop, replay the new stream from 0.
+Ingestion runs on the caller's event loop and yields it every `tick_budget`.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Iterable, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Protocol
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from kvcache.events import KVEvent
+from kvcache.metrics import KVEventMetrics
+from kvcache.wire import WireError, decode_batch
+
+log = logging.getLogger(__name__)
+
+END_SEQ = b"\xff" * 8
+
+
+class EventSink(Protocol):
+    def apply(self, pod: str, model: str, rank: int, events: Sequence[KVEvent]) -> None: ...
+
+    def drop(self, pod: str, rank: int) -> None: ...  # that rank's state can no longer be trusted
+
+
+def tcp_endpoint(host: str, port: int) -> str:
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointSpec:
+    pod: str
+    model: str
+    host: str
+    pub_port: int
+    replay_port: int | None
+    rank: int = 0
+
+    @property
+    def pub_endpoint(self) -> str:
+        return tcp_endpoint(self.host, self.pub_port)
+
+    @property
+    def replay_endpoint(self) -> str | None:
+        return None if self.replay_port is None else tcp_endpoint(self.host, self.replay_port)
+
+
+@dataclass(frozen=True, slots=True)
+class SubscriberOptions:
+    replay_timeout: float = 0.5  # s without a replay frame before giving up on replay
+    reconnect_initial: float = 1.0  # s, doubled per failed attempt ...
+    reconnect_max: float = 30.0  # ... up to this
+    heartbeat_interval: float = 5.0  # s between ZMTP pings; 0 disables dead-peer detection
+    heartbeat_timeout: float = 15.0  # s without traffic before the connection counts as dead
+    rcv_hwm: int = 10_000  # live batches queued in the SUB socket at most
+    apply_chunk: int = 512  # events per sink.apply call
+    tick_budget: float = 0.005  # s of ingestion work before yielding the event loop
+
+    def __post_init__(self) -> None:
+        for name in ("replay_timeout", "reconnect_initial", "reconnect_max", "tick_budget"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"SubscriberOptions.{name} must be > 0")
+        if self.reconnect_max < self.reconnect_initial:
+            raise ValueError("SubscriberOptions.reconnect_max must be >= reconnect_initial")
+        if self.rcv_hwm < 1 or self.apply_chunk < 1:
+            raise ValueError("SubscriberOptions.rcv_hwm and apply_chunk must be >= 1")
+
+
+class _ReplayFailed(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+_MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+
+
+class Subscriber:
+    """Follows one engine endpoint and feeds `sink`. Run with `await run()`; cancel to stop."""
+
+    def __init__(self, spec: EndpointSpec, sink: EventSink, ctx: zmq.asyncio.Context,
+                 options: SubscriberOptions, metrics: KVEventMetrics) -> None:
+        self.spec = spec
+        self._sink = sink
+        self._ctx = ctx
+        self._opt = options
+        self._m = metrics
+        self._labels = (spec.pod, str(spec.rank))
+        self._last: int | None = None  # last seq applied (or consumed)
+        self._recent: dict[int, int] = {}  # seq -> hash(payload) of batches a live message may repeat
+        self._catch_up_on_connect = False
+        self._unverified = False  # reconnected, and no replay could confirm the stream continues
+        self._yield_at = 0.0
+        self.connected = False
+        self.counts: Counter[str] = Counter()
+        self._connected_g = metrics.connected.labels(*self._labels)
+        self._last_seq_g = metrics.last_seq.labels(*self._labels)
+        self._connected_g.set(0)
+
+    # --- status -------------------------------------------------------------
+
+    def status(self) -> dict:
+        s = self.spec
+        return {"pod": s.pod, "model": s.model, "rank": s.rank, "endpoint": s.pub_endpoint,
+                "replay_endpoint": s.replay_endpoint, "connected": self.connected, "last_seq": self._last,
+                **{k: self.counts[k] for k in ("batches", "events", "duplicates", "missed_batches", "drops",
+                                                "replays", "replay_failures", "errors", "reconnects")}}
+
+    # --- main loop ----------------------------------------------------------
+
+    async def run(self) -> None:
+        sub = self._ctx.socket(zmq.SUB)
+        monitor = None
+        try:
+            sub.setsockopt(zmq.IPV6, 1)
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.RCVHWM, self._opt.rcv_hwm)
+            sub.setsockopt(zmq.RECONNECT_IVL, int(self._opt.reconnect_initial * 1000))
+            sub.setsockopt(zmq.RECONNECT_IVL_MAX, int(self._opt.reconnect_max * 1000))
+            if self._opt.heartbeat_interval > 0:
+                sub.setsockopt(zmq.HEARTBEAT_IVL, int(self._opt.heartbeat_interval * 1000))
+                sub.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(self._opt.heartbeat_timeout * 1000))
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            monitor = sub.get_monitor_socket(_MONITORED)
+            sub.connect(self.spec.pub_endpoint)
+            # Replay only once the SUB is connected, so nothing published meanwhile is missed.
+            deadline = time.monotonic() + self._opt.replay_timeout
+            while not self.connected and (left := deadline - time.monotonic()) > 0:
+                if await monitor.poll(left * 1000):
+                    await self._on_monitor(monitor)
+            if self.connected:
+                await self._repair()
+            else:
+                self._catch_up_on_connect = True
+            poller = zmq.asyncio.Poller()
+            poller.register(sub, zmq.POLLIN)
+            poller.register(monitor, zmq.POLLIN)
+            while True:
+                ready = dict(await poller.poll())
+                if monitor in ready:
+                    await self._on_monitor(monitor)
+                    if self._catch_up_on_connect and self.connected:
+                        self._catch_up_on_connect = False
+                        self._unverified = not await self._repair()
+                if sub in ready:
+                    await self._drain(sub)
+        finally:
+            self.connected = False
+            self._connected_g.set(0)
+            if monitor is not None:
+                sub.disable_monitor()
+                monitor.close(linger=0)
+            sub.close(linger=0)
+
+    async def _on_monitor(self, monitor: zmq.asyncio.Socket) -> None:
+        while True:
+            try:
+                msg = await monitor.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            event = parse_monitor_message(msg)["event"]
+            if event == zmq.EVENT_CONNECTED:
+                self.connected = True
+                self._connected_g.set(1)
+                self._m.connections.labels(*self._labels).inc()
+                log.info("kv events %s rank %d: connected to %s", self.spec.pod, self.spec.rank,
+                         self.spec.pub_endpoint)
+            elif event == zmq.EVENT_DISCONNECTED:
+                self.connected = False
+                self._connected_g.set(0)
+                self._catch_up_on_connect = True
+                self._m.disconnections.labels(*self._labels).inc()
+                log.warning("kv events %s rank %d: disconnected from %s", self.spec.pod, self.spec.rank,
+                            self.spec.pub_endpoint)
+            elif event == zmq.EVENT_CONNECT_RETRIED:
+                self.counts["reconnects"] += 1
+                self._m.reconnect_attempts.labels(*self._labels).inc()
+
+    async def _drain(self, sub: zmq.asyncio.Socket) -> None:
+        """Handle queued live batches until the queue is empty or the tick budget is spent."""
+        deadline = time.monotonic() + self._opt.tick_budget
+        while time.monotonic() < deadline:
+            try:
+                frames = await sub.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 3 or len(frames[1]) != 8:
+                self._error("frame", f"live message with {len(frames)} frames")
+                continue
+            await self._on_live(int.from_bytes(frames[1], "big"), frames[2])
+        await asyncio.sleep(0)  # budget spent: let request handling run before the next poll
+
+    # --- sequencing -----------------------------------------------------------
+
+    def _is_duplicate(self, seq: int, payload: bytes) -> bool:
+        return self._recent.get(seq) == hash(payload)
+
+    async def _on_live(self, seq: int, payload: bytes) -> None:
+        self._m.batches_received.labels(*self._labels, "live").inc()
+        last = self._last
+        if last is not None and seq <= last and not self._is_duplicate(seq, payload):
+            await self._engine_restarted(f"live seq went back from {last} to {seq}")
+        elif last is not None and seq > last + 1:
+            await self._repair()
+        elif self._unverified and last is not None and seq == last + 1 and not await self._repair():
+            # Reconnected without a replay to compare: a restarted engine can look like a continuation.
+            log.warning("kv events %s rank %d: reconnected and cannot verify the stream continues (no replay); "
+                        "dropping its blocks", self.spec.pod, self.spec.rank)
+            self._drop("unverified_reconnect")
+        self._unverified = False
+        if self._last is not None and seq <= self._last:  # already applied through replay
+            if self._is_duplicate(seq, payload):
+                self._duplicate()
+            else:
+                self._error("out_of_order", f"live seq {seq} differs from the replayed batch")
+            return
+        await self._take(seq, payload)  # still a gap: declared lost there
+        self._recent = {seq: hash(payload)}
+
+    async def _repair(self) -> bool:
+        """Replay what follows the last applied batch (at start, everything the engine holds).
+        False when replay is unavailable; the next live batch then declares whatever is missing."""
+        try:
+            if self._last is None:
+                await self._replay_apply(0)
+            else:
+                # From `last`, not last+1: that batch must come back identical, else the engine restarted.
+                await self._replay_apply(self._last, verify_first=True)
+        except _ReplayFailed:
+            return False
+        return True
+
+    async def _engine_restarted(self, why: str) -> None:
+        log.warning("kv events %s rank %d: engine restarted (%s); dropping its blocks and following the new "
+                    "stream", self.spec.pod, self.spec.rank, why)
+        self._drop("restart")
+        self._last = None
+        self._recent = {}
+        self._last_seq_g.set(-1)
+        try:
+            await self._replay_apply(0)
+        except _ReplayFailed:
+            pass
+
+    async def _replay_apply(self, start: int, verify_first: bool = False) -> None:
+        first = True
+        async with aclosing(self._replay(start)) as replies:
+            async for seq, payload in replies:
+                self._m.batches_received.labels(*self._labels, "replay").inc()
+                if first:
+                    first = False
+                    if verify_first and seq == start:
+                        if self._is_duplicate(seq, payload):
+                            continue
+                        await self._engine_restarted(f"batch {seq} differs after reconnecting")
+                        return
+                    if self._last is None and seq > start:
+                        self._lost(start, seq)  # the engine's buffer starts later than asked
+                await self._take(seq, payload)
+                self._recent[seq] = hash(payload)
+        if verify_first and first:
+            # The engine that published `start` still holds it or later batches: this is another one.
+            await self._engine_restarted(f"it no longer holds batch {start} or anything after it")
+
+    async def _take(self, seq: int, payload: bytes) -> None:
+        """Apply the next batch in order; one that is not the next declares the loss first."""
+        last = self._last
+        if last is not None and seq <= last:
+            if self._is_duplicate(seq, payload):
+                self._duplicate()
+            else:
+                self._error("out_of_order", f"seq {seq} after {last}")
+            return
+        if last is not None and seq > last + 1:
+            self._lost(last + 1, seq)
+        self.counts["batches"] += 1
+        self._last = seq
+        self._last_seq_g.set(seq)
+        await self._apply(seq, payload)
+
+    def _lost(self, first: int, upto: int) -> None:
+        n = upto - first
+        self.counts["missed_batches"] += n
+        self._m.missed.labels(*self._labels).inc(n)
+        log.warning("kv events %s rank %d: batches %d..%d are lost (not received, engine no longer holds them);"
+                    " dropping its blocks and rebuilding from seq %d", self.spec.pod, self.spec.rank, first,
+                    upto - 1, upto)
+        self._drop("gap")
+
+    def _drop(self, reason: str) -> None:
+        self.counts["drops"] += 1
+        self._m.state_drops.labels(*self._labels, reason).inc()
+        try:
+            self._sink.drop(self.spec.pod, self.spec.rank)
+        except Exception:
+            self._error("sink", "sink.drop failed", exc_info=True)
+
+    def _duplicate(self) -> None:
+        self.counts["duplicates"] += 1
+        self._m.duplicates.labels(*self._labels).inc()
+
+    def _error(self, kind: str, what: str, exc_info: bool = False) -> None:
+        self.counts["errors"] += 1
+        self._m.errors.labels(kind).inc()
+        log.warning("kv events %s rank %d: %s (%s)", self.spec.pod, self.spec.rank, what, kind, exc_info=exc_info)
+
+    async def _apply(self, seq: int, payload: bytes) -> None:
+        started = time.perf_counter()
+        try:
+            decoded = decode_batch(payload)
+        except WireError as e:
+            self._error("decode", f"batch {seq} skipped: {e}")
+            return
+        for reason, n in decoded.skipped.items():
+            self._m.events_skipped.labels(reason).inc(n)
+        events = decoded.batch.events
+        by_type = Counter(type(e).__name__ for e in events)
+        for name, n in by_type.items():
+            self._m.events_received.labels(name).inc(n)
+        chunk = self._opt.apply_chunk
+        try:
+            for i in range(0, len(events), chunk):
+                if i:
+                    await self._maybe_yield()
+                self._sink.apply(self.spec.pod, self.spec.model, self.spec.rank, events[i:i + chunk])
+        except Exception:
+            self._error("sink", f"sink.apply failed on batch {seq}; its state is no longer trusted", exc_info=True)
+            self._drop("sink_error")
+            return
+        self.counts["events"] += len(events)
+        for name, n in by_type.items():
+            self._m.events_applied.labels(name).inc(n)
+        self._m.processing.observe(time.perf_counter() - started)
+
+    async def _maybe_yield(self) -> None:
+        now = time.monotonic()
+        if now >= self._yield_at:
+            await asyncio.sleep(0)
+            self._yield_at = time.monotonic() + self._opt.tick_budget
+
+    # --- replay ---------------------------------------------------------------
+
+    async def _replay(self, start: int) -> AsyncIterator[tuple[int, bytes]]:
+        """(seq, payload) the engine still holds from `start`, until its end marker.
+        Raises _ReplayFailed (already counted) when there is no replay or it stops answering."""
+        endpoint = self.spec.replay_endpoint
+        if endpoint is None:
+            self._replay_failed("no_endpoint")
+        self.counts["replays"] += 1
+        self._m.replay_requests.labels(*self._labels).inc()
+        # A fresh DEALER per request: no stale answers, no inherited reconnect backoff.
+        dealer = self._ctx.socket(zmq.DEALER)
+        timeout = self._opt.replay_timeout
+        try:
+            dealer.setsockopt(zmq.IPV6, 1)
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.setsockopt(zmq.RECONNECT_IVL, 50)
+            dealer.connect(endpoint)
+            await dealer.send_multipart((b"", start.to_bytes(8, "big")))
+            while True:
+                if not await dealer.poll(timeout * 1000):
+                    self._replay_failed("timeout")
+                frames = await dealer.recv_multipart()
+                # 0.26+: [b"", topic, seq, payload]; 0.25-: [b"", seq, payload]
+                if len(frames) == 4:
+                    seq_b, payload = frames[2], frames[3]
+                elif len(frames) == 3:
+                    seq_b, payload = frames[1], frames[2]
+                else:
+                    self._error("replay_frame", f"replay reply with {len(frames)} frames")
+                    continue
+                if len(seq_b) != 8:
+                    self._error("replay_frame", "replay reply with a bad seq frame")
+                    continue
+                if seq_b == END_SEQ:
+                    self._m.replay_successes.labels(*self._labels).inc()
+                    return
+                yield int.from_bytes(seq_b, "big"), payload
+                await self._maybe_yield()
+        finally:
+            dealer.close(linger=0)
+
+    def _replay_failed(self, reason: str) -> None:
+        self.counts["replay_failures"] += 1
+        self._m.replay_failures.labels(*self._labels, reason).inc()
+        if reason != "no_endpoint":
+            log.warning("kv events %s rank %d: replay from %s failed (%s)", self.spec.pod, self.spec.rank,
+                        self.spec.replay_endpoint, reason)
+        raise _ReplayFailed(reason)
+
+
+class SubscriberManager:
+    """Runs exactly one Subscriber per (pod, rank) of the specs last passed to `sync`."""
+
+    def __init__(self, sink: EventSink, options: SubscriberOptions | None = None,
+                 metrics: KVEventMetrics | None = None) -> None:
+        self._sink = sink
+        self._opt = options or SubscriberOptions()
+        self.metrics = metrics or KVEventMetrics()
+        self._ctx = zmq.asyncio.Context()
+        self._subs: dict[tuple[str, int], tuple[Subscriber, asyncio.Task]] = {}
+
+    def sync(self, specs: Iterable[EndpointSpec]) -> None:
+        """Start and stop subscribers so that exactly `specs` run. Call from the event loop."""
+        wanted = {(s.pod, s.rank): s for s in specs}
+        for key, (sub, task) in list(self._subs.items()):
+            if wanted.get(key) != sub.spec:
+                task.cancel()
+                del self._subs[key]
+                self._forget(sub)
+        for key, spec in wanted.items():
+            if key not in self._subs:
+                sub = Subscriber(spec, self._sink, self._ctx, self._opt, self.metrics)
+                task = asyncio.get_running_loop().create_task(self._run(sub), name=f"kvevents-{key[0]}-{key[1]}")
+                self._subs[key] = (sub, task)
+
+    async def _run(self, sub: Subscriber) -> None:
+        try:
+            await sub.run()
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a bug must not silently stop one pod's stream: log it; state untrusted
+            log.exception("kv events %s rank %d: subscriber failed", sub.spec.pod, sub.spec.rank)
+            self.metrics.errors.labels("subscriber").inc()
+            sub._drop("subscriber_error")
+
+    def _forget(self, sub: Subscriber) -> None:
+        try:
+            self._sink.drop(sub.spec.pod, sub.spec.rank)  # nobody keeps that state current any more
+        except Exception:
+            log.exception("sink.drop failed for %s rank %d", sub.spec.pod, sub.spec.rank)
+        self.metrics.forget(sub.spec.pod, sub.spec.rank)
+
+    def status(self) -> list[dict]:
+        return [sub.status() for sub, _ in self._subs.values()]
+
+    async def aclose(self) -> None:
+        tasks = [task for _, task in self._subs.values()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._subs.clear()
+        self._ctx.destroy(linger=0)
