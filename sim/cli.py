@@ -60,7 +60,7 @@ def options_from_args(args: argparse.Namespace) -> SimOptions:
         lora_names=tuple(args.lora), int_block_hashes=not args.kv_events_bytes_hashes,
     )
     return SimOptions(
-        model=args.model, name=args.name or f"sim-{args.port}", host=args.host, port=args.port, engine=engine,
+        model=args.model, name=args.name, host=args.host, port=args.port, engine=engine,
         dp_size=args.dp_size, kv_events=not args.no_kv_events, kv_events_port=args.kv_events_port,
         replay_port=args.replay_port or None, kv_events_generation=args.kv_events_generation,
         max_tokens_default=args.max_tokens_default, tokenizer_path=args.tokenizer,

@@ -44,7 +44,7 @@ from math import ceil, floor
 from kvcache.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, EventBatch, KVEvent
 
 _MEDIUM = "GPU"
-_MAX_TOKEN_ID = 2**32 - 1
+_WORD = array("I").itemsize
 _LCG_A = 6364136223846793005
 _LCG_C = 1442695040888963407
 _MASK64 = 2**64 - 1
@@ -121,12 +121,12 @@ class EngineMetrics:
 
 class _Request:
     __slots__ = (
-        "req_id", "tokens", "max_tokens", "lora", "arrival", "root", "digests", "keys", "seq",
+        "req_id", "tokens", "max_tokens", "lora", "arrival", "root", "digests", "keys", "seq", "packed",
         "held", "reserved", "cached_tokens", "first_token_time", "join_step", "finish_step", "state",
     )
 
-    def __init__(self, req_id: str, tokens: tuple[int, ...], max_tokens: int, lora: str | None, arrival: float,
-                 root: bytes) -> None:
+    def __init__(self, req_id: str, tokens: tuple[int, ...], packed: bytes, max_tokens: int, lora: str | None,
+                 arrival: float, root: bytes) -> None:
         self.req_id = req_id
         self.tokens = tokens
         self.max_tokens = max_tokens
@@ -136,6 +136,7 @@ class _Request:
         self.digests: list[bytes] = []  # chained digests of the full blocks of `seq` computed so far
         self.keys: list[BlockHash] = []  # published hash of each of those blocks
         self.seq: tuple[int, ...] = tokens  # prompt, then prompt + output once admitted
+        self.packed = packed  # `seq` as 4-byte unsigned ints, for hashing
         self.held: list[BlockHash] = []  # cached blocks referenced, in sequence order
         self.reserved = 0  # blocks reserved but not (yet) cached
         self.cached_tokens = 0
@@ -184,10 +185,16 @@ class EngineModel:
     def add_request(self, req_id: str, token_ids: list[int] | tuple[int, ...], max_tokens: int, now: float,
                     lora: str | None = None) -> None:
         """Queue a request at time `now` (not before the last `advance`). Raises ValueError on bad input."""
-        tokens = tuple(token_ids)
+        if isinstance(token_ids, (str, bytes, bytearray)):  # array() would read bytes as raw machine words
+            raise ValueError("token ids must be a sequence of ints")
+        try:
+            packed = array("I", token_ids)
+        except (TypeError, OverflowError) as e:
+            raise ValueError(f"token ids must be ints in [0, 2**32): {e}") from e
+        tokens = tuple(packed)
         self._validate(req_id, tokens, max_tokens, now, lora)
         self._run_until(now)
-        req = _Request(req_id, tokens, max_tokens, lora, now, self._roots[lora])
+        req = _Request(req_id, tokens, packed.tobytes(), max_tokens, lora, now, self._roots[lora])
         self._extend_keys(req, len(tokens) // self._bs)
         self._live[req_id] = req
         self._waiting.append(req)
@@ -295,8 +302,6 @@ class EngineModel:
             raise ValueError(f"request id {req_id!r} is already live")
         if not tokens:
             raise ValueError("the prompt must have at least one token")
-        if not all(type(t) is int and 0 <= t <= _MAX_TOKEN_ID for t in tokens):
-            raise ValueError("token ids must be ints in [0, 2**32)")
         if type(max_tokens) is not int or max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
         if lora is not None and lora not in self._lora_ids:
@@ -420,7 +425,9 @@ class EngineModel:
             self._queries += len(req.tokens)
             self._hits += req.cached_tokens
             self._prompt_tokens += len(req.tokens)
-            req.seq = req.tokens + self._output_ids(req)
+            output = self._output_ids(req)
+            req.seq = req.tokens + output
+            req.packed += array("I", output).tobytes()
             req.state = "prefill"
             self._running[req.req_id] = req
             start = max(now, self._prefill_free_at)
@@ -503,17 +510,18 @@ class EngineModel:
     # ---- hashing and output -----------------------------------------------------------------
 
     def _extend_keys(self, req: _Request, n_full: int) -> None:
-        bs, seq, digests, keys = self._bs, req.seq, req.digests, req.keys
+        width, packed, digests, keys = _WORD * self._bs, req.packed, req.digests, req.keys
         int_keys = self.config.int_block_hashes
         parent = digests[-1] if digests else req.root
+        sha256 = hashlib.sha256
         for i in range(len(digests), n_full):
-            parent = hashlib.sha256(parent + array("I", seq[i * bs:(i + 1) * bs]).tobytes()).digest()
+            parent = sha256(parent + packed[i * width:(i + 1) * width]).digest()
             digests.append(parent)
             keys.append(int.from_bytes(parent[24:], "big") if int_keys else parent)
 
     def _output_ids(self, req: _Request) -> tuple[int, ...]:
         n_full = len(req.tokens) // self._bs
-        tail = array("I", req.tokens[n_full * self._bs:]).tobytes()
+        tail = req.packed[n_full * self._bs * _WORD:]
         seed = hashlib.sha256((req.digests[n_full - 1] if n_full else req.root) + tail).digest()
         x = int.from_bytes(seed[:8], "big")
         pool = self.config.output_token_ids

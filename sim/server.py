@@ -11,7 +11,6 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -34,7 +33,7 @@ _MIN_POLL_S = 0.002
 @dataclass(frozen=True, slots=True)
 class SimOptions:
     model: str = "sim-model"
-    name: str = "sim"  # reported in `system_fingerprint` and the `x-sim-name` header
+    name: str | None = None  # reported in `system_fingerprint` and `x-sim-name`; None: "sim-PORT"
     host: str = "127.0.0.1"
     port: int = 8000  # 0: any free port
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -161,6 +160,7 @@ class SimServer:
         self._tasks: list[asyncio.Task[None]] = []
         self._runner: web.AppRunner | None = None
         self.port: int = options.port
+        self.name = options.name or f"sim-{options.port}"
         self.registry = engine_registry(
             EngineCollector(options.model, lambda: [r.engine.metrics() for r in self.ranks],
                             self.engine_config.block_size), registry)
@@ -197,7 +197,8 @@ class SimServer:
             await self._runner.setup()
             site = web.TCPSite(self._runner, o.host, o.port)
             await site.start()
-            self.port = site._server.sockets[0].getsockname()[1]  # the real port when o.port == 0
+            self.port = self._runner.addresses[0][1]  # the real port when o.port == 0
+            self.name = o.name or f"sim-{self.port}"
         except BaseException:
             await self.stop()
             raise
@@ -230,14 +231,14 @@ class SimServer:
             kv = {"generation": o.kv_events_generation,
                   "pub_ports": [o.kv_events_port + r for r in range(o.dp_size)],
                   "replay_ports": None if o.replay_port is None else [o.replay_port + r for r in range(o.dp_size)]}
-        return {"name": o.name, "url": self.url, "model": o.model, "loras": list(self.engine_config.lora_names),
+        return {"name": self.name, "url": self.url, "model": o.model, "loras": list(self.engine_config.lora_names),
                 "dp_size": o.dp_size, "block_size": self.engine_config.block_size,
                 "num_blocks": self.engine_config.num_blocks, "kv_events": kv}
 
     # ---- handlers -----------------------------------------------------------------------------
 
     def _headers(self, rank: _Rank | None = None) -> dict[str, str]:
-        h = {"x-sim-name": self.options.name}
+        h = {"x-sim-name": self.name}
         if rank is not None:
             h["x-sim-rank"] = str(rank.index)
         return h
@@ -285,7 +286,7 @@ class SimServer:
                 return await self._stream(request, req, rank, engine_id, fut, response_id)
             done = await fut
             text = "".join(self._text(t) for t in done.output_token_ids)
-            body = full_body(req, response_id, self.options.name, text,
+            body = full_body(req, response_id, self.name, text,
                              usage(done.prompt_tokens, len(done.output_token_ids), done.cached_tokens))
             return web.json_response(body, headers=self._headers(rank))
         finally:
@@ -302,7 +303,7 @@ class SimServer:
                                            **self._headers(rank)})
         await resp.prepare(request)
         created = int(time.time())
-        fp = self.options.name
+        fp = self.name
         config = self.engine_config
         sent = 0
         try:

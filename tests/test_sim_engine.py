@@ -4,6 +4,8 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored
 from sim.engine import Completion, EngineConfig, EngineModel
@@ -166,27 +168,29 @@ def test_head_of_line_waits_for_blocks() -> None:
 
 
 def test_event_stream_equals_cache_contents_under_random_load() -> None:
+    c = config(num_blocks=40, max_num_seqs=6)
     rng = random.Random(11)
-    e = EngineModel(config(num_blocks=40, max_num_seqs=6))
+    e = EngineModel(c)
     prefixes = [[rng.randrange(30) for _ in range(rng.randrange(4, 24))] for _ in range(6)]
     mirror: set = set()
     now = 0.0
-    live: list[str] = []
+    live: dict[str, int] = {}  # req_id -> max_tokens
+    finished: list[tuple[Completion, int]] = []
     n_removed = 0
     for i in range(300):
         now += rng.expovariate(60.0)
-        done = e.advance(now)
-        for d in done:
-            live.remove(d.req_id)
+        for d in e.advance(now):
+            finished.append((d, live.pop(d.req_id)))
         if live and rng.random() < 0.05:
-            victim = live.pop(rng.randrange(len(live)))
+            victim = rng.choice(sorted(live))
+            del live[victim]
             assert e.abort(victim, now)
         prompt = rng.choice(prefixes) + [rng.randrange(30) for _ in range(rng.randrange(0, 12))]
-        e.add_request(f"r{i}", prompt, rng.randrange(1, 20), now)
-        live.append(f"r{i}")
+        live[f"r{i}"] = rng.randrange(1, 20)
+        e.add_request(f"r{i}", prompt, live[f"r{i}"], now)
         if i == 150:
-            run_idle(e)
-            live.clear()
+            for d in run_idle(e):
+                finished.append((d, live.pop(d.req_id)))
             now = e.now
             assert e.reset_prefix_cache()
         for batch in e.drain_events():
@@ -206,7 +210,14 @@ def test_event_stream_equals_cache_contents_under_random_load() -> None:
                     mirror.clear()
         assert mirror == e.cached_block_hashes()
         assert len(mirror) <= 40
-    assert n_removed > 20  # the cache was under pressure
+    for d in run_idle(e):
+        finished.append((d, live.pop(d.req_id)))
+    assert not live and n_removed > 20  # every request not aborted finished; the cache was under pressure
+    fastest_step = c.tpot_base_s + c.tpot_per_seq_s
+    for d, max_tokens in finished:
+        assert len(d.output_token_ids) == max_tokens
+        assert d.ttft >= c.ttft_overhead_s + c.prefill_s_per_token * (d.prompt_tokens - d.cached_tokens) - 1e-9
+        assert d.finish_time - d.first_token_time >= (max_tokens - 1) * fastest_step - 1e-9
 
 
 def test_reset_refused_while_running_then_clears() -> None:
@@ -276,6 +287,8 @@ def test_bytes_block_hashes() -> None:
 @pytest.mark.parametrize("kwargs, match", [
     (dict(token_ids=[]), "at least one token"),
     (dict(token_ids=[-1]), "token ids"),
+    (dict(token_ids=[1.5]), "token ids"),
+    (dict(token_ids=b"abcd"), "token ids"),
     (dict(max_tokens=0), "max_tokens"),
     (dict(lora="nope"), "LoRA"),
     (dict(token_ids=list(range(300))), "exceeds"),
@@ -297,3 +310,38 @@ def test_bad_config_is_refused() -> None:
         EngineConfig(block_size=0)
     with pytest.raises(ValueError, match="prefill_s_per_token"):
         EngineConfig(prefill_s_per_token=-1)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["add", "add", "add", "abort", "reset"]), st.integers(0, 5),
+                          st.integers(1, 40), st.integers(1, 12), st.floats(0, 0.05)), max_size=40))
+def test_any_operation_sequence_keeps_events_and_capacity_consistent(ops: list) -> None:
+    e = EngineModel(config(num_blocks=16, max_num_seqs=3))
+    mirror: set = set()
+    now = 0.0
+    for n, (op, prefix, length, max_tokens, dt) in enumerate(ops):
+        now += dt
+        e.advance(now)
+        if op == "add":
+            tokens = [prefix] * 5 + list(range(length))
+            if len(tokens) + max_tokens <= 16 * BS:
+                e.add_request(f"r{n}", tokens, max_tokens, now)
+        elif op == "abort" and n:
+            e.abort(f"r{n - 1}", now)
+        else:
+            e.reset_prefix_cache(now)
+        for batch in e.drain_events():
+            for ev in batch.events:
+                if isinstance(ev, BlockStored):
+                    assert not mirror & set(ev.block_hashes)
+                    mirror.update(ev.block_hashes)
+                elif isinstance(ev, BlockRemoved):
+                    mirror.remove(ev.block_hashes[0])
+                else:
+                    mirror.clear()
+        m = e.metrics()
+        assert mirror == e.cached_block_hashes()
+        assert 0.0 <= m.kv_usage <= 1.0 and m.running <= 3 and m.cached_blocks <= 16
+    run_idle(e)
+    m = e.metrics()
+    assert (m.running, m.waiting, m.kv_usage) == (0, 0, 0.0)
