@@ -179,6 +179,7 @@ class RedisCounts:
         self._backoff = backoff_min_s
         self.up = False
         self.failures = 0
+        self._closing = False
 
     # -- the request path ------------------------------------------------------------------
 
@@ -222,11 +223,16 @@ class RedisCounts:
     # -- the background writer (heartbeat) -------------------------------------------------------
 
     async def _write_loop(self) -> None:
-        while True:
-            try:
-                await asyncio.wait_for(self._dirty.wait(), self._heartbeat_s)
-            except asyncio.TimeoutError:
-                pass
+        while not self._closing:
+            if not self._dirty.is_set():
+                # asyncio.wait, not wait_for: 3.11's wait_for can swallow a cancel when the event is already set
+                waiter = asyncio.ensure_future(self._dirty.wait())
+                try:
+                    await asyncio.wait([waiter], timeout=self._heartbeat_s)
+                finally:
+                    waiter.cancel()
+            if self._closing:
+                return
             delay = self._down_until - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(min(delay, self._heartbeat_s))
@@ -277,9 +283,11 @@ class RedisCounts:
 
     async def close(self, *, unregister: bool = True) -> None:
         """Stop the heartbeat; with `unregister`, delete this gateway's counts now instead of at expiry."""
+        self._closing = True
         if self._writer is not None:
+            self._dirty.set()
             self._writer.cancel()
-            await asyncio.gather(self._writer, return_exceptions=True)
+            await asyncio.wait([self._writer], timeout=self._timeout * 4 + self._heartbeat_s)
             self._writer = None
         if unregister and self.up:
             try:

@@ -1,0 +1,260 @@
+"""Running counts through a real redis-server on loopback: two gateways agree, a dead gateway's
+counts expire, Redis killed and restarted under load loses no pick and reconverges, AUTH."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import socket
+import subprocess
+import time
+
+import pytest
+
+from routing.counts import LocalCounts, RedisCounts, build_counts, redact_url
+from routing.pods import Pod
+from routing.registry import PodRegistry
+from routing.router import Router
+from routing.scoring import RouteRequest
+
+pytestmark = [pytest.mark.integration,
+              pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")]
+
+FAST = dict(ttl_s=1.0, heartbeat_s=0.2, read_max_age_s=0.0, op_timeout_s=0.5, backoff_min_s=0.05,
+            backoff_max_s=0.3)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    def __init__(self, password: str | None = None) -> None:
+        self.port = free_port()
+        self.password = password
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        args = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        if self.password:
+            args += ["--requirepass", self.password]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                    return
+            except OSError:
+                time.sleep(0.02)
+        raise RuntimeError("redis-server did not start")
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait(5)
+            self.proc = None
+
+
+@pytest.fixture
+def redis_server():
+    server = RedisServer()
+    server.start()
+    yield server
+    server.kill()
+
+
+def pods(n=4):
+    return [Pod(f"p{i}", f"10.0.0.{i}", 8000, "m") for i in range(n)]
+
+
+async def until(predicate, timeout=10.0):
+    """Poll until predicate() is true (bounded); returns its last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        await asyncio.sleep(0.02)
+
+
+async def gateway(url: str, gid: str, seed: int = 0) -> tuple[Router, RedisCounts]:
+    counts = RedisCounts(url, gid, **FAST)
+    router = Router(PodRegistry(pods()), default_strategy="least-request", counts=counts, seed=seed)
+    await router.start()
+    return router, counts
+
+
+async def converged(a: RedisCounts, b: RedisCounts) -> bool:
+    await a.refresh()
+    await b.refresh()
+    return a.totals() == b.totals()
+
+
+async def test_two_gateways_share_counts(redis_server):
+    ra, ca = await gateway(redis_server.url, "gw-a", 1)
+    rb, cb = await gateway(redis_server.url, "gw-b", 2)
+    try:
+        held_a = [await ra.pick(RouteRequest("m")) for _ in range(6)]
+        assert await ca.flush()
+        held_b = [await rb.pick(RouteRequest("m")) for _ in range(6)]  # B sees A's 6 and fills the rest
+        assert await cb.flush()
+        assert await converged(ca, cb)
+        assert ca.totals() == cb.totals() == {f"p{i}": 3 for i in range(4)}
+        assert cb.snapshot()["other_gateways"] == 1
+        for d in held_a:
+            await ra.release(d)
+        for d in held_b:
+            await rb.release(d)
+        await ca.flush(), await cb.flush()
+        assert await converged(ca, cb) and ca.totals() == {}
+    finally:
+        await ra.close()
+        await rb.close()
+
+
+async def test_concurrent_picks_on_two_gateways_stay_balanced(redis_server):
+    ra, ca = await gateway(redis_server.url, "gw-a", 1)
+    rb, cb = await gateway(redis_server.url, "gw-b", 2)
+    try:
+        async def burst(r):
+            out = []
+            for _ in range(20):
+                out.append(await r.pick(RouteRequest("m")))
+                await asyncio.sleep(0.005)
+            return out
+        da, db = await asyncio.gather(burst(ra), burst(rb))
+        await ca.flush(), await cb.flush()
+        assert await converged(ca, cb)
+        totals = ca.totals()
+        assert sum(totals.values()) == 40
+        assert max(totals.values()) - min(totals.values()) <= 4, totals
+    finally:
+        await ra.close()
+        await rb.close()
+
+
+async def test_dead_gateway_counts_expire(redis_server):
+    ra, ca = await gateway(redis_server.url, "gw-dead")
+    rb, cb = await gateway(redis_server.url, "gw-alive")
+    try:
+        for _ in range(5):
+            await ra.pick(RouteRequest("m"))
+        await ca.flush()
+        await cb.refresh()
+        assert sum(cb.totals().values()) == 5
+        await ca.close(unregister=False)  # stops heartbeating, like a crashed gateway
+
+        async def gone():
+            await cb.refresh()
+            return cb.totals() == {}
+        deadline = time.monotonic() + 10
+        while not await gone() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert cb.totals() == {}
+        assert cb.snapshot()["other_gateways"] == 0
+    finally:
+        await rb.close()
+
+
+async def test_redis_killed_and_restarted_under_load(redis_server):
+    ra, ca = await gateway(redis_server.url, "gw-a", 1)
+    rb, cb = await gateway(redis_server.url, "gw-b", 2)
+    stop = asyncio.Event()
+    picks = {"ok": 0}
+
+    async def traffic(r):
+        held = []
+        while not stop.is_set():
+            held.append(await r.pick(RouteRequest("m")))  # an exception here fails the test
+            picks["ok"] += 1
+            if len(held) > 3:
+                await r.release(held.pop(0))
+            await asyncio.sleep(0.002)
+        return held
+
+    try:
+        tasks = [asyncio.create_task(traffic(ra)), asyncio.create_task(traffic(rb))]
+        await until(lambda: picks["ok"] > 50)
+        redis_server.kill()
+        before = picks["ok"]
+        await until(lambda: not ca.up and not cb.up)
+        await until(lambda: picks["ok"] > before + 100)
+        assert not ca.up and not cb.up
+        redis_server.start()  # empty: every gateway must republish its counts
+        await until(lambda: ca.up and cb.up)
+        stop.set()
+        held_a, held_b = await asyncio.gather(*tasks)
+        assert picks["ok"] > before + 100
+
+        async def agreed():
+            await ca.flush(), await cb.flush()
+            return await converged(ca, cb)
+        deadline = time.monotonic() + 10
+        while not await agreed() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        expected = {}
+        for d in held_a + held_b:
+            expected[d.pod.name] = expected.get(d.pod.name, 0) + 1
+        assert ca.totals() == cb.totals() == expected
+        for d in held_a:
+            await ra.release(d)
+        for d in held_b:
+            await rb.release(d)
+        await ca.flush(), await cb.flush()
+        assert await converged(ca, cb) and ca.totals() == {}
+    finally:
+        stop.set()
+        await ra.close()
+        await rb.close()
+
+
+async def test_redis_down_from_the_start_means_local_counts():
+    counts = RedisCounts(f"redis://127.0.0.1:{free_port()}/0", "gw-x", **FAST)
+    r = Router(PodRegistry(pods(2)), default_strategy="least-request", counts=counts, seed=0)
+    await r.start()
+    try:
+        ds = [await r.pick(RouteRequest("m")) for _ in range(4)]
+        assert r.running() == {"p0": 2, "p1": 2}
+        assert counts.up is False and counts.failures >= 1
+        for d in ds:
+            await r.release(d)
+        assert r.running() == {}
+    finally:
+        await r.close()
+
+
+async def test_auth_url_works_and_password_is_never_logged(caplog):
+    server = RedisServer(password="s3cret-pw")
+    server.start()
+    try:
+        caplog.set_level(logging.DEBUG)
+        good = RedisCounts(server.url, "gw-auth", **FAST)
+        good.add("p0", 1)
+        assert await good.flush() and good.up
+        bad = RedisCounts(server.url.replace("s3cret-pw", "wrong-pw"), "gw-bad", **FAST)
+        assert not await bad.flush()
+        assert "s3cret-pw" not in str(good.snapshot()) and "wrong-pw" not in str(bad.snapshot())
+        await good.close()
+        await bad.close()
+        assert "s3cret-pw" not in caplog.text and "wrong-pw" not in caplog.text
+        assert "***" in caplog.text  # the failure was logged, redacted
+    finally:
+        server.kill()
+
+
+def test_url_handling():
+    assert redact_url("rediss://user:pw@redis.example:6380/1") == "rediss://user:***@redis.example:6380/1"
+    assert redact_url("redis://:pw@[::1]:6379") == "redis://:***@[::1]:6379"
+    assert redact_url("redis://127.0.0.1:6379") == "redis://127.0.0.1:6379"
+    assert isinstance(build_counts(""), LocalCounts)
+    assert isinstance(build_counts("rediss://:pw@127.0.0.1:6380/0", "g"), RedisCounts)
+    with pytest.raises(ValueError, match="KVGATE_REDIS_URL") as e:
+        RedisCounts("http://:topsecret@127.0.0.1:1")
+    assert "topsecret" not in str(e.value)
