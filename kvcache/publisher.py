@@ -153,6 +153,12 @@ class EventPublisher:
         with self._lock:
             self._drop.update(range(self._seq, self._seq + count))
 
+    def resend(self, seq: int) -> None:
+        """Test hook: deliver a buffered batch live a second time (a duplicate)."""
+        with self._lock:
+            payload = next(p for s, p in self._buffer if s == seq)
+            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+
     def send_raw(self, frames: list[bytes]) -> None:
         """Test hook: send arbitrary frames on the PUB socket (no seq consumed)."""
         with self._lock:

@@ -218,7 +218,7 @@ class Subscriber:
         if last is not None and seq <= last and not self._is_duplicate(seq, payload):
             await self._engine_restarted(f"live seq went back from {last} to {seq}")
         elif last is not None and seq > last + 1:
-            await self._repair()
+            await self._repair(upto=seq)
         elif self._unverified and last is not None and seq == last + 1 and not await self._repair():
             # Reconnected without a replay to compare: a restarted engine can look like a continuation.
             log.warning("kv events %s rank %d: reconnected and cannot verify the stream continues (no replay); "
@@ -234,15 +234,15 @@ class Subscriber:
         await self._take(seq, payload)  # still a gap: declared lost there
         self._recent = {seq: hash(payload)}
 
-    async def _repair(self) -> bool:
+    async def _repair(self, upto: int | None = None) -> bool:
         """Replay what follows the last applied batch (at start, everything the engine holds).
         False when replay is unavailable; the next live batch then declares whatever is missing."""
         try:
             if self._last is None:
-                await self._replay_apply(0)
+                await self._replay_apply(0, upto=upto)
             else:
                 # From `last`, not last+1: that batch must come back identical, else the engine restarted.
-                await self._replay_apply(self._last, verify_first=True)
+                await self._replay_apply(self._last, verify_first=True, upto=upto)
         except _ReplayFailed:
             return False
         return True
@@ -259,23 +259,33 @@ class Subscriber:
         except _ReplayFailed:
             pass
 
-    async def _replay_apply(self, start: int, verify_first: bool = False) -> None:
-        first = True
+    async def _replay_apply(self, start: int, verify_first: bool = False, upto: int | None = None) -> None:
+        """Replay from `start` and apply in order, stopping before `upto` (a live batch in hand:
+        what follows it is still queued on the SUB socket). With `verify_first`, the batch at
+        `start` must come back identical, else the engine restarted."""
+        got_any = False
         async with aclosing(self._replay(start)) as replies:
             async for seq, payload in replies:
                 self._m.batches_received.labels(*self._labels, "replay").inc()
-                if first:
-                    first = False
+                if not got_any:
+                    got_any = True
                     if verify_first and seq == start:
                         if self._is_duplicate(seq, payload):
                             continue
+                        self._m.replay_successes.labels(*self._labels).inc()
                         await self._engine_restarted(f"batch {seq} differs after reconnecting")
                         return
                     if self._last is None and seq > start:
                         self._lost(start, seq)  # the engine's buffer starts later than asked
+                if upto is not None and seq >= upto:
+                    break
                 await self._take(seq, payload)
                 self._recent[seq] = hash(payload)
-        if verify_first and first:
+        self._m.replay_successes.labels(*self._labels).inc()
+        if len(self._recent) > 2 * self._opt.rcv_hwm:  # only batches still queued live can repeat
+            floor = (self._last or 0) - self._opt.rcv_hwm
+            self._recent = {k: v for k, v in self._recent.items() if k >= floor}
+        if verify_first and not got_any:
             # The engine that published `start` still holds it or later batches: this is another one.
             await self._engine_restarted(f"it no longer holds batch {start} or anything after it")
 
@@ -390,7 +400,6 @@ class Subscriber:
                     self._error("replay_frame", "replay reply with a bad seq frame")
                     continue
                 if seq_b == END_SEQ:
-                    self._m.replay_successes.labels(*self._labels).inc()
                     return
                 yield int.from_bytes(seq_b, "big"), payload
                 await self._maybe_yield()
