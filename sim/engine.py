@@ -283,6 +283,10 @@ class EngineModel:
             generation_tokens=self._gen_tokens,
         )
 
+    def step_time(self) -> float:
+        """How long a decode step takes with the current batch."""
+        return self._step_time()
+
     @property
     def now(self) -> float:
         """The latest time the engine has been run to."""

@@ -304,7 +304,6 @@ class SimServer:
         await resp.prepare(request)
         created = int(time.time())
         fp = self.name
-        config = self.engine_config
         sent = 0
         try:
             while True:
@@ -322,8 +321,7 @@ class SimServer:
                 sent = len(out)
                 if fut.done():
                     break
-                poll = config.tpot_base_s + config.tpot_per_seq_s * rank.engine.metrics().running
-                await asyncio.wait((fut,), timeout=max(_MIN_POLL_S, poll))
+                await asyncio.wait((fut,), timeout=max(_MIN_POLL_S, rank.engine.step_time()))
             if req.include_usage:
                 u = usage(done.prompt_tokens, len(done.output_token_ids), done.cached_tokens)
                 await _send(resp, chunk(req, response_id, created, fp, usage_=u))
