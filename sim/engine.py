@@ -211,11 +211,8 @@ class EngineModel:
 
     def next_event_time(self) -> float | None:
         """When the engine's state next changes by itself (None: idle)."""
-        t = self._prefilling[0][0] if self._prefilling else None
-        if self._decoding:
-            td = self._next_boundary()
-            t = td if t is None or td < t else t
-        return t if t is None or t > self._clock else self._clock  # float rounding never goes back in time
+        nxt = self._next()
+        return None if nxt is None else max(nxt[0], self._clock)  # float rounding never goes back in time
 
     def abort(self, req_id: str, now: float) -> bool:
         """Drop a live request (client gone) at `now`; False if it is not live."""
@@ -319,12 +316,19 @@ class EngineModel:
 
     # ---- the event loop ---------------------------------------------------------------------
 
+    def _next(self) -> tuple[float, bool] | None:
+        """(time, is a prefill completion) of the next internal event."""
+        tp = self._prefilling[0][0] if self._prefilling else None
+        if self._decoding:
+            td = self._next_boundary()
+            if tp is None or td < tp:
+                return td, False
+        return None if tp is None else (tp, True)
+
     def _run_until(self, now: float) -> None:
-        while True:
-            t = self.next_event_time()
-            if t is None or t > now:
-                break
-            if self._prefilling and self._prefilling[0][0] == t:
+        while (nxt := self._next()) is not None and nxt[0] <= now:
+            t = max(nxt[0], self._clock)
+            if nxt[1]:
                 self._on_prefill_done(self._prefilling.popleft()[1], t)
             else:
                 self._on_step_boundary(t)
