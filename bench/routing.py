@@ -1,0 +1,212 @@
+"""`kvgate bench routing`: routing policies side by side on simulated engines, virtual clock.
+
+Each run (bench.routing_sim) drives the real Router, strategies, LocalCounts and
+PrefixIndex, the index fed only by the engines' KV events encoded and decoded with
+kvcache.wire, against 8 `sim.engine.EngineModel`s (the `kvgate sim` timing defaults, KV
+capacity from the workload). Workloads (bench.routing_workloads):
+
+- W1, llm-d's shape at 1/10 lengths: 150 groups x 5 users, 600-token shared context,
+  120-token question, 100-token output, working set (distinct prompt blocks) at 73% of
+  cluster KV capacity; Poisson arrivals stepping up a ramp (5% -> 100% of the peak rate).
+- W2, SGLang's generated-shared-prefix shape: 64 groups x 16 prompts, 2048-token system
+  prompt, 128-token question, 256-token output, every prompt sent once in random order,
+  the rate ramping 25% -> 100% of the peak; KV capacity at the same 73% ratio. --quick
+  halves it to 32 groups.
+
+Policies: random, round-robin, least-request, prefix-cache (router-side guess), kv-sync
+(event-fed), kv-sync variants with event delay 50 / 500 ms and 1% of batches lost, and the
+oracle (exact caches + exact TTFT model, see bench.routing_sim). Every policy sees the same
+requests at the same times for a given seed.
+
+Metrics per run, then the mean over seeds:
+- hit_rate: prompt tokens served from the engines' prefix caches / prompt tokens;
+- ttft_p50_s, ttft_p90_s: simulated time to first token over every request;
+- throughput_tok_s: output tokens / virtual time from the first arrival to the last finish;
+- max_over_mean_running: at each arrival (after the pick), max over pods of requests routed
+  there and not finished / their mean over pods, averaged over arrivals.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+
+from bench import routing_workloads as workloads
+from bench.routing_sim import ORACLE, Policy, RunResult, run
+
+METRICS = ("hit_rate", "ttft_p50_s", "ttft_p90_s", "throughput_tok_s", "max_over_mean_running")
+DEFAULT_PLOT = "docs/bench-routing.png"
+
+
+def policies() -> tuple[Policy, ...]:
+    return (
+        Policy("random", "random"),
+        Policy("round-robin", "round-robin"),
+        Policy("least-request", "least-request"),
+        Policy("prefix-cache", "prefix-cache"),
+        Policy("kv-sync", "kv-sync"),
+        Policy("kv-sync@delay50ms", "kv-sync", delay_s=0.05),
+        Policy("kv-sync@delay500ms", "kv-sync", delay_s=0.5),
+        Policy("kv-sync@loss1%", "kv-sync", loss=0.01),
+        Policy("kv-sync@delay500ms+loss1%", "kv-sync", delay_s=0.5, loss=0.01),
+        Policy(ORACLE, ORACLE),
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="shorter workloads, one seed (under a minute)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument("--seeds", type=int, default=None, help="seeds per policy (default 3, --quick 1)")
+    parser.add_argument("--jobs", type=int, default=2, help="runs in parallel processes (default 2)")
+    parser.add_argument("--plot", default=DEFAULT_PLOT, help=f"PNG to write (default {DEFAULT_PLOT}; '' for none)")
+    parser.add_argument("--workload", action="append", choices=("W1", "W2"), help="only these (repeatable)")
+
+
+@dataclass(frozen=True, slots=True)
+class _Job:
+    shape: workloads.Shape
+    seed: int
+    policy: Policy
+
+
+def _run_job(job: _Job) -> tuple[str, RunResult, dict]:
+    wl = workloads.build(job.shape, job.seed)
+    info = {"requests": len(wl.requests), "working_set_blocks": wl.working_set_blocks,
+            "blocks_per_pod": wl.blocks_per_pod, "compulsory_hit_rate": wl.compulsory_hit_rate}
+    return job.shape.name, run(wl, job.policy, job.seed), info
+
+
+def run_all(shapes: list[workloads.Shape], seeds: int, jobs: int, chosen: tuple[Policy, ...] | None = None) -> dict:
+    """Every (workload, policy, seed) run; the JSON-able report (means over seeds)."""
+    chosen = chosen or policies()
+    todo = [_Job(s, seed, p) for s in shapes for seed in range(1, seeds + 1) for p in chosen]
+    if jobs > 1:
+        with ProcessPoolExecutor(jobs) as pool:
+            done = list(pool.map(_run_job, todo))
+    else:
+        done = [_run_job(j) for j in todo]
+    report: dict = {"workloads": {}}
+    for shape in shapes:
+        runs = [(r, info) for name, r, info in done if name == shape.name]
+        w: dict = {"policies": {}, "seeds": seeds, "shape": _shape_dict(shape)}
+        infos = [info for _, info in runs]
+        w["requests_per_seed"] = [i["requests"] for i in infos[::len(chosen)]]
+        w["blocks_per_pod"] = infos[0]["blocks_per_pod"]
+        w["working_set_blocks"] = infos[0]["working_set_blocks"]
+        w["compulsory_hit_rate"] = _mean([i["compulsory_hit_rate"] for i in infos[::len(chosen)]])
+        for p in chosen:
+            mine = [r for r, _ in runs if r.policy == p.name]
+            w["policies"][p.name] = {m: _mean([getattr(r, m) for r in mine]) for m in METRICS}
+            if p.strategy == "kv-sync":
+                w["policies"][p.name]["event_batches"] = {
+                    "published": sum(r.batches_published for r in mine), "decoded": sum(r.batches_decoded for r in mine),
+                    "lost": sum(r.batches_lost for r in mine)}
+        report["workloads"][shape.name] = w
+    report["targets"] = targets(report)
+    return report
+
+
+def _shape_dict(s: workloads.Shape) -> dict:
+    return {"groups": s.groups, "prompts_per_group": s.prompts_per_group, "context_tokens": s.context_tokens,
+            "question_tokens": s.question_tokens, "output_tokens": s.output_tokens, "pods": s.pods,
+            "capacity_ratio": s.capacity_ratio, "peak_rps": s.peak_rps, "ramp": list(s.ramp),
+            "stage_s": s.stage_s, "each_prompt_once": s.each_prompt_once}
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def targets(report: dict) -> dict:
+    """Issue 8.4's routing targets, from this run's numbers (only those whose policies ran)."""
+    out: dict = {}
+    for wname, w in report["workloads"].items():
+        p = w["policies"]
+        if "kv-sync" in p and ORACLE in p:
+            gap = (p[ORACLE]["hit_rate"] - p["kv-sync"]["hit_rate"]) * 100
+            out[f"{wname}: kv-sync hit rate within 5 points of oracle"] = {"value": round(gap, 2), "met": gap <= 5}
+    w1 = report["workloads"].get("W1", {}).get("policies", {})
+
+    def ratio(worse: str, better: str) -> float | None:
+        if worse in w1 and better in w1 and w1[better]["ttft_p90_s"] > 0:
+            return w1[worse]["ttft_p90_s"] / w1[better]["ttft_p90_s"]
+        return None
+
+    for worse, better, need in (("random", "kv-sync", 20), ("prefix-cache", "kv-sync", 3),
+                                ("prefix-cache", "kv-sync@delay500ms+loss1%", 2)):
+        r = ratio(worse, better)
+        if r is not None:
+            out[f"W1: TTFT p90 {worse} / {better} >= {need}"] = {"value": round(r, 2), "met": r >= need}
+    return out
+
+
+def format_table(report: dict) -> str:
+    lines = []
+    for wname, w in report["workloads"].items():
+        lines.append(f"{wname}: {w['shape']['groups']} groups x {w['shape']['prompts_per_group']}, "
+                     f"{w['shape']['context_tokens']}+{w['shape']['question_tokens']} prompt tokens, "
+                     f"{w['shape']['output_tokens']} out; {w['requests_per_seed']} requests/seed, {w['seeds']} seed(s); "
+                     f"{w['blocks_per_pod']} blocks/pod; compulsory-miss hit-rate bound {w['compulsory_hit_rate']:.3f}")
+        lines.append(f"  {'policy':28}{'hit rate':>9}{'TTFT p50 s':>12}{'TTFT p90 s':>12}{'out tok/s':>11}{'max/mean run':>14}")
+        for name, m in w["policies"].items():
+            lines.append(f"  {name:28}{m['hit_rate']:>9.3f}{m['ttft_p50_s']:>12.4f}{m['ttft_p90_s']:>12.4f}"
+                         f"{m['throughput_tok_s']:>11.0f}{m['max_over_mean_running']:>14.2f}")
+        lines.append("")
+    for name, t in report.get("targets", {}).items():
+        lines.append(f"  [{'met' if t['met'] else 'MISSED'}] {name}: {t['value']}")
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(report["workloads"])
+    fig, axes = plt.subplots(2, len(names), figsize=(7 * len(names), 8), squeeze=False)
+    for col, wname in enumerate(names):
+        pol = report["workloads"][wname]["policies"]
+        labels = list(pol)
+        xs = range(len(labels))
+        ax = axes[0][col]
+        ax.bar(xs, [pol[p]["ttft_p90_s"] for p in labels], color="tab:red")
+        ax.set_yscale("log")
+        ax.set_title(f"{wname}: TTFT p90 (s, log scale)")
+        ax.set_xticks(list(xs), labels, rotation=45, ha="right", fontsize=8)
+        ax = axes[1][col]
+        ax.bar(xs, [pol[p]["hit_rate"] for p in labels], color="tab:blue")
+        ax.axhline(report["workloads"][wname]["compulsory_hit_rate"], color="k", ls="--", lw=1,
+                   label="compulsory-miss bound")
+        ax.set_ylim(0, 1)
+        ax.set_title(f"{wname}: token hit rate")
+        ax.set_xticks(list(xs), labels, rotation=45, ha="right", fontsize=8)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(args: argparse.Namespace) -> int:
+    quick = args.quick
+    seeds = args.seeds or (1 if quick else 3)
+    if seeds < 1 or args.jobs < 1:
+        print("kvgate bench routing: --seeds and --jobs must be >= 1", file=sys.stderr)
+        return 2
+    shapes = [s for s in (workloads.w1(quick), workloads.w2(quick)) if not args.workload or s.name in args.workload]
+    started = time.monotonic()
+    report = run_all(shapes, seeds, args.jobs)
+    report["wall_s"] = round(time.monotonic() - started, 1)
+    if args.plot:
+        try:
+            plot(report, args.plot)
+        except OSError as e:
+            print(f"kvgate bench routing: could not write the plot {args.plot}: {e}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(format_table(report))
+        print(f"\n{report['wall_s']} s wall" + (f"; plot: {args.plot}" if args.plot else ""))
+    return 0

@@ -1,0 +1,272 @@
+"""One run of the routing benchmark: a workload, a policy and a seed on a virtual clock.
+
+The run drives the project's real code: `routing.router.Router` with its real strategies and
+`LocalCounts`, and `kvcache.index.PrefixIndex` fed only by what the simulated engines
+(`sim.engine.EngineModel`) publish, each batch encoded with `kvcache.wire.encode_batch`
+(vLLM 0.33) and decoded with `kvcache.wire.decode_batch`. Nothing sleeps: the loop jumps to
+the next arrival, engine event or event delivery; at equal times engines run first, then
+deliveries, then arrivals. A request counts as running from its pick to its completion.
+
+Event delivery model: a batch reaches the index `delay_s` of virtual time after the engine
+step that produced it; with `loss` > 0 each batch is independently dropped with that
+probability (the index never sees it: the worst case between a gap and the subscriber's
+replay repairing it; PrefixIndex skips later blocks chained on a lost one).
+
+The oracle (not a Router strategy) knows each engine's cache exactly (a mirror fed by the
+engines' raw events without delay or loss, equal to the engine's cache by construction of
+EngineModel) and the load it created itself. For each pod it predicts this request's TTFT
+with the engine's own timing model: admission (immediate below max_num_seqs, else the wait
+for enough decoding requests to finish), the serial prefill lane's backlog, the request's
+uncached tokens x prefill time + overhead; it picks the minimum (ties: fewer running, then
+name). It is the best greedy placement with perfect knowledge, not a proof of optimality;
+the workload-level `compulsory_hit_rate` (every distinct block computed once in the cluster)
+is the hit-rate bound no router can exceed.
+"""
+from __future__ import annotations
+
+import asyncio
+import heapq
+import math
+import random
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from bench.routing_workloads import BLOCK_SIZE, Workload
+from kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from kvcache.index import PrefixIndex
+from kvcache.wire import decode_batch, encode_batch
+from routing.counts import LocalCounts
+from routing.pods import Pod
+from routing.registry import PodRegistry
+from routing.router import Router
+from routing.scoring import RouteRequest
+from routing.strategies import StrategyConfig
+from sim.engine import Completion, EngineConfig, EngineModel
+
+MODEL = "sim-model"
+GENERATION = "0.33"
+ORACLE = "oracle"
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    name: str  # as reported
+    strategy: str  # a Router strategy name, or ORACLE
+    delay_s: float = 0.0
+    loss: float = 0.0
+
+
+@dataclass(slots=True)
+class RunResult:
+    policy: str
+    seed: int
+    hit_rate: float
+    ttft_p50_s: float
+    ttft_p90_s: float
+    throughput_tok_s: float
+    max_over_mean_running: float
+    requests: int
+    batches_published: int = 0
+    batches_decoded: int = 0
+    batches_lost: int = 0
+    index_stats: dict = field(default_factory=dict)
+
+
+class _CacheMirror:
+    """Every engine's cache, exactly, from its raw events: the oracle's view."""
+
+    def __init__(self, pods: list[str]) -> None:
+        self._child: dict[tuple[object, tuple[int, ...]], object] = {}  # (parent hash, block tokens) -> hash
+        self.held: dict[str, set] = {p: set() for p in pods}
+
+    def apply(self, pod: str, batch: EventBatch) -> None:
+        held = self.held[pod]
+        for ev in batch.events:
+            if type(ev) is BlockStored:
+                parent, bs, toks = ev.parent_block_hash, ev.block_size, ev.token_ids
+                for i, h in enumerate(ev.block_hashes):
+                    self._child[(parent, toks[i * bs:(i + 1) * bs])] = h
+                    held.add(h)
+                    parent = h
+            elif type(ev) is BlockRemoved:
+                held.difference_update(ev.block_hashes)
+            elif type(ev) is AllBlocksCleared:
+                held.clear()
+
+    def hit_tokens(self, tokens: tuple[int, ...]) -> dict[str, int]:
+        """Per pod, prompt tokens the engine would serve from cache now (vLLM's rule)."""
+        chain = []
+        h = None
+        for i in range((len(tokens) - 1) // BLOCK_SIZE):
+            h = self._child.get((h, tokens[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE]))
+            if h is None:
+                break
+            chain.append(h)
+        out = {}
+        for pod, held in self.held.items():
+            n = 0
+            for h in chain:
+                if h not in held:
+                    break
+                n += 1
+            out[pod] = n * BLOCK_SIZE
+        return out
+
+
+class _Oracle:
+    """Exact cache + own load ledger -> minimum predicted TTFT (see the module docstring)."""
+
+    def __init__(self, engines: dict[str, EngineModel], config: EngineConfig) -> None:
+        self._engines = engines
+        self._c = config
+        self.mirror = _CacheMirror(list(engines))
+        self._lane_free = dict.fromkeys(engines, 0.0)
+        self._out_tokens = dict.fromkeys(engines, 0)  # decode work (tokens) routed and not finished
+
+    def pick(self, tokens: tuple[int, ...], max_tokens: int, now: float) -> str:
+        c = self._c
+        hits = self.mirror.hit_tokens(tokens)
+        best = None
+        for pod, eng in self._engines.items():
+            m = eng.metrics()
+            busy = m.running + m.waiting
+            admit = now
+            if busy >= c.max_num_seqs:
+                # the decoding batch drains at max_num_seqs per (step time x mean tokens left)
+                step = c.tpot_base_s + c.tpot_per_seq_s * m.running
+                per_req = self._out_tokens[pod] / max(busy, 1)
+                admit += (busy - c.max_num_seqs + 1) * per_req * step / c.max_num_seqs
+            start = max(admit, self._lane_free[pod])
+            ttft = start + c.prefill_s_per_token * (len(tokens) - hits[pod]) + c.ttft_overhead_s - now
+            key = (ttft, busy, pod)
+            if best is None or key < best[0]:
+                best = (key, pod, start + c.prefill_s_per_token * (len(tokens) - hits[pod]))
+        _, pod, lane_end = best
+        self._lane_free[pod] = lane_end
+        self._out_tokens[pod] += max_tokens
+        return pod
+
+    def finished(self, pod: str, max_tokens: int) -> None:
+        self._out_tokens[pod] -= max_tokens
+
+
+def engine_config(workload: Workload) -> EngineConfig:
+    """The `kvgate sim` defaults, with the workload's KV capacity and batch limit."""
+    return EngineConfig(block_size=BLOCK_SIZE, num_blocks=workload.blocks_per_pod,
+                        max_num_seqs=workload.shape.max_num_seqs)
+
+
+def run(workload: Workload, policy: Policy, seed: int, strategy_config: StrategyConfig | None = None) -> RunResult:
+    """Simulate `workload` routed by `policy`; deterministic in (workload, policy, seed)."""
+    return asyncio.run(_run(workload, policy, seed, strategy_config))
+
+
+async def _run(workload: Workload, policy: Policy, seed: int, strategy_config: StrategyConfig | None) -> RunResult:
+    cfg = engine_config(workload)
+    names = [f"pod-{i}" for i in range(workload.shape.pods)]
+    engines = {n: EngineModel(cfg) for n in names}
+    index = PrefixIndex()
+    oracle = _Oracle(engines, cfg) if policy.strategy == ORACLE else None
+    router = None
+    if oracle is None:
+        pods = [Pod(name=n, address="127.0.0.1", port=8000 + i, model=MODEL) for i, n in enumerate(names)]
+        router = Router(PodRegistry(pods), default_strategy=policy.strategy, counts=LocalCounts(), index=index,
+                        config=strategy_config, seed=seed)
+    feed_index = policy.strategy == "kv-sync"
+    loss_rng = random.Random(f"loss:{seed}")
+
+    deliveries: list[tuple[float, int, str, bytes]] = []
+    seq = 0
+    published = decoded = lost = 0
+    next_t = dict.fromkeys(names, math.inf)
+    inflight: dict[str, tuple[str, object]] = {}  # req_id -> (pod, decision or max_tokens)
+    running = dict.fromkeys(names, 0)
+    ratios: list[float] = []
+    completions: list[Completion] = []
+
+    def pump(pod: str, now: float) -> None:
+        nonlocal seq, published, lost
+        t = engines[pod].next_event_time()
+        next_t[pod] = math.inf if t is None else t
+        for batch in engines[pod].drain_events():
+            if oracle is not None:
+                oracle.mirror.apply(pod, batch)
+            if not feed_index:
+                continue
+            published += 1
+            payload = encode_batch(batch, GENERATION)
+            if policy.loss and loss_rng.random() < policy.loss:
+                lost += 1
+                continue
+            seq += 1
+            heapq.heappush(deliveries, (now + policy.delay_s, seq, pod, payload))
+
+    async def finish(pod: str, done: list[Completion]) -> None:
+        for comp in done:
+            completions.append(comp)
+            _, handle = inflight.pop(comp.req_id)
+            running[pod] -= 1
+            if router is not None:
+                await router.release(handle)
+            else:
+                oracle.finished(pod, handle)
+
+    reqs = workload.requests
+    i = 0
+    while True:
+        ta = reqs[i].arrival if i < len(reqs) else math.inf
+        te = min(next_t.values())
+        td = deliveries[0][0] if deliveries else math.inf
+        t = min(ta, te, td)
+        if t == math.inf:
+            break
+        if te <= t:
+            for pod in names:
+                if next_t[pod] <= t:
+                    await finish(pod, engines[pod].advance(t))
+                    pump(pod, t)
+        elif td <= t:
+            while deliveries and deliveries[0][0] <= t:
+                _, _, pod, payload = heapq.heappop(deliveries)
+                batch = decode_batch(payload).batch
+                decoded += 1
+                index.apply(pod, MODEL, batch.data_parallel_rank or 0, batch.events)
+        else:
+            r = reqs[i]
+            i += 1
+            if router is not None:
+                decision = await router.pick(RouteRequest(MODEL, list(r.token_ids), None, r.req_id))
+                pod, handle = decision.pod.name, decision
+            else:
+                pod, handle = oracle.pick(r.token_ids, r.max_tokens, t), r.max_tokens
+            inflight[r.req_id] = (pod, handle)
+            running[pod] += 1
+            engines[pod].add_request(r.req_id, r.token_ids, r.max_tokens, t)
+            pump(pod, t)
+            mean = sum(running.values()) / len(running)
+            ratios.append(max(running.values()) / mean)
+
+    return _result(workload, policy, seed, engines, completions, ratios, published, decoded, lost, index)
+
+
+def _result(workload: Workload, policy: Policy, seed: int, engines: dict[str, EngineModel],
+            completions: list[Completion], ratios: list[float], published: int, decoded: int, lost: int,
+            index: PrefixIndex) -> RunResult:
+    if len(completions) != len(workload.requests):
+        raise RuntimeError(f"{policy.name}: {len(completions)} of {len(workload.requests)} requests finished")
+    ms = [e.metrics() for e in engines.values()]
+    queries = sum(m.prefix_cache_queries for m in ms)
+    ttft = np.array([c.ttft for c in completions])
+    start = min(r.arrival for r in workload.requests)
+    end = max(c.finish_time for c in completions)
+    out_tokens = sum(len(c.output_token_ids) for c in completions)
+    return RunResult(
+        policy=policy.name, seed=seed,
+        hit_rate=sum(m.prefix_cache_hits for m in ms) / queries if queries else 0.0,
+        ttft_p50_s=float(np.percentile(ttft, 50)), ttft_p90_s=float(np.percentile(ttft, 90)),
+        throughput_tok_s=out_tokens / (end - start) if end > start else 0.0,
+        max_over_mean_running=float(np.mean(ratios)) if ratios else 0.0,
+        requests=len(completions), batches_published=published, batches_decoded=decoded, batches_lost=lost,
+        index_stats=index.stats() if decoded else {},
+    )
