@@ -123,6 +123,13 @@ class Subscriber:
                 **{k: self.counts[k] for k in ("batches", "events", "duplicates", "missed_batches", "drops",
                                                 "replays", "replay_failures", "errors", "reconnects")}}
 
+    def reset(self, reason: str) -> None:
+        """Forget the stream position: the next run starts over with a replay from 0."""
+        self._drop(reason)
+        self._last = None
+        self._recent = {}
+        self._unverified = False
+
     # --- main loop ----------------------------------------------------------
 
     async def run(self) -> None:
@@ -250,9 +257,7 @@ class Subscriber:
     async def _engine_restarted(self, why: str) -> None:
         log.warning("kv events %s rank %d: engine restarted (%s); dropping its blocks and following the new "
                     "stream", self.spec.pod, self.spec.rank, why)
-        self._drop("restart")
-        self._last = None
-        self._recent = {}
+        self.reset("restart")
         self._last_seq_g.set(-1)
         try:
             await self._replay_apply(0)
@@ -441,14 +446,19 @@ class SubscriberManager:
                 self._subs[key] = (sub, task)
 
     async def _run(self, sub: Subscriber) -> None:
-        try:
-            await sub.run()
-        except asyncio.CancelledError:
-            raise
-        except Exception:  # a bug must not silently stop one pod's stream: log it; state untrusted
-            log.exception("kv events %s rank %d: subscriber failed", sub.spec.pod, sub.spec.rank)
-            self.metrics.errors.labels("subscriber").inc()
-            sub._drop("subscriber_error")
+        delay = self._opt.reconnect_initial
+        while True:
+            try:
+                await sub.run()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug must not stop one pod's stream for good: count, drop, start over
+                log.exception("kv events %s rank %d: subscriber failed; restarting in %.1f s", sub.spec.pod,
+                              sub.spec.rank, delay)
+                self.metrics.errors.labels("subscriber").inc()
+                sub.reset("subscriber_error")
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self._opt.reconnect_max)
 
     def _forget(self, sub: Subscriber) -> None:
         try:

@@ -363,7 +363,7 @@ async def test_flood_keeps_order_and_leaves_the_loop_responsive(harness):
     """Completeness and order under a flood, while a coroutine measures its own loop lag."""
     make, engine = harness
     e = engine(generation="0.33", hwm=1_000_000)
-    sink, manager = make(options=SubscriberOptions(replay_timeout=0.3, apply_chunk=16))
+    sink, manager = make(options=SubscriberOptions(replay_timeout=0.3, apply_chunk=3))
     manager.sync([e.spec])
     await until(lambda: status(manager)["connected"])
     n_batches, per_batch = 1500, 8
@@ -389,3 +389,28 @@ async def test_flood_keeps_order_and_leaves_the_loop_responsive(harness):
     assert sink.drops() == 0 and len(lags) > 10
     print(f"\nflood: {n_batches * per_batch} events, loop lag max {max(lags) * 1e3:.1f} ms, "
           f"median {sorted(lags)[len(lags) // 2] * 1e3:.2f} ms over {len(lags)} probes")
+
+
+async def test_subscriber_bug_restarts_the_stream_from_replay(harness, monkeypatch):
+    import kvcache.subscriber as subscriber_module
+
+    real = subscriber_module.decode_batch
+    calls = []
+
+    def buggy_once(payload):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("bug")
+        return real(payload)
+
+    monkeypatch.setattr(subscriber_module, "decode_batch", buggy_once)
+    make, engine = harness
+    e = engine()
+    sink, manager = make()
+    manager.sync([e.spec])
+    await until(lambda: status(manager)["connected"])
+    e.publish(0, 1, 2)
+    await until(lambda: sink.drops() == 1 and sink.after_last_drop() == [0, 1, 2])
+    assert manager.metrics.errors.labels("subscriber")._value.get() == 1
+    e.publish(3)
+    await until(lambda: sink.after_last_drop() == [0, 1, 2, 3])
