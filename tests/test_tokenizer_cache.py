@@ -215,3 +215,43 @@ def test_metaspace_always_with_template_processing_is_exact(tmp_path) -> None:
         for special in (True, False):
             assert run(cached.tokenize(MODEL, PromptInput(text=text, add_special_tokens=special))) == \
                 local.encode_prompt(text, special), (text, special)
+
+
+async def test_concurrent_misses_of_one_piece_are_fetched_once(local) -> None:
+    class Slow(CountingBackend):
+        async def tokenize(self, model, item, *, base_url=None):
+            await asyncio.sleep(0.05)
+            return await super().tokenize(model, item, base_url=base_url)
+
+    inner = Slow({MODEL: local})
+    cached = CachedTokenizer(inner, segmenters={MODEL: Segmenter.from_local(local)})
+    system = {"role": "system", "content": "Shared instructions. " * 40}
+    items = [ChatInput(messages=(system, {"role": "user", "content": f"q{i}"})) for i in range(8)]
+    results = await asyncio.gather(*(cached.tokenize(MODEL, it) for it in items))
+    assert results == [local.encode_chat(it) for it in items]
+    assert sum("Shared instructions" in c.text for c in inner.calls) == 1
+
+
+async def test_failed_fetch_reaches_every_waiter(local) -> None:
+    class Down(LocalBackend):
+        async def tokenize(self, model, item, *, base_url=None):
+            await asyncio.sleep(0.02)
+            raise TokenizerError("down")
+
+    cached = CachedTokenizer(Down({MODEL: local}), segmenters={MODEL: Segmenter.from_local(local)})
+    item = PromptInput(text="same text", add_special_tokens=False)
+    results = await asyncio.gather(*(cached.tokenize(MODEL, item) for _ in range(3)), return_exceptions=True)
+    assert all(isinstance(r, TokenizerError) for r in results)
+    assert cached._inflight == {}
+
+
+async def test_default_segmenter_applies_to_unlisted_models(local) -> None:
+    inner = CountingBackend({})
+    inner._default = local
+    cached = CachedTokenizer(inner, default_segmenter=Segmenter.from_local(local))
+    system = {"role": "system", "content": "Common preamble. " * 20}
+    for model in ("a", "b"):
+        for q in ("x", "y"):
+            item = ChatInput(messages=(system, {"role": "user", "content": q}))
+            assert await cached.tokenize(model, item) == local.encode_chat(item)
+    assert sum("Common preamble" in c.text for c in inner.calls) == 2  # once per model: pieces are keyed by model

@@ -122,3 +122,8 @@ def test_log_throttle_logs_once_per_interval(caplog) -> None:
         results.append(throttle.log(logger, logging.WARNING, "other", "other %s", "x"))
     assert results == [True, False, False, False, False, True, True]
     assert [r.getMessage() for r in caplog.records] == ["tokenizer m down", "tokenizer m down (4 similar suppressed)", "other x"]
+
+
+async def test_backend_default_serves_every_model(local) -> None:
+    backend = LocalBackend(default=local)
+    assert await backend.tokenize("any-model", PromptInput(text="hi")) == local.encode_prompt("hi")

@@ -19,6 +19,7 @@ local files must be the engine's own (same tokenizer.json and chat template).
 """
 from __future__ import annotations
 
+import asyncio
 import sys
 from array import array
 from collections import OrderedDict
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from tokenizer.segments import Piece, Segmenter, join_pieces
+from tokenizer.segments import Piece, Segmenter, SpecialAffixes, join_pieces
 from tokenizer.types import ChatInput, PromptInput, TokenizeInput, Tokenizer, TokenizerError
 
 _ENTRY_OVERHEAD = 120  # dict slot, OrderedDict links, key tuple, array header
@@ -93,19 +94,26 @@ class CacheMetrics:
 
 
 class CachedTokenizer:
-    """Tokenizer protocol: `inner`'s tokens, served from a cache of whole requests and of pieces."""
+    """Tokenizer protocol: `inner`'s tokens, served from a cache of whole requests and of pieces.
+
+    `segmenters` (per model, else `default_segmenter`) enable the piece level; each must be
+    built from that model's own tokenizer files. Models without one get the request level only.
+    """
 
     def __init__(
         self,
         inner: Tokenizer,
         *,
         segmenters: Mapping[str, Segmenter] | None = None,
+        default_segmenter: Segmenter | None = None,
         options: CacheOptions = CacheOptions(),
         registry: CollectorRegistry | None = None,
     ) -> None:
         self._inner = inner
         self._segmenters = dict(segmenters or {})
+        self._default_segmenter = default_segmenter
         self._lru = ByteLRU(options.max_bytes, options.max_entry_bytes)
+        self._inflight: dict[tuple[str, str], asyncio.Future[list[int]]] = {}
         self._metrics = CacheMetrics(registry if registry is not None else CollectorRegistry())
         self.tokens_cached = 0
         self.tokens_total = 0
@@ -130,7 +138,7 @@ class CachedTokenizer:
             self._count(len(hit), len(hit))
             return hit.tolist()
         self._metrics.lookups.labels("request", "miss").inc()
-        segmenter = self._segmenters.get(model)
+        segmenter = self._segmenters.get(model, self._default_segmenter)
         try:
             planned = segmenter.pieces(item) if segmenter is not None else None
         except ValueError as e:
@@ -145,7 +153,9 @@ class CachedTokenizer:
         self._update_size()
         return ids
 
-    async def _from_pieces(self, model, segmenter: Segmenter, pieces: list[Piece], base_url, affixes) -> list[int]:
+    async def _from_pieces(
+        self, model: str, segmenter: Segmenter, pieces: list[Piece], base_url: str | None, affixes: SpecialAffixes
+    ) -> list[int]:
         tokens: dict[str, Sequence[int]] = {}
         missing: list[str] = []
         for p in pieces:
@@ -159,16 +169,39 @@ class CachedTokenizer:
             else:
                 self._metrics.lookups.labels("piece", "hit").inc()
                 tokens[p] = hit
-        fetched = await self._fetch(model, segmenter, missing, base_url) if missing else {}
-        for text, ids in fetched.items():
-            tokens[text] = ids
-            self._lru.put(("seg", model, text), ids, sys.getsizeof(text))
+        fetched = await self._fetch_once(model, segmenter, missing, base_url) if missing else {}
+        tokens.update(fetched)
         out = join_pieces(pieces, tokens, affixes)
         new = sum(len(fetched[p]) for p in pieces if isinstance(p, str) and p in fetched)
         self._count(len(out) - new, len(out))
         return out
 
-    async def _fetch(self, model: str, segmenter: Segmenter, texts: list[str], base_url) -> dict[str, list[int]]:
+    async def _fetch_once(self, model: str, segmenter: Segmenter, texts: list[str], base_url: str | None) -> dict[str, list[int]]:
+        """Pieces already being fetched for another request are awaited, not fetched again."""
+        waits = {t: f for t in texts if (f := self._inflight.get((model, t))) is not None}
+        own = [t for t in texts if t not in waits]
+        loop = asyncio.get_running_loop()
+        futures = {t: loop.create_future() for t in own}
+        self._inflight.update(((model, t), f) for t, f in futures.items())
+        try:
+            fetched = await self._fetch(model, segmenter, own, base_url) if own else {}
+            for text, ids in fetched.items():
+                self._lru.put(("seg", model, text), ids, sys.getsizeof(text))
+                futures[text].set_result(ids)
+        except BaseException as e:
+            for f in futures.values():
+                if not f.done():
+                    f.set_exception(e if isinstance(e, TokenizerError) else TokenizerError(f"piece fetch failed: {e!r}"))
+                    f.exception()  # retrieved: no "never retrieved" warning when nobody waits
+            raise
+        finally:
+            for t in own:
+                self._inflight.pop((model, t), None)
+        for text, fut in waits.items():
+            fetched[text] = await asyncio.shield(fut)
+        return fetched
+
+    async def _fetch(self, model: str, segmenter: Segmenter, texts: list[str], base_url: str | None) -> dict[str, list[int]]:
         sep = segmenter.separator
         if sep is not None and len(texts) > 1:
             joined = await self._inner.tokenize(

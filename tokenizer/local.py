@@ -143,17 +143,25 @@ def input_size(item: TokenizeInput) -> int:
 
 
 class LocalBackend:
-    """The Tokenizer protocol over LocalTokenizers, one per model; long inputs run off the event loop."""
+    """The Tokenizer protocol over LocalTokenizers, one per model (or `default` for every other
+    model); inputs of at least `offload_chars` characters run off the event loop."""
 
-    def __init__(self, tokenizers: Mapping[str, LocalTokenizer], *, offload_chars: int = 2048) -> None:
-        self._tokenizers = dict(tokenizers)
+    def __init__(
+        self,
+        tokenizers: Mapping[str, LocalTokenizer] | None = None,
+        *,
+        default: LocalTokenizer | None = None,
+        offload_chars: int = 2048,
+    ) -> None:
+        self._tokenizers = dict(tokenizers or {})
+        self._default = default
         self._offload_chars = offload_chars
 
     def get(self, model: str) -> LocalTokenizer | None:
-        return self._tokenizers.get(model)
+        return self._tokenizers.get(model, self._default)
 
     async def tokenize(self, model: str, item: TokenizeInput, *, base_url: str | None = None) -> list[int]:
-        tok = self._tokenizers.get(model)
+        tok = self.get(model)
         if tok is None:
             raise TokenizerError(f"no local tokenizer configured for model {model!r}")
         if isinstance(item, PromptInput) and item.token_ids is not None:
