@@ -1,0 +1,205 @@
+"""`kvgate bench tokenizer`: cost per request, remote vs local, cold vs cached.
+
+Workload: multi-turn chats sharing one system prompt; request k of a conversation
+carries its whole history. The remote side is a real HTTP server on loopback in
+its own process (tokenizer.stub_server: vLLM's /tokenize shapes, LocalTokenizer
+inside), reached through RemoteTokenizer. "Cold" is no cache; "cached" is
+CachedTokenizer starting empty on the same workload. Every cached answer is
+checked against the uncached one.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry
+
+from tokenizer import testdata
+from tokenizer.build_testdata import corpus
+from tokenizer.cache import CachedTokenizer
+from tokenizer.local import LocalBackend, LocalTokenizer
+from tokenizer.remote import RemoteOptions, RemoteTokenizer
+from tokenizer.segments import Segmenter
+from tokenizer.types import ChatInput, Tokenizer
+
+MODEL = "bench-model"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument("--conversations", type=int, default=16)
+    parser.add_argument("--turns", type=int, default=8, help="user turns per conversation")
+    parser.add_argument("--system-lines", type=int, default=60, help="lines of generated text in the system prompt")
+    parser.add_argument("--message-lines", type=int, default=4, help="lines per user or assistant message")
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--repeat", type=int, default=3, help="passes per path; the median pass is reported")
+    parser.add_argument("--concurrency", type=int, default=16, help="requests in flight for the throughput pass")
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    name: str
+    mean_ms: float
+    p50_ms: float
+    p99_ms: float
+    outputs: list[list[int]]
+
+
+def workload(conversations: int, turns: int, system_lines: int, message_lines: int, seed: int) -> list[ChatInput]:
+    """Requests in arrival order: turn by turn, conversations interleaved."""
+    lines = iter(corpus(seed=seed, lines=system_lines + 2 * conversations * turns * message_lines + 1))
+    take = lambda n: "\n".join(next(lines) for _ in range(n))  # noqa: E731
+    system = {"role": "system", "content": take(system_lines)}
+    histories = [[system] for _ in range(conversations)]
+    requests = []
+    for _ in range(turns):
+        for history in histories:
+            history.append({"role": "user", "content": take(message_lines)})
+            requests.append(ChatInput(messages=tuple(history)))
+            history.append({"role": "assistant", "content": take(message_lines)})  # the engine's reply, unseen before
+    random.Random(seed).shuffle(requests[: len(histories)])  # first turns in a mixed order
+    return requests
+
+
+async def measure(name: str, tokenize: Callable[[ChatInput], Awaitable[list[int]]], requests: list[ChatInput]) -> Run:
+    times = []
+    outputs = []
+    for item in requests:
+        t0 = time.perf_counter()
+        outputs.append(await tokenize(item))
+        times.append((time.perf_counter() - t0) * 1000)
+    times.sort()
+    return Run(name, statistics.fmean(times), times[len(times) // 2], times[min(len(times) - 1, int(len(times) * 0.99))], outputs)
+
+
+async def throughput(tokenize: Callable[[ChatInput], Awaitable[list[int]]], requests: list[ChatInput], concurrency: int) -> float:
+    """Wall-clock ms per request with `concurrency` requests in flight, in arrival order."""
+    queue = iter(requests)
+
+    async def worker() -> None:
+        for item in queue:
+            await tokenize(item)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(max(1, concurrency))))
+    return (time.perf_counter() - t0) * 1000 / len(requests)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_server(port: int) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tokenizer.stub_server", "--port", str(port), "--model", MODEL],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError("the /tokenize server exited at start-up")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return proc
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("the /tokenize server did not start within 30 s")
+
+
+async def _bench(args: argparse.Namespace, url: str) -> dict:
+    local = LocalTokenizer.from_path(testdata.path())
+    segmenters = {MODEL: Segmenter.from_local(local)}
+    requests = workload(args.conversations, args.turns, args.system_lines, args.message_lines, args.seed)
+    warmup = workload(2, 2, 5, 1, args.seed + 1)
+    options = RemoteOptions(total_timeout_s=30, attempt_timeout_s=10)
+
+    backends: dict[str, Tokenizer] = {
+        "remote cold": RemoteTokenizer({MODEL: url}, options=options),
+        "remote cached": CachedTokenizer(
+            RemoteTokenizer({MODEL: url}, options=options), segmenters=segmenters, registry=CollectorRegistry()
+        ),
+        "local cold": LocalBackend({MODEL: local}),
+        "local cached": CachedTokenizer(LocalBackend({MODEL: local}), segmenters=segmenters, registry=CollectorRegistry()),
+    }
+
+    async def reset(backend: Tokenizer) -> None:
+        for item in warmup:  # connection set up, template compiled: not what "cold" means here
+            await backend.tokenize(MODEL, item)
+        if isinstance(backend, CachedTokenizer):
+            backend.clear()
+            backend.tokens_cached = backend.tokens_total = 0
+
+    # Paths take turns pass by pass, so a burst of load from elsewhere on the machine hits them alike.
+    passes: dict[str, list[Run]] = {name: [] for name in backends}
+    rates: dict[str, list[float]] = {name: [] for name in backends}
+    hit_ratio = 0.0
+    for _ in range(max(1, args.repeat)):
+        for name, backend in backends.items():
+            await reset(backend)
+            passes[name].append(await measure(name, lambda item, b=backend: b.tokenize(MODEL, item), requests))
+            if name == "remote cached":
+                hit_ratio = backend.hit_ratio
+        for name, backend in backends.items():
+            await reset(backend)
+            rates[name].append(await throughput(lambda item, b=backend: b.tokenize(MODEL, item), requests, args.concurrency))
+    for backend in backends.values():
+        await backend.aclose()
+    median = {name: sorted(p, key=lambda r: r.mean_ms)[len(p) // 2] for name, p in passes.items()}
+    per_request = {name: statistics.median(r) for name, r in rates.items()}
+    remote_cold, remote_cached, local_cold, local_cached = (median[n] for n in backends)
+    runs = [remote_cold, remote_cached, local_cold, local_cached]
+    mismatches = sum(
+        1 for ps in passes.values() for r in ps for got, want in zip(r.outputs, remote_cold.outputs) if got != want
+    )
+    tokens = [len(o) for o in remote_cold.outputs]
+    return {
+        "requests": len(requests),
+        "mean_tokens_per_request": round(statistics.fmean(tokens), 1),
+        "max_tokens_per_request": max(tokens),
+        "remote_cold_ms": round(remote_cold.mean_ms, 3),
+        "remote_cached_ms": round(remote_cached.mean_ms, 3),
+        "local_cold_ms": round(local_cold.mean_ms, 3),
+        "local_cached_ms": round(local_cached.mean_ms, 3),
+        "remote_speedup": round(remote_cold.mean_ms / remote_cached.mean_ms, 2),
+        "local_speedup": round(local_cold.mean_ms / local_cached.mean_ms, 2),
+        "cache_hit_rate": round(hit_ratio, 4),
+        "mismatches": mismatches,
+        "concurrency": args.concurrency,
+        "remote_cold_throughput_ms": round(per_request["remote cold"], 3),
+        "remote_cached_throughput_ms": round(per_request["remote cached"], 3),
+        "runs": {r.name: {"mean_ms": round(r.mean_ms, 3), "p50_ms": round(r.p50_ms, 3), "p99_ms": round(r.p99_ms, 3),
+                          "throughput_ms": round(per_request[r.name], 3)} for r in runs},
+    }
+
+
+def main(args: argparse.Namespace) -> int:
+    port = _free_port()
+    server = _start_server(port)
+    try:
+        result = asyncio.run(_bench(args, f"http://127.0.0.1:{port}"))
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"{result['requests']} chat requests, {result['mean_tokens_per_request']} tokens on average "
+              f"(max {result['max_tokens_per_request']}); per-request cost:")
+        print(f"{'path':<15}{'mean ms':>10}{'p50 ms':>10}{'p99 ms':>10}{f'ms/req @{args.concurrency}':>14}")
+        for name, r in result["runs"].items():
+            print(f"{name:<15}{r['mean_ms']:>10.3f}{r['p50_ms']:>10.3f}{r['p99_ms']:>10.3f}{r['throughput_ms']:>14.3f}")
+        print(f"cached vs cold: remote {result['remote_speedup']}x, local {result['local_speedup']}x; "
+              f"tokens served from cache {result['cache_hit_rate']:.1%}; mismatches {result['mismatches']}")
+    return 0 if result["mismatches"] == 0 else 1
