@@ -191,7 +191,7 @@ def plot(report: dict, path: str) -> None:
 
 def main(args: argparse.Namespace) -> int:
     quick = args.quick
-    seeds = args.seeds or (1 if quick else 3)
+    seeds = (1 if quick else 3) if args.seeds is None else args.seeds
     if seeds < 1 or args.jobs < 1:
         print("kvgate bench routing: --seeds and --jobs must be >= 1", file=sys.stderr)
         return 2

@@ -1,0 +1,90 @@
+"""The routing benchmark on a tiny workload: determinism, the event path into the real index,
+the report's JSON shape, the plot."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from bench import routing as bench
+from bench import routing_workloads as workloads
+from bench.routing_sim import ORACLE, Policy, run
+
+TINY = workloads.Shape(name="T", groups=6, prompts_per_group=3, context_tokens=96, question_tokens=40,
+                       output_tokens=20, pods=3, capacity_ratio=0.73, peak_rps=120.0, ramp=(0.3, 1.0),
+                       stage_s=0.6)
+
+
+@pytest.fixture(scope="module")
+def tiny() -> workloads.Workload:
+    return workloads.build(TINY, seed=7)
+
+
+def test_workload_is_a_function_of_shape_and_seed(tiny):
+    again = workloads.build(TINY, seed=7)
+    other = workloads.build(TINY, seed=8)
+    assert again == tiny
+    assert other.requests != tiny.requests
+    assert len(tiny.requests) > 20
+    arrivals = [r.arrival for r in tiny.requests]
+    assert arrivals == sorted(arrivals)
+    assert tiny.working_set_blocks == 6 * (96 // 16) + 6 * 3 * (136 // 16 - 96 // 16)
+    assert 0 < tiny.compulsory_hit_rate < 1
+
+
+@pytest.mark.parametrize("policy", [Policy("kv-sync@delay50ms+loss1%", "kv-sync", 0.05, 0.01),
+                                    Policy("prefix-cache", "prefix-cache"), Policy(ORACLE, ORACLE)])
+def test_same_seed_same_numbers(tiny, policy):
+    a = run(tiny, policy, seed=3)
+    b = run(tiny, policy, seed=3)
+    assert a == b
+    assert a.requests == len(tiny.requests)
+
+
+def test_index_is_fed_by_decoded_events(tiny):
+    r = run(tiny, Policy("kv-sync", "kv-sync"), seed=1)
+    assert r.batches_published > 0
+    assert r.batches_decoded == r.batches_published and r.batches_lost == 0
+    assert r.index_stats["entries"] > 0
+    assert r.index_stats["block_sizes"] == {"sim-model": workloads.BLOCK_SIZE}
+    assert r.index_stats["skipped"] == {}  # every event decoded and applied cleanly
+
+
+def test_lost_batches_never_reach_the_index(tiny):
+    r = run(tiny, Policy("lossy", "kv-sync", delay_s=0.5, loss=0.3), seed=1)
+    assert r.batches_lost > 0
+    assert r.batches_decoded + r.batches_lost == r.batches_published
+    assert r.requests == len(tiny.requests)
+
+
+def test_no_policy_beats_the_compulsory_miss_bound(tiny):
+    for p in bench.policies():
+        r = run(tiny, p, seed=2)
+        assert r.hit_rate <= tiny.compulsory_hit_rate + 1e-9, p.name
+        assert r.max_over_mean_running >= 1.0
+        assert 0 < r.ttft_p50_s <= r.ttft_p90_s
+
+
+def test_report_json_shape_and_plot(tmp_path):
+    chosen = (Policy("random", "random"), Policy("kv-sync", "kv-sync"), Policy(ORACLE, ORACLE))
+    report = json.loads(json.dumps(bench.run_all([TINY], seeds=2, jobs=1, chosen=chosen)))
+    pols = report["workloads"]["T"]["policies"]
+    assert list(pols) == ["random", "kv-sync", ORACLE]
+    for m in pols.values():
+        assert set(bench.METRICS) <= set(m)
+        assert all(isinstance(m[k], float) for k in bench.METRICS)
+    assert report["workloads"]["T"]["seeds"] == 2
+    assert "T: kv-sync hit rate within 5 points of oracle" in report["targets"]
+    assert "random" in bench.format_table(report)
+    png = tmp_path / "r.png"
+    bench.plot(report, str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_arguments():
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    args = p.parse_args(["--quick", "--json", "--plot", "", "--workload", "W2"])
+    assert args.quick and args.json and args.plot == "" and args.workload == ["W2"]
+    assert bench.main(argparse.Namespace(quick=True, json=True, seeds=0, jobs=1, plot="", workload=None)) == 2
