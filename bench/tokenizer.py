@@ -3,7 +3,8 @@
 Workload: multi-turn chats sharing one system prompt; request k of a conversation
 carries its whole history. The remote side is a real HTTP server on loopback in
 its own process (tokenizer.stub_server: vLLM's /tokenize shapes, LocalTokenizer
-inside), reached through RemoteTokenizer. "Cold" is no cache; "cached" is
+inside; or, by default, the simulated engine `kvgate sim`), reached through
+RemoteTokenizer. "Cold" is no cache; "cached" is
 CachedTokenizer starting empty on the same workload. Every cached answer is
 checked against the uncached one.
 """
@@ -41,6 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--system-lines", type=int, default=60, help="lines of generated text in the system prompt")
     parser.add_argument("--message-lines", type=int, default=4, help="lines per user or assistant message")
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--server", choices=("sim", "stub"), default="sim",
+                        help="the /tokenize server: the simulated engine (default) or tokenizer.stub_server")
     parser.add_argument("--repeat", type=int, default=3, help="passes per path; the median pass is reported")
     parser.add_argument("--concurrency", type=int, default=16, help="requests in flight for the throughput pass")
 
@@ -100,11 +103,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_server(port: int) -> subprocess.Popen:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tokenizer.stub_server", "--port", str(port), "--model", MODEL],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
+def _start_server(port: int, kind: str = "stub") -> subprocess.Popen:
+    if kind == "sim":
+        cmd = [sys.executable, "-m", "plugin.cli", "sim", "--port", str(port), "--model", MODEL, "--no-kv-events",
+               "--tokenizer", str(testdata.path())]
+    else:
+        cmd = [sys.executable, "-m", "tokenizer.stub_server", "--port", str(port), "--model", MODEL]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -186,16 +191,17 @@ async def _bench(args: argparse.Namespace, url: str) -> dict:
 
 def main(args: argparse.Namespace) -> int:
     port = _free_port()
-    server = _start_server(port)
+    server = _start_server(port, args.server)
     try:
         result = asyncio.run(_bench(args, f"http://127.0.0.1:{port}"))
+        result["server"] = args.server
     finally:
         server.terminate()
         server.wait(timeout=10)
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"{result['requests']} chat requests, {result['mean_tokens_per_request']} tokens on average "
+        print(f"/tokenize server: {args.server}; {result['requests']} chat requests, {result['mean_tokens_per_request']} tokens on average "
               f"(max {result['max_tokens_per_request']}); per-request cost:")
         print(f"{'path':<15}{'mean ms':>10}{'p50 ms':>10}{'p99 ms':>10}{f'ms/req @{args.concurrency}':>14}")
         for name, r in result["runs"].items():

@@ -255,3 +255,10 @@ async def test_default_segmenter_applies_to_unlisted_models(local) -> None:
             item = ChatInput(messages=(system, {"role": "user", "content": q}))
             assert await cached.tokenize(model, item) == local.encode_chat(item)
     assert sum("Common preamble" in c.text for c in inner.calls) == 2  # once per model: pieces are keyed by model
+
+
+def test_lru_skips_ids_that_do_not_fit_32_bits() -> None:
+    lru = ByteLRU(max_bytes=10_000, max_entry_bytes=10_000)
+    lru.put("big", [1 << 40], 3)
+    lru.put("neg", [-1], 3)
+    assert lru.get("big") is None and lru.get("neg") is None and lru.bytes == 0

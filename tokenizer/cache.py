@@ -60,7 +60,10 @@ class ByteLRU:
         return hit[0]
 
     def put(self, key: Hashable, ids: Sequence[int], key_bytes: int) -> None:
-        values = array("l", ids)
+        try:
+            values = array("I", ids)  # token ids fit in 32 bits: half the memory of Python's default
+        except (OverflowError, TypeError):
+            return
         cost = key_bytes + values.itemsize * len(values) + _ENTRY_OVERHEAD
         if cost > self.max_entry_bytes or cost > self.max_bytes:
             return
