@@ -50,10 +50,11 @@ def endpoint_specs(pods: list[Pod]) -> list[EndpointSpec]:
     return specs
 
 
-def _tokenizer(settings: Settings, registry: CollectorRegistry) -> Tokenizer:
+def _tokenizer(settings: Settings, registry: CollectorRegistry, models: list[str]) -> Tokenizer:
+    """The configured backend behind the exact cache; the local files (if any) serve every model."""
     local = LocalTokenizer.from_path(settings.tokenizer_path) if settings.tokenizer_path else None
     if settings.tokenizer == "local":
-        inner: Tokenizer = LocalBackend(default=local)
+        inner: Tokenizer = LocalBackend({m: local for m in models})
     else:
         timeout = settings.tokenizer_timeout_s
         inner = RemoteTokenizer(options=RemoteOptions(total_timeout_s=timeout,
@@ -61,8 +62,8 @@ def _tokenizer(settings: Settings, registry: CollectorRegistry) -> Tokenizer:
                                 registry=registry)
     if settings.tokenizer_cache_mb == 0:
         return inner
-    segmenter = Segmenter.from_local(local) if local is not None else None
-    return CachedTokenizer(inner, default_segmenter=segmenter,
+    segmenters = {m: Segmenter.from_local(local) for m in models} if local is not None else {}
+    return CachedTokenizer(inner, segmenters=segmenters,
                            options=CacheOptions(max_bytes=settings.tokenizer_cache_mb << 20), registry=registry)
 
 
@@ -90,17 +91,23 @@ class App:
         self.engines = EngineMetrics(self.pods, metrics=self.routing_metrics)
         self.router = Router(self.pods, default_strategy=s.routing_strategy, counts=counts, index=self.index,
                              engines=self.engines, metrics=self.routing_metrics)
-        self.tokenizer = _tokenizer(s, self.registry)
+        self.tokenizer = _tokenizer(s, self.registry, self._initial_models())
         self.gateway_metrics = GatewayMetrics(self.registry)
         self.processor = ExternalProcessor(Gateway(
             router=self.router, registry=self.pods, tokenizer=self.tokenizer, metrics=self.gateway_metrics,
             default_strategy=s.routing_strategy, max_body_bytes=s.max_body_bytes,
             tokenizer_timeout_s=s.tokenizer_timeout_s, tokenizer_url=s.tokenizer_url or None,
-            target_pod_header=s.target_pod_header))
+            target_pod_header=s.target_pod_header, reachable=lambda name: self.engines.get(name) is not None))
         self.pods.add_listener(self._on_pods)
         self._grpc: grpc.aio.Server | None = None
         self._http: web.AppRunner | None = None
         self.health = health.aio.HealthServicer()
+
+    def _initial_models(self) -> list[str]:
+        try:
+            return sorted({m for p in self.source.load() for m in (p.model, *p.lora)}) if hasattr(self.source, "load") else []
+        except Exception:
+            return []
 
     def _on_pods(self, added: list[Pod], removed: list[Pod]) -> None:
         # Subscriptions and index entries follow pods in and out of discovery.

@@ -13,7 +13,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -57,6 +57,8 @@ class Gateway:
     tokenizer_timeout_s: float
     tokenizer_url: str | None = None
     target_pod_header: bool = True
+    # Whether a pod's engine answered lately (its /metrics scrape); None: no such knowledge.
+    reachable: Callable[[str], bool] | None = None
 
 
 class _FallbackLog:
@@ -187,6 +189,9 @@ class _Stream:
 
     async def _route_any(self, mutation: pb.HeaderMutation) -> pb.ProcessingResponse:
         pods = [p for p in self.gw.registry.pods() if p.ready]
+        if self.gw.reachable is not None:
+            # Prefer engines seen alive: a pod whose engine is down would answer 503.
+            pods = [p for p in pods if self.gw.reachable(p.name)] or pods
         if not pods:
             return self._error(ClientError(503, "no ready pod", type_="service_unavailable", code="no_ready_pod"))
         pod = pods[hash(self.request_id) % len(pods)]

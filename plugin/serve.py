@@ -45,4 +45,5 @@ def main(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per scrape and tokenize call is noise
     return asyncio.run(_serve(settings))

