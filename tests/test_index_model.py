@@ -1,0 +1,222 @@
+"""PrefixIndex equals a brute-force model of every engine's cache after long random event
+sequences: stores (duplicates, orphans, LoRA, mixed media), removals, clears, restarts, pods
+leaving, over two models with data-parallel ranks and engines with different hash functions."""
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass, field
+
+import pytest
+
+from kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvcache.index import PrefixIndex
+
+MODELS = {"m4": 4, "m2": 2}  # model -> block size
+PODS = {"p0": ("m4", 2), "p1": ("m4", 1), "p2": ("m4", 1), "p3": ("m2", 2), "p4": ("m2", 1)}  # pod -> (model, ranks)
+LORAS = (None, "a", "b")
+MEDIA = ("GPU", "CPU")
+VOCAB = 3  # tiny vocabulary: prefixes are shared often
+
+
+@dataclass
+class Engine:
+    """One (pod, rank)'s cache as the engine sees it."""
+    seed: int
+    # engine hash -> (identity, media held, visible to the router); identity = (scope, lora,
+    # prefix tokens), scope the model for a known chain or "orphanN" for a chain under an unknown parent
+    blocks: dict = field(default_factory=dict)
+    stores: list = field(default_factory=list)  # events sent, for duplicates
+
+    def engine_hash(self, identity):
+        scope, lora, prefix = identity
+        # like vLLM, the engine's hash does not include the model: models may share hashes
+        what = (lora, prefix) if scope in MODELS else identity
+        d = hashlib.blake2b(repr((self.seed, what)).encode(), digest_size=32).digest()
+        kind = self.seed  # vLLM's three hash shapes: uint64, 32 raw bytes, signed int (< 0.10.2)
+        if kind == 0:
+            return int.from_bytes(d[-8:], "big")
+        if kind == 1:
+            return d
+        return int.from_bytes(d[:8], "big", signed=True)
+
+
+class Fleet:
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+        self.engines = {(p, r): Engine(rng.randrange(3)) for p, (_, n) in PODS.items() for r in range(n)}
+        self.learned: set[str] = set()
+        self.fake = 0
+
+    def model(self, pod):
+        return PODS[pod][0]
+
+    # --- events: each returns (pod, rank, events) for the index -----------------------------
+
+    def store(self, pod, rank):
+        rng, eng = self.rng, self.engines[(pod, rank)]
+        model = self.model(pod)
+        bs = MODELS[model]
+        held = [(h, b) for h, b in eng.blocks.items()]
+        n = rng.randint(1, 4)
+        choice = rng.random()
+        if choice < 0.06:  # parent nobody ever published (events lost before we subscribed)
+            self.fake += 1
+            scope, lora, prefix = f"orphan{self.fake}", rng.choice(LORAS), ()
+            parent, visible = eng.engine_hash((scope, lora, prefix)), False
+        elif held and choice < 0.6:
+            parent, ((scope, lora, prefix), _, visible) = rng.choice(held)
+        else:
+            parent, scope, lora, prefix, visible = None, model, rng.choice(LORAS), (), True
+        tokens, hashes = [], []
+        medium = rng.choice(MEDIA + (None,))
+        for _ in range(n):
+            block = tuple(rng.randrange(VOCAB) for _ in range(bs))
+            prefix = prefix + block
+            identity = (scope, lora, prefix)
+            h = eng.engine_hash(identity)
+            hashes.append(h)
+            tokens.extend(block)
+            _, media, _ = eng.blocks.get(h, (identity, set(), visible))
+            media.add(medium or "GPU")
+            eng.blocks[h] = (identity, media, visible)
+        ev = BlockStored(tuple(hashes), parent, tuple(tokens), bs, None, medium, lora)
+        eng.stores.append(ev)
+        self.learned.add(model)
+        return [ev]
+
+    def duplicate(self, pod, rank):
+        """A store sent again (replay overlap) or the same blocks offloaded to another medium."""
+        eng = self.engines[(pod, rank)]
+        ok = [e for e in eng.stores if (e.parent_block_hash is None or e.parent_block_hash in eng.blocks)
+              and all(h in eng.blocks for h in e.block_hashes)]
+        if not ok:
+            return []
+        ev = self.rng.choice(ok)
+        medium = self.rng.choice(MEDIA)
+        for h in ev.block_hashes:
+            eng.blocks[h][1].add(medium)
+        return [BlockStored(ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size, None, medium,
+                            ev.lora_name)]
+
+    def remove(self, pod, rank):
+        rng, eng = self.rng, self.engines[(pod, rank)]
+        if not eng.blocks or rng.random() < 0.05:
+            return [BlockRemoved((rng.getrandbits(64),), "GPU")]  # a hash we never saw
+        out = []
+        for h in rng.sample(sorted(eng.blocks, key=repr), min(len(eng.blocks), rng.randint(1, 3))):
+            identity, media, visible = eng.blocks[h]
+            m = rng.choice(sorted(media))
+            media.discard(m)
+            if not media:
+                del eng.blocks[h]
+            out.append(BlockRemoved((h,), None if m == "GPU" and rng.random() < 0.5 else m))
+        return out
+
+    def clear(self, pod, rank):
+        self.engines[(pod, rank)] = Engine(self.engines[(pod, rank)].seed)
+        return [AllBlocksCleared()]
+
+    def restart(self, pod, rank):
+        self.engines[(pod, rank)] = Engine(self.rng.randrange(3))  # a new process may hash differently
+
+    # --- the brute-force answer --------------------------------------------------------------
+
+    def visible(self, pod, rank):
+        """(identity, medium) the router can know of."""
+        return {(ident, m) for ident, media, vis in self.engines[(pod, rank)].blocks.values() if vis for m in media}
+
+    def expect(self, model, lora, tokens, pods):
+        bs = MODELS[model] if model in self.learned else None
+        total = len(tokens) // bs if bs else 0
+        ids = [(model, lora, tuple(tokens[: (i + 1) * bs])) for i in range(total)]
+        out = {}
+        for p in pods:
+            options = []
+            if p in PODS and PODS[p][0] == model:
+                for r in range(PODS[p][1]):
+                    vis = self.visible(p, r)
+                    held_any = {i for i, _ in vis}
+                    run = _run(ids, held_any)
+                    by_medium = {m: _run(ids, {i for i, mm in vis if mm == m}) for m in MEDIA}
+                    options.append((run, sum(by_medium.values()), {m: n for m, n in by_medium.items() if n}))
+            best = max(options, key=lambda o: o[:2], default=(0, 0, {}))
+            if best[0] == 0:
+                best = (0, 0, {})
+            out[p] = (best[0], [o[2] for o in options if o[:2] == best[:2]] or [{}], total)
+        return out
+
+    def entries(self):
+        return sum(len(self.visible(p, r)) for (p, r) in self.engines)
+
+    def query(self):
+        rng = self.rng
+        model = rng.choice(list(MODELS))
+        bs = MODELS[model]
+        pool = [ident for (p, r), e in self.engines.items() for ident, _, vis in e.blocks.values()
+                if vis and ident[0] == model]
+        if pool and rng.random() < 0.9:
+            _, lora, prefix = rng.choice(pool)
+        else:
+            lora, prefix = rng.choice(LORAS), ()
+        tokens = list(prefix) + [rng.randrange(VOCAB) for _ in range(rng.randrange(3 * bs))]
+        pods = rng.sample(list(PODS) + ["ghost"], rng.randint(1, len(PODS) + 1))
+        return model, lora, tokens, pods
+
+
+def _run(ids, held):
+    n = 0
+    for i in ids:
+        if i not in held:
+            break
+        n += 1
+    return n
+
+
+def check(ix: PrefixIndex, fleet: Fleet, queries: int) -> None:
+    assert ix.stats()["entries"] == fleet.entries()
+    for _ in range(queries):
+        model, lora, tokens, pods = fleet.query()
+        got = ix.match(model, lora, tokens, pods)
+        want = fleet.expect(model, lora, tokens, pods)
+        assert set(got) == set(pods)
+        for p in pods:
+            blocks, by_medium_options, total = want[p]
+            assert (got[p].blocks, got[p].total_blocks) == (blocks, total), (p, model, lora, tokens)
+            assert got[p].by_medium in by_medium_options, (p, got[p], by_medium_options)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_index_equals_brute_force_model(seed):
+    rng = random.Random(seed)
+    fleet = Fleet(rng)
+    ix = PrefixIndex(max_entries=10**9)
+    slots = list(fleet.engines)
+    for step in range(2500):
+        pod, rank = rng.choice(slots)
+        model = fleet.model(pod)
+        x = rng.random()
+        if x < 0.45:
+            events = fleet.store(pod, rank)
+        elif x < 0.55:
+            events = fleet.duplicate(pod, rank)
+        elif x < 0.9:
+            events = fleet.remove(pod, rank)
+        elif x < 0.95:
+            events = fleet.clear(pod, rank)
+        elif x < 0.98:
+            fleet.restart(pod, rank)
+            ix.drop(pod, rank)
+            continue
+        else:
+            for r in range(PODS[pod][1]):
+                fleet.restart(pod, r)
+            ix.remove_pod(pod)
+            continue
+        if rng.random() < 0.3:  # several events in one batch
+            events = events + fleet.store(pod, rank)
+        ix.apply(pod, model, rank, events)
+        if step % 100 == 99:
+            check(ix, fleet, 20)
+    check(ix, fleet, 200)
+    assert ix.stats()["skipped"].get("unknown_parent_blocks", 0) > 0
