@@ -127,3 +127,16 @@ def test_log_throttle_logs_once_per_interval(caplog) -> None:
 async def test_backend_default_serves_every_model(local) -> None:
     backend = LocalBackend(default=local)
     assert await backend.tokenize("any-model", PromptInput(text="hi")) == local.encode_prompt("hi")
+
+
+def test_chat_template_kwargs_override_like_vllm(local) -> None:
+    msgs = ({"role": "user", "content": "x"},)
+    overridden = ChatInput(messages=msgs, chat_template_kwargs={"add_generation_prompt": False})
+    assert local.render_chat(overridden) == local.render_chat(ChatInput(messages=msgs, add_generation_prompt=False))
+    with pytest.raises(ValueError, match="chat_template_kwargs"):
+        local.render_chat(ChatInput(messages=msgs, chat_template_kwargs=["nope"]))  # type: ignore[arg-type]
+
+
+def test_unencodable_text_is_a_value_error(local) -> None:
+    with pytest.raises(ValueError, match="cannot encode"):
+        local.encode_prompt("a\ud800b")

@@ -215,3 +215,15 @@ def test_options_reject_bad_values() -> None:
         RemoteOptions(total_timeout_s=0)
     with pytest.raises(ValueError):
         RemoteOptions(max_retries=-1)
+
+
+async def test_unencodable_request_is_a_tokenizer_error() -> None:
+    remote = RemoteTokenizer({MODEL: "http://127.0.0.1:9"}, options=FAST)
+    try:
+        with pytest.raises(TokenizerError, match="JSON"):
+            await remote.tokenize(MODEL, PromptInput(text="a\ud800"))
+        with pytest.raises(TokenizerError, match="JSON"):
+            await remote.tokenize(MODEL, ChatInput(messages=({"role": "user", "content": "x"},),
+                                                   tools=({"x": float("nan")},)))
+    finally:
+        await remote.aclose()

@@ -57,31 +57,34 @@ class LocalTokenizer:
     def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):
             raise ValueError(f"prompt must be a string, got {type(text).__name__}")
-        with self._lock:
-            return list(self._tok(text, add_special_tokens=add_special_tokens)["input_ids"])
-
-    def render_chat(self, item: ChatInput) -> str:
-        """The chat template applied to `item`: the text vLLM would tokenize. Raises ValueError on bad input."""
-        if item.add_generation_prompt and item.continue_final_message:
-            raise ValueError("cannot set both continue_final_message and add_generation_prompt")
-        messages = [_text_message(i, m) for i, m in enumerate(item.messages)]
-        kwargs = dict(item.chat_template_kwargs or {})
-        for reserved in ("tokenize", "conversation", "messages", "tools", "chat_template"):
-            kwargs.pop(reserved, None)
         try:
             with self._lock:
-                text = self._tok.apply_chat_template(
-                    messages,
-                    tools=list(item.tools) if item.tools else None,
-                    chat_template=item.chat_template,
-                    add_generation_prompt=item.add_generation_prompt,
-                    continue_final_message=item.continue_final_message,
-                    tokenize=False,
-                    **kwargs,
-                )
-        except ValueError:
-            raise
-        except Exception as e:  # jinja2 errors, templates calling raise_exception, ...
+                return list(self._tok(text, add_special_tokens=add_special_tokens)["input_ids"])
+        except Exception as e:  # e.g. lone surrogates, which the Rust tokenizer cannot take
+            raise ValueError(f"cannot encode the text: {type(e).__name__}: {e}") from e
+
+    def render_chat(self, item: ChatInput) -> str:
+        """The chat template applied to `item`: the text vLLM would tokenize. Raises ValueError on bad input.
+
+        As in vLLM, chat_template_kwargs are applied last and may override the request's own fields.
+        """
+        messages = [_text_message(i, m) for i, m in enumerate(item.messages)]
+        kwargs: dict[str, Any] = {
+            "tools": list(item.tools) if item.tools else None,
+            "chat_template": item.chat_template,
+            "add_generation_prompt": item.add_generation_prompt,
+            "continue_final_message": item.continue_final_message,
+        }
+        extra = item.chat_template_kwargs or {}
+        if not isinstance(extra, Mapping):
+            raise ValueError("chat_template_kwargs must be an object")
+        kwargs.update((k, v) for k, v in extra.items() if k not in ("tokenize", "conversation", "messages", "return_dict"))
+        if kwargs["add_generation_prompt"] and kwargs["continue_final_message"]:
+            raise ValueError("cannot set both continue_final_message and add_generation_prompt")
+        try:
+            with self._lock:
+                text = self._tok.apply_chat_template(messages, tokenize=False, **kwargs)
+        except Exception as e:  # jinja2 errors, templates calling raise_exception, bad kwargs, ...
             raise ValueError(f"chat template failed: {type(e).__name__}: {e}") from e
         if not isinstance(text, str):
             raise ValueError("chat template did not render to a string")

@@ -22,6 +22,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from tokenizer.types import ChatInput, PromptInput, TokenizeInput, TokenizerError
 
+_JSON_HEADERS = {"content-type": "application/json"}
+
 
 @dataclass(frozen=True, slots=True)
 class RemoteOptions:
@@ -91,7 +93,10 @@ class RemoteTokenizer:
         base = self._endpoints.get(model) or (base_url.rstrip("/") if base_url else None)
         if not base:
             raise TokenizerError(f"no tokenizer endpoint for model {model!r}: none configured and no ready pod given")
-        body = request_body(model, item)
+        try:
+            body = json.dumps(request_body(model, item), ensure_ascii=False, allow_nan=False).encode("utf-8")
+        except (TypeError, ValueError) as e:  # UnicodeEncodeError (lone surrogates) is a ValueError
+            raise TokenizerError(f"the request cannot be sent as JSON: {e}") from None
         url = f"{base}/tokenize"
         started = time.monotonic()
         deadline = started + self._options.total_timeout_s
@@ -116,11 +121,11 @@ class RemoteTokenizer:
             self._metrics.seconds.observe(time.monotonic() - started)
             return ids
 
-    async def _attempt(self, url: str, body: dict[str, Any], timeout_s: float) -> list[int]:
+    async def _attempt(self, url: str, body: bytes, timeout_s: float) -> list[int]:
         if timeout_s <= 0:
             raise _Retryable("no time left")
         try:
-            resp = await self._client.post(url, json=body, timeout=timeout_s)
+            resp = await self._client.post(url, content=body, headers=_JSON_HEADERS, timeout=timeout_s)
         except httpx.TimeoutException:
             self._metrics.attempts.labels("timeout").inc()
             raise _Retryable(f"timed out after {timeout_s * 1000:.0f} ms") from None
