@@ -107,6 +107,7 @@ class Subscriber:
         self._recent: dict[int, int] = {}  # seq -> hash(payload) of batches a live message may repeat
         self._catch_up_on_connect = False
         self._unverified = False  # reconnected, and no replay could confirm the stream continues
+        self._lost_range = (0, 0)  # seqs declared lost on this connection: late live copies are stale
         self._yield_at = 0.0
         self.connected = False
         self.counts: Counter[str] = Counter()
@@ -129,6 +130,7 @@ class Subscriber:
         self._last = None
         self._recent = {}
         self._unverified = False
+        self._lost_range = (0, 0)
 
     # --- main loop ----------------------------------------------------------
 
@@ -193,6 +195,7 @@ class Subscriber:
                 self.connected = False
                 self._connected_g.set(0)
                 self._catch_up_on_connect = True
+                self._lost_range = (0, 0)
                 self._m.disconnections.labels(*self._labels).inc()
                 log.warning("kv events %s rank %d: disconnected from %s", self.spec.pod, self.spec.rank,
                             self.spec.pub_endpoint)
@@ -222,6 +225,9 @@ class Subscriber:
     async def _on_live(self, seq: int, payload: bytes) -> None:
         self._m.batches_received.labels(*self._labels, "live").inc()
         last = self._last
+        if last is not None and seq <= last and self._lost_range[0] <= seq < self._lost_range[1]:
+            self._duplicate()  # queued before a replay that jumped past it; already declared lost
+            return
         if last is not None and seq <= last and not self._is_duplicate(seq, payload):
             await self._engine_restarted(f"live seq went back from {last} to {seq}")
         elif last is not None and seq > last + 1:
@@ -312,6 +318,7 @@ class Subscriber:
 
     def _lost(self, first: int, upto: int) -> None:
         n = upto - first
+        self._lost_range = (first, upto)
         self.counts["missed_batches"] += n
         self._m.missed.labels(*self._labels).inc(n)
         log.warning("kv events %s rank %d: batches %d..%d are lost (not received, engine no longer holds them);"

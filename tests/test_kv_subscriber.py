@@ -126,10 +126,11 @@ async def test_replays_history_then_follows_live(harness, generation):
 async def test_dropped_messages_are_replayed_in_order(harness, generation):
     make, engine = harness
     e = engine(generation=generation)
+    e.publish(0)
     sink, manager = make()
     manager.sync([e.spec])
-    await until(lambda: status(manager)["connected"])
-    e.publish(0, 1)
+    await until(lambda: sink.hashes() == [0])  # the start replay is done: what follows is live
+    e.publish(1)
     e.pub.drop_next(3)
     e.publish(2, 3, 4, 5, 6)
     e.pub.drop_next(1)
@@ -144,10 +145,11 @@ async def test_dropped_messages_are_replayed_in_order(harness, generation):
 async def test_gap_larger_than_replay_buffer_drops_then_rebuilds(harness, generation):
     make, engine = harness
     e = engine(generation=generation, buffer_steps=2)
+    e.publish(0)
     sink, manager = make()
     manager.sync([e.spec])
-    await until(lambda: status(manager)["connected"])
-    e.publish(0, 1, 2)
+    await until(lambda: sink.hashes() == [0])  # the start replay is done: what follows is live
+    e.publish(1, 2)
     await until(lambda: len(sink.hashes()) == 3)
     e.pub.drop_next(5)
     e.publish(3, 4, 5, 6, 7, 8)  # 3..7 lost live; the buffer only holds 7, 8
@@ -414,3 +416,45 @@ async def test_subscriber_bug_restarts_the_stream_from_replay(harness, monkeypat
     assert manager.metrics.errors.labels("subscriber")._value.get() == 1
     e.publish(3)
     await until(lambda: sink.after_last_drop() == [0, 1, 2, 3])
+
+
+async def test_live_batch_older_than_a_jumping_replay_is_stale_not_a_restart():
+    """The replay answers from seq 5 while live seq 3 (same engine) is still queued: 3 is stale."""
+    ctx = zmq.Context()
+    pub_port, replay_port = free_port(), free_port()
+    pub, router = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
+    pub.bind(f"tcp://127.0.0.1:{pub_port}")
+    router.bind(f"tcp://127.0.0.1:{replay_port}")
+
+    def batch(n):
+        return msgpack.packb([1.0, [["BlockStored", [n], None, [n], 1, None, "GPU", None]], 0])
+
+    def live(seq, n):
+        pub.send_multipart([b"", seq.to_bytes(8, "big"), batch(n)])
+
+    def serve():
+        if router.poll(5000):
+            client, _, _ = router.recv_multipart()
+            for _ in range(5):  # the SUB is connected; its subscription reaches the PUB shortly
+                live(3, 3)
+                time.sleep(0.05)
+            for seq in (5, 6):
+                router.send_multipart([client, b"", seq.to_bytes(8, "big"), batch(seq)])
+            router.send_multipart([client, b"", END_SEQ, b""])
+            live(7, 7)
+
+    t = threading.Thread(target=serve)
+    t.start()
+    sink = RecordingSink()
+    manager = SubscriberManager(sink, SubscriberOptions(replay_timeout=2.0))
+    try:
+        manager.sync([EndpointSpec("p", "m", "127.0.0.1", pub_port, replay_port, 0)])
+        await until(lambda: sink.hashes() == [5, 6, 7])
+        st = status(manager)
+        assert sink.drops() == 1 and st["missed_batches"] == 5 and st["duplicates"] >= 1 and st["errors"] == 0
+    finally:
+        await manager.aclose()
+        t.join()
+        pub.close(0)
+        router.close(0)
+        ctx.term()
