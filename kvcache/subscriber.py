@@ -89,6 +89,7 @@ class _ReplayFailed(Exception):
         self.reason = reason
 
 
+_ERROR_LOG_EVERY = 10.0  # s between two log lines for the same kind of error
 _MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
 
 
@@ -109,6 +110,7 @@ class Subscriber:
         self._unverified = False  # reconnected, and no replay could confirm the stream continues
         self._lost_range = (0, 0)  # seqs declared lost on this connection: late live copies are stale
         self._yield_at = 0.0
+        self._error_log: dict[str, tuple[float, int]] = {}  # kind -> (last logged, suppressed since)
         self.connected = False
         self.counts: Counter[str] = Counter()
         self._connected_g = metrics.connected.labels(*self._labels)
@@ -341,7 +343,15 @@ class Subscriber:
     def _error(self, kind: str, what: str, exc_info: bool = False) -> None:
         self.counts["errors"] += 1
         self._m.errors.labels(kind).inc()
-        log.warning("kv events %s rank %d: %s (%s)", self.spec.pod, self.spec.rank, what, kind, exc_info=exc_info)
+        now = time.monotonic()
+        last_logged, suppressed = self._error_log.get(kind, (-_ERROR_LOG_EVERY, 0))
+        if now - last_logged < _ERROR_LOG_EVERY:  # a publisher sending garbage must not flood the log
+            self._error_log[kind] = (last_logged, suppressed + 1)
+            return
+        self._error_log[kind] = (now, 0)
+        more = f"; {suppressed} more since the last report" if suppressed else ""
+        log.warning("kv events %s rank %d: %s (%s%s)", self.spec.pod, self.spec.rank, what, kind, more,
+                    exc_info=exc_info)
 
     async def _apply(self, seq: int, payload: bytes) -> None:
         started = time.perf_counter()

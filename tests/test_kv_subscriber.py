@@ -245,7 +245,7 @@ async def test_silent_replay_endpoint_does_not_block_live_events(harness):
 
 
 @pytest.mark.parametrize("generation", GENERATIONS)
-async def test_garbage_is_counted_and_skipped_connection_stays_up(harness, generation):
+async def test_garbage_is_counted_and_skipped_connection_stays_up(harness, generation, caplog):
     make, engine = harness
     e = engine(generation=generation)
     sink, manager = make()
@@ -264,6 +264,7 @@ async def test_garbage_is_counted_and_skipped_connection_stays_up(harness, gener
     assert manager.metrics.errors.labels("decode")._value.get() == 1
     assert manager.metrics.events_skipped.labels("unknown_tag")._value.get() == 1
     assert manager.metrics.events_skipped.labels("malformed_event")._value.get() == 1
+    assert sum("(frame" in r.getMessage() for r in caplog.records) == 1  # two bad frames, one log line
 
 
 async def test_garbage_replay_frames_are_skipped():
