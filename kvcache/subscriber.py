@@ -69,7 +69,7 @@ class SubscriberOptions:
     reconnect_max: float = 30.0  # ... up to this
     heartbeat_interval: float = 5.0  # s between ZMTP pings; 0 disables dead-peer detection
     heartbeat_timeout: float = 15.0  # s without traffic before the connection counts as dead
-    rcv_hwm: int = 10_000  # live batches queued in the SUB socket at most
+    rcv_hwm: int = 10_000  # batches queued in the SUB (and replay DEALER) socket at most
     apply_chunk: int = 512  # events per sink.apply call
     tick_budget: float = 0.005  # s of ingestion work before yielding the event loop
 
@@ -404,6 +404,8 @@ class Subscriber:
             dealer.setsockopt(zmq.IPV6, 1)
             dealer.setsockopt(zmq.LINGER, 0)
             dealer.setsockopt(zmq.RECONNECT_IVL, 50)
+            # vLLM's ROUTER drops replies beyond its send queue (1000): take them off it quickly.
+            dealer.setsockopt(zmq.RCVHWM, self._opt.rcv_hwm)
             dealer.connect(endpoint)
             await dealer.send_multipart((b"", start.to_bytes(8, "big")))
             while True:

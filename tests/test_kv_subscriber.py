@@ -459,3 +459,16 @@ async def test_live_batch_older_than_a_jumping_replay_is_stale_not_a_restart():
         pub.close(0)
         router.close(0)
         ctx.term()
+
+
+async def test_replay_longer_than_the_routers_send_queue_arrives_whole(harness):
+    make, engine = harness
+    e = engine(generation="0.33")
+    n = 3000  # vLLM's ROUTER queues 1000 replies per peer before dropping
+    for i in range(n):
+        e.pub.publish([BlockRemoved((i,))])
+    sink, manager = make()
+    manager.sync([e.spec])
+    await until(lambda: len(sink.log) >= n, timeout=30)
+    assert [x[4].block_hashes[0] for x in sink.log] == list(range(n))
+    assert status(manager)["missed_batches"] == 0
