@@ -10,7 +10,7 @@ import msgpack
 import pytest
 import zmq
 
-from kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvcache.events import BlockRemoved, BlockStored
 from kvcache.metrics import KVEventMetrics
 from kvcache.publisher import END_SEQ, EventPublisher
 from kvcache.subscriber import EndpointSpec, SubscriberManager, SubscriberOptions
