@@ -22,9 +22,8 @@ class ApproxPrefixTable:
         """One key per full block, each chained on the previous so equal keys mean equal prefixes."""
         keys = []
         prev = hash((model, lora))
-        bs = self.block_size
-        for start in range(0, len(token_ids) - bs + 1, bs):
-            prev = hash((prev, tuple(token_ids[start:start + bs])))
+        for block in zip(*[iter(token_ids)] * self.block_size):  # full blocks only
+            prev = hash((prev, block))
             keys.append(prev)
         return keys
 

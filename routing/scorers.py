@@ -60,19 +60,22 @@ class PrecisePrefixScorer:
     def __init__(self, index: PrefixSource, medium_weights: Mapping[str, float] | None = None,
                  other_medium_weight: float = 0.8) -> None:
         self._index = index
-        self._weights = dict(medium_weights or {"GPU": 1.0, "CPU": 0.8})
-        self._other = other_medium_weight
+        weights = {m.upper(): w for m, w in (medium_weights or {"GPU": 1.0, "CPU": 0.8}).items()}
+        self._ranked = sorted(weights.items(), key=lambda kv: -kv[1])
+        self._floor = min([other_medium_weight, *weights.values()])
 
     def weighted_blocks(self, blocks: int, by_medium: Mapping[str, int]) -> float:
         # Credit blocks to the best medium holding them first; what is left counts at the lowest weight.
+        if blocks <= 0:
+            return 0.0
         score = 0.0
         covered = 0
-        for medium, w in sorted(self._weights.items(), key=lambda kv: -kv[1]):
-            n = min(by_medium.get(medium.upper(), by_medium.get(medium, 0)), blocks - covered)
+        for medium, w in self._ranked:
+            n = min(by_medium.get(medium, 0), blocks - covered)
             if n > 0:
                 score += n * w
                 covered += n
-        return score + (blocks - covered) * min([self._other, *self._weights.values()])
+        return score + (blocks - covered) * self._floor
 
     def score(self, ctx: PickContext, pods: Sequence[Pod]) -> dict[str, float]:
         tokens = ctx.request.token_ids

@@ -186,9 +186,9 @@ async def test_redis_killed_and_restarted_under_load(redis_server):
         before = picks["ok"]
         await until(lambda: not ca.up and not cb.up)
         await until(lambda: picks["ok"] > before + 100)
-        assert not ca.up and not cb.up
+        assert not ca.up and not cb.up, (ca.snapshot(), cb.snapshot())
         redis_server.start()  # empty: every gateway must republish its counts
-        await until(lambda: ca.up and cb.up)
+        assert await until(lambda: ca.up and cb.up), (ca.snapshot(), cb.snapshot())
         stop.set()
         held_a, held_b = await asyncio.gather(*tasks)
         assert picks["ok"] > before + 100
@@ -202,7 +202,7 @@ async def test_redis_killed_and_restarted_under_load(redis_server):
         expected = {}
         for d in held_a + held_b:
             expected[d.pod.name] = expected.get(d.pod.name, 0) + 1
-        assert ca.totals() == cb.totals() == expected
+        assert ca.totals() == cb.totals() == expected, (ca.snapshot(), cb.snapshot(), expected)
         for d in held_a:
             await ra.release(d)
         for d in held_b:
