@@ -472,3 +472,59 @@ async def test_replay_longer_than_the_routers_send_queue_arrives_whole(harness):
     await until(lambda: len(sink.log) >= n, timeout=30)
     assert [x[4].block_hashes[0] for x in sink.log] == list(range(n))
     assert status(manager)["missed_batches"] == 0
+
+
+class BlackholeProxy:
+    """TCP proxy whose existing connections can go silent without closing, as a crashed host does."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.dead: set[int] = set()
+        self.generation = 0
+        self.tasks: list[asyncio.Task] = []
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        return self.server.sockets[0].getsockname()[1]
+
+    def blackhole(self) -> None:
+        self.dead.add(self.generation)
+        self.generation += 1
+
+    async def _handle(self, reader, writer):
+        gen = self.generation
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+
+        async def pipe(src, dst):
+            while data := await src.read(65536):
+                if gen not in self.dead:
+                    dst.write(data)
+                    await dst.drain()
+
+        self.tasks += [asyncio.create_task(pipe(reader, up_writer)), asyncio.create_task(pipe(up_reader, writer))]
+
+    async def close(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        self.server.close()
+
+
+async def test_silent_dead_connection_is_detected_by_heartbeat_and_repaired(harness):
+    make, engine = harness
+    e = engine()
+    proxy = BlackholeProxy(e.pub_port)
+    port = await proxy.start()
+    try:
+        sink, manager = make()
+        manager.sync([EndpointSpec("p", "m", "127.0.0.1", port, e.replay_port, 0)])
+        await until(lambda: status(manager)["connected"])
+        e.publish(0)
+        await until(lambda: sink.hashes() == [0])
+        proxy.blackhole()  # no FIN, no RST: only missing heartbeats reveal it
+        e.publish(1, 2)
+        await until(lambda: manager.metrics.disconnections.labels("p", "0")._value.get() >= 1)
+        await until(lambda: sink.hashes() == [0, 1, 2])  # reconnected through the proxy, replayed
+        assert sink.drops() == 0
+    finally:
+        await proxy.close()
