@@ -258,3 +258,33 @@ def test_url_handling():
     with pytest.raises(ValueError, match="KVGATE_REDIS_URL") as e:
         RedisCounts("http://:topsecret@127.0.0.1:1")
     assert "topsecret" not in str(e.value)
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl not installed")
+async def test_tls_url(tmp_path):
+    """rediss:// with the server's CA given in the URL (redis-py's ssl_ca_certs query option)."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True, timeout=30)
+    port = free_port()
+    proc = subprocess.Popen(["redis-server", "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
+                             "--tls-cert-file", str(cert), "--tls-key-file", str(key), "--tls-ca-cert-file", str(cert),
+                             "--tls-auth-clients", "no", "--save", "", "--appendonly", "no"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={cert}"
+        a, b = RedisCounts(url, "tls-a", **FAST), RedisCounts(url, "tls-b", **FAST)
+        a.add("p0", 2)
+        deadline = time.monotonic() + 10
+        while not await a.flush() and time.monotonic() < deadline:
+            if proc.poll() is not None:
+                pytest.skip("this redis-server has no TLS support")
+            await asyncio.sleep(0.05)
+        await b.refresh()
+        assert b.totals() == {"p0": 2}
+        await a.close()
+        await b.close()
+    finally:
+        proc.kill()
+        proc.wait(5)
