@@ -101,9 +101,11 @@ def _immediate(err: ClientError, request_id: str) -> pb.ProcessingResponse:
 class _Stream:
     """The state of one HTTP request's ext_proc stream."""
 
-    def __init__(self, gw: Gateway, fallback_log: _FallbackLog) -> None:
+    def __init__(self, gw: Gateway, fallback_log: _FallbackLog, answers: dict) -> None:
         self.gw = gw
         self.fallback_log = fallback_log
+        # Routed answers by (pod, endpoint, strategy): built once, never mutated, shared by streams.
+        self.answers = answers
         self.path = ""
         self.method = ""
         self.strategy: str | None = None
@@ -151,14 +153,20 @@ class _Stream:
         token_ids = await self._tokens(request, strategy)
         self.decision = await self.gw.router.pick(RouteRequest(
             model=request.model, token_ids=token_ids, strategy=strategy, request_id=self.request_id))
-        m = self.gw.metrics
-        m.decision_seconds.labels(self.decision.strategy).observe(time.perf_counter() - started)
-        m.decisions.labels(self.decision.strategy, self.decision.pod.name).inc()
-        m.requests.labels(self.kind, "routed").inc()
-        if self.decision.total_blocks:
-            m.prefix_blocks.labels("total").inc(self.decision.total_blocks)
-            m.prefix_blocks.labels("cached").inc(self.decision.matched_blocks)
-        return self._routed(self.decision.pod, self.decision.strategy, body=True)
+        m, d = self.gw.metrics, self.decision
+        m.child(m.decision_seconds, d.strategy).observe(time.perf_counter() - started)
+        m.child(m.decisions, d.strategy, d.pod.name).inc()
+        m.child(m.requests, self.kind, "routed").inc()
+        if d.total_blocks:
+            m.child(m.prefix_blocks, "total").inc(d.total_blocks)
+            m.child(m.prefix_blocks, "cached").inc(d.matched_blocks)
+        key = (d.pod.name, d.pod.endpoint, d.strategy)
+        response = self.answers.get(key)
+        if response is None:
+            if len(self.answers) > 4096:  # pods churn: keep the memo bounded
+                self.answers.clear()
+            response = self.answers[key] = self._routed(d.pod, d.strategy, body=True)
+        return response
 
     # --- helpers ----------------------------------------------------------------------
     async def _tokens(self, request: InferenceRequest, strategy: str) -> list[int] | None:
@@ -236,10 +244,11 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     def __init__(self, gw: Gateway) -> None:
         self.gw = gw
         self._fallback_log = _FallbackLog()
+        self._answers: dict = {}
         self._releases: set[asyncio.Task] = set()
 
     async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest], context) -> AsyncIterator[pb.ProcessingResponse]:  # noqa: N802
-        stream = _Stream(self.gw, self._fallback_log)
+        stream = _Stream(self.gw, self._fallback_log, self._answers)
         self.gw.metrics.active_streams.inc()
         how = "completed"
         try:

@@ -8,6 +8,7 @@ _LATENCY_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 
 
 class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
+        self._children: dict[tuple, object] = {}
         self.requests = Counter(
             "kvgate_requests", "Requests seen by the ext_proc server, by path kind and outcome",
             ["kind", "outcome"], registry=registry)
@@ -34,3 +35,11 @@ class GatewayMetrics:
         self.released = Counter(
             "kvgate_requests_released", "Routed requests whose HTTP stream ended, by how it ended",
             ["how"], registry=registry)
+
+    def child(self, metric, *labels: str):
+        """`metric.labels(*labels)`, memoised: labels() costs a lock and a dict lookup per call."""
+        key = (id(metric), labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
