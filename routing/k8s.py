@@ -265,8 +265,13 @@ class KubernetesSource:
                 if relist:
                     await self._list()
                     relist = False
+                started = asyncio.get_running_loop().time()
                 await self._watch()  # ends when the server closes the watch (timeoutSeconds): watch again
-                backoff = self._cfg.backoff_min_s
+                if asyncio.get_running_loop().time() - started < 1.0:  # a server ending watches at once: no busy loop
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, self._cfg.backoff_max_s)
+                else:
+                    backoff = self._cfg.backoff_min_s
             except asyncio.CancelledError:
                 raise
             except _Gone:
