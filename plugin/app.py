@@ -27,6 +27,7 @@ from routing.metrics import RoutingMetrics
 from routing.pods import Pod
 from routing.registry import PodRegistry
 from routing.router import Router
+from routing.strategies import StrategyConfig, parse_weights
 from tokenizer.cache import CachedTokenizer, CacheOptions
 from tokenizer.local import LocalBackend, LocalTokenizer
 from tokenizer.remote import RemoteOptions, RemoteTokenizer
@@ -81,16 +82,21 @@ class App:
                                                             label_selector=s.k8s_label_selector),
                                            metrics=self.routing_metrics)
         else:
-            self.source = StaticSource(s.pods_file, s.pods, metrics=self.routing_metrics)
+            self.source = StaticSource(s.pods_file, s.pods, poll_interval_s=s.pods_poll_s, metrics=self.routing_metrics)
         self.index = PrefixIndex(max_entries=s.index_max_entries)
         self.subscriptions = SubscriberManager(self.index, SubscriberOptions(
             replay_timeout=s.kv_events_replay_timeout_s, reconnect_initial=s.kv_events_backoff_min_s,
             reconnect_max=s.kv_events_backoff_max_s), KVEventMetrics(self.registry))
-        counts: RunningCounts = (RedisCounts(s.redis_url, s.gateway_id, metrics=self.routing_metrics)
+        counts: RunningCounts = (RedisCounts(s.redis_url, s.gateway_id, ttl_s=s.redis_key_ttl_s,
+                                             heartbeat_s=s.redis_key_ttl_s / 5, metrics=self.routing_metrics)
                                  if s.redis_url else LocalCounts())
-        self.engines = EngineMetrics(self.pods, metrics=self.routing_metrics)
+        self.engines = EngineMetrics(self.pods, interval_s=s.engine_metrics_interval_s, metrics=self.routing_metrics)
+        strategy_config = StrategyConfig(guard_abs_slack=s.routing_guard_slack, guard_rel_slack=s.routing_guard_ratio,
+                                         approx_block_size=s.prefix_cache_block_size,
+                                         approx_capacity=s.prefix_cache_blocks,
+                                         weights=parse_weights(s.routing_weights))
         self.router = Router(self.pods, default_strategy=s.routing_strategy, counts=counts, index=self.index,
-                             engines=self.engines, metrics=self.routing_metrics)
+                             engines=self.engines, config=strategy_config, metrics=self.routing_metrics)
         self.tokenizer = _tokenizer(s, self.registry, self._initial_models())
         self.gateway_metrics = GatewayMetrics(self.registry)
         self.processor = ExternalProcessor(Gateway(

@@ -95,9 +95,25 @@ VARIABLES: tuple[Variable, ...] = (
              "Kubernetes API URL (empty: in-cluster service account)."),
     Variable("KVGATE_ROUTING_STRATEGY", "routing_strategy", _choice(*STRATEGIES), "kv-sync",
              "Default strategy; a request may choose another with the `routing-strategy` header."),
+    Variable("KVGATE_ROUTING_WEIGHTS", "routing_weights", _text, "",
+             "Scorer weights laid over the defaults: `kv-sync:prefix=3,load=2,queue=1;prefix-cache:...` "
+             "(scorers: prefix, approx-prefix, load, queue, kv-util; 0 removes one)."),
+    Variable("KVGATE_ROUTING_GUARD_SLACK", "routing_guard_slack", _int_range(0, 1_000_000), 8,
+             "Load guard: a pod running this many more requests than the least loaded one is set aside..."),
+    Variable("KVGATE_ROUTING_GUARD_RATIO", "routing_guard_ratio", _positive_float, 0.5,
+             "...or this fraction of the least loaded one's count, whichever is larger."),
+    Variable("KVGATE_PREFIX_CACHE_BLOCK_SIZE", "prefix_cache_block_size", _int_range(1, 4096), 16,
+             "Block size of the `prefix-cache` strategy's own guesses (kv-sync learns it from events)."),
+    Variable("KVGATE_PREFIX_CACHE_BLOCKS", "prefix_cache_blocks", _int_range(1, 1 << 32), 200_000,
+             "Most blocks the `prefix-cache` strategy remembers."),
+    Variable("KVGATE_ENGINE_METRICS_INTERVAL_S", "engine_metrics_interval_s", _positive_float, 1.0,
+             "How often each pod's `/metrics` is scraped (queue length, KV utilisation, liveness)."),
+    Variable("KVGATE_PODS_POLL_S", "pods_poll_s", _positive_float, 1.0, "How often KVGATE_PODS_FILE is checked for changes."),
     Variable("KVGATE_REDIS_URL", "redis_url", _redis_url, "",
              "Redis for running-request counts shared by gateway replicas (`redis://`, `rediss://`); "
              "empty: in-process counts.", secret=True),
+    Variable("KVGATE_REDIS_KEY_TTL_S", "redis_key_ttl_s", _positive_float, 5.0,
+             "A gateway that stops heartbeating has its counts expire after this long (heartbeat: a fifth of it)."),
     Variable("KVGATE_GATEWAY_ID", "gateway_id", _text, "",
              "This replica's name in Redis (empty: host name and process id)."),
     Variable("KVGATE_TOKENIZER", "tokenizer", _choice("remote", "local"), "remote",
@@ -138,7 +154,15 @@ class Settings:
     k8s_label_selector: str = "model.aibrix.ai/name"
     k8s_api_url: str = ""
     routing_strategy: str = "kv-sync"
+    routing_weights: str = ""
+    routing_guard_slack: int = 8
+    routing_guard_ratio: float = 0.5
+    prefix_cache_block_size: int = 16
+    prefix_cache_blocks: int = 200_000
+    engine_metrics_interval_s: float = 1.0
+    pods_poll_s: float = 1.0
     redis_url: str = ""
+    redis_key_ttl_s: float = 5.0
     gateway_id: str = ""
     tokenizer: str = "remote"
     tokenizer_path: str = ""
@@ -175,6 +199,12 @@ class Settings:
         return settings
 
     def _check(self) -> None:
+        from routing.strategies import parse_weights
+
+        try:
+            parse_weights(self.routing_weights)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if self.discovery == "static" and not (self.pods_file or self.pods):
             raise ConfigError("KVGATE_PODS_FILE or KVGATE_PODS: one is required with KVGATE_DISCOVERY=static")
         if self.tokenizer == "local" and not self.tokenizer_path:
