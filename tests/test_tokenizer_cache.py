@@ -19,6 +19,7 @@ from tokenizer.types import ChatInput, PromptInput, TokenizerError
 MODEL = "m"
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
 # Fragments that sit next to special tokens in awkward ways: partial markers, spaces, newlines, bytes of multi-byte chars.
+NO_VERIFY = CacheOptions(verify_requests=0)
 FRAGMENTS = SPECIALS + ["<|im_", "start|>", "<|", "|>", "<", ">", "|", " ", "  ", "\n", "\n\n", "'s", "é", "😀", "a", "ab", "hello", "world", "0", "42", ".", "{\"", "tool"]
 
 text_st = st.lists(st.one_of(st.sampled_from(FRAGMENTS), st.text(max_size=8)), max_size=25).map("".join)
@@ -40,9 +41,11 @@ class CountingBackend(LocalBackend):
         return await super().tokenize(model, item, base_url=base_url)
 
 
-def make_cached(local: LocalTokenizer, **kw) -> tuple[CachedTokenizer, CountingBackend]:
+def make_cached(local: LocalTokenizer, max_bytes: int = 1 << 26) -> tuple[CachedTokenizer, CountingBackend]:
+    """No verification calls: every answer is assembled from pieces, which is what these tests check."""
     inner = CountingBackend({MODEL: local})
-    return CachedTokenizer(inner, segmenters={MODEL: Segmenter.from_local(local)}, **kw), inner
+    options = CacheOptions(max_bytes=max_bytes, verify_requests=0)
+    return CachedTokenizer(inner, segmenters={MODEL: Segmenter.from_local(local)}, options=options), inner
 
 
 def run(coro):
@@ -52,7 +55,7 @@ def run(coro):
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(texts=st.lists(text_st, min_size=1, max_size=6), add_special=st.booleans())
 def test_prompts_match_uncached(local: LocalTokenizer, texts: list[str], add_special: bool) -> None:
-    cached, _ = make_cached(local, options=CacheOptions(max_bytes=4096))  # small: eviction happens too
+    cached, _ = make_cached(local, max_bytes=4096)  # small: eviction happens too
 
     async def go():
         for t in texts + texts[::-1]:
@@ -70,7 +73,7 @@ def test_prompts_match_uncached(local: LocalTokenizer, texts: list[str], add_spe
     tools=st.sampled_from([None, ({"type": "function", "function": {"name": "f<|im_end|>", "parameters": {}}},)]),
 )
 def test_multi_turn_chats_match_uncached(local, conversation, gen, kwargs, tools) -> None:
-    cached, _ = make_cached(local, options=CacheOptions(max_bytes=64 * 1024))
+    cached, _ = make_cached(local, max_bytes=64 * 1024)
 
     async def go():
         for turn in range(1, len(conversation) + 1):
@@ -149,7 +152,7 @@ def test_separator_inside_piece_falls_back_to_one_call_per_piece(local) -> None:
             return [sep_id if i == 67 else i for i in ids]  # "a" encodes to the separator's id
 
     inner = Weird({MODEL: local})
-    cached = CachedTokenizer(inner, segmenters={MODEL: Segmenter.from_local(local)})
+    cached = CachedTokenizer(inner, segmenters={MODEL: Segmenter.from_local(local)}, options=NO_VERIFY)
     item = PromptInput(text="a b<|im_end|>c a", add_special_tokens=False)
     expected = [sep_id if i == 67 else i for i in local.encode_prompt(item.text, False)]
     assert run(cached.tokenize(MODEL, item)) == expected
@@ -210,7 +213,7 @@ def test_metaspace_always_with_template_processing_is_exact(tmp_path) -> None:
     post = TemplateProcessing(single="<x> $A <x>", special_tokens=[("<x>", 3)])
     local = _tokenizer_with(tmp_path / "always", pre_tokenizers.Metaspace(prepend_scheme="always"), post=post)
     seg = Segmenter.from_local(local)
-    cached = CachedTokenizer(LocalBackend({MODEL: local}), segmenters={MODEL: seg})
+    cached = CachedTokenizer(LocalBackend({MODEL: local}), segmenters={MODEL: seg}, options=NO_VERIFY)
     for text in ["ab<x>ba", "<x><x>a", "a b <x> b a", ""]:
         for special in (True, False):
             assert run(cached.tokenize(MODEL, PromptInput(text=text, add_special_tokens=special))) == \
@@ -224,7 +227,7 @@ async def test_concurrent_misses_of_one_piece_are_fetched_once(local) -> None:
             return await super().tokenize(model, item, base_url=base_url)
 
     inner = Slow({MODEL: local})
-    cached = CachedTokenizer(inner, segmenters={MODEL: Segmenter.from_local(local)})
+    cached = CachedTokenizer(inner, segmenters={MODEL: Segmenter.from_local(local)}, options=NO_VERIFY)
     system = {"role": "system", "content": "Shared instructions. " * 40}
     items = [ChatInput(messages=(system, {"role": "user", "content": f"q{i}"})) for i in range(8)]
     results = await asyncio.gather(*(cached.tokenize(MODEL, it) for it in items))
@@ -248,7 +251,7 @@ async def test_failed_fetch_reaches_every_waiter(local) -> None:
 async def test_default_segmenter_applies_to_unlisted_models(local) -> None:
     inner = CountingBackend({})
     inner._default = local
-    cached = CachedTokenizer(inner, default_segmenter=Segmenter.from_local(local))
+    cached = CachedTokenizer(inner, default_segmenter=Segmenter.from_local(local), options=NO_VERIFY)
     system = {"role": "system", "content": "Common preamble. " * 20}
     for model in ("a", "b"):
         for q in ("x", "y"):
@@ -262,3 +265,32 @@ def test_lru_skips_ids_that_do_not_fit_32_bits() -> None:
     lru.put("big", [1 << 40], 3)
     lru.put("neg", [-1], 3)
     assert lru.get("big") is None and lru.get("neg") is None and lru.bytes == 0
+
+
+async def test_local_files_that_are_not_the_engines_turn_pieces_off(local, tmp_path, caplog) -> None:
+    import shutil
+
+    other = tmp_path / "other"
+    shutil.copytree(testdata.path(), other, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+    config = json.loads((other / "tokenizer_config.json").read_text())
+    config["chat_template"] = config["chat_template"].replace("<|im_start|>' + message['role']", "<|im_start|>' + 'x'")
+    (other / "tokenizer_config.json").write_text(json.dumps(config))
+    wrong = Segmenter.from_local(LocalTokenizer.from_path(other))
+    registry = CollectorRegistry()
+    inner = CountingBackend({MODEL: local})
+    cached = CachedTokenizer(inner, segmenters={MODEL: wrong}, registry=registry)
+    for q in ("a", "b", "c"):
+        item = ChatInput(messages=({"role": "user", "content": q},))
+        assert await cached.tokenize(MODEL, item) == local.encode_chat(item)
+    assert registry.get_sample_value("kvgate_tokenizer_cache_piece_mismatches_total") == 1
+    assert "not add up" in caplog.text
+    assert all(isinstance(c, ChatInput) for c in inner.calls[-2:])  # whole requests after the mismatch
+
+
+async def test_matching_files_are_verified_then_trusted(local) -> None:
+    inner = CountingBackend({MODEL: local})
+    cached = CachedTokenizer(inner, segmenters={MODEL: Segmenter.from_local(local)}, options=CacheOptions(verify_requests=2))
+    for q in ("a", "b", "c", "d"):
+        item = ChatInput(messages=({"role": "user", "content": q},))
+        assert await cached.tokenize(MODEL, item) == local.encode_chat(item)
+    assert sum(isinstance(c, ChatInput) for c in inner.calls) == 2

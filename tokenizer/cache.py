@@ -15,11 +15,14 @@ Two levels, one byte-bounded LRU:
   multi-turn chat, are then tokenized once.
 The pieces' tokens come from the same backend (the engine's /tokenize, or the local
 tokenizer), tokenized with add_special_tokens=False as the identity requires. The
-local files must be the engine's own (same tokenizer.json and chat template).
+local files must be the engine's own (same tokenizer.json and chat template); the
+first few requests of each model are checked against a whole-request call, and a
+difference turns the piece level off for that model (counted, logged).
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
 from array import array
 from collections import OrderedDict
@@ -31,6 +34,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from tokenizer.segments import Piece, Segmenter, SpecialAffixes, join_pieces
 from tokenizer.types import ChatInput, PromptInput, TokenizeInput, Tokenizer, TokenizerError
 
+log = logging.getLogger(__name__)
+
 _ENTRY_OVERHEAD = 120  # dict slot, OrderedDict links, key tuple, array header
 
 
@@ -38,6 +43,9 @@ _ENTRY_OVERHEAD = 120  # dict slot, OrderedDict links, key tuple, array header
 class CacheOptions:
     max_bytes: int = 64 * 1024 * 1024
     max_entry_bytes: int = 4 * 1024 * 1024  # a larger single entry is not kept
+    # The first requests of each model assembled from pieces are also tokenized whole and compared;
+    # a difference (local files that are not the engine's) turns the piece level off for that model.
+    verify_requests: int = 3
 
 
 class ByteLRU:
@@ -93,6 +101,10 @@ class CacheMetrics:
             "kvgate_tokenizer_cache_hit_ratio", "Fraction of returned tokens served from the cache", registry=registry
         )
         self.bytes = Gauge("kvgate_tokenizer_cache_bytes", "Approximate bytes held by the cache", registry=registry)
+        self.mismatches = Counter(
+            "kvgate_tokenizer_cache_piece_mismatches", "Models whose pieces did not add up to the engine's tokens",
+            registry=registry,
+        )
         self.entries = Gauge("kvgate_tokenizer_cache_entries", "Entries held by the cache", registry=registry)
 
 
@@ -117,6 +129,9 @@ class CachedTokenizer:
         self._default_segmenter = default_segmenter
         self._lru = ByteLRU(options.max_bytes, options.max_entry_bytes)
         self._inflight: dict[tuple[str, str], asyncio.Future[list[int]]] = {}
+        self._verify_requests = options.verify_requests
+        self._verified: dict[str, int] = {}
+        self._mismatched: set[str] = set()
         self._metrics = CacheMetrics(registry if registry is not None else CollectorRegistry())
         self.tokens_cached = 0
         self.tokens_total = 0
@@ -141,7 +156,7 @@ class CachedTokenizer:
             self._count(len(hit), len(hit))
             return hit.tolist()
         self._metrics.lookups.labels("request", "miss").inc()
-        segmenter = self._segmenters.get(model, self._default_segmenter)
+        segmenter = None if model in self._mismatched else self._segmenters.get(model, self._default_segmenter)
         try:
             planned = segmenter.pieces(item) if segmenter is not None else None
         except ValueError as e:
@@ -152,9 +167,22 @@ class CachedTokenizer:
         else:
             pieces, affixes = planned
             ids = await self._from_pieces(model, segmenter, pieces, base_url, affixes)
+            if self._verified.get(model, 0) < self._verify_requests:
+                ids = await self._verify(model, item, base_url, ids)
         self._lru.put(key, ids, sys.getsizeof(key_text))
         self._update_size()
         return ids
+
+    async def _verify(self, model: str, item: TokenizeInput, base_url: str | None, assembled: list[int]) -> list[int]:
+        whole = await self._inner.tokenize(model, item, base_url=base_url)
+        if whole == assembled:
+            self._verified[model] = self._verified.get(model, 0) + 1
+        elif model not in self._mismatched:
+            self._mismatched.add(model)
+            self._metrics.mismatches.inc()
+            log.error("tokenizer cache: pieces of model %r do not add up to the engine's tokens (are the local "
+                      "tokenizer files the engine's?); caching whole requests only for this model", model)
+        return whole
 
     async def _from_pieces(
         self, model: str, segmenter: Segmenter, pieces: list[Piece], base_url: str | None, affixes: SpecialAffixes
