@@ -227,3 +227,26 @@ async def test_unencodable_request_is_a_tokenizer_error() -> None:
                                                    tools=({"x": float("nan")},)))
     finally:
         await remote.aclose()
+
+
+async def test_slow_drip_answer_is_bounded_by_the_attempt_timeout() -> None:
+    async def drip(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"content-type": "application/json"})
+        await resp.prepare(request)
+        for chunk in (b'{"count": 1, ', b'"max_model_len": 9, ', b'"tokens": [1]}'):
+            await resp.write(chunk)
+            await asyncio.sleep(0.15)  # every read is quick; the whole answer is not
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/tokenize", drip)
+    runner, url = await serve(app)
+    options = RemoteOptions(total_timeout_s=0.3, attempt_timeout_s=0.3, max_retries=0)
+    remote = RemoteTokenizer({MODEL: url}, options=options)
+    try:
+        with pytest.raises(TokenizerError, match="timed out"):
+            await asyncio.wait_for(remote.tokenize(MODEL, PromptInput(text="x")), timeout=10)
+    finally:
+        await remote.aclose()
+        await runner.cleanup()

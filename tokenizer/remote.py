@@ -125,8 +125,10 @@ class RemoteTokenizer:
         if timeout_s <= 0:
             raise _Retryable("no time left")
         try:
-            resp = await self._client.post(url, content=body, headers=_JSON_HEADERS, timeout=timeout_s)
-        except httpx.TimeoutException:
+            # httpx bounds each phase (connect, each read); asyncio.timeout bounds the whole attempt.
+            async with asyncio.timeout(timeout_s):
+                resp = await self._client.post(url, content=body, headers=_JSON_HEADERS, timeout=timeout_s)
+        except (httpx.TimeoutException, TimeoutError):
             self._metrics.attempts.labels("timeout").inc()
             raise _Retryable(f"timed out after {timeout_s * 1000:.0f} ms") from None
         except httpx.TransportError as e:
