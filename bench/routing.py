@@ -112,8 +112,8 @@ def run_all(shapes: list[workloads.Shape], seeds: int, jobs: int, chosen: tuple[
 def _shape_dict(s: workloads.Shape) -> dict:
     return {"groups": s.groups, "prompts_per_group": s.prompts_per_group, "context_tokens": s.context_tokens,
             "question_tokens": s.question_tokens, "output_tokens": s.output_tokens, "pods": s.pods,
-            "capacity_ratio": s.capacity_ratio, "peak_rps": s.peak_rps, "ramp": list(s.ramp),
-            "stage_s": s.stage_s, "each_prompt_once": s.each_prompt_once}
+            "capacity_ratio": s.capacity_ratio, "peak_load": s.peak_load, "peak_rps": round(s.peak_rps, 1),
+            "ramp": list(s.ramp), "stage_s": s.stage_s, "each_prompt_once": s.each_prompt_once}
 
 
 def _mean(xs: list[float]) -> float:

@@ -5,12 +5,18 @@ questions) and a Poisson arrival schedule whose rate steps up through a ramp. Bo
 pure function of the shape and the seed, so every policy sees the same requests at the
 same virtual times. KV capacity per pod is set from the working set (every full block of
 every distinct prompt, counted once) divided by the capacity ratio and the pod count.
+The ramp's peak is a fraction (`peak_load`) of the cluster's decode capacity with the
+engines' default timing: pods x max_num_seqs / (output tokens x the step time of a full
+batch). Near it a router that keeps its hits is still below saturation and one that loses
+them is not.
 """
 from __future__ import annotations
 
 import math
 import random
 from dataclasses import dataclass
+
+from sim.engine import EngineConfig
 
 BLOCK_SIZE = 16
 _TOKEN_RANGE = (1000, 60000)  # token ids drawn uniformly: groups never share a block by chance
@@ -26,11 +32,21 @@ class Shape:
     output_tokens: int
     pods: int
     capacity_ratio: float  # working set / cluster KV capacity
-    peak_rps: float
+    peak_load: float  # the ramp's peak rate / decode capacity (see decode_capacity_rps)
     ramp: tuple[float, ...]  # rate of each stage as a fraction of peak_rps
     stage_s: float  # virtual seconds per stage
     each_prompt_once: bool = False  # True: every prompt sent once, shuffled (rate still ramps)
     max_num_seqs: int = 64
+
+    def decode_capacity_rps(self) -> float:
+        """Requests/s the pods finish with full batches (engine default timing, no prefill)."""
+        c = EngineConfig()
+        step = c.tpot_base_s + c.tpot_per_seq_s * self.max_num_seqs
+        return self.pods * self.max_num_seqs / (self.output_tokens * step)
+
+    @property
+    def peak_rps(self) -> float:
+        return self.peak_load * self.decode_capacity_rps()
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,17 +68,18 @@ class Workload:
 
 
 def w1(quick: bool = False) -> Shape:
-    """llm-d's shape at 1/10 lengths: 150 groups x 5 users, 600 + 120 prompt tokens, 100 out."""
-    return Shape(name="W1", groups=150, prompts_per_group=5, context_tokens=600, question_tokens=120,
-                 output_tokens=100, pods=8, capacity_ratio=0.73, peak_rps=260.0,
-                 ramp=(0.05, 0.15, 0.3, 0.45, 0.6, 0.75, 0.9, 1.0), stage_s=2.5 if quick else 6.0)
+    """llm-d's shape at 1/10 lengths: 150 groups x 5 users, 600 + 120 prompt tokens, 100 out;
+    ramp 5% -> 100% of 90% of decode capacity in 8 stages of 6 s (quick: 3 s)."""
+    return Shape(name="W1", groups=150, prompts_per_group=5, context_tokens=600,
+                 question_tokens=120, output_tokens=100, pods=8, capacity_ratio=0.73, peak_load=0.9,
+                 ramp=(0.05, 0.15, 0.3, 0.45, 0.6, 0.75, 0.9, 1.0), stage_s=3.0 if quick else 6.0)
 
 
 def w2(quick: bool = False) -> Shape:
     """SGLang's generated-shared-prefix shape: 64 groups x 16 prompts, 2048 + 128 prompt tokens,
-    256 out; each prompt once (quick: 32 groups)."""
+    256 out; each prompt once, in 4 equal steps up to 90% of decode capacity (quick: 32 groups)."""
     return Shape(name="W2", groups=32 if quick else 64, prompts_per_group=16, context_tokens=2048,
-                 question_tokens=128, output_tokens=256, pods=8, capacity_ratio=0.73, peak_rps=60.0,
+                 question_tokens=128, output_tokens=256, pods=8, capacity_ratio=0.73, peak_load=0.9,
                  ramp=(0.25, 0.5, 0.75, 1.0), stage_s=0.0, each_prompt_once=True)
 
 

@@ -12,7 +12,7 @@ from bench import routing_workloads as workloads
 from bench.routing_sim import ORACLE, Policy, run
 
 TINY = workloads.Shape(name="T", groups=6, prompts_per_group=3, context_tokens=96, question_tokens=40,
-                       output_tokens=20, pods=3, capacity_ratio=0.73, peak_rps=120.0, ramp=(0.3, 1.0),
+                       output_tokens=20, pods=3, capacity_ratio=0.73, peak_load=0.2, ramp=(0.3, 1.0),
                        stage_s=0.6)
 
 
