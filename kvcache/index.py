@@ -29,6 +29,7 @@ from kvcache.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStore
 log = logging.getLogger(__name__)
 
 DEFAULT_MEDIUM = "GPU"  # what vLLM before 0.10.2 (medium None) means
+_TOUCH_BACKLOG = 1 << 16  # matched keys remembered before apply() moves them to most recent
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,8 +57,7 @@ class PrefixIndex:
         self._one_slot: dict[int, int] = {}  # 1 << b -> its shared object
         self._pod_bits: dict[str, int] = {}  # pod -> OR of its slots' bits
         self._entries = 0  # set bits over every medium dict
-        self._touched: list[list[int]] = []  # matched keys, moved to most recent lazily
-        self._touched_len = 0
+        self._touched: set[int] = set()  # keys matched since the last flush: moved to most recent lazily
         self._skipped: Counter[str] = Counter()
         self._evicted = 0
 
@@ -65,7 +65,7 @@ class PrefixIndex:
 
     def apply(self, pod: str, model: str, rank: int, events: Sequence[KVEvent]) -> None:
         """Apply one (pod, rank)'s events in order. Bad events are logged, counted and skipped."""
-        if self._touched:
+        if len(self._touched) > _TOUCH_BACKLOG:
             self._flush_touches()
         bit = self._slot_bit(pod, rank)
         keys_of = self._keys_of.get(model)
@@ -377,24 +377,22 @@ class PrefixIndex:
     # --- recency of matched keys -------------------------------------------------------------
 
     def _touch(self, keys: list[int]) -> None:
-        if keys:
-            self._touched.append(keys)
-            self._touched_len += len(keys)
-            if self._touched_len > 1 << 16:  # nobody applied events for a while: bound the backlog
-                self._flush_touches()
+        """Remember matched keys; they become most recent at the next eviction or backlog flush, so
+        a match pays only a set update."""
+        touched = self._touched
+        touched.update(keys)
+        if len(touched) > 2 * _TOUCH_BACKLOG:  # matches but no events for a long while: forget
+            touched.clear()
 
     def _flush_touches(self) -> None:
-        """Move matched keys to most recent, deepest first so a chain's root is the most recent."""
         media = [d for d in self._held.values() if d]
-        for keys in self._touched:
-            for held in media:
-                pop = held.pop
-                for k in reversed(keys):
-                    m = pop(k, 0)
-                    if m:
-                        held[k] = m
+        for held in media:
+            pop = held.pop
+            for k in self._touched:
+                m = pop(k, 0)
+                if m:
+                    held[k] = m
         self._touched.clear()
-        self._touched_len = 0
 
 
 def _record(runs: dict[int, int], dropped: int, i: int) -> None:
