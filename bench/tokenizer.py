@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--server", choices=("sim", "stub"), default="sim",
                         help="the /tokenize server: the simulated engine (default) or tokenizer.stub_server")
-    parser.add_argument("--repeat", type=int, default=3, help="passes per path; the median pass is reported")
+    parser.add_argument("--repeat", type=int, default=5, help="passes per path; the median pass is reported")
     parser.add_argument("--concurrency", type=int, default=16, help="requests in flight for the throughput pass")
 
 
