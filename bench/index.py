@@ -141,9 +141,10 @@ def _conversation(system: tuple[int, ...], seed: int) -> tuple[int, ...]:
     return system + _tokens(rng, 512 * BLOCK - len(system))
 
 
-def _build_fleet(ix: PrefixIndex, pods: list[str], entries: int, rng: random.Random) -> list[tuple[str, int]]:
-    """Conversations of 512 blocks on one pod (one in eight also on a second pod)."""
-    systems = [_tokens(rng, 32 * BLOCK) for _ in range(8)]
+def _build_fleet(ix: PrefixIndex, pods: list[str], entries: int,
+                 systems: list[tuple[int, ...]]) -> list[tuple[str, int]]:
+    """Conversations of 512 blocks, each starting with one of `systems`, on one pod (one in eight
+    also on a second pod)."""
     held: list[tuple[str, int]] = []  # (pod, conversation seed)
     seed = 0
     while ix.stats()["entries"] < entries:
@@ -159,23 +160,23 @@ def _build_fleet(ix: PrefixIndex, pods: list[str], entries: int, rng: random.Ran
         for pod in owners:
             ix.apply(pod, MODEL, 0, events)
         held.append((owners[0], seed))
-    return held, systems
+    return held
 
 
 def bench_fleet(n_pods: int, entries: int, queries: int, seed: int) -> dict:
     rng = random.Random(seed)
     pods = [f"pod-{i}" for i in range(n_pods)]
+    systems = [_tokens(rng, 32 * BLOCK) for _ in range(8)]
     gc.collect()
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
     ix = PrefixIndex(max_entries=entries * 2)
-    held, systems = _build_fleet(ix, pods, entries, rng)
+    held = _build_fleet(ix, pods, entries, systems)
     gc.collect()
+    # everything allocated and still alive: the index, plus `held` (~100 bytes per 512 blocks)
     index_bytes = tracemalloc.get_traced_memory()[0] - base
     tracemalloc.stop()
     stats = ix.stats()
-    # the fleet's own bookkeeping was traced too: subtract it
-    index_bytes -= sum(len(s) * 8 + 56 for s in systems) + len(held) * 72
 
     prompts = [_conversation(systems[s % len(systems)], s) + (1, 2, 3) for _, s in rng.sample(held, min(64, len(held)))]
     wall, cpu = [], []
@@ -209,6 +210,7 @@ def bench_fleet(n_pods: int, entries: int, queries: int, seed: int) -> dict:
         "fleet_engine_hashes": stats["engine_hashes"],
         "bytes_per_entry": index_bytes / stats["entries"],
         "bytes_per_key": index_bytes / sum(stats["keys_by_medium"].values()),
+        "entries_per_key": stats["entries"] / sum(stats["keys_by_medium"].values()),
         "match_blocks": best,
         "match_p50_us": wall[p50] * 1e6,
         "match_p99_us": wall[p99] * 1e6,

@@ -8,7 +8,8 @@ Layout (kept compact because the index holds millions of entries):
 - a block is identified by kvgate's own key (kvcache.blockkeys), never by the engine's hash;
 - each (pod, rank) is a "slot" with a small bit number; per medium, a dict maps a block key to
   the int bitmask of the slots holding it there, in least-recently-used order;
-- per model, one dict maps the engine's block hash to our key, shared by every pod of the model
+- per model, one dict maps the engine's block hash (an int cut to 60 bits: a 32-byte object
+  instead of 48) to our key, shared by every pod of the model
   (engines of one model agree on hashes since vLLM 0.29; where they differ the entries simply
   coexist). A per-(pod, rank) map would cost a dict entry and an int per (block, pod) entry.
 Limits: two engine blocks with the same tokens but different extra keys (multimodal inputs, cache
@@ -182,7 +183,7 @@ class PrefixIndex:
         if parent is None:
             k = self._root(model, ev)
         else:
-            k = keys_of.get(parent)
+            k = keys_of.get(parent & KEY_MASK if type(parent) is int else parent)
             if k is None:  # its chain is unknown: never guess a chain start
                 self._skipped["unknown_parent_blocks"] += n
                 return
@@ -191,7 +192,8 @@ class PrefixIndex:
             held = self._held[ev.medium or DEFAULT_MEDIUM] = {}
         if n == 1 and type(tokens) is tuple:  # a decode step's block: no chunking
             k = hash((k, hash(tokens))) & KEY_MASK
-            keys_of[hashes[0]] = k
+            h = hashes[0]
+            keys_of[h & KEY_MASK if type(h) is int else h] = k
             m = held.pop(k, 0)
             if not m & bit:
                 self._entries += 1
@@ -200,6 +202,8 @@ class PrefixIndex:
             return
         pop = held.pop
         mask = KEY_MASK
+        if type(hashes[0]) is int:
+            hashes = [h & mask for h in hashes]
         added = 0
         try:
             for h, bh in zip(hashes, map(hash, zip(*[iter(tokens)] * bs))):
@@ -230,6 +234,8 @@ class PrefixIndex:
     def _remove(self, bit: int, keys_of: dict[BlockHash, int], ev: BlockRemoved) -> None:
         held = self._held.get(ev.medium or DEFAULT_MEDIUM) or {}
         for h in ev.block_hashes:
+            if type(h) is int:
+                h &= KEY_MASK
             k = keys_of.get(h)
             if k is None:
                 self._skipped["unknown_removed_blocks"] += 1
