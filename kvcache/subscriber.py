@@ -89,6 +89,7 @@ class _ReplayFailed(Exception):
         self.reason = reason
 
 
+_HOLE_RETRIES = 3  # replays in a row that may stop at a hole without progress
 _ERROR_LOG_EVERY = 10.0  # s between two log lines for the same kind of error
 _MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
 
@@ -276,6 +277,19 @@ class Subscriber:
         """Replay from `start` and apply in order, stopping before `upto` (a live batch in hand:
         what follows it is still queued on the SUB socket). With `verify_first`, the batch at
         `start` must come back identical, else the engine restarted."""
+        stalls = 0
+        while True:
+            before = self._last
+            hole = await self._replay_once(start, verify_first, upto, retry_holes=stalls < _HOLE_RETRIES)
+            if not hole:
+                return
+            # A jump inside a reply: the transport dropped replies (vLLM's ROUTER queues 1000 per
+            # peer), the engine still holds them. Ask again from where the reply broke off.
+            stalls = stalls + 1 if self._last == before else 0
+            start, verify_first = self._last, True
+
+    async def _replay_once(self, start: int, verify_first: bool, upto: int | None, retry_holes: bool) -> bool:
+        """One replay request; True when it stopped at a hole worth asking again for."""
         got_any = False
         async with aclosing(self._replay(start)) as replies:
             async for seq, payload in replies:
@@ -287,9 +301,11 @@ class Subscriber:
                             continue
                         self._m.replay_successes.labels(*self._labels).inc()
                         await self._engine_restarted(f"batch {seq} differs after reconnecting")
-                        return
+                        return False
                     if self._last is None and seq > start:
                         self._lost(start, seq)  # the engine's buffer starts later than asked
+                elif retry_holes and self._last is not None and seq > self._last + 1:
+                    return True
                 if upto is not None and seq >= upto:
                     break
                 await self._take(seq, payload)
@@ -301,6 +317,7 @@ class Subscriber:
         if verify_first and not got_any:
             # The engine that published `start` still holds it or later batches: this is another one.
             await self._engine_restarted(f"it no longer holds batch {start} or anything after it")
+        return False
 
     async def _take(self, seq: int, payload: bytes) -> None:
         """Apply the next batch in order; one that is not the next declares the loss first."""
