@@ -220,3 +220,29 @@ def test_index_equals_brute_force_model(seed):
             check(ix, fleet, 20)
     check(ix, fleet, 200)
     assert ix.stats()["skipped"].get("unknown_parent_blocks", 0) > 0
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_bounded_index_only_forgets_never_invents(seed):
+    """With a small bound, entries never exceed it and every match is at most the truth."""
+    rng = random.Random(100 + seed)
+    fleet = Fleet(rng)
+    ix = PrefixIndex(max_entries=40)
+    slots = list(fleet.engines)
+    evicted_some = False
+    for step in range(3000):
+        pod, rank = rng.choice(slots)
+        x = rng.random()
+        events = fleet.store(pod, rank) if x < 0.6 else fleet.duplicate(pod, rank) if x < 0.7 else fleet.remove(pod, rank)
+        ix.apply(pod, fleet.model(pod), rank, events)
+        assert ix.stats()["entries"] <= 40
+        if step % 10 == 0:
+            model, lora, tokens, pods = fleet.query()
+            got = ix.match(model, lora, tokens, pods)
+            want = fleet.expect(model, lora, tokens, pods)
+            for p in pods:
+                assert got[p].blocks <= want[p][0]
+                assert all(n <= got[p].blocks for n in got[p].by_medium.values())
+        evicted_some = evicted_some or ix.stats()["evicted_entries"] > 0
+    assert evicted_some
+    assert ix.stats()["entries"] <= fleet.entries()
