@@ -41,6 +41,7 @@ class EventSink(Protocol):
 
 
 def tcp_endpoint(host: str, port: int) -> str:
+    host = host.strip("[]")
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 

@@ -532,3 +532,19 @@ async def test_silent_dead_connection_is_detected_by_heartbeat_and_repaired(harn
         assert sink.drops() == 0
     finally:
         await proxy.close()
+
+
+def test_endpoints_for_ipv4_ipv6_and_names():
+    from kvcache.subscriber import tcp_endpoint
+
+    assert tcp_endpoint("10.0.0.5", 5557) == "tcp://10.0.0.5:5557"
+    assert tcp_endpoint("::1", 5558) == tcp_endpoint("[::1]", 5558) == "tcp://[::1]:5558"
+    assert tcp_endpoint("engine-0.svc", 5557) == "tcp://engine-0.svc:5557"
+    assert EndpointSpec("p", "m", "fd00::2", 5557, None, 1).replay_endpoint is None
+
+
+def test_options_reject_bad_values():
+    with pytest.raises(ValueError, match="reconnect_max"):
+        SubscriberOptions(reconnect_initial=2.0, reconnect_max=1.0)
+    with pytest.raises(ValueError, match="replay_timeout"):
+        SubscriberOptions(replay_timeout=0)
