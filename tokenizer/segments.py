@@ -83,7 +83,8 @@ class Segmenter:
             flags = [f for f in ("normalized", "lstrip", "rstrip", "single_word") if tok.get(f)]
             if flags:
                 raise NotSegmentable(f"added token {tok.get('content')!r} has {', '.join(flags)}")
-            added[tok["content"]] = int(tok["id"])
+            if tok.get("content"):  # an empty added token never matches
+                added[tok["content"]] = int(tok["id"])
         if spec.get("truncation") or spec.get("padding"):
             raise NotSegmentable("truncation or padding is enabled")
         _check_pre_tokenizer(spec.get("pre_tokenizer"))
