@@ -14,9 +14,12 @@ capacity from the workload). Workloads (bench.routing_workloads):
   halves it to 32 groups.
 
 Policies: random, round-robin, least-request, prefix-cache (router-side guess), kv-sync
-(event-fed), kv-sync variants with event delay 50 / 500 ms and 1% of batches lost, and the
-oracle (exact caches + exact TTFT model, see bench.routing_sim). Every policy sees the same
-requests at the same times for a given seed.
+(event-fed), kv-sync variants with event delay 50 / 500 ms and 1% of batches lost, both
+prefix strategies behind 4 gateway replicas (`@4gw`: shared counts and index, one
+router-side guess per replica), and the oracle (exact caches + exact TTFT model, see
+bench.routing_sim). Every policy sees the same requests at the same times for a given seed.
+--guard-slack, --guard-ratio and --weights configure every Router the way
+KVGATE_ROUTING_GUARD_SLACK, KVGATE_ROUTING_GUARD_RATIO and KVGATE_ROUTING_WEIGHTS do.
 
 Metrics per run, then the mean over seeds:
 - hit_rate: prompt tokens served from the engines' prefix caches / prompt tokens;
@@ -36,6 +39,7 @@ from dataclasses import dataclass
 
 from bench import routing_workloads as workloads
 from bench.routing_sim import ORACLE, Policy, RunResult, run
+from routing.strategies import StrategyConfig, parse_weights
 
 METRICS = ("hit_rate", "ttft_p50_s", "ttft_p90_s", "throughput_tok_s", "max_over_mean_running")
 DEFAULT_PLOT = "docs/bench-routing.png"
@@ -52,6 +56,8 @@ def policies() -> tuple[Policy, ...]:
         Policy("kv-sync@delay500ms", "kv-sync", delay_s=0.5),
         Policy("kv-sync@loss1%", "kv-sync", loss=0.01),
         Policy("kv-sync@delay500ms+loss1%", "kv-sync", delay_s=0.5, loss=0.01),
+        Policy("prefix-cache@4gw", "prefix-cache", gateways=4),
+        Policy("kv-sync@4gw", "kv-sync", gateways=4),
         Policy(ORACLE, ORACLE),
     )
 
@@ -63,6 +69,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--jobs", type=int, default=2, help="runs in parallel processes (default 2)")
     parser.add_argument("--plot", default=DEFAULT_PLOT, help=f"PNG to write (default {DEFAULT_PLOT}; '' for none)")
     parser.add_argument("--workload", action="append", choices=("W1", "W2"), help="only these (repeatable)")
+    d = StrategyConfig()
+    parser.add_argument("--guard-slack", type=int, default=d.guard_abs_slack,
+                        help=f"load guard absolute slack (default {d.guard_abs_slack})")
+    parser.add_argument("--guard-ratio", type=float, default=d.guard_rel_slack,
+                        help=f"load guard relative slack (default {d.guard_rel_slack})")
+    parser.add_argument("--weights", default="", help="scorer weights, KVGATE_ROUTING_WEIGHTS syntax")
+
+
+def strategy_config(args: argparse.Namespace) -> StrategyConfig:
+    """The Routers' configuration from the command line (raises ValueError on bad weights)."""
+    return StrategyConfig(guard_abs_slack=args.guard_slack, guard_rel_slack=args.guard_ratio,
+                          weights=parse_weights(args.weights, "--weights"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,19 +88,21 @@ class _Job:
     shape: workloads.Shape
     seed: int
     policy: Policy
+    config: StrategyConfig | None
 
 
 def _run_job(job: _Job) -> tuple[str, RunResult, dict]:
     wl = workloads.build(job.shape, job.seed)
     info = {"requests": len(wl.requests), "working_set_blocks": wl.working_set_blocks,
             "blocks_per_pod": wl.blocks_per_pod, "compulsory_hit_rate": wl.compulsory_hit_rate}
-    return job.shape.name, run(wl, job.policy, job.seed), info
+    return job.shape.name, run(wl, job.policy, job.seed, job.config), info
 
 
-def run_all(shapes: list[workloads.Shape], seeds: int, jobs: int, chosen: tuple[Policy, ...] | None = None) -> dict:
+def run_all(shapes: list[workloads.Shape], seeds: int, jobs: int, chosen: tuple[Policy, ...] | None = None,
+            config: StrategyConfig | None = None) -> dict:
     """Every (workload, policy, seed) run; the JSON-able report (means over seeds)."""
     chosen = chosen or policies()
-    todo = [_Job(s, seed, p) for s in shapes for seed in range(1, seeds + 1) for p in chosen]
+    todo = [_Job(s, seed, p, config) for s in shapes for seed in range(1, seeds + 1) for p in chosen]
     if jobs > 1:
         with ProcessPoolExecutor(jobs) as pool:
             done = list(pool.map(_run_job, todo))
@@ -195,9 +215,16 @@ def main(args: argparse.Namespace) -> int:
     if seeds < 1 or args.jobs < 1:
         print("kvgate bench routing: --seeds and --jobs must be >= 1", file=sys.stderr)
         return 2
+    try:
+        config = strategy_config(args)
+    except ValueError as e:
+        print(f"kvgate bench routing: {e}", file=sys.stderr)
+        return 2
     shapes = [s for s in (workloads.w1(quick), workloads.w2(quick)) if not args.workload or s.name in args.workload]
     started = time.monotonic()
-    report = run_all(shapes, seeds, args.jobs)
+    report = run_all(shapes, seeds, args.jobs, config=config)
+    report["strategy_config"] = {"guard_slack": config.guard_abs_slack, "guard_ratio": config.guard_rel_slack,
+                                 "weights": {k: dict(v) for k, v in config.weights.items()}}
     report["wall_s"] = round(time.monotonic() - started, 1)
     if args.plot:
         try:

@@ -12,6 +12,11 @@ step that produced it; with `loss` > 0 each batch is independently dropped with 
 probability (the index never sees it: the worst case between a gap and the subscriber's
 replay repairing it; PrefixIndex skips later blocks chained on a lost one).
 
+Gateway replicas (`gateways` > 1): one Router per replica, requests dealt to them in turn.
+They share one LocalCounts (Redis-shared counts with no lag) and one PrefixIndex (every
+replica subscribes to every engine, so their indexes are equal); each has its own
+strategies, so `prefix-cache` only learns from its own replica's decisions.
+
 The oracle (not a Router strategy) knows each engine's cache exactly (a mirror fed by the
 engines' raw events without delay or loss, equal to the engine's cache by construction of
 EngineModel) and the load it created itself. For each pod it predicts this request's TTFT
@@ -55,6 +60,7 @@ class Policy:
     strategy: str  # a Router strategy name, or ORACLE
     delay_s: float = 0.0
     loss: float = 0.0
+    gateways: int = 1  # gateway replicas, requests dealt in turn; see the module docstring
 
 
 @dataclass(slots=True)
@@ -168,11 +174,13 @@ async def _run(workload: Workload, policy: Policy, seed: int, strategy_config: S
     engines = {n: EngineModel(cfg) for n in names}
     index = PrefixIndex()
     oracle = _Oracle(engines, cfg) if policy.strategy == ORACLE else None
-    router = None
+    routers: list[Router] = []
     if oracle is None:
         pods = [Pod(name=n, address="127.0.0.1", port=8000 + i, model=MODEL) for i, n in enumerate(names)]
-        router = Router(PodRegistry(pods), default_strategy=policy.strategy, counts=LocalCounts(), index=index,
-                        config=strategy_config, seed=seed)
+        registry, counts = PodRegistry(pods), LocalCounts()
+        routers = [Router(registry, default_strategy=policy.strategy, counts=counts, index=index,
+                          config=strategy_config, seed=seed if g == 0 else seed * 1000 + g)
+                   for g in range(policy.gateways)]
     feed_index = policy.strategy == "kv-sync"
     loss_rng = random.Random(f"loss:{seed}")
 
@@ -180,7 +188,7 @@ async def _run(workload: Workload, policy: Policy, seed: int, strategy_config: S
     seq = 0
     published = decoded = lost = 0
     next_t = dict.fromkeys(names, math.inf)
-    inflight: dict[str, tuple[str, object]] = {}  # req_id -> (pod, decision or max_tokens)
+    inflight: dict[str, tuple[str, object]] = {}  # req_id -> (pod, (router, decision) or max_tokens)
     running = dict.fromkeys(names, 0)
     ratios: list[float] = []
     completions: list[Completion] = []
@@ -207,8 +215,9 @@ async def _run(workload: Workload, policy: Policy, seed: int, strategy_config: S
             completions.append(comp)
             _, handle = inflight.pop(comp.req_id)
             running[pod] -= 1
-            if router is not None:
-                await router.release(handle)
+            if oracle is None:
+                router, decision = handle
+                await router.release(decision)
             else:
                 oracle.finished(pod, handle)
 
@@ -234,12 +243,13 @@ async def _run(workload: Workload, policy: Policy, seed: int, strategy_config: S
                 index.apply(pod, MODEL, batch.data_parallel_rank or 0, batch.events)
         else:
             r = reqs[i]
-            i += 1
-            if router is not None:
+            if oracle is None:
+                router = routers[i % len(routers)]
                 decision = await router.pick(RouteRequest(MODEL, list(r.token_ids), None, r.req_id))
-                pod, handle = decision.pod.name, decision
+                pod, handle = decision.pod.name, (router, decision)
             else:
                 pod, handle = oracle.pick(r.token_ids, r.max_tokens, t), r.max_tokens
+            i += 1
             inflight[r.req_id] = (pod, handle)
             running[pod] += 1
             engines[pod].add_request(r.req_id, r.token_ids, r.max_tokens, t)

@@ -87,4 +87,19 @@ def test_cli_arguments():
     bench.add_arguments(p)
     args = p.parse_args(["--quick", "--json", "--plot", "", "--workload", "W2"])
     assert args.quick and args.json and args.plot == "" and args.workload == ["W2"]
-    assert bench.main(argparse.Namespace(quick=True, json=True, seeds=0, jobs=1, plot="", workload=None)) == 2
+    assert bench.strategy_config(args).guard_abs_slack == 8
+    bad = p.parse_args(["--seeds", "0"])
+    assert bench.main(bad) == 2
+    bad = p.parse_args(["--weights", "kv-sync:nope=1"])
+    assert bench.main(bad) == 2
+    custom = p.parse_args(["--guard-slack", "16", "--weights", "kv-sync:load=1"])
+    cfg = bench.strategy_config(custom)
+    assert cfg.guard_abs_slack == 16 and cfg.weights == {"kv-sync": {"load": 1.0}}
+
+
+def test_gateway_replicas_share_counts_and_index(tiny):
+    one = run(tiny, Policy("kv-sync", "kv-sync"), seed=4)
+    four = run(tiny, Policy("kv-sync@4gw", "kv-sync", gateways=4), seed=4)
+    assert four.requests == one.requests == len(tiny.requests)
+    assert four.batches_decoded == four.batches_published > 0
+    assert four == run(tiny, Policy("kv-sync@4gw", "kv-sync", gateways=4), seed=4)
