@@ -86,10 +86,24 @@ class _Tail:
 
 
 def _replay(ctx: zmq.Context, tail: _Tail, endpoint: str, start: int) -> int | None:
-    """Print what the engine still holds from `start`; returns the last seq seen."""
+    """Print what the engine still holds from `start`; returns the last seq printed.
+    vLLM's ROUTER drops replies beyond 1000 queued: a reply with a hole is asked again."""
+    last, stalls = None, 0
+    while stalls < 3:
+        before = last
+        last, hole = _replay_once(ctx, tail, endpoint, start if last is None else last + 1, last)
+        if not hole:
+            break
+        stalls = stalls + 1 if last == before else 0
+    return last
+
+
+def _replay_once(ctx: zmq.Context, tail: _Tail, endpoint: str, start: int,
+                 last: int | None) -> tuple[int | None, bool]:
+    """One replay request: (last seq printed, whether the reply broke off at a hole)."""
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.IPV6, 1)
-    last = None
+    dealer.setsockopt(zmq.RCVHWM, 100_000)
     try:
         dealer.connect(endpoint)
         dealer.send_multipart((b"", start.to_bytes(8, "big")))
@@ -105,11 +119,14 @@ def _replay(ctx: zmq.Context, tail: _Tail, endpoint: str, start: int) -> int | N
                 continue
             if frames[-2] == _END_SEQ:
                 break
-            last = int.from_bytes(frames[-2], "big")
-            tail.emit(last, frames[-1], replayed=True)
+            seq = int.from_bytes(frames[-2], "big")
+            if last is not None and seq > last + 1:
+                return last, True
+            tail.emit(seq, frames[-1], replayed=True)
+            last = seq
+        return last, False
     finally:
         dealer.close(linger=0)
-    return last
 
 
 def main(args: argparse.Namespace, out: TextIO | None = None) -> int:

@@ -90,3 +90,14 @@ def test_live_events_through_the_kvgate_command(engine):
     assert len(lines) == 2
     assert all(" BlockStored hashes=[" in line and "block_size=1" in line and "rank=2" in line for line in lines)
     assert "(replayed)" not in out
+
+
+def test_long_replay_is_printed_whole(engine):
+    pub, endpoint, replay = engine
+    n = 3000  # more than vLLM's ROUTER queues for one peer
+    for i in range(n):
+        pub.publish([BlockRemoved((i,))])
+    code, lines = run("--endpoint", endpoint, "--replay-endpoint", replay, "--json", "--count", str(n),
+                      "--timeout", "30")
+    assert code == 0
+    assert [json.loads(line)["seq"] for line in lines] == list(range(n))
