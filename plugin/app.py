@@ -31,7 +31,7 @@ from routing.strategies import StrategyConfig, parse_weights
 from tokenizer.cache import CachedTokenizer, CacheOptions
 from tokenizer.local import LocalBackend, LocalTokenizer
 from tokenizer.remote import RemoteOptions, RemoteTokenizer
-from tokenizer.segments import Segmenter
+from tokenizer.segments import NotSegmentable, Segmenter
 from tokenizer.types import Tokenizer
 
 log = logging.getLogger("kvgate")
@@ -51,11 +51,11 @@ def endpoint_specs(pods: list[Pod]) -> list[EndpointSpec]:
     return specs
 
 
-def _tokenizer(settings: Settings, registry: CollectorRegistry, models: list[str]) -> Tokenizer:
+def _tokenizer(settings: Settings, registry: CollectorRegistry) -> Tokenizer:
     """The configured backend behind the exact cache; the local files (if any) serve every model."""
     local = LocalTokenizer.from_path(settings.tokenizer_path) if settings.tokenizer_path else None
     if settings.tokenizer == "local":
-        inner: Tokenizer = LocalBackend({m: local for m in models})
+        inner: Tokenizer = LocalBackend({}, default=local)
     else:
         timeout = settings.tokenizer_timeout_s
         inner = RemoteTokenizer(options=RemoteOptions(total_timeout_s=timeout,
@@ -63,8 +63,13 @@ def _tokenizer(settings: Settings, registry: CollectorRegistry, models: list[str
                                 registry=registry)
     if settings.tokenizer_cache_mb == 0:
         return inner
-    segmenters = {m: Segmenter.from_local(local) for m in models} if local is not None else {}
-    return CachedTokenizer(inner, segmenters=segmenters,
+    segmenter = None
+    if local is not None:
+        try:
+            segmenter = Segmenter.from_local(local)
+        except NotSegmentable as e:  # still exact, just without piece caching
+            log.warning("tokenizer cache: whole requests only (%s)", e)
+    return CachedTokenizer(inner, default_segmenter=segmenter,
                            options=CacheOptions(max_bytes=settings.tokenizer_cache_mb << 20), registry=registry)
 
 
@@ -97,7 +102,7 @@ class App:
                                          weights=parse_weights(s.routing_weights))
         self.router = Router(self.pods, default_strategy=s.routing_strategy, counts=counts, index=self.index,
                              engines=self.engines, config=strategy_config, metrics=self.routing_metrics)
-        self.tokenizer = _tokenizer(s, self.registry, self._initial_models())
+        self.tokenizer = _tokenizer(s, self.registry)
         self.gateway_metrics = GatewayMetrics(self.registry)
         self.processor = ExternalProcessor(Gateway(
             router=self.router, registry=self.pods, tokenizer=self.tokenizer, metrics=self.gateway_metrics,
@@ -108,12 +113,6 @@ class App:
         self._grpc: grpc.aio.Server | None = None
         self._http: web.AppRunner | None = None
         self.health = health.aio.HealthServicer()
-
-    def _initial_models(self) -> list[str]:
-        try:
-            return sorted({m for p in self.source.load() for m in (p.model, *p.lora)}) if hasattr(self.source, "load") else []
-        except Exception:
-            return []
 
     def _on_pods(self, added: list[Pod], removed: list[Pod]) -> None:
         # Subscriptions and index entries follow pods in and out of discovery.

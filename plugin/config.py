@@ -122,7 +122,7 @@ VARIABLES: tuple[Variable, ...] = (
              "Local tokenizer directory (required with `local`); never downloaded from a hub."),
     Variable("KVGATE_TOKENIZER_URL", "tokenizer_url", _text, "",
              "Fixed base URL for remote tokenization (empty: a ready pod of the request's model)."),
-    Variable("KVGATE_TOKENIZER_TIMEOUT_S", "tokenizer_timeout_s", _positive_float, 2.0,
+    Variable("KVGATE_TOKENIZER_TIMEOUT_S", "tokenizer_timeout_s", _positive_float, 1.0,
              "Budget for one tokenization, retries included; past it the request is routed on load alone."),
     Variable("KVGATE_TOKENIZER_CACHE_MB", "tokenizer_cache_mb", _int_range(0, 1 << 20), 256,
              "Tokenization cache size in MiB (0 disables it)."),
@@ -167,7 +167,7 @@ class Settings:
     tokenizer: str = "remote"
     tokenizer_path: str = ""
     tokenizer_url: str = ""
-    tokenizer_timeout_s: float = 2.0
+    tokenizer_timeout_s: float = 1.0
     tokenizer_cache_mb: int = 256
     max_body_bytes: int = 8 << 20
     target_pod_header: bool = True
@@ -249,6 +249,21 @@ def _self_check() -> None:
 
 _self_check()
 
+def write_readme_table(readme: str) -> None:
+    """Replace the table between the README's config-table markers with the generated one."""
+    with open(readme, encoding="utf-8") as f:
+        text = f.read()
+    start = text.index("<!-- config-table")
+    start = text.index("\n", start) + 1
+    end = text.index("<!-- end config-table -->")
+    with open(readme, "w", encoding="utf-8") as f:
+        f.write(text[:start] + markdown_table() + "\n" + text[end:])
+
+
 if __name__ == "__main__":
-    print(markdown_table())
+    # `python -m plugin.config` prints the table; `python -m plugin.config README.md` rewrites it there.
+    if len(sys.argv) > 1:
+        write_readme_table(sys.argv[1])
+    else:
+        print(markdown_table())
     sys.exit(0)
