@@ -30,7 +30,7 @@ from kvcache.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStore
 log = logging.getLogger(__name__)
 
 DEFAULT_MEDIUM = "GPU"  # what vLLM before 0.10.2 (medium None) means
-_TOUCH_BACKLOG = 1 << 16  # matched keys remembered before apply() moves them to most recent
+_TOUCH_BACKLOG = 1 << 17  # matched keys remembered before apply() moves them to most recent
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +58,8 @@ class PrefixIndex:
         self._one_slot: dict[int, int] = {}  # 1 << b -> its shared object
         self._pod_bits: dict[str, int] = {}  # pod -> OR of its slots' bits
         self._entries = 0  # set bits over every medium dict
-        self._touched: set[int] = set()  # keys matched since the last flush: moved to most recent lazily
+        self._touched: list[list[int]] = []  # keys matched since the last flush, moved to most recent lazily
+        self._touched_n = 0
         self._skipped: Counter[str] = Counter()
         self._evicted = 0
 
@@ -66,7 +67,7 @@ class PrefixIndex:
 
     def apply(self, pod: str, model: str, rank: int, events: Sequence[KVEvent]) -> None:
         """Apply one (pod, rank)'s events in order. Bad events are logged, counted and skipped."""
-        if len(self._touched) > _TOUCH_BACKLOG:
+        if self._touched_n > _TOUCH_BACKLOG:
             self._flush_touches()
         bit = self._slot_bit(pod, rank)
         keys_of = self._keys_of.get(model)
@@ -383,22 +384,27 @@ class PrefixIndex:
     # --- recency of matched keys -------------------------------------------------------------
 
     def _touch(self, keys: list[int]) -> None:
-        """Remember matched keys; they become most recent at the next eviction or backlog flush, so
-        a match pays only a set update."""
-        touched = self._touched
-        touched.update(keys)
-        if len(touched) > 2 * _TOUCH_BACKLOG:  # matches but no events for a long while: forget
-            touched.clear()
+        """Remember matched keys; they become most recent at the next eviction or once the backlog
+        is long, so a match pays only a list append."""
+        if keys:
+            self._touched.append(keys)
+            self._touched_n += len(keys)
+            if self._touched_n > 2 * _TOUCH_BACKLOG:  # matches but no events for a long while: forget
+                self._touched.clear()
+                self._touched_n = 0
 
     def _flush_touches(self) -> None:
-        media = [d for d in self._held.values() if d]
-        for held in media:
+        keys: set[int] = set()
+        for ks in self._touched:
+            keys.update(ks)
+        self._touched.clear()
+        self._touched_n = 0
+        for held in self._held.values():
             pop = held.pop
-            for k in self._touched:
+            for k in keys:
                 m = pop(k, 0)
                 if m:
                     held[k] = m
-        self._touched.clear()
 
 
 def _record(runs: dict[int, int], dropped: int, i: int) -> None:
