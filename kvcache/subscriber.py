@@ -7,8 +7,11 @@ or declared to the sink with `drop(pod, rank)`, counted and logged:
 - gap in seq: replay the missing range; if the engine no longer holds it, drop;
 - reconnect: replay from the last applied seq, whose payload must match the one
   applied before (otherwise the engine restarted);
-- seq going backwards: the engine restarted; drop, replay the new stream from 0.
-Ingestion runs on the caller's event loop and yields it every `tick_budget`.
+- seq going backwards: the engine restarted; drop, replay the new stream from 0;
+- reconnect without any replay: continuity cannot be verified, drop;
+- a hole inside a replay (vLLM's ROUTER drops replies past its queue): ask again.
+Ingestion runs on the caller's event loop, in per-endpoint order, and yields the
+loop every `tick_budget` seconds; every socket queue is bounded.
 """
 from __future__ import annotations
 
@@ -236,7 +239,7 @@ class Subscriber:
             await self._engine_restarted(f"live seq went back from {last} to {seq}")
         elif last is not None and seq > last + 1:
             await self._repair(upto=seq)
-        elif self._unverified and last is not None and seq == last + 1 and not await self._repair():
+        elif self._unverified and last is not None and seq == last + 1 and not await self._repair(upto=seq):
             # Reconnected without a replay to compare: a restarted engine can look like a continuation.
             log.warning("kv events %s rank %d: reconnected and cannot verify the stream continues (no replay); "
                         "dropping its blocks", self.spec.pod, self.spec.rank)
