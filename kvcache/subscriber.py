@@ -75,7 +75,7 @@ class SubscriberOptions:
     heartbeat_timeout: float = 15.0  # s without traffic before the connection counts as dead
     rcv_hwm: int = 10_000  # batches queued in the SUB (and replay DEALER) socket at most
     apply_chunk: int = 512  # events per sink.apply call
-    tick_budget: float = 0.005  # s of ingestion work before yielding the event loop
+    tick_budget: float = 0.002  # s of ingestion work before yielding the event loop
 
     def __post_init__(self) -> None:
         for name in ("replay_timeout", "reconnect_initial", "reconnect_max", "tick_budget"):
