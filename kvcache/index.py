@@ -186,6 +186,8 @@ class PrefixIndex:
         else:
             k = keys_of.get(parent & KEY_MASK if type(parent) is int else parent)
             if k is None:  # its chain is unknown: never guess a chain start
+                if not self._skipped["unknown_parent_blocks"]:
+                    log.info("prefix index: model %s: blocks under an unknown parent are kept out of chains", model)
                 self._skipped["unknown_parent_blocks"] += n
                 return
         held = self._held.get(ev.medium or DEFAULT_MEDIUM)
@@ -286,6 +288,9 @@ class PrefixIndex:
         target = self._max - (self._max >> 5)
         while self._entries > target:
             held = max(self._held.values(), key=len)
+            if not held:  # cannot happen while the count is right; never spin
+                self._entries = 0
+                break
             for k in list(islice(held, 1024)):
                 n = held.pop(k).bit_count()
                 self._entries -= n
