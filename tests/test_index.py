@@ -192,13 +192,12 @@ def test_bad_events_are_skipped_and_counted_without_losing_the_rest():
     ix = PrefixIndex()
     bad_len = BlockStored((1, 2), None, TOKENS[:BS], BS)  # 2 hashes, 1 block of tokens
     unhashable = BlockStored((7,), None, ([1], 2, 3, 4), BS)
-    other_group = BlockStored((8,), None, TOKENS[:BS], BS, group_idx=1) if "group_idx" in BlockStored.__slots__ else None
-    events = [bad_len, unhashable, "junk", chain(1, 6)] + ([other_group] if other_group else [])
-    ix.apply("a", "m", 0, events)
+    other_group = BlockStored((8,), None, TOKENS[:BS], BS, group_idx=1)  # e.g. sliding-window layers
+    ix.apply("a", "m", 0, [bad_len, unhashable, "junk", chain(1, 6), other_group])
     assert blocks(ix, ["a"]) == {"a": 6}
     skipped = ix.stats()["skipped"]
     assert skipped["malformed_block_stored"] == 1 and skipped["unknown_event"] == 1
-    assert skipped["malformed_event"] == 1
+    assert skipped["malformed_event"] == 1 and skipped["other_kv_cache_group"] == 1
     assert ix.stats()["entries"] == 6
 
 
@@ -208,3 +207,19 @@ def test_stats_are_json_able():
     ix.apply("a", "m", 0, [chain(1, 6)])
     s = json.loads(json.dumps(ix.stats()))
     assert s["entries"] == 6 and s["block_sizes"] == {"m": BS} and s["max_entries"] == 100
+
+
+@pytest.mark.parametrize("generation", ["0.23", "0.25", "0.33"])
+def test_events_decoded_from_the_wire_feed_the_index(generation):
+    from kvcache.events import EventBatch
+    from kvcache.wire import decode_batch, encode_batch
+    big = (1 << 64) - 5  # uint64 hashes as vLLM publishes them
+    events = (stored([big, big - 1, big - 2], medium="GPU"), BlockStored((big - 3,), big - 2, TOKENS[3 * BS:4 * BS], BS),
+              BlockRemoved((big - 1,), "GPU"))
+    decoded = decode_batch(encode_batch(EventBatch(1.0, events, 0), generation)).batch.events
+    ix = PrefixIndex()
+    ix.apply("a", "m", 0, decoded[:2])
+    assert blocks(ix, ["a"]) == {"a": 4}
+    ix.apply("a", "m", 0, decoded[2:])
+    assert blocks(ix, ["a"]) == {"a": 1}
+    assert ix.stats()["entries"] == 3
