@@ -91,7 +91,9 @@ class App:
         self.index = PrefixIndex(max_entries=s.index_max_entries)
         self.subscriptions = SubscriberManager(self.index, SubscriberOptions(
             replay_timeout=s.kv_events_replay_timeout_s, reconnect_initial=s.kv_events_backoff_min_s,
-            reconnect_max=s.kv_events_backoff_max_s), KVEventMetrics(self.registry))
+            reconnect_max=s.kv_events_backoff_max_s, heartbeat_interval=s.kv_events_heartbeat_s,
+            heartbeat_timeout=s.kv_events_heartbeat_timeout_s, rcv_hwm=s.kv_events_rcv_hwm,
+            tick_budget=s.kv_events_tick_budget_s), KVEventMetrics(self.registry))
         counts: RunningCounts = (RedisCounts(s.redis_url, s.gateway_id, ttl_s=s.redis_key_ttl_s,
                                              heartbeat_s=s.redis_key_ttl_s / 5, metrics=self.routing_metrics)
                                  if s.redis_url else LocalCounts())

@@ -41,6 +41,16 @@ def _positive_float(raw: str) -> float:
     return value
 
 
+def _float_min(lo: float) -> Callable[[str], float]:
+    def parse(raw: str) -> float:
+        value = float(raw.strip())
+        if not value >= lo or value == float("inf"):
+            raise ValueError(f"expected a number of at least {lo:g}")
+        return value
+
+    return parse
+
+
 def _choice(*options: str) -> Callable[[str], str]:
     def parse(raw: str) -> str:
         value = raw.strip()
@@ -138,6 +148,14 @@ VARIABLES: tuple[Variable, ...] = (
              "Longest reconnect delay (the delay doubles up to it)."),
     Variable("KVGATE_KV_EVENTS_REPLAY_TIMEOUT_S", "kv_events_replay_timeout_s", _positive_float, 0.5,
              "How long to wait for an engine's replay answer before going on without it."),
+    Variable("KVGATE_KV_EVENTS_HEARTBEAT_S", "kv_events_heartbeat_s", _float_min(0.0), 5.0,
+             "ZMTP ping interval on event connections (0 disables dead-peer detection)."),
+    Variable("KVGATE_KV_EVENTS_HEARTBEAT_TIMEOUT_S", "kv_events_heartbeat_timeout_s", _positive_float, 15.0,
+             "Silence after which an event connection counts as dead and is re-established."),
+    Variable("KVGATE_KV_EVENTS_RCV_HWM", "kv_events_rcv_hwm", _int_range(1, 10_000_000), 10_000,
+             "Most event batches queued per engine connection."),
+    Variable("KVGATE_KV_EVENTS_TICK_BUDGET_S", "kv_events_tick_budget_s", _positive_float, 0.002,
+             "Event ingestion time before yielding to request handling."),
     Variable("KVGATE_LOG_LEVEL", "log_level", _choice("debug", "info", "warning", "error"), "info", "Log level."),
 )
 
@@ -175,6 +193,10 @@ class Settings:
     kv_events_backoff_min_s: float = 1.0
     kv_events_backoff_max_s: float = 30.0
     kv_events_replay_timeout_s: float = 0.5
+    kv_events_heartbeat_s: float = 5.0
+    kv_events_heartbeat_timeout_s: float = 15.0
+    kv_events_rcv_hwm: int = 10_000
+    kv_events_tick_budget_s: float = 0.002
     log_level: str = "info"
 
     @classmethod
