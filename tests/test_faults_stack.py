@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvcache.publisher import END_SEQ, EventPublisher
 from kvcache.wire import decode_batch
-from plugin.stack import Stack, free_port
+from plugin.stack import Stack, free_port, wait_for_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -277,6 +277,7 @@ class Env:
 
     def restart_kvgate(self) -> None:
         self.kvgate = self.stack.restart(self.kvgate, env=self.kvgate_env, ready_port=("127.0.0.1", self.grpc_port))
+        wait_for_port("127.0.0.1", self.http_port, timeout=10)
 
 
 @pytest.fixture(scope="module")
