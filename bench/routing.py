@@ -34,6 +34,7 @@ import argparse
 import json
 import sys
 import time
+from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
@@ -123,7 +124,8 @@ def run_all(shapes: list[workloads.Shape], seeds: int, jobs: int, chosen: tuple[
             if p.strategy == "kv-sync":
                 w["policies"][p.name]["event_batches"] = {
                     "published": sum(r.batches_published for r in mine), "decoded": sum(r.batches_decoded for r in mine),
-                    "lost": sum(r.batches_lost for r in mine)}
+                    "lost": sum(r.batches_lost for r in mine),
+                    "skipped": dict(sum((Counter(r.decode_skipped) for r in mine), Counter()))}
         report["workloads"][shape.name] = w
     report["targets"] = targets(report)
     return report

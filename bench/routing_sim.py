@@ -33,6 +33,7 @@ import asyncio
 import heapq
 import math
 import random
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -40,7 +41,7 @@ import numpy as np
 from bench.routing_workloads import BLOCK_SIZE, Workload
 from kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kvcache.index import PrefixIndex
-from kvcache.wire import decode_batch, encode_batch
+from kvcache.wire import WireError, decode_batch, encode_batch
 from routing.counts import LocalCounts
 from routing.pods import Pod
 from routing.registry import PodRegistry
@@ -62,6 +63,10 @@ class Policy:
     loss: float = 0.0
     gateways: int = 1  # gateway replicas, requests dealt in turn; see the module docstring
 
+    def __post_init__(self) -> None:
+        if not (self.delay_s >= 0 and 0 <= self.loss < 1 and self.gateways >= 1):
+            raise ValueError(f"policy {self.name}: need delay_s >= 0, 0 <= loss < 1, gateways >= 1")
+
 
 @dataclass(slots=True)
 class RunResult:
@@ -76,6 +81,7 @@ class RunResult:
     batches_published: int = 0
     batches_decoded: int = 0
     batches_lost: int = 0
+    decode_skipped: dict = field(default_factory=dict)  # reason -> count, from decode_batch (and WireError)
     index_stats: dict = field(default_factory=dict)
 
 
@@ -187,6 +193,7 @@ async def _run(workload: Workload, policy: Policy, seed: int, strategy_config: S
     deliveries: list[tuple[float, int, str, bytes]] = []
     seq = 0
     published = decoded = lost = 0
+    skipped: Counter[str] = Counter()
     next_t = dict.fromkeys(names, math.inf)
     inflight: dict[str, tuple[str, object]] = {}  # req_id -> (pod, (router, decision) or max_tokens)
     running = dict.fromkeys(names, 0)
@@ -238,9 +245,14 @@ async def _run(workload: Workload, policy: Policy, seed: int, strategy_config: S
         elif td <= t:
             while deliveries and deliveries[0][0] <= t:
                 _, _, pod, payload = heapq.heappop(deliveries)
-                batch = decode_batch(payload).batch
+                try:
+                    result = decode_batch(payload)
+                except WireError:  # counted, like the subscriber does; the run goes on
+                    skipped["undecodable_batch"] += 1
+                    continue
                 decoded += 1
-                index.apply(pod, MODEL, batch.data_parallel_rank or 0, batch.events)
+                skipped.update(result.skipped)
+                index.apply(pod, MODEL, result.batch.data_parallel_rank or 0, result.batch.events)
         else:
             r = reqs[i]
             if oracle is None:
@@ -257,7 +269,9 @@ async def _run(workload: Workload, policy: Policy, seed: int, strategy_config: S
             mean = sum(running.values()) / len(running)
             ratios.append(max(running.values()) / mean)
 
-    return _result(workload, policy, seed, engines, completions, ratios, published, decoded, lost, index)
+    out = _result(workload, policy, seed, engines, completions, ratios, published, decoded, lost, index)
+    out.decode_skipped = dict(skipped)
+    return out
 
 
 def _result(workload: Workload, policy: Policy, seed: int, engines: dict[str, EngineModel],

@@ -48,7 +48,13 @@ def test_index_is_fed_by_decoded_events(tiny):
     assert r.batches_decoded == r.batches_published and r.batches_lost == 0
     assert r.index_stats["entries"] > 0
     assert r.index_stats["block_sizes"] == {"sim-model": workloads.BLOCK_SIZE}
-    assert r.index_stats["skipped"] == {}  # every event decoded and applied cleanly
+    assert r.index_stats["skipped"] == {} and r.decode_skipped == {}  # every event decoded and applied cleanly
+
+
+def test_bad_policies_are_refused():
+    for bad in (dict(delay_s=-1), dict(loss=1.0), dict(gateways=0)):
+        with pytest.raises(ValueError):
+            Policy("x", "kv-sync", **bad)
 
 
 def test_lost_batches_never_reach_the_index(tiny):
