@@ -30,7 +30,7 @@ from kvcache.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStore
 log = logging.getLogger(__name__)
 
 DEFAULT_MEDIUM = "GPU"  # what vLLM before 0.10.2 (medium None) means
-_TOUCH_BACKLOG = 1 << 17  # matched keys remembered before apply() moves them to most recent
+_TOUCH_BACKLOG = 1 << 17  # matched keys listed before apply() folds them into the second-chance set
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +44,7 @@ class PrefixMatch:
 
 class PrefixIndex:
     """Which (pod, rank) holds which block, from KV events; at most `max_entries` (block, pod,
-    medium) entries, least recently stored or matched evicted first."""
+    medium) entries, least recently stored evicted first, with a second chance for matched ones."""
 
     def __init__(self, max_entries: int = 4_000_000) -> None:
         if max_entries <= 0:
@@ -58,8 +58,11 @@ class PrefixIndex:
         self._one_slot: dict[int, int] = {}  # 1 << b -> its shared object
         self._pod_bits: dict[str, int] = {}  # pod -> OR of its slots' bits
         self._entries = 0  # set bits over every medium dict
-        self._touched: list[list[int]] = []  # keys matched since the last flush, moved to most recent lazily
+        # Recency from matches is a second chance (CLOCK): matched keys are remembered and, when
+        # eviction reaches one of them, it moves to the back instead of going.
+        self._touched: list[list[int]] = []  # keys of recent matches, not yet folded into the set
         self._touched_n = 0
+        self._referenced: set[int] = set()
         self._skipped: Counter[str] = Counter()
         self._evicted = 0
 
@@ -68,7 +71,7 @@ class PrefixIndex:
     def apply(self, pod: str, model: str, rank: int, events: Sequence[KVEvent]) -> None:
         """Apply one (pod, rank)'s events in order. Bad events are logged, counted and skipped."""
         if self._touched_n > _TOUCH_BACKLOG:
-            self._flush_touches()
+            self._fold_touches()
         bit = self._slot_bit(pod, rank)
         keys_of = self._keys_of.get(model)
         if keys_of is None:
@@ -282,9 +285,11 @@ class PrefixIndex:
                 self._keys_of[model] = {h: k for h, k in keys_of.items() if any(k in d for d in media)}
 
     def _evict(self) -> None:
-        """Evict least recently used keys down to 31/32 of the bound (batched: the front scan of a
-        dict is linear in the entries deleted before it)."""
-        self._flush_touches()
+        """Evict from the least recently stored end down to 31/32 of the bound, giving keys matched
+        since a second chance (batched: the front scan of a dict is linear in the entries deleted
+        before it)."""
+        self._fold_touches()
+        ref = self._referenced
         target = self._max - (self._max >> 5)
         while self._entries > target:
             held = max(self._held.values(), key=len)
@@ -292,7 +297,12 @@ class PrefixIndex:
                 self._entries = 0
                 break
             for k in list(islice(held, 1024)):
-                n = held.pop(k).bit_count()
+                m = held.pop(k)
+                if k in ref:
+                    ref.discard(k)
+                    held[k] = m
+                    continue
+                n = m.bit_count()
                 self._entries -= n
                 self._evicted += n
                 if self._entries <= target:
@@ -389,8 +399,7 @@ class PrefixIndex:
     # --- recency of matched keys -------------------------------------------------------------
 
     def _touch(self, keys: list[int]) -> None:
-        """Remember matched keys; they become most recent at the next eviction or once the backlog
-        is long, so a match pays only a list append."""
+        """Remember matched keys: a match pays only a list append."""
         if keys:
             self._touched.append(keys)
             self._touched_n += len(keys)
@@ -398,18 +407,14 @@ class PrefixIndex:
                 self._touched.clear()
                 self._touched_n = 0
 
-    def _flush_touches(self) -> None:
-        keys: set[int] = set()
-        for ks in self._touched:
-            keys.update(ks)
+    def _fold_touches(self) -> None:
+        ref = self._referenced
+        for keys in self._touched:
+            ref.update(keys)
         self._touched.clear()
         self._touched_n = 0
-        for held in self._held.values():
-            pop = held.pop
-            for k in keys:
-                m = pop(k, 0)
-                if m:
-                    held[k] = m
+        if len(ref) > max(self._max >> 2, _TOUCH_BACKLOG):  # bounded memory: forget the oldest chances
+            ref.clear()
 
 
 def _record(runs: dict[int, int], dropped: int, i: int) -> None:
