@@ -7,11 +7,13 @@ subscribers feed: events of one (pod, rank) arrive in order, from one thread.
 Layout (kept compact because the index holds millions of entries):
 - a block is identified by kvgate's own key (kvcache.blockkeys), never by the engine's hash;
 - each (pod, rank) is a "slot" with a small bit number; per medium, a dict maps a block key to
-  the int bitmask of the slots holding it there, in least-recently-used order;
+  the int bitmask of the slots holding it there, least recently stored first (eviction takes
+  from that end; a key matched since gets a second chance);
 - per model, one dict maps the engine's block hash (an int cut to 60 bits: a 32-byte object
-  instead of 48) to our key, shared by every pod of the model
-  (engines of one model agree on hashes since vLLM 0.29; where they differ the entries simply
-  coexist). A per-(pod, rank) map would cost a dict entry and an int per (block, pod) entry.
+  instead of 48) to our key, shared by every pod of the model: engines of one model agree on
+  hashes since vLLM 0.29, and where they differ the entries simply coexist. A per-(pod, rank)
+  map would cost a dict entry and an int per (block, pod) entry. A BlockStored whose parent hash
+  is in no such map is kept out of chains and counted.
 Limits: two engine blocks with the same tokens but different extra keys (multimodal inputs, cache
 salt) share one key, so removing either clears it (a conservative miss). Only KV cache group 0
 is indexed. Not thread-safe.
