@@ -1,0 +1,117 @@
+"""`kvgate bench all`: every benchmark, one after another, written to docs/BENCHMARKS.md
+with the commands, the machine and the date.
+
+Each benchmark runs as its own `kvgate bench NAME --json` process (one at a time: the
+machine has two cores), and its JSON is rendered here as tables.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+# name, extra arguments, what the targets are (from the issues)
+BENCHES: tuple[tuple[str, list[str], str], ...] = (
+    ("index", [], "ingest >= 1M blocks/s; match p99 <= 200 us (8k tokens, 64 pods, 1M entries); <= 64 bytes/entry"),
+    ("tokenizer", [], "cached remote path >= 3x cheaper than cold"),
+    ("routing", [], "kv-sync hit rate within 5 points of the oracle (W1, W2); kv-sync TTFT p90 >= 20x better than "
+                    "random and >= 3x better than prefix-cache on W1; with 500 ms delay + 1% loss >= 2x better "
+                    "than prefix-cache"),
+    ("gateway", [], "kv-sync throughput >= 80% of the no-op processor's; added p50 at 1 connection <= 1.5 ms"),
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default=str(REPO / "docs" / "BENCHMARKS.md"), help="Markdown file to write")
+    p.add_argument("--quick", action="store_true", help="bench routing --quick (the others run in full)")
+    p.add_argument("--only", action="append", choices=[b[0] for b in BENCHES], help="only these (repeatable)")
+
+
+def _machine() -> str:
+    cpu = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = ""
+    try:
+        kb = int(Path("/proc/meminfo").read_text().split()[1])
+        mem = f", {kb / 1024 / 1024:.0f} GiB RAM"
+    except (OSError, ValueError, IndexError):
+        pass
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return (f"{os.cpu_count()} cores ({cpu}){mem}, {platform.system()} {platform.release()}, "
+            f"Python {platform.python_version()}; load average at start {load:.1f}")
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}" if abs(v) < 1000 else f"{v:,.0f}"
+    if isinstance(v, (dict, list)):
+        return "`" + json.dumps(v, separators=(",", ":")) + "`"
+    return str(v)
+
+
+def render(name: str, data: dict) -> str:
+    """A Markdown table for one benchmark's JSON."""
+    if name == "routing" and isinstance(data.get("workloads"), dict):
+        out = []
+        for w, wd in data["workloads"].items():
+            pols = wd.get("policies", {})
+            cols = ["hit_rate", "ttft_p50_s", "ttft_p90_s", "throughput_tok_s", "max_over_mean_running"]
+            out.append(f"**{w}**\n\n| policy | " + " | ".join(cols) + " |\n|---|" + "---|" * len(cols))
+            for p, pd in pols.items():
+                out.append(f"| {p} | " + " | ".join(_fmt(pd.get(c)) for c in cols) + " |")
+            out.append("")
+        rest = {k: v for k, v in data.items() if k != "workloads"}
+        if rest:
+            out.append(render("_", rest))
+        return "\n".join(out)
+    rows = ["| measure | value |", "|---|---|"]
+    for k, v in data.items():
+        rows.append(f"| {k} | {_fmt(v)} |")
+    return "\n".join(rows)
+
+
+def main(args: argparse.Namespace) -> int:
+    started = dt.datetime.now(dt.timezone.utc)
+    sections = [f"# Benchmarks\n\nWritten by `kvgate bench all{' --quick' if args.quick else ''}` on "
+                f"{started:%Y-%m-%d %H:%M} UTC.\n\nMachine: {_machine()}.\n\n"
+                "These machines are shared and noisy: compare numbers measured side by side in one run "
+                "(each benchmark measures its baselines in the same run), not across runs.\n"]
+    status = 0
+    for name, extra, targets in BENCHES:
+        if args.only and name not in args.only:
+            continue
+        argv = ["bench", name, "--json", *extra]
+        if name == "routing" and args.quick:
+            argv.append("--quick")
+        command = "kvgate " + " ".join(argv)
+        print(f"kvgate bench all: running `{command}`", file=sys.stderr, flush=True)
+        t0 = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "plugin.cli", *argv], capture_output=True, text=True, cwd=REPO)
+        took = time.monotonic() - t0
+        section = f"## {name}\n\nCommand: `{command}` ({took:.0f} s). Targets: {targets}.\n\n"
+        try:
+            data = json.loads(proc.stdout.strip().splitlines()[-1])
+            section += render(name, data) + "\n"
+        except (ValueError, IndexError):
+            status = 1
+            section += f"FAILED (exit status {proc.returncode}):\n\n```\n{(proc.stderr or proc.stdout)[-2000:]}\n```\n"
+        sections.append(section)
+        print(section, flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text("\n".join(sections))
+    print(f"kvgate bench all: wrote {args.out}", file=sys.stderr)
+    return status
