@@ -185,8 +185,8 @@ class _Stream:
             base_url = pods[hash(self.request_id) % len(pods)].base_url
         started = time.perf_counter()
         try:
-            ids = await asyncio.wait_for(self.gw.tokenizer.tokenize(request.model, item, base_url=base_url),
-                                         self.gw.tokenizer_timeout_s)
+            async with asyncio.timeout(self.gw.tokenizer_timeout_s):  # no extra task, unlike wait_for
+                ids = await self.gw.tokenizer.tokenize(request.model, item, base_url=base_url)
         except (TokenizerError, asyncio.TimeoutError) as e:
             reason = "timeout" if isinstance(e, asyncio.TimeoutError) else "error"
             self.gw.metrics.tokenizer_fallbacks.labels(reason).inc()
