@@ -8,7 +8,7 @@ capacity from the workload). Workloads (bench.routing_workloads):
 - W1, llm-d's shape at 1/10 lengths: 150 groups x 5 users, 600-token shared context,
   120-token question, 100-token output, working set (distinct prompt blocks) at 73% of
   cluster KV capacity; Poisson arrivals, the rate stepping 5% -> 100% of the peak in 8
-  stages of 6 s (--quick: 3 s).
+  stages of 6 s (--quick: 2.5 s).
 - W2, SGLang's generated-shared-prefix shape: 64 groups x 16 prompts, 2048-token system
   prompt, 128-token question, 256-token output, every prompt sent once in random order,
   the rate stepping 25% -> 100% of the peak; KV capacity at the same 73% ratio (--quick:

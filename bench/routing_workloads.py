@@ -69,10 +69,10 @@ class Workload:
 
 def w1(quick: bool = False) -> Shape:
     """llm-d's shape at 1/10 lengths: 150 groups x 5 users, 600 + 120 prompt tokens, 100 out;
-    ramp 5% -> 100% of 90% of decode capacity in 8 stages of 6 s (quick: 3 s)."""
+    ramp 5% -> 100% of 90% of decode capacity in 8 stages of 6 s (quick: 2.5 s)."""
     return Shape(name="W1", groups=150, prompts_per_group=5, context_tokens=600,
                  question_tokens=120, output_tokens=100, pods=8, capacity_ratio=0.73, peak_load=0.9,
-                 ramp=(0.05, 0.15, 0.3, 0.45, 0.6, 0.75, 0.9, 1.0), stage_s=3.0 if quick else 6.0)
+                 ramp=(0.05, 0.15, 0.3, 0.45, 0.6, 0.75, 0.9, 1.0), stage_s=2.5 if quick else 6.0)
 
 
 def w2(quick: bool = False) -> Shape:

@@ -109,3 +109,26 @@ def test_gateway_replicas_share_counts_and_index(tiny):
     assert four.requests == one.requests == len(tiny.requests)
     assert four.batches_decoded == four.batches_published > 0
     assert four == run(tiny, Policy("kv-sync@4gw", "kv-sync", gateways=4), seed=4)
+
+
+def test_oracle_mirror_equals_the_engine_cache(tiny):
+    from bench.routing_sim import _CacheMirror, engine_config
+    from sim.engine import EngineModel
+
+    engine = EngineModel(engine_config(tiny))
+    mirror = _CacheMirror(["p"])
+    for r in tiny.requests:  # every request on one engine: evictions happen
+        engine.add_request(r.req_id, r.token_ids, r.max_tokens, r.arrival)
+        for batch in engine.drain_events():
+            mirror.apply("p", batch)
+    t = tiny.requests[-1].arrival
+    while (nxt := engine.next_event_time()) is not None:
+        t = nxt
+        engine.advance(t)
+    for batch in engine.drain_events():
+        mirror.apply("p", batch)
+    assert mirror.held["p"] == engine.cached_block_hashes()
+    assert engine.metrics().cached_blocks > 0
+    last = tiny.requests[-1].token_ids  # released last, so not evicted
+    assert mirror.hit_tokens(last)["p"] == (len(last) - 1) // workloads.BLOCK_SIZE * workloads.BLOCK_SIZE
+    assert mirror.hit_tokens(tuple(range(5, 200)))["p"] == 0
