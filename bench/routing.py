@@ -71,7 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--seeds", type=int, default=None, help="seeds per policy (default 3, --quick 1)")
     parser.add_argument("--jobs", type=int, default=2, help="runs in parallel processes (default 2)")
-    parser.add_argument("--plot", default=DEFAULT_PLOT, help=f"PNG to write (default {DEFAULT_PLOT}; '' for none)")
+    parser.add_argument("--plot", default=None,
+                        help=f"PNG to write (default {DEFAULT_PLOT}, none with --quick so a smoke run leaves "
+                             "the committed plot alone; '' for none)")
     parser.add_argument("--workload", action="append", choices=("W1", "W2"), help="only these (repeatable)")
     d = StrategyConfig()
     parser.add_argument("--guard-slack", type=int, default=d.guard_abs_slack,
@@ -231,14 +233,15 @@ def main(args: argparse.Namespace) -> int:
     report["strategy_config"] = {"guard_slack": config.guard_abs_slack, "guard_ratio": config.guard_rel_slack,
                                  "weights": {k: dict(v) for k, v in config.weights.items()}}
     report["wall_s"] = round(time.monotonic() - started, 1)
-    if args.plot:
+    plot_path = args.plot if args.plot is not None else ("" if quick else DEFAULT_PLOT)
+    if plot_path:
         try:
-            plot(report, args.plot)
+            plot(report, plot_path)
         except OSError as e:
-            print(f"kvgate bench routing: could not write the plot {args.plot}: {e}", file=sys.stderr)
+            print(f"kvgate bench routing: could not write the plot {plot_path}: {e}", file=sys.stderr)
     if args.json:
         print(json.dumps(report))
     else:
         print(format_table(report))
-        print(f"\n{report['wall_s']} s wall" + (f"; plot: {args.plot}" if args.plot else ""))
+        print(f"\n{report['wall_s']} s wall" + (f"; plot: {plot_path}" if plot_path else ""))
     return 0
