@@ -108,7 +108,7 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("KVGATE_ROUTING_WEIGHTS", "routing_weights", _text, "",
              "Scorer weights laid over the defaults: `kv-sync:prefix=3,load=2,queue=1;prefix-cache:...` "
              "(scorers: prefix, approx-prefix, load, queue, kv-util; 0 removes one)."),
-    Variable("KVGATE_ROUTING_GUARD_SLACK", "routing_guard_slack", _int_range(0, 1_000_000), 8,
+    Variable("KVGATE_ROUTING_GUARD_SLACK", "routing_guard_slack", _int_range(0, 1_000_000), 16,
              "Load guard: a pod running this many more requests than the least loaded one is set aside..."),
     Variable("KVGATE_ROUTING_GUARD_RATIO", "routing_guard_ratio", _positive_float, 0.5,
              "...or this fraction of the least loaded one's count, whichever is larger."),
@@ -173,7 +173,7 @@ class Settings:
     k8s_api_url: str = ""
     routing_strategy: str = "kv-sync"
     routing_weights: str = ""
-    routing_guard_slack: int = 8
+    routing_guard_slack: int = 16
     routing_guard_ratio: float = 0.5
     prefix_cache_block_size: int = 16
     prefix_cache_blocks: int = 200_000

@@ -108,7 +108,7 @@ class LoadGuard:
     """Imbalance rule: a pod running `max(abs_slack, rel_slack * least)` or more requests beyond
     the least-loaded candidate is set aside, whatever its cache holds."""
 
-    abs_slack: int = 8
+    abs_slack: int = 16
     rel_slack: float = 0.5
     name: str = "load-guard"
 

@@ -7,6 +7,8 @@ import json
 
 import pytest
 
+from routing.strategies import StrategyConfig
+
 from bench import routing as bench
 from bench import routing_workloads as workloads
 from bench.routing_sim import ORACLE, Policy, run
@@ -93,7 +95,7 @@ def test_cli_arguments():
     bench.add_arguments(p)
     args = p.parse_args(["--quick", "--json", "--plot", "", "--workload", "W2"])
     assert args.quick and args.json and args.plot == "" and args.workload == ["W2"]
-    assert bench.strategy_config(args).guard_abs_slack == 8
+    assert bench.strategy_config(args).guard_abs_slack == StrategyConfig().guard_abs_slack
     bad = p.parse_args(["--seeds", "0"])
     assert bench.main(bad) == 2
     bad = p.parse_args(["--weights", "kv-sync:nope=1"])

@@ -48,6 +48,9 @@ def pods(*names, model="m", **kw):
     return [Pod(n, f"10.0.0.{i + 1}", 8000, model, **kw) for i, n in enumerate(names)]
 
 
+SLACK = StrategyConfig().guard_abs_slack
+
+
 def router(strategy="kv-sync", index=None, pod_list=None, seed=1, **kw):
     reg = PodRegistry(pod_list if pod_list is not None else pods("a", "b", "c"))
     return Router(reg, default_strategy=strategy, index=index if index is not None else FakeIndex(), seed=seed, **kw)
@@ -99,7 +102,7 @@ KV_SYNC_TABLE = [
     ("CPU hit beats no hit", {"a": (4, {"CPU": 4})}, {}, True, "a"),
     ("longer prefix wins", {"a": (1, {"GPU": 1}), "b": (3, {"GPU": 3})}, {}, True, "b"),
     ("affinity beats a small load gap", {"a": (4, {"GPU": 4})}, {"a": 3}, True, "a"),
-    ("load guard: hit pod 8 above least", {"a": (4, {"GPU": 4})}, {"a": 8}, True, None),
+    ("load guard: hit pod a slack above least", {"a": (4, {"GPU": 4})}, {"a": SLACK}, True, None),
     ("partial hit loses to a big load gap", {"a": (1, {"GPU": 1})}, {"a": 7, "b": 0, "c": 0}, True, None),
     ("no tokens: load only", {"a": (4, {"GPU": 4})}, {"a": 1, "c": 1}, False, "b"),
 ]
@@ -155,7 +158,7 @@ async def test_prefix_cache_learns_from_its_own_decisions():
     # the affinity pod busier by a few: still chosen; by the guard's slack: not
     await hold(r, {first.pod.name: 3})
     assert (await r.pick(RouteRequest("m", TOKENS))).pod.name == first.pod.name
-    await hold(r, {first.pod.name: 5})
+    await hold(r, {first.pod.name: SLACK - 3})
     assert (await r.pick(RouteRequest("m", TOKENS))).pod.name != first.pod.name
 
 
@@ -179,7 +182,7 @@ async def test_burst_of_identical_requests_spreads(strategy):
     per_pod = collections.Counter(d.pod.name for d in decisions)
     assert len(per_pod) == 4, per_pod
     least = min(per_pod.values())
-    assert max(per_pod.values()) - least <= max(8, 0.5 * least), per_pod  # the guard's rule
+    assert max(per_pod.values()) - least <= max(SLACK, 0.5 * least), per_pod  # the guard's rule
     assert max(per_pod.values()) <= 40, per_pod
     assert r.running() == dict(per_pod)
     await asyncio.gather(*(r.release(d) for d in decisions))
