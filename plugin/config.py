@@ -10,6 +10,8 @@ import sys
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping
 
+from routing.counts import redact_url
+
 
 class ConfigError(ValueError):
     """A KVGATE_* variable holds a value kvgate cannot use; the message names it."""
@@ -241,16 +243,6 @@ class Settings:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["redis_url"] = redact_url(self.redis_url)
         return out
-
-
-def redact_url(url: str) -> str:
-    """`rediss://user:secret@host:6380/0` -> `rediss://user:***@host:6380/0`."""
-    if "@" not in url or "://" not in url:
-        return url
-    scheme, rest = url.split("://", 1)
-    creds, host = rest.rsplit("@", 1)
-    user = creds.split(":", 1)[0] if ":" in creds else ""
-    return f"{scheme}://{user}:***@{host}" if user else f"{scheme}://***@{host}"
 
 
 def markdown_table() -> str:
