@@ -21,12 +21,14 @@ is indexed. Not thread-safe.
 from __future__ import annotations
 
 import logging
+from bisect import bisect_right
 from collections import Counter
 from dataclasses import dataclass, field
-from itertools import islice
+from itertools import accumulate, islice, repeat, takewhile
+from operator import and_, neg, or_
 from typing import Iterable, Sequence
 
-from kvcache.blockkeys import KEY_MASK, root_key
+from kvcache.blockkeys import KEY_MASK, MULT, chain_keys, root_key
 from kvcache.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEvent
 
 log = logging.getLogger(__name__)
@@ -134,15 +136,20 @@ class PrefixIndex:
         media = [(name, d) for name, d in self._held.items() if d]
         if not cand or not total or not media:
             return {p: PrefixMatch(0, {}, total) for p in pods}
-        k = root_key(model, lora)
-        blocks = map(hash, zip(*[iter(token_ids)] * bs))
-        keys: list[int] = []
+        keys = chain_keys(root_key(model, lora), token_ids, bs)
         if len(media) == 1:
-            run_any = self._walk_one(k, blocks, cand, media[0][1], keys)
+            run_any = _runs(cand, map(media[0][1].get, keys, repeat(0)))
             run_med = {media[0][0]: run_any}
         else:
-            run_any, run_med = self._walk_many(k, blocks, cand, media, keys)
-        self._touch(keys)
+            held = [list(map(d.get, keys, repeat(0))) for _, d in media]
+            either = held[0]
+            for more in held[1:]:
+                either = list(map(or_, either, more))
+            run_any = _runs(cand, either)
+            run_med = {name: _runs(cand, held[j]) for j, (name, _) in enumerate(media)}
+        deepest = max(run_any.values(), default=0)
+        if deepest:
+            self._touch(keys[:deepest])
         return self._per_pod(pods, run_any, run_med, total)
 
     def stats(self) -> dict:
@@ -199,7 +206,7 @@ class PrefixIndex:
         if held is None:
             held = self._held[ev.medium or DEFAULT_MEDIUM] = {}
         if n == 1 and type(tokens) is tuple:  # a decode step's block: no chunking
-            k = hash((k, hash(tokens))) & KEY_MASK
+            k = (k * MULT + hash(tokens)) & KEY_MASK
             h = hashes[0]
             keys_of[h & KEY_MASK if type(h) is int else h] = k
             m = held.pop(k, 0)
@@ -215,7 +222,7 @@ class PrefixIndex:
         added = 0
         try:
             for h, bh in zip(hashes, map(hash, zip(*[iter(tokens)] * bs))):
-                k = hash((k, bh)) & mask
+                k = (k * MULT + bh) & mask
                 keys_of[h] = k
                 m = pop(k, 0)  # pop and re-insert: the key becomes the most recent
                 if not m & bit:
@@ -317,61 +324,6 @@ class PrefixIndex:
 
     # --- matching --------------------------------------------------------------------------
 
-    @staticmethod
-    def _walk_one(k: int, blocks: Iterable[int], cand: int, held: dict[int, int],
-                  keys: list[int]) -> dict[int, int]:
-        """Single medium: the run length of each candidate slot (absent: 0)."""
-        get = held.get
-        append = keys.append
-        mask = KEY_MASK
-        alive = cand
-        runs: dict[int, int] = {}
-        for bh in blocks:
-            k = hash((k, bh)) & mask
-            m = get(k, 0) & alive
-            if m != alive:
-                _record(runs, alive ^ m, len(keys))
-                if not m:
-                    return runs
-                alive = m
-            append(k)
-        _record(runs, alive, len(keys))
-        return runs
-
-    @staticmethod
-    def _walk_many(k: int, blocks: Iterable[int], cand: int, media: list[tuple[str, dict[int, int]]],
-                   keys: list[int]) -> tuple[dict[int, int], dict[str, dict[int, int]]]:
-        """Several media: runs in any medium and, per medium, leading runs in that medium."""
-        gets = [d.get for _, d in media]
-        alive_med = [cand] * len(media)
-        runs_med: list[dict[int, int]] = [{} for _ in media]
-        alive = cand
-        runs: dict[int, int] = {}
-        i = 0
-        for bh in blocks:
-            k = hash((k, bh)) & KEY_MASK
-            anyv = 0
-            for j, get in enumerate(gets):
-                v = get(k, 0)
-                anyv |= v
-                a = alive_med[j]
-                if a and v & a != a:
-                    _record(runs_med[j], a & ~v, i)
-                    alive_med[j] = a & v
-            m = anyv & alive
-            if m != alive:
-                _record(runs, alive ^ m, i)
-                if not m:
-                    break
-                alive = m
-            keys.append(k)
-            i += 1
-        else:
-            _record(runs, alive, i)
-            for j, a in enumerate(alive_med):
-                _record(runs_med[j], a, i)
-        return runs, {name: runs_med[j] for j, (name, _) in enumerate(media)}
-
     def _per_pod(self, pods: list[str], run_any: dict[int, int], run_med: dict[str, dict[int, int]],
                  total: int) -> dict[str, PrefixMatch]:
         hit = 0
@@ -417,6 +369,23 @@ class PrefixIndex:
         self._touched_n = 0
         if len(ref) > max(self._max >> 2, _TOUCH_BACKLOG):  # bounded memory: forget the oldest chances
             ref.clear()
+
+
+def _runs(cand: int, masks: Iterable[int]) -> dict[int, int]:
+    """Per slot bit of `cand`, how many leading `masks` hold it (runs of 0 are not recorded).
+    The running AND only ever loses bits, so it is non-increasing: a bisection finds each drop."""
+    alive = list(takewhile(bool, accumulate(masks, and_, initial=cand)))  # alive[i]: holders of blocks < i
+    runs: dict[int, int] = {}
+    if len(alive) < 2:
+        return runs
+    down = list(map(neg, alive))
+    i, n = 1, len(alive)
+    while i < n:
+        v = alive[i]
+        j = bisect_right(down, -v, i)  # the first index where a holder drops out
+        _record(runs, v & ~alive[j] if j < n else v, j - 1)
+        i = j
+    return runs
 
 
 def _record(runs: dict[int, int], dropped: int, i: int) -> None:
