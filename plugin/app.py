@@ -110,7 +110,7 @@ class App:
             router=self.router, registry=self.pods, tokenizer=self.tokenizer, metrics=self.gateway_metrics,
             default_strategy=s.routing_strategy, max_body_bytes=s.max_body_bytes,
             tokenizer_timeout_s=s.tokenizer_timeout_s, tokenizer_url=s.tokenizer_url or None,
-            target_pod_header=s.target_pod_header, reachable=lambda name: self.engines.get(name) is not None))
+            target_pod_header=s.target_pod_header, reachable=lambda name: not self.engines.unreachable(name)))
         self.pods.add_listener(self._on_pods)
         self._grpc: grpc.aio.Server | None = None
         self._http: web.AppRunner | None = None
@@ -140,7 +140,9 @@ class App:
         self.subscriptions.sync(endpoint_specs(self.pods.pods()))
         await self.router.start()
         # so_reuseport off: a stale kvgate on the same port must not keep taking Envoy's streams.
-        self._grpc = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        # Envoy's buffer limit bounds bodies; gRPC's default 4 MiB would turn larger valid ones into 500s.
+        self._grpc = grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", -1),
+                                              ("grpc.max_send_message_length", -1)])
         pb_grpc.add_ExternalProcessorServicer_to_server(self.processor, self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
         grpc_port = self._grpc.add_insecure_port(_join(s.listen_host, s.grpc_port))

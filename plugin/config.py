@@ -241,7 +241,8 @@ class Settings:
     def redacted(self) -> dict[str, Any]:
         """Settings for logs and the debug endpoint, with secrets hidden."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}
-        out["redis_url"] = redact_url(self.redis_url)
+        for name in ("redis_url", "tokenizer_url", "k8s_api_url"):
+            out[name] = redact_url(out[name])
         return out
 
 

@@ -57,7 +57,7 @@ class Gateway:
     tokenizer_timeout_s: float
     tokenizer_url: str | None = None
     target_pod_header: bool = True
-    # Whether a pod's engine answered lately (its /metrics scrape); None: no such knowledge.
+    # False for a pod whose engine refused the last /metrics scrape; None: no such knowledge.
     reachable: Callable[[str], bool] | None = None
 
 
@@ -198,7 +198,7 @@ class _Stream:
     async def _route_any(self, mutation: pb.HeaderMutation) -> pb.ProcessingResponse:
         pods = [p for p in self.gw.registry.pods() if p.ready]
         if self.gw.reachable is not None:
-            # Prefer engines seen alive: a pod whose engine is down would answer 503.
+            # Skip engines that refuse connections: they would answer 503.
             pods = [p for p in pods if self.gw.reachable(p.name)] or pods
         if not pods:
             return self._error(ClientError(503, "no ready pod", type_="service_unavailable", code="no_ready_pod"))

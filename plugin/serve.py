@@ -19,8 +19,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 async def _serve(settings: Settings) -> int:
     from plugin.app import App  # heavy imports only once the configuration is known to be good
+    from routing.errors import DiscoveryError
 
-    app = App(settings)
+    try:
+        app = App(settings)
+    except (DiscoveryError, ValueError) as e:  # e.g. a malformed KVGATE_PODS; the message names it
+        print(f"kvgate serve: invalid configuration: {e}", file=sys.stderr)
+        return 2
     try:
         await app.start()
     except Exception as e:

@@ -56,12 +56,18 @@ class EngineMetrics:
         self._client = client
         self._own_client = client is None
         self._loads: dict[str, EngineLoad] = {}
+        self._down: set[str] = set()  # pods whose engine refused the last scrape's connection
         self._task: asyncio.Task | None = None
         registry.add_listener(self._on_pods)
 
     def _on_pods(self, added: list[Pod], removed: list[Pod]) -> None:
         for p in removed:
             self._loads.pop(p.name, None)
+            self._down.discard(p.name)
+
+    def unreachable(self, pod: str) -> bool:
+        """True when the pod's engine could not be connected to at the last scrape (down or restarting)."""
+        return pod in self._down
 
     def get(self, pod: str) -> EngineLoad | None:
         load = self._loads.get(pod)
@@ -81,6 +87,18 @@ class EngineMetrics:
     async def _scrape(self, pod: Pod) -> None:
         try:
             resp = await self._client.get(f"{pod.base_url}/metrics", timeout=self._timeout)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+            self._down.add(pod.name)  # nothing listens there: route elsewhere until it answers again
+            self._loads.pop(pod.name, None)
+            self._metrics.scrape_errors.inc()
+            log.debug("scrape of %s failed: %s", pod.name, e)
+            return
+        except Exception as e:
+            self._metrics.scrape_errors.inc()
+            log.debug("scrape of %s failed: %s", pod.name, e)
+            return
+        self._down.discard(pod.name)
+        try:
             resp.raise_for_status()
             self._loads[pod.name] = parse_engine_metrics(resp.text, time.monotonic())
         except Exception as e:
@@ -110,5 +128,8 @@ class EngineMetrics:
 
     def snapshot(self) -> dict:
         now = time.monotonic()
-        return {name: {"waiting": l.waiting, "running": l.running, "kv_usage": l.kv_usage,
-                       "age_s": round(now - l.at, 3)} for name, l in self._loads.items()}
+        out: dict = {name: {"waiting": l.waiting, "running": l.running, "kv_usage": l.kv_usage,
+                            "age_s": round(now - l.at, 3)} for name, l in self._loads.items()}
+        for name in self._down:
+            out[name] = {"unreachable": True}
+        return out

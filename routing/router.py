@@ -74,6 +74,11 @@ class Router:
         ready = [p for p in serving if p.ready]
         if not ready:
             raise NoReadyPodError(model)
+        if self._engines is not None:
+            # An engine that refuses connections would answer 503, whatever its cached blocks or load
+            # say; if every engine looks down, try them all rather than refuse.
+            reachable = [p for p in ready if not self._engines.unreachable(p.name)]
+            return reachable or ready
         return ready
 
     async def pick(self, request: RouteRequest) -> Decision:

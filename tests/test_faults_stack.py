@@ -418,7 +418,6 @@ def test_engine_killed_and_restarted_drops_stale_blocks_then_rebuilds(env):
     assert index == truth and truth[0] > 0
 
 
-@pytest.mark.xfail(strict=True, reason="BUG (routing): a dead engine's blocks keep attracting kv-sync picks -> 503")
 def test_engine_down_requests_are_not_routed_on_its_stale_blocks(env):
     """While an engine is down (killed, not yet back), its cached blocks must not attract requests."""
     p = prompt(350)

@@ -60,8 +60,6 @@ def test_bad_redis_url_is_named_without_its_password():
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(strict=True, reason="BUG (plugin/serve.py): a malformed KVGATE_PODS raises DiscoveryError out of "
-                                       "App(settings) -> traceback, exit 1")
 def test_malformed_pods_line_exits_2_naming_the_variable():
     proc = _serve({**BASE, "KVGATE_PODS": "garbage"})
     out, err = proc.communicate(timeout=50)

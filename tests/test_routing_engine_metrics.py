@@ -58,7 +58,7 @@ async def test_scrape_and_route_on_engine_load():
         picks = {(await r.pick(RouteRequest("m"))).pod.name for _ in range(5)}
         assert picks == {"idle"}
         by_name = {p["name"]: p for p in r.debug_snapshot()["pods"]}
-        assert by_name["busy"]["engine"]["waiting"] == 12 and "engine" not in by_name["dead"]
+        assert by_name["busy"]["engine"]["waiting"] == 12 and by_name["dead"]["engine"] == {"unreachable": True}
     finally:
         await r.close()
         await busy.cleanup()

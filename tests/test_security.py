@@ -146,11 +146,7 @@ def test_requests_naming_pods_outside_discovery(env, body, headers, status):
 
 # --- bodies are bounded ---------------------------------------------------------------------
 
-GRPC_BUG = pytest.mark.xfail(strict=True, reason="BUG (plugin/app.py): ext_proc gRPC server keeps gRPC's 4 MiB "
-                                                 "receive limit, under KVGATE_MAX_BODY_BYTES (8 MiB) -> Envoy 500")
-
-
-@pytest.mark.parametrize("mib", [3, pytest.param(5, marks=GRPC_BUG), pytest.param(7.5, marks=GRPC_BUG)])
+@pytest.mark.parametrize("mib", [3, 5, 7.5])
 def test_bodies_under_the_limit_are_routed(env, mib):
     """Up to KVGATE_MAX_BODY_BYTES (8 MiB by default) a body is routed; padding the engine ignores."""
     body = b'{"model": "m", "prompt": "x", "max_tokens": 1, "pad": "' + b"p" * int(mib * (1 << 20)) + b'"}'
@@ -167,7 +163,6 @@ def _chunks():
 
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
-@GRPC_BUG
 def test_body_over_kvgate_limit_gets_413(env, chunked):
     body = _chunks() if chunked else b"".join(_chunks())
     r = env.client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
@@ -271,8 +266,6 @@ def test_rediss_url_with_auth_over_tls(env):
     assert _wait(env.ok, timeout=10)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG (plugin/config.py Settings.redacted): only redis_url is redacted; "
-                                       "credentials in KVGATE_TOKENIZER_URL show in /debug")
 def test_credentials_in_the_tokenizer_url_are_not_shown(env):
     secret = "tok-secret-77Qa"
     env.restart_kvgate(KVGATE_TOKENIZER_URL=f"http://tok-user:{secret}@127.0.0.1:{env.sims['sim0']}")
