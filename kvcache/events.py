@@ -5,7 +5,7 @@ since) or 32 raw bytes. Only the engine that published it can interpret it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Union
 
 BlockHash = Union[int, bytes]

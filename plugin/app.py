@@ -2,7 +2,6 @@
 the ext_proc gRPC server and the HTTP port. Built once per process; nothing global."""
 from __future__ import annotations
 
-import asyncio
 import logging
 from dataclasses import dataclass, field
 

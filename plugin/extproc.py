@@ -22,7 +22,7 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from plugin.metrics import GatewayMetrics
-from plugin.request import (CHAT, COMPLETIONS, MODELS, ROUTED_POST_PATHS, ClientError, InferenceRequest,
+from plugin.request import (CHAT, MODELS, ROUTED_POST_PATHS, ClientError, InferenceRequest,
                             bad_request, parse_body)
 from routing.errors import NoReadyPodError, RoutingError, UnknownModelError, UnknownStrategyError
 from routing.pods import Pod

@@ -1,7 +1,7 @@
 """Pods: the vLLM replicas kvgate may route to."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True, slots=True)

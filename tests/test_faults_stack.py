@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvcache.publisher import END_SEQ, EventPublisher
 from kvcache.wire import decode_batch
+from stackutil import canary_hits, start_canary, wait_until
 from plugin.stack import Stack, free_port, wait_for_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -35,14 +36,6 @@ WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo li
          "quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split()
 
 
-def _wait(predicate, timeout=15.0, interval=0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    return predicate()
 
 
 def prompt(seed: int, words: int = 160) -> str:
@@ -212,9 +205,7 @@ class Env:
         self.pods = pods
         self.pods_file = stack.workdir / "pods.yaml"
         self.pods_file.write_text(yaml.safe_dump(pods))
-        self.canary_port = free_port()
-        self.canary = stack.start("canary", [sys.executable, "-m", "http.server", str(self.canary_port),
-                                             "--bind", "127.0.0.1"], ready_port=("127.0.0.1", self.canary_port))
+        self.canary, self.canary_port = start_canary(stack)
         self.grpc_port, self.http_port = free_port(), free_port()
         self.kvgate_env = {
             "KVGATE_PODS_FILE": str(self.pods_file), "KVGATE_GRPC_PORT": str(self.grpc_port),
@@ -244,8 +235,7 @@ class Env:
         return metric(self.metrics(), "kvgate_prefix_blocks", kind="cached")
 
     def canary_hits(self) -> int:
-        text = self.canary.log_path.read_text(errors="replace")
-        return sum(1 for line in text.splitlines() if '"GET ' in line or '"POST ' in line or '"PUT ' in line)
+        return canary_hits(self.canary)
 
     # --- the engines' view ----------------------------------------------------------------
     def truth(self, names=("sim0", "sim1")) -> tuple[int, int]:
@@ -266,7 +256,7 @@ class Env:
             last["index"] = self.index_view()
             return last["truth"] == last["index"]
 
-        _wait(same, timeout=timeout, interval=0.2)
+        wait_until(same, timeout=timeout, interval=0.2)
         return last["index"], last["truth"]
 
     def complete_direct(self, sim: str, text: str, max_tokens: int = 1) -> dict:
@@ -356,7 +346,7 @@ def test_lost_event_messages_are_replayed_and_the_index_equals_the_engine(env):
     env.proxy.drop_next(3)
     for i in range(3):  # each request's blocks are one or more lost batches
         env.complete_direct("sim1", prompt(100 + i))
-    assert _wait(lambda: env.proxy.dropped >= 3, timeout=5)
+    assert wait_until(lambda: env.proxy.dropped >= 3, timeout=5)
     env.complete_direct("sim1", prompt(200))  # the next live batch reveals the gap
     index, truth = env.index_matches_truth()
     assert index == truth, f"index {index} != engines {truth}"
@@ -372,7 +362,7 @@ def test_gap_beyond_the_replay_buffer_drops_the_pods_entries(env):
     sims_entries = env.truth()[0]
     stale = BlockStored(tuple(range(9000, 9004)), None, tuple(range(64)), 16, None, "GPU", None)
     env.ghost.publish([stale])
-    assert _wait(lambda: env.index_view()[0] == sims_entries + 4), env.debug()["index"]
+    assert wait_until(lambda: env.index_view()[0] == sims_entries + 4), env.debug()["index"]
     env.ghost.drop_next(20)
     env.ghost.publish([BlockRemoved(tuple(range(9000, 9004)), "GPU")])  # lost for good: stale must not stay
     for i in range(19):
@@ -382,12 +372,12 @@ def test_gap_beyond_the_replay_buffer_drops_the_pods_entries(env):
 
     def dropped():
         return metric(env.metrics(), "kvgate_kvevents_state_drops", pod="ghost", reason="gap") >= 1
-    assert _wait(dropped), env.kvgate.log_tail()
+    assert wait_until(dropped), env.kvgate.log_tail()
     # After the drop only what the engine can still prove: the 7 replayable batches and the live one.
-    assert _wait(lambda: env.index_view()[0] == sims_entries + 8), env.debug()["index"]
+    assert wait_until(lambda: env.index_view()[0] == sims_entries + 8), env.debug()["index"]
     assert metric(env.metrics(), "kvgate_kvevents_missed_batches", pod="ghost") >= 13
     env.ghost.publish([AllBlocksCleared()])
-    assert _wait(lambda: env.index_view()[0] == sims_entries)
+    assert wait_until(lambda: env.index_view()[0] == sims_entries)
 
 
 def test_engine_killed_and_restarted_drops_stale_blocks_then_rebuilds(env):
@@ -405,7 +395,7 @@ def test_engine_killed_and_restarted_drops_stale_blocks_then_rebuilds(env):
 
     def restart_noticed():
         return metric(env.metrics(), "kvgate_kvevents_state_drops", pod="sim0", reason="restart") >= 1
-    assert _wait(restart_noticed), env.kvgate.log_tail()
+    assert wait_until(restart_noticed), env.kvgate.log_tail()
     index, truth = env.index_matches_truth()
     assert index == truth, f"index {index} != engines {truth} after sim0 restarted"
     before = env.cached_blocks_counter()
@@ -427,8 +417,8 @@ def test_engine_down_requests_are_not_routed_on_its_stale_blocks(env):
     sim0["proc"].kill()
     try:
         # kvgate has both signals: the event stream disconnected, and the engine's /metrics went stale.
-        assert _wait(lambda: metric(env.metrics(), "kvgate_kvevents_connection_status", pod="sim0") == 0, timeout=5)
-        assert _wait(lambda: next(p for p in env.debug()["pods"] if p["name"] == "sim0")
+        assert wait_until(lambda: metric(env.metrics(), "kvgate_kvevents_connection_status", pod="sim0") == 0, timeout=5)
+        assert wait_until(lambda: next(p for p in env.debug()["pods"] if p["name"] == "sim0")
                      .get("engine", {}).get("age_s", 99) > 3.0, timeout=10)
         statuses = [env.client.post("/v1/completions", json={"model": MODEL, "prompt": p, "max_tokens": 1})
                     for _ in range(3)]
@@ -453,7 +443,7 @@ def test_restart_hidden_behind_a_proxy_is_noticed_at_its_first_batch(env):
 
     def noticed():
         return metric(env.metrics(), "kvgate_kvevents_state_drops", pod="sim1", reason="restart") > drops
-    assert _wait(noticed), env.kvgate.log_tail()
+    assert wait_until(noticed), env.kvgate.log_tail()
     index, truth = env.index_matches_truth()
     assert index == truth
 
@@ -462,21 +452,21 @@ def test_redis_killed_under_load_no_request_fails_and_counts_reconverge(env):
     import redis as redis_py
     r = redis_py.Redis(host="127.0.0.1", port=env.redis_port, socket_timeout=2)
     key = f"kvgate:{{running}}:gw:{GATEWAY_ID}"
-    assert _wait(lambda: env.debug()["counts"]["redis_up"])
+    assert wait_until(lambda: env.debug()["counts"]["redis_up"])
     with Load(env.url, workers=3) as load:
         time.sleep(1.0)
         env.redis.kill()
         time.sleep(2.0)
         env.redis = env.stack.restart(env.redis, ready_port=("127.0.0.1", env.redis_port))
         # The gateway republishes its whole state once Redis is back.
-        assert _wait(lambda: r.exists(key), timeout=10)
-        assert _wait(lambda: env.debug()["counts"]["redis_up"], timeout=10)
+        assert wait_until(lambda: r.exists(key), timeout=10)
+        assert wait_until(lambda: env.debug()["counts"]["redis_up"], timeout=10)
         time.sleep(1.0)
     assert len(load.results) > 10
     assert load.failures() == [], load.failures()[:5]
-    assert _wait(env.counts_are_zero), env.debug()["counts"]
+    assert wait_until(env.counts_are_zero), env.debug()["counts"]
     # Redis itself agrees: this gateway's hash holds no running request.
-    assert _wait(lambda: {k: v for k, v in r.hgetall(key).items() if k != b"~"} == {}, timeout=5), r.hgetall(key)
+    assert wait_until(lambda: {k: v for k, v in r.hgetall(key).items() if k != b"~"} == {}, timeout=5), r.hgetall(key)
     r.close()
 
 
@@ -493,7 +483,7 @@ def test_kvgate_killed_under_load_fails_closed_then_recovers_its_index(env, reco
         def serving():
             return env.client.post("/v1/completions", json={"model": MODEL, "prompt": "back", "max_tokens": 1},
                                    headers=evil).status_code == 200
-        assert _wait(serving, timeout=20, interval=0.2)
+        assert wait_until(serving, timeout=20, interval=0.2)
         recovered_at = time.monotonic()
         time.sleep(1.5)
     assert env.canary_hits() == canary_before, "a spoofed header reached a server outside discovery"
@@ -509,7 +499,7 @@ def test_kvgate_killed_under_load_fails_closed_then_recovers_its_index(env, reco
     # The new process rebuilt the index from the engines' replay.
     index, truth = env.index_matches_truth()
     assert index == truth and truth[0] > 0
-    assert _wait(env.counts_are_zero)
+    assert wait_until(env.counts_are_zero)
 
 
 def test_pod_removed_while_its_responses_stream(env):
@@ -538,18 +528,18 @@ def test_pod_removed_while_its_responses_stream(env):
     started.wait()
     env.pods_file.write_text(yaml.safe_dump([p for p in env.pods if p["name"] != "sim1"]))
     try:
-        assert _wait(lambda: all(p["name"] != "sim1" for p in env.debug()["pods"]), timeout=10)
+        assert wait_until(lambda: all(p["name"] != "sim1" for p in env.debug()["pods"]), timeout=10)
         for t in threads:
             t.join(30)
         assert {r["pod"] for r in results.values()} == {"sim0", "sim1"}, results
         # Every stream either finished or ended cleanly: no transport error.
         assert all(r["error"] is None and r["status"] == 200 and r["done"] for r in results.values()), results
-        assert _wait(env.counts_are_zero), env.debug()
+        assert wait_until(env.counts_are_zero), env.debug()
         index, truth = env.index_matches_truth(names=("sim0",))
         assert index == truth, "sim1's blocks outlived its removal"
     finally:
         env.pods_file.write_text(yaml.safe_dump(env.pods))
-    assert _wait(lambda: any(p["name"] == "sim1" for p in env.debug()["pods"]), timeout=10)
+    assert wait_until(lambda: any(p["name"] == "sim1" for p in env.debug()["pods"]), timeout=10)
     index, truth = env.index_matches_truth()
     assert index == truth
 
@@ -610,7 +600,7 @@ def test_event_flood_while_serving_keeps_routing_responsive(env, record_property
     env.stack.procs.remove(flood)
     assert quiet_load.failures() == [] and flood_load.failures() == [], flood_load.failures()[:5]
     assert ingested > 100, "the flood never reached kvgate"
-    assert _wait(lambda: metric(env.metrics(), "kvgate_kvevents_events_applied", type="AllBlocksCleared") >= 1)
+    assert wait_until(lambda: metric(env.metrics(), "kvgate_kvevents_events_applied", type="AllBlocksCleared") >= 1)
     numbers = {
         "normal_blocks_per_s": round(normal_blocks_s, 1), "flood_blocks_per_s": round(flood_rate, 1),
         "flood_batches_ingested_during_probe": int(ingested),

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import socket
-import sys
 import time
 
 import httpx
 import pytest
 import yaml
 
+from stackutil import canary_hits, start_canary, wait_until
 from plugin.stack import Stack, free_port
 
 pytestmark = pytest.mark.integration
@@ -18,14 +18,6 @@ pytestmark = pytest.mark.integration
 MODEL = "m"
 
 
-def _wait(predicate, timeout=10.0, interval=0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    return predicate()
 
 
 class Env:
@@ -48,9 +40,7 @@ class Env:
         self.pods_file = stack.workdir / "pods.yaml"
         self.pods_file.write_text(yaml.safe_dump(pods))
         # A server outside discovery: nothing a client sends may ever reach it.
-        self.canary_port = free_port()
-        self.canary = stack.start("canary", [sys.executable, "-m", "http.server", str(self.canary_port),
-                                             "--bind", "127.0.0.1"], ready_port=("127.0.0.1", self.canary_port))
+        self.canary, self.canary_port = start_canary(stack)
         self.grpc_port, self.http_port = free_port(), free_port()
         self.kvgate_env = {
             "KVGATE_PODS_FILE": str(self.pods_file), "KVGATE_GRPC_PORT": str(self.grpc_port),
@@ -72,8 +62,7 @@ class Env:
         return d["in_flight_here"] == 0 and all(p["running"] == 0 for p in d["pods"])
 
     def canary_hits(self) -> int:
-        text = self.canary.log_path.read_text(errors="replace")
-        return sum(1 for line in text.splitlines() if '"GET ' in line or '"POST ' in line)
+        return canary_hits(self.canary)
 
     def restart_kvgate(self) -> None:
         self.kvgate = self.stack.restart(self.kvgate, env=self.kvgate_env, ready_port=("127.0.0.1", self.grpc_port))
@@ -212,7 +201,7 @@ def test_counts_return_to_zero_after_finished_cancelled_and_failed(env):
         payload = json.dumps({"model": MODEL, "prompt": "bye", "max_tokens": 100, "stream": True}).encode()
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
-    assert _wait(env.counts_are_zero), env.debug()
+    assert wait_until(env.counts_are_zero), env.debug()
 
 
 def test_pods_file_change_is_picked_up_without_restart(env):
@@ -224,11 +213,11 @@ def test_pods_file_change_is_picked_up_without_restart(env):
     assert pods_used() == {"sim0", "sim1"}
     env.pods_file.write_text(yaml.safe_dump([p for p in env.pods if p["name"] != "sim1"]))
     try:
-        assert _wait(lambda: pods_used() == {"sim0"}, timeout=10, interval=0.2)
+        assert wait_until(lambda: pods_used() == {"sim0"}, timeout=10, interval=0.2)
         assert all(p["name"] != "sim1" for p in env.debug()["pods"])
     finally:
         env.pods_file.write_text(yaml.safe_dump(env.pods))
-    assert _wait(lambda: pods_used() == {"sim0", "sim1"}, timeout=10, interval=0.2)
+    assert wait_until(lambda: pods_used() == {"sim0", "sim1"}, timeout=10, interval=0.2)
 
 
 def test_kvgate_down_fails_closed_then_recovers(env):
@@ -252,7 +241,7 @@ def test_kvgate_down_fails_closed_then_recovers(env):
         r = env.client.post("/v1/completions", json={"model": MODEL, "prompt": "back", "max_tokens": 1})
         return r.status_code == 200
 
-    assert _wait(works, timeout=20, interval=0.2)
+    assert wait_until(works, timeout=20, interval=0.2)
 
 
 def test_metrics_and_health(env):

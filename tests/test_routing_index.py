@@ -4,7 +4,6 @@ from __future__ import annotations
 import asyncio
 import collections
 
-import pytest
 
 from kvcache.events import BlockRemoved, BlockStored
 from kvcache.index import PrefixIndex

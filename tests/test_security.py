@@ -8,13 +8,13 @@ kvgate is down) and tests/test_routing_redis.py (AUTH at the RedisCounts level).
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
 
+from stackutil import canary_hits, start_canary, wait_until
 from plugin.stack import Stack, free_port, wait_for_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -25,15 +25,6 @@ BEARER = "secret-bearer-T0k3n-9f8e7d"
 SPOOF_HEADERS = ("x-gateway-destination-endpoint", "target-pod", "x-envoy-original-dst-host", "x-kvgate-pod")
 
 
-def _wait(predicate, timeout=15.0, interval=0.1):
-    import time
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    return predicate()
 
 
 class Env:
@@ -49,9 +40,7 @@ class Env:
             pods.append({"name": name, "address": "127.0.0.1", "port": port, "model": MODEL})
         self.pods_file = stack.workdir / "pods.yaml"
         self.pods_file.write_text(yaml.safe_dump(pods))
-        self.canary_port = free_port()
-        self.canary = stack.start("canary", [sys.executable, "-m", "http.server", str(self.canary_port),
-                                             "--bind", "127.0.0.1"], ready_port=("127.0.0.1", self.canary_port))
+        self.canary, self.canary_port = start_canary(stack)
         self.grpc_port, self.http_port = free_port(), free_port()
         self.env = {"KVGATE_PODS_FILE": str(self.pods_file), "KVGATE_GRPC_PORT": str(self.grpc_port),
                     "KVGATE_HTTP_PORT": str(self.http_port), "KVGATE_LOG_LEVEL": "debug",
@@ -77,8 +66,7 @@ class Env:
         return httpx.get(f"http://127.0.0.1:{self.http_port}/metrics", timeout=5).text
 
     def canary_hits(self) -> int:
-        text = self.canary.log_path.read_text(errors="replace")
-        return sum(1 for line in text.splitlines() if "HTTP/1" in line)
+        return canary_hits(self.canary)
 
     def ok(self) -> bool:
         return self.client.post("/v1/completions", json={"model": MODEL, "prompt": "ok", "max_tokens": 1}).status_code == 200
@@ -190,7 +178,7 @@ def _no_secret(env: Env, *secrets: str) -> None:
 
 def test_redis_auth_is_used_and_the_password_never_shown(env):
     import redis as redis_py
-    assert _wait(lambda: '"redis_up": true' in env.debug_text())
+    assert wait_until(lambda: '"redis_up": true' in env.debug_text())
     r = redis_py.Redis(host="127.0.0.1", port=int(env.redis_url.rsplit(":", 1)[1].split("/")[0]),
                        password=REDIS_PASSWORD)
     assert r.exists("kvgate:{running}:gw:sec-gw")  # written with AUTH
@@ -223,12 +211,12 @@ def test_wrong_redis_password_degrades_to_local_counts_and_is_not_shown(env):
     url = env.redis_url.replace(REDIS_PASSWORD, wrong)
     env.restart_kvgate(KVGATE_REDIS_URL=url)
     try:
-        assert _wait(env.ok, timeout=10)
+        assert wait_until(env.ok, timeout=10)
         assert '"redis_up": false' in env.debug_text()
         _no_secret(env, wrong, REDIS_PASSWORD)
     finally:
         env.restart_kvgate()
-    assert _wait(env.ok, timeout=10)
+    assert wait_until(env.ok, timeout=10)
 
 
 def _tls_redis(stack: Stack, workdir: Path) -> int:
@@ -257,21 +245,21 @@ def test_rediss_url_with_auth_over_tls(env):
     ca = env.stack.workdir / "ca.pem"
     env.restart_kvgate(KVGATE_REDIS_URL=f"rediss://:{REDIS_PASSWORD}@127.0.0.1:{port}/0?ssl_ca_certs={ca}")
     try:
-        assert _wait(lambda: '"redis_up": true' in env.debug_text(), timeout=10), env.kvgate.log_tail()
+        assert wait_until(lambda: '"redis_up": true' in env.debug_text(), timeout=10), env.kvgate.log_tail()
         assert env.ok()
         assert "rediss://" in env.debug_text() and "***@127.0.0.1" in env.debug_text()
         _no_secret(env, REDIS_PASSWORD)
     finally:
         env.restart_kvgate()
-    assert _wait(env.ok, timeout=10)
+    assert wait_until(env.ok, timeout=10)
 
 
 def test_credentials_in_the_tokenizer_url_are_not_shown(env):
     secret = "tok-secret-77Qa"
     env.restart_kvgate(KVGATE_TOKENIZER_URL=f"http://tok-user:{secret}@127.0.0.1:{env.sims['sim0']}")
     try:
-        assert _wait(env.ok, timeout=10)
+        assert wait_until(env.ok, timeout=10)
         _no_secret(env, secret)
     finally:
         env.restart_kvgate()
-    assert _wait(env.ok, timeout=10)
+    assert wait_until(env.ok, timeout=10)

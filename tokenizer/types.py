@@ -1,7 +1,7 @@
 """What to tokenize: a completion prompt or a chat request, as the engine receives it."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol, Union
 
 
