@@ -49,8 +49,8 @@ class Engine:
 
 
 # Small caches, so a strategy that scatters a group's conversations over every engine evicts them.
-_SIM_ARGS = ["--num-blocks", "320", "--block-size", "16", "--ttft-overhead-ms", "5",
-             "--prefill-ms-per-token", "0.05", "--tpot-ms", "2"]
+_SIM_ARGS = ["--num-blocks", "512", "--block-size", "16", "--ttft-overhead-ms", "5",
+             "--prefill-ms-per-token", "0.1", "--tpot-ms", "2"]
 
 
 def _start(stack: Stack, n_sims: int, log) -> dict:

@@ -27,8 +27,8 @@ def _text(rng: random.Random, words: int) -> str:
 class WorkloadShape:
     groups: int = 6
     users_per_group: int = 4
-    system_words: int = 500
-    question_words: int = 40
+    system_words: int = 150
+    question_words: int = 30
     max_tokens: int = 24
     turns: int = 6  # a conversation restarts after this many turns
     concurrency: int = 8
