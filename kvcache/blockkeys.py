@@ -52,22 +52,27 @@ def block_keys(model: str, lora: str | None, token_ids: Sequence[int], block_siz
 def chain_keys(parent: int, token_ids: Sequence[int], block_size: int) -> list[int]:
     """Keys of every full block of `token_ids` under the block keyed `parent` (or a root key)."""
     n = len(token_ids) // block_size
-    blocks = map(hash, zip(*[iter(token_ids)] * block_size))
-    if n < _VECTOR_MIN_BLOCKS:
-        out = []
-        k = parent
-        for h in blocks:
-            k = (k * MULT + h) & KEY_MASK
-            out.append(k)
-        return out
+    if n >= _VECTOR_MIN_BLOCKS:
+        return chain_key_array(parent, token_ids, block_size).tolist()
+    out = []
+    k = parent
+    for h in map(hash, zip(*[iter(token_ids)] * block_size)):
+        k = (k * MULT + h) & KEY_MASK
+        out.append(k)
+    return out
+
+
+def chain_key_array(parent: int, token_ids: Sequence[int], block_size: int) -> np.ndarray:
+    """chain_keys as a uint64 array, computed without a Python loop over the blocks."""
+    n = len(token_ids) // block_size
     fwd, inv = _powers(n)
-    h = np.fromiter(blocks, np.int64, n).view(np.uint64)
+    h = np.fromiter(map(hash, zip(*[iter(token_ids)] * block_size)), np.int64, n).view(np.uint64)
     h *= inv[1:n + 1]
     s = np.cumsum(h)
     s += np.uint64(parent)
     s *= fwd[1:n + 1]
     s &= np.uint64(KEY_MASK)
-    return s.tolist()
+    return s
 
 
 @lru_cache(maxsize=32)

@@ -4,19 +4,21 @@ It answers one question per request: for each candidate pod, how many leading bl
 prompt does that pod already hold (in any medium, and per medium). It is the EventSink the
 subscribers feed: events of one (pod, rank) arrive in order, from one thread.
 
-Layout (kept compact because the index holds millions of entries):
+Layout (flat numpy tables, kvcache.table, because the index holds millions of entries):
 - a block is identified by kvgate's own key (kvcache.blockkeys), never by the engine's hash;
-- each (pod, rank) is a "slot" with a small bit number; per medium, a dict maps a block key to
-  the int bitmask of the slots holding it there, least recently stored first (eviction takes
-  from that end; a key matched since gets a second chance);
-- per model, one dict maps the engine's block hash (an int cut to 60 bits: a 32-byte object
-  instead of 48) to our key, shared by every pod of the model: engines of one model agree on
-  hashes since vLLM 0.29, and where they differ the entries simply coexist. A per-(pod, rank)
-  map would cost a dict entry and an int per (block, pod) entry. A BlockStored whose parent hash
-  is in no such map is kept out of chains and counted.
+- each (pod, rank) is a "slot" with a small bit number; per medium, a KeyTable maps a block key
+  to the bitmask of the slots holding it there and a recency stamp (set when stored or matched);
+  eviction drops the least recent keys first;
+- per model, one HashMap maps the engine's block hash (folded to 64 bits) to our key, shared by
+  every pod of the model: engines of one model agree on hashes since vLLM 0.29, and where they
+  differ the entries simply coexist. A BlockStored whose parent hash is in no such map is kept
+  out of chains and counted.
+A match computes the prompt's keys and looks them all up at once (numpy), then finds each
+slot's leading run from the running AND of the holder masks.
 Limits: two engine blocks with the same tokens but different extra keys (multimodal inputs, cache
-salt) share one key, so removing either clears it (a conservative miss). Only KV cache group 0
-is indexed. Not thread-safe.
+salt) share one key, so removing either clears it (a conservative miss). Two engine hashes that
+fold to the same 64 bits (about 2**-64 per pair) share a map entry. Only KV cache group 0 is
+indexed. Not thread-safe.
 """
 from __future__ import annotations
 
@@ -24,17 +26,22 @@ import logging
 from bisect import bisect_right
 from collections import Counter
 from dataclasses import dataclass, field
-from itertools import accumulate, islice, repeat, takewhile
+from itertools import accumulate, takewhile
 from operator import and_, neg, or_
 from typing import Iterable, Sequence
 
-from kvcache.blockkeys import KEY_MASK, MULT, chain_keys, root_key
+import numpy as np
+
+from kvcache.blockkeys import KEY_MASK, MULT, chain_key_array, root_key
 from kvcache.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEvent
+from kvcache.table import TOMB, HashMap, KeyTable
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MEDIUM = "GPU"  # what vLLM before 0.10.2 (medium None) means
-_TOUCH_BACKLOG = 1 << 17  # matched keys listed before apply() folds them into the second-chance set
+_M64 = (1 << 64) - 1
+_MIX = 0x9E3779B97F4A7C15  # odd: multiplying spreads small or sequential engine hashes
+_LOW_BITS = 64  # slot bits kept in the tables' arrays; higher ones in KeyTable.high
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,27 +53,31 @@ class PrefixMatch:
     total_blocks: int = 0  # full blocks in the request
 
 
+def _fold(h: BlockHash) -> int:
+    """An engine block hash as a HashMap key: 64 mixed bits (a bijection of the int), below the
+    table's reserved values."""
+    if type(h) is not int:
+        h = hash(h)  # bytes: in-memory only, so the per-process salt does not matter
+    h = h * _MIX & _M64
+    return h - 2 if h >= TOMB else h
+
+
 class PrefixIndex:
     """Which (pod, rank) holds which block, from KV events; at most `max_entries` (block, pod,
-    medium) entries, least recently stored evicted first, with a second chance for matched ones."""
+    medium) entries, the least recently stored or matched keys evicted first."""
 
     def __init__(self, max_entries: int = 4_000_000) -> None:
         if max_entries <= 0:
             raise ValueError(f"max_entries must be positive, got {max_entries}")
         self._max = max_entries
-        self._held: dict[str, dict[int, int]] = {}  # medium -> key -> slot bitmask, LRU first
-        self._keys_of: dict[str, dict[BlockHash, int]] = {}  # model -> engine hash -> our key
+        self._held: dict[str, KeyTable] = {}  # medium -> key -> slot bitmask, recency
+        self._keys_of: dict[str, HashMap] = {}  # model -> folded engine hash -> our key
         self._block_size: dict[str, int] = {}
         self._slot: dict[tuple[str, int], int] = {}  # (pod, rank) -> bit number
         self._slot_owner: dict[int, tuple[str, int]] = {}
-        self._one_slot: dict[int, int] = {}  # 1 << b -> its shared object
         self._pod_bits: dict[str, int] = {}  # pod -> OR of its slots' bits
-        self._entries = 0  # set bits over every medium dict
-        # Recency from matches is a second chance (CLOCK): matched keys are remembered and, when
-        # eviction reaches one of them, it moves to the back instead of going.
-        self._touched: list[list[int]] = []  # keys of recent matches, not yet folded into the set
-        self._touched_n = 0
-        self._referenced: set[int] = set()
+        self._entries = 0  # set bits over every medium table
+        self._tick = 1  # recency clock: one tick per applied event and per match
         self._skipped: Counter[str] = Counter()
         self._evicted = 0
 
@@ -74,29 +85,33 @@ class PrefixIndex:
 
     def apply(self, pod: str, model: str, rank: int, events: Sequence[KVEvent]) -> None:
         """Apply one (pod, rank)'s events in order. Bad events are logged, counted and skipped."""
-        if self._touched_n > _TOUCH_BACKLOG:
-            self._fold_touches()
         bit = self._slot_bit(pod, rank)
         keys_of = self._keys_of.get(model)
         if keys_of is None:
-            keys_of = self._keys_of[model] = {}
+            keys_of = self._keys_of[model] = HashMap()
         for ev in events:
             t = type(ev)
             try:
-                if getattr(ev, "group_idx", None):
-                    self._skip("other_kv_cache_group", ev)
+                if t is BlockRemoved:
+                    if ev.group_idx:
+                        self._skip("other_kv_cache_group", ev)
+                    else:
+                        self._remove(bit, keys_of, ev)
                 elif t is BlockStored:
-                    self._store(bit, model, keys_of, ev)
-                elif t is BlockRemoved:
-                    self._remove(bit, keys_of, ev)
+                    if ev.group_idx:
+                        self._skip("other_kv_cache_group", ev)
+                    else:
+                        self._store(bit, model, keys_of, ev)
                 elif t is AllBlocksCleared:
-                    self._clear(bit)
+                    self._clear(1 << bit)
                 else:
                     self._skip("unknown_event", ev)
-            except TypeError:  # e.g. an unhashable token id or block hash
+            except (TypeError, OverflowError):  # e.g. an unhashable token id or block hash
                 self._skip("malformed_event", ev)
         if self._entries > self._max:
             self._evict()
+        if self._tick >= 0xFFFF_0000:
+            self._rebase_stamps()
         self._maybe_sweep_engine_hashes()
 
     def drop(self, pod: str, rank: int) -> None:
@@ -133,23 +148,28 @@ class PrefixIndex:
         cand = 0
         for p in pods:
             cand |= self._pod_bits.get(p, 0)
-        media = [(name, d) for name, d in self._held.items() if d]
+        media = [(name, t) for name, t in self._held.items() if t.live]
         if not cand or not total or not media:
             return {p: PrefixMatch(0, {}, total) for p in pods}
-        keys = chain_keys(root_key(model, lora), token_ids, bs)
-        if len(media) == 1:
-            run_any = _runs(cand, map(media[0][1].get, keys, repeat(0)))
+        keys = chain_key_array(root_key(model, lora), token_ids, bs)
+        found = [(name, t, t.lookup(keys)) for name, t in media]
+        if cand >> _LOW_BITS or any(t.high for _, t in media):  # more than 64 pod-ranks: Python ints
+            runs, masks_of, either = _runs, _any_masks, _or_lists
+        else:
+            runs, masks_of, either = _runs_low, _low_masks, np.bitwise_or.reduce
+        masks = [masks_of(t, keys, slots, cand) for _, t, slots in found]
+        if len(masks) == 1:
+            run_any = runs(cand, masks[0])
             run_med = {media[0][0]: run_any}
         else:
-            held = [list(map(d.get, keys, repeat(0))) for _, d in media]
-            either = held[0]
-            for more in held[1:]:
-                either = list(map(or_, either, more))
-            run_any = _runs(cand, either)
-            run_med = {name: _runs(cand, held[j]) for j, (name, _) in enumerate(media)}
+            run_any = runs(cand, either(masks))
+            run_med = {name: runs(cand, masks[j]) for j, (name, _) in enumerate(media)}
         deepest = max(run_any.values(), default=0)
-        if deepest:
-            self._touch(keys[:deepest])
+        if deepest:  # recency: the matched keys are the most recently used
+            self._tick += 1
+            for _, t, slots in found:
+                s = slots[:deepest]
+                t.stamp[s[s >= 0]] = self._tick
         return self._per_pod(pods, run_any, run_med, total)
 
     def stats(self) -> dict:
@@ -157,8 +177,10 @@ class PrefixIndex:
         return {
             "entries": self._entries,
             "max_entries": self._max,
-            "keys_by_medium": {m: len(d) for m, d in self._held.items()},
-            "engine_hashes": sum(len(d) for d in self._keys_of.values()),
+            "keys_by_medium": {m: t.live for m, t in self._held.items()},
+            "engine_hashes": sum(m.live for m in self._keys_of.values()),
+            "table_bytes": sum(t.nbytes() for t in self._held.values()) + sum(
+                m.nbytes() for m in self._keys_of.values()),
             "slots": len(self._slot),
             "pods": len(self._pod_bits),
             "block_sizes": dict(self._block_size),
@@ -172,19 +194,20 @@ class PrefixIndex:
         b = self._slot.get((pod, rank))
         if b is None:
             b = 0
-            while b in self._slot_owner:  # lowest free bit keeps masks small ints
+            while b in self._slot_owner:  # lowest free bit keeps masks in the tables' arrays
                 b += 1
             self._slot[(pod, rank)] = b
             self._slot_owner[b] = (pod, rank)
             self._pod_bits[pod] = self._pod_bits.get(pod, 0) | (1 << b)
-        return self._single(1 << b)
+        return b
 
-    def _single(self, mask: int) -> int:
-        """One shared int object per one-slot mask: most keys have one holder, so this saves an int
-        per key and keeps the mask objects a match reads in cache."""
-        return self._one_slot.setdefault(mask, mask)
+    def _table(self, medium: str | None) -> KeyTable:
+        t = self._held.get(medium or DEFAULT_MEDIUM)
+        if t is None:
+            t = self._held[medium or DEFAULT_MEDIUM] = KeyTable()
+        return t
 
-    def _store(self, bit: int, model: str, keys_of: dict[BlockHash, int], ev: BlockStored) -> None:
+    def _store(self, bit: int, model: str, keys_of: HashMap, ev: BlockStored) -> None:
         bs, hashes, tokens = ev.block_size, ev.block_hashes, ev.token_ids
         n = len(hashes)
         if type(bs) is not int or bs <= 0 or len(tokens) != n * bs:
@@ -196,41 +219,48 @@ class PrefixIndex:
         if parent is None:
             k = self._root(model, ev)
         else:
-            k = keys_of.get(parent & KEY_MASK if type(parent) is int else parent)
+            k = keys_of.get(_fold(parent))
             if k is None:  # its chain is unknown: never guess a chain start
                 if not self._skipped["unknown_parent_blocks"]:
                     log.info("prefix index: model %s: blocks under an unknown parent are kept out of chains", model)
                 self._skipped["unknown_parent_blocks"] += n
                 return
-        held = self._held.get(ev.medium or DEFAULT_MEDIUM)
-        if held is None:
-            held = self._held[ev.medium or DEFAULT_MEDIUM] = {}
-        if n == 1 and type(tokens) is tuple:  # a decode step's block: no chunking
-            k = (k * MULT + hash(tokens)) & KEY_MASK
-            h = hashes[0]
-            keys_of[h & KEY_MASK if type(h) is int else h] = k
-            m = held.pop(k, 0)
-            if not m & bit:
-                self._entries += 1
-                m = m | bit if m else bit
-            held[k] = m
-            return
-        pop = held.pop
+        table = self._table(ev.medium)
+        self._tick += 1
+        tick = self._tick
+        put = keys_of.claim
+        claim = table.claim
         mask = KEY_MASK
-        if type(hashes[0]) is int:
-            hashes = [h & mask for h in hashes]
-        added = 0
-        try:
-            for h, bh in zip(hashes, map(hash, zip(*[iter(tokens)] * bs))):
-                k = (k * MULT + bh) & mask
-                keys_of[h] = k
-                m = pop(k, 0)  # pop and re-insert: the key becomes the most recent
-                if not m & bit:
-                    added += 1
-                    m = m | bit if m else bit
-                held[k] = m
-        finally:  # an unhashable token id stops the event; the blocks before it stay counted
-            self._entries += added
+        blocks = (tokens,) if n == 1 and type(tokens) is tuple else zip(*[iter(tokens)] * bs)
+        if bit < _LOW_BITS:
+            one = 1 << bit
+            added = 0
+            try:
+                for h, block in zip(hashes, blocks):
+                    k = (k * MULT + hash(block)) & mask
+                    s, _ = put(_fold(h))
+                    keys_of._value[s] = k
+                    s, _ = claim(k)
+                    masks = table._mask
+                    m = masks[s]
+                    if not m & one:
+                        masks[s] = m | one
+                        added += 1
+                    table._stamp[s] = tick
+            finally:  # an unhashable token id stops the event; the blocks before it stay counted
+                self._entries += added
+            return
+        high, one = table.high, 1 << (bit - _LOW_BITS)
+        for h, block in zip(hashes, blocks):
+            k = (k * MULT + hash(block)) & mask
+            s, _ = put(_fold(h))
+            keys_of._value[s] = k
+            s, _ = claim(k)
+            m = high.get(k, 0)
+            if not m & one:
+                high[k] = m | one
+                self._entries += 1
+            table._stamp[s] = tick
 
     def _learn_block_size(self, model: str, bs: int) -> None:
         known = self._block_size.get(model)
@@ -246,76 +276,120 @@ class PrefixIndex:
             lora = f"#lora_id={ev.lora_id}"
         return root_key(model, lora)
 
-    def _remove(self, bit: int, keys_of: dict[BlockHash, int], ev: BlockRemoved) -> None:
-        held = self._held.get(ev.medium or DEFAULT_MEDIUM) or {}
+    def _remove(self, bit: int, keys_of: HashMap, ev: BlockRemoved) -> None:
+        table = self._held.get(ev.medium or DEFAULT_MEDIUM)
         for h in ev.block_hashes:
-            if type(h) is int:
-                h &= KEY_MASK
-            k = keys_of.get(h)
-            if k is None:
+            hs = keys_of.find(_fold(h))
+            if hs < 0:
                 self._skipped["unknown_removed_blocks"] += 1
                 continue
-            m = held.get(k, 0)
-            if not m & bit:
+            if table is None:
                 continue
-            self._entries -= 1
-            m ^= bit
-            if m:
-                held[k] = m if m & (m - 1) else self._single(m)
+            k = keys_of._value[hs]
+            s = table.find(k)
+            if s < 0:
+                continue
+            if bit < _LOW_BITS:
+                one = 1 << bit
+                m = table._mask[s]
+                if not m & one:
+                    continue
+                m ^= one
+                table._mask[s] = m
             else:
-                del held[k]
-                if len(self._held) == 1 or not any(k in d for d in self._held.values()):
-                    del keys_of[h]  # nobody holds the block any more
+                one = 1 << (bit - _LOW_BITS)
+                m = table.high.get(k, 0)
+                if not m & one:
+                    continue
+                m ^= one
+                if m:
+                    table.high[k] = m
+                else:
+                    del table.high[k]
+                m = table._mask[s]
+            self._entries -= 1
+            if m or k in table.high:
+                continue
+            table.delete(s)
+            if len(self._held) == 1 or all(t.find(k) < 0 for t in self._held.values()):
+                keys_of.delete(hs)  # nobody holds the block any more
 
     def _clear(self, bits: int) -> None:
-        """Unset `bits` everywhere: a scan of every key, fine for rare clears and restarts."""
-        for held in self._held.values():
-            for k in [k for k, m in held.items() if m & bits]:
-                m = held[k]
-                self._entries -= (m & bits).bit_count()
-                m &= ~bits
-                if m:
-                    held[k] = m if m & (m - 1) else self._single(m)
-                else:
-                    del held[k]
+        """Unset `bits` everywhere: a vectorised pass over every table, fine for rare clears."""
+        low = np.uint64(bits & _M64)
+        high = bits >> _LOW_BITS
+        for t in self._held.values():
+            if low:
+                occ = t.occupied()
+                m = t.mask[occ]
+                hit = (m & low) != 0
+                if hit.any():
+                    slots = occ[hit]
+                    cleared = m[hit] & ~low
+                    self._entries -= int(np.bitwise_count(m[hit] & low).sum())
+                    t.mask[slots] = cleared
+            if high and t.high:
+                for k, m in list(t.high.items()):
+                    if m & high:
+                        self._entries -= (m & high).bit_count()
+                        if m & ~high:
+                            t.high[k] = m & ~high
+                        else:
+                            del t.high[k]
+            occ = t.occupied()
+            empty = occ[t.mask[occ] == 0]
+            if len(empty) and t.high:
+                empty = np.array([s for s, k in zip(empty.tolist(), t.keys[empty].tolist())
+                                  if k not in t.high], np.intp)
+            t.delete_slots(empty)
 
     def _maybe_sweep_engine_hashes(self) -> None:
         """Drop engine hashes whose key nobody holds once they outnumber the live keys: until then
         they are harmless (they resolve to a key no pod holds)."""
-        live = sum(len(d) for d in self._held.values())
-        if sum(len(d) for d in self._keys_of.values()) <= 2 * live + 4096:
+        live = sum(t.live for t in self._held.values())
+        if sum(m.live for m in self._keys_of.values()) <= 2 * live + 4096:
             return
-        media = [d for d in self._held.values() if d]
-        for model, keys_of in self._keys_of.items():
-            if len(media) == 1:
-                held = media[0]
-                self._keys_of[model] = {h: k for h, k in keys_of.items() if k in held}
-            else:
-                self._keys_of[model] = {h: k for h, k in keys_of.items() if any(k in d for d in media)}
+        tables = list(self._held.values())
+        for keys_of in self._keys_of.values():
+            occ = keys_of.occupied()
+            vals = keys_of.value[occ]
+            held = np.zeros(len(occ), bool)
+            for t in tables:
+                held |= t.lookup(vals) >= 0
+            keys_of.delete_slots(occ[~held])
 
     def _evict(self) -> None:
-        """Evict from the least recently stored end down to 31/32 of the bound, giving keys matched
-        since a second chance (batched: the front scan of a dict is linear in the entries deleted
-        before it)."""
-        self._fold_touches()
-        ref = self._referenced
+        """Evict the least recently stored or matched keys down to 31/32 of the bound."""
         target = self._max - (self._max >> 5)
         while self._entries > target:
-            held = max(self._held.values(), key=len)
-            if not held:  # cannot happen while the count is right; never spin
+            tables = [t for t in self._held.values() if t.live]
+            if not tables:  # cannot happen while the count is right; never spin
                 self._entries = 0
                 break
-            for k in list(islice(held, 1024)):
-                m = held.pop(k)
-                if k in ref:
-                    ref.discard(k)
-                    held[k] = m
-                    continue
-                n = m.bit_count()
-                self._entries -= n
-                self._evicted += n
-                if self._entries <= target:
-                    break
+            occ = [t.occupied() for t in tables]
+            stamps = np.concatenate([t.stamp[o] for t, o in zip(tables, occ)])
+            which = np.concatenate([np.full(len(o), i, np.intp) for i, o in enumerate(occ)])
+            slots = np.concatenate(occ)
+            n = min(self._entries - target, len(stamps))  # every key holds at least one entry
+            oldest = np.argpartition(stamps, n - 1)[:n] if n < len(stamps) else np.arange(len(stamps))
+            for i, t in enumerate(tables):
+                gone = slots[oldest[which[oldest] == i]]
+                freed = int(np.bitwise_count(t.mask[gone]).sum())
+                if t.high:
+                    for k in t.keys[gone].tolist():
+                        freed += t.high.pop(k, 0).bit_count()
+                self._entries -= freed
+                self._evicted += freed
+                t.delete_slots(gone)
+
+    def _rebase_stamps(self) -> None:
+        """Keep the uint32 recency clock from wrapping: shift every stamp down."""
+        low = min((int(t.stamp[t.occupied()].min(initial=self._tick)) for t in self._held.values()),
+                  default=self._tick)
+        for t in self._held.values():
+            occ = t.occupied()
+            t.stamp[occ] -= np.uint32(low)
+        self._tick -= low
 
     def _skip(self, reason: str, ev: object) -> None:
         if not self._skipped[reason]:
@@ -350,25 +424,40 @@ class PrefixIndex:
             out[p] = PrefixMatch(best[0], by_medium, total)
         return out
 
-    # --- recency of matched keys -------------------------------------------------------------
 
-    def _touch(self, keys: list[int]) -> None:
-        """Remember matched keys: a match pays only a list append."""
-        if keys:
-            self._touched.append(keys)
-            self._touched_n += len(keys)
-            if self._touched_n > 2 * _TOUCH_BACKLOG:  # matches but no events for a long while: forget
-                self._touched.clear()
-                self._touched_n = 0
+def _runs_low(cand: int, masks: np.ndarray) -> dict[int, int]:
+    """_runs for slot bits below 64: `masks` a uint64 array already ANDed with `cand`."""
+    runs: dict[int, int] = {}
+    if not len(masks) or not masks[0]:
+        return runs
+    alive = np.bitwise_and.accumulate(masks)
+    drops = np.flatnonzero(alive[1:] != alive[:-1]).tolist()
+    values = alive[[0] + [j + 1 for j in drops]].tolist()
+    for i, j in enumerate(drops):
+        _record(runs, values[i] & ~values[i + 1], j + 1)
+    _record(runs, values[-1], len(masks))
+    return runs
 
-    def _fold_touches(self) -> None:
-        ref = self._referenced
-        for keys in self._touched:
-            ref.update(keys)
-        self._touched.clear()
-        self._touched_n = 0
-        if len(ref) > max(self._max >> 2, _TOUCH_BACKLOG):  # bounded memory: forget the oldest chances
-            ref.clear()
+
+def _low_masks(table: KeyTable, keys: np.ndarray, slots: np.ndarray, cand: int) -> np.ndarray:
+    masks = np.where(slots >= 0, table.mask[slots], np.uint64(0))
+    masks &= np.uint64(cand)
+    return masks
+
+
+def _any_masks(table: KeyTable, keys: np.ndarray, slots: np.ndarray, cand: int) -> list[int]:
+    masks = np.where(slots >= 0, table.mask[slots], np.uint64(0)).tolist()
+    high = table.high
+    if not high:
+        return masks
+    return [m | (high.get(k, 0) << _LOW_BITS) for m, k in zip(masks, keys.tolist())]
+
+
+def _or_lists(masks: list[list[int]]) -> list[int]:
+    either = masks[0]
+    for more in masks[1:]:
+        either = list(map(or_, either, more))
+    return either
 
 
 def _runs(cand: int, masks: Iterable[int]) -> dict[int, int]:
