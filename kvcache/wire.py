@@ -7,7 +7,6 @@ msgspec writes for vLLM's structs in a chosen generation.
 """
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -56,64 +55,105 @@ _STORED_ARRAY_FIELDS = 11  # fields after the tag in vLLM 0.23
 _REMOVED_ARRAY_FIELDS = 3
 
 
+def _builder(cls: type) -> Callable[..., Any]:
+    """Build a frozen slots dataclass positionally without its __init__ (which sets each field
+    through object.__setattr__): the decoder validates every field itself."""
+    setters = [getattr(cls, name).__set__ for name in cls.__slots__]
+    new = object.__new__
+    if len(setters) == 3:
+        s0, s1, s2 = setters
+
+        def build3(a: Any, b: Any, c: Any) -> Any:
+            o = new(cls)
+            s0(o, a)
+            s1(o, b)
+            s2(o, c)
+            return o
+        return build3
+
+    def build(*values: Any) -> Any:
+        o = new(cls)
+        for setter, v in zip(setters, values):
+            setter(o, v)
+        return o
+    return build
+
+
+_new_stored = _builder(BlockStored)
+_new_removed = _builder(BlockRemoved)
+assert BlockStored.__slots__[:4] == ("block_hashes", "parent_block_hash", "token_ids", "block_size")
+assert BlockRemoved.__slots__ == ("block_hashes", "medium", "group_idx")
+
+
+def _check_hashes(h: Any) -> None:
+    if type(h) is not tuple:
+        raise _Malformed
+    if len(h) == 1:
+        t = type(h[0])
+        if t is not int and t is not bytes:
+            raise _Malformed
+    elif not _HASH_TYPES.issuperset(map(type, h)):
+        raise _Malformed
+
+
 def _stored(h: Any, parent: Any, tokens: Any, block_size: Any, lora_id: Any, medium: Any,
             lora_name: Any, extra_keys: Any, group_idx: Any, kind: Any, window: Any) -> BlockStored:
-    if type(h) is not tuple or type(tokens) is not tuple or type(block_size) is not int or block_size <= 0:
+    _check_hashes(h)
+    if type(tokens) is not tuple or type(block_size) is not int or block_size <= 0:
         raise _Malformed
-    if len(tokens) != len(h) * block_size or not _HASH_TYPES.issuperset(map(type, h)):
+    if len(tokens) != len(h) * block_size:
         raise _Malformed
     if (type(parent) not in _OPT_HASH_TYPES or type(lora_id) not in _OPT_INT
             or type(medium) not in _OPT_STR or type(lora_name) not in _OPT_STR
             or type(extra_keys) not in _OPT_TUPLE or type(group_idx) not in _OPT_INT
             or type(kind) not in _OPT_STR or type(window) not in _OPT_INT):
         raise _Malformed
-    return BlockStored(h, parent, tokens, block_size, lora_id, medium, lora_name, extra_keys,
+    return _new_stored(h, parent, tokens, block_size, lora_id, medium, lora_name, extra_keys,
                        group_idx, kind, window)
 
 
 def _removed(h: Any, medium: Any, group_idx: Any) -> BlockRemoved:
-    if type(h) is not tuple or not _HASH_TYPES.issuperset(map(type, h)):
-        raise _Malformed
+    _check_hashes(h)
     if type(medium) not in _OPT_STR or type(group_idx) not in _OPT_INT:
         raise _Malformed
-    return BlockRemoved(h, medium, group_idx)
+    return _new_removed(h, medium, group_idx)
 
 
-def _stored_array(ev: tuple, skipped: Counter) -> BlockStored:
+def _stored_array(ev: tuple, skipped: dict) -> BlockStored:
     n = len(ev) - 1
     if n < 4:
         raise _Malformed
     if n > _STORED_ARRAY_FIELDS:
-        skipped[UNKNOWN_FIELD] += n - _STORED_ARRAY_FIELDS
+        _count(skipped, UNKNOWN_FIELD, n - _STORED_ARRAY_FIELDS)
         return _stored(*ev[1:_STORED_ARRAY_FIELDS + 1])
     return _stored(*ev[1:], *_NONES[:_STORED_ARRAY_FIELDS - n])
 
 
-def _removed_array(ev: tuple, skipped: Counter) -> BlockRemoved:
+def _removed_array(ev: tuple, skipped: dict) -> BlockRemoved:
     n = len(ev) - 1
     if n < 1:
         raise _Malformed
     if n > _REMOVED_ARRAY_FIELDS:
-        skipped[UNKNOWN_FIELD] += n - _REMOVED_ARRAY_FIELDS
+        _count(skipped, UNKNOWN_FIELD, n - _REMOVED_ARRAY_FIELDS)
     medium = ev[2] if n > 1 else None
     group_idx = ev[3] if n > 2 else None
     return _removed(ev[1], medium, group_idx)
 
 
-def _cleared_array(ev: tuple, skipped: Counter) -> AllBlocksCleared:
+def _cleared_array(ev: tuple, skipped: dict) -> AllBlocksCleared:
     if len(ev) > 1:
-        skipped[UNKNOWN_FIELD] += len(ev) - 1
+        _count(skipped, UNKNOWN_FIELD, len(ev) - 1)
     return _CLEARED
 
 
-def _count_unknown(ev: dict, known: frozenset, skipped: Counter) -> None:
+def _count_unknown(ev: dict, known: frozenset, skipped: dict) -> None:
     if not known.issuperset(ev):
         extra = len(ev.keys() - known)
         if extra:
-            skipped[UNKNOWN_FIELD] += extra
+            _count(skipped, UNKNOWN_FIELD, extra)
 
 
-def _stored_map(ev: dict, skipped: Counter) -> BlockStored:
+def _stored_map(ev: dict, skipped: dict) -> BlockStored:
     _count_unknown(ev, _STORED_KNOWN, skipped)
     g = ev.get
     if "block_hashes" not in ev or "token_ids" not in ev or "block_size" not in ev:
@@ -123,29 +163,32 @@ def _stored_map(ev: dict, skipped: Counter) -> BlockStored:
                    g("kv_cache_spec_kind"), g("kv_cache_spec_sliding_window"))
 
 
-def _removed_map(ev: dict, skipped: Counter) -> BlockRemoved:
-    _count_unknown(ev, _REMOVED_KNOWN, skipped)
-    if "block_hashes" not in ev:
-        raise _Malformed
-    return _removed(ev["block_hashes"], ev.get("medium"), ev.get("group_idx"))
+def _removed_map(ev: dict, skipped: dict) -> BlockRemoved:
+    if not _REMOVED_KNOWN.issuperset(ev):
+        _count_unknown(ev, _REMOVED_KNOWN, skipped)
+    try:
+        h = ev["block_hashes"]
+    except KeyError:
+        raise _Malformed from None
+    return _removed(h, ev.get("medium"), ev.get("group_idx"))
 
 
-def _cleared_map(ev: dict, skipped: Counter) -> AllBlocksCleared:
+def _cleared_map(ev: dict, skipped: dict) -> AllBlocksCleared:
     _count_unknown(ev, _CLEARED_KNOWN, skipped)
     return _CLEARED
 
 
+def _count(skipped: dict, reason: str, n: int = 1) -> None:
+    skipped[reason] = skipped.get(reason, 0) + n
+
+
 _CLEARED = AllBlocksCleared()
-_ARRAY: dict[Any, Callable[[tuple, Counter], KVEvent]] = {
+_ARRAY: dict[Any, Callable[[tuple, dict], KVEvent]] = {
     "BlockStored": _stored_array, "BlockRemoved": _removed_array, "AllBlocksCleared": _cleared_array,
 }
-_MAP: dict[Any, Callable[[dict, Counter], KVEvent]] = {
+_MAP: dict[Any, Callable[[dict, dict], KVEvent]] = {
     "BlockStored": _stored_map, "BlockRemoved": _removed_map, "AllBlocksCleared": _cleared_map,
 }
-
-
-def _unhashable_safe(tag: Any) -> Any:
-    return tag if isinstance(tag, (str, int, bytes, type(None))) else None
 
 
 def decode_batch(payload: bytes) -> DecodedBatch:
@@ -173,26 +216,29 @@ def decode_batch(payload: bytes) -> DecodedBatch:
     if rank is not None and type(rank) is not int:
         raise WireError(f"batch data_parallel_rank is {type(rank).__name__}, expected an int or nil")
 
-    skipped: Counter = Counter()
+    skipped: dict[str, int] = {}
     out: list[KVEvent] = []
     append = out.append
     for ev in events:
         t = type(ev)
         try:
             if t is dict:
-                fn = _MAP.get(_unhashable_safe(ev.get("type")))
+                fn = _MAP.get(ev.get("type"))
             elif t is tuple and ev:
-                fn = _ARRAY.get(_unhashable_safe(ev[0]))
+                fn = _ARRAY.get(ev[0])
             else:
-                skipped[MALFORMED_EVENT] += 1
+                _count(skipped, MALFORMED_EVENT)
                 continue
-            if fn is None:
-                skipped[UNKNOWN_TAG] += 1
-                continue
+        except TypeError:  # an unhashable tag
+            fn = None
+        if fn is None:
+            _count(skipped, UNKNOWN_TAG)
+            continue
+        try:
             append(fn(ev, skipped))
         except (_Malformed, TypeError):
-            skipped[MALFORMED_EVENT] += 1
-    return DecodedBatch(EventBatch(float(ts), tuple(out), rank), dict(skipped))
+            _count(skipped, MALFORMED_EVENT)
+    return DecodedBatch(EventBatch(float(ts), tuple(out), rank), skipped)
 
 
 # --- encoding -------------------------------------------------------------
