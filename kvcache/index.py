@@ -238,7 +238,10 @@ class PrefixIndex:
             try:
                 for h, block in zip(hashes, blocks):
                     k = (k * MULT + hash(block)) & mask
-                    s, _ = put(_fold(h))
+                    if type(h) is not int:
+                        h = hash(h)
+                    h = h * _MIX & _M64  # _fold, inline
+                    s, _ = put(h - 2 if h >= TOMB else h)
                     keys_of._value[s] = k
                     s, _ = claim(k)
                     masks = table._mask
@@ -278,8 +281,12 @@ class PrefixIndex:
 
     def _remove(self, bit: int, keys_of: HashMap, ev: BlockRemoved) -> None:
         table = self._held.get(ev.medium or DEFAULT_MEDIUM)
+        find_hash = keys_of.find
         for h in ev.block_hashes:
-            hs = keys_of.find(_fold(h))
+            if type(h) is not int:
+                h = hash(h)
+            h = h * _MIX & _M64  # _fold, inline: this is the hottest path (one event per evicted block)
+            hs = find_hash(h - 2 if h >= TOMB else h)
             if hs < 0:
                 self._skipped["unknown_removed_blocks"] += 1
                 continue
@@ -308,7 +315,7 @@ class PrefixIndex:
                     del table.high[k]
                 m = table._mask[s]
             self._entries -= 1
-            if m or k in table.high:
+            if m or (table.high and k in table.high):
                 continue
             table.delete(s)
             if len(self._held) == 1 or all(t.find(k) < 0 for t in self._held.values()):
@@ -406,10 +413,15 @@ class PrefixIndex:
         miss = PrefixMatch(0, {}, total)  # shared by every pod without a hit: treat results as read-only
         out: dict[str, PrefixMatch] = {}
         pod_bits = self._pod_bits
+        media = list(run_med.items())
         for p in pods:
             bits = pod_bits.get(p, 0) & hit
             if not bits:
                 out[p] = miss
+                continue
+            if not bits & (bits - 1):  # one rank holds it: the common case
+                b = bits.bit_length() - 1
+                out[p] = PrefixMatch(run_any[b], {m: r[b] for m, r in media if b in r}, total)
                 continue
             best = (0, 0)  # (blocks, sum of medium runs) of the pod's best rank
             best_bit = -1
