@@ -93,8 +93,15 @@ class OpenTable:
         return s, True
 
     def delete(self, s: int) -> None:
-        """Free slot `s` (a tombstone until the next rebuild; its columns are zeroed)."""
-        self._k[s] = TOMB
+        """Free slot `s` (its columns are zeroed). It becomes a tombstone until the next rebuild,
+        unless it ends its probe run: then it is simply empty again."""
+        kv = self._k
+        nxt = s + 1 if s + 1 < self.cap else 0
+        if kv[nxt] == EMPTY:
+            kv[s] = EMPTY
+            self.used -= 1
+        else:
+            kv[s] = TOMB
         for v in self._views:
             v[s] = 0
         self.live -= 1

@@ -50,6 +50,7 @@ _STORED_KNOWN = frozenset((
     "locality", "ownership", "session_id", "lookahead_token_ids",
 ))
 _REMOVED_KNOWN = frozenset(("type", "block_hashes", "medium", "group_idx", "locality", "ownership"))
+_REMOVED_PLAIN = frozenset(("type", "block_hashes", "medium"))
 _CLEARED_KNOWN = frozenset(("type",))
 _STORED_ARRAY_FIELDS = 11  # fields after the tag in vLLM 0.23
 _REMOVED_ARRAY_FIELDS = 3
@@ -223,7 +224,14 @@ def decode_batch(payload: bytes) -> DecodedBatch:
         t = type(ev)
         try:
             if t is dict:
-                fn = _MAP.get(ev.get("type"))
+                tag = ev.get("type")
+                if tag == "BlockRemoved" and _REMOVED_PLAIN.issuperset(ev):  # vLLM's one-per-evicted-block event
+                    h, medium = ev.get("block_hashes"), ev.get("medium")
+                    if (type(h) is tuple and len(h) == 1 and type(h[0]) is int
+                            and (medium is None or type(medium) is str)):
+                        append(_new_removed(h, medium, None))
+                        continue
+                fn = _MAP.get(tag)
             elif t is tuple and ev:
                 fn = _ARRAY.get(ev[0])
             else:
