@@ -8,7 +8,9 @@
 - match: p50/p99 of match() for an 8k-token prompt that one pod holds entirely, all 64 pods
   candidates (the walk cannot stop early), 64 different prompts in turn (cold caches); wall
   clock and this process's CPU time (the machine is shared). Throughputs are per CPU second.
-- bytes per entry: tracemalloc'd size of the index after building the fleet / entries.
+- bytes per entry: tracemalloc'd size of the index after building the fleet / entries (numpy
+  registers its arrays with tracemalloc, so the index's tables are counted);
+  `fleet_table_bytes` is the tables' own size as the index reports it, a cross-check.
 """
 from __future__ import annotations
 
@@ -209,6 +211,7 @@ def bench_fleet(n_pods: int, entries: int, queries: int, seed: int) -> dict:
         "fleet_keys": sum(stats["keys_by_medium"].values()),
         "fleet_engine_hashes": stats["engine_hashes"],
         "bytes_per_entry": index_bytes / stats["entries"],
+        "fleet_table_bytes": stats.get("table_bytes"),
         "bytes_per_key": index_bytes / sum(stats["keys_by_medium"].values()),
         "entries_per_key": stats["entries"] / sum(stats["keys_by_medium"].values()),
         "match_blocks": best,

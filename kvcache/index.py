@@ -42,6 +42,7 @@ DEFAULT_MEDIUM = "GPU"  # what vLLM before 0.10.2 (medium None) means
 _M64 = (1 << 64) - 1
 _MIX = 0x9E3779B97F4A7C15  # odd: multiplying spreads small or sequential engine hashes
 _LOW_BITS = 64  # slot bits kept in the tables' arrays; higher ones in KeyTable.high
+_TICK_LIMIT = 0xF000_0000  # rebase the uint32 recency stamps here: room for any one batch's ticks
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +111,7 @@ class PrefixIndex:
                 self._skip("malformed_event", ev)
         if self._entries > self._max:
             self._evict()
-        if self._tick >= 0xFFFF_0000:
+        if self._tick >= _TICK_LIMIT:
             self._rebase_stamps()
         self._maybe_sweep_engine_hashes()
 
@@ -166,6 +167,8 @@ class PrefixIndex:
             run_med = {name: runs(cand, masks[j]) for j, (name, _) in enumerate(media)}
         deepest = max(run_any.values(), default=0)
         if deepest:  # recency: the matched keys are the most recently used
+            if self._tick >= _TICK_LIMIT:
+                self._rebase_stamps()
             self._tick += 1
             for _, t, slots in found:
                 s = slots[:deepest]
