@@ -79,6 +79,7 @@ class PrefixIndex:
         self._pod_bits: dict[str, int] = {}  # pod -> OR of its slots' bits
         self._entries = 0  # set bits over every medium table
         self._tick = 1  # recency clock: one tick per applied event and per match
+        self._applies = 0
         self._skipped: Counter[str] = Counter()
         self._evicted = 0
 
@@ -86,7 +87,9 @@ class PrefixIndex:
 
     def apply(self, pod: str, model: str, rank: int, events: Sequence[KVEvent]) -> None:
         """Apply one (pod, rank)'s events in order. Bad events are logged, counted and skipped."""
-        bit = self._slot_bit(pod, rank)
+        bit = self._slot.get((pod, rank))
+        if bit is None:
+            bit = self._slot_bit(pod, rank)
         keys_of = self._keys_of.get(model)
         if keys_of is None:
             keys_of = self._keys_of[model] = HashMap()
@@ -113,7 +116,9 @@ class PrefixIndex:
             self._evict()
         if self._tick >= _TICK_LIMIT:
             self._rebase_stamps()
-        self._maybe_sweep_engine_hashes()
+        self._applies += 1
+        if not self._applies & 63:  # the sweep's check sums every table: not on every batch
+            self._maybe_sweep_engine_hashes()
 
     def drop(self, pod: str, rank: int) -> None:
         """Forget what (pod, rank) holds: its stream can no longer be trusted."""
@@ -285,6 +290,7 @@ class PrefixIndex:
     def _remove(self, bit: int, keys_of: HashMap, ev: BlockRemoved) -> None:
         table = self._held.get(ev.medium or DEFAULT_MEDIUM)
         find_hash = keys_of.find
+        find_key = table.find if table is not None else None
         for h in ev.block_hashes:
             if type(h) is not int:
                 h = hash(h)
@@ -293,36 +299,42 @@ class PrefixIndex:
             if hs < 0:
                 self._skipped["unknown_removed_blocks"] += 1
                 continue
-            if table is None:
+            if find_key is None:
                 continue
             k = keys_of._value[hs]
-            s = table.find(k)
+            s = find_key(k)
             if s < 0:
                 continue
             if bit < _LOW_BITS:
-                one = 1 << bit
-                m = table._mask[s]
-                if not m & one:
+                masks = table._mask
+                m = masks[s]
+                if not m >> bit & 1:
                     continue
-                m ^= one
-                table._mask[s] = m
+                m ^= 1 << bit
+                masks[s] = m
             else:
-                one = 1 << (bit - _LOW_BITS)
-                m = table.high.get(k, 0)
-                if not m & one:
+                m = self._remove_high(table, k, bit - _LOW_BITS)
+                if m < 0:
                     continue
-                m ^= one
-                if m:
-                    table.high[k] = m
-                else:
-                    del table.high[k]
-                m = table._mask[s]
             self._entries -= 1
             if m or (table.high and k in table.high):
                 continue
             table.delete(s)
             if len(self._held) == 1 or all(t.find(k) < 0 for t in self._held.values()):
                 keys_of.delete(hs)  # nobody holds the block any more
+
+    @staticmethod
+    def _remove_high(table: KeyTable, k: int, bit: int) -> int:
+        """Unset `bit` of `k`'s high mask: -1 if it was not set, else the key's low mask."""
+        m = table.high.get(k, 0)
+        if not m >> bit & 1:
+            return -1
+        m ^= 1 << bit
+        if m:
+            table.high[k] = m
+        else:
+            del table.high[k]
+        return table._mask[table.find(k)]
 
     def _clear(self, bits: int) -> None:
         """Unset `bits` everywhere: a vectorised pass over every table, fine for rare clears."""
