@@ -422,33 +422,20 @@ class PrefixIndex:
 
     def _per_pod(self, pods: list[str], run_any: dict[int, int], run_med: dict[str, dict[int, int]],
                  total: int) -> dict[str, PrefixMatch]:
-        hit = 0
-        for b in run_any:
-            hit |= 1 << b
-        miss = PrefixMatch(0, {}, total)  # shared by every pod without a hit: treat results as read-only
-        out: dict[str, PrefixMatch] = {}
-        pod_bits = self._pod_bits
+        """Results per pod from runs per slot bit (every bit there is a candidate's)."""
+        # one shared miss for every pod without a hit: treat results as read-only
+        out = dict.fromkeys(pods, PrefixMatch(0, {}, total))
+        ranks: dict[str, list[int]] = {}
+        owner = self._slot_owner
+        for b in sorted(run_any):
+            ranks.setdefault(owner[b][0], []).append(b)
         media = list(run_med.items())
-        for p in pods:
-            bits = pod_bits.get(p, 0) & hit
-            if not bits:
-                out[p] = miss
-                continue
-            if not bits & (bits - 1):  # one rank holds it: the common case
-                b = bits.bit_length() - 1
-                out[p] = PrefixMatch(run_any[b], {m: r[b] for m, r in media if b in r}, total)
-                continue
-            best = (0, 0)  # (blocks, sum of medium runs) of the pod's best rank
-            best_bit = -1
-            while bits:
-                low = bits & -bits
-                b = low.bit_length() - 1
-                bits ^= low
-                score = (run_any[b], sum(r.get(b, 0) for r in run_med.values()))
-                if score > best:
-                    best, best_bit = score, b
-            by_medium = {m: r[best_bit] for m, r in run_med.items() if r.get(best_bit)}
-            out[p] = PrefixMatch(best[0], by_medium, total)
+        for pod, bits in ranks.items():
+            if len(bits) == 1:  # one rank holds it: the common case
+                b = bits[0]
+            else:  # the best rank: most blocks, then most blocks over every medium
+                b = max(bits, key=lambda b: (run_any[b], sum(r.get(b, 0) for _, r in media)))
+            out[pod] = PrefixMatch(run_any[b], {m: r[b] for m, r in media if r.get(b)}, total)
         return out
 
 
