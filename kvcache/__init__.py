@@ -3,5 +3,5 @@ subscriber that keeps each engine's stream complete, and the index of which pod
 holds which prefix block.
 
 This package imports nothing from kvgate's other packages (only the standard
-library, msgpack, pyzmq and prometheus-client); routing/ and plugin/ build on it.
+library, msgpack, numpy, pyzmq and prometheus-client); routing/ and plugin/ build on it.
 """
