@@ -274,10 +274,13 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         finally:
             self.gw.metrics.active_streams.dec()
             if stream.decision is not None:
-                # A separate task, so a cancelled stream still gets its count released.
-                task = asyncio.get_running_loop().create_task(self._release(stream.decision, how))
-                self._releases.add(task)
-                task.add_done_callback(self._releases.discard)
+                if how == "completed":
+                    await self._release(stream.decision, how)
+                else:
+                    # A cancelled stream must not await: release in a task of its own.
+                    task = asyncio.get_running_loop().create_task(self._release(stream.decision, how))
+                    self._releases.add(task)
+                    task.add_done_callback(self._releases.discard)
 
     async def _release(self, decision: Decision, how: str) -> None:
         try:
