@@ -32,7 +32,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from kvcache.blockkeys import KEY_MASK, MULT, chain_key_array, root_key
+from kvcache.blockkeys import KEY_MASK, MULT, chain_key_array, chain_keys, root_key
 from kvcache.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEvent
 from kvcache.table import TOMB, HashMap, KeyTable
 
@@ -93,6 +93,7 @@ class PrefixIndex:
         keys_of = self._keys_of.get(model)
         if keys_of is None:
             keys_of = self._keys_of[model] = HashMap()
+        cleared = False
         for ev in events:
             t = type(ev)
             try:
@@ -108,6 +109,7 @@ class PrefixIndex:
                         self._store(bit, model, keys_of, ev)
                 elif t is AllBlocksCleared:
                     self._clear(1 << bit)
+                    cleared = True
                 else:
                     self._skip("unknown_event", ev)
             except (TypeError, OverflowError):  # e.g. an unhashable token id or block hash
@@ -117,7 +119,7 @@ class PrefixIndex:
         if self._tick >= _TICK_LIMIT:
             self._rebase_stamps()
         self._applies += 1
-        if not self._applies & 63:  # the sweep's check sums every table: not on every batch
+        if cleared or not self._applies & 63:  # the sweep's check sums every table: not on every batch
             self._maybe_sweep_engine_hashes()
 
     def drop(self, pod: str, rank: int) -> None:
@@ -191,10 +193,30 @@ class PrefixIndex:
                 m.nbytes() for m in self._keys_of.values()),
             "slots": len(self._slot),
             "pods": len(self._pod_bits),
+            "blocks_per_pod": self._blocks_per_pod(),
             "block_sizes": dict(self._block_size),
             "evicted_entries": self._evicted,
             "skipped": dict(self._skipped),
         }
+
+    def _blocks_per_pod(self) -> dict[str, int]:
+        """Per pod, the distinct blocks any of its ranks holds in any medium: a vectorised pass
+        over every table per pod, for debug snapshots, not per request."""
+        held = []  # per medium: (keys, low masks, high masks)
+        for t in self._held.values():
+            occ = t.occupied()
+            held.append((t.keys[occ], t.mask[occ], t.high))
+        out = {}
+        for pod, bits in self._pod_bits.items():
+            low, high = np.uint64(bits & _M64), bits >> _LOW_BITS
+            keys = []
+            for ks, masks, highs in held:
+                hit = (masks & low) != 0
+                if high and highs:
+                    hit |= np.isin(ks, np.array([k for k, m in highs.items() if m & high], np.uint64))
+                keys.append(ks[hit])
+            out[pod] = len(keys[0]) if len(keys) == 1 else len(np.unique(np.concatenate(keys))) if keys else 0
+        return out
 
     # --- events ----------------------------------------------------------------------------
 
@@ -235,43 +257,29 @@ class PrefixIndex:
                 return
         table = self._table(ev.medium)
         self._tick += 1
-        tick = self._tick
-        put = keys_of.claim
-        claim = table.claim
-        mask = KEY_MASK
-        blocks = (tokens,) if n == 1 and type(tokens) is tuple else zip(*[iter(tokens)] * bs)
+        if n == 1:
+            if type(tokens) is not tuple:
+                tokens = tuple(tokens)
+            keys = [(k * MULT + hash(tokens)) & KEY_MASK]
+            h = hashes[0]
+            if type(h) is not int:
+                h = hash(h)
+            h = h * _MIX & _M64  # _fold, inline: most stored events carry one block
+            folded = [h - 2 if h >= TOMB else h]
+        else:
+            keys = chain_keys(k, tokens, bs)  # an unhashable token id raises before any change
+            folded = list(map(_fold, hashes))
+        keys_of.put_all(folded, keys)
         if bit < _LOW_BITS:
-            one = 1 << bit
-            added = 0
-            try:
-                for h, block in zip(hashes, blocks):
-                    k = (k * MULT + hash(block)) & mask
-                    if type(h) is not int:
-                        h = hash(h)
-                    h = h * _MIX & _M64  # _fold, inline
-                    s, _ = put(h - 2 if h >= TOMB else h)
-                    keys_of._value[s] = k
-                    s, _ = claim(k)
-                    masks = table._mask
-                    m = masks[s]
-                    if not m & one:
-                        masks[s] = m | one
-                        added += 1
-                    table._stamp[s] = tick
-            finally:  # an unhashable token id stops the event; the blocks before it stay counted
-                self._entries += added
+            self._entries += table.hold(keys, 1 << bit, self._tick)
             return
         high, one = table.high, 1 << (bit - _LOW_BITS)
-        for h, block in zip(hashes, blocks):
-            k = (k * MULT + hash(block)) & mask
-            s, _ = put(_fold(h))
-            keys_of._value[s] = k
-            s, _ = claim(k)
+        table.hold(keys, 0, self._tick)
+        for k in keys:
             m = high.get(k, 0)
             if not m & one:
                 high[k] = m | one
                 self._entries += 1
-            table._stamp[s] = tick
 
     def _learn_block_size(self, model: str, bs: int) -> None:
         known = self._block_size.get(model)
@@ -289,37 +297,35 @@ class PrefixIndex:
 
     def _remove(self, bit: int, keys_of: HashMap, ev: BlockRemoved) -> None:
         table = self._held.get(ev.medium or DEFAULT_MEDIUM)
-        find_hash = keys_of.find
-        find_key = table.find if table is not None else None
         for h in ev.block_hashes:
             if type(h) is not int:
                 h = hash(h)
             h = h * _MIX & _M64  # _fold, inline: this is the hottest path (one event per evicted block)
-            hs = find_hash(h - 2 if h >= TOMB else h)
+            hs = keys_of.find(h - 2 if h >= TOMB else h)
             if hs < 0:
                 self._skipped["unknown_removed_blocks"] += 1
                 continue
-            if find_key is None:
+            if table is None:
                 continue
             k = keys_of._value[hs]
-            s = find_key(k)
-            if s < 0:
-                continue
             if bit < _LOW_BITS:
-                masks = table._mask
-                m = masks[s]
-                if not m >> bit & 1:
+                r = table.release(k, 1 << bit)
+                if r < 0:
                     continue
-                m ^= 1 << bit
-                masks[s] = m
+                self._entries -= 1
+                if r:
+                    continue
             else:
+                s = table.find(k)
+                if s < 0:
+                    continue
                 m = self._remove_high(table, k, bit - _LOW_BITS)
                 if m < 0:
                     continue
-            self._entries -= 1
-            if m or (table.high and k in table.high):
-                continue
-            table.delete(s)
+                self._entries -= 1
+                if m or (table.high and k in table.high):
+                    continue
+                table.delete(s)
             if len(self._held) == 1 or all(t.find(k) < 0 for t in self._held.values()):
                 keys_of.delete(hs)  # nobody holds the block any more
 

@@ -8,6 +8,8 @@ deleted slots become tombstones until the next rebuild.
 """
 from __future__ import annotations
 
+from typing import Iterable, Sequence
+
 import numpy as np
 
 EMPTY = 0xFFFF_FFFF_FFFF_FFFF
@@ -56,41 +58,54 @@ class OpenTable:
         """The slot holding key `k`, or -1."""
         kv, cap = self._k, self.cap
         s = ((k >> self._SHIFT) & 0xFFFFFFFF) * cap >> 32
-        while True:
-            x = kv[s]
-            if x == k:
-                return s
+        x = kv[s]
+        while x != k:
             if x == EMPTY:
                 return -1
             s += 1
             if s == cap:
                 s = 0
+            x = kv[s]
+        return s
 
     def claim(self, k: int) -> tuple[int, bool]:
         """(slot of `k`, whether it was just inserted with zeroed columns)."""
         if self.used >= self._limit:
             self._rebuild()
+        s = self._probe(k)
+        if s >= 0:
+            return s, False
+        return self._take(~s, k), True
+
+    def reserve(self, n: int) -> None:
+        """Make room for `n` more keys, so that the next `n` claims need no rebuild."""
+        if self.used + n > self._limit:
+            self._rebuild(n)
+
+    def _probe(self, k: int) -> int:
+        """`k`'s slot, or ~(the slot to insert it at: the first tombstone or the empty slot)."""
         kv, cap = self._k, self.cap
         s = ((k >> self._SHIFT) & 0xFFFFFFFF) * cap >> 32
         tomb = -1
         while True:
             x = kv[s]
             if x == k:
-                return s, False
-            if x == EMPTY:
-                break
-            if x == TOMB and tomb < 0:
-                tomb = s
+                return s
+            if x >= TOMB:
+                if x == EMPTY:
+                    return ~(s if tomb < 0 else tomb)
+                if tomb < 0:
+                    tomb = s
             s += 1
             if s == cap:
                 s = 0
-        if tomb >= 0:
-            s = tomb
-        else:
+
+    def _take(self, s: int, k: int) -> int:
+        if self._k[s] == EMPTY:
             self.used += 1
-        kv[s] = k
+        self._k[s] = k
         self.live += 1
-        return s, True
+        return s
 
     def delete(self, s: int) -> None:
         """Free slot `s` (its columns are zeroed). It becomes a tombstone until the next rebuild,
@@ -145,14 +160,14 @@ class OpenTable:
         if self.used - self.live > self.cap // 4 or (self.cap > _MIN_CAP and self.live < self.cap // 8):
             self._rebuild()
 
-    def _rebuild(self) -> None:
-        """Reinsert the live keys into a table sized for them: sorted by home slot, each key goes to
+    def _rebuild(self, room: int = 0) -> None:
+        """Reinsert the live keys into a table sized for them and `room` more: sorted by home slot, each key goes to
         max(home, previous slot + 1), a cumulative maximum; the few that run past the end wrap."""
         live = self.occupied()
         keys = self.keys[live]
         cols = [(name, getattr(self, name)[live]) for name, _ in self._COLUMNS]
         n = len(keys)
-        self._alloc(max(_MIN_CAP, int(n / _REBUILD_LOAD) + 1))
+        self._alloc(max(_MIN_CAP, int((n + room) / _REBUILD_LOAD) + 1))
         self.live = self.used = 0
         if not n:
             return
@@ -188,6 +203,67 @@ class KeyTable(OpenTable):
         s = self.find(k)
         return 0 if s < 0 else self._mask[s] | (self.high.get(k, 0) << 64)
 
+    def hold(self, keys: Sequence[int], one: int, stamp: int) -> int:
+        """Set low holder bit `one` on every key of `keys` (inserting the missing ones) and stamp
+        them; returns how many bits were newly set. One pass with the probing inline: this is
+        the ingest path."""
+        self.reserve(len(keys))
+        kv, masks, stamps, cap = self._k, self._mask, self._stamp, self.cap
+        added = new = fresh = 0
+        for k in keys:
+            s = ((k >> 28) & 0xFFFFFFFF) * cap >> 32
+            tomb = -1
+            while True:
+                x = kv[s]
+                if x == k:
+                    m = masks[s]
+                    if not m & one:
+                        masks[s] = m | one
+                        added += 1
+                    break
+                if x >= TOMB:
+                    if x == EMPTY:
+                        if tomb >= 0:
+                            s = tomb
+                        else:
+                            fresh += 1
+                        kv[s] = k
+                        masks[s] = one
+                        new += 1
+                        break
+                    if tomb < 0:
+                        tomb = s
+                s += 1
+                if s == cap:
+                    s = 0
+            stamps[s] = stamp
+        self.live += new
+        self.used += fresh
+        return added + new
+
+    def release(self, k: int, one: int) -> int:
+        """Unset low holder bit `one` of key `k`: -1 if it was not set, 0 if the key has no holder
+        left (it is deleted), 1 if others still hold it."""
+        kv, cap = self._k, self.cap
+        s = ((k >> 28) & 0xFFFFFFFF) * cap >> 32
+        x = kv[s]
+        while x != k:
+            if x == EMPTY:
+                return -1
+            s += 1
+            if s == cap:
+                s = 0
+            x = kv[s]
+        m = self._mask[s]
+        if not m & one:
+            return -1
+        m ^= one
+        if m or (self.high and k in self.high):
+            self._mask[s] = m
+            return 1
+        self.delete(s)
+        return 0
+
 
 class HashMap(OpenTable):
     """uint64 -> uint64 (the engine's folded block hash -> kvgate's block key). Keys must be
@@ -202,3 +278,33 @@ class HashMap(OpenTable):
     def put(self, k: int, v: int) -> None:
         s, _ = self.claim(k)
         self._value[s] = v
+
+    def put_all(self, ks: Sequence[int], vs: Iterable[int]) -> None:
+        """put(k, v) for each pair, in one pass with the probing inline: the ingest path."""
+        self.reserve(len(ks))
+        kv, values, cap = self._k, self._value, self.cap
+        new = fresh = 0
+        for k, v in zip(ks, vs):
+            s = (k >> 32) * cap >> 32
+            tomb = -1
+            while True:
+                x = kv[s]
+                if x == k:
+                    break
+                if x >= TOMB:
+                    if x == EMPTY:
+                        if tomb >= 0:
+                            s = tomb
+                        else:
+                            fresh += 1
+                        kv[s] = k
+                        new += 1
+                        break
+                    if tomb < 0:
+                        tomb = s
+                s += 1
+                if s == cap:
+                    s = 0
+            values[s] = v
+        self.live += new
+        self.used += fresh

@@ -223,3 +223,38 @@ def test_events_decoded_from_the_wire_feed_the_index(generation):
     ix.apply("a", "m", 0, decoded[2:])
     assert blocks(ix, ["a"]) == {"a": 1}
     assert ix.stats()["entries"] == 3
+
+
+def test_stats_count_distinct_blocks_per_pod_over_ranks_and_media():
+    ix = PrefixIndex()
+    ix.apply("a", "m", 0, [chain(10, 4)])  # blocks 0-3 on GPU
+    ix.apply("a", "m", 1, [chain(10, 6, medium="CPU")])  # blocks 0-5 on CPU: 6 distinct in all
+    ix.apply("b", "m", 0, [chain(10, 2), chain(10, 3, medium="CPU")])
+    assert ix.stats()["blocks_per_pod"] == {"a": 6, "b": 3}
+    ix.apply("a", "m", 1, [BlockRemoved((15,), "CPU")])
+    ix.remove_pod("b")
+    assert ix.stats()["blocks_per_pod"] == {"a": 5}
+    ix.apply("a", "m", 0, [AllBlocksCleared()])
+    assert ix.stats()["blocks_per_pod"] == {"a": 5}  # rank 1 still holds them on CPU
+
+
+def test_engine_hashes_stay_bounded_over_store_and_clear_cycles():
+    ix = PrefixIndex()
+    per_cycle, tokens = 500, tuple(range(500 * BS))
+    seen = []
+    for cycle in range(40):  # 20000 engine hashes stored in all, each cycle's under new hashes
+        hashes = tuple(range(cycle * 10_000, cycle * 10_000 + per_cycle))
+        ix.apply("a", "m", 0, [BlockStored(hashes, None, tokens, BS)])
+        ix.apply("b", "m", 0, [BlockStored(hashes[:10], None, tokens[:10 * BS], BS)])
+        if cycle % 3 == 0:
+            ix.apply("a", "m", 0, [AllBlocksCleared()])
+        elif cycle % 3 == 1:
+            ix.drop("a", 0)
+        else:
+            ix.remove_pod("a")
+        stats = ix.stats()
+        assert stats["keys_by_medium"]["GPU"] == 10  # b's blocks
+        seen.append(stats["engine_hashes"])
+    assert max(seen) <= 4096 + per_cycle + 2 * 10  # the sweep bound: twice the live keys + 4096
+    assert seen[-1] < seen[-2] or seen[-1] <= 4096 + 2 * 10
+    assert ix.match("m", None, list(tokens), ["a", "b"])["b"].blocks == 10
