@@ -34,7 +34,7 @@ import numpy as np
 
 from kvcache.blockkeys import KEY_MASK, MULT, chain_key_array, chain_keys, root_key
 from kvcache.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEvent
-from kvcache.table import TOMB, HashMap, KeyTable
+from kvcache.table import FREED, TOMB, UNKNOWN, HashMap, KeyTable, release, store
 
 log = logging.getLogger(__name__)
 
@@ -249,32 +249,34 @@ class PrefixIndex:
         if parent is None:
             k = self._root(model, ev)
         else:
-            k = keys_of.get(_fold(parent))
+            if type(parent) is not int:
+                parent = hash(parent)
+            parent = parent * _MIX & _M64  # _fold, inline
+            k = keys_of.get(parent - 2 if parent >= TOMB else parent)
             if k is None:  # its chain is unknown: never guess a chain start
                 if not self._skipped["unknown_parent_blocks"]:
                     log.info("prefix index: model %s: blocks under an unknown parent are kept out of chains", model)
                 self._skipped["unknown_parent_blocks"] += n
                 return
-        table = self._table(ev.medium)
+        table = self._held.get(ev.medium or DEFAULT_MEDIUM) or self._table(ev.medium)
         self._tick += 1
         if n == 1:
             if type(tokens) is not tuple:
                 tokens = tuple(tokens)
-            keys = [(k * MULT + hash(tokens)) & KEY_MASK]
+            keys = ((k * MULT + hash(tokens)) & KEY_MASK,)
             h = hashes[0]
             if type(h) is not int:
                 h = hash(h)
             h = h * _MIX & _M64  # _fold, inline: most stored events carry one block
-            folded = [h - 2 if h >= TOMB else h]
+            folded = (h - 2 if h >= TOMB else h,)
         else:
             keys = chain_keys(k, tokens, bs)  # an unhashable token id raises before any change
             folded = list(map(_fold, hashes))
-        keys_of.put_all(folded, keys)
         if bit < _LOW_BITS:
-            self._entries += table.hold(keys, 1 << bit, self._tick)
+            self._entries += store(keys_of, table, folded, keys, 1 << bit, self._tick)
             return
+        store(keys_of, table, folded, keys, 0, self._tick)
         high, one = table.high, 1 << (bit - _LOW_BITS)
-        table.hold(keys, 0, self._tick)
         for k in keys:
             m = high.get(k, 0)
             if not m & one:
@@ -297,36 +299,52 @@ class PrefixIndex:
 
     def _remove(self, bit: int, keys_of: HashMap, ev: BlockRemoved) -> None:
         table = self._held.get(ev.medium or DEFAULT_MEDIUM)
+        if table is None or bit >= _LOW_BITS:
+            self._remove_slow(bit, keys_of, table, ev)
+            return
+        one, sole = 1 << bit, len(self._held) == 1
         for h in ev.block_hashes:
             if type(h) is not int:
                 h = hash(h)
             h = h * _MIX & _M64  # _fold, inline: this is the hottest path (one event per evicted block)
-            hs = keys_of.find(h - 2 if h >= TOMB else h)
+            if h >= TOMB:
+                h -= 2
+            r = release(keys_of, table, h, one, sole)
+            if r >= FREED:
+                self._entries -= 1
+                if r == FREED and not sole:
+                    self._forget_hash_if_unheld(keys_of, h)
+            elif r == UNKNOWN:
+                self._skipped["unknown_removed_blocks"] += 1
+
+    def _forget_hash_if_unheld(self, keys_of: HashMap, h: int) -> None:
+        hs = keys_of.find(h)
+        k = keys_of._value[hs]
+        if all(t.find(k) < 0 for t in self._held.values()):
+            keys_of.delete(hs)
+
+    def _remove_slow(self, bit: int, keys_of: HashMap, table: KeyTable | None, ev: BlockRemoved) -> None:
+        """_remove for a medium nothing was stored in, or a slot bit beyond the tables' arrays."""
+        for h in ev.block_hashes:
+            h = _fold(h)
+            hs = keys_of.find(h)
             if hs < 0:
                 self._skipped["unknown_removed_blocks"] += 1
                 continue
             if table is None:
                 continue
             k = keys_of._value[hs]
-            if bit < _LOW_BITS:
-                r = table.release(k, 1 << bit)
-                if r < 0:
-                    continue
-                self._entries -= 1
-                if r:
-                    continue
-            else:
-                s = table.find(k)
-                if s < 0:
-                    continue
-                m = self._remove_high(table, k, bit - _LOW_BITS)
-                if m < 0:
-                    continue
-                self._entries -= 1
-                if m or (table.high and k in table.high):
-                    continue
-                table.delete(s)
-            if len(self._held) == 1 or all(t.find(k) < 0 for t in self._held.values()):
+            s = table.find(k)
+            if s < 0:
+                continue
+            m = self._remove_high(table, k, bit - _LOW_BITS)
+            if m < 0:
+                continue
+            self._entries -= 1
+            if m or (table.high and k in table.high):
+                continue
+            table.delete(s)
+            if all(t.find(k) < 0 for t in self._held.values()):
                 keys_of.delete(hs)  # nobody holds the block any more
 
     @staticmethod

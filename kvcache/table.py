@@ -104,12 +104,14 @@ class OpenTable:
         if self._k[s] == EMPTY:
             self.used += 1
         self._k[s] = k
+        for v in self._views:
+            v[s] = 0
         self.live += 1
         return s
 
     def delete(self, s: int) -> None:
-        """Free slot `s` (its columns are zeroed). It becomes a tombstone until the next rebuild,
-        unless it ends its probe run: then it is simply empty again."""
+        """Free slot `s` (a claim zeroes its columns again). It becomes a tombstone until the next
+        rebuild, unless it ends its probe run: then it is simply empty again."""
         kv = self._k
         nxt = s + 1 if s + 1 < self.cap else 0
         if kv[nxt] == EMPTY:
@@ -117,8 +119,6 @@ class OpenTable:
             self.used -= 1
         else:
             kv[s] = TOMB
-        for v in self._views:
-            v[s] = 0
         self.live -= 1
 
     # --- vectorised ------------------------------------------------------------------------
@@ -203,44 +203,6 @@ class KeyTable(OpenTable):
         s = self.find(k)
         return 0 if s < 0 else self._mask[s] | (self.high.get(k, 0) << 64)
 
-    def hold(self, keys: Sequence[int], one: int, stamp: int) -> int:
-        """Set low holder bit `one` on every key of `keys` (inserting the missing ones) and stamp
-        them; returns how many bits were newly set. One pass with the probing inline: this is
-        the ingest path."""
-        self.reserve(len(keys))
-        kv, masks, stamps, cap = self._k, self._mask, self._stamp, self.cap
-        added = new = fresh = 0
-        for k in keys:
-            s = ((k >> 28) & 0xFFFFFFFF) * cap >> 32
-            tomb = -1
-            while True:
-                x = kv[s]
-                if x == k:
-                    m = masks[s]
-                    if not m & one:
-                        masks[s] = m | one
-                        added += 1
-                    break
-                if x >= TOMB:
-                    if x == EMPTY:
-                        if tomb >= 0:
-                            s = tomb
-                        else:
-                            fresh += 1
-                        kv[s] = k
-                        masks[s] = one
-                        new += 1
-                        break
-                    if tomb < 0:
-                        tomb = s
-                s += 1
-                if s == cap:
-                    s = 0
-            stamps[s] = stamp
-        self.live += new
-        self.used += fresh
-        return added + new
-
     def release(self, k: int, one: int) -> int:
         """Unset low holder bit `one` of key `k`: -1 if it was not set, 0 if the key has no holder
         left (it is deleted), 1 if others still hold it."""
@@ -272,39 +234,140 @@ class HashMap(OpenTable):
     _COLUMNS = (("value", np.uint64),)
 
     def get(self, k: int) -> int | None:
-        s = self.find(k)
-        return None if s < 0 else self._value[s]
+        kv, cap = self._k, self.cap
+        s = (k >> 32) * cap >> 32
+        x = kv[s]
+        while x != k:
+            if x == EMPTY:
+                return None
+            s += 1
+            if s == cap:
+                s = 0
+            x = kv[s]
+        return self._value[s]
 
     def put(self, k: int, v: int) -> None:
         s, _ = self.claim(k)
         self._value[s] = v
 
-    def put_all(self, ks: Sequence[int], vs: Iterable[int]) -> None:
-        """put(k, v) for each pair, in one pass with the probing inline: the ingest path."""
-        self.reserve(len(ks))
-        kv, values, cap = self._k, self._value, self.cap
-        new = fresh = 0
-        for k, v in zip(ks, vs):
-            s = (k >> 32) * cap >> 32
-            tomb = -1
-            while True:
-                x = kv[s]
-                if x == k:
+
+UNKNOWN, NOT_HELD, FREED, STILL_HELD = -2, -1, 0, 1
+
+
+def release(hashes: HashMap, table: KeyTable, h: int, one: int, sole: bool) -> int:
+    """The block whose (mixed) hash `h` maps to a key of `table` is no longer held by low holder
+    bit `one`. Returns UNKNOWN (no entry for `h`), NOT_HELD (the bit was not set), STILL_HELD
+    (other holders remain) or FREED: the key's slot is deleted, and `h`'s entry too when `sole`
+    (no other table can hold the key). Both probes inline: one call per evicted block."""
+    kv, cap = hashes._k, hashes.cap
+    hs = (h >> 32) * cap >> 32
+    x = kv[hs]
+    while x != h:
+        if x == EMPTY:
+            return UNKNOWN
+        hs += 1
+        if hs == cap:
+            hs = 0
+        x = kv[hs]
+    k = hashes._value[hs]
+    tk, cap = table._k, table.cap
+    s = ((k >> 28) & 0xFFFFFFFF) * cap >> 32
+    x = tk[s]
+    while x != k:
+        if x == EMPTY:
+            return NOT_HELD
+        s += 1
+        if s == cap:
+            s = 0
+        x = tk[s]
+    masks = table._mask
+    m = masks[s]
+    if not m & one:
+        return NOT_HELD
+    m ^= one
+    if m or (table.high and k in table.high):
+        masks[s] = m
+        return STILL_HELD
+    masks[s] = 0
+    nxt = s + 1 if s + 1 < cap else 0
+    if tk[nxt] == EMPTY:
+        tk[s] = EMPTY
+        table.used -= 1
+    else:
+        tk[s] = TOMB
+    table.live -= 1
+    if sole:
+        nxt = hs + 1 if hs + 1 < hashes.cap else 0
+        if kv[nxt] == EMPTY:
+            kv[hs] = EMPTY
+            hashes.used -= 1
+        else:
+            kv[hs] = TOMB
+        hashes.live -= 1
+    return FREED
+
+
+def store(hashes: HashMap, table: KeyTable, hs: Sequence[int], keys: Sequence[int], one: int,
+          stamp: int) -> int:
+    """For each pair: map mixed hash h to key k in `hashes`, set low holder bit `one` on k in
+    `table` (inserting it if new) and stamp it. Returns how many bits were newly set. Both
+    probes inline: one call per stored event."""
+    n = len(keys)
+    hashes.reserve(n)
+    table.reserve(n)
+    hk, values, hcap = hashes._k, hashes._value, hashes.cap
+    tk, masks, stamps, cap = table._k, table._mask, table._stamp, table.cap
+    added = hnew = hfresh = new = fresh = 0
+    for h, k in zip(hs, keys):
+        s = (h >> 32) * hcap >> 32
+        tomb = -1
+        while True:
+            x = hk[s]
+            if x == h:
+                break
+            if x >= TOMB:
+                if x == EMPTY:
+                    if tomb >= 0:
+                        s = tomb
+                    else:
+                        hfresh += 1
+                    hk[s] = h
+                    hnew += 1
                     break
-                if x >= TOMB:
-                    if x == EMPTY:
-                        if tomb >= 0:
-                            s = tomb
-                        else:
-                            fresh += 1
-                        kv[s] = k
-                        new += 1
-                        break
-                    if tomb < 0:
-                        tomb = s
-                s += 1
-                if s == cap:
-                    s = 0
-            values[s] = v
-        self.live += new
-        self.used += fresh
+                if tomb < 0:
+                    tomb = s
+            s += 1
+            if s == hcap:
+                s = 0
+        values[s] = k
+        s = ((k >> 28) & 0xFFFFFFFF) * cap >> 32
+        tomb = -1
+        while True:
+            x = tk[s]
+            if x == k:
+                m = masks[s]
+                if not m & one:
+                    masks[s] = m | one
+                    added += 1
+                break
+            if x >= TOMB:
+                if x == EMPTY:
+                    if tomb >= 0:
+                        s = tomb
+                    else:
+                        fresh += 1
+                    tk[s] = k
+                    masks[s] = one
+                    new += 1
+                    break
+                if tomb < 0:
+                    tomb = s
+            s += 1
+            if s == cap:
+                s = 0
+        stamps[s] = stamp
+    hashes.live += hnew
+    hashes.used += hfresh
+    table.live += new
+    table.used += fresh
+    return added + new if one else 0
