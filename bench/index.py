@@ -8,6 +8,7 @@
 - match: p50/p99 of match() for an 8k-token prompt that one pod holds entirely, all 64 pods
   candidates (the walk cannot stop early), 64 different prompts in turn (cold caches); wall
   clock and this process's CPU time (the machine is shared). Throughputs are per CPU second.
+- stats_cpu_ms: one stats() call on the fleet (it counts blocks per pod: for debug snapshots).
 - bytes per entry: tracemalloc'd size of the index after building the fleet / entries (numpy
   registers its arrays with tracemalloc, so the index's tables are counted);
   `fleet_table_bytes` is the tables' own size as the index reports it, a cross-check.
@@ -148,8 +149,10 @@ def _build_fleet(ix: PrefixIndex, pods: list[str], entries: int,
     """Conversations of 512 blocks, each starting with one of `systems`, on one pod (one in eight
     also on a second pod)."""
     held: list[tuple[str, int]] = []  # (pod, conversation seed)
-    seed = 0
-    while ix.stats()["entries"] < entries:
+    seed = applied = 0
+    # stats() counts blocks per pod too: ask it only once the blocks applied (an upper bound on
+    # the entries) reach the target, then every 8 conversations
+    while applied < entries or seed % 8 or ix.stats()["entries"] < entries:
         seed += 1
         tokens = _conversation(systems[seed % len(systems)], seed)
         owners = [pods[seed % len(pods)]]
@@ -161,6 +164,7 @@ def _build_fleet(ix: PrefixIndex, pods: list[str], entries: int,
             events.append(ev)
         for pod in owners:
             ix.apply(pod, MODEL, 0, events)
+        applied += len(owners) * len(tokens) // BLOCK
         held.append((owners[0], seed))
     return held
 
@@ -178,7 +182,9 @@ def bench_fleet(n_pods: int, entries: int, queries: int, seed: int) -> dict:
     # everything allocated and still alive: the index, plus `held` (~100 bytes per 512 blocks)
     index_bytes = tracemalloc.get_traced_memory()[0] - base
     tracemalloc.stop()
+    t0 = time.process_time()
     stats = ix.stats()
+    stats_ms = (time.process_time() - t0) * 1e3
 
     prompts = [_conversation(systems[s % len(systems)], s) + (1, 2, 3) for _, s in rng.sample(held, min(64, len(held)))]
     wall, cpu = [], []
@@ -221,6 +227,7 @@ def bench_fleet(n_pods: int, entries: int, queries: int, seed: int) -> dict:
         "match_cpu_p99_us": cpu[p99] * 1e6,
         "match_recency_cpu_us": touch_cpu / queries * 1e6,
         "remove_pod_ms": remove_ms,
+        "stats_cpu_ms": stats_ms,
     }
 
 

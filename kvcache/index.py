@@ -94,12 +94,27 @@ class PrefixIndex:
         if keys_of is None:
             keys_of = self._keys_of[model] = HashMap()
         cleared = False
+        held, one = self._held, 1 << bit
         for ev in events:
             t = type(ev)
             try:
                 if t is BlockRemoved:
+                    hashes = ev.block_hashes
                     if ev.group_idx:
                         self._skip("other_kv_cache_group", ev)
+                    elif len(hashes) == 1 and type(h := hashes[0]) is int and bit < _LOW_BITS and (
+                            table := held.get(ev.medium or DEFAULT_MEDIUM)) is not None:
+                        # vLLM's one event per evicted block: _remove, inline
+                        h = h * _MIX & _M64
+                        if h >= TOMB:
+                            h -= 2
+                        r = release(keys_of, table, h, one, len(held) == 1)
+                        if r >= FREED:
+                            self._entries -= 1
+                            if r == FREED and len(held) > 1:
+                                self._forget_hash_if_unheld(keys_of, h)
+                        elif r == UNKNOWN:
+                            self._skipped["unknown_removed_blocks"] += 1
                     else:
                         self._remove(bit, keys_of, ev)
                 elif t is BlockStored:
@@ -200,14 +215,19 @@ class PrefixIndex:
         }
 
     def _blocks_per_pod(self) -> dict[str, int]:
-        """Per pod, the distinct blocks any of its ranks holds in any medium: a vectorised pass
-        over every table per pod, for debug snapshots, not per request."""
+        """Per pod, the distinct blocks any of its ranks holds in any medium. Vectorised, for
+        debug snapshots, not per request: one-rank pods in a one-medium index read a per-bit count
+        (a few passes over the table); others take a pass per pod."""
         held = []  # per medium: (keys, low masks, high masks)
         for t in self._held.values():
             occ = t.occupied()
             held.append((t.keys[occ], t.mask[occ], t.high))
+        per_bit = _bit_counts(held[0][1]) if len(held) == 1 else None
         out = {}
         for pod, bits in self._pod_bits.items():
+            if per_bit is not None and not bits & (bits - 1) and bits.bit_length() <= _LOW_BITS:
+                out[pod] = per_bit[bits.bit_length() - 1]
+                continue
             low, high = np.uint64(bits & _M64), bits >> _LOW_BITS
             keys = []
             for ks, masks, highs in held:
@@ -461,6 +481,19 @@ class PrefixIndex:
                 b = max(bits, key=lambda b: (run_any[b], sum(r.get(b, 0) for _, r in media)))
             out[pod] = PrefixMatch(run_any[b], {m: r[b] for m, r in media if r.get(b)}, total)
         return out
+
+
+def _bit_counts(masks: np.ndarray) -> list[int]:
+    """How many of the uint64 `masks` have each bit 0..63 set. Most masks hold one bit: those
+    are counted by bit number at once, the rest bit by bit."""
+    one = (masks & (masks - np.uint64(1))) == 0
+    single = masks[one]
+    counts = np.bincount(np.bitwise_count(single[single != 0] - np.uint64(1)), minlength=_LOW_BITS)
+    many = masks[~one]
+    if len(many):
+        for b in range(_LOW_BITS):
+            counts[b] += np.count_nonzero(many & np.uint64(1 << b))
+    return counts.tolist()
 
 
 def _runs_low(cand: int, masks: np.ndarray) -> dict[int, int]:

@@ -237,6 +237,13 @@ def test_stats_count_distinct_blocks_per_pod_over_ranks_and_media():
     ix.apply("a", "m", 0, [AllBlocksCleared()])
     assert ix.stats()["blocks_per_pod"] == {"a": 5}  # rank 1 still holds them on CPU
 
+    one_medium = PrefixIndex()  # one rank per pod, one medium: counted per holder bit
+    one_medium.apply("a", "m", 0, [chain(10, 6)])
+    one_medium.apply("b", "m", 0, [chain(10, 2)])
+    one_medium.apply("c", "m", 0, [chain(10, 6, tokens=tuple(range(500, 600)))])
+    one_medium.apply("d", "m", 0, [chain(10, 1), AllBlocksCleared()])
+    assert one_medium.stats()["blocks_per_pod"] == {"a": 6, "b": 2, "c": 6, "d": 0}
+
 
 def test_engine_hashes_stay_bounded_over_store_and_clear_cycles():
     ix = PrefixIndex()
