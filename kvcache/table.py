@@ -11,7 +11,7 @@ until the next rebuild.
 """
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -79,11 +79,6 @@ class OpenTable:
         if s >= 0:
             return s, False
         return self._take(~s, k), True
-
-    def reserve(self, n: int) -> None:
-        """Make room for `n` more keys, so that the next `n` claims need no rebuild."""
-        if self.used + n > self._limit:
-            self._rebuild(n)
 
     def _probe(self, k: int) -> int:
         """`k`'s slot, or ~(the slot to insert it at: the first tombstone or the empty slot)."""
@@ -206,29 +201,6 @@ class KeyTable(OpenTable):
         s = self.find(k)
         return 0 if s < 0 else self._mask[s] | (self.high.get(k, 0) << 64)
 
-    def release(self, k: int, one: int) -> int:
-        """Unset low holder bit `one` of key `k`: -1 if it was not set, 0 if the key has no holder
-        left (it is deleted), 1 if others still hold it."""
-        kv, cap = self._k, self.cap
-        s = ((k >> 28) & 0xFFFFFFFF) * cap >> 32
-        x = kv[s]
-        while x != k:
-            if x == EMPTY:
-                return -1
-            s += 1
-            if s == cap:
-                s = 0
-            x = kv[s]
-        m = self._mask[s]
-        if not m & one:
-            return -1
-        m ^= one
-        if m or (self.high and k in self.high):
-            self._mask[s] = m
-            return 1
-        self.delete(s)
-        return 0
-
 
 class HashMap(OpenTable):
     """uint64 -> uint64 (the engine's folded block hash -> kvgate's block key). Keys must be
@@ -316,7 +288,7 @@ def store(hashes: HashMap, table: KeyTable, hs: Sequence[int], keys: Sequence[in
     `table` (inserting it if new) and stamp it. Returns how many bits were newly set. Both
     probes inline: one call per stored event."""
     n = len(keys)
-    if hashes.used + n > hashes._limit:  # reserve(n), inline
+    if hashes.used + n > hashes._limit:  # room for every pair: no rebuild inside the loop
         hashes._rebuild(n)
     if table.used + n > table._limit:
         table._rebuild(n)
