@@ -33,6 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-traffic", action="store_true",
                    help="start the stack, print one JSON line with its addresses, run until SIGINT/SIGTERM")
     p.add_argument("--sims", type=int, default=3, help="simulated engines (default 3)")
+    p.add_argument("--gateways", type=int, default=2,
+                   help="kvgate replicas behind Envoy, sharing counts through Redis (default 2, as in production)")
     p.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated strategies to compare")
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight (default 8)")
     p.add_argument("--external", metavar="URL",
@@ -53,7 +55,7 @@ _SIM_ARGS = ["--num-blocks", "512", "--block-size", "16", "--ttft-overhead-ms", 
              "--prefill-ms-per-token", "0.1", "--tpot-ms", "2"]
 
 
-def _start(stack: Stack, n_sims: int, log) -> dict:
+def _start(stack: Stack, n_sims: int, n_gateways: int, log) -> dict:
     engines: list[Engine] = []
     pods = []
     for i in range(n_sims):
@@ -72,17 +74,24 @@ def _start(stack: Stack, n_sims: int, log) -> dict:
         log(f"  redis-server at {redis_url}")
     else:
         log("  redis-server not installed: running counts stay in process")
-    grpc_port, http_port = free_port(), free_port()
-    env = {"KVGATE_PODS_FILE": str(pods_file), "KVGATE_GRPC_PORT": str(grpc_port), "KVGATE_HTTP_PORT": str(http_port),
-           "KVGATE_REDIS_URL": redis_url, "KVGATE_ROUTING_STRATEGY": "kv-sync"}
-    stack.kvgate(env=env, grpc_port=grpc_port)
-    log(f"  kvgate serve: ext_proc :{grpc_port}, metrics http://127.0.0.1:{http_port}/metrics")
+    grpc_ports, http_ports = [], []
+    for g in range(n_gateways):
+        grpc_port, http_port = free_port(), free_port()
+        env = {"KVGATE_PODS_FILE": str(pods_file), "KVGATE_GRPC_PORT": str(grpc_port),
+               "KVGATE_HTTP_PORT": str(http_port), "KVGATE_REDIS_URL": redis_url,
+               "KVGATE_ROUTING_STRATEGY": "kv-sync", "KVGATE_GATEWAY_ID": f"kvgate{g}"}
+        stack.kvgate(env=env, grpc_port=grpc_port, name=f"kvgate{g}")
+        grpc_ports.append(grpc_port)
+        http_ports.append(http_port)
+        log(f"  kvgate serve #{g}: ext_proc :{grpc_port}, metrics http://127.0.0.1:{http_port}/metrics")
     listen = free_port()
-    stack.envoy(listen_port=listen, extproc_port=grpc_port, default_pool=[("127.0.0.1", int(e.url.rsplit(":", 1)[1]))
-                                                                           for e in engines])
-    log(f"  envoy on http://127.0.0.1:{listen}")
+    stack.envoy(listen_port=listen, extproc_port=grpc_ports[0], more_extproc_ports=grpc_ports[1:],
+                default_pool=[("127.0.0.1", int(e.url.rsplit(":", 1)[1])) for e in engines])
+    log(f"  envoy on http://127.0.0.1:{listen} (ext_proc streams spread over {n_gateways} kvgate replicas)")
+    http_port = http_ports[0]
     return {"envoy_url": f"http://127.0.0.1:{listen}", "metrics_url": f"http://127.0.0.1:{http_port}/metrics",
             "debug_url": f"http://127.0.0.1:{http_port}/debug", "redis_url": redis_url,
+            "gateways": [f"http://127.0.0.1:{p}" for p in http_ports],
             "pods": [{"name": e.name, "url": e.url, "model": MODEL, "kv_events": e.kv_events} for e in engines],
             "model": MODEL}
 
@@ -172,6 +181,9 @@ def _raise_stop(signum, frame):  # SIGTERM behaves like Ctrl-C: unwind, stopping
 
 def main(args: argparse.Namespace) -> int:
     strategies = [s for s in args.strategies.split(",") if s]
+    if args.gateways < 1 or args.sims < 1:
+        print("kvgate demo: --gateways and --sims must be at least 1", file=sys.stderr)
+        return 2
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown:
         print(f"kvgate demo: unknown strategy {unknown[0]!r}; known: {', '.join(STRATEGIES)}", file=sys.stderr)
@@ -190,7 +202,7 @@ def main(args: argparse.Namespace) -> int:
     stack = Stack()
     try:
         log(f"kvgate demo: starting {args.sims} engines, kvgate and Envoy on loopback (logs in {stack.workdir})")
-        info = _start(stack, args.sims, log)
+        info = _start(stack, args.sims, args.gateways, log)
         if args.no_traffic:
             print(json.dumps(info), flush=True)
             signal.signal(signal.SIGINT, _raise_stop)

@@ -71,16 +71,18 @@ def find_envoy() -> str:
 
 def render_envoy_config(*, listen_port: int, admin_port: int, extproc_port: int,
                         default_pool: Iterable[tuple[str, int]], extproc_host: str = "127.0.0.1",
-                        failure_mode_allow: bool | None = None) -> dict:
-    """The shipped envoy/envoy.yaml with only ports and the default pool changed."""
+                        failure_mode_allow: bool | None = None, more_extproc_ports: Iterable[int] = ()) -> dict:
+    """The shipped envoy/envoy.yaml with only ports and the default pool changed
+    (`more_extproc_ports`: further kvgate replicas; Envoy spreads ext_proc streams over them)."""
     config = yaml.safe_load(ENVOY_CONFIG.read_text())
     config = copy.deepcopy(config)
     config["admin"]["address"]["socket_address"]["port_value"] = admin_port
     listener = config["static_resources"]["listeners"][0]
     listener["address"]["socket_address"]["port_value"] = listen_port
     clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
-    ext = clusters["kvgate"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
-    ext["socket_address"] = {"address": extproc_host, "port_value": extproc_port}
+    clusters["kvgate"]["load_assignment"]["endpoints"][0]["lb_endpoints"] = [
+        {"endpoint": {"address": {"socket_address": {"address": extproc_host, "port_value": port}}}}
+        for port in (extproc_port, *more_extproc_ports)]
     pool = [{"endpoint": {"address": {"socket_address": {"address": h, "port_value": p}}}} for h, p in default_pool]
     clusters["default_pool"]["load_assignment"]["endpoints"] = [{"lb_endpoints": pool}]
     if failure_mode_allow is not None:
@@ -153,10 +155,12 @@ class Stack:
 
     # --- the components ------------------------------------------------------------
     def envoy(self, *, listen_port: int, extproc_port: int, default_pool: Iterable[tuple[str, int]],
-              admin_port: int | None = None, failure_mode_allow: bool | None = None, name: str = "envoy") -> Proc:
+              admin_port: int | None = None, failure_mode_allow: bool | None = None, name: str = "envoy",
+              more_extproc_ports: Iterable[int] = ()) -> Proc:
         admin_port = admin_port or free_port()
         config = render_envoy_config(listen_port=listen_port, admin_port=admin_port, extproc_port=extproc_port,
-                                     default_pool=default_pool, failure_mode_allow=failure_mode_allow)
+                                     default_pool=default_pool, failure_mode_allow=failure_mode_allow,
+                                     more_extproc_ports=more_extproc_ports)
         path = self.workdir / f"{name}.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
         argv = [find_envoy(), "-c", str(path), "--concurrency", "1", "--log-level", "warning",
