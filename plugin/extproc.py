@@ -28,6 +28,7 @@ from routing.errors import NoReadyPodError, RoutingError, UnknownModelError, Unk
 from routing.pods import Pod
 from routing.registry import PodRegistry
 from routing.router import Decision, RouteRequest, Router
+from tokenizer.throttle import LogThrottle
 from tokenizer.types import PromptInput, Tokenizer, TokenizerError
 
 log = logging.getLogger("kvgate.extproc")
@@ -61,24 +62,6 @@ class Gateway:
     reachable: Callable[[str], bool] | None = None
 
 
-class _FallbackLog:
-    """Log a repeated warning at most once per interval, counting what it held back."""
-
-    def __init__(self, interval_s: float = 10.0) -> None:
-        self.interval_s = interval_s
-        self._last = 0.0
-        self._held = 0
-
-    def warn(self, msg: str, *args: object) -> None:
-        now = time.monotonic()
-        if now - self._last >= self.interval_s:
-            suffix = f" ({self._held} similar since the last report)" if self._held else ""
-            log.warning(msg + suffix, *args)
-            self._last, self._held = now, 0
-        else:
-            self._held += 1
-
-
 def _header_value(h: base_pb2.HeaderValue) -> str:
     return h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
 
@@ -101,7 +84,7 @@ def _immediate(err: ClientError, request_id: str) -> pb.ProcessingResponse:
 class _Stream:
     """The state of one HTTP request's ext_proc stream."""
 
-    def __init__(self, gw: Gateway, fallback_log: _FallbackLog, answers: dict) -> None:
+    def __init__(self, gw: Gateway, fallback_log: LogThrottle, answers: dict) -> None:
         self.gw = gw
         self.fallback_log = fallback_log
         # Routed answers by (pod, endpoint, strategy): built once, never mutated, shared by streams.
@@ -190,7 +173,8 @@ class _Stream:
         except (TokenizerError, asyncio.TimeoutError) as e:
             reason = "timeout" if isinstance(e, asyncio.TimeoutError) else "error"
             self.gw.metrics.tokenizer_fallbacks.labels(reason).inc()
-            self.fallback_log.warn("tokenization failed (%s: %s); routing on load alone", reason, e)
+            self.fallback_log.log(log, logging.WARNING, "tokenizer", "tokenization failed (%s: %s); routing on load alone",
+                                  reason, e)
             return None
         self.gw.metrics.tokenize_seconds.observe(time.perf_counter() - started)
         return ids
@@ -243,7 +227,7 @@ class _Stream:
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     def __init__(self, gw: Gateway) -> None:
         self.gw = gw
-        self._fallback_log = _FallbackLog()
+        self._fallback_log = LogThrottle(10.0)  # one warning per 10 s, with a count of the rest
         self._answers: dict = {}
         self._releases: set[asyncio.Task] = set()
 
