@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-import yaml
 
 from plugin.stack import Stack, StackError, free_port, wait_for_port
 
@@ -154,15 +153,8 @@ class SoakStack:
 
 
 def start_stack(stack: Stack, sims: int) -> SoakStack:
-    pods = []
-    for i in range(sims):
-        port, pub, replay = free_port(), free_port(), free_port()
-        stack.sim(name=f"sim{i}", port=port, model=MODEL, kv_events_port=pub, replay_port=replay,
-                  extra=["--num-blocks", "2048", "--tpot-ms", "4", "--ttft-overhead-ms", "3"])
-        pods.append({"name": f"sim{i}", "address": "127.0.0.1", "port": port, "model": MODEL,
-                     "kv_events": {"pub_port": pub, "replay_port": replay}})
-    pods_file = stack.workdir / "pods.yaml"
-    pods_file.write_text(yaml.safe_dump(pods))
+    pods = stack.engines(sims, model=MODEL, extra=["--num-blocks", "2048", "--tpot-ms", "4", "--ttft-overhead-ms", "3"])
+    pods_file = stack.pods_file(pods)
     redis_url = stack.redis()[1] if shutil.which("redis-server") else ""
     grpc_port, http_port = free_port(), free_port()
     kvgate = stack.kvgate(env={"KVGATE_PODS_FILE": str(pods_file), "KVGATE_GRPC_PORT": str(grpc_port),

@@ -18,7 +18,6 @@ import time
 from dataclasses import dataclass
 
 import httpx
-import yaml
 
 from plugin.stack import Stack, StackError, free_port
 from plugin.workload import ChatWorkload, Results, WorkloadShape
@@ -56,18 +55,13 @@ _SIM_ARGS = ["--num-blocks", "512", "--block-size", "16", "--ttft-overhead-ms", 
 
 
 def _start(stack: Stack, n_sims: int, n_gateways: int, log) -> dict:
-    engines: list[Engine] = []
-    pods = []
-    for i in range(n_sims):
-        name = f"sim{i}"
-        port, pub, replay = free_port(), free_port(), free_port()
-        stack.sim(name=name, port=port, model=MODEL, kv_events_port=pub, replay_port=replay, extra=_SIM_ARGS)
-        engines.append(Engine(name, f"http://127.0.0.1:{port}", f"tcp://127.0.0.1:{pub}"))
-        pods.append({"name": name, "address": "127.0.0.1", "port": port, "model": MODEL,
-                     "kv_events": {"pub_port": pub, "replay_port": replay}})
-        log(f"  engine {name} on :{port} (KV events :{pub}, replay :{replay})")
-    pods_file = stack.workdir / "pods.yaml"
-    pods_file.write_text(yaml.safe_dump(pods, sort_keys=False))
+    pods = stack.engines(n_sims, model=MODEL, extra=_SIM_ARGS)
+    engines = [Engine(p["name"], f"http://127.0.0.1:{p['port']}", f"tcp://127.0.0.1:{p['kv_events']['pub_port']}")
+               for p in pods]
+    for p in pods:
+        log(f"  engine {p['name']} on :{p['port']} (KV events :{p['kv_events']['pub_port']}, "
+            f"replay :{p['kv_events']['replay_port']})")
+    pods_file = stack.pods_file(pods)
     redis_url = ""
     if shutil.which("redis-server"):
         _, redis_url = stack.redis()

@@ -191,6 +191,22 @@ class Stack:
         argv += extra or []
         return self.start(name, argv, ready_port=("127.0.0.1", port))
 
+    def engines(self, n: int, *, model: str, extra: list[str] | None = None, prefix: str = "sim") -> list[dict]:
+        """`n` simulated engines publishing KV events with replay; their entries for a pods file."""
+        pods = []
+        for i in range(n):
+            name, port, pub, replay = f"{prefix}{i}", free_port(), free_port(), free_port()
+            self.sim(name=name, port=port, model=model, kv_events_port=pub, replay_port=replay, extra=extra)
+            pods.append({"name": name, "address": "127.0.0.1", "port": port, "model": model,
+                         "kv_events": {"pub_port": pub, "replay_port": replay}})
+        return pods
+
+    def pods_file(self, pods: list[dict]) -> Path:
+        """Write a KVGATE_PODS_FILE for `pods` in the stack's folder."""
+        path = self.workdir / "pods.yaml"
+        path.write_text(yaml.safe_dump(pods, sort_keys=False))
+        return path
+
     def kvgate(self, *, env: Mapping[str, str], grpc_port: int, name: str = "kvgate") -> Proc:
         argv = [sys.executable, "-m", "plugin.cli", "serve"]
         return self.start(name, argv, env=env, ready_port=("127.0.0.1", grpc_port))
