@@ -259,6 +259,7 @@ class RedisCounts:
         if not self.up:
             log.info("running counts: Redis %s reachable, shared counts on", self._url_shown)
         self.up = True
+        self._down_until = 0.0  # a concurrent op may have failed meanwhile; this success ends the back-off
         self._backoff = self._backoff_min
         self._metrics.redis_up.set(1)
 

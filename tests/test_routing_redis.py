@@ -92,9 +92,13 @@ async def gateway(url: str, gid: str, seed: int = 0) -> tuple[Router, RedisCount
 
 
 async def converged(a: RedisCounts, b: RedisCounts) -> bool:
+    """Both views read fresh from Redis (not a cached or backed-off view) and equal."""
+    started = time.monotonic()
     await a.refresh()
     await b.refresh()
-    return a.totals() == b.totals()
+    age = time.monotonic() - started
+    fresh = all(c.snapshot()["others_age_s"] is not None and c.snapshot()["others_age_s"] <= age + 0.001 for c in (a, b))
+    return fresh and a.totals() == b.totals()
 
 
 async def test_two_gateways_share_counts(redis_server):
