@@ -250,3 +250,77 @@ async def test_slow_drip_answer_is_bounded_by_the_attempt_timeout() -> None:
     finally:
         await remote.aclose()
         await runner.cleanup()
+
+
+def _clear_proxy_env(monkeypatch) -> None:
+    for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY", "no_proxy", "NO_PROXY",
+                 "REQUEST_METHOD"):
+        monkeypatch.delenv(name, raising=False)
+
+
+async def test_proxy_from_the_environment_is_used_unless_no_proxy_exempts_the_engine(monkeypatch) -> None:
+    engine_seen: list = []
+    engine, engine_url = await serve(scripted([], engine_seen))
+    proxied: list = []
+
+    async def via_proxy(request: web.Request) -> web.Response:
+        proxied.append((str(request.url), request.headers.get("Proxy-Authorization")))
+        return web.json_response({"count": 1, "tokens": [7]})
+
+    app = web.Application()
+    app.router.add_post("/tokenize", via_proxy)
+    proxy, proxy_url = await serve(app)
+    _clear_proxy_env(monkeypatch)
+    try:
+        monkeypatch.setenv("HTTP_PROXY", proxy_url.replace("http://", "http://user:secret@"))
+        remote = RemoteTokenizer({MODEL: engine_url}, options=FAST)
+        assert await remote.tokenize(MODEL, PromptInput(text="x")) == [7]
+        await remote.aclose()
+        assert engine_seen == [] and len(proxied) == 1
+        assert proxied[0][0].endswith(engine_url.removeprefix("http://") + "/tokenize")
+        assert proxied[0][1] == "Basic dXNlcjpzZWNyZXQ="  # user:secret, sent to the proxy only
+
+        monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+        remote = RemoteTokenizer({MODEL: engine_url}, options=FAST)
+        assert await remote.tokenize(MODEL, PromptInput(text="x")) == [1, 2, 3]
+        await remote.aclose()
+        assert len(engine_seen) == 1 and len(proxied) == 1
+    finally:
+        await engine.cleanup()
+        await proxy.cleanup()
+
+
+async def test_unusable_url_fails_without_retrying(monkeypatch) -> None:
+    _clear_proxy_env(monkeypatch)
+    registry = CollectorRegistry()
+    remote = RemoteTokenizer({MODEL: "localhost:8000"}, options=FAST, registry=registry)
+    try:
+        with pytest.raises(TokenizerError, match="not usable"):
+            await remote.tokenize(MODEL, PromptInput(text="x"))
+        assert registry.get_sample_value("kvgate_tokenizer_remote_attempts_total", {"outcome": "refused"}) == 1
+        assert registry.get_sample_value("kvgate_tokenizer_remote_attempts_total", {"outcome": "connect_error"}) is None
+    finally:
+        await remote.aclose()
+
+
+async def test_one_connection_is_kept_alive_and_a_closed_tokenizer_refuses() -> None:
+    peers: list = []
+
+    async def handle(request: web.Request) -> web.Response:
+        peers.append(request.transport.get_extra_info("peername"))
+        return web.json_response({"count": 1, "tokens": [4]})
+
+    app = web.Application()
+    app.router.add_post("/tokenize", handle)
+    runner, url = await serve(app)
+    remote = RemoteTokenizer({MODEL: url}, options=FAST)
+    try:
+        for _ in range(5):
+            assert await remote.tokenize(MODEL, PromptInput(text="x")) == [4]
+        assert len(set(peers)) == 1  # sequential calls reuse one kept-alive connection
+        await remote.aclose()
+        with pytest.raises(TokenizerError, match="closed"):
+            await remote.tokenize(MODEL, PromptInput(text="x"))
+    finally:
+        await remote.aclose()
+        await runner.cleanup()
