@@ -294,3 +294,38 @@ async def test_matching_files_are_verified_then_trusted(local) -> None:
         item = ChatInput(messages=({"role": "user", "content": q},))
         assert await cached.tokenize(MODEL, item) == local.encode_chat(item)
     assert sum(isinstance(c, ChatInput) for c in inner.calls) == 2
+
+
+def test_split_at_keeps_empty_parts_and_takes_any_sequence() -> None:
+    from array import array
+
+    from tokenizer.cache import _split_at
+
+    assert _split_at([], 5) == [[]]
+    assert _split_at([1, 2], 5) == [[1, 2]]
+    assert _split_at([5, 1, 5, 5, 2], 5) == [[], [1], [], [2]]
+    assert _split_at(array("I", [1, 5, 2, 5]), 5) == [[1], [2], []]
+
+
+def test_piece_lookups_are_counted_once_per_distinct_piece(local) -> None:
+    registry = CollectorRegistry()
+    inner = CountingBackend({MODEL: local})
+    cached = CachedTokenizer(inner, segmenters={MODEL: Segmenter.from_local(local)}, options=NO_VERIFY, registry=registry)
+    system = {"role": "system", "content": "Shared rules."}
+    first = ChatInput(messages=(system, {"role": "user", "content": "one"}))
+    second = ChatInput(messages=(system, {"role": "user", "content": "two"}))
+
+    async def go():
+        assert await cached.tokenize(MODEL, first) == local.encode_chat(first)
+        assert await cached.tokenize(MODEL, second) == local.encode_chat(second)
+
+    run(go())
+    pieces = [p for p in Segmenter.from_local(local).split(local.render_chat(second)) if isinstance(p, str)]
+    sample = lambda result: registry.get_sample_value(  # noqa: E731
+        "kvgate_tokenizer_cache_lookups_total", {"level": "piece", "result": result})
+    # The second request misses only its own user turn; every other distinct piece was seen in the first.
+    assert sample("miss") == len(set(pieces)) + 1
+    assert sample("hit") == len(set(pieces)) - 1
+    assert registry.get_sample_value("kvgate_tokenizer_cache_tokens_total", {"source": "backend"}) + \
+        registry.get_sample_value("kvgate_tokenizer_cache_tokens_total", {"source": "cache"}) == \
+        len(local.encode_chat(first)) + len(local.encode_chat(second))

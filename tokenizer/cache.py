@@ -106,6 +106,13 @@ class CacheMetrics:
             registry=registry,
         )
         self.entries = Gauge("kvgate_tokenizer_cache_entries", "Entries held by the cache", registry=registry)
+        # Children bound once: labels() costs a lock and a dict lookup per call, and a request may look up many pieces.
+        self.request_hit = self.lookups.labels("request", "hit")
+        self.request_miss = self.lookups.labels("request", "miss")
+        self.piece_hit = self.lookups.labels("piece", "hit")
+        self.piece_miss = self.lookups.labels("piece", "miss")
+        self.tokens_cache = self.tokens.labels("cache")
+        self.tokens_backend = self.tokens.labels("backend")
 
 
 class CachedTokenizer:
@@ -152,10 +159,10 @@ class CachedTokenizer:
         key = ("req", model, key_text)
         hit = self._lru.get(key)
         if hit is not None:
-            self._metrics.lookups.labels("request", "hit").inc()
+            self._metrics.request_hit.inc()
             self._count(len(hit), len(hit))
             return hit.tolist()
-        self._metrics.lookups.labels("request", "miss").inc()
+        self._metrics.request_miss.inc()
         segmenter = None if model in self._mismatched else self._segmenters.get(model, self._default_segmenter)
         try:
             planned = segmenter.pieces(item) if segmenter is not None else None
@@ -189,17 +196,20 @@ class CachedTokenizer:
     ) -> list[int]:
         tokens: dict[str, Sequence[int]] = {}
         missing: list[str] = []
+        get = self._lru.get
         for p in pieces:
             if isinstance(p, int) or p in tokens:
                 continue
-            hit = self._lru.get(("seg", model, p))
+            hit = get(("seg", model, p))
             if hit is None:
-                self._metrics.lookups.labels("piece", "miss").inc()
                 tokens[p] = ()
                 missing.append(p)
             else:
-                self._metrics.lookups.labels("piece", "hit").inc()
                 tokens[p] = hit
+        if missing:
+            self._metrics.piece_miss.inc(len(missing))
+        if len(tokens) > len(missing):
+            self._metrics.piece_hit.inc(len(tokens) - len(missing))
         fetched = await self._fetch_once(model, segmenter, missing, base_url) if missing else {}
         tokens.update(fetched)
         out = join_pieces(pieces, tokens, affixes)
@@ -249,8 +259,8 @@ class CachedTokenizer:
     def _count(self, cached: int, total: int) -> None:
         self.tokens_cached += cached
         self.tokens_total += total
-        self._metrics.tokens.labels("cache").inc(cached)
-        self._metrics.tokens.labels("backend").inc(total - cached)
+        self._metrics.tokens_cache.inc(cached)
+        self._metrics.tokens_backend.inc(total - cached)
         self._metrics.hit_ratio.set(self.hit_ratio)
 
     def _update_size(self) -> None:
@@ -262,13 +272,18 @@ class CachedTokenizer:
 
 
 def _split_at(ids: Sequence[int], sep: int) -> list[list[int]]:
-    parts: list[list[int]] = [[]]
-    for i in ids:
-        if i == sep:
-            parts.append([])
-        else:
-            parts[-1].append(i)
-    return parts
+    ids = ids if isinstance(ids, list) else list(ids)
+    parts: list[list[int]] = []
+    start = 0
+    index = ids.index
+    while True:
+        try:
+            end = index(sep, start)
+        except ValueError:
+            parts.append(ids[start:])
+            return parts
+        parts.append(ids[start:end])
+        start = end + 1
 
 
 def _request_key(item: TokenizeInput) -> str:
