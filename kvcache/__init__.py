@@ -4,4 +4,5 @@ holds which prefix block.
 
 This package imports nothing from kvgate's other packages (only the standard
 library, msgpack, numpy, pyzmq and prometheus-client); routing/ and plugin/ build on it.
+Its hot loops (block keys, raw batch ingest, match) are C: kvcache/_native.c, built at install.
 """

@@ -1,33 +1,30 @@
-"""kvgate's own block keys: a chained polynomial hash over each full block's token ids.
+"""kvgate's own block keys: a chained hash over each full block's token ids.
 
-key[-1] = root(model, lora); key[i] = (key[i-1] * MULT + hash(block_i)) mod 2**60, with block_i
-the tuple of block i's token ids. Python's hash of a tuple of ints is deterministic across
-processes (only str/bytes hashing is salted), so keys do not depend on the engine's hash algorithm
-or seed. The root is derived from model and LoRA adapter with blake2b, so the same tokens under
-another model or adapter get other keys. Keys live only in memory: they need not be stable across
-Python versions.
-
-The chain is Horner's rule, so a whole prompt's keys unroll without a Python loop:
-key[i] = MULT**(i+1) * (root + sum_{m<=i} h_m * MULT**-(m+1)) mod 2**60 (MULT is odd, hence
-invertible), which numpy evaluates with wrap-around uint64 arithmetic (2**60 divides 2**64).
-Ingest computes the same keys one event at a time from the parent's key (`step`).
+key[-1] = root(model, lora); key[i] = (key[i-1] * MULT + block_hash(block_i)) mod 2**60, where
+block_hash mixes block i's token ids (as 64-bit two's complement) with a multiply-xorshift per
+token and a finaliser (kvcache/_native.c; `reference_chain_keys` below is the same function in
+plain Python, for tests and readers). Keys do not depend on the engine's hash algorithm or seed,
+nor on the Python process. The root is derived from model and LoRA adapter with blake2b, so the
+same tokens under another model or adapter get other keys.
 Collisions: for distinct prefixes two keys agree with probability about 2**-60 (1M keys: ~1e-6
 for any pair in the index); the hash is not cryptographic, so crafted prompts could collide on
 purpose. A false hit only sends a request to a pod that misses the cache.
+Token ids must be ints in [-2**63, 2**64): others raise TypeError or OverflowError.
 """
 from __future__ import annotations
 
 import hashlib
+from array import array
 from functools import lru_cache
 from typing import Sequence
 
 import numpy as np
 
+from kvcache.native import native as _native
+
 # 60 bits: below kvcache.table's reserved key values, and 32-byte ints where Python holds keys.
 KEY_MASK = (1 << 60) - 1
 MULT = 0x9E3779B97F4A7C15  # odd: invertible mod 2**64
-_MULT_INV = pow(MULT, -1, 1 << 64)
-_VECTOR_MIN_BLOCKS = 24  # below this a Python loop beats numpy's per-call overhead
 
 
 @lru_cache(maxsize=4096)
@@ -37,9 +34,9 @@ def root_key(model: str, lora: str | None) -> int:
     return int.from_bytes(hashlib.blake2b(scope, digest_size=8).digest(), "big") & KEY_MASK
 
 
-def step(parent: int, block: tuple[int, ...]) -> int:
+def step(parent: int, block: Sequence[int]) -> int:
     """The key of `block` (its token ids) under the block keyed `parent`."""
-    return (parent * MULT + hash(block)) & KEY_MASK
+    return chain_keys(parent, block, len(block))[0] if block else parent
 
 
 def block_keys(model: str, lora: str | None, token_ids: Sequence[int], block_size: int) -> list[int]:
@@ -51,43 +48,32 @@ def block_keys(model: str, lora: str | None, token_ids: Sequence[int], block_siz
 
 def chain_keys(parent: int, token_ids: Sequence[int], block_size: int) -> list[int]:
     """Keys of every full block of `token_ids` under the block keyed `parent` (or a root key)."""
-    n = len(token_ids) // block_size
-    if n >= _VECTOR_MIN_BLOCKS:
-        return chain_key_array(parent, token_ids, block_size).tolist()
-    out = []
-    k = parent
-    for h in map(hash, zip(*[iter(token_ids)] * block_size)):
-        k = (k * MULT + h) & KEY_MASK
-        out.append(k)
-    return out
+    return array("Q", _native.chain_keys(parent, token_ids, block_size)).tolist()
 
 
 def chain_key_array(parent: int, token_ids: Sequence[int], block_size: int) -> np.ndarray:
-    """chain_keys as a uint64 array, computed without a Python loop over the blocks."""
-    n = len(token_ids) // block_size
-    fwd, inv = _powers(n)
-    h = np.fromiter(map(hash, zip(*[iter(token_ids)] * block_size)), np.int64, n).view(np.uint64)
-    h *= inv[1:n + 1]
-    s = np.cumsum(h)
-    s += np.uint64(parent)
-    s *= fwd[1:n + 1]
-    s &= np.uint64(KEY_MASK)
-    return s
+    """chain_keys as a uint64 array."""
+    return np.frombuffer(_native.chain_keys(parent, token_ids, block_size), np.uint64)
 
 
-@lru_cache(maxsize=32)
-def _powers_pow2(size: int) -> tuple[np.ndarray, np.ndarray]:
-    fwd = np.empty(size + 1, np.uint64)
-    inv = np.empty(size + 1, np.uint64)
-    f = i = 1
-    for e in range(size + 1):
-        fwd[e], inv[e] = f, i
-        f = f * MULT & 0xFFFFFFFFFFFFFFFF
-        i = i * _MULT_INV & 0xFFFFFFFFFFFFFFFF
-    fwd.flags.writeable = inv.flags.writeable = False
-    return fwd, inv
+_M64 = (1 << 64) - 1
 
 
-def _powers(n: int) -> tuple[np.ndarray, np.ndarray]:
-    """MULT**e and MULT**-e mod 2**64 for e in 0..>=n, shared by every call."""
-    return _powers_pow2(1 << max(n, 1).bit_length())
+def reference_chain_keys(parent: int, token_ids: Sequence[int], block_size: int) -> list[int]:
+    """chain_keys in plain Python: the definition, spelled out (slow)."""
+    out, k = [], parent
+    for i in range(len(token_ids) // block_size):
+        h = 0x243F6A8885A308D3 ^ block_size
+        for t in token_ids[i * block_size:(i + 1) * block_size]:
+            if not isinstance(t, int):
+                raise TypeError(f"token ids must be ints, got {type(t).__name__}")
+            if not -(1 << 63) <= t < 1 << 64:
+                raise OverflowError("token id out of 64-bit range")
+            h = (h ^ (t & _M64)) * 0xFF51AFD7ED558CCD & _M64
+            h ^= h >> 32
+        h ^= h >> 29
+        h = h * 0xC4CEB9FE1A85EC53 & _M64
+        h ^= h >> 32
+        k = (k * MULT + h) & KEY_MASK
+        out.append(k)
+    return out

@@ -13,8 +13,9 @@ Layout (flat numpy tables, kvcache.table, because the index holds millions of en
   every pod of the model: engines of one model agree on hashes since vLLM 0.29, and where they
   differ the entries simply coexist. A BlockStored whose parent hash is in no such map is kept
   out of chains and counted.
-A match computes the prompt's keys and looks them all up at once (numpy), then finds each
-slot's leading run from the running AND of the holder masks.
+A match computes the prompt's keys and probes them (kvcache/_native.c for the common case of one
+medium and at most 64 pod-ranks; numpy otherwise), then finds each slot's leading run from the
+running AND of the holder masks. Raw batches take a native one-pass path (apply_payload).
 Limits: two engine blocks with the same tokens but different extra keys (multimodal inputs, cache
 salt) share one key, so removing either clears it (a conservative miss). Two engine hashes that
 fold to the same 64 bits (about 2**-64 per pair) share a map entry. Only KV cache group 0 is
@@ -32,8 +33,9 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from kvcache.blockkeys import KEY_MASK, MULT, chain_key_array, chain_keys, root_key
+from kvcache.blockkeys import chain_key_array, chain_keys, root_key
 from kvcache.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEvent
+from kvcache.native import native
 from kvcache.table import FREED, TOMB, UNKNOWN, HashMap, KeyTable, release, store
 
 log = logging.getLogger(__name__)
@@ -43,6 +45,13 @@ _M64 = (1 << 64) - 1
 _MIX = 0x9E3779B97F4A7C15  # odd: multiplying spreads small or sequential engine hashes
 _LOW_BITS = 64  # slot bits kept in the tables' arrays; higher ones in KeyTable.high
 _TICK_LIMIT = 0xF000_0000  # rebase the uint32 recency stamps here: room for any one batch's ticks
+
+
+@dataclass(frozen=True, slots=True)
+class BatchApplied:
+    """What apply_payload applied: events by type."""
+    stored: int
+    removed: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +138,62 @@ class PrefixIndex:
                     self._skip("unknown_event", ev)
             except (TypeError, OverflowError):  # e.g. an unhashable token id or block hash
                 self._skip("malformed_event", ev)
+        self._after_batch(cleared)
+
+    def apply_payload(self, pod: str, model: str, rank: int, payload: bytes) -> BatchApplied | None:
+        """Decode and apply one raw batch (vLLM's msgpack bytes) in one native pass, without a
+        Python object per event: the subscriber's fast path. None when the batch is outside that
+        path's shape (see kvcache/_native.c scan_batch: AllBlocksCleared, LoRA, bytes hashes,
+        several media in one batch, unknown fields, anything malformed...) or this index tracks
+        more than 64 pod-ranks: the caller then decodes it (kvcache.wire) and calls apply()."""
+        scan = native.scan_batch(payload)
+        if scan is None:
+            return None
+        stored_events, stored_blocks, removed_events, _, bs, medium = scan
+        bit = self._slot.get((pod, rank))
+        if bit is None:
+            if len(self._slot_owner) >= _LOW_BITS:
+                return None
+            bit = self._slot_bit(pod, rank)
+        if bit >= _LOW_BITS:
+            return None
+        medium = medium or DEFAULT_MEDIUM
+        table = self._held.get(medium)
+        if table is None and not stored_events:
+            return None  # removals in a medium nothing was stored in: counted by the general path
+        if table is not None and table.high or len(self._held) > 8:
+            return None
+        keys_of = self._keys_of.get(model)
+        if keys_of is None:
+            keys_of = self._keys_of[model] = HashMap()
+        if table is None:
+            table = self._table(medium)
+        if stored_events:
+            if self._block_size.get(model) != bs:
+                self._learn_block_size(model, bs)
+            if keys_of.used + stored_blocks > keys_of._limit:  # room for every block: no rebuild inside
+                keys_of._rebuild(stored_blocks)
+            if table.used + stored_blocks > table._limit:
+                table._rebuild(stored_blocks)
+        added, removed, self._tick, h_live, h_used, t_live, t_used, unknown_parent, unknown_removed = \
+            native.apply_batch(payload, root_key(model, None), 1 << bit, self._tick, keys_of.keys, keys_of.value,
+                               table.keys, table.mask, table.stamp,
+                               tuple(t.keys for t in self._held.values() if t is not table))
+        keys_of.live += h_live
+        keys_of.used += h_used
+        table.live += t_live
+        table.used += t_used
+        self._entries += added - removed
+        if unknown_parent:
+            if not self._skipped["unknown_parent_blocks"]:
+                log.info("prefix index: model %s: blocks under an unknown parent are kept out of chains", model)
+            self._skipped["unknown_parent_blocks"] += unknown_parent
+        if unknown_removed:
+            self._skipped["unknown_removed_blocks"] += unknown_removed
+        self._after_batch(False)
+        return BatchApplied(stored_events, removed_events)
+
+    def _after_batch(self, cleared: bool) -> None:
         if self._entries > self._max:
             self._evict()
         if self._tick >= _TICK_LIMIT:
@@ -174,6 +239,14 @@ class PrefixIndex:
         media = [(name, t) for name, t in self._held.items() if t.live]
         if not cand or not total or not media:
             return {p: PrefixMatch(0, {}, total) for p in pods}
+        if len(media) == 1 and not cand >> _LOW_BITS and not media[0][1].high:  # one medium, <= 64 pod-ranks
+            name, t = media[0]
+            if self._tick >= _TICK_LIMIT:
+                self._rebase_stamps()
+            self._tick += 1
+            run_any = native.match_runs(token_ids, bs, root_key(model, lora), cand, self._tick, t.keys, t.mask,
+                                        t.stamp)
+            return self._per_pod(pods, run_any, {name: run_any}, total)
         keys = chain_key_array(root_key(model, lora), token_ids, bs)
         found = [(name, t, t.lookup(keys)) for name, t in media]
         if cand >> _LOW_BITS or any(t.high for _, t in media):  # more than 64 pod-ranks: Python ints
@@ -281,9 +354,7 @@ class PrefixIndex:
         table = self._held.get(ev.medium or DEFAULT_MEDIUM) or self._table(ev.medium)
         self._tick += 1
         if n == 1:
-            if type(tokens) is not tuple:
-                tokens = tuple(tokens)
-            keys = ((k * MULT + hash(tokens)) & KEY_MASK,)
+            keys = chain_keys(k, tokens, bs)  # an unhashable token id raises before any change
             h = hashes[0]
             if type(h) is not int:
                 h = hash(h)

@@ -42,6 +42,10 @@ class EventSink(Protocol):
 
     def drop(self, pod: str, rank: int) -> None: ...  # that rank's state can no longer be trusted
 
+    # Optional: `apply_payload(pod, model, rank, payload) -> BatchApplied | None` decodes and applies
+    # raw batch bytes in one pass (kvcache.index.PrefixIndex); None sends the batch down the general
+    # path (decode_batch, then apply).
+
 
 def tcp_endpoint(host: str, port: int) -> str:
     host = host.strip("[]")
@@ -105,6 +109,7 @@ class Subscriber:
                  options: SubscriberOptions, metrics: KVEventMetrics) -> None:
         self.spec = spec
         self._sink = sink
+        self._fast = getattr(sink, "apply_payload", None)
         self._ctx = ctx
         self._opt = options
         self._m = metrics
@@ -376,6 +381,23 @@ class Subscriber:
 
     async def _apply(self, seq: int, payload: bytes) -> None:
         started = time.perf_counter()
+        if self._fast is not None:
+            try:
+                done = self._fast(self.spec.pod, self.spec.model, self.spec.rank, payload)
+            except Exception:
+                self._error("sink", f"sink.apply_payload failed on batch {seq}; its state is no longer trusted",
+                            exc_info=True)
+                self._drop("sink_error")
+                return
+            if done is not None:
+                n = done.stored + done.removed
+                self.counts["events"] += n
+                for name, k in (("BlockStored", done.stored), ("BlockRemoved", done.removed)):
+                    if k:
+                        self._m.events_received.labels(name).inc(k)
+                        self._m.events_applied.labels(name).inc(k)
+                self._m.processing.observe(time.perf_counter() - started)
+                return
         try:
             decoded = decode_batch(payload)
         except WireError as e:

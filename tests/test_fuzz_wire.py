@@ -185,3 +185,70 @@ async def test_every_rejection_is_counted_end_to_end_over_zmq():
     finally:
         await manager.aclose()
         publisher.close()
+
+
+def _fast_shape_batch(rng: random.Random, hashes_seen: list[int]) -> EventBatch:
+    """Batches in the native fast path's shape (int hashes, one medium, no LoRA), chained on
+    earlier blocks so that stores and removals really land."""
+    events = []
+    for _ in range(rng.randint(1, 6)):
+        n = rng.randint(1, 3)
+        hashes = tuple(rng.choice((rng.getrandbits(64), -rng.getrandbits(63))) for _ in range(n))
+        if rng.random() < 0.6 or not hashes_seen:
+            parent = rng.choice(hashes_seen) if hashes_seen and rng.random() < 0.5 else None
+            events.append(BlockStored(hashes, parent, tuple(rng.randrange(3) for _ in range(n * 4)), 4,
+                                      None, rng.choice((None, "GPU"))))
+            hashes_seen.extend(hashes)
+        else:
+            events.append(BlockRemoved(tuple(rng.choice(hashes_seen) for _ in range(n)), rng.choice((None, "GPU"))))
+    return EventBatch(rng.random() * 1e9, tuple(events), rng.choice((None, 0)))
+
+
+def _logical(stats: dict) -> dict:
+    """stats() without the tables' sizes: the two paths grow their tables at different moments."""
+    return {k: v for k, v in stats.items() if k != "table_bytes"}
+
+
+def test_native_batch_path_agrees_with_decoder_on_30k_mutated_payloads():
+    """apply_payload (one native pass over the bytes) either declines a payload or leaves the index
+    exactly as decode_batch + apply would: same stats, same matches. Never accepts what the decoder
+    rejects."""
+    rng = random.Random(SEED + 1)
+    seen: list[int] = []
+    corpus = [encode_batch(_fast_shape_batch(rng, seen), g) for g in GENERATIONS for _ in range(80)]
+    native, general = PrefixIndex(max_entries=2_000), PrefixIndex(max_entries=2_000)
+    taken: Counter[str] = Counter()
+    prompts = [[rng.randrange(3) for _ in range(rng.randrange(4, 40))] for _ in range(20)]
+    for i in range(30_000):
+        # intact batches must take the native path while the index has few media (mutations invent
+        # medium names; beyond 8 media tables every batch takes the general path)
+        intact = i % 3 == 0 and len(native.stats()["keys_by_medium"]) <= 8
+        payload = corpus[i % len(corpus)] if intact else _mutate(corpus[i % len(corpus)], corpus, rng)[1]
+        pod = f"p{i % 3}"
+        try:
+            decoded = decode_batch(payload)
+        except WireError:
+            decoded = None
+        done = native.apply_payload(pod, "m", 0, payload)
+        if done is None:
+            taken["declined"] += 1
+            taken["intact_declined"] += intact
+            if decoded is not None:
+                native.apply(pod, "m", 0, decoded.batch.events)
+        else:
+            taken["native"] += 1
+            taken["intact_native"] += intact
+            assert decoded is not None, payload  # the native path never accepts what the decoder rejects
+            assert not decoded.skipped, (payload, decoded.skipped)
+            assert (done.stored, done.removed) == (
+                sum(type(e) is BlockStored for e in decoded.batch.events),
+                sum(type(e) is BlockRemoved for e in decoded.batch.events))
+        if decoded is not None:
+            general.apply(pod, "m", 0, decoded.batch.events)
+        if i % 500 == 499:
+            assert _logical(native.stats()) == _logical(general.stats()), i
+            for p in prompts:
+                assert native.match("m", None, p, ["p0", "p1", "p2"]) == general.match("m", None, p, ["p0", "p1", "p2"])
+    assert _logical(native.stats()) == _logical(general.stats())
+    print(f"\nNATIVE-FUZZ {dict(taken)}")
+    assert taken["intact_native"] > 5 * taken["intact_declined"] and taken["declined"] > 10_000, taken

@@ -42,9 +42,10 @@ class Engine:
 
 
 class Fleet:
-    def __init__(self, rng: random.Random) -> None:
+    def __init__(self, rng: random.Random, media=MEDIA, loras=LORAS, hash_kinds=(0, 1, 2)) -> None:
         self.rng = rng
-        self.engines = {(p, r): Engine(rng.randrange(3)) for p, (_, n) in PODS.items() for r in range(n)}
+        self.media, self.loras, self.kinds = media, loras, hash_kinds
+        self.engines = {(p, r): Engine(rng.choice(hash_kinds)) for p, (_, n) in PODS.items() for r in range(n)}
         self.learned: set[str] = set()
         self.fake = 0
 
@@ -62,14 +63,14 @@ class Fleet:
         choice = rng.random()
         if choice < 0.06:  # parent nobody ever published (events lost before we subscribed)
             self.fake += 1
-            scope, lora, prefix = f"orphan{self.fake}", rng.choice(LORAS), ()
+            scope, lora, prefix = f"orphan{self.fake}", rng.choice(self.loras), ()
             parent, visible = eng.engine_hash((scope, lora, prefix)), False
         elif held and choice < 0.6:
             parent, ((scope, lora, prefix), _, visible) = rng.choice(held)
         else:
-            parent, scope, lora, prefix, visible = None, model, rng.choice(LORAS), (), True
+            parent, scope, lora, prefix, visible = None, model, rng.choice(self.loras), (), True
         tokens, hashes = [], []
-        medium = rng.choice(MEDIA + (None,))
+        medium = rng.choice(self.media + (None,))
         for _ in range(n):
             block = tuple(rng.randrange(VOCAB) for _ in range(bs))
             prefix = prefix + block
@@ -93,7 +94,7 @@ class Fleet:
         if not ok:
             return []
         ev = self.rng.choice(ok)
-        medium = self.rng.choice(MEDIA)
+        medium = self.rng.choice(self.media)
         for h in ev.block_hashes:
             eng.blocks[h][1].add(medium)
         return [BlockStored(ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size, None, medium,
@@ -118,7 +119,7 @@ class Fleet:
         return [AllBlocksCleared()]
 
     def restart(self, pod, rank):
-        self.engines[(pod, rank)] = Engine(self.rng.randrange(3))  # a new process may hash differently
+        self.engines[(pod, rank)] = Engine(self.rng.choice(self.kinds))  # a new process may hash differently
 
     # --- the brute-force answer --------------------------------------------------------------
 
@@ -138,7 +139,7 @@ class Fleet:
                     vis = self.visible(p, r)
                     held_any = {i for i, _ in vis}
                     run = _run(ids, held_any)
-                    by_medium = {m: _run(ids, {i for i, mm in vis if mm == m}) for m in MEDIA}
+                    by_medium = {m: _run(ids, {i for i, mm in vis if mm == m}) for m in self.media}
                     options.append((run, sum(by_medium.values()), {m: n for m, n in by_medium.items() if n}))
             best = max(options, key=lambda o: o[:2], default=(0, 0, {}))
             if best[0] == 0:
@@ -158,7 +159,7 @@ class Fleet:
         if pool and rng.random() < 0.9:
             _, lora, prefix = rng.choice(pool)
         else:
-            lora, prefix = rng.choice(LORAS), ()
+            lora, prefix = rng.choice(self.loras), ()
         tokens = list(prefix) + [rng.randrange(VOCAB) for _ in range(rng.randrange(3 * bs))]
         pods = rng.sample(list(PODS) + ["ghost"], rng.randint(1, len(PODS) + 1))
         return model, lora, tokens, pods
@@ -220,6 +221,52 @@ def test_index_equals_brute_force_model(seed):
             check(ix, fleet, 20)
     check(ix, fleet, 200)
     assert ix.stats()["skipped"].get("unknown_parent_blocks", 0) > 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("shape", ["one-medium", "general"])
+def test_raw_batches_equal_brute_force_model(seed, shape):
+    """The subscriber's path: events encoded as some vLLM generation emits them, applied with
+    apply_payload (native, one pass), or decoded and applied when it declines the batch."""
+    from kvcache.wire import GENERATIONS, decode_batch, encode_batch
+    from kvcache.events import EventBatch
+
+    rng = random.Random(1000 + seed)
+    fleet = Fleet(rng, media=("GPU",), loras=(None,), hash_kinds=(0, 2)) if shape == "one-medium" else Fleet(rng)
+    ix = PrefixIndex(max_entries=10**9)
+    slots = list(fleet.engines)
+    fast = slow = 0
+    for step in range(2500):
+        pod, rank = rng.choice(slots)
+        model = fleet.model(pod)
+        x = rng.random()
+        if x < 0.45:
+            events = fleet.store(pod, rank)
+        elif x < 0.55:
+            events = fleet.duplicate(pod, rank)
+        elif x < 0.93:
+            events = fleet.remove(pod, rank)
+        elif x < 0.96:
+            events = fleet.clear(pod, rank)
+        else:
+            fleet.restart(pod, rank)
+            ix.drop(pod, rank)
+            continue
+        if rng.random() < 0.3:
+            events = events + fleet.store(pod, rank)
+        payload = encode_batch(EventBatch(1.0, tuple(events), rank), rng.choice(GENERATIONS))
+        if ix.apply_payload(pod, model, rank, payload) is not None:
+            fast += 1
+        else:
+            slow += 1
+            ix.apply(pod, model, rank, decode_batch(payload).batch.events)
+        if step % 100 == 99:
+            check(ix, fleet, 20)
+    check(ix, fleet, 200)
+    if shape == "one-medium":
+        assert fast > 10 * slow, (fast, slow)  # the clears (and the batches holding one) take the general path
+    else:
+        assert slow > 0
 
 
 @pytest.mark.parametrize("seed", range(3))

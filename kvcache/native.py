@@ -1,0 +1,12 @@
+"""The compiled module kvcache._native, or a clear error saying how to build it."""
+from __future__ import annotations
+
+try:
+    from kvcache import _native as native
+except ImportError as e:  # pragma: no cover - a source tree without `pip install`
+    raise ImportError(
+        "kvgate's compiled module kvcache._native is missing: install kvgate with a C compiler and "
+        "Python headers available (`./dev test` or `pip install -e .`; on Debian: apt-get install gcc "
+        f"python3-dev) ({e})") from e
+
+__all__ = ["native"]

@@ -1,0 +1,5 @@
+"""The one compiled module, kvcache._native (the prefix index's hot loops); everything else is
+declared in pyproject.toml."""
+from setuptools import Extension, setup
+
+setup(ext_modules=[Extension("kvcache._native", ["kvcache/_native.c"], extra_compile_args=["-O2", "-std=c11"])])
