@@ -43,6 +43,10 @@ RESERVED_HEADERS = frozenset({DESTINATION_HEADER, TARGET_POD_HEADER})
 RESERVED_PREFIX = "x-kvgate-"
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+# The answer to headers that carry nothing to remove: built once, never mutated, shared by streams.
+_HEADERS_CONTINUE = pb.ProcessingResponse(request_headers=pb.HeadersResponse(
+    response=pb.CommonResponse(header_mutation=pb.HeaderMutation())))
+_BODY_CONTINUE = pb.ProcessingResponse(request_body=pb.BodyResponse())
 
 
 @dataclass
@@ -81,6 +85,35 @@ def _immediate(err: ClientError, request_id: str) -> pb.ProcessingResponse:
         details=f"kvgate_{err.code or err.type}"))
 
 
+class _Resumed:
+    """Awaitable that continues a coroutine already run up to its first suspension (`pending` is
+    what it yielded there), exactly as `await coro` would have continued it."""
+
+    __slots__ = ("_coro", "_pending")
+
+    def __init__(self, coro, pending) -> None:
+        self._coro, self._pending = coro, pending
+
+    def __await__(self):
+        coro, value = self._coro, self._pending
+        while True:
+            try:
+                sent = yield value
+            except GeneratorExit:
+                coro.close()
+                raise
+            except BaseException as e:  # e.g. the timeout's cancellation: delivered where the coroutine waits
+                try:
+                    value = coro.throw(e)
+                except StopIteration as done:
+                    return done.value
+                continue
+            try:
+                value = coro.send(sent)
+            except StopIteration as done:
+                return done.value
+
+
 class _Stream:
     """The state of one HTTP request's ext_proc stream."""
 
@@ -98,38 +131,39 @@ class _Stream:
 
     # --- phases -----------------------------------------------------------------------
     async def on_headers(self, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
-        remove: list[str] = []
+        remove: list[str] | None = None
         for h in msg.headers.headers:
             key = h.key.lower()
-            if key == ":path":
-                self.path = _header_value(h).split("?", 1)[0]
-            elif key == ":method":
-                self.method = _header_value(h)
+            if key[:1] == ":":
+                if key == ":path":
+                    self.path = _header_value(h).split("?", 1)[0]
+                elif key == ":method":
+                    self.method = _header_value(h)
             elif key == STRATEGY_HEADER:
                 self.strategy = _header_value(h).strip() or None
             elif key == "x-request-id":
                 self.request_id = _header_value(h)
-            if key in RESERVED_HEADERS or key.startswith(RESERVED_PREFIX):
+            elif key in RESERVED_HEADERS or key.startswith(RESERVED_PREFIX):
+                if remove is None:
+                    remove = []
                 remove.append(h.key)
         if not self.request_id:
             self.request_id = uuid.uuid4().hex
-        mutation = pb.HeaderMutation(remove_headers=remove)
         if self.method == "POST" and self.path in ROUTED_POST_PATHS:
             self.kind = "chat" if self.path == CHAT else "completion"
             if msg.end_of_stream:  # no body will follow
                 return self._error(bad_request("request body is empty; expected a JSON object", code="invalid_json"))
-            return pb.ProcessingResponse(request_headers=pb.HeadersResponse(
-                response=pb.CommonResponse(header_mutation=mutation)))
+            return _continue_headers(remove)
         if self.method == "GET" and self.path == MODELS:
             self.kind = "models"
-            return await self._route_any(mutation)
-        self.gw.metrics.requests.labels("other", "passthrough").inc()
-        return pb.ProcessingResponse(request_headers=pb.HeadersResponse(
-            response=pb.CommonResponse(header_mutation=mutation)))
+            return await self._route_any(remove or [])
+        m = self.gw.metrics
+        m.child(m.requests, "other", "passthrough").inc()
+        return _continue_headers(remove)
 
     async def on_body(self, msg: pb.HttpBody) -> pb.ProcessingResponse:
         if self.kind not in ("chat", "completion"):  # a body on a pass-through path
-            return pb.ProcessingResponse(request_body=pb.BodyResponse())
+            return _BODY_CONTINUE
         started = time.perf_counter()
         request = parse_body(self.path, msg.body, self.gw.max_body_bytes)
         strategy = self.strategy or self.gw.default_strategy
@@ -167,9 +201,18 @@ class _Stream:
                 return None  # pick() answers 404 or 503
             base_url = pods[hash(self.request_id) % len(pods)].base_url
         started = time.perf_counter()
+        deadline = asyncio.get_running_loop().time() + self.gw.tokenizer_timeout_s
         try:
-            async with asyncio.timeout(self.gw.tokenizer_timeout_s):  # no extra task, unlike wait_for
-                ids = await self.gw.tokenizer.tokenize(request.model, item, base_url=base_url)
+            # Run the call up to its first wait: a cached answer comes back without one and needs no timer
+            # (a timeout only fires where the call waits). Otherwise the rest runs under the same deadline.
+            call = self.gw.tokenizer.tokenize(request.model, item, base_url=base_url)
+            try:
+                pending = call.send(None)
+            except StopIteration as done:
+                ids = done.value
+            else:
+                async with asyncio.timeout_at(deadline):  # no extra task, unlike wait_for
+                    ids = await _Resumed(call, pending)
         except (TokenizerError, asyncio.TimeoutError) as e:
             reason = "timeout" if isinstance(e, asyncio.TimeoutError) else "error"
             self.gw.metrics.tokenizer_fallbacks.labels(reason).inc()
@@ -179,7 +222,7 @@ class _Stream:
         self.gw.metrics.tokenize_seconds.observe(time.perf_counter() - started)
         return ids
 
-    async def _route_any(self, mutation: pb.HeaderMutation) -> pb.ProcessingResponse:
+    async def _route_any(self, remove: list[str]) -> pb.ProcessingResponse:
         pods = [p for p in self.gw.registry.pods() if p.ready]
         if self.gw.reachable is not None:
             # Skip engines that refuse connections: they would answer 503.
@@ -187,8 +230,9 @@ class _Stream:
         if not pods:
             return self._error(ClientError(503, "no ready pod", type_="service_unavailable", code="no_ready_pod"))
         pod = pods[hash(self.request_id) % len(pods)]
-        self.gw.metrics.requests.labels("models", "routed").inc()
-        return self._routed(pod, "any", body=False, remove=list(mutation.remove_headers))
+        m = self.gw.metrics
+        m.child(m.requests, "models", "routed").inc()
+        return self._routed(pod, "any", body=False, remove=remove)
 
     def _routed(self, pod: Pod, strategy: str, *, body: bool, remove: list[str] | None = None) -> pb.ProcessingResponse:
         endpoint = pod.endpoint
@@ -277,6 +321,13 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         """Wait for pending releases (at shutdown)."""
         if self._releases:
             await asyncio.gather(*list(self._releases), return_exceptions=True)
+
+
+def _continue_headers(remove: list[str] | None) -> pb.ProcessingResponse:
+    if not remove:
+        return _HEADERS_CONTINUE
+    return pb.ProcessingResponse(request_headers=pb.HeadersResponse(
+        response=pb.CommonResponse(header_mutation=pb.HeaderMutation(remove_headers=remove))))
 
 
 def _pass_through(which: str | None) -> pb.ProcessingResponse | None:
