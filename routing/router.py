@@ -37,6 +37,12 @@ class Router:
         self.default_strategy = default_strategy
         self._tickets = itertools.count(1)
         self._active: dict[int, str] = {}  # ticket -> pod name, until released
+        # Per strategy, fixed once built: whether it reads tokens; metric children bound on first use.
+        self._needs_tokens = {name: st.needs_tokens for name, st in self._strategies.items()}
+        self._decided: dict[str, Any] = {}
+        self._filtered: dict[str, Any] = {}
+        # In-process counts are current by construction: their refresh never waits, so pick skips it.
+        self._refresh = type(self._counts).refresh is not LocalCounts.refresh
         registry.add_listener(self._on_pods)
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -65,7 +71,10 @@ class Router:
 
     def needs_tokens(self, strategy: str | None) -> bool:
         """Whether `pick` with this strategy uses token ids (raises UnknownStrategyError)."""
-        return self._strategy(strategy).needs_tokens
+        found = self._needs_tokens.get(strategy or self.default_strategy)
+        if found is None:
+            return self._strategy(strategy).needs_tokens  # raises UnknownStrategyError
+        return found
 
     def _candidates(self, model: str) -> list[Pod]:
         serving = self._registry.serving(model)
@@ -77,30 +86,38 @@ class Router:
         if self._engines is not None:
             # An engine that refuses connections would answer 503, whatever its cached blocks or load
             # say; if every engine looks down, try them all rather than refuse.
-            reachable = [p for p in ready if not self._engines.unreachable(p.name)]
+            unreachable = self._engines.unreachable
+            reachable = [p for p in ready if not unreachable(p.name)]
             return reachable or ready
         return ready
 
     async def pick(self, request: RouteRequest) -> Decision:
         """The pod for `request`, counted as running from now until `release(decision)`."""
         strategy = self._strategy(request.strategy)
-        self._candidates(request.model)  # fail fast, before any I/O
-        await self._counts.refresh()
+        pods = self._candidates(request.model)  # fail fast, before any I/O
+        if self._refresh:
+            await self._counts.refresh()
+            pods = self._candidates(request.model)  # the pods may have changed while refresh waited
         # From here to the count increment nothing awaits: the next pick sees this one.
-        pods = self._candidates(request.model)
         base, lora = self._resolve_model(request.model, pods)
         ctx = PickContext(request=request, base_model=base, lora=lora, running=self._counts.totals())
-        pod, _ = strategy.choose(
-            ctx, pods,
-            on_error=lambda name: self._metrics.scorer_errors.labels(name).inc(),
-            on_filtered=lambda n: self._metrics.guard_excluded.labels(strategy.name).inc(n),
-        )
+        name = strategy.name
+        filtered = self._filtered.get(name)
+        if filtered is None:
+            filtered = self._filtered[name] = lambda n: self._metrics.guard_excluded.labels(name).inc(n)
+        pod, _ = strategy.choose(ctx, pods, on_error=self._scorer_failed, on_filtered=filtered)
         self._counts.add(pod.name, 1)
         ticket = next(self._tickets)
         self._active[ticket] = pod.name
-        self._metrics.decisions.labels(strategy.name).inc()
-        return Decision(pod=pod, strategy=strategy.name, matched_blocks=ctx.matched.get(pod.name, 0),
+        decided = self._decided.get(name)
+        if decided is None:
+            decided = self._decided[name] = self._metrics.decisions.labels(name)
+        decided.inc()
+        return Decision(pod=pod, strategy=name, matched_blocks=ctx.matched.get(pod.name, 0),
                         total_blocks=ctx.total_blocks, request_id=request.request_id, ticket=ticket)
+
+    def _scorer_failed(self, scorer: str) -> None:
+        self._metrics.scorer_errors.labels(scorer).inc()
 
     async def release(self, decision: Decision) -> None:
         """The request's stream ended (finished, cancelled or failed); idempotent."""
@@ -111,8 +128,9 @@ class Router:
     @staticmethod
     def _resolve_model(model: str, pods: list[Pod]) -> tuple[str, str | None]:
         """(base model, adapter or None): a name that is no pod's base model is an adapter."""
-        if any(p.model == model for p in pods):
-            return model, None
+        for p in pods:
+            if p.model == model:
+                return model, None
         return pods[0].model, model
 
     def _on_pods(self, added: list[Pod], removed: list[Pod]) -> None:
