@@ -324,3 +324,23 @@ async def test_one_connection_is_kept_alive_and_a_closed_tokenizer_refuses() -> 
     finally:
         await remote.aclose()
         await runner.cleanup()
+
+
+async def test_credentials_in_the_endpoint_url_are_sent_as_basic_auth(monkeypatch) -> None:
+    _clear_proxy_env(monkeypatch)
+    seen: list = []
+
+    async def handle(request: web.Request) -> web.Response:
+        seen.append(request.headers.get("Authorization"))
+        return web.json_response({"count": 1, "tokens": [4]})
+
+    app = web.Application()
+    app.router.add_post("/tokenize", handle)
+    runner, url = await serve(app)
+    remote = RemoteTokenizer({MODEL: url.replace("http://", "http://tok:pw@")}, options=FAST)
+    try:
+        assert await remote.tokenize(MODEL, PromptInput(text="x")) == [4]
+        assert seen == ["Basic dG9rOnB3"]  # tok:pw
+    finally:
+        await remote.aclose()
+        await runner.cleanup()
