@@ -120,7 +120,8 @@ class _Stream:
     def __init__(self, gw: Gateway, fallback_log: LogThrottle, answers: dict) -> None:
         self.gw = gw
         self.fallback_log = fallback_log
-        # Routed answers by (pod, endpoint, strategy): built once, never mutated, shared by streams.
+        # By (pod, endpoint, strategy): the routed answer (built once, never mutated, shared by streams)
+        # and its metric children.
         self.answers = answers
         self.path = ""
         self.method = ""
@@ -130,7 +131,7 @@ class _Stream:
         self.kind = "other"
 
     # --- phases -----------------------------------------------------------------------
-    async def on_headers(self, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
+    def on_headers(self, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
         remove: list[str] | None = None
         for h in msg.headers.headers:
             key = h.key.lower()
@@ -156,9 +157,8 @@ class _Stream:
             return _continue_headers(remove)
         if self.method == "GET" and self.path == MODELS:
             self.kind = "models"
-            return await self._route_any(remove or [])
-        m = self.gw.metrics
-        m.child(m.requests, "other", "passthrough").inc()
+            return self._route_any(remove or [])
+        self.gw.metrics.requests.labels("other", "passthrough").inc()
         return _continue_headers(remove)
 
     async def on_body(self, msg: pb.HttpBody) -> pb.ProcessingResponse:
@@ -171,18 +171,20 @@ class _Stream:
         self.decision = await self.gw.router.pick(RouteRequest(
             model=request.model, token_ids=token_ids, strategy=strategy, request_id=self.request_id))
         m, d = self.gw.metrics, self.decision
-        m.child(m.decision_seconds, d.strategy).observe(time.perf_counter() - started)
-        m.child(m.decisions, d.strategy, d.pod.name).inc()
-        m.child(m.requests, self.kind, "routed").inc()
-        if d.total_blocks:
-            m.child(m.prefix_blocks, "total").inc(d.total_blocks)
-            m.child(m.prefix_blocks, "cached").inc(d.matched_blocks)
         key = (d.pod.name, d.pod.endpoint, d.strategy)
-        response = self.answers.get(key)
-        if response is None:
+        routed = self.answers.get(key)
+        if routed is None:
             if len(self.answers) > 4096:  # pods churn: keep the memo bounded
                 self.answers.clear()
-            response = self.answers[key] = self._routed(d.pod, d.strategy, body=True)
+            routed = self.answers[key] = (self._routed(d.pod, d.strategy, body=True),
+                                          m.decision_seconds.labels(d.strategy), m.decisions.labels(d.strategy, d.pod.name))
+        response, seconds, decided = routed
+        seconds.observe(time.perf_counter() - started)
+        decided.inc()
+        m.requests.labels(self.kind, "routed").inc()
+        if d.total_blocks:
+            m.prefix_blocks.labels("total").inc(d.total_blocks)
+            m.prefix_blocks.labels("cached").inc(d.matched_blocks)
         return response
 
     # --- helpers ----------------------------------------------------------------------
@@ -222,7 +224,7 @@ class _Stream:
         self.gw.metrics.tokenize_seconds.observe(time.perf_counter() - started)
         return ids
 
-    async def _route_any(self, remove: list[str]) -> pb.ProcessingResponse:
+    def _route_any(self, remove: list[str]) -> pb.ProcessingResponse:
         pods = [p for p in self.gw.registry.pods() if p.ready]
         if self.gw.reachable is not None:
             # Skip engines that refuse connections: they would answer 503.
@@ -230,8 +232,7 @@ class _Stream:
         if not pods:
             return self._error(ClientError(503, "no ready pod", type_="service_unavailable", code="no_ready_pod"))
         pod = pods[hash(self.request_id) % len(pods)]
-        m = self.gw.metrics
-        m.child(m.requests, "models", "routed").inc()
+        self.gw.metrics.requests.labels("models", "routed").inc()
         return self._routed(pod, "any", body=False, remove=remove)
 
     def _routed(self, pod: Pod, strategy: str, *, body: bool, remove: list[str] | None = None) -> pb.ProcessingResponse:
@@ -284,7 +285,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 which = msg.WhichOneof("request")
                 try:
                     if which == "request_headers":
-                        response = await stream.on_headers(msg.request_headers)
+                        response = stream.on_headers(msg.request_headers)
                     elif which == "request_body":
                         response = await stream.on_body(msg.request_body)
                     else:

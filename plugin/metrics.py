@@ -1,45 +1,173 @@
-"""The gateway's own Prometheus metrics (request path), on a registry passed in."""
+"""The gateway's own Prometheus metrics (request path), on a registry passed in.
+
+The metrics updated on every request are plain numbers changed without a lock, on the
+event loop's thread (the only one that serves requests), and turned into Prometheus
+samples when scraped: a prometheus_client child takes a lock and a few checks per
+update, several times per request. They expose the same series, names and types as
+prometheus_client's Counter, Histogram and Gauge would (`_total`, `_created`, buckets).
+"""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import time
+from bisect import bisect_left
+from typing import Iterator, Sequence
+
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.samples import Sample
+from prometheus_client.utils import floatToGoString
 
 _LATENCY_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
+class _CounterChild:
+    __slots__ = ("value", "created")
+
+    def __init__(self) -> None:
+        self.value = 0.0
+        self.created = time.time()
+
+    def inc(self, amount: float = 1) -> None:
+        if amount < 0:
+            raise ValueError("counters can only be incremented by non-negative amounts")
+        self.value += amount
+
+
+class _HistogramChild:
+    __slots__ = ("bounds", "counts", "sum", "created")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # per bucket, not cumulative; the last is +Inf
+        self.sum = 0.0
+        self.created = time.time()
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1  # the first bucket whose bound is >= value
+        self.sum += value
+
+
+class _LoopMetric:
+    """A labelled metric whose children are updated from one thread without locks."""
+
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str],
+                 registry: CollectorRegistry | None) -> None:
+        self._name = name
+        self._doc = documentation
+        self._labelnames = tuple(labelnames)
+        self._children: dict[tuple[str, ...], object] = {}
+        if registry is not None:
+            registry.register(self)
+
+    def labels(self, *values: str):
+        child = self._children.get(values)
+        if child is None:
+            key = tuple(str(v) for v in values)  # only str keys are stored
+            if len(key) != len(self._labelnames):
+                raise ValueError(f"{self._name}: expected labels {self._labelnames}, got {values}")
+            child = self._children.get(key)
+            if child is None:
+                child = self._children[key] = self._new_child()
+        return child
+
+    def _new_child(self):
+        raise NotImplementedError
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(self._families([]))
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self._families(list(self._children.items())))
+
+    def _families(self, items) -> list[Metric]:
+        raise NotImplementedError
+
+
+class LoopCounter(_LoopMetric):
+    """`prometheus_client.Counter` with labels, lock-free (one updating thread)."""
+
+    def _new_child(self) -> _CounterChild:
+        return _CounterChild()
+
+    def _families(self, items) -> list[Metric]:
+        total = CounterMetricFamily(self._name, self._doc, labels=self._labelnames)
+        for values, c in items:
+            total.add_metric(values, c.value, created=c.created)
+        return [total]
+
+
+class LoopHistogram(_LoopMetric):
+    """`prometheus_client.Histogram` with labels, lock-free (one updating thread)."""
+
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str], registry: CollectorRegistry | None,
+                 buckets: Sequence[float] = _LATENCY_BUCKETS) -> None:
+        self._bounds = tuple(float(b) for b in buckets if b != float("inf"))
+        super().__init__(name, documentation, labelnames, registry)
+
+    def _new_child(self) -> _HistogramChild:
+        return _HistogramChild(self._bounds)
+
+    def _families(self, items) -> list[Metric]:
+        hist = HistogramMetricFamily(self._name, self._doc, labels=self._labelnames)
+        for values, h in items:
+            cumulative, buckets = 0.0, []
+            for bound, n in zip((*self._bounds, float("inf")), list(h.counts)):
+                cumulative += n
+                buckets.append((floatToGoString(bound), cumulative))
+            hist.add_metric(values, buckets, h.sum)
+            hist.samples.append(Sample(self._name + "_created", dict(zip(self._labelnames, values)), h.created))
+        return [hist]
+
+
+class _LoopGauge:
+    """An unlabelled gauge read from a plain number at scrape time."""
+
+    def __init__(self, name: str, documentation: str, registry: CollectorRegistry | None) -> None:
+        self._name, self._doc = name, documentation
+        self.value = 0.0
+        if registry is not None:
+            registry.register(self)
+
+    def inc(self, amount: float = 1) -> None:
+        self.value += amount
+
+    def dec(self, amount: float = 1) -> None:
+        self.value -= amount
+
+    def describe(self) -> Iterator[Metric]:
+        return iter([GaugeMetricFamily(self._name, self._doc)])
+
+    def collect(self) -> Iterator[Metric]:
+        return iter([GaugeMetricFamily(self._name, self._doc, value=self.value)])
+
+
 class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
-        self._children: dict[tuple, object] = {}
-        self.requests = Counter(
+        # Every request: lock-free, updated only from the event loop.
+        self.requests = LoopCounter(
             "kvgate_requests", "Requests seen by the ext_proc server, by path kind and outcome",
             ["kind", "outcome"], registry=registry)
-        self.decisions = Counter(
+        self.decisions = LoopCounter(
             "kvgate_routed_requests", "Requests routed, by strategy and chosen pod",
             ["strategy", "pod"], registry=registry)
+        self.decision_seconds = LoopHistogram(
+            "kvgate_routing_decision_seconds", "Time from the request body to the routing answer, by strategy",
+            ["strategy"], buckets=_LATENCY_BUCKETS, registry=registry)
+        self.tokenize_seconds = LoopHistogram(
+            "kvgate_tokenize_seconds", "Time spent tokenizing one request", [], buckets=_LATENCY_BUCKETS,
+            registry=registry).labels()
+        self.prefix_blocks = LoopCounter(
+            "kvgate_prefix_blocks", "Prompt blocks of routed requests: total, and already cached on the chosen pod",
+            ["kind"], registry=registry)
+        self.active_streams = _LoopGauge(
+            "kvgate_active_streams", "ext_proc streams open now (one per HTTP request in flight)", registry=registry)
+        self.released = LoopCounter(
+            "kvgate_requests_released", "Routed requests whose HTTP stream ended, by how it ended",
+            ["how"], registry=registry)
+        # Rare events: ordinary prometheus_client metrics.
         self.errors = Counter(
             "kvgate_request_errors", "Requests answered with an error by kvgate, by HTTP status and code",
             ["status", "code"], registry=registry)
-        self.decision_seconds = Histogram(
-            "kvgate_routing_decision_seconds", "Time from the request body to the routing answer, by strategy",
-            ["strategy"], buckets=_LATENCY_BUCKETS, registry=registry)
-        self.tokenize_seconds = Histogram(
-            "kvgate_tokenize_seconds", "Time spent tokenizing one request", buckets=_LATENCY_BUCKETS,
-            registry=registry)
         self.tokenizer_fallbacks = Counter(
             "kvgate_tokenizer_fallbacks", "Requests routed on load alone because tokenization failed, by reason",
             ["reason"], registry=registry)
-        self.prefix_blocks = Counter(
-            "kvgate_prefix_blocks", "Prompt blocks of routed requests: total, and already cached on the chosen pod",
-            ["kind"], registry=registry)
-        self.active_streams = Gauge(
-            "kvgate_active_streams", "ext_proc streams open now (one per HTTP request in flight)", registry=registry)
-        self.released = Counter(
-            "kvgate_requests_released", "Routed requests whose HTTP stream ended, by how it ended",
-            ["how"], registry=registry)
-
-    def child(self, metric, *labels: str):
-        """`metric.labels(*labels)`, memoised: labels() costs a lock and a dict lookup per call."""
-        key = (id(metric), labels)
-        found = self._children.get(key)
-        if found is None:
-            found = self._children[key] = metric.labels(*labels)
-        return found

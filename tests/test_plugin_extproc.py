@@ -200,3 +200,53 @@ async def test_models_any_ready_pod_and_passthrough():
     common = out[0].request_headers.response
     assert not common.header_mutation.set_headers and list(common.header_mutation.remove_headers) == ["target-pod"]
     assert not out[0].HasField("dynamic_metadata")
+
+
+class InstantTokenizer:
+    """Answers without ever waiting, as a cache hit does."""
+
+    async def tokenize(self, model, item, *, base_url=None):
+        return [4, 5, 6]
+
+    async def aclose(self):
+        pass
+
+
+class WaitingTokenizer:
+    """Waits on a real timer (a future) before answering, or failing, as a backend call does."""
+
+    def __init__(self, fail=False):
+        self.fail = fail
+
+    async def tokenize(self, model, item, *, base_url=None):
+        await asyncio.sleep(0.01)
+        await asyncio.sleep(0)
+        if self.fail:
+            raise TokenizerError("refused")
+        return [7, 8]
+
+    async def aclose(self):
+        pass
+
+
+@pytest.mark.parametrize("tok, ids, fallbacks", [
+    (InstantTokenizer(), [4, 5, 6], 0),
+    (WaitingTokenizer(), [7, 8], 0),
+    (WaitingTokenizer(fail=True), None, 1),
+])
+async def test_tokenizer_answers_with_and_without_waiting(tok, ids, fallbacks):
+    router = FakeRouter()
+    gw = gateway(router, tok, timeout=1.0)
+    out = await run_stream(gw, [headers("POST", "/v1/completions"), body({"model": "m", "prompt": "x"})])
+    assert out[-1].HasField("request_body")
+    assert router.picks[0].token_ids == ids
+    assert sum(s.value for m in gw.metrics.tokenizer_fallbacks.collect() for s in m.samples
+               if s.name.endswith("_total")) == fallbacks
+    assert gw.metrics.tokenize_seconds.sum >= (0.01 if isinstance(tok, WaitingTokenizer) and ids else 0)
+
+
+async def test_pass_through_headers_without_reserved_ones_share_one_answer():
+    gw = gateway()
+    a = await run_stream(gw, [headers("GET", "/health", eos=True)])
+    assert a[0].request_headers.response.header_mutation == pb.HeaderMutation()
+    assert gw.metrics.requests.labels("other", "passthrough").value == 1
