@@ -44,8 +44,7 @@ RESERVED_PREFIX = "x-kvgate-"
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 # The answer to headers that carry nothing to remove: built once, never mutated, shared by streams.
-_HEADERS_CONTINUE = pb.ProcessingResponse(request_headers=pb.HeadersResponse(
-    response=pb.CommonResponse(header_mutation=pb.HeaderMutation())))
+_HEADERS_CONTINUE = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
 _BODY_CONTINUE = pb.ProcessingResponse(request_body=pb.BodyResponse())
 
 
