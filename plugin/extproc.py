@@ -13,6 +13,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
+from types import CoroutineType
 from typing import AsyncIterator, Callable
 
 from envoy.config.core.v3 import base_pb2
@@ -207,13 +208,17 @@ class _Stream:
             # Run the call up to its first wait: a cached answer comes back without one and needs no timer
             # (a timeout only fires where the call waits). Otherwise the rest runs under the same deadline.
             call = self.gw.tokenizer.tokenize(request.model, item, base_url=base_url)
-            try:
-                pending = call.send(None)
-            except StopIteration as done:
-                ids = done.value
+            if type(call) is not CoroutineType:  # some other awaitable: awaited whole, under the deadline
+                async with asyncio.timeout_at(deadline):
+                    ids = await call
             else:
-                async with asyncio.timeout_at(deadline):  # no extra task, unlike wait_for
-                    ids = await _Resumed(call, pending)
+                try:
+                    pending = call.send(None)
+                except StopIteration as done:
+                    ids = done.value
+                else:
+                    async with asyncio.timeout_at(deadline):  # no extra task, unlike wait_for
+                        ids = await _Resumed(call, pending)
         except (TokenizerError, asyncio.TimeoutError) as e:
             reason = "timeout" if isinstance(e, asyncio.TimeoutError) else "error"
             self.gw.metrics.tokenizer_fallbacks.labels(reason).inc()

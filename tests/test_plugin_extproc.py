@@ -250,3 +250,22 @@ async def test_pass_through_headers_without_reserved_ones_share_one_answer():
     a = await run_stream(gw, [headers("GET", "/health", eos=True)])
     assert a[0].request_headers.response.header_mutation == pb.HeaderMutation()
     assert gw.metrics.requests.labels("other", "passthrough").value == 1
+
+
+class FutureTokenizer:
+    """`tokenize` returns an awaitable that is not a coroutine (a future resolved a little later)."""
+
+    def tokenize(self, model, item, *, base_url=None):
+        fut = asyncio.get_running_loop().create_future()
+        asyncio.get_running_loop().call_later(0.01, fut.set_result, [9])
+        return fut
+
+    async def aclose(self):
+        pass
+
+
+async def test_tokenizer_returning_another_awaitable_is_awaited():
+    router = FakeRouter()
+    await run_stream(gateway(router, FutureTokenizer()), [headers("POST", "/v1/completions"),
+                                                          body({"model": "m", "prompt": "x"})])
+    assert router.picks[0].token_ids == [9]
