@@ -200,6 +200,8 @@ class PrefixIndex:
             self._rebase_stamps()
         self._applies += 1
         if cleared or not self._applies & 63:  # the sweep's check sums every table: not on every batch
+            for medium in [m for m, t in self._held.items() if not t.live]:
+                del self._held[medium]  # a medium nobody holds blocks in (any name an engine sent)
             self._maybe_sweep_engine_hashes()
 
     def drop(self, pod: str, rank: int) -> None:

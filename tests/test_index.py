@@ -265,3 +265,17 @@ def test_engine_hashes_stay_bounded_over_store_and_clear_cycles():
     assert max(seen) <= 4096 + per_cycle + 2 * 10  # the sweep bound: twice the live keys + 4096
     assert seen[-1] < seen[-2] or seen[-1] <= 4096 + 2 * 10
     assert ix.match("m", None, list(tokens), ["a", "b"])["b"].blocks == 10
+
+
+def test_medium_tables_of_any_name_do_not_accumulate():
+    """An engine that sends a new medium name per block leaves no empty tables behind."""
+    ix = PrefixIndex()
+    for i in range(300):
+        ix.apply("a", "m", 0, [stored([i], TOKENS[:BS], medium=f"medium-{i}")])
+        ix.apply("a", "m", 0, [BlockRemoved((i,), f"medium-{i}")])
+    ix.apply("a", "m", 0, [stored([1000], TOKENS[:BS], medium="GPU")])
+    assert len(ix.stats()["keys_by_medium"]) <= 64  # emptied tables go at the periodic sweep
+    for _ in range(64):
+        ix.apply("a", "m", 0, [])
+    assert ix.stats()["keys_by_medium"] == {"GPU": 1}
+    assert ix.match("m", None, TOKENS, ["a"])["a"].blocks == 1
