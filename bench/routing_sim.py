@@ -30,6 +30,7 @@ is the hit-rate bound no router can exceed.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import heapq
 import math
 import random
@@ -181,11 +182,13 @@ async def _run(workload: Workload, policy: Policy, seed: int, strategy_config: S
     index = PrefixIndex()
     oracle = _Oracle(engines, cfg) if policy.strategy == ORACLE else None
     routers: list[Router] = []
+    clock = [0.0]  # virtual now, for the strategies' time-based estimates (kv-sync's prefill backlog)
+    config = dataclasses.replace(strategy_config or StrategyConfig(), clock=lambda: clock[0])
     if oracle is None:
         pods = [Pod(name=n, address="127.0.0.1", port=8000 + i, model=MODEL) for i, n in enumerate(names)]
         registry, counts = PodRegistry(pods), LocalCounts()
         routers = [Router(registry, default_strategy=policy.strategy, counts=counts, index=index,
-                          config=strategy_config, seed=seed if g == 0 else seed * 1000 + g)
+                          config=config, seed=seed if g == 0 else seed * 1000 + g)
                    for g in range(policy.gateways)]
     feed_index = policy.strategy == "kv-sync"
     loss_rng = random.Random(f"loss:{seed}")
@@ -237,6 +240,7 @@ async def _run(workload: Workload, policy: Policy, seed: int, strategy_config: S
         t = min(ta, te, td)
         if t == math.inf:
             break
+        clock[0] = t
         if te <= t:
             for pod in names:
                 if next_t[pod] <= t:

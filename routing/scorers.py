@@ -1,7 +1,8 @@
 """The scorers: each gives every candidate pod 0..1, higher is better."""
 from __future__ import annotations
 
-from typing import Mapping, Protocol, Sequence
+import time
+from typing import Callable, Mapping, Protocol, Sequence
 
 from routing.approx import ApproxPrefixTable
 from routing.engine_metrics import EngineMetrics
@@ -50,19 +51,61 @@ class LoadScorer:
         return None
 
 
+class PrefillBacklog:
+    """Per pod, the prefill work (prompt tokens not served from cache) this gateway sent and the
+    engine has probably not done yet: each pick adds its uncached tokens, and the pile drains at
+    `tokens_per_s` (an engine prefills one prompt after another). An estimate: it knows only this
+    gateway's picks and a nominal prefill speed."""
+
+    def __init__(self, tokens_per_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        if not tokens_per_s > 0:
+            raise ValueError("tokens_per_s must be positive")
+        self._rate = tokens_per_s
+        self._clock = clock
+        self._piles: dict[str, tuple[float, float]] = {}  # pod -> (tokens, as of time)
+
+    def now(self) -> float:
+        return self._clock()
+
+    def get(self, pod: str, now: float | None = None) -> float:
+        entry = self._piles.get(pod)
+        if entry is None:
+            return 0.0
+        tokens, at = entry
+        now = self._clock() if now is None else now
+        return max(0.0, tokens - (now - at) * self._rate)
+
+    def add(self, pod: str, tokens: float) -> None:
+        now = self._clock()
+        left = self.get(pod, now)
+        if left + tokens > 0:
+            self._piles[pod] = (left + tokens, now)
+        else:
+            self._piles.pop(pod, None)
+
+
 class PrecisePrefixScorer:
-    """Leading prompt blocks a pod holds per the event-fed index, over the prompt's blocks;
-    blocks on slower media weigh less (GPU 1.0, CPU 0.8 by default)."""
+    """Estimated time to first token, in prompt tokens to prefill: this request's tokens the pod
+    does not hold per the event-fed index (blocks on slower media count partly uncached: GPU 1.0,
+    CPU 0.8 by default) plus the pod's prefill backlog (PrefillBacklog, when given). Uncached tokens
+    count `uncached_weight` (2) times: this request waits for them, and so does whatever queues
+    behind them on that pod. The cheapest pod scores 1; the others fall linearly with their extra
+    cost, a whole prompt's worth (or the spread, if larger) giving 0. Without a backlog this is
+    the matched share of the prompt."""
 
     name = "prefix"
     needs_tokens = True
 
     def __init__(self, index: PrefixSource, medium_weights: Mapping[str, float] | None = None,
-                 other_medium_weight: float = 0.8) -> None:
+                 other_medium_weight: float = 0.8, backlog: PrefillBacklog | None = None,
+                 uncached_weight: float = 2.0) -> None:
         self._index = index
         weights = {m.upper(): w for m, w in (medium_weights or {"GPU": 1.0, "CPU": 0.8}).items()}
         self._ranked = sorted(weights.items(), key=lambda kv: -kv[1])
         self._floor = min([other_medium_weight, *weights.values()])
+        self.backlog = backlog
+        self._uncached_weight = uncached_weight
+        self._pending: tuple[int, dict[str, float]] | None = None
 
     def weighted_blocks(self, blocks: int, by_medium: Mapping[str, int]) -> float:
         # Credit blocks to the best medium holding them first; what is left counts at the lowest weight.
@@ -77,24 +120,42 @@ class PrecisePrefixScorer:
                 covered += n
         return score + (blocks - covered) * self._floor
 
+    def _block_size(self, model: str, n_tokens: int, total_blocks: int) -> int:
+        size = getattr(self._index, "block_size", None)
+        bs = size(model) if callable(size) else None
+        return bs if bs else max(1, n_tokens // max(total_blocks, 1))
+
     def score(self, ctx: PickContext, pods: Sequence[Pod]) -> dict[str, float]:
+        self._pending = None
         tokens = ctx.request.token_ids
         if not tokens:
             return {}
         matches = self._index.match(ctx.base_model, ctx.lora, tokens, [p.name for p in pods])
-        out: dict[str, float] = {}
+        total = max((m.total_blocks for m in matches.values()), default=0)
+        if total <= 0:
+            return {}
+        bs = self._block_size(ctx.base_model, len(tokens), total)
+        uncached: dict[str, float] = {}
         for p in pods:
             m = matches.get(p.name)
             if m is None:
                 continue
-            ctx.total_blocks = max(ctx.total_blocks, m.total_blocks)
             ctx.matched[p.name] = m.blocks
-            if m.total_blocks > 0:
-                out[p.name] = self.weighted_blocks(m.blocks, m.by_medium or {}) / m.total_blocks
-        return out
+            uncached[p.name] = max(0.0, len(tokens) - self.weighted_blocks(m.blocks, m.by_medium or {}) * bs)
+        ctx.total_blocks = max(ctx.total_blocks, total)
+        self._pending = (id(ctx), uncached)
+        if self.backlog is None:
+            return {name: 1.0 - u / len(tokens) for name, u in uncached.items()}
+        now = self.backlog.now()
+        k = self._uncached_weight
+        return _relative({name: k * u + self.backlog.get(name, now) for name, u in uncached.items()},
+                         k * len(tokens))
 
     def picked(self, ctx: PickContext, pod: Pod) -> None:
-        return None
+        pending, self._pending = self._pending, None
+        # score() and picked() run back to back, no await between them
+        if self.backlog is not None and pending is not None and pending[0] == id(ctx):
+            self.backlog.add(pod.name, pending[1].get(pod.name, 0.0))
 
 
 class ApproxPrefixScorer:

@@ -105,17 +105,32 @@ class RoundRobinPicker:
 
 @dataclass(frozen=True, slots=True)
 class LoadGuard:
-    """Imbalance rule: a pod running `max(abs_slack, rel_slack * least)` or more requests beyond
-    the least-loaded candidate is set aside, whatever its cache holds."""
+    """Imbalance rule, whatever a pod's cache holds: a pod is set aside when it runs `slack(m)` or
+    more requests beyond `m`, the mean over the other candidates, or twice `slack(least)` beyond the
+    least loaded candidate; `slack(x) = max(abs_slack, rel_slack * x)`. With two pods both read
+    "slack beyond the other one". With more, the mean keeps one idle or just-added pod from making
+    every warm pod look overloaded (forcing cache misses far below any engine's batch limit), and
+    the looser second rule still puts an idle pod to work before the others run away from it."""
 
     abs_slack: int = 16
     rel_slack: float = 0.5
     name: str = "load-guard"
 
+    def _slack(self, ref: float) -> float:
+        return max(self.abs_slack, self.rel_slack * ref)
+
     def filter(self, ctx: PickContext, pods: Sequence[Pod]) -> list[Pod]:
-        least = min(ctx.running.get(p.name, 0) for p in pods)
-        slack = max(self.abs_slack, self.rel_slack * least)
-        return [p for p in pods if ctx.running.get(p.name, 0) - least < slack]
+        loads = [ctx.running.get(p.name, 0) for p in pods]
+        if len(loads) < 2:
+            return list(pods)
+        total, others_n, least = sum(loads), len(loads) - 1, min(loads)
+        far = least + 2 * self._slack(least)
+        kept = []
+        for p, load in zip(pods, loads):
+            others = (total - load) / others_n
+            if load - others < self._slack(others) and load < far:
+                kept.append(p)
+        return kept
 
 
 # ---- strategies ----------------------------------------------------------------------------

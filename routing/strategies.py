@@ -4,7 +4,8 @@
   round-robin    ready pods in turn
   least-request  fewest running requests over every gateway (ties at random)
   prefix-cache   load guard; 3 x router-side prefix guess + 2 x load        (no events)
-  kv-sync        load guard; 3 x event-fed prefix (GPU 1.0, CPU 0.8) + 2 x load
+  kv-sync        load guard; 3 x estimated prefill wait + 2 x load: the event-fed index's
+                 uncached prompt tokens per pod (GPU 1.0, CPU 0.8) plus the pod's prefill backlog
 
 Engine-metric scorers (`queue`, `kv-util`) join a strategy through its weights, e.g.
 `kv-sync:prefix=3,load=2,queue=1,kv-util=1` (see parse_weights).
@@ -12,13 +13,14 @@ Engine-metric scorers (`queue`, `kv-util`) join a strategy through its weights, 
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Callable, Mapping
 
 from routing.approx import ApproxPrefixTable
 from routing.engine_metrics import EngineMetrics
 from routing.scorers import (ApproxPrefixScorer, KVUtilizationScorer, LoadScorer, PrecisePrefixScorer,
-                             PrefixSource, QueueScorer)
+                             PrefillBacklog, PrefixSource, QueueScorer)
 from routing.scoring import LoadGuard, MaxScorePicker, RandomPicker, RoundRobinPicker, Scorer, Strategy
 
 NAMES = ("random", "round-robin", "least-request", "prefix-cache", "kv-sync")
@@ -34,13 +36,17 @@ DEFAULT_WEIGHTS: dict[str, dict[str, float]] = {
 
 @dataclass(frozen=True)
 class StrategyConfig:
-    guard_abs_slack: int = 16  # KVGATE_ROUTING_GUARD_SLACK (16: bench routing, W1 p90 28.7 -> 18.7 ms)
+    guard_abs_slack: int = 16  # KVGATE_ROUTING_GUARD_SLACK
     guard_rel_slack: float = 0.5  # KVGATE_ROUTING_GUARD_RATIO
     load_scale: float = 8.0  # running-count gap that costs a full load point
     approx_block_size: int = 16  # KVGATE_PREFIX_CACHE_BLOCK_SIZE
     approx_capacity: int = 200_000  # KVGATE_PREFIX_CACHE_BLOCKS
     medium_weights: Mapping[str, float] = field(default_factory=lambda: {"GPU": 1.0, "CPU": 0.8})
     weights: Mapping[str, Mapping[str, float]] = field(default_factory=dict)  # KVGATE_ROUTING_WEIGHTS
+    # kv-sync's prefill backlog estimate drains at this nominal engine prefill speed, tokens/s (the
+    # `kvgate sim` engine's; bench routing gave the same W1/W2 results with half or twice the rate)
+    prefill_tokens_per_s: float = 10_000.0
+    clock: Callable[[], float] = time.monotonic  # the backlog's clock (the routing benchmark's is virtual)
 
 
 def parse_weights(text: str, source: str = "KVGATE_ROUTING_WEIGHTS") -> dict[str, dict[str, float]]:
@@ -83,7 +89,8 @@ def build_strategies(config: StrategyConfig, rng: random.Random, *, index: Prefi
         if name == "prefix":
             if index is None:
                 raise ValueError(f"{strategy}: scorer 'prefix' needs the prefix index")
-            return PrecisePrefixScorer(index, config.medium_weights)
+            return PrecisePrefixScorer(index, config.medium_weights,
+                                       backlog=PrefillBacklog(config.prefill_tokens_per_s, config.clock))
         if engines is None:
             raise ValueError(f"{strategy}: scorer {name!r} needs engine metrics scraping (interval > 0)")
         return QueueScorer(engines) if name == "queue" else KVUtilizationScorer(engines)
