@@ -114,6 +114,11 @@ class _Resumed:
                 return done.value
 
 
+async def _finish(coro, pending):
+    """The rest of a coroutine run up to its first suspension, as a task's coroutine."""
+    return await _Resumed(coro, pending)
+
+
 class _Stream:
     """The state of one HTTP request's ext_proc stream."""
 
@@ -307,11 +312,15 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         finally:
             self.gw.metrics.active_streams.dec()
             if stream.decision is not None:
-                if how == "completed":
-                    await self._release(stream.decision, how)
+                # No await here (a cancelled stream must not wait): the release runs now if it needs no wait
+                # (the router's own counts), else it finishes in a task of its own.
+                release = self._release(stream.decision, how)
+                try:
+                    pending = release.send(None)
+                except StopIteration:
+                    pass
                 else:
-                    # A cancelled stream must not await: release in a task of its own.
-                    task = asyncio.get_running_loop().create_task(self._release(stream.decision, how))
+                    task = asyncio.get_running_loop().create_task(_finish(release, pending))
                     self._releases.add(task)
                     task.add_done_callback(self._releases.discard)
 

@@ -269,3 +269,19 @@ async def test_tokenizer_returning_another_awaitable_is_awaited():
     await run_stream(gateway(router, FutureTokenizer()), [headers("POST", "/v1/completions"),
                                                           body({"model": "m", "prompt": "x"})])
     assert router.picks[0].token_ids == [9]
+
+
+class SlowReleaseRouter(FakeRouter):
+    """A router whose release waits (as one sharing counts over the network might)."""
+
+    async def release(self, d):
+        await asyncio.sleep(0.01)
+        self.running -= 1
+
+
+@pytest.mark.parametrize("router", [FakeRouter(), SlowReleaseRouter()])
+async def test_count_released_when_the_stream_ends_whether_or_not_release_waits(router):
+    gw = gateway(router, FakeTokenizer())
+    await run_stream(gw, [headers("POST", "/v1/completions"), body({"model": "m", "prompt": "x"})])
+    assert router.running == 0
+    assert gw.metrics.released.labels("completed").value == 1
