@@ -170,6 +170,34 @@ def engine_config(workload: Workload) -> EngineConfig:
                         max_num_seqs=workload.shape.max_num_seqs)
 
 
+def ttft_floor(workload: Workload) -> np.ndarray:
+    """Per request, a TTFT no router can beat on these engines: overhead + prefill of the prompt
+    tokens past the longest block-aligned prefix it shares with any earlier request (at most
+    `len - 1` tokens, vLLM's rule), as if every block ever computed stayed cached everywhere and
+    no request ever waited. (Both workloads' prompts never contain earlier outputs, so prompt
+    blocks are all a cache could hold for them.) Its percentiles bound every policy's: with
+    TTFT >= floor request by request, each order statistic is >= the floor's."""
+    cfg = engine_config(workload)
+    bs = cfg.block_size
+    seen: set[int] = set()
+    out = []
+    for r in sorted(workload.requests, key=lambda r: r.arrival):
+        tokens, n = r.token_ids, len(r.token_ids)
+        keys = []
+        k = 0
+        for i in range(n // bs):
+            k = hash((k, tokens[i * bs:(i + 1) * bs]))
+            keys.append(k)
+        hit = 0
+        for key in keys[:(n - 1) // bs]:
+            if key not in seen:
+                break
+            hit += 1
+        out.append(cfg.ttft_overhead_s + cfg.prefill_s_per_token * (n - hit * bs))
+        seen.update(keys)
+    return np.array(out)
+
+
 def run(workload: Workload, policy: Policy, seed: int, strategy_config: StrategyConfig | None = None) -> RunResult:
     """Simulate `workload` routed by `policy`; deterministic in (workload, policy, seed)."""
     return asyncio.run(_run(workload, policy, seed, strategy_config))

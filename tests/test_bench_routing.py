@@ -5,13 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 
+import numpy as np
 import pytest
 
 from routing.strategies import StrategyConfig
 
 from bench import routing as bench
 from bench import routing_workloads as workloads
-from bench.routing_sim import ORACLE, Policy, run
+from bench.routing_sim import ORACLE, Policy, run, ttft_floor
+from sim.engine import EngineConfig
 
 TINY = workloads.Shape(name="T", groups=6, prompts_per_group=3, context_tokens=96, question_tokens=40,
                        output_tokens=20, pods=3, capacity_ratio=0.73, peak_load=0.2, ramp=(0.3, 1.0),
@@ -67,9 +69,12 @@ def test_lost_batches_never_reach_the_index(tiny):
 
 
 def test_no_policy_beats_the_compulsory_miss_bound(tiny):
+    floor = ttft_floor(tiny)
+    assert len(floor) == len(tiny.requests) and floor.min() > 0
     for p in bench.policies():
         r = run(tiny, p, seed=2)
         assert r.hit_rate <= tiny.compulsory_hit_rate + 1e-9, p.name
+        assert r.ttft_p90_s >= np.percentile(floor, 90) - 1e-12, p.name
         assert r.max_over_mean_running >= 1.0
         assert 0 < r.ttft_p50_s <= r.ttft_p90_s
 
@@ -134,3 +139,28 @@ def test_oracle_mirror_equals_the_engine_cache(tiny):
     last = tiny.requests[-1].token_ids  # released last, so not evicted
     assert mirror.hit_tokens(last)["p"] == (len(last) - 1) // workloads.BLOCK_SIZE * workloads.BLOCK_SIZE
     assert mirror.hit_tokens(tuple(range(5, 200)))["p"] == 0
+
+
+def test_ttft_floor_counts_only_prefixes_seen_before():
+    a = tuple(range(1000, 1040))  # 2 full blocks + 8 tokens
+    b = a[:16] + tuple(range(5000, 5024))  # shares a's first block
+    reqs = tuple(workloads.Request(f"r{i}", t, toks, 4) for i, (t, toks) in enumerate([(0.0, a), (1.0, a), (2.0, b)]))
+    wl = workloads.Workload(shape=TINY, seed=0, requests=reqs, working_set_blocks=4, blocks_per_pod=64,
+                            compulsory_hit_rate=0.0)
+    c = EngineConfig()
+    want = [c.ttft_overhead_s + c.prefill_s_per_token * n for n in (40, 40 - 32, 40 - 16)]
+    assert ttft_floor(wl) == pytest.approx(want)
+    # a prompt of exactly 2 blocks repeated: its last block is recomputed (the last token always is)
+    reqs = tuple(workloads.Request(f"r{i}", float(i), a[:32], 4) for i in range(2))
+    wl = workloads.Workload(shape=TINY, seed=0, requests=reqs, working_set_blocks=2, blocks_per_pod=64,
+                            compulsory_hit_rate=0.0)
+    assert ttft_floor(wl)[1] == pytest.approx(c.ttft_overhead_s + c.prefill_s_per_token * 16)
+
+
+def test_ratio_targets_report_what_any_router_could_attain():
+    pol = {name: {"ttft_p90_s": v, "hit_rate": 0.9} for name, v in
+           (("random", 2.0), ("prefix-cache", 0.03), ("kv-sync", 0.02), ("kv-sync@delay500ms+loss1%", 0.025))}
+    t = bench.targets({"workloads": {"W1": {"policies": pol, "ttft_p90_floor_s": 0.015}}})
+    pc = t["W1: TTFT p90 prefix-cache / kv-sync >= 3"]
+    assert pc == {"value": 1.5, "met": False, "attainable": 2.0}
+    assert t["W1: TTFT p90 random / kv-sync >= 20"]["met"] is True
