@@ -26,7 +26,7 @@ KVGATE_ROUTING_GUARD_SLACK, KVGATE_ROUTING_GUARD_RATIO and KVGATE_ROUTING_WEIGHT
 
 Metrics per run, then the mean over seeds:
 - hit_rate: prompt tokens served from the engines' prefix caches / prompt tokens;
-- ttft_p50_s, ttft_p90_s: simulated time to first token over every request;
+- ttft_p50_s, ttft_p90_s, ttft_p99_s, ttft_mean_s: simulated time to first token over every request;
 - throughput_tok_s: output tokens / virtual time from the first arrival to the last finish;
 - max_over_mean_running: at each arrival (after the pick), max over pods of requests routed
   there and not finished / their mean over pods, averaged over arrivals.
@@ -51,7 +51,8 @@ import numpy as np
 from bench.routing_sim import ORACLE, Policy, RunResult, run, ttft_floor
 from routing.strategies import StrategyConfig, parse_weights
 
-METRICS = ("hit_rate", "ttft_p50_s", "ttft_p90_s", "throughput_tok_s", "max_over_mean_running")
+METRICS = ("hit_rate", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "ttft_mean_s", "throughput_tok_s",
+           "max_over_mean_running")
 DEFAULT_PLOT = "docs/bench-routing.png"
 
 
@@ -192,9 +193,11 @@ def format_table(report: dict) -> str:
                      f"{w['shape']['output_tokens']} out; {w['requests_per_seed']} requests/seed, {w['seeds']} seed(s); "
                      f"{w['blocks_per_pod']} blocks/pod; compulsory-miss hit-rate bound {w['compulsory_hit_rate']:.3f}; "
                      f"TTFT p90 floor {w['ttft_p90_floor_s']:.4f} s")
-        lines.append(f"  {'policy':28}{'hit rate':>9}{'TTFT p50 s':>12}{'TTFT p90 s':>12}{'out tok/s':>11}{'max/mean run':>14}")
+        lines.append(f"  {'policy':28}{'hit rate':>9}{'TTFT p50 s':>12}{'TTFT p90 s':>12}{'TTFT p99 s':>12}"
+                     f"{'TTFT mean s':>13}{'out tok/s':>11}{'max/mean run':>14}")
         for name, m in w["policies"].items():
             lines.append(f"  {name:28}{m['hit_rate']:>9.3f}{m['ttft_p50_s']:>12.4f}{m['ttft_p90_s']:>12.4f}"
+                         f"{m['ttft_p99_s']:>12.4f}{m['ttft_mean_s']:>13.4f}"
                          f"{m['throughput_tok_s']:>11.0f}{m['max_over_mean_running']:>14.2f}")
         lines.append("")
     for name, t in report.get("targets", {}).items():

@@ -79,6 +79,8 @@ class RunResult:
     throughput_tok_s: float
     max_over_mean_running: float
     requests: int
+    ttft_mean_s: float = 0.0
+    ttft_p99_s: float = 0.0
     batches_published: int = 0
     batches_decoded: int = 0
     batches_lost: int = 0
@@ -321,6 +323,7 @@ def _result(workload: Workload, policy: Policy, seed: int, engines: dict[str, En
         policy=policy.name, seed=seed,
         hit_rate=sum(m.prefix_cache_hits for m in ms) / queries if queries else 0.0,
         ttft_p50_s=float(np.percentile(ttft, 50)), ttft_p90_s=float(np.percentile(ttft, 90)),
+        ttft_mean_s=float(ttft.mean()), ttft_p99_s=float(np.percentile(ttft, 99)),
         throughput_tok_s=out_tokens / (end - start) if end > start else 0.0,
         max_over_mean_running=float(np.mean(ratios)) if ratios else 0.0,
         requests=len(completions), batches_published=published, batches_decoded=decoded, batches_lost=lost,
