@@ -100,6 +100,7 @@ class App:
         strategy_config = StrategyConfig(guard_abs_slack=s.routing_guard_slack, guard_rel_slack=s.routing_guard_ratio,
                                          approx_block_size=s.prefix_cache_block_size,
                                          approx_capacity=s.prefix_cache_blocks,
+                                         prefill_tokens_per_s=s.routing_prefill_tokens_per_s,
                                          weights=parse_weights(s.routing_weights))
         self.router = Router(self.pods, default_strategy=s.routing_strategy, counts=counts, index=self.index,
                              engines=self.engines, config=strategy_config, metrics=self.routing_metrics)
