@@ -66,6 +66,59 @@ static inline int token_bits(PyObject *o, uint64_t *out) {
     return -1;
 }
 
+/* Token ids from a list or tuple of ints, or from a one-dimensional integer buffer (array.array,
+ * numpy): the buffer path reads the ids without a Python int per token. */
+typedef struct {
+    PyObject *seq;
+    PyObject **items;
+    Py_buffer view;
+    int is_buf, is_signed, itemsize;
+    Py_ssize_t n;
+} Tokens;
+
+static int tokens_open(PyObject *o, Tokens *t) {
+    memset(t, 0, sizeof *t);
+    if (!PyList_Check(o) && !PyTuple_Check(o) && PyObject_CheckBuffer(o)) {
+        if (PyObject_GetBuffer(o, &t->view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) return -1;
+        const char *f = t->view.format ? t->view.format : "B";
+        if (*f == '@' || *f == '=' || *f == '<') f++;
+        int ok = t->view.ndim <= 1 && f[0] && !f[1] && strchr("bBhHiIlLqQ", f[0]) &&
+                 (t->view.itemsize == 1 || t->view.itemsize == 2 || t->view.itemsize == 4 || t->view.itemsize == 8);
+        if (!ok) {
+            PyErr_Format(PyExc_TypeError, "token ids buffer must hold integers, got format %.20s", t->view.format);
+            PyBuffer_Release(&t->view);
+            return -1;
+        }
+        t->is_buf = 1;
+        t->is_signed = f[0] >= 'a';
+        t->itemsize = (int)t->view.itemsize;
+        t->n = t->view.len / t->view.itemsize;
+        return 0;
+    }
+    t->seq = PySequence_Fast(o, "token_ids must be a sequence");
+    if (!t->seq) return -1;
+    t->items = PySequence_Fast_ITEMS(t->seq);
+    t->n = PySequence_Fast_GET_SIZE(t->seq);
+    return 0;
+}
+
+static inline int tokens_get(const Tokens *t, Py_ssize_t i, uint64_t *out) {
+    if (!t->is_buf) return token_bits(t->items[i], out);
+    const char *p = (const char *)t->view.buf + i * t->itemsize;
+    switch (t->itemsize) {
+    case 1: *out = t->is_signed ? (uint64_t)(int64_t)*(const int8_t *)p : *(const uint8_t *)p; break;
+    case 2: *out = t->is_signed ? (uint64_t)(int64_t)*(const int16_t *)p : *(const uint16_t *)p; break;
+    case 4: *out = t->is_signed ? (uint64_t)(int64_t)*(const int32_t *)p : *(const uint32_t *)p; break;
+    default: *out = *(const uint64_t *)p; break;
+    }
+    return 0;
+}
+
+static void tokens_close(Tokens *t) {
+    if (t->is_buf) PyBuffer_Release(&t->view);
+    Py_XDECREF(t->seq);
+}
+
 /* chain_keys(parent: int, token_ids: Sequence[int], block_size: int) -> bytes
  * The keys (native uint64) of every full block of token_ids under the block keyed parent. */
 static PyObject *py_chain_keys(PyObject *self, PyObject *args) {
@@ -77,13 +130,12 @@ static PyObject *py_chain_keys(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "block_size must be positive, got %zd", bs);
         return NULL;
     }
-    PyObject *seq = PySequence_Fast(tokens, "token_ids must be a sequence");
-    if (!seq) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq) / bs;
-    PyObject **items = PySequence_Fast_ITEMS(seq);
+    Tokens tk;
+    if (tokens_open(tokens, &tk) < 0) return NULL;
+    Py_ssize_t n = tk.n / bs;
     PyObject *out = PyBytes_FromStringAndSize(NULL, n * 8);
     if (!out) {
-        Py_DECREF(seq);
+        tokens_close(&tk);
         return NULL;
     }
     uint64_t *keys = (uint64_t *)PyBytes_AS_STRING(out);
@@ -91,8 +143,8 @@ static PyObject *py_chain_keys(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < n; i++) {
         uint64_t h = block_hash_init((uint64_t)bs), t;
         for (Py_ssize_t j = 0; j < bs; j++) {
-            if (token_bits(items[i * bs + j], &t) < 0) {
-                Py_DECREF(seq);
+            if (tokens_get(&tk, i * bs + j, &t) < 0) {
+                tokens_close(&tk);
                 Py_DECREF(out);
                 return NULL;
             }
@@ -101,7 +153,7 @@ static PyObject *py_chain_keys(PyObject *self, PyObject *args) {
         k = chain(k, block_hash_final(h));
         keys[i] = k;
     }
-    Py_DECREF(seq);
+    tokens_close(&tk);
     return out;
 }
 
@@ -894,16 +946,17 @@ static PyObject *py_match_runs(PyObject *self, PyObject *args) {
         PyBuffer_Release(&tm);
         return NULL;
     }
-    PyObject *out = NULL, *seq = NULL;
+    PyObject *out = NULL;
+    Tokens toks;
+    int toks_open = 0;
     Py_ssize_t *slots = NULL;
     if (tk.len != tm.len || ts.len * 2 != tk.len) {
         PyErr_SetString(PyExc_ValueError, "match_runs: table arrays of mismatched sizes");
         goto done;
     }
-    seq = PySequence_Fast(tokens, "token_ids must be a sequence");
-    if (!seq) goto done;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq) / bs;
-    PyObject **items = PySequence_Fast_ITEMS(seq);
+    if (tokens_open(tokens, &toks) < 0) goto done;
+    toks_open = 1;
+    Py_ssize_t n = toks.n / bs;
     KeyTableView t = {tk.buf, tm.buf, ts.buf, tk.len / 8, 0, 0};
     slots = PyMem_Malloc(sizeof(Py_ssize_t) * (n ? n : 1));
     out = PyDict_New();
@@ -916,7 +969,7 @@ static PyObject *py_match_runs(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < n; i++) {
         uint64_t h = block_hash_init((uint64_t)bs);
         for (Py_ssize_t j = 0; j < bs; j++) {
-            if (token_bits(items[i * bs + j], &tok) < 0) {
+            if (tokens_get(&toks, i * bs + j, &tok) < 0) {
                 PyMem_Free(keys);
                 goto fail;
             }
@@ -983,7 +1036,7 @@ fail:
     Py_CLEAR(out);
 done:
     PyMem_Free(slots);
-    Py_XDECREF(seq);
+    if (toks_open) tokens_close(&toks);
     PyBuffer_Release(&tk);
     PyBuffer_Release(&tm);
     PyBuffer_Release(&ts);

@@ -136,3 +136,19 @@ def test_eviction_keeps_recently_matched_keys_and_the_clock_rebases():
     ix.apply("a", "m", 0, [BlockStored(tuple(range(600, 610)), None, tuple(range(9000, 9040)), 4)])
     assert ix.match("m", None, list(prompts[0]), ["a"])["a"].blocks == 10  # matched since: kept
     assert ix.stats()["entries"] <= 55 and ix.stats()["evicted_entries"] == 70 - ix.stats()["entries"]
+
+
+def test_chain_keys_read_integer_buffers_like_lists():
+    """array.array and numpy token ids give the same keys as a list of ints; float buffers are refused."""
+    from array import array
+
+    import numpy as np
+    from kvcache.blockkeys import reference_chain_keys
+
+    tokens = [0, 1, 65535, 70000, 2**31 - 1, 5, 9, 12]
+    want = reference_chain_keys(11, tokens, 2)
+    for buf in (array("I", tokens), array("q", tokens), np.array(tokens, np.int64), np.array(tokens, np.uint32)):
+        assert chain_keys(11, buf, 2) == want
+    assert chain_keys(11, array("i", [-3, 4]), 2) == reference_chain_keys(11, [-3, 4], 2)
+    with pytest.raises(TypeError):
+        chain_keys(11, np.array([1.0, 2.0]), 1)
