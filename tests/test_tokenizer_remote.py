@@ -1,8 +1,9 @@
-"""RemoteTokenizer against real aiohttp servers on loopback: shapes, retries, Retry-After, timeouts, failures."""
+"""RemoteTokenizer (httpx) against real aiohttp servers on loopback: shapes, retries, Retry-After, timeouts, failures."""
 from __future__ import annotations
 
 import asyncio
 import email.utils
+import importlib.util
 import time
 
 import pytest
@@ -11,7 +12,9 @@ from prometheus_client import CollectorRegistry
 
 from tokenizer import testdata
 from tokenizer.local import LocalTokenizer
-from tokenizer.remote import RemoteOptions, RemoteTokenizer, parse_retry_after, request_body
+from tokenizer.remote import (
+    RemoteOptions, RemoteTokenizer, _one_write_per_request, _OneWrite, _OneWriteBackend, parse_retry_after, request_body,
+)
 from tokenizer.stub_server import make_app
 from tokenizer.types import ChatInput, PromptInput, TokenizerError
 
@@ -344,3 +347,56 @@ async def test_credentials_in_the_endpoint_url_are_sent_as_basic_auth(monkeypatc
     finally:
         await remote.aclose()
         await runner.cleanup()
+
+
+class _Recorder:
+    """A network stream that records what reaches it."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+        self.closed = False
+
+    async def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        self.writes.append(buffer)
+
+    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        return b"answer"
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+    def get_extra_info(self, info: str) -> object:
+        return info
+
+
+async def test_headers_and_body_go_out_in_one_write() -> None:
+    inner = _Recorder()
+    stream = _OneWrite(inner)
+    await stream.write(b"POST /tokenize HTTP/1.1\r\n\r\n")
+    await stream.write(b'{"prompt": "x"}')
+    await stream.write(b"")
+    assert inner.writes == []  # nothing sent before the client reads the answer
+    assert await stream.read(100) == b"answer"
+    assert inner.writes == [b'POST /tokenize HTTP/1.1\r\n\r\n{"prompt": "x"}']
+    assert await stream.read(100) == b"answer" and len(inner.writes) == 1  # nothing pending: no empty write
+    await stream.write(b"never sent")
+    await stream.aclose()
+    assert inner.closed and len(inner.writes) == 1
+    assert stream.get_extra_info("is_readable") == "is_readable"
+
+
+async def test_every_pool_of_the_client_sends_requests_in_one_write(monkeypatch) -> None:
+    _clear_proxy_env(monkeypatch)
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.invalid:3128")
+    remote = RemoteTokenizer({MODEL: "http://127.0.0.1:9"}, options=FAST)
+    try:
+        client = remote._http()
+        transports = [client._transport, *client._mounts.values()]
+        assert len(transports) == 2  # direct, and the proxy for https
+        assert all(isinstance(t._pool._network_backend, _OneWriteBackend) for t in transports)
+        assert _one_write_per_request(client)  # idempotent: no backend wrapped twice
+        assert not isinstance(client._transport._pool._network_backend._backend, _OneWriteBackend)
+    finally:
+        await remote.aclose()
+    # httpcore asks sniffio for the event loop many times per request: without it, each is a failed import.
+    assert importlib.util.find_spec("sniffio") is not None

@@ -1,4 +1,4 @@
-"""The engine's own tokenizer: vLLM's `POST /tokenize`, through one pooled HTTP client.
+"""The engine's own tokenizer: vLLM's `POST /tokenize`, through one pooled `httpx.AsyncClient`.
 
 Requests use vLLM's TokenizeCompletionRequest / TokenizeChatRequest shapes and read
 TokenizeResponse (`count`, `max_model_len`, `tokens`, `token_strs`). 429 and 5xx
@@ -6,28 +6,26 @@ answers and connection failures are retried with exponential backoff (full
 jitter), honouring Retry-After, all within one total time budget; anything else,
 or running out of budget, raises TokenizerError quickly so routing can fall back.
 
-The client is aiohttp's (kept-alive connections, no cookie jar, proxies from the
-environment resolved once per endpoint). Measured on a loaded 2-core machine against
-the simulated engine on loopback, a small /tokenize call cost ~1.5 ms through httpx
-(its httpcore and anyio layers, and a failed `import sniffio` on every request when
-sniffio is not installed) and ~0.6 ms through aiohttp: that call is most of what a
-cached multi-turn chat request pays for its one new turn.
+The client keeps connections alive (HTTP/1.1 only), follows no redirects, keeps no
+cookies, reads proxies from the environment once, when it is made, and sends each
+request in one write (_OneWrite). httpcore asks `sniffio` which event loop runs ~14
+times per request; without sniffio installed each is a failed import (~50 us on a
+loaded 2-core machine), hence sniffio among the dependencies.
 """
 from __future__ import annotations
 
 import asyncio
 import email.utils
+import http.cookiejar
 import json
 import random
 import time
-import urllib.parse
-import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
-import yarl
+import httpcore
+import httpx
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from tokenizer.types import ChatInput, PromptInput, TokenizeInput, TokenizerError
@@ -69,11 +67,84 @@ class RemoteMetrics:
         self.ok = self.attempts.labels("ok")  # bound once: the per-call path
 
 
-@dataclass(frozen=True, slots=True)
-class _Route:
-    proxy: str | None
-    headers: Mapping[str, str]
-    proxy_headers: Mapping[str, str] | None
+class _NoCookies(http.cookiejar.CookieJar):
+    """Engines set no cookies for /tokenize: none are kept or sent."""
+
+    def extract_cookies(self, response: Any, request: Any) -> None:
+        pass
+
+    def add_cookie_header(self, request: Any) -> None:
+        pass
+
+
+class _OneWrite(httpcore.AsyncNetworkStream):
+    """Holds what httpcore writes until it next reads (or closes): a request's headers and its body, which
+    httpcore writes apart, then go out in one send. On loopback under load each send costs about as much as
+    the rest of the call (it runs the engine's receive path), and an HTTP/1.1 client always reads after it
+    writes a request."""
+
+    def __init__(self, stream: httpcore.AsyncNetworkStream) -> None:
+        self._stream = stream
+        self._pending: list[bytes] = []
+
+    async def _flush(self, timeout: float | None) -> None:
+        if self._pending:
+            data = b"".join(self._pending)
+            self._pending.clear()
+            await self._stream.write(data, timeout)
+
+    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        await self._flush(timeout)
+        return await self._stream.read(max_bytes, timeout)
+
+    async def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        if buffer:
+            self._pending.append(buffer)
+
+    async def aclose(self) -> None:
+        self._pending.clear()
+        await self._stream.aclose()
+
+    async def start_tls(self, ssl_context: Any, server_hostname: str | None = None,
+                        timeout: float | None = None) -> httpcore.AsyncNetworkStream:
+        await self._flush(timeout)  # a proxy's CONNECT has been answered by now: nothing is pending
+        return _OneWrite(await self._stream.start_tls(ssl_context, server_hostname, timeout))
+
+    def get_extra_info(self, info: str) -> Any:
+        return self._stream.get_extra_info(info)
+
+
+class _OneWriteBackend(httpcore.AsyncNetworkBackend):
+    def __init__(self, backend: httpcore.AsyncNetworkBackend) -> None:
+        self._backend = backend
+
+    async def connect_tcp(self, host: str, port: int, timeout: float | None = None, local_address: str | None = None,
+                          socket_options: Any = None) -> httpcore.AsyncNetworkStream:
+        return _OneWrite(await self._backend.connect_tcp(host, port, timeout, local_address, socket_options))
+
+    async def connect_unix_socket(self, path: str, timeout: float | None = None,
+                                  socket_options: Any = None) -> httpcore.AsyncNetworkStream:
+        return _OneWrite(await self._backend.connect_unix_socket(path, timeout, socket_options))
+
+    async def sleep(self, seconds: float) -> None:
+        await self._backend.sleep(seconds)
+
+
+def _one_write_per_request(client: httpx.AsyncClient) -> bool:
+    """Puts _OneWriteBackend under the connection pools of `client`'s transports (the direct one and one per
+    proxy). httpx exposes no setting for the pool's network backend, so this reaches into `_pool`; if a later
+    httpx or httpcore moves it, nothing changes but the number of sends. True if every pool got it."""
+    done = True
+    for transport in (client._transport, *client._mounts.values()):
+        if transport is None:
+            continue
+        pool = getattr(transport, "_pool", None)
+        backend = getattr(pool, "_network_backend", None)
+        if isinstance(backend, httpcore.AsyncNetworkBackend) and not isinstance(backend, _OneWriteBackend):
+            pool._network_backend = _OneWriteBackend(backend)
+        elif not isinstance(backend, _OneWriteBackend):
+            done = False
+    return done
 
 
 class _Retryable(Exception):
@@ -91,16 +162,15 @@ class RemoteTokenizer:
         endpoints: Mapping[str, str] | None = None,
         *,
         options: RemoteOptions = RemoteOptions(),
-        client: aiohttp.ClientSession | None = None,
+        client: httpx.AsyncClient | None = None,
         registry: CollectorRegistry | None = None,
         rng: Callable[[], float] = random.random,
     ) -> None:
         self._endpoints = {m: u.rstrip("/") for m, u in (endpoints or {}).items()}
         self._options = options
         self._owns_client = client is None
-        self._client = client  # made on first use: an aiohttp session belongs to the running event loop
+        self._client = client  # made on first use
         self._closed = False
-        self._routes: dict[str, _Route] = {}
         self._metrics = RemoteMetrics(registry if registry is not None else CollectorRegistry())
         self._rng = rng
 
@@ -121,7 +191,7 @@ class RemoteTokenizer:
         while True:
             remaining = deadline - time.monotonic()
             try:
-                ids = await self._attempt(url, body, min(self._options.attempt_timeout_s, remaining), base)
+                ids = await self._attempt(url, body, min(self._options.attempt_timeout_s, remaining))
             except _Retryable as e:
                 attempt += 1
                 delay = self._delay(attempt, e.retry_after)
@@ -138,69 +208,46 @@ class RemoteTokenizer:
             self._metrics.seconds.observe(time.monotonic() - started)
             return ids
 
-    def _session(self) -> aiohttp.ClientSession:
+    def _http(self) -> httpx.AsyncClient:
         if self._client is None:
             if self._closed:
                 raise TokenizerError("the remote tokenizer is closed")
-            self._client = aiohttp.ClientSession(
+            n = self._options.max_connections
+            self._client = httpx.AsyncClient(
                 # Idle connections are dropped before uvicorn's (vLLM's server) 5 s keep-alive ends them, so a
                 # request rarely meets a connection the engine is closing (that one is retried anyway).
-                connector=aiohttp.TCPConnector(limit=self._options.max_connections, limit_per_host=0,
-                                               keepalive_timeout=4.0),
-                cookie_jar=aiohttp.DummyCookieJar(),
-                timeout=aiohttp.ClientTimeout(total=None),  # each attempt is bounded by asyncio.timeout below
-                # trust_env would look up proxies and ~/.netrc in a worker thread on every request; proxies
-                # are resolved once per endpoint instead (_route).
-                trust_env=False,
+                limits=httpx.Limits(max_connections=n, max_keepalive_connections=n, keepalive_expiry=4.0),
+                timeout=None,  # each attempt is bounded as a whole by asyncio.timeout below
+                follow_redirects=False,
+                http1=True,
+                http2=False,
+                cookies=_NoCookies(),
+                # HTTP(S)_PROXY, ALL_PROXY and NO_PROXY are read here, once (httpx 0.28 reads no environment per
+                # request). Credentials in a proxy URL go to the proxy only; in an endpoint URL, as basic auth.
+                trust_env=True,
             )
+            _one_write_per_request(self._client)
         return self._client
 
-    def _route(self, base: str) -> _Route:
-        """The HTTP(S)_PROXY for `base` unless NO_PROXY exempts it, read from the environment once per endpoint
-        (httpx, used before, read it once per client), and the headers to send with it."""
-        found = self._routes.get(base)
-        if found is None:
-            if len(self._routes) >= 4096:  # pods come and go
-                self._routes.clear()
-            parts = urllib.parse.urlsplit(base)
-            proxy = None
-            if parts.hostname and not urllib.request.proxy_bypass(parts.hostname):
-                proxy = urllib.request.getproxies().get(parts.scheme)
-            found = _Route(None, _JSON_HEADERS, None)
-            if proxy:
-                parsed = yarl.URL(proxy if "://" in proxy else "http://" + proxy)
-                auth = aiohttp.BasicAuth.from_url(parsed)
-                proxy = str(parsed.with_user(None))
-                if auth is None:
-                    found = _Route(proxy, _JSON_HEADERS, None)
-                elif parts.scheme == "https":  # to the proxy's CONNECT only, never through the tunnel
-                    found = _Route(proxy, _JSON_HEADERS, {"Proxy-Authorization": auth.encode()})
-                else:  # plain HTTP: the request itself goes to the proxy
-                    found = _Route(proxy, {**_JSON_HEADERS, "Proxy-Authorization": auth.encode()}, None)
-            self._routes[base] = found
-        return found
-
-    async def _attempt(self, url: str, body: bytes, timeout_s: float, base: str) -> list[int]:
+    async def _attempt(self, url: str, body: bytes, timeout_s: float) -> list[int]:
         if timeout_s <= 0:
             raise _Retryable("no time left")
-        session = self._session()
+        client = self._http()
         try:
-            route = self._route(base)
             # One bound on the whole attempt: connecting, sending, and reading every byte of the answer.
             async with asyncio.timeout(timeout_s):
-                async with session.post(url, data=body, headers=route.headers, allow_redirects=False,
-                                        proxy=route.proxy, proxy_headers=route.proxy_headers) as resp:
-                    status = resp.status
-                    content = await resp.read()
-        except TimeoutError:  # aiohttp's own timeouts are TimeoutErrors too
+                resp = await client.post(url, content=body, headers=_JSON_HEADERS)
+        except (httpx.TimeoutException, TimeoutError):
             self._metrics.attempts.labels("timeout").inc()
             raise _Retryable(f"timed out after {timeout_s * 1000:.0f} ms") from None
-        except (ValueError, aiohttp.NonHttpUrlClientError) as e:  # aiohttp.InvalidURL is a ValueError; no retry helps
+        except (httpx.UnsupportedProtocol, httpx.InvalidURL, ValueError) as e:  # no retry helps
             self._metrics.attempts.labels("refused").inc()
             raise TokenizerError(f"tokenizer URL {url!r} is not usable: {e}") from None
-        except (aiohttp.ClientError, OSError) as e:
+        except (httpx.TransportError, OSError) as e:
             self._metrics.attempts.labels("connect_error").inc()
             raise _Retryable(f"{type(e).__name__}: {e}") from None
+        status = resp.status_code
+        content = resp.content
         if status == 429 or status >= 500:
             self._metrics.attempts.labels(f"{status // 100}xx" if status != 429 else "429").inc()
             raise _Retryable(f"HTTP {status}", parse_retry_after(resp.headers.get("retry-after")))
@@ -218,7 +265,7 @@ class RemoteTokenizer:
     async def aclose(self) -> None:
         self._closed = True
         if self._owns_client and self._client is not None:
-            await self._client.close()
+            await self._client.aclose()
             self._client = None
 
 
