@@ -28,6 +28,7 @@ from tokenizer.types import ChatInput
 log = logging.getLogger(__name__)
 
 _MIN_POLL_S = 0.002
+_INLINE_BYTES = 4096  # request bodies up to this size are tokenized on the event loop, not in a worker thread
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,17 +250,23 @@ class SimServer:
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, parse_chat(await _json(request), self._served))
 
-    async def _encode(self, item: Any, add_special_tokens: bool | None = None) -> list[int]:
+    async def _encode(self, item: Any, add_special_tokens: bool | None = None, size: int | None = None) -> list[int]:
+        """Tokens of `item`; `size` is its request body's length. Small inputs are tokenized on the event loop
+        (well under a millisecond: a worker thread would cost more than the work); big ones in a worker thread."""
         try:
-            if isinstance(item, ChatInput) and add_special_tokens:
-                text = await asyncio.to_thread(self.tokenizer.render_chat, item)
-                return await asyncio.to_thread(self.tokenizer.encode_prompt, text, True)
-            return await asyncio.to_thread(self.tokenizer.encode, item)
+            if size is not None and size <= _INLINE_BYTES:
+                return self._encode_now(item, add_special_tokens)
+            return await asyncio.to_thread(self._encode_now, item, add_special_tokens)
         except ValueError as e:
             raise ApiError(400, str(e)) from e
 
+    def _encode_now(self, item: Any, add_special_tokens: bool | None) -> list[int]:
+        if isinstance(item, ChatInput) and add_special_tokens:
+            return self.tokenizer.encode_prompt(self.tokenizer.render_chat(item), True)
+        return self.tokenizer.encode(item)
+
     async def _generate(self, request: web.Request, req: GenerationRequest) -> web.StreamResponse:
-        tokens = await self._encode(req.item)
+        tokens = await self._encode(req.item, size=request.content_length)
         if not tokens:
             raise ApiError(400, "the prompt encodes to no tokens", "prompt")
         bad = next((t for t in tokens if not 0 <= t < self._vocab_size), None)
@@ -345,8 +352,14 @@ class SimServer:
 
     async def _tokenize(self, request: web.Request) -> web.Response:
         req = parse_tokenize(await _json(request), self._served)
-        tokens = await self._encode(req.item, req.add_special_tokens)
-        strs = await asyncio.to_thread(self.tokenizer.token_strs, tokens) if req.return_token_strs else None
+        size = request.content_length
+        tokens = await self._encode(req.item, req.add_special_tokens, size)
+        strs = None
+        if req.return_token_strs:
+            if size is not None and size <= _INLINE_BYTES:
+                strs = self.tokenizer.token_strs(tokens)
+            else:
+                strs = await asyncio.to_thread(self.tokenizer.token_strs, tokens)
         body = {"count": len(tokens), "max_model_len": self.engine_config.max_model_len, "tokens": tokens,
                 "token_strs": strs}
         return web.json_response(body, headers=self._headers())

@@ -220,6 +220,23 @@ async def test_tokenize_matches_local_tokenizer(client: httpx.AsyncClient, tok: 
     assert r.json()["tokens"] == tok.encode_chat(ChatInput(messages=tuple(messages), add_generation_prompt=False))
 
 
+async def test_tokenize_answers_alike_for_small_and_big_bodies(client: httpx.AsyncClient, tok: LocalTokenizer) -> None:
+    """Bodies up to 4 KiB are tokenized on the event loop, bigger ones in a worker thread: same answers."""
+    small = LONG_PROMPT[:1000]
+    big = " ".join([LONG_PROMPT] * 8)
+    for text in (small, big):
+        r = await client.post("/tokenize", json={"prompt": text, "return_token_strs": True})
+        assert r.status_code == 200
+        tokens = tok.encode_prompt(text)
+        assert r.json() == {"count": len(tokens), "max_model_len": 256 * 16, "tokens": tokens,
+                            "token_strs": tok.token_strs(tokens)}
+        messages = [{"role": "user", "content": text}]
+        r = await client.post("/tokenize", json={"messages": messages, "add_special_tokens": True})
+        rendered = tok.render_chat(ChatInput(messages=tuple(messages)))
+        assert r.json()["tokens"] == tok.encode_prompt(rendered, True)
+    assert len(big) > 4096 > len(small) + 200
+
+
 async def test_metrics_use_vllm_names(client: httpx.AsyncClient) -> None:
     await client.post("/v1/completions", json={"prompt": LONG_PROMPT, "max_tokens": 2})
     await client.post("/v1/completions", json={"prompt": LONG_PROMPT, "max_tokens": 2})
