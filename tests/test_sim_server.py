@@ -5,6 +5,7 @@ import asyncio
 import json
 import os
 import signal
+import random
 import socket
 import subprocess
 import sys
@@ -49,11 +50,36 @@ def tok() -> LocalTokenizer:
     return LocalTokenizer.from_path(testdata.path())
 
 
+def free_port_run(n: int) -> int:
+    """The first of `n` consecutive free loopback ports (a data-parallel engine binds base + rank),
+    drawn below Linux's ephemeral range so outgoing connections do not take them meanwhile."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 32000 - n)
+        socks = []
+        try:
+            for port in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no run of {n} free ports found")
+
+
 async def start_sim(**kw) -> SimServer:
     dp = kw.get("dp_size", 1)
-    ports = free_ports(2 * dp)
-    opts = dict(model="sim-model", name="sim-a", port=0, engine=ENGINE, kv_events_port=ports[0],
-                replay_port=ports[dp], max_tokens_default=8)
+    if dp == 1:
+        kv, replay = free_ports(2)
+    else:
+        kv = free_port_run(2 * dp)
+        replay = kv + dp
+    opts = dict(model="sim-model", name="sim-a", port=0, engine=ENGINE, kv_events_port=kv,
+                replay_port=replay, max_tokens_default=8)
     opts.update(kw)
     server = SimServer(SimOptions(**opts))
     await server.start()
