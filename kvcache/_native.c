@@ -359,12 +359,13 @@ static inline int is_nil(Reader *r) {
     return 0;
 }
 
-static int rd_array(Reader *r, uint32_t *n) {
+/* An array or map header: fix form (high nibble `fix`) or the 16/32-bit forms m16, m16 + 1. */
+static int rd_header(Reader *r, uint32_t *n, uint8_t fix, uint8_t m16) {
     if (need(r, 1)) return -1;
     uint8_t b = *r->p;
-    if ((b & 0xf0) == 0x90) { *n = b & 0x0f; r->p++; return 0; }
-    if (b == 0xdc || b == 0xdd) {
-        int w = b == 0xdc ? 2 : 4;
+    if ((b & 0xf0) == fix) { *n = b & 0x0f; r->p++; return 0; }
+    if (b == m16 || b == m16 + 1) {
+        int w = b == m16 ? 2 : 4;
         if (need(r, 1 + w)) return -1;
         *n = (uint32_t)be(r->p + 1, w);
         r->p += 1 + w;
@@ -373,19 +374,9 @@ static int rd_array(Reader *r, uint32_t *n) {
     return -1;
 }
 
-static int rd_map(Reader *r, uint32_t *n) {
-    if (need(r, 1)) return -1;
-    uint8_t b = *r->p;
-    if ((b & 0xf0) == 0x80) { *n = b & 0x0f; r->p++; return 0; }
-    if (b == 0xde || b == 0xdf) {
-        int w = b == 0xde ? 2 : 4;
-        if (need(r, 1 + w)) return -1;
-        *n = (uint32_t)be(r->p + 1, w);
-        r->p += 1 + w;
-        return 0;
-    }
-    return -1;
-}
+static int rd_array(Reader *r, uint32_t *n) { return rd_header(r, n, 0x90, 0xdc); }
+
+static int rd_map(Reader *r, uint32_t *n) { return rd_header(r, n, 0x80, 0xde); }
 
 /* A str, ASCII only (msgpack's decoder would reject invalid UTF-8; ASCII needs no check). */
 static int rd_str(Reader *r, const char **s, uint32_t *n) {
@@ -467,6 +458,16 @@ static int skip_opt_int(Reader *r) {
     return is_nil(r) ? 0 : rd_int(r, &v);
 }
 
+/* nil, or an array skipped whole */
+static int skip_opt_array(Reader *r) {
+    uint32_t n;
+    if (is_nil(r)) return 0;
+    const uint8_t *at = r->p;
+    if (rd_array(r, &n)) return -1;
+    r->p = at;
+    return skip(r, 0);
+}
+
 /* nil or 0: KV cache group 0, the only one indexed */
 static int rd_group(Reader *r) {
     uint64_t v;
@@ -494,6 +495,8 @@ typedef struct {
     int n_others;
     Py_ssize_t added, removed, unknown_parent, unknown_removed;
 } Batch;
+
+static const uint8_t NIL_BYTE[1] = {0xc0};
 
 /* Every event of a batch must name the same medium (nil and absent count as nil). */
 static int rd_medium(Reader *r, Batch *b) {
@@ -618,23 +621,14 @@ static int stored_array(Reader *r, Batch *b, uint32_t fields) {
         case 4: if (!is_nil(r)) return -1; break;             /* lora_id: LoRA takes the general path */
         case 5: if (rd_medium(r, b)) return -1; medium_read = 1; break;
         case 6: if (!is_nil(r)) return -1; break;             /* lora_name */
-        case 7: {                                               /* extra_keys: nil or an array */
-            uint32_t n;
-            if (!is_nil(r)) {
-                const uint8_t *at = r->p;
-                if (rd_array(r, &n)) return -1;
-                r->p = at;
-                if (skip(r, 0)) return -1;
-            }
-            break;
-        }
+        case 7: if (skip_opt_array(r)) return -1; break;    /* extra_keys */
         case 8: if (rd_group(r)) return -1; break;
         case 9: if (skip_opt_str(r)) return -1; break;
         case 10: if (skip_opt_int(r)) return -1; break;
         }
     }
     if (!medium_read) {
-        Reader none = {(const uint8_t *)"\xc0", (const uint8_t *)"\xc0" + 1};
+        Reader none = {NIL_BYTE, NIL_BYTE + 1};
         if (rd_medium(&none, b)) return -1;
     }
     return do_stored(b, &st);
@@ -648,7 +642,7 @@ static int removed_array(Reader *r, Batch *b, uint32_t fields) {
     if (fields >= 2) {
         if (rd_medium(r, b)) return -1;
     } else {
-        Reader none = {(const uint8_t *)"\xc0", (const uint8_t *)"\xc0" + 1};
+        Reader none = {NIL_BYTE, NIL_BYTE + 1};
         if (rd_medium(&none, b)) return -1;
     }
     if (fields >= 3 && rd_group(r)) return -1;
@@ -715,23 +709,14 @@ static int map_event(Reader *r, Batch *b, uint32_t pairs) {
             if (!is_nil(r) && rd_str(r, &s, &n)) return -1;
             break;
         }
-        case F_EXTRA: {
-            uint32_t n;
-            if (!is_nil(r)) {
-                const uint8_t *at = r->p;
-                if (rd_array(r, &n)) return -1;
-                r->p = at;
-                if (skip(r, 0)) return -1;
-            }
-            break;
-        }
+        case F_EXTRA: if (skip_opt_array(r)) return -1; break;
         case F_GROUP: if (rd_group(r)) return -1; break;
         case F_KIND: if (skip_opt_str(r)) return -1; break;
         case F_WINDOW: if (skip_opt_int(r)) return -1; break;
         default: if (skip(r, 0)) return -1;
         }
     }
-    Reader none = {(const uint8_t *)"\xc0", (const uint8_t *)"\xc0" + 1};
+    Reader none = {NIL_BYTE, NIL_BYTE + 1};
     if (rd_medium(medium_at.p ? &medium_at : &none, b)) return -1;
     if (tag == 1) {
         const int stored_fields = F_TYPE | F_HASHES | F_PARENT | F_TOKENS | F_BS | F_LORA_ID | F_MEDIUM |

@@ -187,15 +187,12 @@ def check(ix: PrefixIndex, fleet: Fleet, queries: int) -> None:
             assert got[p].by_medium in by_medium_options, (p, got[p], by_medium_options)
 
 
-@pytest.mark.parametrize("seed", range(8))
-def test_index_equals_brute_force_model(seed):
-    rng = random.Random(seed)
-    fleet = Fleet(rng)
-    ix = PrefixIndex(max_entries=10**9)
+def event_stream(fleet: Fleet, ix: PrefixIndex, rng: random.Random, steps: int):
+    """(pod, rank, events) batches of random stores, duplicates, removals and clears; engine
+    restarts and pods leaving are applied to `ix` directly (they are not events)."""
     slots = list(fleet.engines)
-    for step in range(2500):
+    for _ in range(steps):
         pod, rank = rng.choice(slots)
-        model = fleet.model(pod)
         x = rng.random()
         if x < 0.45:
             events = fleet.store(pod, rank)
@@ -216,7 +213,16 @@ def test_index_equals_brute_force_model(seed):
             continue
         if rng.random() < 0.3:  # several events in one batch
             events = events + fleet.store(pod, rank)
-        ix.apply(pod, model, rank, events)
+        yield pod, rank, events
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_index_equals_brute_force_model(seed):
+    rng = random.Random(seed)
+    fleet = Fleet(rng)
+    ix = PrefixIndex(max_entries=10**9)
+    for step, (pod, rank, events) in enumerate(event_stream(fleet, ix, rng, 2500)):
+        ix.apply(pod, fleet.model(pod), rank, events)
         if step % 100 == 99:
             check(ix, fleet, 20)
     check(ix, fleet, 200)
@@ -234,26 +240,9 @@ def test_raw_batches_equal_brute_force_model(seed, shape):
     rng = random.Random(1000 + seed)
     fleet = Fleet(rng, media=("GPU",), loras=(None,), hash_kinds=(0, 2)) if shape == "one-medium" else Fleet(rng)
     ix = PrefixIndex(max_entries=10**9)
-    slots = list(fleet.engines)
     fast = slow = 0
-    for step in range(2500):
-        pod, rank = rng.choice(slots)
+    for step, (pod, rank, events) in enumerate(event_stream(fleet, ix, rng, 2500)):
         model = fleet.model(pod)
-        x = rng.random()
-        if x < 0.45:
-            events = fleet.store(pod, rank)
-        elif x < 0.55:
-            events = fleet.duplicate(pod, rank)
-        elif x < 0.93:
-            events = fleet.remove(pod, rank)
-        elif x < 0.96:
-            events = fleet.clear(pod, rank)
-        else:
-            fleet.restart(pod, rank)
-            ix.drop(pod, rank)
-            continue
-        if rng.random() < 0.3:
-            events = events + fleet.store(pod, rank)
         payload = encode_batch(EventBatch(1.0, tuple(events), rank), rng.choice(GENERATIONS))
         if ix.apply_payload(pod, model, rank, payload) is not None:
             fast += 1
