@@ -526,12 +526,29 @@ typedef struct {
     uint64_t block_size;
 } Stored;
 
+/* A block hash: an int (its 64 bits), or bin bytes (a digest) read as their last 8 bytes,
+ * big-endian: the int vLLM publishes by default for the same digest (index.py's _bytes_hash). */
+static int rd_hash(Reader *r, uint64_t *v) {
+    if (need(r, 1)) return -1;
+    uint8_t b = *r->p;
+    if (b < 0xc4 || b > 0xc6) return rd_int(r, v);
+    int w = b == 0xc4 ? 1 : b == 0xc5 ? 2 : 4;
+    if (need(r, 1 + w)) return -1;
+    size_t len = be(r->p + 1, w);
+    if (need(r, 1 + w + len)) return -1;
+    const uint8_t *data = r->p + 1 + w;
+    size_t take = len < 8 ? len : 8;
+    *v = be(data + len - take, (int)take);
+    r->p += 1 + w + len;
+    return 0;
+}
+
 static int rd_hash_array(Reader *r, Reader *at, uint32_t *n) {
     uint64_t v;
     if (rd_array(r, n)) return -1;
     *at = *r;
     for (uint32_t i = 0; i < *n; i++)
-        if (rd_int(r, &v)) return -1;
+        if (rd_hash(r, &v)) return -1;
     return 0;
 }
 
@@ -550,7 +567,7 @@ static int rd_parent(Reader *r, Stored *st) {
         return 0;
     }
     st->has_parent = 1;
-    return rd_int(r, &st->parent);
+    return rd_hash(r, &st->parent);
 }
 
 static int rd_block_size(Reader *r, Stored *st) {
@@ -586,7 +603,7 @@ static int do_stored(Batch *b, Stored *st) {
             bh = block_hash_step(bh, t);
         }
         k = chain(k, block_hash_final(bh));
-        rd_int(&hr, &h);
+        rd_hash(&hr, &h);
         b->added += store_pair(b->m, b->t, fold(h), k, b->one, b->tick);
     }
     return 0;
@@ -598,7 +615,7 @@ static int do_removed(Batch *b, Reader hashes, uint32_t n) {
     if (!b->applying) return 0;
     uint64_t h;
     for (uint32_t i = 0; i < n; i++) {
-        rd_int(&hashes, &h);
+        rd_hash(&hashes, &h);
         int res = release_one(b->m, b->t, fold(h), b->one, b->others, b->n_others);
         if (res >= R_FREED) b->removed++;
         else if (res == R_UNKNOWN) b->unknown_removed++;
@@ -801,7 +818,7 @@ static int batch(const char *data, Py_ssize_t len, Batch *b) {
 /* scan_batch(payload) -> None | (stored_events, stored_blocks, removed_events, removed_blocks,
  *                                 block_size, medium)
  * None: the batch is not in the fast path's shape (or not valid), take the general path.
- * Fast path shape: BlockStored and BlockRemoved events only, int block hashes, no LoRA, KV cache
+ * Fast path shape: BlockStored and BlockRemoved events only, int or bin block hashes, no LoRA, KV cache
  * group 0, one medium and one block size for the whole batch, no unknown fields, ASCII strs. */
 static PyObject *py_scan_batch(PyObject *self, PyObject *arg) {
     Py_buffer view;

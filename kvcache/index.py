@@ -63,11 +63,18 @@ class PrefixMatch:
     total_blocks: int = 0  # full blocks in the request
 
 
+def _bytes_hash(h: bytes) -> int:
+    """A bytes block hash (a 32-byte digest, published raw when VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0)
+    as the int vLLM publishes by default: its last 8 bytes, big-endian (kvcache/_native.c reads it
+    the same way)."""
+    return int.from_bytes(h[-8:], "big")
+
+
 def _fold(h: BlockHash) -> int:
     """An engine block hash as a HashMap key: 64 mixed bits (a bijection of the int), below the
     table's reserved values."""
     if type(h) is not int:
-        h = hash(h)  # bytes: in-memory only, so the per-process salt does not matter
+        h = _bytes_hash(h)
     h = h * _MIX & _M64
     return h - 2 if h >= TOMB else h
 
@@ -143,7 +150,7 @@ class PrefixIndex:
     def apply_payload(self, pod: str, model: str, rank: int, payload: bytes) -> BatchApplied | None:
         """Decode and apply one raw batch (vLLM's msgpack bytes) in one native pass, without a
         Python object per event: the subscriber's fast path. None when the batch is outside that
-        path's shape (see kvcache/_native.c scan_batch: AllBlocksCleared, LoRA, bytes hashes,
+        path's shape (see kvcache/_native.c scan_batch: AllBlocksCleared, LoRA,
         several media in one batch, unknown fields, anything malformed...) or this index tracks
         more than 64 pod-ranks: the caller then decodes it (kvcache.wire) and calls apply()."""
         scan = native.scan_batch(payload)
@@ -345,7 +352,7 @@ class PrefixIndex:
             k = self._root(model, ev)
         else:
             if type(parent) is not int:
-                parent = hash(parent)
+                parent = _bytes_hash(parent)
             parent = parent * _MIX & _M64  # _fold, inline
             k = keys_of.get(parent - 2 if parent >= TOMB else parent)
             if k is None:  # its chain is unknown: never guess a chain start
@@ -359,7 +366,7 @@ class PrefixIndex:
             keys = chain_keys(k, tokens, bs)  # an unhashable token id raises before any change
             h = hashes[0]
             if type(h) is not int:
-                h = hash(h)
+                h = _bytes_hash(h)
             h = h * _MIX & _M64  # _fold, inline: most stored events carry one block
             folded = (h - 2 if h >= TOMB else h,)
         else:
@@ -398,7 +405,7 @@ class PrefixIndex:
         one, sole = 1 << bit, len(self._held) == 1
         for h in ev.block_hashes:
             if type(h) is not int:
-                h = hash(h)
+                h = _bytes_hash(h)
             h = h * _MIX & _M64  # _fold, inline: this is the hottest path (one event per evicted block)
             if h >= TOMB:
                 h -= 2

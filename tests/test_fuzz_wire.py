@@ -188,12 +188,12 @@ async def test_every_rejection_is_counted_end_to_end_over_zmq():
 
 
 def _fast_shape_batch(rng: random.Random, hashes_seen: list[int]) -> EventBatch:
-    """Batches in the native fast path's shape (int hashes, one medium, no LoRA), chained on
+    """Batches in the native fast path's shape (int or bytes hashes, one medium, no LoRA), chained on
     earlier blocks so that stores and removals really land."""
     events = []
     for _ in range(rng.randint(1, 6)):
         n = rng.randint(1, 3)
-        hashes = tuple(rng.choice((rng.getrandbits(64), -rng.getrandbits(63))) for _ in range(n))
+        hashes = tuple(rng.choice((rng.getrandbits(64), -rng.getrandbits(63), rng.randbytes(32))) for _ in range(n))
         if rng.random() < 0.6 or not hashes_seen:
             parent = rng.choice(hashes_seen) if hashes_seen and rng.random() < 0.5 else None
             events.append(BlockStored(hashes, parent, tuple(rng.randrange(3) for _ in range(n * 4)), 4,
@@ -214,7 +214,7 @@ def test_native_batch_path_agrees_with_decoder_on_30k_mutated_payloads():
     exactly as decode_batch + apply would: same stats, same matches. Never accepts what the decoder
     rejects."""
     rng = random.Random(SEED + 1)
-    seen: list[int] = []
+    seen: list = []
     corpus = [encode_batch(_fast_shape_batch(rng, seen), g) for g in GENERATIONS for _ in range(80)]
     native, general = PrefixIndex(max_entries=2_000), PrefixIndex(max_entries=2_000)
     taken: Counter[str] = Counter()

@@ -238,7 +238,7 @@ def test_raw_batches_equal_brute_force_model(seed, shape):
     from kvcache.events import EventBatch
 
     rng = random.Random(1000 + seed)
-    fleet = Fleet(rng, media=("GPU",), loras=(None,), hash_kinds=(0, 2)) if shape == "one-medium" else Fleet(rng)
+    fleet = Fleet(rng, media=("GPU",), loras=(None,)) if shape == "one-medium" else Fleet(rng)
     ix = PrefixIndex(max_entries=10**9)
     fast = slow = 0
     for step, (pod, rank, events) in enumerate(event_stream(fleet, ix, rng, 2500)):
