@@ -125,6 +125,10 @@ class Subscriber:
         self.counts: Counter[str] = Counter()
         self._connected_g = metrics.connected.labels(*self._labels)
         self._last_seq_g = metrics.last_seq.labels(*self._labels)
+        # children bound once: a labels() lookup per batch costs about as much as applying a small one
+        self._live_batches = metrics.batches_received.labels(*self._labels, "live")
+        self._by_type = {name: (metrics.events_received.labels(name), metrics.events_applied.labels(name))
+                         for name in ("BlockStored", "BlockRemoved")}
         self._connected_g.set(0)
 
     # --- status -------------------------------------------------------------
@@ -235,7 +239,7 @@ class Subscriber:
         return self._recent.get(seq) == hash(payload)
 
     async def _on_live(self, seq: int, payload: bytes) -> None:
-        self._m.batches_received.labels(*self._labels, "live").inc()
+        self._live_batches.inc()
         last = self._last
         if last is not None and seq <= last and self._lost_range[0] <= seq < self._lost_range[1]:
             self._duplicate()  # queued before a replay that jumped past it; already declared lost
@@ -394,8 +398,9 @@ class Subscriber:
                 self.counts["events"] += n
                 for name, k in (("BlockStored", done.stored), ("BlockRemoved", done.removed)):
                     if k:
-                        self._m.events_received.labels(name).inc(k)
-                        self._m.events_applied.labels(name).inc(k)
+                        received, applied = self._by_type[name]
+                        received.inc(k)
+                        applied.inc(k)
                 self._m.processing.observe(time.perf_counter() - started)
                 return
         try:
