@@ -491,6 +491,8 @@ typedef struct {
     KeyTableView *t;
     uint64_t root, one;
     uint32_t tick;
+    PyObject *loras; /* scan: the set of LoRA keys of chain-starting stores */
+    PyObject *roots; /* apply: LoRA key -> root key */
     const OtherTable *others;
     int n_others;
     Py_ssize_t added, removed, unknown_parent, unknown_removed;
@@ -524,6 +526,10 @@ typedef struct {
     int has_parent;
     uint64_t parent;
     uint64_t block_size;
+    const char *lora_name; /* NULL: nil or absent */
+    uint32_t lora_name_len;
+    int has_lora_id;
+    int64_t lora_id;
 } Stored;
 
 /* A block hash: an int (its 64 bits), or bin bytes (a digest) read as their last 8 bytes,
@@ -570,6 +576,50 @@ static int rd_parent(Reader *r, Stored *st) {
     return rd_hash(r, &st->parent);
 }
 
+static int rd_lora_name(Reader *r, Stored *st) {
+    st->lora_name = NULL;
+    return is_nil(r) ? 0 : rd_str(r, &st->lora_name, &st->lora_name_len);
+}
+
+static int rd_lora_id(Reader *r, Stored *st) {
+    uint64_t v;
+    st->has_lora_id = 0;
+    if (is_nil(r)) return 0;
+    if (!need(r, 2) && *r->p == 0xcf && (r->p[1] & 0x80)) return -1; /* above 2**63: the general path */
+    if (rd_int(r, &v)) return -1;
+    st->has_lora_id = 1;
+    st->lora_id = (int64_t)v;
+    return 0;
+}
+
+/* The LoRA key of a chain-starting store, as index.py's _root names it: the adapter's name, else
+ * "#lora_id=N" (vLLM before 0.14), else none (the base model). Scanning collects the keys;
+ * applying looks up their root keys (computed in Python). -2: a Python error. */
+static int chain_root(Batch *b, const Stored *st, uint64_t *root) {
+    if (!st->lora_name && !st->has_lora_id) {
+        *root = b->root;
+        return 0;
+    }
+    PyObject *key = st->lora_name ? PyUnicode_DecodeASCII(st->lora_name, st->lora_name_len, NULL)
+                                  : PyUnicode_FromFormat("#lora_id=%lld", (long long)st->lora_id);
+    if (!key) return -2;
+    int rc = 0;
+    if (!b->applying) {
+        rc = PySet_Add(b->loras, key) < 0 ? -2 : 0;
+    } else {
+        PyObject *v = PyDict_GetItemWithError(b->roots, key);
+        if (!v) {
+            if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, key);
+            rc = -2;
+        } else {
+            *root = PyLong_AsUnsignedLongLong(v);
+            rc = PyErr_Occurred() ? -2 : 0;
+        }
+    }
+    Py_DECREF(key);
+    return rc;
+}
+
 static int rd_block_size(Reader *r, Stored *st) {
     if (rd_int(r, &st->block_size)) return -1;
     return st->block_size == 0 || st->block_size > (1u << 20) ? -1 : 0; /* also rejects negatives */
@@ -581,11 +631,10 @@ static int do_stored(Batch *b, Stored *st) {
     b->block_size = (int64_t)st->block_size;
     b->stored_events++;
     b->stored_blocks += st->n_hashes;
+    uint64_t k = 0;
+    if (!st->has_parent && chain_root(b, st, &k)) return -1;
     if (!b->applying) return 0;
-    uint64_t k;
-    if (!st->has_parent) {
-        k = b->root;
-    } else {
+    if (st->has_parent) {
         Py_ssize_t s = hm_find(b->m, fold(st->parent));
         if (s < 0) { /* its chain is unknown: never guess a chain start */
             b->unknown_parent += st->n_hashes;
@@ -626,7 +675,7 @@ static int do_removed(Batch *b, Reader hashes, uint32_t n) {
 /* ["BlockStored", hashes, parent, tokens, block_size, lora_id, medium, lora_name, extra_keys,
  *  group_idx, kind, window] with 4 to 11 fields after the tag (vLLM <= 0.23) */
 static int stored_array(Reader *r, Batch *b, uint32_t fields) {
-    Stored st;
+    Stored st = {0};
     if (fields < 4 || fields > 11) return -1;
     if (rd_hash_array(r, &st.hashes, &st.n_hashes) || rd_parent(r, &st) || rd_tokens(r, &st) ||
         rd_block_size(r, &st))
@@ -635,9 +684,9 @@ static int stored_array(Reader *r, Batch *b, uint32_t fields) {
     int medium_read = 0;
     for (; f < fields; f++) {
         switch (f) {
-        case 4: if (!is_nil(r)) return -1; break;             /* lora_id: LoRA takes the general path */
+        case 4: if (rd_lora_id(r, &st)) return -1; break;
         case 5: if (rd_medium(r, b)) return -1; medium_read = 1; break;
-        case 6: if (!is_nil(r)) return -1; break;             /* lora_name */
+        case 6: if (rd_lora_name(r, &st)) return -1; break;
         case 7: if (skip_opt_array(r)) return -1; break;    /* extra_keys */
         case 8: if (rd_group(r)) return -1; break;
         case 9: if (skip_opt_str(r)) return -1; break;
@@ -718,7 +767,8 @@ static int map_event(Reader *r, Batch *b, uint32_t pairs) {
         case F_PARENT: if (rd_parent(r, &st)) return -1; break;
         case F_TOKENS: if (rd_tokens(r, &st)) return -1; break;
         case F_BS: if (rd_block_size(r, &st)) return -1; break;
-        case F_LORA_ID: case F_LORA_NAME: if (!is_nil(r)) return -1; break;
+        case F_LORA_ID: if (rd_lora_id(r, &st)) return -1; break;
+        case F_LORA_NAME: if (rd_lora_name(r, &st)) return -1; break;
         case F_MEDIUM: {
             const char *s;
             uint32_t n;
@@ -816,25 +866,32 @@ static int batch(const char *data, Py_ssize_t len, Batch *b) {
 }
 
 /* scan_batch(payload) -> None | (stored_events, stored_blocks, removed_events, removed_blocks,
- *                                 block_size, medium)
+ *                                 block_size, medium, LoRA keys of chain-starting stores)
  * None: the batch is not in the fast path's shape (or not valid), take the general path.
- * Fast path shape: BlockStored and BlockRemoved events only, int or bin block hashes, no LoRA, KV cache
+ * Fast path shape: BlockStored and BlockRemoved events only, int or bin block hashes, ASCII LoRA names, KV cache
  * group 0, one medium and one block size for the whole batch, no unknown fields, ASCII strs. */
 static PyObject *py_scan_batch(PyObject *self, PyObject *arg) {
     Py_buffer view;
     if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) return NULL;
     Batch b;
     memset(&b, 0, sizeof b);
+    b.loras = PySet_New(NULL);
+    if (!b.loras) {
+        PyBuffer_Release(&view);
+        return NULL;
+    }
     int rc = batch(view.buf, view.len, &b);
     PyObject *out;
     if (rc) {
+        PyErr_Clear(); /* a failed allocation while scanning only declines the batch */
         out = Py_NewRef(Py_None);
     } else {
         PyObject *medium = b.medium ? PyUnicode_DecodeASCII(b.medium, b.medium_len, NULL) : Py_NewRef(Py_None);
-        out = medium ? Py_BuildValue("nnnnLN", b.stored_events, b.stored_blocks, b.removed_events,
-                                     b.removed_blocks, (long long)b.block_size, medium)
+        out = medium ? Py_BuildValue("nnnnLNO", b.stored_events, b.stored_blocks, b.removed_events,
+                                     b.removed_blocks, (long long)b.block_size, medium, b.loras)
                      : NULL;
     }
+    Py_DECREF(b.loras);
     PyBuffer_Release(&view);
     return out;
 }
@@ -850,18 +907,19 @@ static int get_u64(PyObject *o, Py_buffer *v, int writable, const char *what) {
     return 0;
 }
 
-/* apply_batch(payload, root, one, tick, hm_keys, hm_values, kt_keys, kt_masks, kt_stamps, others)
+/* apply_batch(payload, root, one, tick, hm_keys, hm_values, kt_keys, kt_masks, kt_stamps, others, roots)
  *   -> (added, removed, tick, hm_live, hm_used, kt_live, kt_used, unknown_parent, unknown_removed)
  * Applies a batch scan_batch accepted, for the holder bit `one`; `others` is a tuple of the other
- * media tables' key arrays (at most 8: a freed key's engine hash is kept while one holds it). The caller made room for every
+ * media tables' key arrays (at most 8: a freed key's engine hash is kept while one holds it); `roots`
+ * maps each LoRA key scan_batch listed to its root key. The caller made room for every
  * stored block in both tables (no rebuild happens here); live/used are deltas. */
 static PyObject *py_apply_batch(PyObject *self, PyObject *args) {
     Py_buffer payload, hk, hv, tk, tm, ts;
     unsigned long long root, one;
     unsigned long tick;
-    PyObject *ohk, *ohv, *otk, *otm, *ots, *oothers;
-    if (!PyArg_ParseTuple(args, "y*KKkOOOOOO!", &payload, &root, &one, &tick, &ohk, &ohv, &otk, &otm, &ots,
-                          &PyTuple_Type, &oothers))
+    PyObject *ohk, *ohv, *otk, *otm, *ots, *oothers, *oroots;
+    if (!PyArg_ParseTuple(args, "y*KKkOOOOOO!O!", &payload, &root, &one, &tick, &ohk, &ohv, &otk, &otm, &ots,
+                          &PyTuple_Type, &oothers, &PyDict_Type, &oroots))
         return NULL;
     int got = 0, n_others = 0;
     PyObject *out = NULL;
@@ -902,9 +960,11 @@ static PyObject *py_apply_batch(PyObject *self, PyObject *args) {
     b.tick = (uint32_t)tick;
     b.others = others;
     b.n_others = n_others;
+    b.roots = oroots;
     if (batch(payload.buf, payload.len, &b)) {
-        /* scan_batch accepted these bytes: only a changed buffer gets here */
-        PyErr_SetString(PyExc_ValueError, "apply_batch: payload is not in the fast path's shape (scan it first)");
+        /* scan_batch accepted these bytes: only a changed buffer or missing roots get here */
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "apply_batch: payload is not in the fast path's shape (scan it first)");
         goto done;
     }
     out = Py_BuildValue("nnknnnnnn", b.added, b.removed, (unsigned long)b.tick, m.live, m.used, t.live, t.used,

@@ -150,13 +150,13 @@ class PrefixIndex:
     def apply_payload(self, pod: str, model: str, rank: int, payload: bytes) -> BatchApplied | None:
         """Decode and apply one raw batch (vLLM's msgpack bytes) in one native pass, without a
         Python object per event: the subscriber's fast path. None when the batch is outside that
-        path's shape (see kvcache/_native.c scan_batch: AllBlocksCleared, LoRA,
+        path's shape (see kvcache/_native.c scan_batch: AllBlocksCleared, non-ASCII names,
         several media in one batch, unknown fields, anything malformed...) or this index tracks
         more than 64 pod-ranks: the caller then decodes it (kvcache.wire) and calls apply()."""
         scan = native.scan_batch(payload)
         if scan is None:
             return None
-        stored_events, stored_blocks, removed_events, _, bs, medium = scan
+        stored_events, stored_blocks, removed_events, _, bs, medium, loras = scan
         bit = self._slot.get((pod, rank))
         if bit is None:
             if len(self._slot_owner) >= _LOW_BITS:
@@ -185,7 +185,8 @@ class PrefixIndex:
         added, removed, self._tick, h_live, h_used, t_live, t_used, unknown_parent, unknown_removed = \
             native.apply_batch(payload, root_key(model, None), 1 << bit, self._tick, keys_of.keys, keys_of.value,
                                table.keys, table.mask, table.stamp,
-                               tuple(t.keys for t in self._held.values() if t is not table))
+                               tuple(t.keys for t in self._held.values() if t is not table),
+                               {lora: root_key(model, lora) for lora in loras})
         keys_of.live += h_live
         keys_of.used += h_used
         table.live += t_live

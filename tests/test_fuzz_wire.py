@@ -188,7 +188,7 @@ async def test_every_rejection_is_counted_end_to_end_over_zmq():
 
 
 def _fast_shape_batch(rng: random.Random, hashes_seen: list[int]) -> EventBatch:
-    """Batches in the native fast path's shape (int or bytes hashes, one medium, no LoRA), chained on
+    """Batches in the native fast path's shape (int or bytes hashes, one medium, LoRA or not), chained on
     earlier blocks so that stores and removals really land."""
     events = []
     for _ in range(rng.randint(1, 6)):
@@ -196,8 +196,9 @@ def _fast_shape_batch(rng: random.Random, hashes_seen: list[int]) -> EventBatch:
         hashes = tuple(rng.choice((rng.getrandbits(64), -rng.getrandbits(63), rng.randbytes(32))) for _ in range(n))
         if rng.random() < 0.6 or not hashes_seen:
             parent = rng.choice(hashes_seen) if hashes_seen and rng.random() < 0.5 else None
+            lora_id, lora_name = rng.choice(((None, None), (None, "adapter"), (3, None)))
             events.append(BlockStored(hashes, parent, tuple(rng.randrange(3) for _ in range(n * 4)), 4,
-                                      None, rng.choice((None, "GPU"))))
+                                      lora_id, rng.choice((None, "GPU")), lora_name))
             hashes_seen.extend(hashes)
         else:
             events.append(BlockRemoved(tuple(rng.choice(hashes_seen) for _ in range(n)), rng.choice((None, "GPU"))))
@@ -248,7 +249,8 @@ def test_native_batch_path_agrees_with_decoder_on_30k_mutated_payloads():
         if i % 500 == 499:
             assert _logical(native.stats()) == _logical(general.stats()), i
             for p in prompts:
-                assert native.match("m", None, p, ["p0", "p1", "p2"]) == general.match("m", None, p, ["p0", "p1", "p2"])
+                for lora in (None, "adapter", "#lora_id=3"):
+                    assert native.match("m", lora, p, ["p0", "p1", "p2"]) == general.match("m", lora, p, ["p0", "p1", "p2"])
     assert _logical(native.stats()) == _logical(general.stats())
     print(f"\nNATIVE-FUZZ {dict(taken)}")
     assert taken["intact_native"] > 5 * taken["intact_declined"] and taken["declined"] > 10_000, taken

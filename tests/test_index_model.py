@@ -81,7 +81,10 @@ class Fleet:
             _, media, _ = eng.blocks.get(h, (identity, set(), visible))
             media.add(medium or "GPU")
             eng.blocks[h] = (identity, media, visible)
-        ev = BlockStored(tuple(hashes), parent, tuple(tokens), bs, None, medium, lora)
+        if lora is not None and lora.startswith("#lora_id="):  # vLLM before 0.14: an adapter id, no name
+            ev = BlockStored(tuple(hashes), parent, tuple(tokens), bs, int(lora.split("=")[1]), medium, None)
+        else:
+            ev = BlockStored(tuple(hashes), parent, tuple(tokens), bs, None, medium, lora)
         eng.stores.append(ev)
         self.learned.add(model)
         return [ev]
@@ -97,7 +100,7 @@ class Fleet:
         medium = self.rng.choice(self.media)
         for h in ev.block_hashes:
             eng.blocks[h][1].add(medium)
-        return [BlockStored(ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size, None, medium,
+        return [BlockStored(ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size, ev.lora_id, medium,
                             ev.lora_name)]
 
     def remove(self, pod, rank):
@@ -238,7 +241,8 @@ def test_raw_batches_equal_brute_force_model(seed, shape):
     from kvcache.events import EventBatch
 
     rng = random.Random(1000 + seed)
-    fleet = Fleet(rng, media=("GPU",), loras=(None,)) if shape == "one-medium" else Fleet(rng)
+    fleet = (Fleet(rng, media=("GPU",), loras=(None, "a", "#lora_id=7")) if shape == "one-medium"
+             else Fleet(rng, loras=LORAS + ("#lora_id=7",)))
     ix = PrefixIndex(max_entries=10**9)
     fast = slow = 0
     for step, (pod, rank, events) in enumerate(event_stream(fleet, ix, rng, 2500)):
