@@ -172,33 +172,30 @@ typedef struct {
     Py_ssize_t live, used;
 } KeyTableView;
 
-static inline Py_ssize_t hm_home(const HashMapView *m, uint64_t h) {
-    return (Py_ssize_t)(((h >> 32) * (uint64_t)m->cap) >> 32);
+/* Home slots (table.py's _home): a HashMap keys on its top 32 bits, a KeyTable on bits 28..59. */
+static inline Py_ssize_t hm_slot(uint64_t h, Py_ssize_t cap) { return (Py_ssize_t)(((h >> 32) * (uint64_t)cap) >> 32); }
+
+static inline Py_ssize_t kt_slot(uint64_t k, Py_ssize_t cap) {
+    return (Py_ssize_t)((((k >> 28) & 0xFFFFFFFFu) * (uint64_t)cap) >> 32);
 }
 
-static inline Py_ssize_t kt_home(const KeyTableView *t, uint64_t k) {
-    return (Py_ssize_t)((((k >> 28) & 0xFFFFFFFFu) * (uint64_t)t->cap) >> 32);
-}
+static inline Py_ssize_t hm_home(const HashMapView *m, uint64_t h) { return hm_slot(h, m->cap); }
 
-static Py_ssize_t hm_find(const HashMapView *m, uint64_t h) {
-    Py_ssize_t s = hm_home(m, h);
+static inline Py_ssize_t kt_home(const KeyTableView *t, uint64_t k) { return kt_slot(k, t->cap); }
+
+/* The slot holding key k, probing linearly from slot s; -1 at the first empty slot. */
+static Py_ssize_t probe(const uint64_t *keys, Py_ssize_t cap, Py_ssize_t s, uint64_t k) {
     for (;;) {
-        uint64_t x = m->keys[s];
-        if (x == h) return s;
-        if (x == EMPTY) return -1;
-        if (++s == m->cap) s = 0;
-    }
-}
-
-static Py_ssize_t kt_find(const KeyTableView *t, uint64_t k) {
-    Py_ssize_t s = kt_home(t, k);
-    for (;;) {
-        uint64_t x = t->keys[s];
+        uint64_t x = keys[s];
         if (x == k) return s;
         if (x == EMPTY) return -1;
-        if (++s == t->cap) s = 0;
+        if (++s == cap) s = 0;
     }
 }
+
+static inline Py_ssize_t hm_find(const HashMapView *m, uint64_t h) { return probe(m->keys, m->cap, hm_home(m, h), h); }
+
+static inline Py_ssize_t kt_find(const KeyTableView *t, uint64_t k) { return probe(t->keys, t->cap, kt_home(t, k), k); }
 
 /* Map engine hash h to key k (inserting h), set bit `one` on k (inserting k), stamp it.
  * Returns 1 if the bit was newly set. The caller guarantees room (no rebuild here). */
@@ -270,14 +267,8 @@ typedef struct {
     Py_ssize_t cap;
 } OtherTable; /* another medium's KeyTable: only its keys are read */
 
-static int other_holds(const OtherTable *o, uint64_t k) {
-    Py_ssize_t s = (Py_ssize_t)((((k >> 28) & 0xFFFFFFFFu) * (uint64_t)o->cap) >> 32);
-    for (;;) {
-        uint64_t x = o->keys[s];
-        if (x == k) return 1;
-        if (x == EMPTY) return 0;
-        if (++s == o->cap) s = 0;
-    }
+static inline int other_holds(const OtherTable *o, uint64_t k) {
+    return probe(o->keys, o->cap, kt_slot(k, o->cap), k) >= 0;
 }
 
 /* table.py's release() plus the index's _forget_hash_if_unheld(): unset bit `one` of the key
@@ -982,6 +973,23 @@ done:
 
 /* ---- matching ------------------------------------------------------------------------------ */
 
+/* out[bit] = run for each bit set in `bits`; -1 with an exception on failure. */
+static int record_runs(PyObject *out, uint64_t bits, Py_ssize_t run) {
+    PyObject *v = PyLong_FromSsize_t(run);
+    if (!v) return -1;
+    for (; bits; bits &= bits - 1) {
+        PyObject *kb = PyLong_FromLong(__builtin_ctzll(bits));
+        int rc = kb ? PyDict_SetItem(out, kb, v) : -1;
+        Py_XDECREF(kb);
+        if (rc < 0) {
+            Py_DECREF(v);
+            return -1;
+        }
+    }
+    Py_DECREF(v);
+    return 0;
+}
+
 /* match_runs(token_ids, block_size, root, cand, tick, kt_keys, kt_masks, kt_stamps)
  *   -> {bit: leading blocks held}
  * For one table: per holder bit of `cand` (< 2**64), how many leading full blocks of the prompt
@@ -1060,17 +1068,9 @@ static PyObject *py_match_runs(PyObject *self, PyObject *args) {
         if (held != alive) {
             uint64_t dropped = alive & ~held;
             if (i) {
-                while (dropped) {
-                    int bit = __builtin_ctzll(dropped);
-                    PyObject *kb = PyLong_FromLong(bit), *v = PyLong_FromSsize_t(i);
-                    int rc = kb && v ? PyDict_SetItem(out, kb, v) : -1;
-                    Py_XDECREF(kb);
-                    Py_XDECREF(v);
-                    if (rc < 0) {
-                        PyMem_Free(keys);
-                        goto fail;
-                    }
-                    dropped &= dropped - 1;
+                if (record_runs(out, dropped, i) < 0) {
+                    PyMem_Free(keys);
+                    goto fail;
                 }
                 if (i > deepest) deepest = i;
             }
@@ -1080,15 +1080,7 @@ static PyObject *py_match_runs(PyObject *self, PyObject *args) {
     PyMem_Free(keys);
     if (alive && n) { /* held every block */
         deepest = n;
-        while (alive) {
-            int bit = __builtin_ctzll(alive);
-            PyObject *kb = PyLong_FromLong(bit), *v = PyLong_FromSsize_t(n);
-            int rc = kb && v ? PyDict_SetItem(out, kb, v) : -1;
-            Py_XDECREF(kb);
-            Py_XDECREF(v);
-            if (rc < 0) goto fail;
-            alive &= alive - 1;
-        }
+        if (record_runs(out, alive, n) < 0) goto fail;
     }
     if (tick)
         for (Py_ssize_t j = 0; j < deepest; j++)
