@@ -110,7 +110,8 @@ class App:
             router=self.router, registry=self.pods, tokenizer=self.tokenizer, metrics=self.gateway_metrics,
             default_strategy=s.routing_strategy, max_body_bytes=s.max_body_bytes,
             tokenizer_timeout_s=s.tokenizer_timeout_s, tokenizer_url=s.tokenizer_url or None,
-            target_pod_header=s.target_pod_header, reachable=lambda name: not self.engines.unreachable(name)))
+            target_pod_header=s.target_pod_header, reachable=lambda name: not self.engines.unreachable(name),
+            cached_tokens=self.tokenizer.cached if isinstance(self.tokenizer, CachedTokenizer) else None))
         self.pods.add_listener(self._on_pods)
         self._grpc: grpc.aio.Server | None = None
         self._http: web.AppRunner | None = None

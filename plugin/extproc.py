@@ -14,7 +14,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from types import CoroutineType
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Sequence
 
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -30,7 +30,7 @@ from routing.pods import Pod
 from routing.registry import PodRegistry
 from routing.router import Decision, RouteRequest, Router
 from tokenizer.throttle import LogThrottle
-from tokenizer.types import PromptInput, Tokenizer, TokenizerError
+from tokenizer.types import PromptInput, TokenizeInput, Tokenizer, TokenizerError
 
 log = logging.getLogger("kvgate.extproc")
 
@@ -64,6 +64,8 @@ class Gateway:
     target_pod_header: bool = True
     # False for a pod whose engine refused the last /metrics scrape; None: no such knowledge.
     reachable: Callable[[str], bool] | None = None
+    # The tokenizer cache's whole-request probe (CachedTokenizer.cached): ids without a copy or an await.
+    cached_tokens: Callable[[str, TokenizeInput], Sequence[int] | None] | None = None
 
 
 def _header_value(h: base_pb2.HeaderValue) -> str:
@@ -193,7 +195,7 @@ class _Stream:
         return response
 
     # --- helpers ----------------------------------------------------------------------
-    async def _tokens(self, request: InferenceRequest, strategy: str) -> list[int] | None:
+    async def _tokens(self, request: InferenceRequest, strategy: str) -> Sequence[int] | None:
         if not self.gw.router.needs_tokens(strategy):
             return None
         item = request.item
@@ -201,13 +203,18 @@ class _Stream:
             return list(item.token_ids)
         if self.gw.tokenizer is None:
             return None
+        started = time.perf_counter()
+        if self.gw.cached_tokens is not None:
+            ids = self.gw.cached_tokens(request.model, item)
+            if ids is not None:
+                self.gw.metrics.tokenize_seconds.observe(time.perf_counter() - started)
+                return ids
         base_url = self.gw.tokenizer_url
         if not base_url:
             pods = self.gw.registry.ready_pods(request.model)
             if not pods:
                 return None  # pick() answers 404 or 503
             base_url = pods[hash(self.request_id) % len(pods)].base_url
-        started = time.perf_counter()
         deadline = asyncio.get_running_loop().time() + self.gw.tokenizer_timeout_s
         try:
             # Run the call up to its first wait: a cached answer comes back without one and needs no timer

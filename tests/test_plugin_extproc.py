@@ -1,5 +1,6 @@
 """The ext_proc servicer over real gRPC, with a fake router: the protocol answers."""
 import asyncio
+from array import array
 import json
 from dataclasses import dataclass
 
@@ -243,6 +244,32 @@ async def test_tokenizer_answers_with_and_without_waiting(tok, ids, fallbacks):
     assert sum(s.value for m in gw.metrics.tokenizer_fallbacks.collect() for s in m.samples
                if s.name.endswith("_total")) == fallbacks
     assert gw.metrics.tokenize_seconds.sum >= (0.01 if isinstance(tok, WaitingTokenizer) and ids else 0)
+
+
+class ProbedTokenizer(InstantTokenizer):
+    """A cache whose probe answers for one prompt: `tokenize` must not be called for it."""
+
+    def __init__(self):
+        self.probed, self.called = [], []
+
+    def cached(self, model, item):
+        self.probed.append(item)
+        return memoryview(array("I", [9, 8, 7])).toreadonly() if item.text == "warm" else None
+
+    async def tokenize(self, model, item, *, base_url=None):
+        self.called.append(item)
+        return await super().tokenize(model, item, base_url=base_url)
+
+
+async def test_cache_probe_answers_without_a_tokenize_call():
+    router, tok = FakeRouter(), ProbedTokenizer()
+    gw = gateway(router, tok, cached_tokens=tok.cached)
+    for prompt in ("warm", "cold"):
+        out = await run_stream(gw, [headers("POST", "/v1/completions"), body({"model": "m", "prompt": prompt})])
+        assert out[-1].HasField("request_body")
+    assert [i.text for i in tok.probed] == ["warm", "cold"] and [i.text for i in tok.called] == ["cold"]
+    assert list(router.picks[0].token_ids) == [9, 8, 7] and router.picks[1].token_ids == [4, 5, 6]
+    assert sum(gw.metrics.tokenize_seconds.counts) == 2
 
 
 async def test_pass_through_headers_without_reserved_ones_share_one_answer():

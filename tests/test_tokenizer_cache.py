@@ -127,6 +127,29 @@ def test_repeated_request_costs_no_backend_call_and_metrics_count(local) -> None
     assert registry.get_sample_value("kvgate_tokenizer_cache_bytes") > 0
 
 
+def test_cached_probe_is_a_read_only_view_counted_like_a_hit(local) -> None:
+    registry = CollectorRegistry()
+    inner = CountingBackend({MODEL: local})
+    cached = CachedTokenizer(inner, registry=registry)
+    item = ChatInput(messages=({"role": "user", "content": "hello there"},))
+    assert cached.cached(MODEL, item) is None  # not cached yet: nothing counted, no backend call
+    assert cached.cached(MODEL, PromptInput(token_ids=(1, 2))) is None
+    assert not inner.calls
+    hits = ("kvgate_tokenizer_cache_lookups_total", {"level": "request", "result": "hit"})
+    assert not registry.get_sample_value(*hits)
+
+    expected = run(cached.tokenize(MODEL, item))
+    view = cached.cached(MODEL, item)
+    assert list(view) == expected and len(view) == len(expected)
+    assert view.readonly
+    with pytest.raises(TypeError):
+        view[0] = 0  # the cache's own array: callers cannot change what later requests get
+    assert cached.cached("other-model", item) is None
+    assert registry.get_sample_value(*hits) == 1
+    assert cached.tokens_cached == len(expected) and cached.tokens_total == 2 * len(expected)
+    assert run(cached.tokenize(MODEL, item)) == expected and len(inner.calls) == 1
+
+
 def test_key_order_and_types_are_not_confused(local) -> None:
     cached, _ = make_cached(local)
     t1 = ({"type": "function", "function": {"name": "a", "b": 1}},)

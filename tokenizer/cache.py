@@ -157,10 +157,8 @@ class CachedTokenizer:
             return list(item.token_ids)
         key_text = _request_key(item)
         key = ("req", model, key_text)
-        hit = self._lru.get(key)
+        hit = self._hit(key)
         if hit is not None:
-            self._metrics.request_hit.inc()
-            self._count(len(hit), len(hit))
             return hit.tolist()
         self._metrics.request_miss.inc()
         segmenter = None if model in self._mismatched else self._segmenters.get(model, self._default_segmenter)
@@ -179,6 +177,22 @@ class CachedTokenizer:
         self._lru.put(key, ids, sys.getsizeof(key_text))
         self._update_size()
         return ids
+
+    def cached(self, model: str, item: TokenizeInput) -> memoryview | None:
+        """`item`'s ids if the whole request is cached (counted as a hit, like `tokenize`), without a
+        copy: a read-only view of the cache's own array, for callers that only read the ids (the
+        request path). None when not cached (nothing counted: `tokenize` will count the miss)."""
+        if isinstance(item, PromptInput) and item.token_ids is not None:
+            return None
+        hit = self._hit(("req", model, _request_key(item)))
+        return None if hit is None else memoryview(hit).toreadonly()
+
+    def _hit(self, key: tuple[str, str, str]) -> array | None:
+        hit = self._lru.get(key)
+        if hit is not None:
+            self._metrics.request_hit.inc()
+            self._count(len(hit), len(hit))
+        return hit
 
     async def _verify(self, model: str, item: TokenizeInput, base_url: str | None, assembled: list[int]) -> list[int]:
         whole = await self._inner.tokenize(model, item, base_url=base_url)
