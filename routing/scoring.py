@@ -168,8 +168,11 @@ class Strategy:
                 if on_error:
                     on_error(scorer.name)
                 continue
+            get = part.get
             for name in total:
-                total[name] += weight * min(1.0, max(0.0, part.get(name, 0.0)))
+                v = get(name, 0.0)
+                # clamped to 0..1, NaN counting 0
+                total[name] += weight * (v if 0.0 <= v <= 1.0 else 1.0 if v > 1.0 else 0.0)
         pod = self.picker.pick(ctx, candidates, total)
         for scorer, weight in self.scorers:
             if weight > 0:

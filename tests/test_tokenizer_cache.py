@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from tokenizer import testdata
-from tokenizer.cache import ByteLRU, CachedTokenizer, CacheOptions
+from tokenizer.cache import ByteLRU, CachedTokenizer, CacheOptions, _request_key
 from tokenizer.local import LocalBackend, LocalTokenizer
 from tokenizer.segments import NotSegmentable, Segmenter, SpecialAffixes
 from tokenizer.types import ChatInput, PromptInput, TokenizerError
@@ -148,6 +148,34 @@ def test_cached_probe_is_a_read_only_view_counted_like_a_hit(local) -> None:
     assert registry.get_sample_value(*hits) == 1
     assert cached.tokens_cached == len(expected) and cached.tokens_total == 2 * len(expected)
     assert run(cached.tokenize(MODEL, item)) == expected and len(inner.calls) == 1
+
+
+JSON_VALUES = [1, 1.0, True, "1", None, "None", 0.0, -0.0, 0, False, "", [], {}, [1], {"a": 1}, [["a", 1]],
+               {"a": [1]}, {"a": {"b": 1}}, [1, 2], [2, 1], {"a": 1, "b": 2}, {"b": 2, "a": 1}, 1e300, 10**30]
+
+
+@pytest.mark.parametrize("item_of", [
+    lambda v: ChatInput(messages=({"role": "user", "content": v},)),
+    lambda v: ChatInput(messages=({"role": "user", "content": "x"},), tools=({"type": "function", "x": v},)),
+    lambda v: ChatInput(messages=({"role": "user", "content": "x"},), chat_template_kwargs={"flag": v}),
+])
+def test_request_keys_tell_apart_whatever_a_template_could_render_differently(item_of) -> None:
+    """Equal keys only for inputs equal in value, type, order and sign: `1`, `1.0` and `true`, `0.0` and `-0.0`,
+    key orders, and lists and objects of the same contents all render differently in a template."""
+    keys = [_request_key(item_of(v)) for v in JSON_VALUES]
+    for i, a in enumerate(keys):
+        for j, b in enumerate(keys):
+            assert (a == b) == (i == j), (JSON_VALUES[i], JSON_VALUES[j])
+        hash(a)
+    copies = [_request_key(item_of(json.loads(json.dumps(v)))) for v in JSON_VALUES]
+    assert copies == keys  # the same JSON parsed again gives the same key
+
+
+def test_request_keys_of_prompts_and_chats_never_meet() -> None:
+    assert _request_key(PromptInput(text="x")) != _request_key(PromptInput(text="x", add_special_tokens=False))
+    chat = ChatInput(messages=({"role": "user", "content": "x"},))
+    assert _request_key(chat) != _request_key(ChatInput(messages=chat.messages, add_generation_prompt=False))
+    assert _request_key(chat) != _request_key(PromptInput(text="x"))
 
 
 def test_key_order_and_types_are_not_confused(local) -> None:

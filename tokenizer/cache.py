@@ -1,7 +1,7 @@
 """A cache in front of any Tokenizer that never returns tokens the engine would not.
 
 Two levels, one byte-bounded LRU:
-- whole requests: (model, canonical JSON of the input) -> ids. Exact because
+- whole requests: (model, the input's fields as nested tuples) -> ids. Exact because
   tokenization is a deterministic function of the model's tokenizer and the input.
 - pieces: for models with a local copy of the engine's tokenizer files, the input
   is rendered locally (chat template) and cut at added tokens such as the ChatML
@@ -155,8 +155,7 @@ class CachedTokenizer:
     async def tokenize(self, model: str, item: TokenizeInput, *, base_url: str | None = None) -> list[int]:
         if isinstance(item, PromptInput) and item.token_ids is not None:
             return list(item.token_ids)
-        key_text = _request_key(item)
-        key = ("req", model, key_text)
+        key = ("req", model, _request_key(item))
         hit = self._hit(key)
         if hit is not None:
             return hit.tolist()
@@ -174,7 +173,7 @@ class CachedTokenizer:
             ids = await self._from_pieces(model, segmenter, pieces, base_url, affixes)
             if self._verified.get(model, 0) < self._verify_requests:
                 ids = await self._verify(model, item, base_url, ids)
-        self._lru.put(key, ids, sys.getsizeof(key_text))
+        self._lru.put(key, ids, _key_bytes(key))
         self._update_size()
         return ids
 
@@ -300,9 +299,33 @@ def _split_at(ids: Sequence[int], sep: int) -> list[list[int]]:
         start = end + 1
 
 
-def _request_key(item: TokenizeInput) -> str:
-    """repr keeps key order, and tells 1 from 1.0, True and "1": templates may render any of those differently."""
+def _request_key(item: TokenizeInput) -> tuple:
+    """A hashable copy of everything the engine's tokenization depends on, equal only for equal
+    inputs as a template sees them: key order kept, and 1, 1.0, true, "1", 0.0 and -0.0 apart.
+    Built from the parsed request without copying its strings (repr would copy them all)."""
     if isinstance(item, ChatInput):
-        return repr(("chat", item.messages, item.tools, item.chat_template, item.chat_template_kwargs,
-                     item.add_generation_prompt, item.continue_final_message))
-    return repr(("prompt", item.text, item.add_special_tokens))
+        return ("chat", _frozen(item.messages), _frozen(item.tools), item.chat_template,
+                _frozen(item.chat_template_kwargs), item.add_generation_prompt, item.continue_final_message)
+    return ("prompt", item.text, item.add_special_tokens)
+
+
+def _frozen(value: object) -> object:
+    """JSON-shaped data as nested tuples: strings as they are, objects and arrays tagged with their type,
+    numbers, booleans and null with their type (floats by repr, which keeps -0.0 and every digit)."""
+    t = type(value)
+    if t is str:
+        return value
+    if t is dict:
+        return (dict, tuple([(k, _frozen(v)) for k, v in value.items()]))
+    if t is list or t is tuple:
+        return (list, tuple([_frozen(v) for v in value]))
+    if t is float:
+        return (float, repr(value))
+    return (t, value)
+
+
+def _key_bytes(key: object) -> int:
+    """Approximate bytes a request key holds (its strings and tuples), for the cache's bound."""
+    if type(key) is tuple:
+        return sys.getsizeof(key) + sum(_key_bytes(k) for k in key)
+    return sys.getsizeof(key) if type(key) is str else 16
