@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -32,6 +33,7 @@ async def _serve(settings: Settings) -> int:
         log.error("kvgate could not start: %s", e)
         await app.stop(0)
         return 1
+    settle_heap()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -40,6 +42,15 @@ async def _serve(settings: Settings) -> int:
     log.info("kvgate stopping")
     await app.stop()
     return 0
+
+
+def settle_heap() -> int:
+    """Move every object built at start-up (about 100k, mostly the tokenizer library's modules) out of
+    the garbage collector's reach: they live as long as the process, and each full collection over
+    them stopped every request for about 50 ms. Returns how many objects were frozen."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 def main(args: argparse.Namespace) -> int:
