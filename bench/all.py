@@ -24,7 +24,8 @@ BENCHES: tuple[tuple[str, list[str], str], ...] = (
     ("tokenizer", [], "cached remote path >= 3x cheaper than cold"),
     ("routing", [], "kv-sync hit rate within 5 points of the oracle (W1, W2); kv-sync TTFT p90 >= 20x better than "
                     "random and >= 3x better than prefix-cache on W1; with 500 ms delay + 1% loss >= 2x better "
-                    "than prefix-cache"),
+                    "than prefix-cache; read behind 2 gateway replicas, the deployment kvgate ships (@1gw and @4gw rows: "
+                    "the prefix strategies behind 1 and 4)"),
     ("gateway", [], "kv-sync throughput >= 80% of the no-op processor's; added p50 at 1 connection <= 1.5 ms"),
 )
 

@@ -17,10 +17,17 @@ The peak is 90% of the pods' decode capacity (bench.routing_workloads): below sa
 for a router that keeps its cache hits, above it for one that prefills most prompts.
 
 Policies: random, round-robin, least-request, prefix-cache (router-side guess), kv-sync
-(event-fed), kv-sync variants with event delay 50 / 500 ms and 1% of batches lost, both
-prefix strategies behind 4 gateway replicas (`@4gw`: shared counts and index, one
-router-side guess per replica), and the oracle (exact caches + exact TTFT model, see
-bench.routing_sim). Every policy sees the same requests at the same times for a given seed.
+(event-fed), kv-sync variants with event delay 50 / 500 ms and 1% of batches lost, and the
+oracle (exact caches + exact TTFT model, see bench.routing_sim). Every policy sees the same
+requests at the same times for a given seed.
+
+Gateway replicas: the policies run behind `--gateways` kvgate replicas (default 2, the
+smallest highly available tier and the one kvgate ships: envoy/gateway/kvgate.yaml and
+`kvgate demo` run two), requests dealt to them in turn as Envoy spreads its ext_proc streams.
+Replicas share running counts (Redis) and each subscribes to every engine, so kv-sync's view
+is the same in all of them; prefix-cache's guess is per replica, learnt from its own picks
+only (as in AIBrix and the Inference Extension). Both prefix strategies also run behind 1 and
+4 replicas (`@1gw`, `@4gw`): with one replica the guess sees every decision.
 --guard-slack, --guard-ratio and --weights configure every Router the way
 KVGATE_ROUTING_GUARD_SLACK, KVGATE_ROUTING_GUARD_RATIO and KVGATE_ROUTING_WEIGHTS do.
 
@@ -56,19 +63,25 @@ METRICS = ("hit_rate", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "ttft_mean_s", 
 DEFAULT_PLOT = "docs/bench-routing.png"
 
 
-def policies() -> tuple[Policy, ...]:
+DEFAULT_GATEWAYS = 2  # replicas of the shipped deployment (envoy/gateway/kvgate.yaml, kvgate demo)
+OTHER_GATEWAYS = (1, 4)  # the prefix strategies also run behind these
+
+
+def policies(gateways: int = DEFAULT_GATEWAYS) -> tuple[Policy, ...]:
+    g = gateways
+    others = tuple(Policy(f"{name}@{n}gw", name, gateways=n)
+                   for n in OTHER_GATEWAYS if n != g for name in ("prefix-cache", "kv-sync"))
     return (
-        Policy("random", "random"),
-        Policy("round-robin", "round-robin"),
-        Policy("least-request", "least-request"),
-        Policy("prefix-cache", "prefix-cache"),
-        Policy("kv-sync", "kv-sync"),
-        Policy("kv-sync@delay50ms", "kv-sync", delay_s=0.05),
-        Policy("kv-sync@delay500ms", "kv-sync", delay_s=0.5),
-        Policy("kv-sync@loss1%", "kv-sync", loss=0.01),
-        Policy("kv-sync@delay500ms+loss1%", "kv-sync", delay_s=0.5, loss=0.01),
-        Policy("prefix-cache@4gw", "prefix-cache", gateways=4),
-        Policy("kv-sync@4gw", "kv-sync", gateways=4),
+        Policy("random", "random", gateways=g),
+        Policy("round-robin", "round-robin", gateways=g),
+        Policy("least-request", "least-request", gateways=g),
+        Policy("prefix-cache", "prefix-cache", gateways=g),
+        Policy("kv-sync", "kv-sync", gateways=g),
+        Policy("kv-sync@delay50ms", "kv-sync", delay_s=0.05, gateways=g),
+        Policy("kv-sync@delay500ms", "kv-sync", delay_s=0.5, gateways=g),
+        Policy("kv-sync@loss1%", "kv-sync", loss=0.01, gateways=g),
+        Policy("kv-sync@delay500ms+loss1%", "kv-sync", delay_s=0.5, loss=0.01, gateways=g),
+        *others,
         Policy(ORACLE, ORACLE),
     )
 
@@ -82,6 +95,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"PNG to write (default {DEFAULT_PLOT}, none with --quick so a smoke run leaves "
                              "the committed plot alone; '' for none)")
     parser.add_argument("--workload", action="append", choices=("W1", "W2"), help="only these (repeatable)")
+    parser.add_argument("--gateways", type=int, default=DEFAULT_GATEWAYS,
+                        help=f"kvgate replicas in front of the engines (default {DEFAULT_GATEWAYS}, as shipped)")
     d = StrategyConfig()
     parser.add_argument("--guard-slack", type=int, default=d.guard_abs_slack,
                         help=f"load guard absolute slack (default {d.guard_abs_slack})")
@@ -113,9 +128,9 @@ def _run_job(job: _Job) -> tuple[str, RunResult, dict]:
 
 
 def run_all(shapes: list[workloads.Shape], seeds: int, jobs: int, chosen: tuple[Policy, ...] | None = None,
-            config: StrategyConfig | None = None) -> dict:
+            config: StrategyConfig | None = None, gateways: int = DEFAULT_GATEWAYS) -> dict:
     """Every (workload, policy, seed) run; the JSON-able report (means over seeds)."""
-    chosen = chosen or policies()
+    chosen = chosen or policies(gateways)
     todo = [_Job(s, seed, p, config) for s in shapes for seed in range(1, seeds + 1) for p in chosen]
     if jobs > 1:
         with ProcessPoolExecutor(jobs) as pool:
@@ -141,7 +156,9 @@ def run_all(shapes: list[workloads.Shape], seeds: int, jobs: int, chosen: tuple[
                     "lost": sum(r.batches_lost for r in mine),
                     "skipped": dict(sum((Counter(r.decode_skipped) for r in mine), Counter()))}
         report["workloads"][shape.name] = w
+    report["gateways"] = gateways
     report["targets"] = targets(report)
+    report["comparisons"] = comparisons(report)
     return report
 
 
@@ -185,6 +202,22 @@ def targets(report: dict) -> dict:
     return out
 
 
+def comparisons(report: dict) -> dict:
+    """The W1 prefix-cache / kv-sync TTFT p90 ratio behind each other replica count (not targets:
+    the targets are read at the deployment's own count), with what any router could attain."""
+    out: dict = {}
+    w = report["workloads"].get("W1", {})
+    p, floor = w.get("policies", {}), w.get("ttft_p90_floor_s")
+    for n in OTHER_GATEWAYS:
+        worse, better = f"prefix-cache@{n}gw", f"kv-sync@{n}gw"
+        if worse in p and better in p and p[better]["ttft_p90_s"] > 0:
+            c = {"value": round(p[worse]["ttft_p90_s"] / p[better]["ttft_p90_s"], 2)}
+            if floor:
+                c["attainable"] = round(p[worse]["ttft_p90_s"] / floor, 2)
+            out[f"W1: TTFT p90 {worse} / {better}"] = c
+    return out
+
+
 def format_table(report: dict) -> str:
     lines = []
     for wname, w in report["workloads"].items():
@@ -200,9 +233,13 @@ def format_table(report: dict) -> str:
                          f"{m['ttft_p99_s']:>12.4f}{m['ttft_mean_s']:>13.4f}"
                          f"{m['throughput_tok_s']:>11.0f}{m['max_over_mean_running']:>14.2f}")
         lines.append("")
+    lines.append(f"  Policies without @Ngw run behind {report.get('gateways', DEFAULT_GATEWAYS)} gateway replica(s).")
     for name, t in report.get("targets", {}).items():
         bound = f" (at most {t['attainable']} for any router)" if "attainable" in t else ""
         lines.append(f"  [{'met' if t['met'] else 'MISSED'}] {name}: {t['value']}{bound}")
+    for name, c in report.get("comparisons", {}).items():
+        bound = f" (at most {c['attainable']} for any router)" if "attainable" in c else ""
+        lines.append(f"  [info] {name}: {c['value']}{bound}")
     return "\n".join(lines)
 
 
@@ -240,8 +277,8 @@ def plot(report: dict, path: str) -> None:
 def main(args: argparse.Namespace) -> int:
     quick = args.quick
     seeds = (1 if quick else 3) if args.seeds is None else args.seeds
-    if seeds < 1 or args.jobs < 1:
-        print("kvgate bench routing: --seeds and --jobs must be >= 1", file=sys.stderr)
+    if seeds < 1 or args.jobs < 1 or args.gateways < 1:
+        print("kvgate bench routing: --seeds, --jobs and --gateways must be >= 1", file=sys.stderr)
         return 2
     try:
         config = strategy_config(args)
@@ -250,7 +287,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     shapes = [s for s in (workloads.w1(quick), workloads.w2(quick)) if not args.workload or s.name in args.workload]
     started = time.monotonic()
-    report = run_all(shapes, seeds, args.jobs, config=config)
+    report = run_all(shapes, seeds, args.jobs, config=config, gateways=args.gateways)
     report["strategy_config"] = {"guard_slack": config.guard_abs_slack, "guard_ratio": config.guard_rel_slack,
                                  "weights": {k: dict(v) for k, v in config.weights.items()}}
     report["wall_s"] = round(time.monotonic() - started, 1)

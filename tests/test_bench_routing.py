@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 from routing.strategies import StrategyConfig
 
@@ -14,6 +16,8 @@ from bench import routing as bench
 from bench import routing_workloads as workloads
 from bench.routing_sim import ORACLE, Policy, run, ttft_floor
 from sim.engine import EngineConfig
+
+REPO = Path(__file__).resolve().parent.parent
 
 TINY = workloads.Shape(name="T", groups=6, prompts_per_group=3, context_tokens=96, question_tokens=40,
                        output_tokens=20, pods=3, capacity_ratio=0.73, peak_load=0.2, ramp=(0.3, 1.0),
@@ -164,3 +168,29 @@ def test_ratio_targets_report_what_any_router_could_attain():
     pc = t["W1: TTFT p90 prefix-cache / kv-sync >= 3"]
     assert pc == {"value": 1.5, "met": False, "attainable": 2.0}
     assert t["W1: TTFT p90 random / kv-sync >= 20"]["met"] is True
+
+
+def test_policies_run_behind_the_shipped_replica_count_and_the_prefix_ones_behind_others_too():
+    shipped = yaml.safe_load_all((REPO / "envoy" / "gateway" / "kvgate.yaml").read_text())
+    replicas = [d["spec"]["replicas"] for d in shipped if d and d.get("kind") == "Deployment"]
+    assert replicas == [bench.DEFAULT_GATEWAYS]  # the benchmark's default is what the manifests deploy
+    by_name = {p.name: p for p in bench.policies()}
+    assert all(p.gateways == bench.DEFAULT_GATEWAYS for n, p in by_name.items() if "gw" not in n and n != ORACLE)
+    for n in bench.OTHER_GATEWAYS:
+        assert by_name[f"prefix-cache@{n}gw"].gateways == by_name[f"kv-sync@{n}gw"].gateways == n
+    one = {p.name: p for p in bench.policies(1)}
+    assert one["kv-sync"].gateways == 1 and "kv-sync@1gw" not in one and "kv-sync@4gw" in one
+    assert len({p.name for p in bench.policies()}) == len(bench.policies())
+
+
+def test_comparisons_at_other_replica_counts_are_reported_beside_the_targets():
+    pol = {name: {"ttft_p90_s": v, "hit_rate": 0.9} for name, v in
+           (("prefix-cache@1gw", 0.02), ("kv-sync@1gw", 0.02), ("prefix-cache@4gw", 1.0), ("kv-sync@4gw", 0.02))}
+    report = {"workloads": {"W1": {"policies": pol, "ttft_p90_floor_s": 0.02}}}
+    c = bench.comparisons(report)
+    assert c == {"W1: TTFT p90 prefix-cache@1gw / kv-sync@1gw": {"value": 1.0, "attainable": 1.0},
+                 "W1: TTFT p90 prefix-cache@4gw / kv-sync@4gw": {"value": 50.0, "attainable": 50.0}}
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    assert p.parse_args([]).gateways == bench.DEFAULT_GATEWAYS
+    assert bench.main(p.parse_args(["--gateways", "0"])) == 2
