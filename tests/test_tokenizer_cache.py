@@ -380,3 +380,55 @@ def test_piece_lookups_are_counted_once_per_distinct_piece(local) -> None:
     assert registry.get_sample_value("kvgate_tokenizer_cache_tokens_total", {"source": "backend"}) + \
         registry.get_sample_value("kvgate_tokenizer_cache_tokens_total", {"source": "cache"}) == \
         len(local.encode_chat(first)) + len(local.encode_chat(second))
+
+
+@pytest.mark.parametrize("openmetrics", [False, True])
+def test_metrics_expose_what_prometheus_client_would(local, openmetrics) -> None:
+    import re
+
+    from prometheus_client import Counter, Gauge, generate_latest
+    from prometheus_client.openmetrics.exposition import generate_latest as generate_om
+
+    generate = generate_om if openmetrics else generate_latest
+    ours = CollectorRegistry()
+    cached = CachedTokenizer(CountingBackend({MODEL: local}), segmenters={MODEL: Segmenter.from_local(local)},
+                             options=NO_VERIFY, registry=ours)
+    system = {"role": "system", "content": "Shared rules."}
+
+    async def go():
+        for q in ("one", "two", "one"):
+            item = ChatInput(messages=(system, {"role": "user", "content": q}))
+            await cached.tokenize(MODEL, item)
+            assert cached.cached(MODEL, item) is not None
+
+    run(go())
+    m = cached._metrics
+    assert m.request_hit == 4 and m.request_miss == 2 and m.piece_hit > 0 and m.tokens_cache > 0
+    # The same numbers through prometheus_client's own metrics, registered in the order the cache's come in.
+    theirs = CollectorRegistry()
+    lookups = Counter("kvgate_tokenizer_cache_lookups", "Tokenizer cache lookups", ["level", "result"], registry=theirs)
+    tokens = Counter("kvgate_tokenizer_cache_tokens", "Tokens returned, by where they came from", ["source"],
+                     registry=theirs)
+    ratio = Gauge("kvgate_tokenizer_cache_hit_ratio", "Fraction of returned tokens served from the cache",
+                  registry=theirs)
+    size = Gauge("kvgate_tokenizer_cache_bytes", "Approximate bytes held by the cache", registry=theirs)
+    Counter("kvgate_tokenizer_cache_piece_mismatches", "Models whose pieces did not add up to the engine's tokens",
+            registry=theirs)
+    entries = Gauge("kvgate_tokenizer_cache_entries", "Entries held by the cache", registry=theirs)
+    for labels, n in ((("request", "hit"), m.request_hit), (("request", "miss"), m.request_miss),
+                      (("piece", "hit"), m.piece_hit), (("piece", "miss"), m.piece_miss)):
+        lookups.labels(*labels).inc(n)
+    tokens.labels("cache").inc(cached.tokens_cached)
+    tokens.labels("backend").inc(cached.tokens_total - cached.tokens_cached)
+    ratio.set(cached.hit_ratio)
+    size.set(cached._lru.bytes)
+    entries.set(len(cached._lru))
+
+    def lines(registry):
+        return [re.sub(r"^(\S*_created\S*) \S+$", r"\1 T", line) for line in generate(registry).decode().splitlines()]
+
+    assert lines(ours) == lines(theirs)
+    assert ours.get_sample_value("kvgate_tokenizer_cache_hit_ratio") == cached.hit_ratio > 0
+    assert ours.get_sample_value("kvgate_tokenizer_cache_tokens_created", {"source": "cache"}) > 0
+    with pytest.raises(ValueError):  # a second cache on the same registry collides, as prometheus_client's would
+        CachedTokenizer(CountingBackend({MODEL: local}), registry=ours)

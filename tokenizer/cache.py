@@ -24,12 +24,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+import time
 from array import array
 from collections import OrderedDict
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from tokenizer.segments import Piece, Segmenter, SpecialAffixes, join_pieces
 from tokenizer.types import ChatInput, PromptInput, TokenizeInput, Tokenizer, TokenizerError
@@ -90,29 +92,53 @@ class ByteLRU:
 
 
 class CacheMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.lookups = Counter(
-            "kvgate_tokenizer_cache_lookups", "Tokenizer cache lookups", ["level", "result"], registry=registry
-        )
-        self.tokens = Counter(
-            "kvgate_tokenizer_cache_tokens", "Tokens returned, by where they came from", ["source"], registry=registry
-        )
-        self.hit_ratio = Gauge(
-            "kvgate_tokenizer_cache_hit_ratio", "Fraction of returned tokens served from the cache", registry=registry
-        )
-        self.bytes = Gauge("kvgate_tokenizer_cache_bytes", "Approximate bytes held by the cache", registry=registry)
-        self.mismatches = Counter(
-            "kvgate_tokenizer_cache_piece_mismatches", "Models whose pieces did not add up to the engine's tokens",
-            registry=registry,
-        )
-        self.entries = Gauge("kvgate_tokenizer_cache_entries", "Entries held by the cache", registry=registry)
-        # Children bound once: labels() costs a lock and a dict lookup per call, and a request may look up many pieces.
-        self.request_hit = self.lookups.labels("request", "hit")
-        self.request_miss = self.lookups.labels("request", "miss")
-        self.piece_hit = self.lookups.labels("piece", "hit")
-        self.piece_miss = self.lookups.labels("piece", "miss")
-        self.tokens_cache = self.tokens.labels("cache")
-        self.tokens_backend = self.tokens.labels("backend")
+    """The cache's Prometheus metrics. Plain numbers, changed without a lock on the event loop's thread
+    (a prometheus_client child takes a lock per update, and a cache hit made four), turned into samples
+    when scraped: the same series, names and types as prometheus_client's Counter and Gauge would give
+    (counters with `_total` and `_created`, every label child present from the start)."""
+
+    def __init__(self, registry: CollectorRegistry | None) -> None:
+        self.request_hit = self.request_miss = self.piece_hit = self.piece_miss = 0
+        self.tokens_cache = self.tokens_backend = 0
+        self.mismatches = 0
+        self.bytes = self.entries = 0  # as last set (the cache's size after its last insertion or clear)
+        self._created = time.time()
+        if registry is not None:
+            registry.register(self)
+
+    @property
+    def hit_ratio(self) -> float:
+        """Fraction of returned tokens served from the cache."""
+        total = self.tokens_cache + self.tokens_backend
+        return self.tokens_cache / total if total else 0.0
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(self._families(samples=False))
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self._families(samples=True))
+
+    def _families(self, samples: bool) -> list[Metric]:
+        created = self._created
+        lookups = CounterMetricFamily("kvgate_tokenizer_cache_lookups", "Tokenizer cache lookups",
+                                      labels=("level", "result"))
+        tokens = CounterMetricFamily("kvgate_tokenizer_cache_tokens", "Tokens returned, by where they came from",
+                                     labels=("source",))
+        mismatches = CounterMetricFamily("kvgate_tokenizer_cache_piece_mismatches",
+                                         "Models whose pieces did not add up to the engine's tokens")
+        gauges = [GaugeMetricFamily(name, doc, value=float(value) if samples else None) for name, doc, value in (
+            ("kvgate_tokenizer_cache_hit_ratio", "Fraction of returned tokens served from the cache", self.hit_ratio),
+            ("kvgate_tokenizer_cache_bytes", "Approximate bytes held by the cache", self.bytes),
+            ("kvgate_tokenizer_cache_entries", "Entries held by the cache", self.entries))]
+        if samples:
+            for labels, value in ((("request", "hit"), self.request_hit), (("request", "miss"), self.request_miss),
+                                  (("piece", "hit"), self.piece_hit), (("piece", "miss"), self.piece_miss)):
+                lookups.add_metric(labels, float(value), created=created)
+            tokens.add_metric(("cache",), float(self.tokens_cache), created=created)
+            tokens.add_metric(("backend",), float(self.tokens_backend), created=created)
+            mismatches.add_metric((), float(self.mismatches), created=created)
+        hit_ratio, size, entries = gauges
+        return [lookups, tokens, hit_ratio, size, mismatches, entries]  # the order they were registered in before
 
 
 class CachedTokenizer:
@@ -139,7 +165,7 @@ class CachedTokenizer:
         self._verify_requests = options.verify_requests
         self._verified: dict[str, int] = {}
         self._mismatched: set[str] = set()
-        self._metrics = CacheMetrics(registry if registry is not None else CollectorRegistry())
+        self._metrics = CacheMetrics(registry)
         self.tokens_cached = 0
         self.tokens_total = 0
 
@@ -159,7 +185,7 @@ class CachedTokenizer:
         hit = self._hit(key)
         if hit is not None:
             return hit.tolist()
-        self._metrics.request_miss.inc()
+        self._metrics.request_miss += 1
         segmenter = None if model in self._mismatched else self._segmenters.get(model, self._default_segmenter)
         try:
             planned = segmenter.pieces(item) if segmenter is not None else None
@@ -189,7 +215,7 @@ class CachedTokenizer:
     def _hit(self, key: tuple[str, str, str]) -> array | None:
         hit = self._lru.get(key)
         if hit is not None:
-            self._metrics.request_hit.inc()
+            self._metrics.request_hit += 1
             self._count(len(hit), len(hit))
         return hit
 
@@ -199,7 +225,7 @@ class CachedTokenizer:
             self._verified[model] = self._verified.get(model, 0) + 1
         elif model not in self._mismatched:
             self._mismatched.add(model)
-            self._metrics.mismatches.inc()
+            self._metrics.mismatches += 1
             log.error("tokenizer cache: pieces of model %r do not add up to the engine's tokens (are the local "
                       "tokenizer files the engine's?); caching whole requests only for this model", model)
         return whole
@@ -220,9 +246,9 @@ class CachedTokenizer:
             else:
                 tokens[p] = hit
         if missing:
-            self._metrics.piece_miss.inc(len(missing))
+            self._metrics.piece_miss += len(missing)
         if len(tokens) > len(missing):
-            self._metrics.piece_hit.inc(len(tokens) - len(missing))
+            self._metrics.piece_hit += len(tokens) - len(missing)
         fetched = await self._fetch_once(model, segmenter, missing, base_url) if missing else {}
         tokens.update(fetched)
         out = join_pieces(pieces, tokens, affixes)
@@ -272,13 +298,13 @@ class CachedTokenizer:
     def _count(self, cached: int, total: int) -> None:
         self.tokens_cached += cached
         self.tokens_total += total
-        self._metrics.tokens_cache.inc(cached)
-        self._metrics.tokens_backend.inc(total - cached)
-        self._metrics.hit_ratio.set(self.hit_ratio)
+        m = self._metrics
+        m.tokens_cache += cached
+        m.tokens_backend += total - cached
 
     def _update_size(self) -> None:
-        self._metrics.bytes.set(self._lru.bytes)
-        self._metrics.entries.set(len(self._lru))
+        self._metrics.bytes = self._lru.bytes
+        self._metrics.entries = len(self._lru)
 
     async def aclose(self) -> None:
         await self._inner.aclose()
