@@ -31,7 +31,9 @@ def _relative(values: Mapping[str, float], scale: float) -> dict[str, float]:
     if not values:
         return {}
     least = min(values.values())
-    span = max(max(values.values()) - least, scale)
+    span = max(values.values()) - least
+    if scale > span:  # max(span, scale)
+        span = scale
     return {k: 1.0 - (v - least) / span for k, v in values.items()}
 
 
@@ -45,7 +47,8 @@ class LoadScorer:
         self._scale = scale
 
     def score(self, ctx: PickContext, pods: Sequence[Pod]) -> dict[str, float]:
-        return _relative({p.name: float(ctx.running.get(p.name, 0)) for p in pods}, self._scale)
+        running = ctx.running.get
+        return _relative({p.name: float(running(p.name, 0)) for p in pods}, self._scale)
 
     def picked(self, ctx: PickContext, pod: Pod) -> None:
         return None
@@ -73,7 +76,8 @@ class PrefillBacklog:
             return 0.0
         tokens, at = entry
         now = self._clock() if now is None else now
-        return max(0.0, tokens - (now - at) * self._rate)
+        left = tokens - (now - at) * self._rate
+        return left if left > 0.0 else 0.0  # max(0.0, left)
 
     def add(self, pod: str, tokens: float) -> None:
         now = self._clock()
@@ -105,6 +109,8 @@ class PrecisePrefixScorer:
         self._floor = min([other_medium_weight, *weights.values()])
         self.backlog = backlog
         self._uncached_weight = uncached_weight
+        size = getattr(index, "block_size", None)  # optional in PrefixSource
+        self._index_block_size = size if callable(size) else None
         self._pending: tuple[int, dict[str, float]] | None = None
 
     def weighted_blocks(self, blocks: int, by_medium: Mapping[str, int]) -> float:
@@ -121,8 +127,8 @@ class PrecisePrefixScorer:
         return score + (blocks - covered) * self._floor
 
     def _block_size(self, model: str, n_tokens: int, total_blocks: int) -> int:
-        size = getattr(self._index, "block_size", None)
-        bs = size(model) if callable(size) else None
+        size = self._index_block_size
+        bs = size(model) if size is not None else None
         return bs if bs else max(1, n_tokens // max(total_blocks, 1))
 
     def score(self, ctx: PickContext, pods: Sequence[Pod]) -> dict[str, float]:
@@ -130,26 +136,31 @@ class PrecisePrefixScorer:
         tokens = ctx.request.token_ids
         if not tokens:
             return {}
-        matches = self._index.match(ctx.base_model, ctx.lora, tokens, [p.name for p in pods])
-        total = max((m.total_blocks for m in matches.values()), default=0)
+        names = [p.name for p in pods]
+        matches = self._index.match(ctx.base_model, ctx.lora, tokens, names)
+        total = max([m.total_blocks for m in matches.values()], default=0)
         if total <= 0:
             return {}
-        bs = self._block_size(ctx.base_model, len(tokens), total)
+        n = len(tokens)
+        bs = self._block_size(ctx.base_model, n, total)
         uncached: dict[str, float] = {}
-        for p in pods:
-            m = matches.get(p.name)
+        matched = ctx.matched
+        for name in names:
+            m = matches.get(name)
             if m is None:
                 continue
-            ctx.matched[p.name] = m.blocks
-            uncached[p.name] = max(0.0, len(tokens) - self.weighted_blocks(m.blocks, m.by_medium or {}) * bs)
-        ctx.total_blocks = max(ctx.total_blocks, total)
+            blocks = matched[name] = m.blocks
+            left = n - (self.weighted_blocks(blocks, m.by_medium or {}) if blocks > 0 else 0.0) * bs
+            uncached[name] = left if left > 0.0 else 0.0  # max(0.0, left)
+        if total > ctx.total_blocks:
+            ctx.total_blocks = total
         self._pending = (id(ctx), uncached)
         if self.backlog is None:
-            return {name: 1.0 - u / len(tokens) for name, u in uncached.items()}
+            return {name: 1.0 - u / n for name, u in uncached.items()}
+        backlog = self.backlog.get
         now = self.backlog.now()
         k = self._uncached_weight
-        return _relative({name: k * u + self.backlog.get(name, now) for name, u in uncached.items()},
-                         k * len(tokens))
+        return _relative({name: k * u + backlog(name, now) for name, u in uncached.items()}, k * n)
 
     def picked(self, ctx: PickContext, pod: Pod) -> None:
         pending, self._pending = self._pending, None

@@ -76,8 +76,10 @@ class MaxScorePicker:
         self._rng = rng
 
     def pick(self, ctx: PickContext, pods: Sequence[Pod], scores: Mapping[str, float]) -> Pod:
-        best = max(scores.get(p.name, 0.0) for p in pods)
-        top = [p for p in pods if scores.get(p.name, 0.0) >= best - 1e-9]
+        get = scores.get
+        values = [get(p.name, 0.0) for p in pods]
+        floor = max(values) - 1e-9
+        top = [p for p, v in zip(pods, values) if v >= floor]
         return top[0] if len(top) == 1 else self._rng.choice(top)
 
 
@@ -120,15 +122,18 @@ class LoadGuard:
         return max(self.abs_slack, self.rel_slack * ref)
 
     def filter(self, ctx: PickContext, pods: Sequence[Pod]) -> list[Pod]:
-        loads = [ctx.running.get(p.name, 0) for p in pods]
+        running = ctx.running.get
+        loads = [running(p.name, 0) for p in pods]
         if len(loads) < 2:
             return list(pods)
         total, others_n, least = sum(loads), len(loads) - 1, min(loads)
         far = least + 2 * self._slack(least)
+        abs_slack, rel_slack = self.abs_slack, self.rel_slack
         kept = []
         for p, load in zip(pods, loads):
             others = (total - load) / others_n
-            if load - others < self._slack(others) and load < far:
+            slack = rel_slack * others  # _slack(others), inlined
+            if load - others < (slack if slack > abs_slack else abs_slack) and load < far:
                 kept.append(p)
         return kept
 
