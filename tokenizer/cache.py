@@ -212,7 +212,7 @@ class CachedTokenizer:
         hit = self._hit(("req", model, _request_key(item)))
         return None if hit is None else memoryview(hit).toreadonly()
 
-    def _hit(self, key: tuple[str, str, str]) -> array | None:
+    def _hit(self, key: tuple) -> array | None:
         hit = self._lru.get(key)
         if hit is not None:
             self._metrics.request_hit += 1
