@@ -8,12 +8,15 @@ Three gateways in one run, same upstream, same request, measured in alternating 
 The upstream is an Envoy answering every request directly (no engine work), so the
 numbers are the gateways' own. Load from `wrk` (Debian package): requests/s at 16
 connections, and p50/p99 latency at 1 connection, from which the added latency of a
-processor is its p50/p99 minus Envoy-only's.
+processor is its p50/p99 minus Envoy-only's. Also, at 16 connections, each processor's own
+CPU time per request (user + system, from /proc on Linux): what its Python code costs, apart
+from Envoy's and wrk's share of the two cores.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import statistics
@@ -90,18 +93,35 @@ def _wrk(url: str, script: Path, connections: int, seconds: float) -> dict:
     argv = ["wrk", "-t", "1", "-c", str(connections), "-d", f"{max(1, round(seconds))}s", "--latency", "-s", str(script),
             url + "/v1/chat/completions"]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=seconds + 30)
-    out = proc.stdout
+    parsed = parse_wrk(proc.stdout)
+    if parsed is None:
+        raise StackError(f"wrk failed (status {proc.returncode}): {proc.stderr.strip() or proc.stdout.strip()}")
+    return parsed
+
+
+def parse_wrk(out: str) -> dict | None:
+    """wrk's report (with --latency): requests/s, requests done, p50/p99 in ms, errors; None without a rate."""
     found = re.search(r"Requests/sec:\s+([\d.]+)", out)
     if not found:
-        raise StackError(f"wrk failed (status {proc.returncode}): {proc.stderr.strip() or out.strip()}")
-    rps = float(found.group(1))
+        return None
+    done = re.search(r"(\d+) requests in", out)
     lat = {}
     for q, value, unit in re.findall(r"^\s+(50|99)%\s+([\d.]+)(us|ms|s)\s*$", out, re.M):
         lat[q] = float(value) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[unit]
     non2xx = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
     errors = re.search(r"Socket errors:.*", out)
-    return {"rps": rps, "p50_ms": lat.get("50"), "p99_ms": lat.get("99"),
+    return {"rps": float(found.group(1)), "requests": int(done.group(1)) if done else 0,
+            "p50_ms": lat.get("50"), "p99_ms": lat.get("99"),
             "non_2xx": int(non2xx.group(1)) if non2xx else 0, "socket_errors": errors.group(0) if errors else ""}
+
+
+def _cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds a process has used (Linux /proc), None where unreadable."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _metric(text: str, name: str, **labels: str) -> float:
@@ -126,13 +146,14 @@ def run(seconds: float, rounds: int, n_pods: int, log) -> dict:
         pods_file = stack.workdir / "pods.yaml"
         pods_file.write_text(yaml.safe_dump(pods))
         grpc_port, http_port = free_port(), free_port()
-        stack.kvgate(env={"KVGATE_PODS_FILE": str(pods_file), "KVGATE_GRPC_PORT": str(grpc_port),
+        kvgate = stack.kvgate(env={"KVGATE_PODS_FILE": str(pods_file), "KVGATE_GRPC_PORT": str(grpc_port),
                           "KVGATE_HTTP_PORT": str(http_port), "KVGATE_ROUTING_STRATEGY": "kv-sync",
                           "KVGATE_TOKENIZER": "local", "KVGATE_TOKENIZER_PATH": str(testdata.path()),
                           "KVGATE_LOG_LEVEL": "warning"}, grpc_port=grpc_port)
         noop_port = free_port()
-        stack.start("noop", [sys.executable, "-m", "bench.noop_processor", str(noop_port), f"127.0.0.1:{up_ports[0]}"],
-                    ready_port=("127.0.0.1", noop_port))
+        noop = stack.start("noop", [sys.executable, "-m", "bench.noop_processor", str(noop_port),
+                                    f"127.0.0.1:{up_ports[0]}"], ready_port=("127.0.0.1", noop_port))
+        pids = {"kvsync": kvgate.popen.pid, "noop": noop.popen.pid}
         gateways = {}
         for name, ext in (("kvsync", grpc_port), ("noop", noop_port)):
             port = free_port()
@@ -160,13 +181,18 @@ def run(seconds: float, rounds: int, n_pods: int, log) -> dict:
 
         script = stack.workdir / "post.lua"
         script.write_text(_LUA.format(body=json.dumps(BODY)))
-        samples: dict[str, dict[str, list]] = {g: {"rps": [], "p50_ms": [], "p99_ms": [], "errors": []}
+        samples: dict[str, dict[str, list]] = {g: {"rps": [], "p50_ms": [], "p99_ms": [], "errors": [], "cpu_us": []}
                                                for g in gateways}
         for rnd in range(rounds):
             for name, url in gateways.items():
+                pid = pids.get(name)
+                before = _cpu_s(pid) if pid else None
                 hi = _wrk(url, script, 16, seconds)
+                after = _cpu_s(pid) if pid else None
                 lo = _wrk(url, script, 1, seconds)
                 s = samples[name]
+                if before is not None and after is not None and hi["requests"]:
+                    s["cpu_us"].append((after - before) / hi["requests"] * 1e6)
                 s["rps"].append(hi["rps"])
                 s["p50_ms"].append(lo["p50_ms"])
                 s["p99_ms"].append(lo["p99_ms"])
@@ -177,13 +203,18 @@ def run(seconds: float, rounds: int, n_pods: int, log) -> dict:
         cached = _metric(metrics, "kvgate_prefix_blocks_total", kind="cached")
         total = _metric(metrics, "kvgate_prefix_blocks_total", kind="total")
 
-    med = {g: {k: statistics.median(v) for k, v in s.items() if k != "errors"} | {"errors": sum(s["errors"])}
-           for g, s in samples.items()}
+    med = {g: {k: statistics.median(v) if v else None for k, v in s.items() if k != "errors"}
+           | {"errors": sum(s["errors"])} for g, s in samples.items()}
     base = med["envoy_only"]
     out = {
         "kvsync_rps": round(med["kvsync"]["rps"], 1), "noop_rps": round(med["noop"]["rps"], 1),
         "envoy_only_rps": round(base["rps"], 1),
         "kvsync_over_noop_rps": round(med["kvsync"]["rps"] / med["noop"]["rps"], 3),
+        # the same ratio round by round (the two measured back to back), for the spread
+        "kvsync_over_noop_rps_per_round": [round(a / b, 3) for a, b in zip(samples["kvsync"]["rps"],
+                                                                           samples["noop"]["rps"])],
+        "kvsync_cpu_us_per_request": _round(med["kvsync"]["cpu_us"], 1),
+        "noop_cpu_us_per_request": _round(med["noop"]["cpu_us"], 1),
         "kvsync_p50_ms": round(med["kvsync"]["p50_ms"], 3), "noop_p50_ms": round(med["noop"]["p50_ms"], 3),
         "envoy_only_p50_ms": round(base["p50_ms"], 3),
         "kvsync_added_p50_ms": round(med["kvsync"]["p50_ms"] - base["p50_ms"], 3),
@@ -197,6 +228,10 @@ def run(seconds: float, rounds: int, n_pods: int, log) -> dict:
     return out
 
 
+def _round(v: float | None, digits: int) -> float | None:
+    return None if v is None else round(v, digits)
+
+
 def table(r: dict) -> str:
     rows = [f"{'gateway':<12} {'req/s @16':>10} {'p50 @1 ms':>10} {'added p50':>10} {'added p99':>10}",
             f"{'envoy only':<12} {r['envoy_only_rps']:>10.0f} {r['envoy_only_p50_ms']:>10.2f} {'-':>10} {'-':>10}",
@@ -206,7 +241,11 @@ def table(r: dict) -> str:
             f"{r['kvsync_added_p99_ms']:>10.2f}",
             f"kv-sync / noop throughput: {r['kvsync_over_noop_rps']:.2f} (target >= 0.80); "
             f"added p50 {r['kvsync_added_p50_ms']:.2f} ms (target <= 1.5); "
-            f"prompt blocks found cached: {r['prefix_blocks_cached_fraction']:.0%}"]
+            f"prompt blocks found cached: {r['prefix_blocks_cached_fraction']:.0%}",
+            f"per round: {', '.join(f'{x:.2f}' for x in r['kvsync_over_noop_rps_per_round'])}"]
+    if r.get("kvsync_cpu_us_per_request") is not None and r.get("noop_cpu_us_per_request") is not None:
+        rows.append(f"processor CPU per request @16: kv-sync {r['kvsync_cpu_us_per_request']:.0f} us, "
+                    f"no-op {r['noop_cpu_us_per_request']:.0f} us")
     return "\n".join(rows)
 
 
