@@ -29,7 +29,10 @@ is the same in all of them; prefix-cache's guess is per replica, learnt from its
 only (as in AIBrix and the Inference Extension). Both prefix strategies also run behind 1 and
 4 replicas (`@1gw`, `@4gw`): with one replica the guess sees every decision.
 --guard-slack, --guard-ratio and --weights configure every Router the way
-KVGATE_ROUTING_GUARD_SLACK, KVGATE_ROUTING_GUARD_RATIO and KVGATE_ROUTING_WEIGHTS do.
+KVGATE_ROUTING_GUARD_SLACK, KVGATE_ROUTING_GUARD_RATIO and KVGATE_ROUTING_WEIGHTS do; the
+`queue` and `kv-util` scorers read the simulated engines' own numbers at pick time. E.g. the
+Inference Extension's default weighting for the router-side guess, behind one replica:
+`--gateways 1 --weights "prefix-cache:approx-prefix=3,load=0,queue=2,kv-util=2" --guard-slack 1000000000 --guard-ratio 0`.
 
 Metrics per run, then the mean over seeds:
 - hit_rate: prompt tokens served from the engines' prefix caches / prompt tokens;

@@ -44,6 +44,7 @@ from kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBat
 from kvcache.index import PrefixIndex
 from kvcache.wire import WireError, decode_batch, encode_batch
 from routing.counts import LocalCounts
+from routing.engine_metrics import EngineLoad
 from routing.pods import Pod
 from routing.registry import PodRegistry
 from routing.router import Router
@@ -166,6 +167,25 @@ class _Oracle:
         self._out_tokens[pod] -= max_tokens
 
 
+class _EngineLoads:
+    """What routing.engine_metrics.EngineMetrics gives the `queue` and `kv-util` scorers, read from
+    the simulated engines at pick time: a scrape without delay, the best case for those scorers.
+    They score only when a strategy's weights include them (`--weights`)."""
+
+    def __init__(self, engines: dict[str, EngineModel]) -> None:
+        self._engines = engines
+
+    def get(self, pod: str) -> EngineLoad | None:
+        engine = self._engines.get(pod)
+        if engine is None:
+            return None
+        m = engine.metrics()
+        return EngineLoad(waiting=float(m.waiting), running=float(m.running), kv_usage=m.kv_usage, at=engine.now)
+
+    def unreachable(self, pod: str) -> bool:
+        return False
+
+
 def engine_config(workload: Workload) -> EngineConfig:
     """The `kvgate sim` defaults, with the workload's KV capacity and batch limit."""
     return EngineConfig(block_size=BLOCK_SIZE, num_blocks=workload.blocks_per_pod,
@@ -217,7 +237,8 @@ async def _run(workload: Workload, policy: Policy, seed: int, strategy_config: S
     if oracle is None:
         pods = [Pod(name=n, address="127.0.0.1", port=8000 + i, model=MODEL) for i, n in enumerate(names)]
         registry, counts = PodRegistry(pods), LocalCounts()
-        routers = [Router(registry, default_strategy=policy.strategy, counts=counts, index=index,
+        loads = _EngineLoads(engines)
+        routers = [Router(registry, default_strategy=policy.strategy, counts=counts, index=index, engines=loads,
                           config=config, seed=seed if g == 0 else seed * 1000 + g)
                    for g in range(policy.gateways)]
     feed_index = policy.strategy == "kv-sync"

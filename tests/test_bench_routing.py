@@ -194,3 +194,19 @@ def test_comparisons_at_other_replica_counts_are_reported_beside_the_targets():
     bench.add_arguments(p)
     assert p.parse_args([]).gateways == bench.DEFAULT_GATEWAYS
     assert bench.main(p.parse_args(["--gateways", "0"])) == 2
+
+
+def test_engine_metric_scorers_read_the_simulated_engines(tiny):
+    from bench.routing_sim import _EngineLoads
+    from sim.engine import EngineModel
+    engine = EngineModel(EngineConfig(num_blocks=64, max_num_seqs=1))
+    engine.add_request("a", list(range(40)), 4, now=0.0)
+    engine.add_request("b", list(range(50, 90)), 4, now=0.0)  # waits: one sequence at a time
+    loads = _EngineLoads({"p": engine})
+    load = loads.get("p")
+    assert (load.running, load.waiting) == (1.0, 1.0) and 0 < load.kv_usage <= 1
+    assert loads.get("other") is None and not loads.unreachable("p")
+    cfg = StrategyConfig(weights={"kv-sync": {"queue": 1.0, "kv-util": 1.0}})
+    first = run(tiny, Policy("kv-sync", "kv-sync"), seed=3, strategy_config=cfg)
+    assert first.requests == len(tiny.requests)
+    assert first == run(tiny, Policy("kv-sync", "kv-sync"), seed=3, strategy_config=cfg)
