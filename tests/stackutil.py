@@ -1,6 +1,7 @@
 """Helpers shared by the integration tests (real processes on loopback)."""
 from __future__ import annotations
 
+import socket
 import sys
 import time
 
@@ -30,3 +31,11 @@ def canary_hits(proc: Proc) -> int:
     """Requests the canary has logged so far, whatever their method (`"PUT /x HTTP/1.1" 501 -`)."""
     text = proc.log_path.read_text(errors="replace")
     return sum(1 for line in text.splitlines() if "HTTP/1" in line)
+
+
+def refused_port() -> tuple[socket.socket, int]:
+    """A loopback port that refuses connections for as long as the returned socket stays open: bound,
+    never listening, so no later free_port() can hand it to another server (an engine that is down)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    return sock, sock.getsockname()[1]

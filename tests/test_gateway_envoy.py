@@ -10,7 +10,7 @@ import httpx
 import pytest
 import yaml
 
-from stackutil import canary_hits, start_canary, wait_until
+from stackutil import canary_hits, refused_port, start_canary, wait_until
 from plugin.stack import Stack, free_port
 
 pytestmark = pytest.mark.integration
@@ -32,9 +32,12 @@ class Env:
             self.sims[name] = port
             pods.append({"name": name, "address": "127.0.0.1", "port": port, "model": MODEL,
                          "kv_events": {"pub_port": pub, "replay_port": rep}})
-        # A pod whose engine is not running: requests to it fail upstream.
-        pods.append({"name": "dead", "address": "127.0.0.1", "port": free_port(), "model": "deadmodel"})
-        pods.append({"name": "drained", "address": "127.0.0.1", "port": free_port(), "model": "drainedmodel",
+        # A pod whose engine is not running: requests to it fail upstream. Its port is held (bound, not
+        # listening), else a server started later (Envoy's admin port, say) could be given it and answer.
+        self.held = [refused_port(), refused_port()]
+        (_, dead_port), (_, drained_port) = self.held
+        pods.append({"name": "dead", "address": "127.0.0.1", "port": dead_port, "model": "deadmodel"})
+        pods.append({"name": "drained", "address": "127.0.0.1", "port": drained_port, "model": "drainedmodel",
                      "ready": False})
         self.pods = pods
         self.pods_file = stack.workdir / "pods.yaml"
@@ -76,6 +79,8 @@ def env():
             yield e
         finally:
             e.client.close()
+            for sock, _ in e.held:
+                sock.close()
             if any(not p.alive() for p in stack.procs):
                 print(e.kvgate.log_tail(), e.envoy.log_tail())
 
