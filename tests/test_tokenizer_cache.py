@@ -432,3 +432,38 @@ def test_metrics_expose_what_prometheus_client_would(local, openmetrics) -> None
     assert ours.get_sample_value("kvgate_tokenizer_cache_tokens_created", {"source": "cache"}) > 0
     with pytest.raises(ValueError):  # a second cache on the same registry collides, as prometheus_client's would
         CachedTokenizer(CountingBackend({MODEL: local}), registry=ours)
+
+
+def _nested_tools(depth: int, leaf: object = 1) -> tuple:
+    value = leaf
+    for _ in range(depth):
+        value = {"a": value}
+    return ({"type": "function", "function": {"name": "f", "parameters": value}},)
+
+
+@pytest.mark.parametrize("depth", [10, 30, 31, 32, 33, 300, 450, 600, 950])
+def test_deeply_nested_input_is_keyed_and_never_an_internal_error(local, depth) -> None:
+    """JSON nests as deep as the parser allows (about 1000 levels); keys still tell inputs apart."""
+    msgs = ({"role": "user", "content": "x"},)
+    a, b = ChatInput(messages=msgs, tools=_nested_tools(depth)), ChatInput(messages=msgs, tools=_nested_tools(depth, 2))
+    ka, kb = _request_key(a), _request_key(b)
+    assert ka != kb and ka == _request_key(ChatInput(messages=msgs, tools=_nested_tools(depth)))
+    hash(ka)
+    cached, _ = make_cached(local)
+    assert cached.cached(MODEL, a) is None
+    try:  # the template may refuse such tools: a TokenizerError (routing on load), nothing else
+        ids = run(cached.tokenize(MODEL, a))
+    except TokenizerError:
+        return
+    assert list(cached.cached(MODEL, a)) == ids
+
+
+def test_input_too_deep_even_for_repr_is_a_tokenizer_error(local) -> None:
+    msgs = ({"role": "user", "content": "x"},)
+    too_deep = ChatInput(messages=msgs, tools=_nested_tools(100_000))
+    with pytest.raises(TokenizerError):
+        _request_key(too_deep)
+    cached, _ = make_cached(local)
+    assert cached.cached(MODEL, too_deep) is None
+    with pytest.raises(TokenizerError):
+        run(cached.tokenize(MODEL, too_deep))

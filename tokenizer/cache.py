@@ -209,7 +209,10 @@ class CachedTokenizer:
         request path). None when not cached (nothing counted: `tokenize` will count the miss)."""
         if isinstance(item, PromptInput) and item.token_ids is not None:
             return None
-        hit = self._hit(("req", model, _request_key(item)))
+        try:
+            hit = self._hit(("req", model, _request_key(item)))
+        except TokenizerError:  # `tokenize` will raise it
+            return None
         return None if hit is None else memoryview(hit).toreadonly()
 
     def _hit(self, key: tuple) -> array | None:
@@ -328,30 +331,56 @@ def _split_at(ids: Sequence[int], sep: int) -> list[list[int]]:
 def _request_key(item: TokenizeInput) -> tuple:
     """A hashable copy of everything the engine's tokenization depends on, equal only for equal
     inputs as a template sees them: key order kept, and 1, 1.0, true, "1", 0.0 and -0.0 apart.
-    Built from the parsed request without copying its strings (repr would copy them all)."""
-    if isinstance(item, ChatInput):
+    Built from the parsed request without copying its strings (repr would copy them all).
+    Raises TokenizerError for input nested deeper than even repr can walk."""
+    if not isinstance(item, ChatInput):
+        return ("prompt", item.text, item.add_special_tokens)
+    try:
         return ("chat", _frozen(item.messages), _frozen(item.tools), item.chat_template,
                 _frozen(item.chat_template_kwargs), item.add_generation_prompt, item.continue_final_message)
-    return ("prompt", item.text, item.add_special_tokens)
+    except _TooDeep:  # nested tuples that deep would make every key comparison recurse as deep
+        pass
+    try:
+        return ("chat-repr", repr((item.messages, item.tools, item.chat_template, item.chat_template_kwargs,
+                                   item.add_generation_prompt, item.continue_final_message)))
+    except RecursionError:
+        raise TokenizerError("the request is nested too deeply to tokenize") from None
 
 
-def _frozen(value: object) -> object:
+_MAX_DEPTH = 32  # JSON nested deeper than this (rare: tool schemas nest a few levels) is keyed by its repr
+
+
+class _TooDeep(Exception):
+    pass
+
+
+def _frozen(value: object, depth: int = 0) -> object:
     """JSON-shaped data as nested tuples: strings as they are, objects and arrays tagged with their type,
-    numbers, booleans and null with their type (floats by repr, which keeps -0.0 and every digit)."""
+    numbers, booleans and null with their type (floats by repr, which keeps -0.0 and every digit).
+    Raises _TooDeep past _MAX_DEPTH levels."""
     t = type(value)
     if t is str:
         return value
-    if t is dict:
-        return (dict, tuple([(k, _frozen(v)) for k, v in value.items()]))
-    if t is list or t is tuple:
-        return (list, tuple([_frozen(v) for v in value]))
+    if t is dict or t is list or t is tuple:
+        if depth >= _MAX_DEPTH:
+            raise _TooDeep
+        if t is dict:
+            return (dict, tuple([(k, _frozen(v, depth + 1)) for k, v in value.items()]))
+        return (list, tuple([_frozen(v, depth + 1) for v in value]))
     if t is float:
         return (float, repr(value))
     return (t, value)
 
 
 def _key_bytes(key: object) -> int:
-    """Approximate bytes a request key holds (its strings and tuples), for the cache's bound."""
-    if type(key) is tuple:
-        return sys.getsizeof(key) + sum(_key_bytes(k) for k in key)
-    return sys.getsizeof(key) if type(key) is str else 16
+    """Approximate bytes a request key holds (its strings and tuples), for the cache's bound.
+    Walked without recursion: a key is as deep as the request's JSON."""
+    total, todo = 0, [key]
+    while todo:
+        k = todo.pop()
+        if type(k) is tuple:
+            total += sys.getsizeof(k)
+            todo.extend(k)
+        else:
+            total += sys.getsizeof(k) if type(k) is str else 16
+    return total
