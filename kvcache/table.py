@@ -209,17 +209,8 @@ class HashMap(OpenTable):
     _COLUMNS = (("value", np.uint64),)
 
     def get(self, k: int) -> int | None:
-        kv, cap = self._k, self.cap
-        s = (k >> 32) * cap >> 32
-        x = kv[s]
-        while x != k:
-            if x == EMPTY:
-                return None
-            s += 1
-            if s == cap:
-                s = 0
-            x = kv[s]
-        return self._value[s]
+        s = self.find(k)
+        return None if s < 0 else self._value[s]
 
     def put(self, k: int, v: int) -> None:
         s, _ = self.claim(k)
