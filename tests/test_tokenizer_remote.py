@@ -36,6 +36,13 @@ async def serve(app: web.Application) -> tuple[web.AppRunner, str]:
     return runner, f"http://127.0.0.1:{port}"
 
 
+def tokenize_app(handle) -> web.Application:
+    """An engine stand-in whose /tokenize is `handle`."""
+    app = web.Application()
+    app.router.add_post("/tokenize", handle)
+    return app
+
+
 def scripted(responses: list, seen: list) -> web.Application:
     """Answers /tokenize with the scripted (status, headers, body) in turn, then 200 [1, 2, 3]."""
 
@@ -48,9 +55,7 @@ def scripted(responses: list, seen: list) -> web.Application:
             return web.json_response({"error": "busy"}, status=status, headers=headers)
         return web.json_response({"count": 3, "max_model_len": 100, "tokens": [1, 2, 3], "token_strs": None})
 
-    app = web.Application()
-    app.router.add_post("/tokenize", handle)
-    return app
+    return tokenize_app(handle)
 
 
 async def test_prompt_and_chat_match_local_tokenizer(local) -> None:
@@ -192,9 +197,7 @@ async def test_connection_refused_and_malformed_answers_raise_tokenizer_error() 
     async def bad(request):
         return web.json_response({"count": 5, "tokens": [1, 2]})
 
-    app = web.Application()
-    app.router.add_post("/tokenize", bad)
-    runner, url = await serve(app)
+    runner, url = await serve(tokenize_app(bad))
     remote = RemoteTokenizer({MODEL: url}, options=FAST)
     try:
         with pytest.raises(TokenizerError, match="count=5"):
@@ -242,9 +245,7 @@ async def test_slow_drip_answer_is_bounded_by_the_attempt_timeout() -> None:
         await resp.write_eof()
         return resp
 
-    app = web.Application()
-    app.router.add_post("/tokenize", drip)
-    runner, url = await serve(app)
+    runner, url = await serve(tokenize_app(drip))
     options = RemoteOptions(total_timeout_s=0.3, attempt_timeout_s=0.3, max_retries=0)
     remote = RemoteTokenizer({MODEL: url}, options=options)
     try:
@@ -270,9 +271,7 @@ async def test_proxy_from_the_environment_is_used_unless_no_proxy_exempts_the_en
         proxied.append((str(request.url), request.headers.get("Proxy-Authorization")))
         return web.json_response({"count": 1, "tokens": [7]})
 
-    app = web.Application()
-    app.router.add_post("/tokenize", via_proxy)
-    proxy, proxy_url = await serve(app)
+    proxy, proxy_url = await serve(tokenize_app(via_proxy))
     _clear_proxy_env(monkeypatch)
     try:
         monkeypatch.setenv("HTTP_PROXY", proxy_url.replace("http://", "http://user:secret@"))
@@ -313,9 +312,7 @@ async def test_one_connection_is_kept_alive_and_a_closed_tokenizer_refuses() -> 
         peers.append(request.transport.get_extra_info("peername"))
         return web.json_response({"count": 1, "tokens": [4]})
 
-    app = web.Application()
-    app.router.add_post("/tokenize", handle)
-    runner, url = await serve(app)
+    runner, url = await serve(tokenize_app(handle))
     remote = RemoteTokenizer({MODEL: url}, options=FAST)
     try:
         for _ in range(5):
@@ -337,9 +334,7 @@ async def test_credentials_in_the_endpoint_url_are_sent_as_basic_auth(monkeypatc
         seen.append(request.headers.get("Authorization"))
         return web.json_response({"count": 1, "tokens": [4]})
 
-    app = web.Application()
-    app.router.add_post("/tokenize", handle)
-    runner, url = await serve(app)
+    runner, url = await serve(tokenize_app(handle))
     remote = RemoteTokenizer({MODEL: url.replace("http://", "http://tok:pw@")}, options=FAST)
     try:
         assert await remote.tokenize(MODEL, PromptInput(text="x")) == [4]
