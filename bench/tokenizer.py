@@ -144,7 +144,6 @@ async def _bench(args: argparse.Namespace, url: str) -> dict:
             await backend.tokenize(MODEL, item)
         if isinstance(backend, CachedTokenizer):
             backend.clear()
-            backend.tokens_cached = backend.tokens_total = 0
 
     # Paths take turns pass by pass, so a burst of load from elsewhere on the machine hits them alike.
     passes: dict[str, list[Run]] = {name: [] for name in backends}
@@ -153,9 +152,11 @@ async def _bench(args: argparse.Namespace, url: str) -> dict:
     for _ in range(max(1, args.repeat)):
         for name, backend in backends.items():
             await reset(backend)
+            before = (backend.tokens_cached, backend.tokens_total) if name == "remote cached" else None
             passes[name].append(await measure(name, lambda item, b=backend: b.tokenize(MODEL, item), requests))
-            if name == "remote cached":
-                hit_ratio = backend.hit_ratio
+            if before is not None:  # this pass's share (the cache's counters never go back)
+                total = backend.tokens_total - before[1]
+                hit_ratio = (backend.tokens_cached - before[0]) / total if total else 0.0
         for name, backend in backends.items():
             await reset(backend)
             rates[name].append(await throughput(lambda item, b=backend: b.tokenize(MODEL, item), requests, args.concurrency))

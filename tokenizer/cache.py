@@ -166,12 +166,20 @@ class CachedTokenizer:
         self._verified: dict[str, int] = {}
         self._mismatched: set[str] = set()
         self._metrics = CacheMetrics(registry)
-        self.tokens_cached = 0
-        self.tokens_total = 0
+
+    @property
+    def tokens_cached(self) -> int:
+        """Tokens returned from the cache since start (a counter)."""
+        return self._metrics.tokens_cache
+
+    @property
+    def tokens_total(self) -> int:
+        """Tokens returned since start (a counter)."""
+        return self._metrics.tokens_cache + self._metrics.tokens_backend
 
     @property
     def hit_ratio(self) -> float:
-        return self.tokens_cached / self.tokens_total if self.tokens_total else 0.0
+        return self._metrics.hit_ratio
 
     def clear(self) -> None:
         """Forget everything, e.g. when a model's tokenizer changed."""
@@ -299,8 +307,6 @@ class CachedTokenizer:
         return out
 
     def _count(self, cached: int, total: int) -> None:
-        self.tokens_cached += cached
-        self.tokens_total += total
         m = self._metrics
         m.tokens_cache += cached
         m.tokens_backend += total - cached
