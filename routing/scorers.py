@@ -150,7 +150,7 @@ class PrecisePrefixScorer:
             if m is None:
                 continue
             blocks = matched[name] = m.blocks
-            left = n - (self.weighted_blocks(blocks, m.by_medium or {}) if blocks > 0 else 0.0) * bs
+            left = n - self.weighted_blocks(blocks, m.by_medium or {}) * bs
             uncached[name] = left if left > 0.0 else 0.0  # max(0.0, left)
         if total > ctx.total_blocks:
             ctx.total_blocks = total

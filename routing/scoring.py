@@ -128,12 +128,10 @@ class LoadGuard:
             return list(pods)
         total, others_n, least = sum(loads), len(loads) - 1, min(loads)
         far = least + 2 * self._slack(least)
-        abs_slack, rel_slack = self.abs_slack, self.rel_slack
         kept = []
         for p, load in zip(pods, loads):
             others = (total - load) / others_n
-            slack = rel_slack * others  # _slack(others), inlined
-            if load - others < (slack if slack > abs_slack else abs_slack) and load < far:
+            if load - others < self._slack(others) and load < far:
                 kept.append(p)
         return kept
 
