@@ -110,27 +110,12 @@ class PrefixIndex:
         if keys_of is None:
             keys_of = self._keys_of[model] = HashMap()
         cleared = False
-        held, one = self._held, 1 << bit
         for ev in events:
             t = type(ev)
             try:
                 if t is BlockRemoved:
-                    hashes = ev.block_hashes
                     if ev.group_idx:
                         self._skip("other_kv_cache_group", ev)
-                    elif len(hashes) == 1 and type(h := hashes[0]) is int and bit < _LOW_BITS and (
-                            table := held.get(ev.medium or DEFAULT_MEDIUM)) is not None:
-                        # vLLM's one event per evicted block: _remove, inline
-                        h = h * _MIX & _M64
-                        if h >= TOMB:
-                            h -= 2
-                        r = release(keys_of, table, h, one, len(held) == 1)
-                        if r >= FREED:
-                            self._entries -= 1
-                            if r == FREED and len(held) > 1:
-                                self._forget_hash_if_unheld(keys_of, h)
-                        elif r == UNKNOWN:
-                            self._skipped["unknown_removed_blocks"] += 1
                     else:
                         self._remove(bit, keys_of, ev)
                 elif t is BlockStored:
@@ -352,10 +337,7 @@ class PrefixIndex:
         if parent is None:
             k = self._root(model, ev)
         else:
-            if type(parent) is not int:
-                parent = _bytes_hash(parent)
-            parent = parent * _MIX & _M64  # _fold, inline
-            k = keys_of.get(parent - 2 if parent >= TOMB else parent)
+            k = keys_of.get(_fold(parent))
             if k is None:  # its chain is unknown: never guess a chain start
                 if not self._skipped["unknown_parent_blocks"]:
                     log.info("prefix index: model %s: blocks under an unknown parent are kept out of chains", model)
@@ -363,16 +345,8 @@ class PrefixIndex:
                 return
         table = self._held.get(ev.medium or DEFAULT_MEDIUM) or self._table(ev.medium)
         self._tick += 1
-        if n == 1:
-            keys = chain_keys(k, tokens, bs)  # an unhashable token id raises before any change
-            h = hashes[0]
-            if type(h) is not int:
-                h = _bytes_hash(h)
-            h = h * _MIX & _M64  # _fold, inline: most stored events carry one block
-            folded = (h - 2 if h >= TOMB else h,)
-        else:
-            keys = chain_keys(k, tokens, bs)  # an unhashable token id raises before any change
-            folded = list(map(_fold, hashes))
+        keys = chain_keys(k, tokens, bs)  # an unhashable token id raises before any change
+        folded = list(map(_fold, hashes))
         if bit < _LOW_BITS:
             self._entries += store(keys_of, table, folded, keys, 1 << bit, self._tick)
             return
@@ -404,12 +378,7 @@ class PrefixIndex:
             self._remove_slow(bit, keys_of, table, ev)
             return
         one, sole = 1 << bit, len(self._held) == 1
-        for h in ev.block_hashes:
-            if type(h) is not int:
-                h = _bytes_hash(h)
-            h = h * _MIX & _M64  # _fold, inline: this is the hottest path (one event per evicted block)
-            if h >= TOMB:
-                h -= 2
+        for h in map(_fold, ev.block_hashes):
             r = release(keys_of, table, h, one, sole)
             if r >= FREED:
                 self._entries -= 1
