@@ -34,11 +34,6 @@ def root_key(model: str, lora: str | None) -> int:
     return int.from_bytes(hashlib.blake2b(scope, digest_size=8).digest(), "big") & KEY_MASK
 
 
-def step(parent: int, block: Sequence[int]) -> int:
-    """The key of `block` (its token ids) under the block keyed `parent`."""
-    return chain_keys(parent, block, len(block))[0] if block else parent
-
-
 def block_keys(model: str, lora: str | None, token_ids: Sequence[int], block_size: int) -> list[int]:
     """Keys of every full block of `token_ids`; a partial last block has none."""
     if block_size <= 0:
