@@ -143,8 +143,7 @@ def run(seconds: float, rounds: int, n_pods: int, log) -> dict:
         stack.sim(name="events", port=sim_port, model=MODEL, kv_events_port=pub, replay_port=replay)
         pods = [{"name": f"pod{i}", "address": "127.0.0.1", "port": p, "model": MODEL} for i, p in enumerate(up_ports)]
         pods[0]["kv_events"] = {"pub_port": pub, "replay_port": replay}
-        pods_file = stack.workdir / "pods.yaml"
-        pods_file.write_text(yaml.safe_dump(pods))
+        pods_file = stack.pods_file(pods)
         grpc_port, http_port = free_port(), free_port()
         kvgate = stack.kvgate(env={"KVGATE_PODS_FILE": str(pods_file), "KVGATE_GRPC_PORT": str(grpc_port),
                           "KVGATE_HTTP_PORT": str(http_port), "KVGATE_ROUTING_STRATEGY": "kv-sync",

@@ -203,8 +203,7 @@ class Env:
         pods.append({"name": "flood", "address": "127.0.0.1", "port": free_port(), "model": MODEL, "ready": False,
                      "kv_events": {"pub_port": self.flood_ports[0], "replay_port": self.flood_ports[1]}})
         self.pods = pods
-        self.pods_file = stack.workdir / "pods.yaml"
-        self.pods_file.write_text(yaml.safe_dump(pods))
+        self.pods_file = stack.pods_file(pods)
         self.canary, self.canary_port = start_canary(stack)
         self.grpc_port, self.http_port = free_port(), free_port()
         self.kvgate_env = {

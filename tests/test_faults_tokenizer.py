@@ -9,7 +9,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
-import yaml
 
 from plugin.stack import Stack, free_port, wait_for_port
 
@@ -54,9 +53,8 @@ def gw():
         stack.sim(name="sim0", port=port, model=MODEL, extra=["--tpot-ms", "2"])
         port1 = free_port()
         stack.sim(name="sim1", port=port1, model=MODEL, extra=["--tpot-ms", "2"])
-        pods_file = stack.workdir / "pods.yaml"
-        pods_file.write_text(yaml.safe_dump([{"name": n, "address": "127.0.0.1", "port": p, "model": MODEL}
-                                             for n, p in (("sim0", port), ("sim1", port1))]))
+        pods_file = stack.pods_file([{"name": n, "address": "127.0.0.1", "port": p, "model": MODEL}
+                                     for n, p in (("sim0", port), ("sim1", port1))])
         grpc_port, http_port = free_port(), free_port()
         env = {"KVGATE_PODS_FILE": str(pods_file), "KVGATE_GRPC_PORT": str(grpc_port),
                "KVGATE_HTTP_PORT": str(http_port), "KVGATE_TOKENIZER_TIMEOUT_S": str(TIMEOUT_S),

@@ -14,7 +14,6 @@ import random
 
 import httpx
 import pytest
-import yaml
 
 from plugin.stack import Stack, free_port
 
@@ -27,18 +26,14 @@ LIMIT = 65536
 @pytest.fixture(scope="module")
 def gw():
     with Stack() as stack:
-        port, pub, replay = free_port(), free_port(), free_port()
-        stack.sim(name="sim0", port=port, model=MODEL, kv_events_port=pub, replay_port=replay,
-                  extra=["--tpot-ms", "2", "--ttft-overhead-ms", "1"])
-        pods_file = stack.workdir / "pods.yaml"
-        pods_file.write_text(yaml.safe_dump([{"name": "sim0", "address": "127.0.0.1", "port": port, "model": MODEL,
-                                              "kv_events": {"pub_port": pub, "replay_port": replay}}]))
+        pods = stack.engines(1, model=MODEL, extra=["--tpot-ms", "2", "--ttft-overhead-ms", "1"])
+        pods_file = stack.pods_file(pods)
         grpc_port, http_port = free_port(), free_port()
         kvgate = stack.kvgate(env={"KVGATE_PODS_FILE": str(pods_file), "KVGATE_GRPC_PORT": str(grpc_port),
                                    "KVGATE_HTTP_PORT": str(http_port), "KVGATE_MAX_BODY_BYTES": str(LIMIT)},
                               grpc_port=grpc_port)
         listen = free_port()
-        stack.envoy(listen_port=listen, extproc_port=grpc_port, default_pool=[("127.0.0.1", port)])
+        stack.envoy(listen_port=listen, extproc_port=grpc_port, default_pool=[("127.0.0.1", pods[0]["port"])])
         with httpx.Client(base_url=f"http://127.0.0.1:{listen}", timeout=30) as client:
             client.kvgate_log = kvgate.log_path
             client.metrics_url = f"http://127.0.0.1:{http_port}/metrics"

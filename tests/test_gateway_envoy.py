@@ -23,15 +23,8 @@ MODEL = "m"
 class Env:
     def __init__(self, stack: Stack):
         self.stack = stack
-        self.sims = {}
-        pods = []
-        for i in range(2):
-            name, port, pub, rep = f"sim{i}", free_port(), free_port(), free_port()
-            stack.sim(name=name, port=port, model=MODEL, kv_events_port=pub, replay_port=rep,
-                      extra=["--tpot-ms", "20", "--ttft-overhead-ms", "2"])
-            self.sims[name] = port
-            pods.append({"name": name, "address": "127.0.0.1", "port": port, "model": MODEL,
-                         "kv_events": {"pub_port": pub, "replay_port": rep}})
+        pods = stack.engines(2, model=MODEL, extra=["--tpot-ms", "20", "--ttft-overhead-ms", "2"])
+        self.sims = {p["name"]: p["port"] for p in pods}
         # A pod whose engine is not running: requests to it fail upstream. Its port is held (bound, not
         # listening), else a server started later (Envoy's admin port, say) could be given it and answer.
         self.held = [refused_port(), refused_port()]
@@ -40,8 +33,7 @@ class Env:
         pods.append({"name": "drained", "address": "127.0.0.1", "port": drained_port, "model": "drainedmodel",
                      "ready": False})
         self.pods = pods
-        self.pods_file = stack.workdir / "pods.yaml"
-        self.pods_file.write_text(yaml.safe_dump(pods))
+        self.pods_file = stack.pods_file(pods)
         # A server outside discovery: nothing a client sends may ever reach it.
         self.canary, self.canary_port = start_canary(stack)
         self.grpc_port, self.http_port = free_port(), free_port()

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 
 from stackutil import canary_hits, start_canary, wait_until
 from plugin.stack import Stack, free_port, wait_for_port
@@ -38,8 +37,7 @@ class Env:
             stack.sim(name=name, port=port, model=MODEL, extra=["--tpot-ms", "2"])
             self.sims[name] = port
             pods.append({"name": name, "address": "127.0.0.1", "port": port, "model": MODEL})
-        self.pods_file = stack.workdir / "pods.yaml"
-        self.pods_file.write_text(yaml.safe_dump(pods))
+        self.pods_file = stack.pods_file(pods)
         self.canary, self.canary_port = start_canary(stack)
         self.grpc_port, self.http_port = free_port(), free_port()
         self.env = {"KVGATE_PODS_FILE": str(self.pods_file), "KVGATE_GRPC_PORT": str(self.grpc_port),
