@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from bench.routing_workloads import BLOCK_SIZE, Workload
+from bench.routing_workloads import BLOCK_SIZE, Workload, prefix_keys
 from kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kvcache.index import PrefixIndex
 from kvcache.wire import WireError, decode_batch, encode_batch
@@ -204,12 +204,8 @@ def ttft_floor(workload: Workload) -> np.ndarray:
     seen: set[int] = set()
     out = []
     for r in sorted(workload.requests, key=lambda r: r.arrival):
-        tokens, n = r.token_ids, len(r.token_ids)
-        keys = []
-        k = 0
-        for i in range(n // bs):
-            k = hash((k, tokens[i * bs:(i + 1) * bs]))
-            keys.append(k)
+        n = len(r.token_ids)
+        keys = prefix_keys(r.token_ids, bs)
         hit = 0
         for key in keys[:(n - 1) // bs]:
             if key not in seen:

@@ -96,13 +96,19 @@ def _prompts(shape: Shape, rng: random.Random) -> list[tuple[int, ...]]:
     return out
 
 
+def prefix_keys(tokens: tuple[int, ...], block_size: int = BLOCK_SIZE) -> list[int]:
+    """One key per full block, chained: equal keys mean equal prefixes (in this process)."""
+    keys, k = [], 0
+    for i in range(len(tokens) // block_size):
+        k = hash((k, tokens[i * block_size:(i + 1) * block_size]))
+        keys.append(k)
+    return keys
+
+
 def _distinct_blocks(prompts: list[tuple[int, ...]]) -> int:
     seen: set[int] = set()
     for p in prompts:
-        k = 0
-        for i in range(len(p) // BLOCK_SIZE):
-            k = hash((k, p[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE]))
-            seen.add(k)
+        seen.update(prefix_keys(p))
     return len(seen)
 
 
