@@ -1,6 +1,11 @@
 """The simulated engine on the network: vLLM's HTTP API in real time over one
 `EngineModel` per data-parallel rank, each publishing its KV events through a
 `kvcache.publisher.EventPublisher` (rank r on ports + r).
+
+A generation request goes to the rank its `X-data-parallel-rank` header names, as in vLLM:
+a value that is not an integer is ignored (the least loaded rank serves it, vLLM's own balancer
+rule), an integer outside [0, dp_size) is refused with 400 (streamed requests get vLLM's
+in-stream error event instead, since vLLM checks the rank after the response has started).
 """
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ log = logging.getLogger(__name__)
 
 _MIN_POLL_S = 0.002
 _INLINE_BYTES = 4096  # request bodies up to this size are tokenized on the event loop, not in a worker thread
+DP_RANK_HEADER = "X-data-parallel-rank"  # read case-insensitively
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,7 +286,11 @@ class SimServer:
             raise ApiError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
                                 f"{len(tokens) + max_tokens} tokens ({len(tokens)} in the messages, {max_tokens} "
                                 f"in the completion). Please reduce the length of the messages or completion.")
-        rank = min(self.ranks, key=_Rank.load)
+        rank = self._rank_for(request)
+        if isinstance(rank, ApiError):
+            if req.stream:  # vLLM meets the bad rank inside the stream it has already answered 200 to
+                return await self._stream_error(request, rank)
+            raise rank
         prefix = "chatcmpl" if req.kind == "chat" else "cmpl"
         response_id = f"{prefix}-{request.headers.get('X-Request-Id') or uuid.uuid4().hex}"
         engine_id = f"{response_id}-{uuid.uuid4().hex[:8]}"
@@ -299,6 +309,25 @@ class SimServer:
         finally:
             if not fut.done():
                 rank.abort(engine_id)
+
+    def _rank_for(self, request: web.Request) -> _Rank | ApiError:
+        """The rank the request's header pins it to, else the least loaded one; an ApiError for a
+        rank this engine does not have."""
+        pinned = _pinned_rank(request.headers.get(DP_RANK_HEADER))
+        if pinned is None:
+            return min(self.ranks, key=_Rank.load)
+        if 0 <= pinned < len(self.ranks):
+            return self.ranks[pinned]
+        return ApiError(400, f"data_parallel_rank {pinned} is out of range [0, {len(self.ranks)}).")
+
+    async def _stream_error(self, request: web.Request, err: ApiError) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           **self._headers()})
+        await resp.prepare(request)
+        await _send(resp, err.body())
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
 
     def _text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
@@ -382,6 +411,17 @@ class SimServer:
         if refused:
             raise ApiError(409, f"requests are running on rank(s) {refused}: their prefix cache was not reset")
         return web.Response(status=200, headers=self._headers())
+
+
+def _pinned_rank(value: str | None) -> int | None:
+    """The header's rank as vLLM reads it: Python's int() of the value; absent or not an integer
+    means not pinned."""
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        return None
 
 
 async def _json(request: web.Request) -> Any:

@@ -357,6 +357,77 @@ async def test_older_generations_and_data_parallel_ranks(generation: str, zctx: 
         await server.stop()
 
 
+def _sse_events(text: str) -> list[str]:
+    return [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+
+
+async def test_rank_header_pins_the_request_to_that_rank(tok: LocalTokenizer) -> None:
+    server = await start_sim(dp_size=2)
+    try:
+        async with httpx.AsyncClient(base_url=server.url, timeout=10) as c:
+            # Concurrent requests the least-loaded balancer would spread: every one goes to rank 1,
+            # whatever the spelling of the header's name.
+            names = ["X-data-parallel-rank", "x-data-parallel-rank", "X-Data-Parallel-Rank"]
+            rs = await asyncio.gather(*(c.post("/v1/completions", headers={names[i % 3]: "1"},
+                                               json={"prompt": f"{LONG_PROMPT} {i}", "max_tokens": 20})
+                                        for i in range(4)))
+            chat = await c.post("/v1/chat/completions", headers={"X-data-parallel-rank": "1"},
+                                json={"messages": [{"role": "user", "content": LONG_PROMPT}], "max_tokens": 2})
+            stream = await c.post("/v1/completions", headers={"X-data-parallel-rank": "1"},
+                                  json={"prompt": LONG_PROMPT, "max_tokens": 3, "stream": True})
+        assert [r.status_code for r in rs] == [200] * 4 and chat.status_code == 200 and stream.status_code == 200
+        assert [r.headers["x-sim-rank"] for r in [*rs, chat, stream]] == ["1"] * 6
+        assert _sse_events(stream.text)[-1] == "[DONE]"
+        assert server.ranks[1].engine.cached_block_hashes() and not server.ranks[0].engine.cached_block_hashes()
+    finally:
+        await server.stop()
+
+
+async def test_rank_header_that_is_no_integer_is_ignored() -> None:
+    server = await start_sim(dp_size=2)
+    try:
+        async with httpx.AsyncClient(base_url=server.url, timeout=10) as c:
+            # Rank 0 busy with a long stream: an unpinned request goes to the least loaded rank, 1.
+            async with c.stream("POST", "/v1/completions", headers={"X-data-parallel-rank": "0"},
+                                json={"prompt": "x", "max_tokens": 500, "stream": True}) as busy:
+                assert busy.headers["x-sim-rank"] == "0"
+                for value in ("one", "", "1.0", "0x1"):
+                    r = await c.post("/v1/completions", headers={"X-data-parallel-rank": value},
+                                     json={"prompt": "hello there", "max_tokens": 1})
+                    assert r.status_code == 200 and r.headers["x-sim-rank"] == "1", value
+    finally:
+        await server.stop()
+
+
+async def test_rank_header_out_of_range_is_refused_like_vllm() -> None:
+    server = await start_sim(dp_size=2)
+    try:
+        async with httpx.AsyncClient(base_url=server.url, timeout=10) as c:
+            for value in ("2", "-1", "17"):
+                for path, body in (("/v1/completions", {"prompt": LONG_PROMPT}),
+                                   ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+                    r = await c.post(path, headers={"X-data-parallel-rank": value}, json=body)
+                    assert r.status_code == 400, (value, path)
+                    assert r.json()["error"] == {"message": f"data_parallel_rank {int(value)} is out of range [0, 2).",
+                                                 "type": "BadRequestError", "param": None, "code": 400}
+                    # Streamed: vLLM has answered 200 before it checks the rank; the error is the stream's event.
+                    r = await c.post(path, headers={"X-data-parallel-rank": value}, json={**body, "stream": True})
+                    assert r.status_code == 200 and "x-sim-rank" not in r.headers
+                    events = _sse_events(r.text)
+                    assert events[-1] == "[DONE]" and len(events) == 2
+                    assert json.loads(events[0])["error"]["message"].startswith(f"data_parallel_rank {int(value)} ")
+        assert not any(rank.engine.cached_block_hashes() for rank in server.ranks)  # nothing ran
+    finally:
+        await server.stop()
+
+
+async def test_rank_header_on_a_single_rank_engine(client: httpx.AsyncClient) -> None:
+    ok = await client.post("/v1/completions", headers={"X-data-parallel-rank": "0"}, json={"prompt": "x"})
+    assert ok.status_code == 200 and ok.headers["x-sim-rank"] == "0"
+    bad = await client.post("/v1/completions", headers={"X-data-parallel-rank": "1"}, json={"prompt": "x"})
+    assert bad.status_code == 400 and bad.json()["error"]["message"] == "data_parallel_rank 1 is out of range [0, 1)."
+
+
 async def test_eviction_is_published(zctx: zmq.asyncio.Context) -> None:
     server = await start_sim(engine=EngineConfig(block_size=16, num_blocks=12, ttft_overhead_s=0.001,
                                                  prefill_s_per_token=0.00001, tpot_base_s=0.001))
