@@ -3,7 +3,8 @@
 Headers arrive first (the client's routing headers are stripped there), then the
 buffered body; the answer to the body names the upstream pod in the
 `x-gateway-destination-endpoint` header, in `envoy.lb` dynamic metadata and, by
-default, in AIBrix's `target-pod` header. The request counts as running on its
+default, in AIBrix's `target-pod` header; for a data-parallel pod it also names the
+rank in `x-data-parallel-rank` (vLLM and SGLang pin the request to that rank). The request counts as running on its
 pod until Envoy closes the stream, which it does when the HTTP request ends.
 """
 from __future__ import annotations
@@ -37,10 +38,12 @@ log = logging.getLogger("kvgate.extproc")
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 TARGET_POD_HEADER = "target-pod"
 STRATEGY_HEADER = "routing-strategy"
+DP_RANK_HEADER = "x-data-parallel-rank"
 LB_NAMESPACE = "envoy.lb"
 KVGATE_NAMESPACE = "kvgate"  # Envoy copies these into the client's x-kvgate-pod / x-kvgate-strategy
-# Headers only kvgate may set: whatever a client sends under these names is dropped.
-RESERVED_HEADERS = frozenset({DESTINATION_HEADER, TARGET_POD_HEADER})
+# Headers only kvgate may set: whatever a client sends under these names is dropped (a client
+# choosing the rank would defeat the routing as surely as one choosing the pod).
+RESERVED_HEADERS = frozenset({DESTINATION_HEADER, TARGET_POD_HEADER, DP_RANK_HEADER})
 RESERVED_PREFIX = "x-kvgate-"
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
@@ -178,12 +181,12 @@ class _Stream:
         self.decision = await self.gw.router.pick(RouteRequest(
             model=request.model, token_ids=token_ids, strategy=strategy, request_id=self.request_id))
         m, d = self.gw.metrics, self.decision
-        key = (d.pod.name, d.pod.endpoint, d.strategy)
+        key = (d.pod.name, d.pod.endpoint, d.strategy, d.rank)
         routed = self.answers.get(key)
         if routed is None:
             if len(self.answers) > 4096:  # pods churn: keep the memo bounded
                 self.answers.clear()
-            routed = self.answers[key] = (self._routed(d.pod, d.strategy, body=True),
+            routed = self.answers[key] = (self._routed(d.pod, d.strategy, body=True, rank=d.rank),
                                           m.decision_seconds.labels(d.strategy), m.decisions.labels(d.strategy, d.pod.name))
         response, seconds, decided = routed
         seconds.observe(time.perf_counter() - started)
@@ -251,15 +254,19 @@ class _Stream:
         self.gw.metrics.requests.labels("models", "routed").inc()
         return self._routed(pod, "any", body=False, remove=remove)
 
-    def _routed(self, pod: Pod, strategy: str, *, body: bool, remove: list[str] | None = None) -> pb.ProcessingResponse:
+    def _routed(self, pod: Pod, strategy: str, *, body: bool, remove: list[str] | None = None,
+                rank: int | None = None) -> pb.ProcessingResponse:
         endpoint = pod.endpoint
         headers = [_set_header(DESTINATION_HEADER, endpoint)]
         if self.gw.target_pod_header:
             headers.append(_set_header(TARGET_POD_HEADER, endpoint))
+        ours = {"pod": pod.name, "strategy": strategy}
+        if rank is not None:
+            headers.append(_set_header(DP_RANK_HEADER, str(rank)))
+            ours["rank"] = rank
         common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=headers, remove_headers=remove or []))
         metadata = struct_pb2.Struct()
-        metadata.update({LB_NAMESPACE: {DESTINATION_HEADER: endpoint},
-                         KVGATE_NAMESPACE: {"pod": pod.name, "strategy": strategy}})
+        metadata.update({LB_NAMESPACE: {DESTINATION_HEADER: endpoint}, KVGATE_NAMESPACE: ours})
         if body:
             return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), dynamic_metadata=metadata)
         return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common), dynamic_metadata=metadata)

@@ -30,6 +30,7 @@ class Decision:
     total_blocks: int = 0  # full blocks in the prompt (0 when not computed)
     request_id: str = ""
     ticket: int = 0  # identifies the running-count increment `release` undoes
+    rank: int | None = None  # the data-parallel rank of `pod` to pin it to; None: not a DP pod
 
 
 @dataclass(slots=True)

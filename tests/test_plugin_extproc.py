@@ -26,12 +26,14 @@ class FakeDecision:
     strategy: str
     matched_blocks: int = 0
     total_blocks: int = 0
+    rank: int | None = None
 
 
 class FakeRouter:
-    def __init__(self, fail: Exception | None = None, needs_tokens: bool = True):
+    def __init__(self, fail: Exception | None = None, needs_tokens: bool = True, rank: int | None = None):
         self.fail = fail
         self.tokens = needs_tokens
+        self.rank = rank
         self.picks = []
         self.running = 0
 
@@ -45,7 +47,7 @@ class FakeRouter:
             raise self.fail
         self.picks.append(req)
         self.running += 1
-        return FakeDecision(POD, req.strategy)
+        return FakeDecision(POD, req.strategy, rank=self.rank)
 
     async def release(self, d):
         self.running -= 1
@@ -121,18 +123,38 @@ async def test_routed_body_sets_destination_headers_and_metadata():
     gw = gateway(router, FakeTokenizer())
     out = await run_stream(gw, [headers("POST", "/v1/completions?x=1",
                                         [("x-gateway-destination-endpoint", "6.6.6.6:1"), ("target-pod", "evil"),
-                                         ("x-kvgate-pod", "evil")]),
+                                         ("x-kvgate-pod", "evil"), ("X-Data-Parallel-Rank", "3")]),
                                 body({"model": "m", "prompt": "hello"})])
     assert len(out) == 2
     assert set(out[0].request_headers.response.header_mutation.remove_headers) == {
-        "x-gateway-destination-endpoint", "target-pod", "x-kvgate-pod"}
+        "x-gateway-destination-endpoint", "target-pod", "x-kvgate-pod", "X-Data-Parallel-Rank"}
     hs = set_headers(out[1].request_body.response)
+    # not a data-parallel decision: no rank header, the client's one is gone
     assert hs == {"x-gateway-destination-endpoint": "10.0.0.7:8000", "target-pod": "10.0.0.7:8000"}
     md = out[1].dynamic_metadata
     assert md["envoy.lb"]["x-gateway-destination-endpoint"] == "10.0.0.7:8000"
-    assert md["kvgate"]["pod"] == "p0" and md["kvgate"]["strategy"] == "kv-sync"
+    assert md["kvgate"]["pod"] == "p0" and md["kvgate"]["strategy"] == "kv-sync" and "rank" not in md["kvgate"]
     assert router.picks[0].token_ids == [1, 2, 3] and router.picks[0].request_id == "rid-1"
     assert router.running == 0  # released when the stream ended
+
+
+async def test_rank_of_the_decision_is_set_and_the_clients_rank_stripped():
+    gw = gateway(FakeRouter(rank=1), FakeTokenizer())
+    for client_rank in ([("x-data-parallel-rank", "0")], []):
+        out = await run_stream(gw, [headers("POST", "/v1/completions", client_rank),
+                                    body({"model": "m", "prompt": "hello"})])
+        assert list(out[0].request_headers.response.header_mutation.remove_headers) == [
+            k for k, _ in client_rank]
+        hs = set_headers(out[1].request_body.response)
+        assert hs == {"x-gateway-destination-endpoint": "10.0.0.7:8000", "target-pod": "10.0.0.7:8000",
+                      "x-data-parallel-rank": "1"}
+        assert out[1].dynamic_metadata["kvgate"]["rank"] == 1
+    # Unrouted paths drop a client's rank too: the engine behind them must not be steered either.
+    for method, path in (("GET", "/v1/models"), ("GET", "/health"), ("POST", "/v1/embeddings")):
+        out = await run_stream(gw, [headers(method, path, [("x-data-parallel-rank", "0")], eos=True)])
+        mutation = out[0].request_headers.response.header_mutation
+        assert list(mutation.remove_headers) == ["x-data-parallel-rank"], path
+        assert "x-data-parallel-rank" not in set_headers(out[0].request_headers.response)
 
 
 async def test_target_pod_header_can_be_switched_off():
