@@ -226,14 +226,43 @@ class PrefixIndex:
               pods: Iterable[str]) -> dict[str, PrefixMatch]:
         """Per candidate pod, the consecutive leading blocks of `token_ids` it holds (best rank)."""
         pods = list(pods)
-        bs = self._block_size.get(model)
-        total = len(token_ids) // bs if bs else 0
         cand = 0
         for p in pods:
             cand |= self._pod_bits.get(p, 0)
+        total, run_any, run_med = self._leading_runs(model, lora, token_ids, cand)
+        return self._per_pod(pods, run_any, run_med, total)
+
+    def match_ranks(self, model: str, lora: str | None, token_ids: Sequence[int],
+                    targets: Iterable[tuple[str, int]]) -> dict[tuple[str, int], PrefixMatch]:
+        """Per candidate (pod, rank), the consecutive leading blocks of `token_ids` that rank holds:
+        match() rank by rank, for sending a request to one rank of a data-parallel pod."""
+        targets = list(targets)
+        slot = self._slot.get
+        cand = 0
+        for target in targets:
+            b = slot(target)
+            if b is not None:
+                cand |= 1 << b
+        total, run_any, run_med = self._leading_runs(model, lora, token_ids, cand)
+        out = dict.fromkeys(targets, PrefixMatch(0, {}, total))  # one shared miss: read-only results
+        if run_any:
+            media = list(run_med.items())
+            for target in targets:
+                b = slot(target)
+                n = run_any.get(b, 0) if b is not None else 0
+                if n:
+                    out[target] = PrefixMatch(n, {m: r[b] for m, r in media if r.get(b)}, total)
+        return out
+
+    def _leading_runs(self, model: str, lora: str | None, token_ids: Sequence[int],
+                      cand: int) -> tuple[int, dict[int, int], dict[str, dict[int, int]]]:
+        """(full blocks in the request, per slot bit of `cand` its leading run in any medium, the
+        same per medium); runs of 0 are left out."""
+        bs = self._block_size.get(model)
+        total = len(token_ids) // bs if bs else 0
         media = [(name, t) for name, t in self._held.items() if t.live]
         if not cand or not total or not media:
-            return {p: PrefixMatch(0, {}, total) for p in pods}
+            return total, {}, {}
         if len(media) == 1 and not cand >> _LOW_BITS and not media[0][1].high:  # one medium, <= 64 pod-ranks
             name, t = media[0]
             if self._tick >= _TICK_LIMIT:
@@ -241,7 +270,7 @@ class PrefixIndex:
             self._tick += 1
             run_any = native.match_runs(token_ids, bs, root_key(model, lora), cand, self._tick, t.keys, t.mask,
                                         t.stamp)
-            return self._per_pod(pods, run_any, {name: run_any}, total)
+            return total, run_any, {name: run_any}
         keys = chain_key_array(root_key(model, lora), token_ids, bs)
         found = [(name, t, t.lookup(keys)) for name, t in media]
         if cand >> _LOW_BITS or any(t.high for _, t in media):  # more than 64 pod-ranks: Python ints
@@ -263,7 +292,7 @@ class PrefixIndex:
             for _, t, slots in found:
                 s = slots[:deepest]
                 t.stamp[s[s >= 0]] = self._tick
-        return self._per_pod(pods, run_any, run_med, total)
+        return total, run_any, run_med
 
     def stats(self) -> dict:
         """Counters and sizes, JSON-able."""

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import pytest
 
+import pytest
+
 from kvcache.blockkeys import block_keys, root_key
 from kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvcache.index import PrefixIndex, PrefixMatch
@@ -159,6 +161,27 @@ def test_data_parallel_pod_reports_its_best_rank():
     ix.apply("a", "m", 1, [chain(1, 5, medium="CPU")])
     ix.apply("a", "m", 2, [chain(1, 4)])
     assert ix.match("m", None, list(TOKENS), ["a"])["a"] == PrefixMatch(5, {"CPU": 5}, 6)
+
+
+@pytest.mark.parametrize("media", [("GPU",), ("GPU", "CPU")])  # the native one-medium walk and the general one
+def test_match_ranks_answers_per_rank_of_a_data_parallel_pod(media):
+    ix = PrefixIndex()
+    ix.apply("a", "m", 1, [chain(1, 3)])
+    ix.apply("b", "m", 0, [chain(1, 6, medium=media[-1])])
+    ix.apply("b", "m", 1, [chain(1, 2)])
+    ix.apply("c", "m", 0, [chain(1, 1)])
+    targets = [("a", 0), ("a", 1), ("b", 0), ("b", 1), ("c", 0), ("d", 0)]
+    got = ix.match_ranks("m", None, list(TOKENS), targets)
+    miss = PrefixMatch(0, {}, 6)
+    assert got == {("a", 0): miss, ("a", 1): PrefixMatch(3, {"GPU": 3}, 6),
+                   ("b", 0): PrefixMatch(6, {media[-1]: 6}, 6), ("b", 1): PrefixMatch(2, {"GPU": 2}, 6),
+                   ("c", 0): PrefixMatch(1, {"GPU": 1}, 6), ("d", 0): miss}
+    # only the candidates count: (b, 0) left out, b's rank 1 answers alone
+    assert ix.match_ranks("m", None, list(TOKENS), [("b", 1)]) == {("b", 1): PrefixMatch(2, {"GPU": 2}, 6)}
+    # match() still answers per pod with its best rank
+    assert ix.match("m", None, list(TOKENS), ["a", "b"]) == {"a": PrefixMatch(3, {"GPU": 3}, 6),
+                                                            "b": PrefixMatch(6, {media[-1]: 6}, 6)}
+    assert ix.match_ranks("other-model", None, list(TOKENS), targets) == dict.fromkeys(targets, PrefixMatch(0, {}, 0))
 
 
 def test_by_medium_counts_leading_blocks_per_medium():

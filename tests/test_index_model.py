@@ -150,6 +150,17 @@ class Fleet:
             out[p] = (best[0], [o[2] for o in options if o[:2] == best[:2]] or [{}], total)
         return out
 
+    def expect_rank(self, model, lora, tokens, pod, rank):
+        """(blocks, by_medium, total) for one (pod, rank)."""
+        bs = MODELS[model] if model in self.learned else None
+        total = len(tokens) // bs if bs else 0
+        if pod not in PODS or PODS[pod][0] != model:
+            return 0, {}, total
+        ids = [(model, lora, tuple(tokens[: (i + 1) * bs])) for i in range(total)]
+        vis = self.visible(pod, rank)
+        by_medium = {m: _run(ids, {i for i, mm in vis if mm == m}) for m in self.media}
+        return _run(ids, {i for i, _ in vis}), {m: n for m, n in by_medium.items() if n}, total
+
     def entries(self):
         return sum(len(self.visible(p, r)) for (p, r) in self.engines)
 
@@ -188,6 +199,12 @@ def check(ix: PrefixIndex, fleet: Fleet, queries: int) -> None:
             blocks, by_medium_options, total = want[p]
             assert (got[p].blocks, got[p].total_blocks) == (blocks, total), (p, model, lora, tokens)
             assert got[p].by_medium in by_medium_options, (p, got[p], by_medium_options)
+        # rank by rank (routing to a data-parallel rank): exact, no best-rank choice involved
+        targets = [(p, r) for p in pods for r in range(PODS[p][1] if p in PODS else 1)]
+        got_ranks = ix.match_ranks(model, lora, tokens, targets)
+        assert set(got_ranks) == set(targets)
+        for (p, r), m in got_ranks.items():
+            assert (m.blocks, m.by_medium, m.total_blocks) == fleet.expect_rank(model, lora, tokens, p, r), (p, r)
 
 
 def event_stream(fleet: Fleet, ix: PrefixIndex, rng: random.Random, steps: int):
