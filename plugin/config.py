@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping
 
 from routing.counts import redact_url
+from routing.strategies import SCORERS, STRATEGIES, markdown_tables, parse_weights
 
 
 class ConfigError(ValueError):
@@ -74,9 +75,6 @@ def _redis_url(raw: str) -> str:
     return value
 
 
-STRATEGIES = ("random", "round-robin", "least-request", "prefix-cache", "kv-sync")
-
-
 @dataclass(frozen=True)
 class Variable:
     env: str
@@ -109,7 +107,7 @@ VARIABLES: tuple[Variable, ...] = (
              "Default strategy; a request may choose another with the `routing-strategy` header."),
     Variable("KVGATE_ROUTING_WEIGHTS", "routing_weights", _text, "",
              "Scorer weights laid over the defaults: `kv-sync:prefix=3,load=2,queue=1;prefix-cache:...` "
-             "(scorers: prefix, approx-prefix, load, queue, kv-util; 0 removes one)."),
+             f"(scorers: {', '.join(SCORERS)}; 0 removes one)."),
     Variable("KVGATE_ROUTING_GUARD_SLACK", "routing_guard_slack", _int_range(0, 1_000_000), 16,
              "Load guard: a pod running this many more requests than the mean of the other pods (or twice "
              "that beyond the least loaded one) is set aside..."),
@@ -228,8 +226,6 @@ class Settings:
         return settings
 
     def _check(self) -> None:
-        from routing.strategies import parse_weights
-
         try:
             parse_weights(self.routing_weights)
         except ValueError as e:
@@ -269,15 +265,21 @@ def _self_check() -> None:
 
 _self_check()
 
+# README sections generated from the tables they document: marker name -> text
+GENERATED = {"config-table": markdown_table, "strategy-table": markdown_tables}
+
+
 def write_readme_table(readme: str) -> None:
-    """Replace the table between the README's config-table markers with the generated one."""
+    """Replace each generated section (between `<!-- name` and `<!-- end name -->`) of the README."""
     with open(readme, encoding="utf-8") as f:
         text = f.read()
-    start = text.index("<!-- config-table")
-    start = text.index("\n", start) + 1
-    end = text.index("<!-- end config-table -->")
+    for marker, make in GENERATED.items():
+        start = text.index(f"<!-- {marker}")
+        start = text.index("\n", start) + 1
+        end = text.index(f"<!-- end {marker} -->")
+        text = text[:start] + make() + "\n" + text[end:]
     with open(readme, "w", encoding="utf-8") as f:
-        f.write(text[:start] + markdown_table() + "\n" + text[end:])
+        f.write(text)
 
 
 if __name__ == "__main__":

@@ -21,9 +21,9 @@ import httpx
 
 from plugin.stack import Stack, StackError, free_port
 from plugin.workload import ChatWorkload, Results, WorkloadShape
+from routing.strategies import NAMES as STRATEGIES
 
 MODEL = "demo-model"
-STRATEGIES = ("random", "round-robin", "least-request", "prefix-cache", "kv-sync")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

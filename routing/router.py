@@ -13,8 +13,8 @@ from routing.errors import NoReadyPodError, UnknownModelError, UnknownStrategyEr
 from routing.metrics import RoutingMetrics
 from routing.pods import Pod
 from routing.registry import PodRegistry
-from routing.scorers import ApproxPrefixScorer, PrefixSource
-from routing.scoring import Decision, PickContext, RouteRequest, Strategy
+from routing.scorers import PrefixSource
+from routing.scoring import Decision, PickContext, RouteRequest, Scorer, Strategy
 from routing.strategies import StrategyConfig, build_strategies
 
 log = logging.getLogger(__name__)
@@ -34,6 +34,9 @@ class Router:
                                                                  index=index, engines=engines)
         if default_strategy not in self._strategies:
             raise UnknownStrategyError(default_strategy, self.strategy_names())
+        # each scorer once, though several strategies may weigh it
+        self._scorers: list[Scorer] = list({id(sc): sc for st in self._strategies.values()
+                                            for sc, _ in st.scorers}.values())
         self.default_strategy = default_strategy
         self._tickets = itertools.count(1)
         self._active: dict[int, str] = {}  # ticket -> pod name, until released
@@ -134,11 +137,11 @@ class Router:
         return pods[0].model, model
 
     def _on_pods(self, added: list[Pod], removed: list[Pod]) -> None:
-        for strategy in self._strategies.values():
-            for scorer, _ in strategy.scorers:
-                if isinstance(scorer, ApproxPrefixScorer):
-                    for p in removed:
-                        scorer.table.forget_pod(p.name)
+        for scorer in self._scorers:
+            try:
+                scorer.pods_changed(added, removed)
+            except Exception:  # one scorer's bookkeeping must not keep the others from theirs
+                log.exception("scorer %s failed to follow a pod change", scorer.name)
 
     # -- debugging ------------------------------------------------------------------------------
 

@@ -7,7 +7,7 @@ from typing import Callable, Mapping, Protocol, Sequence
 from routing.approx import ApproxPrefixTable
 from routing.engine_metrics import EngineMetrics
 from routing.pods import Pod
-from routing.scoring import PickContext
+from routing.scoring import PickContext, Scorer
 
 
 class PrefixMatchLike(Protocol):
@@ -37,7 +37,7 @@ def _relative(values: Mapping[str, float], scale: float) -> dict[str, float]:
     return {k: 1.0 - (v - least) / span for k, v in values.items()}
 
 
-class LoadScorer:
+class LoadScorer(Scorer):
     """Fewer running requests (over every gateway, picks not yet finished included) is better."""
 
     name = "load"
@@ -49,9 +49,6 @@ class LoadScorer:
     def score(self, ctx: PickContext, pods: Sequence[Pod]) -> dict[str, float]:
         running = ctx.running.get
         return _relative({p.name: float(running(p.name, 0)) for p in pods}, self._scale)
-
-    def picked(self, ctx: PickContext, pod: Pod) -> None:
-        return None
 
 
 class PrefillBacklog:
@@ -88,7 +85,7 @@ class PrefillBacklog:
             self._piles.pop(pod, None)
 
 
-class PrecisePrefixScorer:
+class PrecisePrefixScorer(Scorer):
     """Estimated time to first token, in prompt tokens to prefill: this request's tokens the pod
     does not hold per the event-fed index (blocks on slower media count partly uncached: GPU 1.0,
     CPU 0.8 by default) plus the pod's prefill backlog (PrefillBacklog, when given). Uncached tokens
@@ -111,7 +108,6 @@ class PrecisePrefixScorer:
         self._uncached_weight = uncached_weight
         size = getattr(index, "block_size", None)  # optional in PrefixSource
         self._index_block_size = size if callable(size) else None
-        self._pending: tuple[int, dict[str, float]] | None = None
 
     def weighted_blocks(self, blocks: int, by_medium: Mapping[str, int]) -> float:
         # Credit blocks to the best medium holding them first; what is left counts at the lowest weight.
@@ -132,7 +128,6 @@ class PrecisePrefixScorer:
         return bs if bs else max(1, n_tokens // max(total_blocks, 1))
 
     def score(self, ctx: PickContext, pods: Sequence[Pod]) -> dict[str, float]:
-        self._pending = None
         tokens = ctx.request.token_ids
         if not tokens:
             return {}
@@ -154,7 +149,7 @@ class PrecisePrefixScorer:
             uncached[name] = left if left > 0.0 else 0.0  # max(0.0, left)
         if total > ctx.total_blocks:
             ctx.total_blocks = total
-        self._pending = (id(ctx), uncached)
+        ctx.state[self.name] = uncached  # for picked(): the chosen pod's uncached tokens join its backlog
         if self.backlog is None:
             return {name: 1.0 - u / n for name, u in uncached.items()}
         backlog = self.backlog.get
@@ -163,13 +158,12 @@ class PrecisePrefixScorer:
         return _relative({name: k * u + backlog(name, now) for name, u in uncached.items()}, k * n)
 
     def picked(self, ctx: PickContext, pod: Pod) -> None:
-        pending, self._pending = self._pending, None
-        # score() and picked() run back to back, no await between them
-        if self.backlog is not None and pending is not None and pending[0] == id(ctx):
-            self.backlog.add(pod.name, pending[1].get(pod.name, 0.0))
+        uncached = ctx.state.get(self.name)
+        if self.backlog is not None and uncached is not None:
+            self.backlog.add(pod.name, uncached.get(pod.name, 0.0))
 
 
-class ApproxPrefixScorer:
+class ApproxPrefixScorer(Scorer):
     """Leading prompt blocks this gateway already sent to a pod, over the prompt's blocks."""
 
     name = "approx-prefix"
@@ -177,14 +171,13 @@ class ApproxPrefixScorer:
 
     def __init__(self, table: ApproxPrefixTable) -> None:
         self.table = table
-        self._pending: tuple[int, list[int]] | None = None
 
     def score(self, ctx: PickContext, pods: Sequence[Pod]) -> dict[str, float]:
         tokens = ctx.request.token_ids
         if not tokens:
             return {}
         keys = self.table.block_keys(ctx.base_model, ctx.lora, tokens)
-        self._pending = (id(ctx), keys)
+        ctx.state[self.name] = keys  # for picked(): what to record against the chosen pod
         if not keys:
             return {}
         matched = self.table.match(keys, [p.name for p in pods])
@@ -193,12 +186,16 @@ class ApproxPrefixScorer:
         return {name: n / len(keys) for name, n in matched.items()}
 
     def picked(self, ctx: PickContext, pod: Pod) -> None:
-        pending, self._pending = self._pending, None
-        if pending is not None and pending[0] == id(ctx):  # score() and picked() run back to back, no await
-            self.table.record(pending[1], pod.name)
+        keys = ctx.state.get(self.name)
+        if keys:
+            self.table.record(keys, pod.name)
+
+    def pods_changed(self, added: Sequence[Pod], removed: Sequence[Pod]) -> None:
+        for p in removed:
+            self.table.forget_pod(p.name)
 
 
-class QueueScorer:
+class QueueScorer(Scorer):
     """Fewer requests waiting in the engine's queue (scraped) is better; unknown pods score 0.5."""
 
     name = "queue"
@@ -218,11 +215,8 @@ class QueueScorer:
         out.update(_relative(known, self._scale))
         return out
 
-    def picked(self, ctx: PickContext, pod: Pod) -> None:
-        return None
 
-
-class KVUtilizationScorer:
+class KVUtilizationScorer(Scorer):
     """More free KV cache in the engine (scraped) is better: 1 - usage; unknown pods score 0.5."""
 
     name = "kv-util"
@@ -237,6 +231,3 @@ class KVUtilizationScorer:
             load = self._engines.get(p.name)
             out[p.name] = 0.5 if load is None or load.kv_usage is None else 1.0 - load.kv_usage
         return out
-
-    def picked(self, ctx: PickContext, pod: Pod) -> None:
-        return None

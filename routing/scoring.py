@@ -7,7 +7,7 @@ import itertools
 import logging
 import random
 from dataclasses import dataclass, field
-from typing import Mapping, Protocol, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 from routing.pods import Pod
 
@@ -35,7 +35,11 @@ class Decision:
 
 @dataclass(slots=True)
 class PickContext:
-    """What scorers see for one request; prefix scorers fill `matched` and `total_blocks`."""
+    """One request's pick, from filters to `picked`: what scorers see, and the request's own state.
+
+    Prefix scorers fill `matched` and `total_blocks` (the Decision reports them). `state` is the
+    request's cycle state: a scorer keeps what `picked` needs under its own name there, never in
+    `self`, since one scorer instance serves every request."""
 
     request: RouteRequest
     base_model: str
@@ -43,6 +47,7 @@ class PickContext:
     running: Mapping[str, int]
     matched: dict[str, int] = field(default_factory=dict)
     total_blocks: int = 0
+    state: dict[str, Any] = field(default_factory=dict)
 
 
 class Filter(Protocol):
@@ -51,17 +56,24 @@ class Filter(Protocol):
     def filter(self, ctx: PickContext, pods: Sequence[Pod]) -> list[Pod]: ...
 
 
-class Scorer(Protocol):
-    name: str
-    needs_tokens: bool
+class Scorer:
+    """Gives every candidate pod 0..1. One instance per Router serves every strategy weighing it
+    and every request: per-request state goes to `ctx.state`, per-pod state may live in `self`."""
+
+    name: str = ""
+    needs_tokens: bool = False
 
     def score(self, ctx: PickContext, pods: Sequence[Pod]) -> dict[str, float]:
         """0..1 per pod name (missing names count 0); higher is better."""
-        ...
+        raise NotImplementedError
 
     def picked(self, ctx: PickContext, pod: Pod) -> None:
-        """Called once the pod is chosen (learning scorers remember it)."""
-        ...
+        """Called once the pod is chosen, with the same ctx (learning scorers remember it)."""
+        return None
+
+    def pods_changed(self, added: Sequence[Pod], removed: Sequence[Pod]) -> None:
+        """Discovery changed the pods (a changed pod is in both lists): drop what a removed pod held."""
+        return None
 
 
 class Picker(Protocol):

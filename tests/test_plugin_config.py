@@ -6,15 +6,17 @@ from pathlib import Path
 
 import pytest
 
-from plugin.config import VARIABLES, ConfigError, Settings, markdown_table, redact_url
+from plugin.config import GENERATED, VARIABLES, ConfigError, Settings, markdown_table, redact_url
 
 REPO = Path(__file__).resolve().parent.parent
 BASE = {"KVGATE_PODS": "p0=127.0.0.1:8000/m"}
 
 
-def test_readme_table_is_the_generated_one():
+def test_readme_tables_are_the_generated_ones():
     readme = (REPO / "README.md").read_text()
-    assert markdown_table() in readme, "README's table is stale: regenerate it with `python -m plugin.config`"
+    assert markdown_table() in readme, "README's table is stale: regenerate it with `python -m plugin.config README.md`"
+    for marker, make in GENERATED.items():
+        assert make() in readme, f"README's {marker} is stale: regenerate it with `python -m plugin.config README.md`"
 
 
 def test_every_setting_is_used_by_the_wiring():

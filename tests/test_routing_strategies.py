@@ -13,9 +13,10 @@ from routing.metrics import RoutingMetrics
 from routing.pods import Pod
 from routing.registry import PodRegistry
 from routing.router import Router
-from routing.scorers import PrefillBacklog
-from routing.scoring import LoadGuard, PickContext, RouteRequest
-from routing.strategies import StrategyConfig, parse_weights
+from routing.approx import ApproxPrefixTable
+from routing.scorers import ApproxPrefixScorer, PrecisePrefixScorer, PrefillBacklog
+from routing.scoring import LoadGuard, PickContext, RouteRequest, Scorer
+from routing.strategies import NAMES, SCORERS, STRATEGIES, ScorerSpec, StrategyConfig, parse_weights
 
 TOKENS = list(range(64))  # 4 blocks of 16
 
@@ -342,3 +343,75 @@ async def test_debug_snapshot_is_json_and_complete():
     assert snap["strategies"]["default"] == "kv-sync"
     assert snap["counts"]["backend"] == "local"
     assert snap["subscriptions"] == [{"pod": "a", "state": "live"}]
+
+
+# ---- the framework: per-request state in the pick context, scorers and strategies from one table
+
+def ctx_for(tokens):
+    return PickContext(request=RouteRequest("m", tokens), base_model="m", lora=None, running={})
+
+
+def test_learning_scorers_keep_per_request_state_in_the_pick_context():
+    """Two requests scored before either is picked (two strategies' passes, or a future await):
+    each pick records its own request's prompt against its own pod."""
+    scorer = ApproxPrefixScorer(ApproxPrefixTable(block_size=16))
+    first, second = ctx_for(TOKENS), ctx_for([7] * 64)
+    ps = pods("a", "b")
+    scorer.score(first, ps)
+    scorer.score(second, ps)
+    scorer.picked(first, ps[0])
+    scorer.picked(second, ps[1])
+    assert scorer.score(ctx_for(TOKENS), ps) == {"a": 1.0, "b": 0.0}
+    assert scorer.score(ctx_for([7] * 64), ps) == {"a": 0.0, "b": 1.0}
+
+    now = [0.0]
+    backlog = PrefillBacklog(10_000, clock=lambda: now[0])
+    precise = PrecisePrefixScorer(FakeIndex({"a": (4, {"GPU": 4})}), backlog=backlog)
+    first, second = ctx_for(TOKENS), ctx_for(TOKENS)
+    precise.score(first, ps)
+    precise.score(second, ps)
+    precise.picked(first, ps[1])  # b holds nothing: the whole prompt joins its backlog
+    precise.picked(second, ps[0])  # a holds it all: nothing
+    assert backlog.get("b") == 64 and backlog.get("a") == 0
+
+
+class PodWatcher(Scorer):
+    """A scorer added through the table: prefers pod "b" and records pod changes."""
+
+    name = "watcher"
+
+    def __init__(self):
+        self.changes = []
+
+    def score(self, ctx, pods):
+        return {p.name: 1.0 if p.name == "b" else 0.0 for p in pods}
+
+    def pods_changed(self, added, removed):
+        self.changes.append(([p.name for p in added], [p.name for p in removed]))
+
+
+async def test_a_new_policy_is_a_scorer_in_the_table_plus_weights(monkeypatch):
+    built = []
+    monkeypatch.setitem(SCORERS, "watcher", ScorerSpec("watcher", lambda r: built.append(PodWatcher()) or built[-1],
+                                                       (), "test"))
+    cfg = StrategyConfig(weights=parse_weights("least-request:watcher=5"))
+    reg = PodRegistry(pods("a", "b", "c"))
+    r = Router(reg, default_strategy="least-request", config=cfg, seed=0)
+    assert (await r.pick(RouteRequest("m"))).pod.name == "b"
+    # the router tells every scorer about pod changes through the generic hook
+    reg.replace([p for p in reg.pods() if p.name != "c"])
+    assert built[0].changes == [([], ["c"])]
+    assert r.debug_snapshot()["strategies"]["weights"]["least-request"] == {"load": 1.0, "watcher": 5.0}
+
+
+async def test_strategies_and_weights_come_from_the_one_table():
+    from plugin.config import ConfigError, Settings
+    r = router("kv-sync")
+    assert r.strategy_names() == NAMES == tuple(STRATEGIES)
+    for name in NAMES:
+        assert Settings.from_env({"KVGATE_PODS": "p=127.0.0.1:1/m", "KVGATE_ROUTING_STRATEGY": name}).routing_strategy == name
+    with pytest.raises(ConfigError, match="KVGATE_ROUTING_STRATEGY"):
+        Settings.from_env({"KVGATE_PODS": "p=127.0.0.1:1/m", "KVGATE_ROUTING_STRATEGY": "fastest"})
+    weighted = [n for n, spec in STRATEGIES.items() if spec.weighted]
+    text = ";".join(f"{n}:" + ",".join(f"{sc}=0" for sc in SCORERS) for n in weighted)
+    assert parse_weights(text) == {n: dict.fromkeys(SCORERS, 0.0) for n in weighted}
