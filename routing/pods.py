@@ -1,6 +1,7 @@
 """Pods: the vLLM replicas kvgate may route to."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 
@@ -22,6 +23,26 @@ class Pod:
     lora: tuple[str, ...] = ()  # adapter names this pod serves
     kv_events: KVEventsEndpoint | None = None
     ready: bool = True
+    # Set on a routing target for one data-parallel rank of pod `parent` (see rank_targets()):
+    # the router scores and counts each rank of a DP pod as a target of its own.
+    rank: int | None = None
+    parent: str = ""
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks behind the pod's one HTTP port (known from its KV events endpoint)."""
+        return 1 if self.kv_events is None else self.kv_events.dp_size
+
+    @property
+    def pod_name(self) -> str:
+        """The discovered pod's name: `name`, or a rank target's pod."""
+        return self.parent or self.name
+
+    def rank_targets(self) -> tuple[Pod, ...]:
+        """One target per data-parallel rank, named `<name>#<rank>`, at the pod's endpoint: the
+        engine serves a request on the rank its `x-data-parallel-rank` header names."""
+        return tuple(dataclasses.replace(self, name=f"{self.name}#{r}", rank=r, parent=self.name)
+                     for r in range(self.dp_size))
 
     @property
     def endpoint(self) -> str:

@@ -1,5 +1,6 @@
 """Router: per request, the strategy's pick among the model's ready pods, counted as running
-until `release`."""
+until `release`. A data-parallel pod (dp_size > 1) is one target per rank (Pod.rank_targets):
+scored, counted and picked rank by rank; the Decision names the pod and the rank."""
 from __future__ import annotations
 
 import itertools
@@ -46,6 +47,9 @@ class Router:
         self._filtered: dict[str, Any] = {}
         # In-process counts are current by construction: their refresh never waits, so pick skips it.
         self._refresh = type(self._counts).refresh is not LocalCounts.refresh
+        # Data-parallel pods by name: (the pod object the targets were made from, its rank targets).
+        self._targets: dict[str, tuple[Pod, tuple[Pod, ...]]] = {}
+        self._dp = any(p.dp_size > 1 for p in registry.pods())  # False: pick never looks for ranks
         registry.add_listener(self._on_pods)
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -104,20 +108,41 @@ class Router:
         # From here to the count increment nothing awaits: the next pick sees this one.
         base, lora = self._resolve_model(request.model, pods)
         ctx = PickContext(request=request, base_model=base, lora=lora, running=self._counts.totals())
+        if self._dp:
+            targets = self._rank_targets(pods)
+            if targets is not None:
+                pods, ctx.ranks = targets, True
         name = strategy.name
         filtered = self._filtered.get(name)
         if filtered is None:
             filtered = self._filtered[name] = lambda n: self._metrics.guard_excluded.labels(name).inc(n)
-        pod, _ = strategy.choose(ctx, pods, on_error=self._scorer_failed, on_filtered=filtered)
-        self._counts.add(pod.name, 1)
+        target, _ = strategy.choose(ctx, pods, on_error=self._scorer_failed, on_filtered=filtered)
+        self._counts.add(target.name, 1)
         ticket = next(self._tickets)
-        self._active[ticket] = pod.name
+        self._active[ticket] = target.name
         decided = self._decided.get(name)
         if decided is None:
             decided = self._decided[name] = self._metrics.decisions.labels(name)
         decided.inc()
-        return Decision(pod=pod, strategy=name, matched_blocks=ctx.matched.get(pod.name, 0),
-                        total_blocks=ctx.total_blocks, request_id=request.request_id, ticket=ticket)
+        pod = target if target.rank is None else self._targets[target.parent][0]
+        return Decision(pod=pod, strategy=name, matched_blocks=ctx.matched.get(target.name, 0),
+                        total_blocks=ctx.total_blocks, request_id=request.request_id, ticket=ticket,
+                        rank=target.rank)
+
+    def _rank_targets(self, pods: list[Pod]) -> list[Pod] | None:
+        """`pods` with each data-parallel pod replaced by its rank targets; None if there is none."""
+        out = None
+        for i, p in enumerate(pods):
+            if p.dp_size > 1:
+                if out is None:
+                    out = pods[:i]
+                made = self._targets.get(p.name)
+                if made is None or made[0] is not p:  # the registry replaces a pod whose readiness flips
+                    made = self._targets[p.name] = (p, p.rank_targets())
+                out.extend(made[1])
+            elif out is not None:
+                out.append(p)
+        return out
 
     def _scorer_failed(self, scorer: str) -> None:
         self._metrics.scorer_errors.labels(scorer).inc()
@@ -137,6 +162,11 @@ class Router:
         return pods[0].model, model
 
     def _on_pods(self, added: list[Pod], removed: list[Pod]) -> None:
+        for p in removed:
+            self._targets.pop(p.name, None)
+        self._dp = any(p.dp_size > 1 for p in self._registry.pods())
+        # a removed data-parallel pod's rank targets go too (scorers keep per-target state by name)
+        removed = removed + [t for p in removed if p.dp_size > 1 for t in p.rank_targets()]
         for scorer in self._scorers:
             try:
                 scorer.pods_changed(added, removed)
@@ -146,7 +176,8 @@ class Router:
     # -- debugging ------------------------------------------------------------------------------
 
     def running(self) -> dict[str, int]:
-        """Running requests per pod over every live gateway, as this gateway sees them now."""
+        """Running requests per pod (per `<pod>#<rank>` for a data-parallel pod's ranks) over every
+        live gateway, as this gateway sees them now."""
         return self._counts.totals()
 
     def debug_snapshot(self, subscriptions: Any = None) -> dict:
@@ -170,6 +201,11 @@ class Router:
                     "pub_port": p.kv_events.pub_port, "replay_port": p.kv_events.replay_port,
                     "dp_size": p.kv_events.dp_size},
             }
+            if p.dp_size > 1:  # counted per rank target
+                ranks = [t.name for t in p.rank_targets()]
+                entry["running_by_rank"] = [totals.get(t, 0) for t in ranks]
+                entry["running"] = sum(entry["running_by_rank"])
+                entry["running_here"] = sum(local.get(t, 0) for t in ranks)
             if p.name in per_pod_blocks:
                 entry["blocks"] = per_pod_blocks[p.name]
             if p.name in engines:

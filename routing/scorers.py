@@ -22,6 +22,9 @@ class PrefixSource(Protocol):
     def match(self, model: str, lora: str | None, token_ids: Sequence[int],
               pods: Sequence[str]) -> Mapping[str, PrefixMatchLike]: ...
 
+    def match_ranks(self, model: str, lora: str | None, token_ids: Sequence[int],
+                    targets: Sequence[tuple[str, int]]) -> Mapping[tuple[str, int], PrefixMatchLike]: ...
+
     def stats(self) -> dict: ...
 
 
@@ -132,7 +135,12 @@ class PrecisePrefixScorer(Scorer):
         if not tokens:
             return {}
         names = [p.name for p in pods]
-        matches = self._index.match(ctx.base_model, ctx.lora, tokens, names)
+        if ctx.ranks:  # data-parallel rank targets among the candidates: what each rank holds
+            by_rank = self._index.match_ranks(ctx.base_model, ctx.lora, tokens,
+                                              [(p.pod_name, p.rank or 0) for p in pods])
+            matches = {p.name: by_rank[(p.pod_name, p.rank or 0)] for p in pods}
+        else:
+            matches = self._index.match(ctx.base_model, ctx.lora, tokens, names)
         total = max([m.total_blocks for m in matches.values()], default=0)
         if total <= 0:
             return {}
@@ -208,7 +216,7 @@ class QueueScorer(Scorer):
     def score(self, ctx: PickContext, pods: Sequence[Pod]) -> dict[str, float]:
         known = {}
         for p in pods:
-            load = self._engines.get(p.name)
+            load = self._engines.get(p.pod_name)  # a rank target reads its pod's queue (all ranks')
             if load is not None:
                 known[p.name] = load.waiting
         out = dict.fromkeys((p.name for p in pods), 0.5)
@@ -228,6 +236,6 @@ class KVUtilizationScorer(Scorer):
     def score(self, ctx: PickContext, pods: Sequence[Pod]) -> dict[str, float]:
         out = {}
         for p in pods:
-            load = self._engines.get(p.name)
+            load = self._engines.get(p.pod_name)  # a rank target reads its pod's usage (mean over ranks)
             out[p.name] = 0.5 if load is None or load.kv_usage is None else 1.0 - load.kv_usage
         return out

@@ -39,7 +39,9 @@ class PickContext:
 
     Prefix scorers fill `matched` and `total_blocks` (the Decision reports them). `state` is the
     request's cycle state: a scorer keeps what `picked` needs under its own name there, never in
-    `self`, since one scorer instance serves every request."""
+    `self`, since one scorer instance serves every request. `ranks` is True when some candidates
+    are data-parallel rank targets (Pod.rank set, named `<pod>#<rank>`; `pod_name` is the pod's):
+    a scorer reading per-pod sources (the index, engine metrics) must then look them up by rank."""
 
     request: RouteRequest
     base_model: str
@@ -48,6 +50,7 @@ class PickContext:
     matched: dict[str, int] = field(default_factory=dict)
     total_blocks: int = 0
     state: dict[str, Any] = field(default_factory=dict)
+    ranks: bool = False
 
 
 class Filter(Protocol):

@@ -73,3 +73,65 @@ async def test_burst_on_one_cached_prefix_is_spread_by_the_guard():
     snap = r.debug_snapshot()
     assert snap["index"]["entries"] == 8
     assert sum(p["running"] for p in snap["pods"]) == 100
+
+
+def dp_fleet():
+    """`a` a data-parallel engine of two ranks, `b` and `c` plain ones."""
+    from routing.pods import KVEventsEndpoint
+    return [Pod("a", "10.0.0.1", 8000, "m", kv_events=KVEventsEndpoint(dp_size=2)),
+            Pod("b", "10.0.0.2", 8000, "m", kv_events=KVEventsEndpoint()), Pod("c", "10.0.0.3", 8000, "m")]
+
+
+async def test_data_parallel_pod_is_routed_to_the_rank_holding_the_prefix():
+    index, r = setup(*dp_fleet())
+    index.apply("a", "m", 1, [stored(PROMPT, 6)])
+    index.apply("b", "m", 0, [stored(PROMPT, 3, first_hash=100)])
+    d = await r.pick(RouteRequest("m", PROMPT))
+    assert (d.pod.name, d.pod.endpoint, d.rank, d.matched_blocks, d.total_blocks) == ("a", "10.0.0.1:8000", 1, 6, 8)
+    assert d.pod is r._registry.get("a")  # the pod itself, not a rank target
+    assert r.running() == {"a#1": 1}
+    await r.release(d)
+    # rank 0 gets a longer prefix: it wins over its sibling
+    index.apply("a", "m", 0, [stored(PROMPT, 8, first_hash=200)])
+    d = await r.pick(RouteRequest("m", PROMPT))
+    assert (d.pod.name, d.rank, d.matched_blocks) == ("a", 0, 8)
+    await r.release(d)
+    # a plain pod's decision carries no rank
+    index.apply("b", "m", 0, [stored(PROMPT, 8, first_hash=300, medium="GPU")])
+    index.apply("a", "m", 0, [BlockRemoved(tuple(range(200, 208)), medium="GPU")])
+    index.apply("a", "m", 1, [BlockRemoved(tuple(range(1, 7)), medium="GPU")])
+    d = await r.pick(RouteRequest("m", PROMPT))
+    assert (d.pod.name, d.rank, d.matched_blocks) == ("b", None, 8)
+
+
+async def test_each_rank_is_counted_and_balanced_as_a_target():
+    index, r = setup(*dp_fleet())
+    index.apply("a", "m", 1, [stored(PROMPT, 8)])
+    decisions = await asyncio.gather(*(r.pick(RouteRequest("m", PROMPT, request_id=str(i))) for i in range(100)))
+    per_target = collections.Counter(d.pod.name if d.rank is None else f"{d.pod.name}#{d.rank}" for d in decisions)
+    assert set(per_target) == {"a#0", "a#1", "b", "c"}  # four targets, each rank its own
+    assert per_target.most_common(1)[0][0] == "a#1"  # affinity to the rank holding the prefix...
+    least = min(per_target.values())
+    assert per_target["a#1"] - least <= max(StrategyConfig().guard_abs_slack, 0.5 * least)  # ...within the guard
+    assert r.running() == dict(per_target)
+    snap = {p["name"]: p for p in r.debug_snapshot()["pods"]}
+    assert snap["a"]["running_by_rank"] == [per_target["a#0"], per_target["a#1"]]
+    assert snap["a"]["running"] == per_target["a#0"] + per_target["a#1"] and "running_by_rank" not in snap["b"]
+    await asyncio.gather(*(r.release(d) for d in decisions))
+    assert r.running() == {}
+
+
+async def test_without_data_parallel_pods_picks_never_ask_per_rank():
+    index, r = setup()
+    calls = []
+    index.match_ranks = lambda *a: calls.append(a)  # would break kv-sync if it were called
+    index.apply("b", "m", 0, [stored(PROMPT, 4)])
+    d = await r.pick(RouteRequest("m", PROMPT))
+    assert (d.pod.name, d.rank, d.matched_blocks) == ("b", None, 4) and not calls
+    # a data-parallel pod serving another model only: this model's picks are unchanged
+    other = Pod("x", "10.0.0.9", 8000, "other", kv_events=dp_fleet()[0].kv_events)
+    r._registry.replace([*r._registry.pods(), other])
+    d2 = await r.pick(RouteRequest("m", PROMPT))
+    assert (d2.pod.name, d2.rank) == ("b", None) and not calls
+    d3 = await r.pick(RouteRequest("other", PROMPT))
+    assert d3.pod.name == "x" and d3.rank in (0, 1)

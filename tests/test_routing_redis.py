@@ -12,7 +12,7 @@ import time
 import pytest
 
 from routing.counts import LocalCounts, RedisCounts, build_counts, redact_url
-from routing.pods import Pod
+from routing.pods import KVEventsEndpoint, Pod
 from routing.registry import PodRegistry
 from routing.router import Router
 from routing.scoring import RouteRequest
@@ -84,9 +84,9 @@ async def until(predicate, timeout=10.0):
         await asyncio.sleep(0.02)
 
 
-async def gateway(url: str, gid: str, seed: int = 0) -> tuple[Router, RedisCounts]:
+async def gateway(url: str, gid: str, seed: int = 0, pod_list=None) -> tuple[Router, RedisCounts]:
     counts = RedisCounts(url, gid, **FAST)
-    router = Router(PodRegistry(pods()), default_strategy="least-request", counts=counts, seed=seed)
+    router = Router(PodRegistry(pod_list or pods()), default_strategy="least-request", counts=counts, seed=seed)
     await router.start()
     return router, counts
 
@@ -112,6 +112,31 @@ async def test_two_gateways_share_counts(redis_server):
         assert await converged(ca, cb)
         assert ca.totals() == cb.totals() == {f"p{i}": 3 for i in range(4)}
         assert cb.snapshot()["other_gateways"] == 1
+        for d in held_a:
+            await ra.release(d)
+        for d in held_b:
+            await rb.release(d)
+        await ca.flush(), await cb.flush()
+        assert await converged(ca, cb) and ca.totals() == {}
+    finally:
+        await ra.close()
+        await rb.close()
+
+
+async def test_two_gateways_share_counts_per_data_parallel_rank(redis_server):
+    fleet = [Pod("a", "10.0.0.1", 8000, "m", kv_events=KVEventsEndpoint(dp_size=2)), Pod("b", "10.0.0.2", 8000, "m")]
+    ra, ca = await gateway(redis_server.url, "gw-a", 1, fleet)
+    rb, cb = await gateway(redis_server.url, "gw-b", 2, fleet)
+    try:
+        held_a = [await ra.pick(RouteRequest("m")) for _ in range(4)]
+        assert await ca.flush()
+        held_b = [await rb.pick(RouteRequest("m")) for _ in range(2)]  # B sees A's picks per rank
+        assert await cb.flush()
+        assert await converged(ca, cb)
+        # three targets: rank 0 and rank 1 of a (hash fields `a#0`, `a#1`) and b, 2 each
+        assert ca.totals() == cb.totals() == {"a#0": 2, "a#1": 2, "b": 2}
+        assert sorted((d.pod.name, d.rank) for d in held_a + held_b) == [
+            ("a", 0), ("a", 0), ("a", 1), ("a", 1), ("b", None), ("b", None)]
         for d in held_a:
             await ra.release(d)
         for d in held_b:

@@ -10,7 +10,7 @@ import pytest
 from routing.engine_metrics import EngineLoad, EngineMetrics, parse_engine_metrics
 from routing.errors import NoReadyPodError, UnknownModelError, UnknownStrategyError
 from routing.metrics import RoutingMetrics
-from routing.pods import Pod
+from routing.pods import KVEventsEndpoint, Pod
 from routing.registry import PodRegistry
 from routing.router import Router
 from routing.approx import ApproxPrefixTable
@@ -172,6 +172,21 @@ async def test_prefix_cache_forgets_removed_pods():
     reg.replace([p for p in reg.pods() if p.name != first.pod.name])
     d = await r.pick(RouteRequest("m", TOKENS))
     assert d.pod.name != first.pod.name and d.matched_blocks == 0
+
+
+async def test_prefix_cache_learns_per_rank_and_forgets_a_removed_pods_ranks():
+    dp = Pod("a", "10.0.0.1", 8000, "m", kv_events=KVEventsEndpoint(dp_size=2))
+    reg = PodRegistry([dp])
+    r = Router(reg, default_strategy="prefix-cache", seed=0)
+    first = await r.pick(RouteRequest("m", TOKENS))
+    await r.release(first)
+    again = await r.pick(RouteRequest("m", TOKENS))
+    await r.release(again)
+    assert first.rank in (0, 1) and (again.rank, again.matched_blocks) == (first.rank, 4)
+    reg.replace([])
+    reg.replace([dp])
+    d = await r.pick(RouteRequest("m", TOKENS))
+    assert d.matched_blocks == 0
 
 
 @pytest.mark.parametrize("strategy", ["kv-sync", "prefix-cache"])
