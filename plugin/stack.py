@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import random
 import shutil
 import signal
 import socket
@@ -35,6 +36,27 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def free_port_run(n: int, host: str = "127.0.0.1") -> int:
+    """The first of `n` consecutive free ports (a data-parallel engine's rank r binds base + r), drawn
+    below Linux's ephemeral range so that outgoing connections do not take them meanwhile."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 32000 - n)
+        socks = []
+        try:
+            for port in range(base, base + n):
+                s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(s)
+                s.bind((host, port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise StackError(f"no run of {n} free ports found")
 
 
 def wait_for_port(host: str, port: int, timeout: float, proc: subprocess.Popen | None = None,
@@ -191,14 +213,26 @@ class Stack:
         argv += extra or []
         return self.start(name, argv, ready_port=("127.0.0.1", port))
 
-    def engines(self, n: int, *, model: str, extra: list[str] | None = None, prefix: str = "sim") -> list[dict]:
-        """`n` simulated engines publishing KV events with replay; their entries for a pods file."""
+    def engines(self, n: int, *, model: str, extra: list[str] | None = None, prefix: str = "sim",
+                dp: Iterable[int] = ()) -> list[dict]:
+        """`n` simulated engines publishing KV events with replay; their entries for a pods file.
+        `dp`: data-parallel ranks per engine, in order (engines beyond it have one)."""
         pods = []
+        sizes = list(dp)
         for i in range(n):
-            name, port, pub, replay = f"{prefix}{i}", free_port(), free_port(), free_port()
-            self.sim(name=name, port=port, model=model, kv_events_port=pub, replay_port=replay, extra=extra)
-            pods.append({"name": name, "address": "127.0.0.1", "port": port, "model": model,
-                         "kv_events": {"pub_port": pub, "replay_port": replay}})
+            name, port = f"{prefix}{i}", free_port()
+            size = sizes[i] if i < len(sizes) else 1
+            if size == 1:
+                pub, replay, more = free_port(), free_port(), []
+            else:  # rank r publishes on pub + r and replays on replay + r
+                pub = free_port_run(2 * size)
+                replay, more = pub + size, ["--dp-size", str(size)]
+            self.sim(name=name, port=port, model=model, kv_events_port=pub, replay_port=replay,
+                     extra=[*(extra or []), *more])
+            kv = {"pub_port": pub, "replay_port": replay}
+            if size > 1:
+                kv["dp_size"] = size
+            pods.append({"name": name, "address": "127.0.0.1", "port": port, "model": model, "kv_events": kv})
         return pods
 
     def pods_file(self, pods: list[dict]) -> Path:

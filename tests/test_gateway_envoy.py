@@ -23,7 +23,8 @@ MODEL = "m"
 class Env:
     def __init__(self, stack: Stack):
         self.stack = stack
-        pods = stack.engines(2, model=MODEL, extra=["--tpot-ms", "20", "--ttft-overhead-ms", "2"])
+        # sim1 is a data-parallel engine of two ranks behind one port
+        pods = stack.engines(2, model=MODEL, extra=["--tpot-ms", "20", "--ttft-overhead-ms", "2"], dp=(1, 2))
         self.sims = {p["name"]: p["port"] for p in pods}
         # A pod whose engine is not running: requests to it fail upstream. Its port is held (bound, not
         # listening), else a server started later (Envoy's admin port, say) could be given it and answer.
@@ -51,6 +52,9 @@ class Env:
 
     def debug(self) -> dict:
         return httpx.get(f"http://127.0.0.1:{self.http_port}/debug", timeout=5).json()
+
+    def debug_pod(self, name: str) -> dict:
+        return next(p for p in self.debug()["pods"] if p["name"] == name)
 
     def counts_are_zero(self) -> bool:
         d = self.debug()
@@ -176,6 +180,32 @@ def test_spoofed_routing_headers_never_choose_the_upstream(env):
     r = env.client.get("/v1/models", headers={"x-gateway-destination-endpoint": evil})
     assert r.status_code == 200 and r.headers["x-kvgate-pod"] in env.sims
     assert env.canary_hits() == before
+
+
+def test_data_parallel_engine_serves_on_the_rank_kvgate_pins(env):
+    """sim1 has two ranks: kvgate sends a prompt to the rank holding its prefix and pins it there with
+    x-data-parallel-rank; a rank header from the client never reaches an engine."""
+    prompt = "a long shared system prompt for the data parallel test " * 20
+    warm = httpx.post(f"http://127.0.0.1:{env.sims['sim1']}/v1/completions", headers={"X-data-parallel-rank": "1"},
+                      json={"model": MODEL, "prompt": prompt, "max_tokens": 1}, timeout=10)
+    assert warm.headers["x-sim-rank"] == "1"  # warmed directly, not through the gateway
+    assert wait_until(lambda: env.debug_pod("sim1").get("blocks", 0) > 0), env.debug_pod("sim1")
+    for client_rank in ({"x-data-parallel-rank": "0"}, {}):
+        r = env.client.post("/v1/completions", headers=client_rank,
+                            json={"model": MODEL, "prompt": prompt + "and more", "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        # the engine's own balancer would take the idle rank 0 and miss: the pinned rank 1 hits
+        assert (r.headers["x-kvgate-pod"], r.headers["x-sim-rank"]) == ("sim1", "1")
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    # In turn over the three targets (sim0, sim1 rank 0, sim1 rank 1), with a client's rank 7 that
+    # sim0 (one rank) would refuse and sim1 too: it is dropped, and sim1 serves on both ranks in turn.
+    served = []
+    for _ in range(6):
+        r = env.client.post("/v1/completions", headers={"routing-strategy": "round-robin", "x-data-parallel-rank": "7"},
+                            json={"model": MODEL, "prompt": "x", "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        served.append((r.headers["x-kvgate-pod"], r.headers["x-sim-rank"]))
+    assert sorted(served) == [("sim0", "0")] * 2 + [("sim1", "0")] * 2 + [("sim1", "1")] * 2, served
 
 
 def test_counts_return_to_zero_after_finished_cancelled_and_failed(env):
