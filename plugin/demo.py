@@ -1,6 +1,7 @@
 """`kvgate demo`: the whole stack on loopback, then one workload run per strategy.
 
-Starts simulated engines (publishing KV events), redis-server when installed
+Starts simulated engines (publishing KV events; the last one data-parallel with two ranks
+behind one port, which kvgate routes to rank by rank), redis-server when installed
 (else the embedded in-process counts), `kvgate serve` and a real Envoy; drives
 a multi-turn chat workload through Envoy once per strategy and prints, per
 strategy, the prefix cache hit rate (from the engines' own /metrics), TTFT p50/p90,
@@ -32,6 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-traffic", action="store_true",
                    help="start the stack, print one JSON line with its addresses, run until SIGINT/SIGTERM")
     p.add_argument("--sims", type=int, default=3, help="simulated engines (default 3)")
+    p.add_argument("--dp-size", type=int, default=2,
+                   help="data-parallel ranks of the last engine (default 2; 1: every engine has one rank)")
     p.add_argument("--gateways", type=int, default=2,
                    help="kvgate replicas behind Envoy, sharing counts through Redis (default 2, as in production)")
     p.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated strategies to compare")
@@ -54,13 +57,15 @@ _SIM_ARGS = ["--num-blocks", "512", "--block-size", "16", "--ttft-overhead-ms", 
              "--prefill-ms-per-token", "0.1", "--tpot-ms", "2"]
 
 
-def _start(stack: Stack, n_sims: int, n_gateways: int, log) -> dict:
-    pods = stack.engines(n_sims, model=MODEL, extra=_SIM_ARGS)
+def _start(stack: Stack, n_sims: int, n_gateways: int, log, dp_size: int = 1) -> dict:
+    pods = stack.engines(n_sims, model=MODEL, extra=_SIM_ARGS, dp=[1] * (n_sims - 1) + [dp_size])
     engines = [Engine(p["name"], f"http://127.0.0.1:{p['port']}", f"tcp://127.0.0.1:{p['kv_events']['pub_port']}")
                for p in pods]
     for p in pods:
-        log(f"  engine {p['name']} on :{p['port']} (KV events :{p['kv_events']['pub_port']}, "
-            f"replay :{p['kv_events']['replay_port']})")
+        kv = p["kv_events"]
+        dp = kv.get("dp_size", 1)
+        ranks = f", {dp} data-parallel ranks on ports + rank" if dp > 1 else ""
+        log(f"  engine {p['name']} on :{p['port']} (KV events :{kv['pub_port']}, replay :{kv['replay_port']}{ranks})")
     pods_file = stack.pods_file(pods)
     redis_url = ""
     if shutil.which("redis-server"):
@@ -86,7 +91,8 @@ def _start(stack: Stack, n_sims: int, n_gateways: int, log) -> dict:
     return {"envoy_url": f"http://127.0.0.1:{listen}", "metrics_url": f"http://127.0.0.1:{http_port}/metrics",
             "debug_url": f"http://127.0.0.1:{http_port}/debug", "redis_url": redis_url,
             "gateways": [f"http://127.0.0.1:{p}" for p in http_ports],
-            "pods": [{"name": e.name, "url": e.url, "model": MODEL, "kv_events": e.kv_events} for e in engines],
+            "pods": [{"name": e.name, "url": e.url, "model": MODEL, "kv_events": e.kv_events,
+                      "dp_size": p["kv_events"].get("dp_size", 1)} for e, p in zip(engines, pods)],
             "model": MODEL}
 
 
@@ -175,8 +181,8 @@ def _raise_stop(signum, frame):  # SIGTERM behaves like Ctrl-C: unwind, stopping
 
 def main(args: argparse.Namespace) -> int:
     strategies = [s for s in args.strategies.split(",") if s]
-    if args.gateways < 1 or args.sims < 1:
-        print("kvgate demo: --gateways and --sims must be at least 1", file=sys.stderr)
+    if args.gateways < 1 or args.sims < 1 or args.dp_size < 1:
+        print("kvgate demo: --gateways, --sims and --dp-size must be at least 1", file=sys.stderr)
         return 2
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown:
@@ -196,7 +202,7 @@ def main(args: argparse.Namespace) -> int:
     stack = Stack()
     try:
         log(f"kvgate demo: starting {args.sims} engines, kvgate and Envoy on loopback (logs in {stack.workdir})")
-        info = _start(stack, args.sims, args.gateways, log)
+        info = _start(stack, args.sims, args.gateways, log, args.dp_size)
         if args.no_traffic:
             print(json.dumps(info), flush=True)
             signal.signal(signal.SIGINT, _raise_stop)

@@ -35,7 +35,10 @@ def test_no_traffic_prints_one_line_and_stops_everything(sig):
         info = json.loads(line)
         assert set(info) >= {"envoy_url", "metrics_url", "redis_url", "pods", "model"}
         assert len(info["pods"]) == 2
-        assert all(set(p) >= {"name", "url", "model", "kv_events"} for p in info["pods"])
+        assert all(set(p) >= {"name", "url", "model", "kv_events", "dp_size"} for p in info["pods"])
+        assert [p["dp_size"] for p in info["pods"]] == [1, 2]  # the last engine has two data-parallel ranks
+        dp_pod = next(p for p in httpx.get(info["debug_url"], timeout=10).json()["pods"] if p["name"] == "sim1")
+        assert dp_pod["kv_events"]["dp_size"] == 2 and dp_pod["running_by_rank"] == [0, 0]
         r = httpx.post(info["envoy_url"] + "/v1/completions", json={"model": info["model"], "prompt": "hi",
                                                                     "max_tokens": 2}, timeout=30)
         assert r.status_code == 200 and r.headers["x-kvgate-pod"] in {p["name"] for p in info["pods"]}
