@@ -17,6 +17,14 @@ They share one LocalCounts (Redis-shared counts with no lag) and one PrefixIndex
 replica subscribes to every engine, so their indexes are equal); each has its own
 strategies, so `prefix-cache` only learns from its own replica's decisions.
 
+Data-parallel pod (a workload's `dp_size` > 1): the last starting pod is that many engines behind
+one pod name, each rank its own EngineModel publishing its own events (data_parallel_rank set;
+the index keys them by (pod, rank)). A request goes to the rank the Decision names (kvgate sets
+x-data-parallel-rank); without one, to the pod's least loaded rank (running + waiting), the
+engine's own balancer. A policy with `dp_ranks` False runs kvgate as it was before it routed to
+the rank: the pod is one target (its best rank's blocks) and the engine's balancer picks the rank.
+Every "engine" below is one rank; runs are keyed `<pod>#<rank>` for those, as the router's targets.
+
 The oracle (not a Router strategy) knows each engine's cache exactly (a mirror fed by the
 engines' raw events without delay or loss, equal to the engine's cache by construction of
 EngineModel) and the load it created itself. For each pod it predicts this request's TTFT
@@ -46,7 +54,7 @@ from kvcache.index import PrefixIndex
 from kvcache.wire import WireError, decode_batch, encode_batch
 from routing.counts import LocalCounts
 from routing.engine_metrics import EngineLoad
-from routing.pods import Pod
+from routing.pods import KVEventsEndpoint, Pod
 from routing.registry import PodRegistry
 from routing.router import Router
 from routing.scoring import RouteRequest
@@ -66,6 +74,7 @@ class Policy:
     delay_s: float = 0.0
     loss: float = 0.0
     gateways: int = 1  # gateway replicas, requests dealt in turn; see the module docstring
+    dp_ranks: bool = True  # False: a data-parallel pod is one target, its engine's balancer picks the rank
 
     def __post_init__(self) -> None:
         if not (self.delay_s >= 0 and 0 <= self.loss < 1 and self.gateways >= 1):
@@ -89,7 +98,7 @@ class RunResult:
     batches_lost: int = 0
     evicted_blocks: int = 0  # BlockRemoved blocks over every engine (evictions; flushes not counted)
     flushed_blocks: int = 0  # cached blocks dropped by scheduled flushes
-    routed: dict = field(default_factory=dict)  # pod -> requests sent there
+    routed: dict = field(default_factory=dict)  # engine (pod, or <pod>#<rank>) -> requests sent there
     decode_skipped: dict = field(default_factory=dict)  # reason -> count, from decode_batch (and WireError)
     index_stats: dict = field(default_factory=dict)
 
@@ -184,15 +193,17 @@ class _EngineLoads:
     the simulated engines at pick time: a scrape without delay, the best case for those scorers.
     They score only when a strategy's weights include them (`--weights`)."""
 
-    def __init__(self, engines: dict[str, EngineModel]) -> None:
+    def __init__(self, engines: dict[str, EngineModel], ranks: dict[str, list[str]] | None = None) -> None:
         self._engines = engines
+        self._ranks = ranks if ranks is not None else {k: [k] for k in engines}  # pod -> its engines' keys
 
     def get(self, pod: str) -> EngineLoad | None:
-        engine = self._engines.get(pod)
-        if engine is None:
+        keys = self._ranks.get(pod)
+        if keys is None:
             return None
-        m = engine.metrics()
-        return EngineLoad(waiting=float(m.waiting), running=float(m.running), kv_usage=m.kv_usage, at=engine.now)
+        ms = [self._engines[k].metrics() for k in keys]  # summed over ranks, usage averaged, as scraped
+        return EngineLoad(waiting=float(sum(m.waiting for m in ms)), running=float(sum(m.running for m in ms)),
+                          kv_usage=sum(m.kv_usage for m in ms) / len(ms), at=self._engines[keys[0]].now)
 
     def unreachable(self, pod: str) -> bool:
         return False
@@ -235,22 +246,31 @@ def run(workload: Workload, policy: Policy, seed: int, strategy_config: Strategy
 
 async def _run(workload: Workload, policy: Policy, seed: int, strategy_config: StrategyConfig | None) -> RunResult:
     cfg = engine_config(workload)
-    names = [f"pod-{i}" for i in range(workload.total_pods)]
-    engines = {n: EngineModel(cfg) for n in names}
-    active = names[:workload.pods_at_start]  # in the fleet; the others join on schedule
+    pod_names = [f"pod-{i}" for i in range(workload.total_pods)]
+    dp = workload.dp_size
+    dp_pod = pod_names[workload.pods_at_start - 1] if dp > 1 else None  # the last starting pod
+    ranks = {n: [f"{n}#{r}" for r in range(dp)] if n == dp_pod else [n] for n in pod_names}  # pod -> engines
+    owner = {k: (n, r if n == dp_pod else 0) for n, keys in ranks.items() for r, k in enumerate(keys)}
+    names = [k for n in pod_names for k in ranks[n]]  # every engine (a DP pod's ranks one by one)
+    engines = {k: EngineModel(dataclasses.replace(cfg, data_parallel_rank=owner[k][1]) if k != owner[k][0] else cfg)
+               for k in names}
+    active = pod_names[:workload.pods_at_start]  # in the fleet; the others join on schedule
+    active_keys = [k for n in active for k in ranks[n]]
     index = PrefixIndex()
-    oracle = _Oracle({n: engines[n] for n in active}, cfg) if policy.strategy == ORACLE else None
+    oracle = _Oracle({k: engines[k] for k in active_keys}, cfg) if policy.strategy == ORACLE else None
     routers: list[Router] = []
     trees: list[CharTreePolicy] = []
     clock = [0.0]  # virtual now, for the strategies' time-based estimates (kv-sync's prefill backlog)
     config = dataclasses.replace(strategy_config or StrategyConfig(), clock=lambda: clock[0])
-    all_pods = [Pod(name=n, address="127.0.0.1", port=8000 + i, model=MODEL) for i, n in enumerate(names)]
+    all_pods = [Pod(name=n, address="127.0.0.1", port=8000 + i, model=MODEL,
+                    kv_events=KVEventsEndpoint(dp_size=dp if n == dp_pod and policy.dp_ranks else 1))
+                for i, n in enumerate(pod_names)]
     registry = PodRegistry(all_pods[:len(active)])
     if policy.strategy == CHAR_TREE:
         trees = [CharTreePolicy(active, random.Random(f"char-tree:{seed}:{g}")) for g in range(policy.gateways)]
     elif oracle is None:
         counts = LocalCounts()
-        loads = _EngineLoads(engines)
+        loads = _EngineLoads(engines, ranks)
         routers = [Router(registry, default_strategy=policy.strategy, counts=counts, index=index, engines=loads,
                           config=config, seed=seed if g == 0 else seed * 1000 + g)
                    for g in range(policy.gateways)]
@@ -266,21 +286,22 @@ async def _run(workload: Workload, policy: Policy, seed: int, strategy_config: S
     skipped: Counter[str] = Counter()
     next_t = dict.fromkeys(names, math.inf)
     inflight: dict[str, tuple[str, object]] = {}  # req_id -> (pod, (router, decision), max_tokens or None)
-    running = dict.fromkeys(names, 0)  # routed and not finished: what LocalCounts holds, for char-tree
+    running = dict.fromkeys(names, 0)  # per engine, routed and not finished
+    pod_running = dict.fromkeys(pod_names, 0)  # per pod: what char-tree balances on
     routed = dict.fromkeys(names, 0)
     ratios: list[float] = []
     completions: list[Completion] = []
 
-    def pump(pod: str, now: float) -> None:
+    def pump(key: str, now: float) -> None:
         nonlocal seq, published, lost, evicted
-        t = engines[pod].next_event_time()
-        next_t[pod] = math.inf if t is None else t
-        for batch in engines[pod].drain_events():
+        t = engines[key].next_event_time()
+        next_t[key] = math.inf if t is None else t
+        for batch in engines[key].drain_events():
             for ev in batch.events:
                 if type(ev) is BlockRemoved:
                     evicted += len(ev.block_hashes)
             if oracle is not None:
-                oracle.mirror.apply(pod, batch)
+                oracle.mirror.apply(key, batch)
             if not feed_index:
                 continue
             published += 1
@@ -289,18 +310,26 @@ async def _run(workload: Workload, policy: Policy, seed: int, strategy_config: S
                 lost += 1
                 continue
             seq += 1
-            heapq.heappush(deliveries, (now + policy.delay_s, seq, pod, payload))
+            heapq.heappush(deliveries, (now + policy.delay_s, seq, owner[key][0], payload))
 
-    async def finish(pod: str, done: list[Completion]) -> None:
+    async def finish(key: str, done: list[Completion]) -> None:
         for comp in done:
             completions.append(comp)
             _, handle = inflight.pop(comp.req_id)
-            running[pod] -= 1
+            running[key] -= 1
+            pod_running[owner[key][0]] -= 1
             if routers:
                 router, decision = handle
                 await router.release(decision)
             elif oracle is not None:
-                oracle.finished(pod, handle)
+                oracle.finished(key, handle)
+
+    def least_loaded_rank(pod: str) -> str:
+        """The engine's own balancer: its least loaded rank (running + waiting), the first on ties."""
+        keys = ranks[pod]
+        if len(keys) == 1:
+            return keys[0]
+        return min(keys, key=lambda k: (lambda m: m.running + m.waiting)(engines[k].metrics()))
 
     reqs = workload.requests
     i = 0
@@ -314,10 +343,10 @@ async def _run(workload: Workload, policy: Policy, seed: int, strategy_config: S
             break
         clock[0] = t
         if te <= t:
-            for pod in names:
-                if next_t[pod] <= t:
-                    await finish(pod, engines[pod].advance(t))
-                    pump(pod, t)
+            for key in names:
+                if next_t[key] <= t:
+                    await finish(key, engines[key].advance(t))
+                    pump(key, t)
         elif td <= t:
             while deliveries and deliveries[0][0] <= t:
                 _, _, pod, payload = heapq.heappop(deliveries)
@@ -332,36 +361,43 @@ async def _run(workload: Workload, policy: Policy, seed: int, strategy_config: S
         elif tc <= t:
             _, kind, k = changes[ci]
             ci += 1
-            pod = names[k]
-            if kind == "flush":
-                flushed += engines[pod].metrics().cached_blocks
-                engines[pod].reset_prefix_cache(t, force=True)
-                await finish(pod, engines[pod].advance(t))
+            pod = pod_names[k]
+            if kind == "flush":  # every rank of the pod: its /reset_prefix_cache resets them all
+                for key in ranks[pod]:
+                    flushed += engines[key].metrics().cached_blocks
+                    engines[key].reset_prefix_cache(t, force=True)
+                    await finish(key, engines[key].advance(t))
             else:  # join: discovery reports the new engine; every router, tree and the oracle follow
                 active.append(pod)
+                active_keys.extend(ranks[pod])
                 registry.replace(all_pods[:len(active)])
                 for tree in trees:
                     tree.add_pod(pod)
                 if oracle is not None:
-                    oracle.add(pod, engines[pod])
-            pump(pod, t)
+                    for key in ranks[pod]:
+                        oracle.add(key, engines[key])
+            for key in ranks[pod]:
+                pump(key, t)
         else:
             r = reqs[i]
             if routers:
                 router = routers[i % len(routers)]
                 decision = await router.pick(RouteRequest(MODEL, list(r.token_ids), None, r.req_id))
                 pod, handle = decision.pod.name, (router, decision)
+                key = least_loaded_rank(pod) if decision.rank is None else ranks[pod][decision.rank]
             elif trees:
-                pod, handle = trees[i % len(trees)].pick(r.token_ids, running), None
+                pod, handle = trees[i % len(trees)].pick(r.token_ids, pod_running), None
+                key = least_loaded_rank(pod)
             else:
-                pod, handle = oracle.pick(r.token_ids, r.max_tokens, t), r.max_tokens
+                key, handle = oracle.pick(r.token_ids, r.max_tokens, t), r.max_tokens
             i += 1
-            inflight[r.req_id] = (pod, handle)
-            running[pod] += 1
-            routed[pod] += 1
-            engines[pod].add_request(r.req_id, r.token_ids, r.max_tokens, t)
-            pump(pod, t)
-            loads = [running[p] for p in active]
+            inflight[r.req_id] = (key, handle)
+            running[key] += 1
+            pod_running[owner[key][0]] += 1
+            routed[key] += 1
+            engines[key].add_request(r.req_id, r.token_ids, r.max_tokens, t)
+            pump(key, t)
+            loads = [running[k] for k in active_keys]
             ratios.append(max(loads) / (sum(loads) / len(loads)))
 
     out = _result(workload, policy, seed, engines, completions, ratios, published, decoded, lost, index)

@@ -110,9 +110,16 @@ class ChatShape:
     flush_every_s: float = 0.0  # > 0: one engine's prefix cache reset this often (rotating, seeded order)
     join_at_s: float | None = None  # one engine joins at this time
     max_num_seqs: int = 64
+    dp_size: int = 1  # > 1: the last starting pod is a data-parallel engine of this many ranks
+
+    @property
+    def engines(self) -> int:
+        """Engines at the start: a data-parallel pod's ranks count one each (each has its own KV
+        cache and batch, as each rank has its own GPU)."""
+        return self.pods + self.dp_size - 1
 
     def decode_capacity_rps(self) -> float:
-        return _decode_capacity_rps(self.pods, self.max_num_seqs, self.output_tokens)
+        return _decode_capacity_rps(self.engines, self.max_num_seqs, self.output_tokens)
 
     @property
     def request_rps(self) -> float:
@@ -124,6 +131,8 @@ class ChatShape:
             extra += f"; one engine's cache flushed every {self.flush_every_s:g} s"
         if self.join_at_s is not None:
             extra += f"; an engine joins at {self.join_at_s:g} s"
+        if self.dp_size > 1:
+            extra += f"; pod-{self.pods - 1} is data-parallel with {self.dp_size} ranks"
         return (f"chat: {self.tenants} Zipf({self.zipf_s:g}) tenants, {self.system_tokens[0]}-{self.system_tokens[1]}"
                 f"-token system prompts, {self.turns[0]}-{self.turns[1]} turns (+{self.user_tokens[0]}-"
                 f"{self.user_tokens[1]} user, +{self.output_tokens} reply tokens each), {self.output_tokens} out, "
@@ -135,7 +144,7 @@ class ChatShape:
                 "turns": list(self.turns), "turn_gap_s": list(self.turn_gap_s), "duration_s": self.duration_s,
                 "pods": self.pods, "capacity_ratio": self.capacity_ratio, "load": self.load,
                 "request_rps": round(self.request_rps, 1), "flush_every_s": self.flush_every_s,
-                "join_at_s": self.join_at_s}
+                "join_at_s": self.join_at_s, "dp_size": self.dp_size}
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +173,11 @@ class Workload:
     @property
     def total_pods(self) -> int:
         return self.shape.pods + len(self.joins)
+
+    @property
+    def dp_size(self) -> int:
+        """Ranks of the data-parallel pod (the last starting one); 1: no such pod."""
+        return getattr(self.shape, "dp_size", 1)
 
 
 def w1(quick: bool = False) -> Shape:
@@ -307,7 +321,7 @@ def _build_chat(shape: ChatShape, seed: int) -> Workload:
     joins = ((shape.join_at_s, shape.pods),) if shape.join_at_s is not None else ()
     return Workload(
         shape=shape, seed=seed, requests=requests, working_set_blocks=ws,
-        blocks_per_pod=math.ceil(ws / shape.capacity_ratio / shape.pods),
+        blocks_per_pod=math.ceil(ws / shape.capacity_ratio / shape.engines),  # per engine (rank)
         compulsory_hit_rate=1.0 - _compulsory_misses(requests) / prompt_tokens if prompt_tokens else 0.0,
         flushes=flushes, joins=joins,
     )
@@ -339,3 +353,10 @@ def w5(quick: bool = False) -> ChatShape:
     """Scale-out: the chat workload at the 3 starting pods' decode capacity (saturated once the
     conversations' later turns add up, ~8 s in); a 4th pod joins at 10 s."""
     return _chat_shape("W5", load=1.0, join_at_s=10.0)
+
+
+def w6(quick: bool = False) -> ChatShape:
+    """Data-parallel: the chat workload (85% of decode capacity, KV at the 73% ratio) on 3 pods, the
+    third a data-parallel engine of 2 ranks behind one pod name: 4 engines. Routing to the pod
+    alone leaves the rank to the engine's least-loaded balancer, which knows nothing of caches."""
+    return _chat_shape("W6", dp_size=2)

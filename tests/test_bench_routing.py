@@ -336,3 +336,32 @@ def test_issue_13_targets_compare_with_the_best_other_policy_at_each_replica_cou
     assert t["W3 @1gw: kv-sync hit rate >= best other + 3 points, or >= oracle - 1"]["met"]
     info = bench.comparisons({"workloads": {"W3": {"policies": {**p, "x": {"hit_rate": 0.9, "ttft_p90_s": 1.0}}}}})
     assert list(info) == ["W3: oracle hit rate below x's by (points)"]
+
+
+def test_data_parallel_pod_is_one_engine_per_rank_and_kv_sync_routes_to_the_rank():
+    import dataclasses
+    shape = dataclasses.replace(TINY_CHAT, dp_size=2, load=0.6)
+    wl = workloads.build(shape, seed=2)
+    assert wl.dp_size == 2 and shape.engines == 4
+    # every rank is its own engine: the index has a slot per (pod, rank), every policy fills both ranks
+    ranked = run(wl, Policy("kv-sync", "kv-sync"), seed=1)
+    assert set(ranked.routed) == {"pod-0", "pod-1", "pod-2#0", "pod-2#1"}
+    assert ranked.index_stats["slots"] == 4 and ranked.index_stats["skipped"] == {}
+    assert ranked == run(wl, Policy("kv-sync", "kv-sync"), seed=1)
+    for policy in (Policy("kv-sync@no-rank", "kv-sync", dp_ranks=False), Policy("char-tree", "char-tree"),
+                   Policy(ORACLE, ORACLE)):
+        r = run(wl, policy, seed=1)
+        assert r.requests == len(wl.requests) and r.routed.get("pod-2#0", 0) > 0 and r.routed.get("pod-2#1", 0) > 0
+    # routing to the rank holding each conversation's history beats leaving the rank to the balancer
+    blind = run(wl, Policy("kv-sync@no-rank", "kv-sync", dp_ranks=False), seed=1)
+    assert ranked.hit_rate > blind.hit_rate
+
+
+def test_data_parallel_workload_compares_kv_sync_with_and_without_the_rank():
+    names = [p.name for p in bench.shape_policies(workloads.w6(), 2)]
+    assert "kv-sync@no-rank" in names and names[-1] == ORACLE
+    assert "kv-sync@no-rank" not in [p.name for p in bench.shape_policies(workloads.w3(), 2)]
+    p = {"kv-sync": {"hit_rate": 0.8, "ttft_p90_s": 0.05}, "kv-sync@no-rank": {"hit_rate": 0.75, "ttft_p90_s": 0.04}}
+    t = bench.targets({"gateways": 2, "workloads": {"W6": {"policies": p}}})
+    assert t["W6: kv-sync routed to the rank: hit rate >= kv-sync@no-rank's"]["met"]
+    assert not t["W6: kv-sync routed to the rank: TTFT p90 <= kv-sync@no-rank's"]["met"]
