@@ -40,7 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--tpot-ms-per-seq", type=float, default=d.tpot_per_seq_s * 1e3,
       help=f"added decode step time per running request (default {d.tpot_per_seq_s * 1e3:g})")
     a("--max-tokens-default", type=int, default=16, help="output tokens when a request sets none (default 16)")
-    a("--dp-size", type=int, default=1, help="data-parallel ranks; rank r publishes on ports + r (default 1)")
+    a("--dp-size", type=int, default=1, help="data-parallel ranks; rank r publishes on ports + r; a request's "
+      "X-data-parallel-rank header picks its rank, as in vLLM (default 1)")
     a("--kv-events-port", type=int, default=5557, help="KV events PUB port of rank 0 (default 5557)")
     a("--replay-port", type=int, default=5558, help="KV events replay ROUTER port of rank 0 (default 5558; 0: none)")
     a("--no-kv-events", action="store_true", help="publish no KV events")
