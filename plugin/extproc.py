@@ -40,7 +40,7 @@ TARGET_POD_HEADER = "target-pod"
 STRATEGY_HEADER = "routing-strategy"
 DP_RANK_HEADER = "x-data-parallel-rank"
 LB_NAMESPACE = "envoy.lb"
-KVGATE_NAMESPACE = "kvgate"  # Envoy copies these into the client's x-kvgate-pod / x-kvgate-strategy
+KVGATE_NAMESPACE = "kvgate"  # Envoy copies these into the client's x-kvgate-pod / -strategy / -rank
 # Headers only kvgate may set: whatever a client sends under these names is dropped (a client
 # choosing the rank would defeat the routing as surely as one choosing the pod).
 RESERVED_HEADERS = frozenset({DESTINATION_HEADER, TARGET_POD_HEADER, DP_RANK_HEADER})

@@ -195,7 +195,7 @@ def test_data_parallel_engine_serves_on_the_rank_kvgate_pins(env):
                             json={"model": MODEL, "prompt": prompt + "and more", "max_tokens": 1})
         assert r.status_code == 200, r.text
         # the engine's own balancer would take the idle rank 0 and miss: the pinned rank 1 hits
-        assert (r.headers["x-kvgate-pod"], r.headers["x-sim-rank"]) == ("sim1", "1")
+        assert (r.headers["x-kvgate-pod"], r.headers["x-kvgate-rank"], r.headers["x-sim-rank"]) == ("sim1", "1", "1")
         assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     # In turn over the three targets (sim0, sim1 rank 0, sim1 rank 1), with a client's rank 7 that
     # sim0 (one rank) would refuse and sim1 too: it is dropped, and sim1 serves on both ranks in turn.
@@ -204,8 +204,9 @@ def test_data_parallel_engine_serves_on_the_rank_kvgate_pins(env):
         r = env.client.post("/v1/completions", headers={"routing-strategy": "round-robin", "x-data-parallel-rank": "7"},
                             json={"model": MODEL, "prompt": "x", "max_tokens": 1})
         assert r.status_code == 200, r.text
-        served.append((r.headers["x-kvgate-pod"], r.headers["x-sim-rank"]))
-    assert sorted(served) == [("sim0", "0")] * 2 + [("sim1", "0")] * 2 + [("sim1", "1")] * 2, served
+        served.append((r.headers["x-kvgate-pod"], r.headers["x-sim-rank"], r.headers.get("x-kvgate-rank")))
+    # the response names the rank kvgate chose (a one-rank engine: no rank)
+    assert sorted(served) == [("sim0", "0", None)] * 2 + [("sim1", "0", "0")] * 2 + [("sim1", "1", "1")] * 2, served
 
 
 def test_counts_return_to_zero_after_finished_cancelled_and_failed(env):
