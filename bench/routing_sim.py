@@ -197,10 +197,12 @@ class _EngineLoads:
         self._engines = engines
         self._ranks = ranks if ranks is not None else {k: [k] for k in engines}  # pod -> its engines' keys
 
-    def get(self, pod: str) -> EngineLoad | None:
+    def get(self, pod: str, rank: int | None = None) -> EngineLoad | None:
         keys = self._ranks.get(pod)
         if keys is None:
             return None
+        if rank is not None and len(keys) > 1:  # one rank's own numbers, as vLLM's `engine` label gives
+            keys = keys[rank:rank + 1]
         ms = [self._engines[k].metrics() for k in keys]  # summed over ranks, usage averaged, as scraped
         return EngineLoad(waiting=float(sum(m.waiting for m in ms)), running=float(sum(m.running for m in ms)),
                           kv_usage=sum(m.kv_usage for m in ms) / len(ms), at=self._engines[keys[0]].now)

@@ -5,6 +5,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
+from typing import Mapping
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -26,22 +27,42 @@ class EngineLoad:
     running: float
     kv_usage: float | None  # 0..1
     at: float  # time.monotonic() of the scrape
+    # per value of the `engine` label when there are several (vLLM: one per data-parallel rank)
+    ranks: Mapping[str, EngineLoad] | None = None
+
+
+def _load(waiting: float, running: float, usage: list[float], at: float) -> EngineLoad:
+    kv = min(1.0, max(0.0, sum(usage) / len(usage))) if usage else None
+    return EngineLoad(waiting=waiting, running=running, kv_usage=kv, at=at)
 
 
 def parse_engine_metrics(text: str, at: float = 0.0) -> EngineLoad:
-    """Queue lengths summed over an engine's series, KV usage averaged (DP ranks report one each)."""
-    waiting = running = 0.0
-    usage: list[float] = []
+    """Queue lengths summed over an engine's series, KV usage averaged (DP ranks report one each,
+    labelled `engine`); with several ranks, each one's own numbers in `ranks`."""
+    per: dict[str, list] = {}  # engine label -> [waiting, running, usage samples]
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name == WAITING:
-                waiting += s.value
+                i = 0
             elif s.name == RUNNING:
-                running += s.value
+                i = 1
             elif s.name in KV_USAGE:
-                usage.append(s.value)
-    kv = min(1.0, max(0.0, sum(usage) / len(usage))) if usage else None
-    return EngineLoad(waiting=waiting, running=running, kv_usage=kv, at=at)
+                i = 2
+            else:
+                continue
+            acc = per.get(s.labels.get("engine", ""))
+            if acc is None:
+                acc = per[s.labels.get("engine", "")] = [0.0, 0.0, []]
+            if i == 2:
+                acc[2].append(s.value)
+            else:
+                acc[i] += s.value
+    whole = _load(sum(a[0] for a in per.values()), sum(a[1] for a in per.values()),
+                  [u for a in per.values() for u in a[2]], at)
+    if len(per) < 2:
+        return whole
+    ranks = {engine: _load(w, r, u, at) for engine, (w, r, u) in per.items()}
+    return EngineLoad(whole.waiting, whole.running, whole.kv_usage, at, ranks)
 
 
 class EngineMetrics:
@@ -69,10 +90,14 @@ class EngineMetrics:
         """True when the pod's engine could not be connected to at the last scrape (down or restarting)."""
         return pod in self._down
 
-    def get(self, pod: str) -> EngineLoad | None:
+    def get(self, pod: str, rank: int | None = None) -> EngineLoad | None:
+        """The pod's load; with `rank`, that data-parallel rank's own where the engine reports it
+        (vLLM's `engine` label), else the pod's."""
         load = self._loads.get(pod)
         if load is None or time.monotonic() - load.at > 3 * self._interval:
             return None
+        if rank is not None and load.ranks:
+            return load.ranks.get(str(rank), load)
         return load
 
     def put(self, pod: str, load: EngineLoad) -> None:

@@ -216,7 +216,7 @@ class QueueScorer(Scorer):
     def score(self, ctx: PickContext, pods: Sequence[Pod]) -> dict[str, float]:
         known = {}
         for p in pods:
-            load = self._engines.get(p.pod_name)  # a rank target reads its pod's queue (all ranks')
+            load = self._engines.get(p.pod_name, p.rank)  # a data-parallel rank's own queue
             if load is not None:
                 known[p.name] = load.waiting
         out = dict.fromkeys((p.name for p in pods), 0.5)
@@ -236,6 +236,6 @@ class KVUtilizationScorer(Scorer):
     def score(self, ctx: PickContext, pods: Sequence[Pod]) -> dict[str, float]:
         out = {}
         for p in pods:
-            load = self._engines.get(p.pod_name)  # a rank target reads its pod's usage (mean over ranks)
+            load = self._engines.get(p.pod_name, p.rank)  # a data-parallel rank's own usage
             out[p.name] = 0.5 if load is None or load.kv_usage is None else 1.0 - load.kv_usage
         return out

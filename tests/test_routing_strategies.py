@@ -320,6 +320,25 @@ def test_parse_engine_metrics():
     load = parse_engine_metrics(VLLM_METRICS, at=1.0)
     assert (load.waiting, load.running, round(load.kv_usage, 3)) == (5.0, 7.0, 0.6)
     assert parse_engine_metrics("").kv_usage is None
+    # each data-parallel rank's own numbers, by the `engine` label
+    assert {e: (r.waiting, r.running, r.kv_usage) for e, r in load.ranks.items()} == {
+        "0": (3.0, 7.0, 0.5), "1": (2.0, 0.0, 0.7)}
+    assert parse_engine_metrics(VLLM_METRICS.replace('engine="1",', 'engine="0",')).ranks is None  # one engine
+
+
+async def test_engine_metric_scorers_read_a_data_parallel_ranks_own_numbers():
+    import time
+    reg = PodRegistry([Pod("a", "10.0.0.1", 8000, "m", kv_events=KVEventsEndpoint(dp_size=2)),
+                       Pod("b", "10.0.0.2", 8000, "m")])
+    engines = EngineMetrics(reg, interval_s=60)
+    now = time.monotonic()
+    engines.put("a", parse_engine_metrics(VLLM_METRICS, at=now))  # rank 0: 3 waiting, rank 1: 2
+    engines.put("b", EngineLoad(waiting=2.5, running=0, kv_usage=0.6, at=now))
+    assert engines.get("a", 1).waiting == 2.0 and engines.get("a").waiting == 5.0 and engines.get("b", 0).waiting == 2.5
+    cfg = StrategyConfig(weights=parse_weights("least-request:load=0,queue=1"))
+    r = Router(reg, default_strategy="least-request", engines=engines, config=cfg, seed=0)
+    d = await r.pick(RouteRequest("m"))
+    assert (d.pod.name, d.rank) == ("a", 1)  # the shortest queue is one rank's, not the pod's sum
 
 
 async def test_engine_metric_scorers_join_a_strategy_by_weights():
