@@ -60,7 +60,8 @@ def _tokenizer(settings: Settings, registry: CollectorRegistry) -> tuple[Tokeniz
     `auto` with tokenizer files (a directory for every model, or the hub per model) verifies local tokens
     against the engines' /tokenize (tokenizer.verified); without files, or with `remote`, the engines
     tokenize; `local` uses the directory alone. The cache's piece level (local rendering, pieces from the
-    backend) is used only where the remote tokenizer serves every request."""
+    backend) needs the directory; with the verified path it serves a request only once that request's shape
+    is verified, and its answers are sampled like the rest."""
     local = LocalTokenizer.from_path(settings.tokenizer_path) if settings.tokenizer_path else None
     verified = None
     if settings.tokenizer == "local":
@@ -81,13 +82,15 @@ def _tokenizer(settings: Settings, registry: CollectorRegistry) -> tuple[Tokeniz
     if settings.tokenizer_cache_mb == 0:
         return inner, verified
     segmenter = None
-    if local is not None and verified is None:
+    if local is not None:
         try:
             segmenter = Segmenter.from_local(local)
         except NotSegmentable as e:  # still exact, just without piece caching
             log.warning("tokenizer cache: whole requests only (%s)", e)
     cached = CachedTokenizer(inner, default_segmenter=segmenter,
-                             options=CacheOptions(max_bytes=settings.tokenizer_cache_mb << 20), registry=registry)
+                             options=CacheOptions(max_bytes=settings.tokenizer_cache_mb << 20), registry=registry,
+                             trust=verified.trusts if verified is not None else None,
+                             observe=verified.observe if verified is not None else None)
     if verified is not None:
         # Entries made from local tokens of a model found wrong are dropped (all of them: it is rare).
         verified.on_disagreement = lambda model: cached.clear()

@@ -221,3 +221,33 @@ async def test_files_loaded_in_the_background_then_verified(engine_tok) -> None:
     assert tok.status()["unknown"]["state"] == "unavailable" and "no such repository" in tok.status()["unknown"]["error"]
     assert asked == [MODEL, "unknown"]  # once per model
     await tok.aclose()
+
+
+async def test_the_piece_cache_serves_only_verified_shapes_and_its_answers_are_sampled(engine_tok, tmp_path) -> None:
+    from tokenizer.cache import CachedTokenizer, CacheOptions
+    from tokenizer.segments import Segmenter
+
+    template = engine_tok.hf.chat_template.replace(
+        "{{- message['content'] -}}", "{{- message['content'] | replace('zebra', 'zebra ') -}}")
+    wrong = _with_template(tmp_path, template)
+    engine = Engine(engine_tok)
+    registry = CollectorRegistry()
+    verified = VerifiedTokenizer(engine, local=wrong, options=VerifyOptions(verify_requests=2, sample_rate=1.0),
+                                 registry=registry)
+    cache = CachedTokenizer(verified, default_segmenter=Segmenter.from_local(wrong), registry=registry,
+                            options=CacheOptions(verify_requests=1), trust=verified.trusts, observe=verified.observe)
+    verified.on_disagreement = lambda model: cache.clear()
+    tools = ({"type": "function", "function": {"name": "f"}},)
+    assert not verified.trusts(MODEL, chat("x"))
+    for text in ("one", "two"):
+        await cache.tokenize(MODEL, chat(text))
+    await verified.settle()
+    assert verified.trusts(MODEL, chat("x")) and not verified.trusts(MODEL, chat("x", tools=tools))
+    calls = engine.calls
+    await cache.tokenize(MODEL, chat("three", tools=tools))  # not verified: whole, by the engine
+    assert engine.calls == calls + 1
+    await cache.tokenize(MODEL, chat("a zebra"))  # pieces, checked once against the (wrong) local whole
+    await cache.tokenize(MODEL, chat("another zebra"))  # pieces again; observed and sampled
+    await verified.settle()
+    assert disagreements(registry) == 1 and not verified.trusts(MODEL, chat("x"))
+    assert await cache.tokenize(MODEL, chat("another zebra")) == engine_tok.encode(chat("another zebra"))

@@ -27,7 +27,7 @@ import sys
 import time
 from array import array
 from collections import OrderedDict
-from collections.abc import Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
@@ -146,6 +146,9 @@ class CachedTokenizer:
 
     `segmenters` (per model, else `default_segmenter`) enable the piece level; each must be
     built from that model's own tokenizer files. Models without one get the request level only.
+    With `trust`, the piece level (which renders chats locally) serves an input only when
+    trust(model, input) holds (tokenizer.verified: its shape was verified against the engine), and
+    `observe(model, input, ids, base_url)` is told of every answer assembled from pieces (to sample it).
     """
 
     def __init__(
@@ -156,8 +159,12 @@ class CachedTokenizer:
         default_segmenter: Segmenter | None = None,
         options: CacheOptions = CacheOptions(),
         registry: CollectorRegistry | None = None,
+        trust: Callable[[str, TokenizeInput], bool] | None = None,
+        observe: Callable[[str, TokenizeInput, list[int], str | None], None] | None = None,
     ) -> None:
         self._inner = inner
+        self._trust = trust
+        self._observe = observe
         self._segmenters = dict(segmenters or {})
         self._default_segmenter = default_segmenter
         self._lru = ByteLRU(options.max_bytes, options.max_entry_bytes)
@@ -195,6 +202,8 @@ class CachedTokenizer:
             return hit.tolist()
         self._metrics.request_miss += 1
         segmenter = None if model in self._mismatched else self._segmenters.get(model, self._default_segmenter)
+        if segmenter is not None and self._trust is not None and not self._trust(model, item):
+            segmenter = None
         try:
             planned = segmenter.pieces(item) if segmenter is not None else None
         except ValueError as e:
@@ -207,6 +216,8 @@ class CachedTokenizer:
             ids = await self._from_pieces(model, segmenter, pieces, base_url, affixes)
             if self._verified.get(model, 0) < self._verify_requests:
                 ids = await self._verify(model, item, base_url, ids)
+            elif self._observe is not None:
+                self._observe(model, item, ids, base_url)
         self._lru.put(key, ids, _key_bytes(key))
         self._update_size()
         return ids

@@ -170,6 +170,22 @@ class VerifiedTokenizer:
             self._check_later(m, shape, item, None, ids, base_url)
         return ids
 
+    def trusts(self, model: str, item: TokenizeInput) -> bool:
+        """Whether local tokens of `item` may serve now (its shape is verified for `model`)."""
+        m = self._models.get(model)
+        return m is not None and m.local is not None and not m.disabled and shape_of(item) in m.verified
+
+    def observe(self, model: str, item: TokenizeInput, ids: list[int], base_url: str | None) -> None:
+        """`ids` were served for `item` from local work done elsewhere (the cache's pieces): counted, and
+        sampled against the engine like the requests served here."""
+        m = self._models.get(model)
+        if m is None or m.disabled:
+            return
+        m.served["local"] += 1
+        m.count_local.inc()
+        if self._options.sample_rate and self._rng() < self._options.sample_rate:
+            self._check_later(m, shape_of(item), item, list(ids), None, base_url)
+
     async def _encode(self, local: LocalTokenizer, item: TokenizeInput) -> list[int]:
         if input_size(item) >= self._options.offload_chars:
             return await asyncio.to_thread(local.encode, item)
