@@ -75,3 +75,49 @@ def test_hf_endpoint_hf_token_and_hf_home_come_from_the_environment(hub, tmp_pat
                          env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     assert Path(out.stdout.strip()).is_relative_to(tmp_path / "hf" / "hub")
+
+
+@pytest.mark.integration
+def test_kvgate_serve_fetches_from_the_hub_verifies_then_tokenizes_locally(hub, tmp_path) -> None:
+    """The product path: `kvgate serve` with KVGATE_TOKENIZER_HUB fetches the model's files by its name from
+    HF_ENDPOINT, verifies them against the sim's /tokenize, then stops asking it."""
+    import httpx
+
+    from plugin.stack import Stack, free_port
+    from stackutil import wait_until
+
+    model = "org/tiny"  # the hub repository of the sim's (test) tokenizer
+    with Stack() as stack:
+        pods = stack.engines(1, model=model)
+        grpc_port, http_port, listen = free_port(), free_port(), free_port()
+        stack.kvgate(env={"KVGATE_PODS_FILE": str(stack.pods_file(pods)), "KVGATE_GRPC_PORT": str(grpc_port),
+                          "KVGATE_HTTP_PORT": str(http_port), "KVGATE_TOKENIZER_HUB": "true",
+                          "KVGATE_TOKENIZER_CACHE_DIR": str(tmp_path / "cache"),
+                          "KVGATE_TOKENIZER_VERIFY_REQUESTS": "2", "KVGATE_TOKENIZER_SAMPLE_RATE": "0",
+                          "HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf")}, grpc_port=grpc_port)
+        stack.envoy(listen_port=listen, extproc_port=grpc_port, default_pool=[("127.0.0.1", pods[0]["port"])])
+        debug, metrics = f"http://127.0.0.1:{http_port}/debug", f"http://127.0.0.1:{http_port}/metrics"
+
+        def chat(i: int) -> None:
+            r = httpx.post(f"http://127.0.0.1:{listen}/v1/chat/completions", timeout=30, json={
+                "model": model, "max_tokens": 1, "messages": [{"role": "user", "content": f"question {i}"}]})
+            assert r.status_code == 200, r.text
+
+        def state() -> dict:
+            return httpx.get(debug, timeout=5).json()["tokenizer"]["models"].get(model, {})
+
+        chat(0)
+        wait_until(lambda: state().get("state") == "verifying")  # fetched from the stand-in hub, loaded
+        i = 1
+        while state()["state"] != "serving":  # each request is answered by the sim and compared
+            assert i < 20, state()
+            chat(i)
+            i += 1
+        waited = state()["served"]["remote"]
+        for j in range(i, i + 5):
+            chat(j)
+        after = state()
+        assert after["served"]["remote"] == waited and after["served"]["local"] == 5, after
+        assert after["source"].startswith(str(tmp_path / "cache"))
+        assert 'kvgate_tokenizer_local_disagreements_total{model="org/tiny"} 0.0' in httpx.get(metrics).text
+    assert {s.path.rsplit("/", 1)[1] for s in hub.gets()} >= {"tokenizer_config.json"}
