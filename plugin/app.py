@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Callable
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
@@ -54,7 +55,8 @@ def endpoint_specs(pods: list[Pod]) -> list[EndpointSpec]:
     return specs
 
 
-def _tokenizer(settings: Settings, registry: CollectorRegistry) -> tuple[Tokenizer, VerifiedTokenizer | None]:
+def _tokenizer(settings: Settings, registry: CollectorRegistry,
+               known: Callable[[str], bool] | None = None) -> tuple[Tokenizer, VerifiedTokenizer | None]:
     """The configured backend behind the exact cache, and the verified local path when there is one.
 
     `auto` with tokenizer files (a directory for every model, or the hub per model) verifies local tokens
@@ -77,7 +79,7 @@ def _tokenizer(settings: Settings, registry: CollectorRegistry) -> tuple[Tokeniz
                 inner, local=local, load=None if local is not None else partial(_from_hub, hub),
                 options=VerifyOptions(verify_requests=settings.tokenizer_verify_requests,
                                       sample_rate=settings.tokenizer_sample_rate),
-                registry=registry)
+                registry=registry, known=known)
             inner = verified
     if settings.tokenizer_cache_mb == 0:
         return inner, verified
@@ -133,7 +135,8 @@ class App:
                                          weights=parse_weights(s.routing_weights))
         self.router = Router(self.pods, default_strategy=s.routing_strategy, counts=counts, index=self.index,
                              engines=self.engines, config=strategy_config, metrics=self.routing_metrics)
-        self.tokenizer, self.verified_tokenizer = _tokenizer(s, self.registry)
+        self.tokenizer, self.verified_tokenizer = _tokenizer(s, self.registry,
+                                                             known=lambda m: bool(self.pods.serving(m)))
         self.gateway_metrics = GatewayMetrics(self.registry)
         self.processor = ExternalProcessor(Gateway(
             router=self.router, registry=self.pods, tokenizer=self.tokenizer, metrics=self.gateway_metrics,

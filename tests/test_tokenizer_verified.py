@@ -251,3 +251,17 @@ async def test_the_piece_cache_serves_only_verified_shapes_and_its_answers_are_s
     await verified.settle()
     assert disagreements(registry) == 1 and not verified.trusts(MODEL, chat("x"))
     assert await cache.tokenize(MODEL, chat("another zebra")) == engine_tok.encode(chat("another zebra"))
+
+
+async def test_models_no_engine_serves_are_not_tracked(engine_tok) -> None:
+    engine = Engine(engine_tok)
+    tok = VerifiedTokenizer(engine, local=engine_tok, known=lambda m: m == MODEL,
+                            options=VerifyOptions(verify_requests=1, sample_rate=0.0, max_models=2))
+    await tok.tokenize("made-up", chat("x"))
+    await tok.tokenize(MODEL, chat("x"))
+    assert set(tok.status()) == {MODEL} and engine.calls == 2
+    open_tok = VerifiedTokenizer(engine, local=engine_tok, options=VerifyOptions(max_models=2))
+    for name in ("a", "b", "c", "d"):
+        await open_tok.tokenize(name, chat("x"))
+    await open_tok.settle()
+    assert set(open_tok.status()) == {"a", "b"}

@@ -33,7 +33,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from tokenizer.local import LocalTokenizer, input_size
 from tokenizer.remote import request_body
-from tokenizer.types import ChatInput, PromptInput, TokenizeInput, Tokenizer, TokenizerError
+from tokenizer.types import PromptInput, TokenizeInput, Tokenizer, TokenizerError
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,7 @@ class VerifyOptions:
     max_checks: int = 4  # background checks in flight at once
     offload_chars: int = 2048  # inputs this large are tokenized in a worker thread
     log_chars: int = 400  # how much of a differing input is logged
+    max_models: int = 256  # models tracked (a model beyond them is tokenized remotely, untracked)
 
     def __post_init__(self) -> None:
         if self.verify_requests < 1:
@@ -55,6 +56,8 @@ class VerifyOptions:
             raise ValueError("sample_rate must be from 0 to 1")
         if self.max_checks < 1:
             raise ValueError("max_checks must be at least 1")
+        if self.max_models < 1:
+            raise ValueError("max_models must be at least 1")
 
 
 class VerifyMetrics:
@@ -116,6 +119,8 @@ class VerifiedTokenizer:
 
     `local`: one LocalTokenizer for every model (KVGATE_TOKENIZER_PATH); `load`: a blocking function
     giving a model's LocalTokenizer (e.g. from the hub), run once per model in a worker thread.
+    `known(model)`: whether some engine serves the model; others (names a client made up) are sent to
+    `remote` untracked, so they neither grow the state and metric series nor trigger hub fetches.
     """
 
     def __init__(
@@ -128,7 +133,9 @@ class VerifiedTokenizer:
         registry: CollectorRegistry | None = None,
         rng: Callable[[], float] = random.random,
         on_disagreement: Callable[[str], None] | None = None,
+        known: Callable[[str], bool] | None = None,
     ) -> None:
+        self._known = known
         self._remote = remote
         self._local = local
         self._load = load
@@ -144,7 +151,11 @@ class VerifiedTokenizer:
     async def tokenize(self, model: str, item: TokenizeInput, *, base_url: str | None = None) -> list[int]:
         if isinstance(item, PromptInput) and item.token_ids is not None:
             return list(item.token_ids)
-        m = self._models.get(model) or self._add(model)
+        m = self._models.get(model)
+        if m is None:
+            if len(self._models) >= self._options.max_models or (self._known is not None and not self._known(model)):
+                return await self._remote.tokenize(model, item, base_url=base_url)
+            m = self._add(model)
         local = m.local
         if local is None or m.disabled:
             ids = await self._remote.tokenize(model, item, base_url=base_url)
