@@ -59,9 +59,6 @@ class Reference:
         template = item.chat_template or self.config["chat_template"]
         openai = re.search(r"\{%-?\s*for\s+\w+\s+in\s+\w+(\[['\"]content['\"]\]|\.content)", template) is not None
         messages = [_message(m, openai) for m in item.messages]
-        for m in messages:
-            if m.get("role") == "assistant" and m.get("tool_calls") == []:
-                del m["tool_calls"]
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
         for i, m in enumerate(messages):
             reasoning = m.get("reasoning_content", m.get("reasoning"))
@@ -105,15 +102,15 @@ def _message(m: dict[str, Any], openai: bool) -> dict[str, Any]:
     out: dict[str, Any] = {"role": m["role"],
                            "content": [{"type": "text", "text": t} for t in texts] if openai else "\n".join(texts)}
     if m["role"] == "assistant":
-        if m.get("tool_calls") is not None:
+        if m.get("tool_calls"):  # validated as OpenAI's TypedDict: id, function {arguments, name}, type
             calls = []
             for call in m["tool_calls"]:
-                fn = dict(call["function"])
                 try:
-                    fn["arguments"] = json.loads(fn.get("arguments") or "")
-                except (TypeError, ValueError):
-                    fn["arguments"] = fn["arguments"] if isinstance(fn.get("arguments"), (dict, list)) else {}
-                calls.append({**call, "function": fn})
+                    arguments = json.loads(call["function"]["arguments"])
+                except ValueError:
+                    arguments = {}
+                calls.append({"id": call["id"], "function": {"arguments": arguments, "name": call["function"]["name"]},
+                              "type": call["type"]})
             out["tool_calls"] = calls
         if m.get("reasoning") is not None:
             out["reasoning"] = out["reasoning_content"] = m["reasoning"]

@@ -40,7 +40,8 @@ WEATHER = {"type": "function", "function": {
                                                     "unit": {"type": "string", "enum": ["c", "f"]}},
                    "required": ["city"]}}}
 BARE_TOOL = {"type": "function", "function": {"name": "ping"}}  # unset description/parameters dump as null
-CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+CALL = {"id": "call_1", "type": "function", "index": 0,  # keys in another order than vLLM's, one it drops
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
 
 
 def _chat(*messages, **kw) -> ChatInput:
@@ -75,6 +76,12 @@ CORPUS: list[tuple[str, ChatInput | PromptInput]] = [
                                     "content": [{"type": "text", "text": "sunny"}, {"type": "text", "text": "21C"}]})),
     ("extra fields are dropped", _chat({"role": "user", "content": "hello", "name": "ann", "weight": 3,
                                         "metadata": {"k": "v"}})),
+    ("empty tool calls", _chat({"role": "user", "content": "hi"},
+                               {"role": "assistant", "content": "hello", "tool_calls": []},
+                               {"role": "user", "content": "bye"})),
+    ("unparsable arguments", _chat({"role": "user", "content": "go"}, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c2", "type": "function", "function": {"name": "ping", "arguments": "not json"}}]},
+        {"role": "user", "content": "again"})),
     ("reasoning", _chat({"role": "user", "content": "2+2?"},
                         {"role": "assistant", "content": "4", "reasoning": "Two and two make four."},
                         {"role": "user", "content": "3+3?"})),

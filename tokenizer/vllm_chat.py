@@ -15,8 +15,9 @@ from vLLM's chat_utils, renderers/hf.py, renderers/params.py and the tokenize pr
   A tool message whose parts are all text becomes their newline join in either format.
   Media parts (images, audio, video, embeddings) need the engine's processor: refused here (ValueError),
   so such requests are left to the engine.
-- Tool calls. An assistant message's empty `tool_calls` list is dropped; each call's `arguments` string is
-  parsed as JSON (an unparsable one becomes {}); anything but a dict, list or string becomes {}.
+- Tool calls. Validated by vLLM's request model (OpenAI's TypedDict: `id`, `function` {`arguments`, `name`},
+  `type`, in that order, other keys dropped; a call missing one is refused). An assistant message's empty
+  `tool_calls` list is dropped; each call's `arguments` string is parsed as JSON (unparsable: {}).
 - Tools. Each is the dump of vLLM's pydantic model: {"type", "function": {"name", "description",
   "parameters", extra fields...}, extra fields...}, unset fields as null, declared fields first.
 - Keyword arguments. {"tools": tools} under the request's `chat_template_kwargs` (values null or "auto"
@@ -60,8 +61,8 @@ def conversation(messages: Any, content_format: str = "string") -> list[dict[str
             msg["content"] = "\n".join(texts)
         if role == "assistant":
             calls = message.get("tool_calls")
-            if calls is not None:
-                msg["tool_calls"] = _tool_calls(i, calls)
+            if calls is not None and (parsed := _tool_calls(i, calls)):  # an empty list is dropped
+                msg["tool_calls"] = parsed
             if message.get("reasoning") is not None:
                 msg["reasoning"] = message["reasoning"]
                 msg["reasoning_content"] = message["reasoning"]
@@ -111,22 +112,22 @@ def _texts(index: int, content: Any) -> list[str]:
 
 
 def _tool_calls(index: int, calls: Any) -> list[dict[str, Any]]:
+    """As vLLM's request model validates them (OpenAI's tool-call TypedDict: `id`, `function` with
+    `arguments` and `name`, `type`, in that order, other keys dropped), then with the arguments parsed."""
     if not isinstance(calls, (list, tuple)):
         raise ChatRefused(f"messages[{index}].tool_calls must be a list")
     out = []
     for j, call in enumerate(calls):
-        if not isinstance(call, Mapping) or not isinstance(call.get("function"), Mapping):
-            raise ChatRefused(f"messages[{index}].tool_calls[{j}] needs a function object")
-        fn = dict(call["function"])
-        args = fn.get("arguments")
-        if isinstance(args, str):
-            try:
-                fn["arguments"] = json.loads(args)
-            except ValueError:
-                fn["arguments"] = {}
-        elif not isinstance(args, (dict, list)):
-            fn["arguments"] = {}
-        out.append({**call, "function": fn})
+        fn = call.get("function") if isinstance(call, Mapping) else None
+        if (not isinstance(fn, Mapping) or not isinstance(call.get("id"), str) or call.get("type") != "function"
+                or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str)):
+            raise ChatRefused(f"messages[{index}].tool_calls[{j}] needs a string id, type \"function\" and a "
+                              "function with string name and arguments")
+        try:
+            arguments = json.loads(fn["arguments"])  # any JSON value, as vLLM assigns it
+        except ValueError:
+            arguments = {}
+        out.append({"id": call["id"], "function": {"arguments": arguments, "name": fn["name"]}, "type": "function"})
     return out
 
 
