@@ -62,8 +62,9 @@ class VerifyOptions:
 
 class VerifyMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.requests = Counter("kvgate_tokenizer_path_requests", "Tokenizations by the path that served them",
-                                ["model", "path"], registry=registry)
+        self.requests = Counter("kvgate_tokenizer_path_requests",
+                                "Tokenizations behind the cache (whole requests, or the cache's batches of new "
+                                "pieces), by the path that served them", ["model", "path"], registry=registry)
         self.checks = Counter("kvgate_tokenizer_local_checks", "Local tokens compared with the engine's, by result",
                               ["model", "result"], registry=registry)
         self.disagreements = Counter("kvgate_tokenizer_local_disagreements",
@@ -187,13 +188,11 @@ class VerifiedTokenizer:
         return m is not None and m.local is not None and not m.disabled and shape_of(item) in m.verified
 
     def observe(self, model: str, item: TokenizeInput, ids: list[int], base_url: str | None) -> None:
-        """`ids` were served for `item` from local work done elsewhere (the cache's pieces): counted, and
-        sampled against the engine like the requests served here."""
+        """`ids` were served for `item` from local work done elsewhere (the cache's pieces, which were counted
+        as they were tokenized here): sampled against the engine like the requests served here."""
         m = self._models.get(model)
         if m is None or m.disabled:
             return
-        m.served["local"] += 1
-        m.count_local.inc()
         if self._options.sample_rate and self._rng() < self._options.sample_rate:
             self._check_later(m, shape_of(item), item, list(ids), None, base_url)
 
