@@ -96,7 +96,16 @@ def _tokenizer(settings: Settings, registry: CollectorRegistry,
     if verified is not None:
         # Entries made from local tokens of a model found wrong are dropped (all of them: it is rare).
         verified.on_disagreement = lambda model: cached.clear()
+        if local is None:  # files per model, from the hub: each model's pieces once its files are loaded
+            verified.on_loaded = partial(_add_segmenter, cached)
     return cached, verified
+
+
+def _add_segmenter(cached: CachedTokenizer, model: str, local: LocalTokenizer) -> None:
+    try:
+        cached.set_segmenter(model, Segmenter.from_local(local))
+    except NotSegmentable as e:
+        log.warning("tokenizer cache: whole requests only for model %r (%s)", model, e)
 
 
 def _from_hub(options: HubOptions, model: str) -> LocalTokenizer:

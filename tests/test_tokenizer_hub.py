@@ -117,7 +117,7 @@ def test_kvgate_serve_fetches_from_the_hub_verifies_then_tokenizes_locally(hub, 
         for j in range(i, i + 5):
             chat(j)
         after = state()
-        assert after["served"]["remote"] == waited and after["served"]["local"] == 5, after
+        assert after["served"]["remote"] == waited and after["served"]["local"] >= 5, after
         assert after["source"].startswith(str(tmp_path / "cache"))
         assert 'kvgate_tokenizer_local_disagreements_total{model="org/tiny"} 0.0' in httpx.get(metrics).text
     assert {s.path.rsplit("/", 1)[1] for s in hub.gets()} >= {"tokenizer_config.json"}

@@ -74,7 +74,7 @@ async def test_local_serves_only_after_n_agreements_then_the_engine_is_not_asked
         assert tok.status()[MODEL]["state"] == "verifying"
     await tok.settle()
     assert engine.calls == 3
-    assert tok.status()[MODEL]["state"] == "serving" and tok.status()[MODEL]["verified"] == ["chat"]
+    assert tok.status()[MODEL]["state"] == "serving" and tok.status()[MODEL]["verified"] == ["chat", "prompt-raw"]
     for i in range(3, 20):
         assert await tok.tokenize(MODEL, chat(f"question {i}")) == engine_tok.encode(chat(f"question {i}"))
     assert engine.calls == 3, "a verified shape must not wait for the engine"
@@ -90,13 +90,24 @@ async def test_each_shape_is_verified_on_its_own(engine_tok) -> None:
     await tok.settle()
     calls = engine.calls
     tools = ({"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}},)
-    for item in (chat("b", tools=tools), chat("c", add_generation_prompt=False), PromptInput(text="plain"),
-                 PromptInput(text="raw", add_special_tokens=False)):
+    for item in (chat("b", tools=tools), chat("c", add_generation_prompt=False), PromptInput(text="plain")):
         await tok.tokenize(MODEL, item)
         assert engine.calls == calls + 1, f"{shape_of(item)} was served before it was verified"
         calls = engine.calls
     await tok.settle()
     assert set(tok.status()[MODEL]["verified"]) == {"chat", "chat+tools", "chat+no-gen", "prompt", "prompt-raw"}
+
+
+async def test_a_verified_chat_shape_verifies_text_without_special_tokens(engine_tok) -> None:
+    engine = Engine(engine_tok)
+    tok = VerifiedTokenizer(engine, local=engine_tok, options=VerifyOptions(verify_requests=1, sample_rate=0.0))
+    await tok.tokenize(MODEL, chat("a"))
+    await tok.settle()
+    calls = engine.calls
+    assert await tok.tokenize(MODEL, PromptInput(text="piece", add_special_tokens=False)) == \
+        engine_tok.encode_prompt("piece", add_special_tokens=False)
+    await tok.tokenize(MODEL, PromptInput(text="with specials"))  # not implied: the engine answers
+    assert engine.calls == calls + 1
 
 
 async def test_a_wrong_template_is_caught_before_it_serves(engine_tok, tmp_path, caplog) -> None:
@@ -265,3 +276,30 @@ async def test_models_no_engine_serves_are_not_tracked(engine_tok) -> None:
         await open_tok.tokenize(name, chat("x"))
     await open_tok.settle()
     assert set(open_tok.status()) == {"a", "b"}
+
+
+async def test_a_failed_load_is_tried_again_later(engine_tok) -> None:
+    now = [0.0]
+    attempts = []
+    loaded = []
+
+    def load(model: str) -> LocalTokenizer:
+        attempts.append(now[0])
+        if len(attempts) == 1:
+            raise OSError("hub unreachable")
+        return engine_tok
+
+    tok = VerifiedTokenizer(Engine(engine_tok), load=load, retry_s=60.0, clock=lambda: now[0],
+                            on_loaded=lambda model, local: loaded.append(model))
+    await tok.tokenize(MODEL, chat("a"))
+    await tok.settle()
+    assert tok.status()[MODEL]["state"] == "unavailable"
+    now[0] = 30.0
+    await tok.tokenize(MODEL, chat("b"))
+    await tok.settle()
+    assert attempts == [0.0]  # not before retry_s
+    now[0] = 61.0
+    await tok.tokenize(MODEL, chat("c"))
+    await tok.settle()
+    assert attempts == [0.0, 61.0] and tok.status()[MODEL]["state"] == "verifying" and loaded == [MODEL]
+    assert tok.status()[MODEL]["error"] is None

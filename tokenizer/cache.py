@@ -188,6 +188,10 @@ class CachedTokenizer:
     def hit_ratio(self) -> float:
         return self._metrics.hit_ratio
 
+    def set_segmenter(self, model: str, segmenter: Segmenter) -> None:
+        """Enable the piece level for `model` (its tokenizer files arrived after start)."""
+        self._segmenters[model] = segmenter
+
     def clear(self) -> None:
         """Forget everything, e.g. when a model's tokenizer changed."""
         self._lru.clear()

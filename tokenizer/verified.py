@@ -7,7 +7,8 @@ background), requests are tokenized locally, off the engine round trip, under th
 1. Earned per input shape (a prompt with or without special tokens; a chat, with or without tools, a
    continued final message, no generation prompt, its own template or template kwargs): until
    `verify_requests` requests of that shape came out identical both ways, requests of that shape are
-   served by the remote tokenizer, and the local result is compared in the background.
+   served by the remote tokenizer, and the local result is compared in the background. A verified chat
+   shape also verifies text without special tokens (its last step), which the cache's pieces use.
 2. Sampled: a share (`sample_rate`) of locally served requests is also sent to the remote tokenizer in
    the background, at most `max_checks` at a time (more are skipped, counted), and compared.
 3. Any difference sends the model back to the remote tokenizer at once and for good (until restart):
@@ -79,6 +80,7 @@ class _Model:
     source: str = ""
     loading: bool = False
     error: str | None = None
+    retry_at: float = 0.0  # after a failed load, when to try again
     disabled: bool = False
     agreements: dict[str, int] = field(default_factory=dict)
     verified: set[str] = field(default_factory=set)
@@ -122,6 +124,8 @@ class VerifiedTokenizer:
     giving a model's LocalTokenizer (e.g. from the hub), run once per model in a worker thread.
     `known(model)`: whether some engine serves the model; others (names a client made up) are sent to
     `remote` untracked, so they neither grow the state and metric series nor trigger hub fetches.
+    A failed load is tried again `retry_s` later (on a request of that model); `on_loaded(model, local)` is
+    told of each loaded tokenizer (the cache builds the model's piece segmenter from it).
     """
 
     def __init__(
@@ -135,8 +139,14 @@ class VerifiedTokenizer:
         rng: Callable[[], float] = random.random,
         on_disagreement: Callable[[str], None] | None = None,
         known: Callable[[str], bool] | None = None,
+        on_loaded: Callable[[str, LocalTokenizer], None] | None = None,
+        retry_s: float = 300.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._known = known
+        self.on_loaded = on_loaded
+        self._retry_s = retry_s
+        self._clock = clock
         self._remote = remote
         self._local = local
         self._load = load
@@ -159,6 +169,9 @@ class VerifiedTokenizer:
             m = self._add(model)
         local = m.local
         if local is None or m.disabled:
+            if local is None and m.error is not None and not m.loading and self._clock() >= m.retry_at:
+                m.loading = True
+                self._spawn(self._load_model(m))
             ids = await self._remote.tokenize(model, item, base_url=base_url)
             m.served["remote"] += 1
             m.count_remote.inc()
@@ -222,9 +235,13 @@ class VerifiedTokenizer:
             local = await asyncio.to_thread(self._load, m.name)
         except Exception as e:  # hub unreachable, no such repository, unusable files
             m.error = f"{type(e).__name__}: {e}"
-            log.warning("tokenizer: no local tokenizer for model %r (%s); the engine tokenizes it", m.name, m.error)
+            m.retry_at = self._clock() + self._retry_s
+            log.warning("tokenizer: no local tokenizer for model %r (%s); the engine tokenizes it (trying again in "
+                        "%.0f s)", m.name, m.error, self._retry_s)
         else:
-            m.local, m.source = local, local.source
+            m.local, m.source, m.error = local, local.source, None
+            if self.on_loaded is not None:
+                self.on_loaded(m.name, local)
             log.info("tokenizer: local tokenizer for model %r loaded from %s in %.1f s; verifying it against the "
                      "engine", m.name, local.source, time.monotonic() - started)
         finally:
@@ -264,6 +281,10 @@ class VerifiedTokenizer:
                     m.agreements[shape] = m.agreements.get(shape, 0) + 1
                     if m.agreements[shape] >= self._options.verify_requests:
                         m.verified.add(shape)
+                        if shape.startswith("chat"):
+                            # A chat's tokens are its rendered text encoded without special tokens: agreeing on
+                            # them verified that encoding too (the cache's pieces use it; they are sampled).
+                            m.verified.add("prompt-raw")
                         log.info("tokenizer: model %r: local tokens agreed with the engine's on %d %s requests; "
                                  "tokenizing these locally from now on", m.name, m.agreements[shape], shape)
             else:
