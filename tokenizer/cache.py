@@ -148,7 +148,8 @@ class CachedTokenizer:
     built from that model's own tokenizer files. Models without one get the request level only.
     With `trust`, the piece level (which renders chats locally) serves an input only when
     trust(model, input) holds (tokenizer.verified: its shape was verified against the engine), and
-    `observe(model, input, ids, base_url)` is told of every answer assembled from pieces (to sample it).
+    `observe(model, input, ids, base_url)` is told of every answer assembled from pieces (to sample it);
+    then `inner.tokenize` must take `sample=False`, passed for the pieces themselves.
     """
 
     def __init__(
@@ -165,6 +166,8 @@ class CachedTokenizer:
         self._inner = inner
         self._trust = trust
         self._observe = observe
+        # With `observe`, the answers assembled from pieces are what gets sampled, not the piece batches.
+        self._piece_kwargs = {"sample": False} if observe is not None else {}
         self._segmenters = dict(segmenters or {})
         self._default_segmenter = default_segmenter
         self._lru = ByteLRU(options.max_bytes, options.max_entry_bytes)
@@ -311,14 +314,15 @@ class CachedTokenizer:
         sep = segmenter.separator
         if sep is not None and len(texts) > 1:
             joined = await self._inner.tokenize(
-                model, PromptInput(text=sep[0].join(texts), add_special_tokens=False), base_url=base_url
-            )
+                model, PromptInput(text=sep[0].join(texts), add_special_tokens=False), base_url=base_url,
+                **self._piece_kwargs)
             parts = _split_at(joined, sep[1])
             if len(parts) == len(texts):
                 return dict(zip(texts, parts))
         out = {}
         for text in texts:  # sequential: one slow backend should not get a burst from one request
-            out[text] = await self._inner.tokenize(model, PromptInput(text=text, add_special_tokens=False), base_url=base_url)
+            out[text] = await self._inner.tokenize(model, PromptInput(text=text, add_special_tokens=False),
+                                                   base_url=base_url, **self._piece_kwargs)
         return out
 
     def _count(self, cached: int, total: int) -> None:

@@ -159,7 +159,9 @@ class VerifiedTokenizer:
         self._checks = 0
 
     # --- the request path --------------------------------------------------------------------
-    async def tokenize(self, model: str, item: TokenizeInput, *, base_url: str | None = None) -> list[int]:
+    async def tokenize(self, model: str, item: TokenizeInput, *, base_url: str | None = None,
+                       sample: bool = True) -> list[int]:
+        """`sample=False`: not part of the background sample (the cache's pieces: their assembled answer is)."""
         if isinstance(item, PromptInput) and item.token_ids is not None:
             return list(item.token_ids)
         m = self._models.get(model)
@@ -185,7 +187,7 @@ class VerifiedTokenizer:
             else:
                 m.served["local"] += 1
                 m.count_local.inc()
-                if self._options.sample_rate and self._rng() < self._options.sample_rate:
+                if sample and self._options.sample_rate and self._rng() < self._options.sample_rate:
                     self._check_later(m, shape, item, ids, None, base_url)
                 return ids
         ids = await self._remote.tokenize(model, item, base_url=base_url)
