@@ -81,6 +81,12 @@ def _tokenizer(settings: Settings, registry: CollectorRegistry,
                                       sample_rate=settings.tokenizer_sample_rate),
                 registry=registry, known=known)
             inner = verified
+            log.info("tokenizer: local files from %s, each model verified against the engines' /tokenize (%d requests "
+                     "per shape, then %g%% sampled)", settings.tokenizer_path or "the hub, per model",
+                     settings.tokenizer_verify_requests, settings.tokenizer_sample_rate * 100)
+        else:
+            log.info("tokenizer: the engines' /tokenize%s", "" if settings.tokenizer == "remote" else
+                     " (no local files: set KVGATE_TOKENIZER_PATH or KVGATE_TOKENIZER_HUB to tokenize locally)")
     if settings.tokenizer_cache_mb == 0:
         return inner, verified
     segmenter = None
