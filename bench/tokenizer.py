@@ -5,8 +5,10 @@ carries its whole history. The remote side is a real HTTP server on loopback in
 its own process (tokenizer.stub_server: vLLM's /tokenize shapes, LocalTokenizer
 inside; or, by default, the simulated engine `kvgate sim`), reached through
 RemoteTokenizer. "Cold" is no cache; "cached" is
-CachedTokenizer starting empty on the same workload. Every cached answer is
-checked against the uncached one.
+CachedTokenizer starting empty on the same workload; "verified" is the gateway's
+default with tokenizer files (VerifiedTokenizer: local tokens once verified against
+the server, a 5% background sample still sent to it). Every answer is checked
+against the uncached remote one.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from tokenizer.local import LocalBackend, LocalTokenizer
 from tokenizer.remote import RemoteOptions, RemoteTokenizer
 from tokenizer.segments import Segmenter
 from tokenizer.types import ChatInput, Tokenizer
+from tokenizer.verified import VerifiedTokenizer, VerifyOptions
 
 MODEL = "bench-model"
 
@@ -123,12 +126,23 @@ def _start_server(port: int, kind: str = "stub") -> subprocess.Popen:
     raise RuntimeError("the /tokenize server did not start within 30 s")
 
 
+def _verified_cached(remote: RemoteTokenizer, local: LocalTokenizer, segmenters: dict) -> CachedTokenizer:
+    """As plugin.app wires it: pieces only for verified shapes, their answers sampled."""
+    verified = VerifiedTokenizer(remote, local=local, options=VerifyOptions(verify_requests=3))
+    return CachedTokenizer(verified, segmenters=segmenters, registry=CollectorRegistry(), trust=verified.trusts,
+                           observe=verified.observe)
+
+
 async def _bench(args: argparse.Namespace, url: str) -> dict:
     local = LocalTokenizer.from_path(testdata.path())
     segmenters = {MODEL: Segmenter.from_local(local)}
     requests = workload(args.conversations, args.turns, args.system_lines, args.message_lines, args.seed)
     warmup = workload(2, 2, 5, 1, args.seed + 1)
     options = RemoteOptions(total_timeout_s=30, attempt_timeout_s=10)
+    verified_registry = CollectorRegistry()
+
+    def remote_calls() -> float:
+        return verified_registry.get_sample_value("kvgate_tokenizer_remote_attempts_total", {"outcome": "ok"}) or 0.0
 
     backends: dict[str, Tokenizer] = {
         "remote cold": RemoteTokenizer({MODEL: url}, options=options),
@@ -137,11 +151,19 @@ async def _bench(args: argparse.Namespace, url: str) -> dict:
         ),
         "local cold": LocalBackend({MODEL: local}),
         "local cached": CachedTokenizer(LocalBackend({MODEL: local}), segmenters=segmenters, registry=CollectorRegistry()),
+        # What the gateway runs with KVGATE_TOKENIZER=auto and the files: local tokens, verified against the server
+        # (during the warm-up), with the default background sample; alone, and behind the whole-request cache.
+        "verified cold": VerifiedTokenizer(RemoteTokenizer({MODEL: url}, options=options, registry=verified_registry),
+                                           local=local, options=VerifyOptions(verify_requests=3)),
+        "verified cached": _verified_cached(RemoteTokenizer({MODEL: url}, options=options), local, segmenters),
     }
 
     async def reset(backend: Tokenizer) -> None:
         for item in warmup:  # connection set up, template compiled: not what "cold" means here
             await backend.tokenize(MODEL, item)
+        inner = backend._inner if isinstance(backend, CachedTokenizer) else backend
+        if isinstance(inner, VerifiedTokenizer):
+            await inner.settle()  # verified on the warm-up requests, as a running gateway would be
         if isinstance(backend, CachedTokenizer):
             backend.clear()
 
@@ -149,11 +171,19 @@ async def _bench(args: argparse.Namespace, url: str) -> dict:
     passes: dict[str, list[Run]] = {name: [] for name in backends}
     rates: dict[str, list[float]] = {name: [] for name in backends}
     hit_ratio = 0.0
+    verified_calls: list[float] = []
+    verified_waited: list[int] = []
     for _ in range(max(1, args.repeat)):
         for name, backend in backends.items():
             await reset(backend)
             before = (backend.tokens_cached, backend.tokens_total) if name == "remote cached" else None
+            calls = remote_calls()
+            waited = backend.status()[MODEL]["served"]["remote"] if name == "verified cold" else 0
             passes[name].append(await measure(name, lambda item, b=backend: b.tokenize(MODEL, item), requests))
+            if name == "verified cold":
+                await backend.settle()
+                verified_calls.append(remote_calls() - calls)  # all /tokenize calls, background samples included
+                verified_waited.append(backend.status()[MODEL]["served"]["remote"] - waited)  # ones a request waited for
             if before is not None:  # this pass's share (the cache's counters never go back)
                 total = backend.tokens_total - before[1]
                 hit_ratio = (backend.tokens_cached - before[0]) / total if total else 0.0
@@ -164,8 +194,8 @@ async def _bench(args: argparse.Namespace, url: str) -> dict:
         await backend.aclose()
     median = {name: sorted(p, key=lambda r: r.mean_ms)[len(p) // 2] for name, p in passes.items()}
     per_request = {name: statistics.median(r) for name, r in rates.items()}
-    remote_cold, remote_cached, local_cold, local_cached = (median[n] for n in backends)
-    runs = [remote_cold, remote_cached, local_cold, local_cached]
+    remote_cold, remote_cached, local_cold, local_cached, verified_cold, verified_cached = (median[n] for n in backends)
+    runs = [remote_cold, remote_cached, local_cold, local_cached, verified_cold, verified_cached]
     mismatches = sum(
         1 for ps in passes.values() for r in ps for got, want in zip(r.outputs, remote_cold.outputs) if got != want
     )
@@ -181,6 +211,12 @@ async def _bench(args: argparse.Namespace, url: str) -> dict:
         "remote_speedup": round(remote_cold.mean_ms / remote_cached.mean_ms, 2),
         "local_speedup": round(local_cold.mean_ms / local_cached.mean_ms, 2),
         "cache_hit_rate": round(hit_ratio, 4),
+        "verified_cold_ms": round(verified_cold.mean_ms, 3),
+        "verified_cached_ms": round(verified_cached.mean_ms, 3),
+        # /tokenize calls per measured request on the verified path: those a request waited for (none once
+        # verified), and all of them (the background sample, 5% by default).
+        "verified_waited_calls_per_request": round(statistics.fmean(verified_waited) / len(requests), 4),
+        "verified_remote_calls_per_request": round(statistics.fmean(verified_calls) / len(requests), 4),
         "mismatches": mismatches,
         "concurrency": args.concurrency,
         "remote_cold_throughput_ms": round(per_request["remote cold"], 3),
@@ -207,6 +243,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"{'path':<15}{'mean ms':>10}{'p50 ms':>10}{'p99 ms':>10}{f'ms/req @{args.concurrency}':>14}")
         for name, r in result["runs"].items():
             print(f"{name:<15}{r['mean_ms']:>10.3f}{r['p50_ms']:>10.3f}{r['p99_ms']:>10.3f}{r['throughput_ms']:>14.3f}")
+        print(f"verified path: /tokenize calls per request: {result['verified_waited_calls_per_request']} waited for, "
+              f"{result['verified_remote_calls_per_request']} in all (background samples)")
         print(f"cached vs cold: remote {result['remote_speedup']}x, local {result['local_speedup']}x; "
               f"tokens served from cache {result['cache_hit_rate']:.1%}; mismatches {result['mismatches']}")
     return 0 if result["mismatches"] == 0 else 1

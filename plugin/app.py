@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from functools import partial
+from typing import Callable
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
@@ -28,10 +30,13 @@ from routing.registry import PodRegistry
 from routing.router import Router
 from routing.strategies import StrategyConfig, parse_weights
 from tokenizer.cache import CachedTokenizer, CacheOptions
+from tokenizer.hub import HubOptions
+from tokenizer.hub import fetch as hub_fetch
 from tokenizer.local import LocalBackend, LocalTokenizer
 from tokenizer.remote import RemoteOptions, RemoteTokenizer
 from tokenizer.segments import NotSegmentable, Segmenter
 from tokenizer.types import Tokenizer
+from tokenizer.verified import VerifiedTokenizer, VerifyOptions
 
 log = logging.getLogger("kvgate")
 
@@ -50,9 +55,17 @@ def endpoint_specs(pods: list[Pod]) -> list[EndpointSpec]:
     return specs
 
 
-def _tokenizer(settings: Settings, registry: CollectorRegistry) -> Tokenizer:
-    """The configured backend behind the exact cache; the local files (if any) serve every model."""
+def _tokenizer(settings: Settings, registry: CollectorRegistry,
+               known: Callable[[str], bool] | None = None) -> tuple[Tokenizer, VerifiedTokenizer | None]:
+    """The configured backend behind the exact cache, and the verified local path when there is one.
+
+    `auto` with tokenizer files (a directory for every model, or the hub per model) verifies local tokens
+    against the engines' /tokenize (tokenizer.verified); without files, or with `remote`, the engines
+    tokenize; `local` uses the directory alone. The cache's piece level (local rendering, pieces from the
+    backend) needs the directory; with the verified path it serves a request only once that request's shape
+    is verified, and its answers are sampled like the rest."""
     local = LocalTokenizer.from_path(settings.tokenizer_path) if settings.tokenizer_path else None
+    verified = None
     if settings.tokenizer == "local":
         inner: Tokenizer = LocalBackend({}, default=local)
     else:
@@ -60,16 +73,49 @@ def _tokenizer(settings: Settings, registry: CollectorRegistry) -> Tokenizer:
         inner = RemoteTokenizer(options=RemoteOptions(total_timeout_s=timeout,
                                                       attempt_timeout_s=min(timeout, max(timeout / 2, 0.25))),
                                 registry=registry)
+        if settings.tokenizer == "auto" and (local is not None or settings.tokenizer_hub):
+            hub = HubOptions(cache_dir=settings.tokenizer_cache_dir or None)
+            verified = VerifiedTokenizer(
+                inner, local=local, load=None if local is not None else partial(_from_hub, hub),
+                options=VerifyOptions(verify_requests=settings.tokenizer_verify_requests,
+                                      sample_rate=settings.tokenizer_sample_rate),
+                registry=registry, known=known)
+            inner = verified
+            log.info("tokenizer: local files from %s, each model verified against the engines' /tokenize (%d requests "
+                     "per shape, then %g%% sampled)", settings.tokenizer_path or "the hub, per model",
+                     settings.tokenizer_verify_requests, settings.tokenizer_sample_rate * 100)
+        else:
+            log.info("tokenizer: the engines' /tokenize%s", "" if settings.tokenizer == "remote" else
+                     " (no local files: set KVGATE_TOKENIZER_PATH or KVGATE_TOKENIZER_HUB to tokenize locally)")
     if settings.tokenizer_cache_mb == 0:
-        return inner
+        return inner, verified
     segmenter = None
     if local is not None:
         try:
             segmenter = Segmenter.from_local(local)
         except NotSegmentable as e:  # still exact, just without piece caching
             log.warning("tokenizer cache: whole requests only (%s)", e)
-    return CachedTokenizer(inner, default_segmenter=segmenter,
-                           options=CacheOptions(max_bytes=settings.tokenizer_cache_mb << 20), registry=registry)
+    cached = CachedTokenizer(inner, default_segmenter=segmenter,
+                             options=CacheOptions(max_bytes=settings.tokenizer_cache_mb << 20), registry=registry,
+                             trust=verified.trusts if verified is not None else None,
+                             observe=verified.observe if verified is not None else None)
+    if verified is not None:
+        # Entries made from local tokens of a model found wrong are dropped (all of them: it is rare).
+        verified.on_disagreement = lambda model: cached.clear()
+        if local is None:  # files per model, from the hub: each model's pieces once its files are loaded
+            verified.on_loaded = partial(_add_segmenter, cached)
+    return cached, verified
+
+
+def _add_segmenter(cached: CachedTokenizer, model: str, local: LocalTokenizer) -> None:
+    try:
+        cached.set_segmenter(model, Segmenter.from_local(local))
+    except NotSegmentable as e:
+        log.warning("tokenizer cache: whole requests only for model %r (%s)", model, e)
+
+
+def _from_hub(options: HubOptions, model: str) -> LocalTokenizer:
+    return LocalTokenizer.from_path(hub_fetch(model, options))
 
 
 @dataclass
@@ -104,7 +150,8 @@ class App:
                                          weights=parse_weights(s.routing_weights))
         self.router = Router(self.pods, default_strategy=s.routing_strategy, counts=counts, index=self.index,
                              engines=self.engines, config=strategy_config, metrics=self.routing_metrics)
-        self.tokenizer = _tokenizer(s, self.registry)
+        self.tokenizer, self.verified_tokenizer = _tokenizer(s, self.registry,
+                                                             known=lambda m: bool(self.pods.serving(m)))
         self.gateway_metrics = GatewayMetrics(self.registry)
         self.processor = ExternalProcessor(Gateway(
             router=self.router, registry=self.pods, tokenizer=self.tokenizer, metrics=self.gateway_metrics,
@@ -133,6 +180,8 @@ class App:
     def debug(self) -> dict:
         snapshot = self.router.debug_snapshot(subscriptions=self.subscriptions.status())
         snapshot["settings"] = self.settings.redacted()
+        snapshot["tokenizer"] = {"mode": self.settings.tokenizer,
+                                 "models": self.verified_tokenizer.status() if self.verified_tokenizer else {}}
         return snapshot
 
     async def start(self) -> tuple[int, int]:

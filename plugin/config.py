@@ -54,6 +54,13 @@ def _float_min(lo: float) -> Callable[[str], float]:
     return parse
 
 
+def _fraction(raw: str) -> float:
+    value = float(raw.strip())
+    if not 0.0 <= value <= 1.0:
+        raise ValueError("expected a number from 0 to 1")
+    return value
+
+
 def _choice(*options: str) -> Callable[[str], str]:
     def parse(raw: str) -> str:
         value = raw.strip()
@@ -130,10 +137,24 @@ VARIABLES: tuple[Variable, ...] = (
              "A gateway that stops heartbeating has its counts expire after this long (heartbeat: a fifth of it)."),
     Variable("KVGATE_GATEWAY_ID", "gateway_id", _text, "",
              "This replica's name in Redis (empty: host name and process id)."),
-    Variable("KVGATE_TOKENIZER", "tokenizer", _choice("remote", "local"), "remote",
-             "`remote`: the engine's own `/tokenize`; `local`: a transformers tokenizer at KVGATE_TOKENIZER_PATH."),
+    Variable("KVGATE_TOKENIZER", "tokenizer", _choice("auto", "remote", "local"), "auto",
+             "`auto`: tokenize locally where the model's tokenizer files can be had (KVGATE_TOKENIZER_PATH, or the "
+             "hub with KVGATE_TOKENIZER_HUB), once verified against the engine's `/tokenize`, else ask the engine; "
+             "`remote`: always the engine's `/tokenize`; `local`: KVGATE_TOKENIZER_PATH only, never checked."),
     Variable("KVGATE_TOKENIZER_PATH", "tokenizer_path", _text, "",
-             "Local tokenizer directory (required with `local`); never downloaded from a hub."),
+             "Directory with the engines' tokenizer files (`tokenizer.json`, `tokenizer_config.json`), for every "
+             "model (required with `local`)."),
+    Variable("KVGATE_TOKENIZER_HUB", "tokenizer_hub", _bool, False,
+             "With `auto` and no KVGATE_TOKENIZER_PATH: fetch each model's tokenizer files once from the Hugging "
+             "Face hub, the model name as repository (honours HF_ENDPOINT, HF_TOKEN, HF_HOME, HF_HUB_OFFLINE)."),
+    Variable("KVGATE_TOKENIZER_CACHE_DIR", "tokenizer_cache_dir", _text, "",
+             "Where hub tokenizer files are kept between starts (empty: the hub cache under HF_HOME)."),
+    Variable("KVGATE_TOKENIZER_VERIFY_REQUESTS", "tokenizer_verify_requests", _int_range(1, 1_000_000), 5,
+             "Requests of each shape (prompt, chat, chat with tools, ...) whose local tokens must equal the "
+             "engine's before the local path serves that shape."),
+    Variable("KVGATE_TOKENIZER_SAMPLE_RATE", "tokenizer_sample_rate", _fraction, 0.05,
+             "Share of locally tokenized requests checked against the engine in the background; any difference "
+             "sends the model back to the engine's `/tokenize`."),
     Variable("KVGATE_TOKENIZER_URL", "tokenizer_url", _text, "",
              "Fixed base URL for remote tokenization (empty: a ready pod of the request's model)."),
     Variable("KVGATE_TOKENIZER_TIMEOUT_S", "tokenizer_timeout_s", _positive_float, 1.0,
@@ -187,8 +208,12 @@ class Settings:
     redis_url: str = ""
     redis_key_ttl_s: float = 5.0
     gateway_id: str = ""
-    tokenizer: str = "remote"
+    tokenizer: str = "auto"
     tokenizer_path: str = ""
+    tokenizer_hub: bool = False
+    tokenizer_cache_dir: str = ""
+    tokenizer_verify_requests: int = 5
+    tokenizer_sample_rate: float = 0.05
     tokenizer_url: str = ""
     tokenizer_timeout_s: float = 1.0
     tokenizer_cache_mb: int = 256

@@ -23,6 +23,7 @@ import httpx
 from plugin.stack import Stack, StackError, free_port
 from plugin.workload import ChatWorkload, Results, WorkloadShape
 from routing.strategies import NAMES as STRATEGIES
+from tokenizer import testdata
 
 MODEL = "demo-model"
 
@@ -78,7 +79,9 @@ def _start(stack: Stack, n_sims: int, n_gateways: int, log, dp_size: int = 1) ->
         grpc_port, http_port = free_port(), free_port()
         env = {"KVGATE_PODS_FILE": str(pods_file), "KVGATE_GRPC_PORT": str(grpc_port),
                "KVGATE_HTTP_PORT": str(http_port), "KVGATE_REDIS_URL": redis_url,
-               "KVGATE_ROUTING_STRATEGY": "kv-sync", "KVGATE_GATEWAY_ID": f"kvgate{g}"}
+               "KVGATE_ROUTING_STRATEGY": "kv-sync", "KVGATE_GATEWAY_ID": f"kvgate{g}",
+               # The sims' own tokenizer files: kvgate tokenizes locally once its tokens match the sims' /tokenize.
+               "KVGATE_TOKENIZER_PATH": str(testdata.path())}
         stack.kvgate(env=env, grpc_port=grpc_port, name=f"kvgate{g}")
         grpc_ports.append(grpc_port)
         http_ports.append(http_port)
@@ -171,6 +174,27 @@ def _table(results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+async def _tokenizer_status(gateways: list[str]) -> dict[str, dict]:
+    """Each replica's tokenizer paths from its /debug: per model, verified or not, requests served each way."""
+    async with httpx.AsyncClient(timeout=5.0) as client:
+        answers = await asyncio.gather(*(client.get(g + "/debug") for g in gateways), return_exceptions=True)
+    out = {}
+    for i, r in enumerate(answers):
+        if isinstance(r, httpx.Response) and r.status_code == 200:
+            out[f"kvgate{i}"] = r.json().get("tokenizer", {}).get("models", {})
+    return out
+
+
+def _tokenizer_lines(status: dict[str, dict]) -> list[str]:
+    lines = []
+    for gateway, models in status.items():
+        for model, m in models.items():
+            lines.append(f"{gateway} {model}: tokenizer {m['state']} (verified: {', '.join(m['verified']) or '-'}; "
+                         f"{m['served']['local']} tokenized locally, {m['served']['remote']} by the engine, "
+                         f"{m['checks']['disagree']} disagreements)")
+    return lines
+
+
 class _Stop(Exception):
     pass
 
@@ -214,12 +238,14 @@ def main(args: argparse.Namespace) -> int:
         log(f"kvgate demo: {args.duration:.0f} s of multi-turn chat traffic per strategy: {', '.join(strategies)}")
         results = asyncio.run(_compare(info["envoy_url"], [p["url"] for p in info["pods"]], strategies,
                                        args.duration, args.concurrency, log))
+        tokenizer = asyncio.run(_tokenizer_status(info["gateways"]))
         if args.json:
-            print(json.dumps({"strategies": results}), flush=True)
+            print(json.dumps({"strategies": results, "tokenizer": tokenizer}), flush=True)
         else:
             print(_table(results), flush=True)
             print("\nhit rate: prompt tokens served from the engines' prefix caches (their own /metrics).",
                   flush=True)
+            print("\n" + "\n".join(_tokenizer_lines(tokenizer)), flush=True)
         return 0
     except (KeyboardInterrupt, _Stop):
         log("kvgate demo: stopping")

@@ -71,3 +71,9 @@ def test_short_comparison_prints_the_json_summary():
         assert r["requests"] > 0 and r["errors"] == 0, (name, r)
         assert 0.0 <= r["hit_rate"] <= 1.0 and r["ttft_p50_ms"] <= r["ttft_p90_ms"]
     assert "kv-sync" in proc.stderr  # progress was shown
+    # The replicas tokenize locally with the sims' own files, verified first against the sims' /tokenize.
+    assert set(result["tokenizer"]) == {"kvgate0", "kvgate1"}
+    for gateway, models in result["tokenizer"].items():
+        m = models["demo-model"]
+        assert m["state"] == "serving" and "chat" in m["verified"], (gateway, m)
+        assert m["served"]["local"] > 0 and m["checks"]["disagree"] == 0, (gateway, m)

@@ -129,10 +129,15 @@ async def test_backend_default_serves_every_model(local) -> None:
     assert await backend.tokenize("any-model", PromptInput(text="hi")) == local.encode_prompt("hi")
 
 
-def test_chat_template_kwargs_override_like_vllm(local) -> None:
+def test_request_fields_win_over_chat_template_kwargs_like_vllm(local) -> None:
+    # vLLM's TokenizeChatRequest/ChatCompletionRequest merge the request's own add_generation_prompt and
+    # continue_final_message over chat_template_kwargs (renderers.params.merge_kwargs); other kwargs pass.
     msgs = ({"role": "user", "content": "x"},)
     overridden = ChatInput(messages=msgs, chat_template_kwargs={"add_generation_prompt": False})
-    assert local.render_chat(overridden) == local.render_chat(ChatInput(messages=msgs, add_generation_prompt=False))
+    assert local.render_chat(overridden) == local.render_chat(ChatInput(messages=msgs, add_generation_prompt=True))
+    assert local.render_chat(overridden).endswith("<|im_start|>assistant\n")
+    think = ChatInput(messages=msgs, chat_template_kwargs={"enable_thinking": False, "unused": None})
+    assert local.render_chat(think).endswith("<think>\n\n</think>\n\n")
     with pytest.raises(ValueError, match="chat_template_kwargs"):
         local.render_chat(ChatInput(messages=msgs, chat_template_kwargs=["nope"]))  # type: ignore[arg-type]
 

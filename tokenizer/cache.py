@@ -27,7 +27,7 @@ import sys
 import time
 from array import array
 from collections import OrderedDict
-from collections.abc import Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
@@ -146,6 +146,10 @@ class CachedTokenizer:
 
     `segmenters` (per model, else `default_segmenter`) enable the piece level; each must be
     built from that model's own tokenizer files. Models without one get the request level only.
+    With `trust`, the piece level (which renders chats locally) serves an input only when
+    trust(model, input) holds (tokenizer.verified: its shape was verified against the engine), and
+    `observe(model, input, ids, base_url)` is told of every answer assembled from pieces (to sample it);
+    then `inner.tokenize` must take `sample=False`, passed for the pieces themselves.
     """
 
     def __init__(
@@ -156,8 +160,14 @@ class CachedTokenizer:
         default_segmenter: Segmenter | None = None,
         options: CacheOptions = CacheOptions(),
         registry: CollectorRegistry | None = None,
+        trust: Callable[[str, TokenizeInput], bool] | None = None,
+        observe: Callable[[str, TokenizeInput, list[int], str | None], None] | None = None,
     ) -> None:
         self._inner = inner
+        self._trust = trust
+        self._observe = observe
+        # With `observe`, the answers assembled from pieces are what gets sampled, not the piece batches.
+        self._piece_kwargs = {"sample": False} if observe is not None else {}
         self._segmenters = dict(segmenters or {})
         self._default_segmenter = default_segmenter
         self._lru = ByteLRU(options.max_bytes, options.max_entry_bytes)
@@ -181,6 +191,10 @@ class CachedTokenizer:
     def hit_ratio(self) -> float:
         return self._metrics.hit_ratio
 
+    def set_segmenter(self, model: str, segmenter: Segmenter) -> None:
+        """Enable the piece level for `model` (its tokenizer files arrived after start)."""
+        self._segmenters[model] = segmenter
+
     def clear(self) -> None:
         """Forget everything, e.g. when a model's tokenizer changed."""
         self._lru.clear()
@@ -195,6 +209,8 @@ class CachedTokenizer:
             return hit.tolist()
         self._metrics.request_miss += 1
         segmenter = None if model in self._mismatched else self._segmenters.get(model, self._default_segmenter)
+        if segmenter is not None and self._trust is not None and not self._trust(model, item):
+            segmenter = None
         try:
             planned = segmenter.pieces(item) if segmenter is not None else None
         except ValueError as e:
@@ -207,6 +223,8 @@ class CachedTokenizer:
             ids = await self._from_pieces(model, segmenter, pieces, base_url, affixes)
             if self._verified.get(model, 0) < self._verify_requests:
                 ids = await self._verify(model, item, base_url, ids)
+            elif self._observe is not None:
+                self._observe(model, item, ids, base_url)
         self._lru.put(key, ids, _key_bytes(key))
         self._update_size()
         return ids
@@ -296,14 +314,15 @@ class CachedTokenizer:
         sep = segmenter.separator
         if sep is not None and len(texts) > 1:
             joined = await self._inner.tokenize(
-                model, PromptInput(text=sep[0].join(texts), add_special_tokens=False), base_url=base_url
-            )
+                model, PromptInput(text=sep[0].join(texts), add_special_tokens=False), base_url=base_url,
+                **self._piece_kwargs)
             parts = _split_at(joined, sep[1])
             if len(parts) == len(texts):
                 return dict(zip(texts, parts))
         out = {}
         for text in texts:  # sequential: one slow backend should not get a burst from one request
-            out[text] = await self._inner.tokenize(model, PromptInput(text=text, add_special_tokens=False), base_url=base_url)
+            out[text] = await self._inner.tokenize(model, PromptInput(text=text, add_special_tokens=False),
+                                                   base_url=base_url, **self._piece_kwargs)
         return out
 
     def _count(self, cached: int, total: int) -> None:

@@ -1,7 +1,8 @@
 """A `transformers` tokenizer loaded from a local directory, tokenizing as vLLM does.
 
-Chat requests are rendered to text with the tokenizer's chat template and that
-text is tokenized without added special tokens, the way vLLM's chat and
+Chat requests are rendered to text with the tokenizer's chat template, from the
+conversation, tools and keyword arguments vLLM builds (tokenizer.vllm_chat), and
+that text is tokenized without added special tokens, the way vLLM's chat and
 /tokenize endpoints do it. The simulated engine's /tokenize uses this class, so
 the gateway and the engine agree token for token.
 """
@@ -14,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from tokenizer import vllm_chat
 from tokenizer.types import ChatInput, PromptInput, TokenizeInput, TokenizerError
 
 _DEFAULT_MAX_MODEL_LEN = 8192
@@ -64,31 +66,34 @@ class LocalTokenizer:
             raise ValueError(f"cannot encode the text: {type(e).__name__}: {e}") from e
 
     def render_chat(self, item: ChatInput) -> str:
-        """The chat template applied to `item`: the text vLLM would tokenize. Raises ValueError on bad input.
-
-        As in vLLM, chat_template_kwargs are applied last and may override the request's own fields.
-        """
-        messages = [_text_message(i, m) for i, m in enumerate(item.messages)]
-        kwargs: dict[str, Any] = {
-            "tools": list(item.tools) if item.tools else None,
-            "chat_template": item.chat_template,
-            "add_generation_prompt": item.add_generation_prompt,
-            "continue_final_message": item.continue_final_message,
-        }
-        extra = item.chat_template_kwargs or {}
-        if not isinstance(extra, Mapping):
-            raise ValueError("chat_template_kwargs must be an object")
-        kwargs.update((k, v) for k, v in extra.items() if k not in ("tokenize", "conversation", "messages", "return_dict"))
-        if kwargs["add_generation_prompt"] and kwargs["continue_final_message"]:
-            raise ValueError("cannot set both continue_final_message and add_generation_prompt")
+        """The chat template applied to `item` as vLLM applies it: the text vLLM would tokenize (see
+        tokenizer.vllm_chat for the conversation, tools and keyword arguments it builds). Raises ValueError
+        on input the template or these rules refuse (ChatRefused for media parts and bad shapes)."""
+        tools = vllm_chat.tool_dicts(item.tools)
+        kwargs = vllm_chat.template_kwargs(tools, item.chat_template_kwargs, item.add_generation_prompt,
+                                           item.continue_final_message)
+        template = self.template(item.chat_template, tools)
+        messages = vllm_chat.conversation(item.messages, vllm_chat.content_format(template))
         try:
             with self._lock:
-                text = self._tok.apply_chat_template(messages, tokenize=False, **kwargs)
+                text = self._tok.apply_chat_template(messages, chat_template=template, tokenize=False, **kwargs)
         except Exception as e:  # jinja2 errors, templates calling raise_exception, bad kwargs, ...
             raise ValueError(f"chat template failed: {type(e).__name__}: {e}") from e
         if not isinstance(text, str):
             raise ValueError("chat template did not render to a string")
         return text
+
+    def template(self, requested: str | None, tools: list | None = None) -> str:
+        """The template vLLM would use: the request's own, else the tokenizer's (its `tool_use` one when
+        tools are given and it has named templates)."""
+        if requested is not None:
+            if not isinstance(requested, str):
+                raise ValueError("chat_template must be a string")
+            return requested
+        try:
+            return self._tok.get_chat_template(None, tools=tools)
+        except Exception as e:  # no template in the files
+            raise ValueError(f"no chat template: {e}") from e
 
     def encode_chat(self, item: ChatInput) -> list[int]:
         return self.encode_prompt(self.render_chat(item), add_special_tokens=False)
@@ -110,29 +115,6 @@ class LocalTokenizer:
     def token_strs(self, ids: Sequence[int]) -> list[str]:
         with self._lock:
             return list(self._tok.convert_ids_to_tokens(list(ids)))
-
-
-def _text_message(index: int, message: Any) -> dict[str, Any]:
-    """vLLM's "string" content format: text parts joined by newlines; other parts are refused."""
-    if not isinstance(message, Mapping):
-        raise ValueError(f"messages[{index}] is not an object")
-    if not isinstance(message.get("role"), str):
-        raise ValueError(f"messages[{index}].role must be a string")
-    content = message.get("content")
-    if content is None or isinstance(content, str):
-        return dict(message)
-    if not isinstance(content, list):
-        raise ValueError(f"messages[{index}].content must be a string or a list of parts")
-    texts = []
-    for j, part in enumerate(content):
-        if isinstance(part, str):
-            texts.append(part)
-        elif isinstance(part, Mapping) and part.get("type") in ("text", "input_text") and isinstance(part.get("text"), str):
-            texts.append(part["text"])
-        else:
-            kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
-            raise ValueError(f"messages[{index}].content[{j}]: unsupported part {kind!r} (text only)")
-    return {**message, "content": "\n".join(texts)}
 
 
 def input_size(item: TokenizeInput) -> int:
