@@ -336,3 +336,29 @@ def test_issue_13_targets_compare_with_the_best_other_policy_at_each_replica_cou
     assert t["W3 @1gw: kv-sync hit rate >= best other + 3 points, or >= oracle - 1"]["met"]
     info = bench.comparisons({"workloads": {"W3": {"policies": {**p, "x": {"hit_rate": 0.9, "ttft_p90_s": 1.0}}}}})
     assert list(info) == ["W3: oracle hit rate below x's by (points)"]
+
+
+def test_oracle_rewarms_where_a_flushed_prefix_was_instead_of_anywhere():
+    from kvcache.events import AllBlocksCleared, BlockStored, EventBatch
+    from bench.routing_sim import _Oracle
+    from sim.engine import EngineModel
+    cfg = EngineConfig(num_blocks=256)
+    prompt = tuple(range(2000, 2100))  # 6 full blocks + 4 tokens
+    stored = BlockStored(block_hashes=tuple(range(1, 7)), parent_block_hash=None, token_ids=prompt[:96],
+                         block_size=16, lora_id=None, medium="GPU", lora_name=None)
+
+    def oracle(affinity: float) -> _Oracle:
+        o = _Oracle({"pod-0": EngineModel(cfg), "pod-1": EngineModel(cfg)}, cfg, affinity=affinity)
+        o.mirror.apply("pod-1", EventBatch(ts=0.0, events=(stored,)))
+        o.mirror.apply("pod-1", EventBatch(ts=1.0, events=(AllBlocksCleared(),)))
+        return o
+
+    o = oracle(1.0)
+    assert o.mirror.hits_and_flushed(prompt) == ({"pod-0": 0, "pod-1": 0}, {"pod-0": 0, "pod-1": 96})
+    assert o.pick(prompt, 4, now=2.0)[0] == "pod-1"  # both miss: the flushed one is re-warmed
+    assert oracle(0.0).pick(prompt, 4, now=2.0)[0] == "pod-0"  # greedy TTFT alone: a tie, broken by name
+    # a request sent and not finished counts as placed: the same family follows it
+    o = _Oracle({"pod-0": EngineModel(cfg), "pod-1": EngineModel(cfg)}, cfg)
+    pod, handle = o.pick(prompt, 4, now=0.0)
+    assert o.pick(prompt + (7, 8), 4, now=0.005)[0] == pod
+    o.finished(pod, handle)
