@@ -362,3 +362,16 @@ def test_oracle_rewarms_where_a_flushed_prefix_was_instead_of_anywhere():
     pod, handle = o.pick(prompt, 4, now=0.0)
     assert o.pick(prompt + (7, 8), 4, now=0.005)[0] == pod
     o.finished(pod, handle)
+
+
+def test_report_gives_the_joined_pods_share_of_the_requests_after_the_join():
+    import dataclasses
+    shape = dataclasses.replace(TINY_CHAT, join_at_s=1.0, load=1.5)
+    chosen = (Policy("least-request", "least-request"), Policy("round-robin", "round-robin"))
+    report = bench.run_all([shape], seeds=1, jobs=1, chosen=chosen)
+    w = report["workloads"]["TC"]
+    assert w["joins"] == [[1.0, "pod-3"]]
+    rr = w["policies"]["round-robin"]["joined_share"]
+    assert 0.2 <= rr <= 0.3  # dealt in turn over 4 pods after the join
+    assert 0 < w["policies"]["least-request"]["joined_share"] <= 1
+    assert "joined pod" in bench.format_table(report)
