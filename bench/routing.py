@@ -57,6 +57,9 @@ Metrics per run, then the mean over seeds:
 - throughput_tok_s: output tokens / virtual time from the first arrival to the last finish;
 - max_over_mean_running: at each arrival (after the pick), max over the pods in the fleet of
   requests routed there and not finished / their mean over those pods, averaged over arrivals;
+- repeat_miss_share: the share of requests that recomputed a prefix block some earlier request had
+  computed (routing_sim.reusable_tokens): the misses a router could have avoided had every block
+  stayed cached, i.e. sent away from its prefix, or to where it was evicted or flushed;
 - evicted_blocks: blocks the engines evicted (BlockRemoved), flushed_blocks: blocks flushes dropped;
 - joined_share (W5): the share of the requests arriving after the join that went to the joined pod
   (a quarter would be an even split over 4 pods).
@@ -90,7 +93,7 @@ from bench.routing_sim import ORACLE, Policy, RunResult, run, ttft_floor
 from routing.strategies import StrategyConfig, parse_weights
 
 METRICS = ("hit_rate", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "ttft_mean_s", "throughput_tok_s",
-           "max_over_mean_running", "evicted_blocks", "flushed_blocks")
+           "max_over_mean_running", "repeat_miss_share", "evicted_blocks", "flushed_blocks")
 DEFAULT_PLOT = "docs/bench-routing.png"
 
 
@@ -343,7 +346,7 @@ def format_table(report: dict) -> str:
                      f"hit-rate bound {w['compulsory_hit_rate']:.3f}; TTFT p90 floor {w['ttft_p90_floor_s']:.4f} s"
                      f"{extra}")
         lines.append(f"  {'policy':28}{'hit rate':>9}{'TTFT p50 s':>12}{'TTFT p90 s':>12}{'TTFT p99 s':>12}"
-                     f"{'TTFT mean s':>13}{'out tok/s':>11}{'max/mean run':>14}{'evicted':>10}")
+                     f"{'TTFT mean s':>13}{'out tok/s':>11}{'max/mean run':>14}{'repeat miss':>12}{'evicted':>10}")
         joins = bool(w.get("joins"))
         if joins:
             lines[-1] += f"{'joined pod':>12}"
@@ -351,7 +354,7 @@ def format_table(report: dict) -> str:
             lines.append(f"  {name:28}{m['hit_rate']:>9.3f}{m['ttft_p50_s']:>12.4f}{m['ttft_p90_s']:>12.4f}"
                          f"{m['ttft_p99_s']:>12.4f}{m['ttft_mean_s']:>13.4f}"
                          f"{m['throughput_tok_s']:>11.0f}{m['max_over_mean_running']:>14.2f}"
-                         f"{m.get('evicted_blocks', 0):>10.0f}"
+                         f"{m.get('repeat_miss_share', 0):>12.3f}{m.get('evicted_blocks', 0):>10.0f}"
                          + (f"{m.get('joined_share', 0):>12.2f}" if joins else ""))
         lines.append("")
     lines.append(f"  Policies without @Ngw run behind {report.get('gateways', DEFAULT_GATEWAYS)} gateway replica(s).")

@@ -31,7 +31,9 @@ the engines' events and deliveries due at that time and before arrivals:
   follow it), to every CharTreePolicy (an empty tree) and to the oracle's candidates. Engines
   not yet joined count in no load ratio.
 Counted per run: BlockRemoved blocks (evictions) over every engine, blocks dropped by flushes,
-and requests routed per pod.
+requests routed per pod, and the share of requests that recomputed at least one prefix block
+some earlier request had computed (served fewer cached tokens than reusable_tokens: sent where
+the prefix was not, or where it had been evicted or flushed).
 
 The oracle (not a Router strategy) knows each engine's cache exactly (a mirror fed by the
 engines' raw events without delay or loss, equal to the engine's cache by construction of
@@ -115,6 +117,7 @@ class RunResult:
     batches_published: int = 0
     batches_decoded: int = 0
     batches_lost: int = 0
+    repeat_miss_share: float = 0.0  # requests that recomputed a prefix block an earlier request had computed
     evicted_blocks: int = 0  # BlockRemoved blocks over every engine (evictions; flushes not counted)
     flushed_blocks: int = 0  # cached blocks dropped by scheduled flushes
     routed: dict = field(default_factory=dict)  # pod -> requests sent there
@@ -282,28 +285,35 @@ def engine_config(workload: Workload) -> EngineConfig:
                         max_num_seqs=workload.shape.max_num_seqs)
 
 
-def ttft_floor(workload: Workload) -> np.ndarray:
-    """Per request, a TTFT no router can beat on these engines: overhead + prefill of the prompt
-    tokens past the longest block-aligned prefix it shares with any earlier request (at most
-    `len - 1` tokens, vLLM's rule), as if every block ever computed stayed cached everywhere and
-    no request ever waited, flushes ignored. (No workload's prompts contain engine outputs (the
-    chat workloads' replies are synthetic), so prompt blocks are all a cache could hold for them.) Its percentiles bound every policy's: with
-    TTFT >= floor request by request, each order statistic is >= the floor's."""
-    cfg = engine_config(workload)
-    bs = cfg.block_size
+def reusable_tokens(workload: Workload) -> dict[str, int]:
+    """Per request id, the prompt tokens a cache could serve if every block ever computed stayed
+    cached everywhere: the longest block-aligned prefix shared with any earlier request, at most
+    `len - 1` tokens (vLLM's rule). (No workload's prompts contain engine outputs (the chat
+    workloads' replies are synthetic), so prompt blocks are all a cache could hold for them.)"""
+    bs = BLOCK_SIZE
     seen: set[int] = set()
-    out = []
+    out = {}
     for r in sorted(workload.requests, key=lambda r: r.arrival):
-        n = len(r.token_ids)
         keys = prefix_keys(r.token_ids, bs)
         hit = 0
-        for key in keys[:(n - 1) // bs]:
+        for key in keys[:(len(r.token_ids) - 1) // bs]:
             if key not in seen:
                 break
             hit += 1
-        out.append(cfg.ttft_overhead_s + cfg.prefill_s_per_token * (n - hit * bs))
+        out[r.req_id] = hit * bs
         seen.update(keys)
-    return np.array(out)
+    return out
+
+
+def ttft_floor(workload: Workload) -> np.ndarray:
+    """Per request (in arrival order), a TTFT no router can beat on these engines: overhead +
+    prefill of the prompt tokens past reusable_tokens, as if every block ever computed stayed
+    cached everywhere and no request ever waited, flushes ignored. Its percentiles bound every
+    policy's: with TTFT >= floor request by request, each order statistic is >= the floor's."""
+    cfg = engine_config(workload)
+    reusable = reusable_tokens(workload)
+    return np.array([cfg.ttft_overhead_s + cfg.prefill_s_per_token * (len(r.token_ids) - reusable[r.req_id])
+                     for r in sorted(workload.requests, key=lambda r: r.arrival)])
 
 
 def run(workload: Workload, policy: Policy, seed: int, strategy_config: StrategyConfig | None = None) -> RunResult:
@@ -461,6 +471,8 @@ def _result(workload: Workload, policy: Policy, seed: int, engines: dict[str, En
     start = min(r.arrival for r in workload.requests)
     end = max(c.finish_time for c in completions)
     out_tokens = sum(len(c.output_token_ids) for c in completions)
+    reusable = reusable_tokens(workload)
+    repeat = sum(c.cached_tokens < reusable[c.req_id] for c in completions)
     return RunResult(
         policy=policy.name, seed=seed,
         hit_rate=sum(m.prefix_cache_hits for m in ms) / queries if queries else 0.0,
@@ -468,6 +480,7 @@ def _result(workload: Workload, policy: Policy, seed: int, engines: dict[str, En
         ttft_mean_s=float(ttft.mean()), ttft_p99_s=float(np.percentile(ttft, 99)),
         throughput_tok_s=out_tokens / (end - start) if end > start else 0.0,
         max_over_mean_running=float(np.mean(ratios)) if ratios else 0.0,
+        repeat_miss_share=repeat / len(completions) if completions else 0.0,
         requests=len(completions), batches_published=published, batches_decoded=decoded, batches_lost=lost,
         index_stats=index.stats() if decoded else {},
     )

@@ -281,6 +281,7 @@ def test_flushes_cost_hits_and_are_seen_by_kv_sync():
         a, b = run(steady, policy, seed=1), run(flushed, policy, seed=1)
         assert b.flushed_blocks > 0 and a.flushed_blocks == 0
         assert b.hit_rate < a.hit_rate, policy.name
+        assert 0 <= a.repeat_miss_share < b.repeat_miss_share <= 1, policy.name  # flushed prefixes recomputed
         assert b == run(flushed, policy, seed=1)
     assert run(flushed, Policy("kv-sync", "kv-sync"), seed=1).index_stats["skipped"] == {}
 
