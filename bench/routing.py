@@ -26,9 +26,10 @@ capacity from the workload). Workloads (bench.routing_workloads):
     is reset (forced under load: sim.engine.EngineModel.reset_prefix_cache), the engine rotating
     in a seeded order. kv-sync sees the AllBlocksCleared event; guessers are not told; the
     oracle's mirror sees it.
-  - W5 scale-out: 100% of the 3 starting pods' decode capacity (saturated once the later turns
-    add up); a 4th pod joins at 10 s: added to the PodRegistry the Routers follow, to char-tree's
-    trees and to the oracle's candidates.
+  - W5 scale-out: 120% of the 3 starting pods' decode capacity (over it once the later turns add
+    up, ~8 s in); a 4th pod joins at 10 s (then 90%): added to the PodRegistry the Routers follow,
+    to char-tree's trees and to the oracle's candidates; the `joined pod` column is its share of
+    the requests that arrived after the join.
 
 Policies: random, round-robin, least-request, prefix-cache (router-side guess), char-tree
 (bench.chartree: the design of SGLang's model gateway `cache_aware` policy), kv-sync

@@ -4,8 +4,8 @@ The run drives the project's real code: `routing.router.Router` with its real st
 `LocalCounts`, and `kvcache.index.PrefixIndex` fed only by what the simulated engines
 (`sim.engine.EngineModel`) publish, each batch encoded with `kvcache.wire.encode_batch`
 (vLLM 0.33) and decoded with `kvcache.wire.decode_batch`. Nothing sleeps: the loop jumps to
-the next arrival, engine event or event delivery; at equal times engines run first, then
-deliveries, then arrivals. A request counts as running from its pick to its completion.
+the next arrival, engine event, event delivery, flush or join; at equal times engines run
+first, then deliveries, then flushes and joins, then arrivals. A request counts as running from its pick to its completion.
 
 Event delivery model: a batch reaches the index `delay_s` of virtual time after the engine
 step that produced it; with `loss` > 0 each batch is independently dropped with that
