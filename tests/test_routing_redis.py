@@ -320,3 +320,23 @@ async def test_tls_url(tmp_path):
     finally:
         proc.kill()
         proc.wait(5)
+
+
+async def test_stale_view_is_reread_in_the_background_without_holding_the_pick(redis_server):
+    a = RedisCounts(redis_server.url, "gw-a", **FAST)
+    b = RedisCounts(redis_server.url, "gw-b", **{**FAST, "stale_ok_s": 5.0})
+    try:
+        await b.refresh()  # no view yet: this one waits for the read
+        assert b.totals() == {} and b.snapshot()["others_age_s"] is not None
+        a.add("p0", 3)
+        assert await a.flush()
+        # The view is stale (read_max_age_s 0) but usable: refresh returns at once, without awaiting Redis ...
+        call = b.refresh()
+        with pytest.raises(StopIteration):
+            call.send(None)
+        assert b.totals() == {}
+        # ... and the read it started brings A's count for the next picks.
+        assert await until(lambda: b.totals() == {"p0": 3}, timeout=5)
+    finally:
+        await a.close()
+        await b.close()
