@@ -98,7 +98,8 @@ class App:
         self.shared_index = LockedIndex(self.index, self.subscriptions.lock)
         counts: RunningCounts = (RedisCounts(s.redis_url, s.gateway_id, ttl_s=s.redis_key_ttl_s,
                                              heartbeat_s=s.redis_key_ttl_s / 5,
-                                             stale_ok_s=s.redis_key_ttl_s / 5, metrics=self.routing_metrics)
+                                             stale_ok_s=s.redis_key_ttl_s / 5, write_interval_s=0.005,
+                                             metrics=self.routing_metrics)
                                  if s.redis_url else LocalCounts())
         self.engines = EngineMetrics(self.pods, interval_s=s.engine_metrics_interval_s, metrics=self.routing_metrics)
         strategy_config = StrategyConfig(guard_abs_slack=s.routing_guard_slack, guard_rel_slack=s.routing_guard_ratio,

@@ -144,7 +144,8 @@ class RedisCounts:
     def __init__(self, url: str, gateway_id: str = "", *, key_prefix: str = "kvgate:{running}:",
                  ttl_s: float = 5.0, heartbeat_s: float = 1.0, read_max_age_s: float = 0.005,
                  op_timeout_s: float = 0.1, backoff_min_s: float = 0.2, backoff_max_s: float = 2.0,
-                 stale_ok_s: float = 0.0, metrics: RoutingMetrics | None = None) -> None:
+                 stale_ok_s: float = 0.0, write_interval_s: float = 0.0,
+                 metrics: RoutingMetrics | None = None) -> None:
         if not url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"KVGATE_REDIS_URL: expected redis://, rediss:// or unix://, got {redact_url(url)!r}")
         if heartbeat_s >= ttl_s:
@@ -169,6 +170,9 @@ class RedisCounts:
         # A pick may use a view up to this old while a fresher one is read in the background: no Redis
         # round trip on the request path once a view exists (0: every stale pick waits for the read).
         self._stale_ok = max(stale_ok_s, read_max_age_s)
+        # At least this long between two background writes: the changes of a burst of picks and releases
+        # go out as one write (other gateways see them at most this much later), not one per change.
+        self._write_interval = write_interval_s
         self._timeout = op_timeout_s
         self._backoff_min, self._backoff_max = backoff_min_s, backoff_max_s
         self._metrics = metrics or RoutingMetrics()
@@ -248,6 +252,8 @@ class RedisCounts:
                     continue
             self._dirty.clear()
             await self.flush()
+            if self._write_interval > 0:
+                await asyncio.sleep(self._write_interval)
 
     async def flush(self) -> bool:
         """Publish this gateway's whole local state now; False if Redis did not take it."""
