@@ -128,7 +128,7 @@ class SubscriberOptions:
     rcv_hwm: int = 10_000  # batches queued in the SUB (and replay DEALER) socket at most
     apply_chunk: int = 512  # events per sink.apply call (the lock is released between two)
     tick_budget: float = 0.002  # s of one endpoint's live batches before the other endpoints' turn
-    coalesce: float = 0.002  # s the ingest thread waits, once woken from idle, for more batches to queue
+    coalesce: float = 0.005  # s the ingest thread waits, once woken from idle, for more batches to queue
 
     def __post_init__(self) -> None:
         for name in ("replay_timeout", "reconnect_initial", "reconnect_max", "tick_budget"):
