@@ -41,6 +41,21 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _threads_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds per kind of thread of a process: the event loop's (`main`), libzmq's I/O threads
+    (`zmq_io`) and every other (`other`: the ingest thread, gRPC's pollers)."""
+    out = {"main": 0.0, "zmq_io": 0.0, "other": 0.0}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            comm = (task / "comm").read_text().strip()
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # a thread that ended meanwhile
+            continue
+        kind = "main" if task.name == str(pid) else "zmq_io" if comm.startswith("ZMQbg/IO") else "other"
+        out[kind] += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return out
+
+
 def _publisher(pub_port: int, replay_port: int) -> int:
     """Wait for a line `RATE SECONDS` on stdin, publish, print the batches sent; repeat until EOF."""
     from kvcache.events import BlockStored
@@ -116,7 +131,7 @@ def run(engines: int, rate: float, seconds: float, log) -> dict:
             time.sleep(idle_window)
             idle_per_s = (_cpu_s(pid) - c0) / (time.monotonic() - t0)
 
-            c0, t0 = _cpu_s(pid), time.monotonic()
+            c0, t0, th0 = _cpu_s(pid), time.monotonic(), _threads_cpu_s(pid)
             for p in pubs:
                 p.stdin.write(f"{rate} {seconds}\n")
                 p.stdin.flush()
@@ -132,6 +147,7 @@ def run(engines: int, rate: float, seconds: float, log) -> dict:
                 time.sleep(0.05)
             wall = time.monotonic() - t0
             cpu = _cpu_s(pid) - c0
+            th1 = _threads_cpu_s(pid)
             status = httpx.get(f"{http}/debug", timeout=5).json()["subscriptions"]
         finally:
             for p in pubs:
@@ -144,6 +160,8 @@ def run(engines: int, rate: float, seconds: float, log) -> dict:
         "kvgate_cpu_s": round(cpu, 3), "idle_cpu_per_s": round(idle_per_s, 4),
         "cpu_us_per_batch": round(per_batch, 1), "cpu_us_per_batch_raw": round(cpu / sent * 1e6, 1),
         "cores_following": round((cpu - idle_per_s * wall) / wall, 3),
+        # raw (idle included), by thread: where the microseconds go
+        "cpu_us_per_batch_by_thread": {k: round((th1[k] - th0[k]) / sent * 1e6, 1) for k in th0},
         "lost_or_dropped": lost, "target_us_per_batch": TARGET_US, "met": per_batch <= TARGET_US and not lost,
     }
 
@@ -156,6 +174,7 @@ def table(r: dict) -> str:
         f"CPU per batch: {r['cpu_us_per_batch']:.1f} us net of idle ({r['cpu_us_per_batch_raw']:.1f} us raw), "
         f"{r['cores_following']:.3f} cores following; target <= {r['target_us_per_batch']:.0f} us: "
         f"{'met' if r['met'] else 'MISSED'}; lost or dropped: {r['lost_or_dropped']}",
+        "by thread (us per batch, raw): " + ", ".join(f"{k} {v:.1f}" for k, v in r["cpu_us_per_batch_by_thread"].items()),
     ])
 
 
