@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from kvcache.index import PrefixIndex
 from kvcache.metrics import KVEventMetrics
-from kvcache.subscriber import EndpointSpec, SubscriberManager, SubscriberOptions
+from kvcache.subscriber import EndpointSpec, LockedIndex, SubscriberManager, SubscriberOptions
 from plugin.config import Settings
 from plugin.extproc import ExternalProcessor, Gateway
 from plugin.http import build_http_app
@@ -139,8 +139,13 @@ class App:
             reconnect_max=s.kv_events_backoff_max_s, heartbeat_interval=s.kv_events_heartbeat_s,
             heartbeat_timeout=s.kv_events_heartbeat_timeout_s, rcv_hwm=s.kv_events_rcv_hwm,
             tick_budget=s.kv_events_tick_budget_s), KVEventMetrics(self.registry))
+        # The ingest thread applies batches under the subscriptions' lock; everything else reaches the
+        # index through this view, under the same lock.
+        self.shared_index = LockedIndex(self.index, self.subscriptions.lock)
         counts: RunningCounts = (RedisCounts(s.redis_url, s.gateway_id, ttl_s=s.redis_key_ttl_s,
-                                             heartbeat_s=s.redis_key_ttl_s / 5, metrics=self.routing_metrics)
+                                             heartbeat_s=s.redis_key_ttl_s / 5,
+                                             stale_ok_s=s.redis_key_ttl_s / 5, write_interval_s=0.005,
+                                             metrics=self.routing_metrics)
                                  if s.redis_url else LocalCounts())
         self.engines = EngineMetrics(self.pods, interval_s=s.engine_metrics_interval_s, metrics=self.routing_metrics)
         strategy_config = StrategyConfig(guard_abs_slack=s.routing_guard_slack, guard_rel_slack=s.routing_guard_ratio,
@@ -148,7 +153,7 @@ class App:
                                          approx_capacity=s.prefix_cache_blocks,
                                          prefill_tokens_per_s=s.routing_prefill_tokens_per_s,
                                          weights=parse_weights(s.routing_weights))
-        self.router = Router(self.pods, default_strategy=s.routing_strategy, counts=counts, index=self.index,
+        self.router = Router(self.pods, default_strategy=s.routing_strategy, counts=counts, index=self.shared_index,
                              engines=self.engines, config=strategy_config, metrics=self.routing_metrics)
         self.tokenizer, self.verified_tokenizer = _tokenizer(s, self.registry,
                                                              known=lambda m: bool(self.pods.serving(m)))
@@ -168,7 +173,7 @@ class App:
         # Subscriptions and index entries follow pods in and out of discovery.
         for pod in removed:
             if self.pods.get(pod.name) is None:
-                self.index.remove_pod(pod.name)
+                self.shared_index.remove_pod(pod.name)
         self.subscriptions.sync(endpoint_specs(self.pods.pods()))
         log.info("pods: %d known (%s added, %s removed)", len(self.pods.pods()),
                  ", ".join(p.name for p in added) or "none", ", ".join(p.name for p in removed) or "none")

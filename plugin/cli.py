@@ -20,6 +20,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "tokenizer": ("bench.tokenizer", "tokenizer: remote vs local, cold vs cached"),
     "routing": ("bench.routing", "routing policies on simulated engines, virtual clock"),
     "gateway": ("bench.gateway", "the full path through a real Envoy"),
+    "ingest": ("bench.ingest", "live KV event ingestion: kvgate serve's CPU per batch"),
     "soak": ("bench.soak", "mixed traffic through Envoy for a long run"),
     "all": ("bench.all", "every benchmark, written to docs/BENCHMARKS.md"),
 }

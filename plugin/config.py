@@ -180,7 +180,7 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("KVGATE_KV_EVENTS_RCV_HWM", "kv_events_rcv_hwm", _int_range(1, 10_000_000), 10_000,
              "Most event batches queued per engine connection."),
     Variable("KVGATE_KV_EVENTS_TICK_BUDGET_S", "kv_events_tick_budget_s", _positive_float, 0.002,
-             "Event ingestion time before yielding to request handling."),
+             "Time the KV event ingest thread spends on one engine's queued batches before the other engines' turn."),
     Variable("KVGATE_LOG_LEVEL", "log_level", _choice("debug", "info", "warning", "error"), "info", "Log level."),
 )
 

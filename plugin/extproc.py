@@ -92,7 +92,12 @@ def _immediate(err: ClientError, request_id: str) -> pb.ProcessingResponse:
 
 class _Resumed:
     """Awaitable that continues a coroutine already run up to its first suspension (`pending` is
-    what it yielded there), exactly as `await coro` would have continued it."""
+    what it yielded there), exactly as `await coro` would have continued it.
+
+    Still pays (measured on this machine, a coroutine that answers without waiting): run-then-resume
+    1.4-2.2 us against 12.6-15.6 us for `async with asyncio.timeout_at(...)` around a plain await; that is
+    every cold request on the local tokenizer (it encodes short inputs synchronously) and every release
+    (the counts change synchronously), where the alternative is a timer or a task per request."""
 
     __slots__ = ("_coro", "_pending")
 

@@ -9,7 +9,9 @@ A pod's total is this gateway's exact local count plus the sum over the other li
 gateways, read by one Lua script and cached for `read_max_age_s`.
 
 The local count changes synchronously at the pick, so the next pick on this gateway sees it
-before any I/O. Redis is never awaited for longer than `op_timeout_s`; after a failure a
+before any I/O. Writes never wait on the request path (a background writer publishes changes and
+heartbeats); with `stale_ok_s` > 0 reads do not either once a view exists: a pick whose view is
+older than `read_max_age_s` but within `stale_ok_s` starts a background read and uses what it has. Redis is never awaited for longer than `op_timeout_s`; after a failure a
 circuit breaker keeps it out of the request path for a back-off, and the next successful
 write republishes the whole local state, so counts reconverge when Redis returns.
 """
@@ -142,6 +144,7 @@ class RedisCounts:
     def __init__(self, url: str, gateway_id: str = "", *, key_prefix: str = "kvgate:{running}:",
                  ttl_s: float = 5.0, heartbeat_s: float = 1.0, read_max_age_s: float = 0.005,
                  op_timeout_s: float = 0.1, backoff_min_s: float = 0.2, backoff_max_s: float = 2.0,
+                 stale_ok_s: float = 0.0, write_interval_s: float = 0.0,
                  metrics: RoutingMetrics | None = None) -> None:
         if not url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"KVGATE_REDIS_URL: expected redis://, rediss:// or unix://, got {redact_url(url)!r}")
@@ -164,6 +167,12 @@ class RedisCounts:
         self._ttl_s = ttl_s
         self._heartbeat_s = heartbeat_s
         self._max_age = read_max_age_s
+        # A pick may use a view up to this old while a fresher one is read in the background: no Redis
+        # round trip on the request path once a view exists (0: every stale pick waits for the read).
+        self._stale_ok = max(stale_ok_s, read_max_age_s)
+        # At least this long between two background writes: the changes of a burst of picks and releases
+        # go out as one write (other gateways see them at most this much later), not one per change.
+        self._write_interval = write_interval_s
         self._timeout = op_timeout_s
         self._backoff_min, self._backoff_max = backoff_min_s, backoff_max_s
         self._metrics = metrics or RoutingMetrics()
@@ -199,10 +208,13 @@ class RedisCounts:
 
     async def refresh(self) -> None:
         now = time.monotonic()
-        if now - self._others_at <= self._max_age or now < self._down_until:
+        age = now - self._others_at
+        if age <= self._max_age or now < self._down_until:
             return
         if self._reading is None:
             self._reading = asyncio.ensure_future(self._read_others())
+        if age <= self._stale_ok:
+            return  # the read lands for the next picks; this one uses the view it has
         reading = self._reading
         # shield: a cancelled pick must not cancel the read other picks share
         await asyncio.shield(reading)
@@ -240,6 +252,8 @@ class RedisCounts:
                     continue
             self._dirty.clear()
             await self.flush()
+            if self._write_interval > 0:
+                await asyncio.sleep(self._write_interval)
 
     async def flush(self) -> bool:
         """Publish this gateway's whole local state now; False if Redis did not take it."""

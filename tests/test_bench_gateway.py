@@ -34,3 +34,39 @@ def test_cpu_seconds_of_a_live_and_a_missing_process() -> None:
     sum(i * i for i in range(200_000))  # some CPU time to see
     assert mine is not None and _cpu_s(os.getpid()) >= mine > 0
     assert _cpu_s(2**22 + 7) is None  # above the kernel's pid limit: no such process
+
+
+def test_cold_script_makes_every_prompt_new_from_its_first_token(tmp_path) -> None:
+    import json
+    import re
+
+    from bench.gateway import BODY, _cold_script
+
+    script = tmp_path / "cold.lua"
+    _cold_script(script)
+    head, run, tail = re.search(r'\[\[(.*)\]\] \.\. "([0-9a-f]+)-" \.\. n \.\. \[\[(.*)\]\]', script.read_text()).groups()
+    bodies = [json.loads(head + f"{run}-{n}" + tail) for n in (1, 2)]
+    systems = [b["messages"][0]["content"] for b in bodies]
+    assert systems[0] != systems[1] and systems[0].startswith(f"{run}-1 ")
+    assert systems[0].endswith(BODY["messages"][0]["content"])  # the warm prompt's length, a new start
+    assert bodies[0]["messages"][1:] == BODY["messages"][1:] and bodies[0]["model"] == BODY["model"]
+    _cold_script(script)
+    assert re.search(r'"([0-9a-f]+)-"', script.read_text()).group(1) != run  # a new run, new nonces
+
+
+def test_summary_adds_each_replicas_event_share_to_its_cpu_per_request() -> None:
+    from bench.gateway import summarize
+
+    def gw(rps, p50, cpu=None, cold=None):
+        return {"rps": rps, "p50_ms": p50, "p99_ms": p50 * 2, "cpu_us": cpu, "cold_rps": cold and rps / 2,
+                "cold_p50_ms": cold, "cold_p99_ms": cold and cold * 2, "cold_cpu_us": cpu and cpu * 2, "errors": 0}
+
+    med = {"direct": gw(4000, 0.2), "envoy_only": gw(2000, 0.5), "noop": gw(1000, 1.0, 400, 1.0),
+           "kvsync": gw(950, 1.1, 420, 1.6), "kvsync_2rep": gw(900, 1.2, 500)}
+    samples = {"kvsync": {"rps": [950]}, "noop": {"rps": [1000]}}
+    r = summarize(med, samples, 30.0, 9, 10, rounds=1)
+    assert r["kvsync_cpu_us_per_request_with_events"] == 450.0 and r["kvsync_cpu_over_noop"] == 1.12
+    assert r["kvsync_2rep_cpu_us_per_request_with_events"] == 560.0  # both replicas follow the engine
+    assert r["kvsync_added_p50_ms_vs_direct"] == 0.9 and r["kvsync_cold_added_p50_ms_vs_direct"] == 1.4
+    assert r["targets"] == {"added_p50_warm_le_1ms": True, "added_p50_cold_le_1ms": False,
+                            "cpu_per_request_le_1.2x_noop": True, "throughput_ge_0.9_noop": True}

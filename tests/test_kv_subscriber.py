@@ -548,3 +548,37 @@ def test_options_reject_bad_values():
         SubscriberOptions(reconnect_initial=2.0, reconnect_max=1.0)
     with pytest.raises(ValueError, match="replay_timeout"):
         SubscriberOptions(replay_timeout=0)
+
+
+async def test_matches_through_locked_index_while_the_ingest_thread_applies(harness):
+    """The request path matches on the event loop while the ingest thread stores a growing chain:
+    every match sees a whole prefix of it (never less than before), and finally all of it."""
+    from kvcache.index import PrefixIndex
+    from kvcache.subscriber import LockedIndex
+
+    make, engine = harness
+    e = engine(generation="0.33", hwm=1_000_000)
+    index = PrefixIndex(max_entries=100_000)
+    _, manager = make(sink=index)
+    shared = LockedIndex(index, manager.lock)
+    manager.sync([e.spec])
+    await until(lambda: status(manager)["connected"])
+    n, bs = 1500, 4
+    tokens = list(range(n * bs))
+
+    def flood():
+        for i in range(n):
+            e.pub.publish([BlockStored((i + 1,), i or None, tuple(tokens[i * bs:(i + 1) * bs]), bs, None, "GPU", None)])
+
+    publishing = asyncio.ensure_future(asyncio.to_thread(flood))
+    seen = [0]
+    deadline = time.monotonic() + 30
+    while seen[-1] < n:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the chain never completed: {seen[-1]} of {n} blocks")
+        m = shared.match("m", None, tokens, ["p"]).get("p")
+        seen.append(m.blocks if m is not None else 0)
+        await asyncio.sleep(0.001)
+    await publishing
+    assert all(a <= b for a, b in zip(seen, seen[1:])), "a match saw less of the chain than an earlier one"
+    assert len(set(seen)) > 2  # matches really ran while the chain grew

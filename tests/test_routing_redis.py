@@ -320,3 +320,49 @@ async def test_tls_url(tmp_path):
     finally:
         proc.kill()
         proc.wait(5)
+
+
+async def test_stale_view_is_reread_in_the_background_without_holding_the_pick(redis_server):
+    a = RedisCounts(redis_server.url, "gw-a", **FAST)
+    b = RedisCounts(redis_server.url, "gw-b", **{**FAST, "stale_ok_s": 5.0})
+    try:
+        await b.refresh()  # no view yet: this one waits for the read
+        assert b.totals() == {} and b.snapshot()["others_age_s"] is not None
+        a.add("p0", 3)
+        assert await a.flush()
+        # The view is stale (read_max_age_s 0) but usable: refresh returns at once, without awaiting Redis ...
+        call = b.refresh()
+        with pytest.raises(StopIteration):
+            call.send(None)
+        assert b.totals() == {}
+        # ... and the read it started brings A's count for the next picks.
+        assert await until(lambda: b.totals() == {"p0": 3}, timeout=5)
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_a_burst_of_changes_goes_out_as_one_write(redis_server):
+    a = RedisCounts(redis_server.url, "gw-a", **{**FAST, "write_interval_s": 1.0})
+    b = RedisCounts(redis_server.url, "gw-b", **FAST)
+    writes: list[dict] = []
+    real_flush = a.flush
+
+    async def counting_flush() -> bool:
+        writes.append(a.local())
+        return await real_flush()
+
+    a.flush = counting_flush
+    try:
+        await a.start()
+        assert await until(lambda: len(writes) == 1)  # the start-up write
+        for _ in range(10):  # picks spread over 50 ms, all inside one write interval
+            a.add("p0", 1)
+            await asyncio.sleep(0.005)
+        assert await until(lambda: len(writes) == 2, timeout=5)
+        assert writes[1] == {"p0": 10} and len(writes) == 2
+        await b.refresh()
+        assert b.totals() == {"p0": 10}
+    finally:
+        await a.close()
+        await b.close()
