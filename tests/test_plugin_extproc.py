@@ -27,6 +27,7 @@ class FakeDecision:
     matched_blocks: int = 0
     total_blocks: int = 0
     rank: int | None = None
+    fallbacks: tuple = ()
 
 
 class FakeRouter:
@@ -42,7 +43,7 @@ class FakeRouter:
             raise UnknownStrategyError(strategy, ("random",))
         return self.tokens
 
-    async def pick(self, req):
+    async def pick(self, req, subset=None, sheddable=False):
         if self.fail:
             raise self.fail
         self.picks.append(req)
