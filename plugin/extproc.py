@@ -51,6 +51,9 @@ DESTINATION_HEADER = "x-gateway-destination-endpoint"
 TARGET_POD_HEADER = "target-pod"
 STRATEGY_HEADER = "routing-strategy"
 DP_RANK_HEADER = "x-data-parallel-rank"
+# Envoy's per-request retry count: as many retries as the ranked list has fallbacks, so Envoy's retries
+# walk exactly kvgate's list (beyond it, override_host would fall to any pool endpoint).
+RETRIES_HEADER = "x-envoy-max-retries"
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"  # the data plane's subset hint (request metadata)
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
@@ -385,7 +388,7 @@ class _Stream:
                 rank: int | None = None, fallbacks: tuple[str, ...] = ()) -> pb.ProcessingResponse:
         # The ranked list, primary first: header and metadata carry the same value (the protocol requires it).
         endpoint = ",".join((pod.endpoint, *fallbacks)) if fallbacks else pod.endpoint
-        headers = [_set_header(DESTINATION_HEADER, endpoint)]
+        headers = [_set_header(DESTINATION_HEADER, endpoint), _set_header(RETRIES_HEADER, str(len(fallbacks)))]
         if self.gw.target_pod_header:
             headers.append(_set_header(TARGET_POD_HEADER, pod.endpoint))
         ours = {"pod": pod.name, "strategy": strategy}

@@ -21,7 +21,7 @@ def test_envoy_yaml_validates_with_real_envoy(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rendered = tmp_path / "r.yaml"
     rendered.write_text(yaml.safe_dump(render_envoy_config(listen_port=1, admin_port=2, extproc_port=3,
-                                                           default_pool=[("127.0.0.1", 4)])))
+                                                           pool=[("127.0.0.1", 4)])))
     proc = subprocess.run([find_envoy(), "--mode", "validate", "-c", str(rendered)], capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -95,6 +95,11 @@ def destination(resp: pb.ProcessingResponse, phase: str = "request_body"):
     return header["x-gateway-destination-endpoint"], meta.string_value
 
 
+def retries(resp: pb.ProcessingResponse) -> str:
+    return {h.header.key: h.header.raw_value.decode()
+            for h in resp.request_body.response.header_mutation.set_headers}["x-envoy-max-retries"]
+
+
 def busy(router: Router, loads: dict[str, int]) -> None:
     """Running counts as if requests were in flight on those pods."""
     for name, n in loads.items():
@@ -142,8 +147,10 @@ async def test_ranked_list_is_the_pick_then_the_next_best_identical_in_header_an
         await call.write(headers_msg())
         await call.read()
         await call.write(body_msg(PROMPT))
-        header, meta = destination(await call.read())
+        resp = await call.read()
+        header, meta = destination(resp)
         assert header == meta == ",".join(PODS[i].endpoint for i in (2, 1, 3, 0))
+        assert retries(resp) == "3"  # Envoy's retries walk exactly the list
         assert router.running()["p2"] == 1  # the primary carries the count
         await call.done_writing()
 
