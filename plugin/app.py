@@ -157,8 +157,13 @@ class App:
         s = self.settings
         # so_reuseport off: a stale kvgate on the same port must not keep taking Envoy's streams.
         # Envoy's buffer limit bounds bodies; gRPC's default 4 MiB would turn larger valid ones into 500s.
+        # gRPC refuses new streams beyond 1,000 (3,000 at most) not yet taken by the event loop: a burst of
+        # new HTTP requests above that failed with 500 while the loop caught up. One stream per in-flight
+        # request, 10,000+ of them: let them queue instead.
         self._grpc = grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", -1),
-                                              ("grpc.max_send_message_length", -1)])
+                                              ("grpc.max_send_message_length", -1),
+                                              ("grpc.server.max_pending_requests", 100_000),
+                                              ("grpc.server.max_pending_requests_hard_limit", 100_000)])
         pb_grpc.add_ExternalProcessorServicer_to_server(self.processor, self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
         grpc_port = self._grpc.add_insecure_port(_join(s.listen_host, s.grpc_port))
