@@ -22,7 +22,9 @@ from plugin.metrics import GatewayMetrics
 from routing.counts import LocalCounts, RedisCounts, RunningCounts
 from routing.discovery import StaticSource
 from routing.engine_metrics import EngineMetrics, Saturation
+from routing.inferencepool import InferencePoolConfig, InferencePoolSource
 from routing.k8s import KubernetesConfig, KubernetesSource
+from routing.kube import ApiConfig
 from routing.metrics import RoutingMetrics
 from routing.pods import Pod
 from routing.registry import PodRegistry
@@ -88,7 +90,11 @@ class App:
         s = self.settings
         self.routing_metrics = RoutingMetrics(self.registry)
         self.pods = PodRegistry()
-        if s.discovery == "kubernetes":
+        if s.discovery == "inferencepool":
+            self.source = InferencePoolSource(InferencePoolConfig(
+                name=s.inferencepool_name, namespace=s.k8s_namespace, api=ApiConfig(api_url=s.k8s_api_url),
+                models_refresh_s=s.pool_models_refresh_s), metrics=self.routing_metrics)
+        elif s.discovery == "kubernetes":
             self.source = KubernetesSource(KubernetesConfig(api_url=s.k8s_api_url, namespace=s.k8s_namespace,
                                                             label_selector=s.k8s_label_selector),
                                            metrics=self.routing_metrics)

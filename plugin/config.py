@@ -92,8 +92,9 @@ VARIABLES: tuple[Variable, ...] = (
              "Address the gRPC and HTTP servers bind to (`0.0.0.0` or `::` in a cluster)."),
     Variable("KVGATE_GRPC_PORT", "grpc_port", PORT, 50051, "ext_proc gRPC port (also serves gRPC health)."),
     Variable("KVGATE_HTTP_PORT", "http_port", PORT, 8080, "HTTP port: `/metrics`, `/healthz`, `/debug`."),
-    Variable("KVGATE_DISCOVERY", "discovery", _choice("static", "kubernetes"), "static",
-             "Pod discovery source: `static` (file or list below) or `kubernetes`."),
+    Variable("KVGATE_DISCOVERY", "discovery", _choice("static", "kubernetes", "inferencepool"), "static",
+             "Pod discovery source: `static` (file or list below), `kubernetes` (pods by label) or "
+             "`inferencepool` (one InferencePool's pods, models from each pod's `/v1/models`)."),
     Variable("KVGATE_PODS_FILE", "pods_file", _text, "",
              "YAML list of pods (`name`, `address`, `port`, `model`, optional `kv_events`, `lora`); re-read when it changes."),
     Variable("KVGATE_PODS", "pods", _text, "", "Pods as one line: `name=host:port/model,...`."),
@@ -103,6 +104,11 @@ VARIABLES: tuple[Variable, ...] = (
              "Label selector of the vLLM pods to watch."),
     Variable("KVGATE_K8S_API_URL", "k8s_api_url", _text, "",
              "Kubernetes API URL (empty: in-cluster service account)."),
+    Variable("KVGATE_INFERENCEPOOL_NAME", "inferencepool_name", _text, "",
+             "The InferencePool (inference.networking.k8s.io/v1, in KVGATE_K8S_NAMESPACE) to serve, "
+             "with `inferencepool` discovery."),
+    Variable("KVGATE_POOL_MODELS_REFRESH_S", "pool_models_refresh_s", _positive_float, 30.0,
+             "How often each InferencePool endpoint's `/v1/models` is asked again (LoRA adapters come and go)."),
     Variable("KVGATE_ROUTING_STRATEGY", "routing_strategy", _choice(*STRATEGIES), "kv-sync",
              "Default strategy; a request may choose another with the `routing-strategy` header."),
     Variable("KVGATE_ROUTING_WEIGHTS", "routing_weights", _text, "",
@@ -190,6 +196,8 @@ class Settings:
     k8s_namespace: str = ""
     k8s_label_selector: str = "model.aibrix.ai/name"
     k8s_api_url: str = ""
+    inferencepool_name: str = ""
+    pool_models_refresh_s: float = 30.0
     routing_strategy: str = "kv-sync"
     routing_weights: str = ""
     routing_guard_slack: int = 16
@@ -253,6 +261,8 @@ class Settings:
             raise ConfigError(str(e)) from None
         if self.discovery == "static" and not (self.pods_file or self.pods):
             raise ConfigError("KVGATE_PODS_FILE or KVGATE_PODS: one is required with KVGATE_DISCOVERY=static")
+        if self.discovery == "inferencepool" and not self.inferencepool_name:
+            raise ConfigError("KVGATE_INFERENCEPOOL_NAME: required with KVGATE_DISCOVERY=inferencepool")
         if self.tokenizer == "local" and not self.tokenizer_path:
             raise ConfigError("KVGATE_TOKENIZER_PATH: required with KVGATE_TOKENIZER=local")
         if self.kv_events_backoff_max_s < self.kv_events_backoff_min_s:
