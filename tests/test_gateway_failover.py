@@ -1,7 +1,7 @@
-"""Failures a production fleet sees, through a real Envoy (override_host over the pool, retries
-walking kvgate's ranked list) and real `kvgate serve` processes, on loopback: an engine SIGKILLed,
-more requests in flight than Envoy's default circuit breakers allow, a kvgate replica SIGKILLed
-or stopped with SIGTERM (a rolling update)."""
+"""The Endpoint Picker data path through a real Envoy (override_host over the pool, retries walking
+kvgate's ranked list) and real `kvgate serve` processes, on loopback: failures a production fleet
+sees (an engine SIGKILLed, more requests in flight than Envoy's default circuit breakers allow, a
+kvgate replica SIGKILLed or stopped with SIGTERM) and bodies streamed in FULL_DUPLEX_STREAMED mode."""
 from __future__ import annotations
 
 import asyncio
@@ -13,9 +13,10 @@ import time
 
 import httpx
 import pytest
+import yaml
 
 from stackutil import wait_until
-from plugin.stack import Stack, free_port
+from plugin.stack import Stack, find_envoy, free_port, render_envoy_config
 
 pytestmark = pytest.mark.integration
 
@@ -225,3 +226,36 @@ def test_a_kvgate_replica_stopped_with_sigterm_drains_without_failing_a_request(
         failed = [o for _, o in clients.results if o != 200]
         assert not failed and len(clients.results) > 150, failed
         assert drained >= 1.5  # it served through the drain delay before refusing streams
+
+
+def test_full_duplex_streamed_request_and_response_bodies_through_real_envoy():
+    with Stack() as stack:
+        pods = stack.engines(2, model=MODEL, extra=["--tpot-ms", "2"])
+        gw, = start_kvgates(stack, 1, stack.pods_file(pods))
+        listen = free_port()
+        config = render_envoy_config(listen_port=listen, admin_port=free_port(), extproc_port=gw["grpc"],
+                                     pool=[("127.0.0.1", p["port"]) for p in pods])
+        hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        ext = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")["typed_config"]
+        ext["processing_mode"].update(request_body_mode="FULL_DUPLEX_STREAMED", response_body_mode="FULL_DUPLEX_STREAMED",
+                                      request_trailer_mode="SEND", response_trailer_mode="SEND")
+        path = stack.workdir / "envoy-streamed.yaml"
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
+        stack.start("envoy", [find_envoy(), "-c", str(path), "--concurrency", "1", "--log-level", "warning",
+                              "--disable-hot-restart"], ready_port=("127.0.0.1", listen), ready_timeout=60)
+        names = {p["name"] for p in pods}
+        with httpx.Client(base_url=f"http://127.0.0.1:{listen}", timeout=30) as c:
+            # a body large enough to reach kvgate in several chunks: gathered, routed, forwarded whole
+            prompt = "a long prompt " * 4_000  # 56 kB
+            r = c.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 3})
+            assert r.status_code == 200, r.text
+            assert r.headers["x-kvgate-pod"] in names and r.json()["usage"]["prompt_tokens"] > 8_000
+            # a token stream comes back through kvgate chunk by chunk, complete
+            with c.stream("POST", "/v1/chat/completions", json={
+                    "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 20,
+                    "stream": True}) as s:
+                text = "".join(s.iter_text())
+            assert s.status_code == 200 and s.headers["x-kvgate-pod"] in names
+            assert text.count("data: ") == 22 and text.rstrip().endswith("data: [DONE]")
+            assert c.get("/v1/models").status_code == 200
+        assert metric(gw["metrics"], "kvgate_requests_total", '{kind="completion",outcome="routed"}') == 1
