@@ -164,3 +164,38 @@ def test_pool_spec_and_models_parsing_reject_what_cannot_be_used():
         parse_models({"data": [{"id": "ad1", "parent": "base"}]})
     with pytest.raises(ValueError):
         parse_models({"object": "list"})
+
+
+async def test_kvgate_is_ready_only_once_its_inferencepool_is_found_and_listed(api, engines):
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from plugin.app import App
+    from plugin.config import Settings
+
+    port = engines
+    api.put("pods", pod("a", IPS[0], SEL))
+    settings = Settings(discovery="inferencepool", inferencepool_name="pool", k8s_namespace=NS, k8s_api_url=api.url,
+                        grpc_port=0, http_port=0, engine_metrics_interval_s=60)
+    app = App(settings)
+    starting = asyncio.create_task(app.start())
+    try:
+        assert await until(lambda: app.grpc_port is not None)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+
+            async def status(service):
+                return (await stub.Check(health_pb2.HealthCheckRequest(service=service))).status
+
+            S, N = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+            assert await until(lambda: api.count("inferencepools", watch=True) >= 1)
+            assert (await status("liveness"), await status("readiness")) == (S, N)  # no pool yet
+            api.put("inferencepools", pool("pool", SEL, [port]))
+            await asyncio.wait_for(starting, 10)
+            assert (await status("liveness"), await status("readiness")) == (S, S)
+            assert [(p.name, p.endpoint, p.model, p.lora) for p in app.pods.pods()] == [
+                ("a", f"{IPS[0]}:{port}", "base", ("ad1",))]
+    finally:
+        starting.cancel()
+        await asyncio.gather(starting, return_exceptions=True)
+        await app.stop(0)
