@@ -73,6 +73,26 @@ def wait_for_port(host: str, port: int, timeout: float, proc: subprocess.Popen |
     raise StackError(f"{name} did not listen on {host}:{port} within {timeout:.0f} s" + _tail(log_path))
 
 
+def wait_for_readiness(host: str, port: int, timeout: float, proc: subprocess.Popen | None = None,
+                       name: str = "kvgate", log_path: Path | None = None) -> None:
+    """Until kvgate's gRPC health service `readiness` answers SERVING."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(f"{host}:{port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise StackError(f"{name} exited with status {proc.returncode} before it was ready" + _tail(log_path))
+            with contextlib.suppress(grpc.RpcError):
+                answer = stub.Check(health_pb2.HealthCheckRequest(service="readiness"), timeout=1)
+                if answer.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            time.sleep(0.05)
+    raise StackError(f"{name} was not ready within {timeout:.0f} s" + _tail(log_path))
+
+
 def _tail(path: Path | None, lines: int = 15) -> str:
     if path is None or not path.exists():
         return ""
@@ -243,8 +263,12 @@ class Stack:
         return path
 
     def kvgate(self, *, env: Mapping[str, str], grpc_port: int, name: str = "kvgate") -> Proc:
+        """`kvgate serve`, returned once its gRPC `readiness` health service is SERVING (the port opens
+        before discovery has synced)."""
         argv = [sys.executable, "-m", "plugin.cli", "serve"]
-        return self.start(name, argv, env=env, ready_port=("127.0.0.1", grpc_port))
+        proc = self.start(name, argv, env=env, ready_port=("127.0.0.1", grpc_port))
+        wait_for_readiness("127.0.0.1", grpc_port, timeout=30, proc=proc.popen, name=name, log_path=proc.log_path)
+        return proc
 
     def close(self) -> None:
         for proc in reversed(self.procs):
