@@ -199,10 +199,10 @@ def test_a_sigkilled_kvgate_replica_fails_no_request_that_starts_a_second_later(
 def test_a_kvgate_replica_stopped_with_sigterm_drains_without_failing_a_request():
     with Stack() as stack:
         gws, url, _ = _two_replicas(stack, KVGATE_DRAIN_DELAY_S="1.5", KVGATE_DRAIN_TIMEOUT_S="20")
-        long_body = {"model": MODEL, "prompt": "a long answer", "max_tokens": 150, "stream": True}
+        long_body = {"model": MODEL, "prompt": "a long answer", "max_tokens": 1000, "stream": True}
         in_flight: list[str] = []
 
-        def long_request() -> None:  # ~2 s of tokens, over whichever replica Envoy gives the stream
+        def long_request() -> None:  # seconds of tokens, over whichever replica Envoy gives the stream
             with httpx.Client(base_url=url, timeout=60) as c:
                 with c.stream("POST", "/v1/completions", json=long_body) as r:
                     text = "".join(r.iter_text())
@@ -213,8 +213,8 @@ def test_a_kvgate_replica_stopped_with_sigterm_drains_without_failing_a_request(
             longs = [threading.Thread(target=long_request) for _ in range(8)]
             for t in longs:
                 t.start()
-            # the replica to stop holds some of the long streams now
-            assert wait_until(lambda: metric(gws[1]["metrics"], "kvgate_active_streams") >= 1)
+            # the replica to stop holds some of the long streams now (8 spread over 2, and the short ones)
+            assert wait_until(lambda: metric(gws[1]["metrics"], "kvgate_active_streams") >= 3)
             gws[1]["proc"].popen.send_signal(signal.SIGTERM)
             stopped = time.monotonic()
             assert gws[1]["proc"].popen.wait(30) == 0  # it exits by itself once its streams are done
