@@ -228,7 +228,7 @@ def test_a_kvgate_replica_stopped_with_sigterm_drains_without_failing_a_request(
         assert drained >= 1.5  # it served through the drain delay before refusing streams
 
 
-def test_full_duplex_streamed_request_and_response_bodies_through_real_envoy():
+def test_streamed_bodies_and_the_subset_hint_through_real_envoy():
     with Stack() as stack:
         pods = stack.engines(2, model=MODEL, extra=["--tpot-ms", "2"])
         gw, = start_kvgates(stack, 1, stack.pods_file(pods))
@@ -239,6 +239,13 @@ def test_full_duplex_streamed_request_and_response_bodies_through_real_envoy():
         ext = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")["typed_config"]
         ext["processing_mode"].update(request_body_mode="FULL_DUPLEX_STREAMED", response_body_mode="FULL_DUPLEX_STREAMED",
                                       request_trailer_mode="SEND", response_trailer_mode="SEND")
+        # A data plane's subset hint: here from a request header, into envoy.lb.subset_hint metadata
+        # before ext_proc (which forwards that namespace to kvgate).
+        hcm["http_filters"].insert(0, {"name": "envoy.filters.http.header_to_metadata", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.header_to_metadata.v3.Config",
+            "request_rules": [{"header": "x-test-subset", "remove": True, "on_header_present": {
+                "metadata_namespace": "envoy.lb.subset_hint", "key": "x-gateway-destination-endpoint-subset",
+                "type": "STRING"}}]}})
         path = stack.workdir / "envoy-streamed.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
         stack.start("envoy", [find_envoy(), "-c", str(path), "--concurrency", "1", "--log-level", "warning",
@@ -258,4 +265,13 @@ def test_full_duplex_streamed_request_and_response_bodies_through_real_envoy():
             assert s.status_code == 200 and s.headers["x-kvgate-pod"] in names
             assert text.count("data: ") == 22 and text.rstrip().endswith("data: [DONE]")
             assert c.get("/v1/models").status_code == 200
-        assert metric(gw["metrics"], "kvgate_requests_total", '{kind="completion",outcome="routed"}') == 1
+            # the subset hint: only the allowed engine serves; an endpoint outside the pool: 503
+            for p in pods:
+                for _ in range(3):
+                    r = c.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1},
+                               headers={"x-test-subset": f"127.0.0.1:{p['port']}"})
+                    assert r.status_code == 200 and r.headers["x-kvgate-pod"] == p["name"]
+            r = c.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1},
+                       headers={"x-test-subset": "127.0.0.1:1"})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "no_eligible_endpoint"
+        assert metric(gw["metrics"], "kvgate_requests_total", '{kind="completion",outcome="routed"}') == 7
