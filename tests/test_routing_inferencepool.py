@@ -199,3 +199,25 @@ async def test_kvgate_is_ready_only_once_its_inferencepool_is_found_and_listed(a
         starting.cancel()
         await asyncio.gather(starting, return_exceptions=True)
         await app.stop(0)
+
+
+def test_each_target_port_is_an_endpoint_with_its_own_kv_event_ports():
+    from routing.inferencepool import member_from_object
+
+    obj = pod("a", "10.0.0.9", SEL)
+    obj["metadata"]["annotations"] = {"kvgate.io/kv-events-pub-port": "6000", "kvgate.io/kv-events-replay-port": "7000"}
+    member = member_from_object(obj)
+    assert member is not None and member.kv_events.pub_port == 6000
+    src = InferencePoolSource(InferencePoolConfig(name="pool", namespace=NS, api=ApiConfig(api_url="http://127.0.0.1:1")))
+    src.spec = pool_spec(pool("pool", SEL, [8000, 8001]))
+    src._members = {"uid-a": member}
+    src._models = {("10.0.0.9", 8000): ("base", ()), ("10.0.0.9", 8001): ("base", ("ad1",))}
+    pods = {p.name: p for p in src.pods()}
+    assert set(pods) == {"a:8000", "a:8001"}
+    assert (pods["a:8001"].endpoint, pods["a:8001"].lora) == ("10.0.0.9:8001", ("ad1",))
+    assert [(p.kv_events.pub_port, p.kv_events.replay_port) for p in (pods["a:8000"], pods["a:8001"])] == [
+        (6000, 7000), (6001, 7001)]
+    # a pod being deleted, or without an IP yet, is no endpoint
+    gone = pod("b", "10.0.0.8", SEL)
+    gone["metadata"]["deletionTimestamp"] = "2026-12-01T00:00:00Z"
+    assert member_from_object(gone) is None and member_from_object(pod("c", "", SEL)) is None
