@@ -4,7 +4,9 @@ endpoint. The models an endpoint serves (its base model and LoRA adapters) come 
 engine's own `/v1/models`, fetched when the endpoint appears and refreshed periodically.
 
 A pod is an endpoint while it is Running with an IP and not being deleted; it is `ready` while
-its Ready condition is True. KV events: the label `model.aibrix.ai/kv-events-enabled: "true"` or
+its Ready condition is True. An engine whose `/v1/models` cannot be read (an API key on it, say)
+is still routable when its pod carries the model label `model.aibrix.ai/name` (adapters:
+`model.aibrix.ai/lora-id`, as for label discovery); otherwise it waits until its models are known. KV events: the label `model.aibrix.ai/kv-events-enabled: "true"` or
 the annotation `kvgate.io/kv-events-pub-port` turns them on (ports and data-parallel size from the
 `kvgate.io/*` annotations, as for label discovery); with several target ports, the endpoint on the
 i-th port publishes on the annotated ports + i.
@@ -20,7 +22,8 @@ import httpx
 
 from routing.discovery import kv_events_from_mapping
 from routing.errors import DiscoveryError
-from routing.k8s import (DP_SIZE_ANNOTATION, KV_EVENTS_LABEL, PUB_PORT_ANNOTATION, REPLAY_PORT_ANNOTATION, _int)
+from routing.k8s import (DP_SIZE_ANNOTATION, KV_EVENTS_LABEL, LORA_LABEL, MODEL_LABEL, PUB_PORT_ANNOTATION,
+                         REPLAY_PORT_ANNOTATION, _int)
 from routing.kube import Api, ApiConfig, ListWatch
 from routing.metrics import RoutingMetrics
 from routing.pods import KVEventsEndpoint, Pod
@@ -73,6 +76,7 @@ class Member:
     ip: str
     ready: bool
     kv_events: KVEventsEndpoint | None
+    labelled: tuple[str, tuple[str, ...]] | None = None  # models from the pod's labels, if it has them
 
 
 def member_from_object(obj: Mapping[str, Any]) -> Member | None:
@@ -96,7 +100,11 @@ def member_from_object(obj: Mapping[str, Any]) -> Member | None:
             spec["replay_port"] = None if str(raw).lower() == "none" else _int(
                 raw, f"{where} {REPLAY_PORT_ANNOTATION}", 1, 65535)
         kv = kv_events_from_mapping(spec, where)
-    return Member(name=meta.get("name") or "", ip=ip, ready=ready, kv_events=kv)
+    labelled = None
+    if labels.get(MODEL_LABEL):
+        raw = ",".join(x for x in (labels.get(LORA_LABEL, ""), annotations.get(LORA_LABEL, "")) if x)
+        labelled = (str(labels[MODEL_LABEL]), tuple(dict.fromkeys(x.strip() for x in raw.split(",") if x.strip())))
+    return Member(name=meta.get("name") or "", ip=ip, ready=ready, kv_events=kv, labelled=labelled)
 
 
 def parse_models(body: Any) -> tuple[str, tuple[str, ...]]:
@@ -333,7 +341,7 @@ class InferencePoolSource:
         out = []
         for m in self._members.values():
             for i, port in enumerate(ports):
-                models = self._models.get((m.ip, port))
+                models = self._models.get((m.ip, port)) or m.labelled
                 if models is None:
                     continue
                 kv = m.kv_events

@@ -217,6 +217,10 @@ def test_each_target_port_is_an_endpoint_with_its_own_kv_event_ports():
     assert (pods["a:8001"].endpoint, pods["a:8001"].lora) == ("10.0.0.9:8001", ("ad1",))
     assert [(p.kv_events.pub_port, p.kv_events.replay_port) for p in (pods["a:8000"], pods["a:8001"])] == [
         (6000, 7000), (6001, 7001)]
+    # models the engine cannot be asked for: the pod's model labels stand in; neither: not routable yet
+    labelled = pod("l", "10.0.0.7", {**SEL, "model.aibrix.ai/name": "base", "model.aibrix.ai/lora-id": "x"})
+    src._members = {"uid-l": member_from_object(labelled), "uid-u": member_from_object(pod("u", "10.0.0.6", SEL))}
+    assert [(p.name, p.model, p.lora) for p in src.pods()] == [("l:8000", "base", ("x",)), ("l:8001", "base", ("x",))]
     # a pod being deleted, or without an IP yet, is no endpoint
     gone = pod("b", "10.0.0.8", SEL)
     gone["metadata"]["deletionTimestamp"] = "2026-12-01T00:00:00Z"
