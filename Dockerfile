@@ -22,8 +22,9 @@ FROM python:3.11-slim AS kvgate
 COPY --from=build /wheels /wheels
 RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels \
     && useradd --uid 65532 --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin kvgate
-ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
-# Non-root; nothing is written at run time, so the root filesystem can be mounted read-only.
+# A local tokenizer (KVGATE_TOKENIZER=local) may want a cache directory: /tmp (a writable mount).
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 HF_HOME=/tmp/huggingface
+# Non-root; nothing else is written at run time, so the root filesystem can be mounted read-only.
 USER 65532:65532
 EXPOSE 50051 8080
 ENTRYPOINT ["kvgate"]
