@@ -99,8 +99,9 @@ VARIABLES: tuple[Variable, ...] = (
              "Address the gRPC and HTTP servers bind to (`0.0.0.0` or `::` in a cluster)."),
     Variable("KVGATE_GRPC_PORT", "grpc_port", PORT, 50051, "ext_proc gRPC port (also serves gRPC health)."),
     Variable("KVGATE_HTTP_PORT", "http_port", PORT, 8080, "HTTP port: `/metrics`, `/healthz`, `/debug`."),
-    Variable("KVGATE_DISCOVERY", "discovery", _choice("static", "kubernetes"), "static",
-             "Pod discovery source: `static` (file or list below) or `kubernetes`."),
+    Variable("KVGATE_DISCOVERY", "discovery", _choice("static", "kubernetes", "inferencepool"), "static",
+             "Pod discovery source: `static` (file or list below), `kubernetes` (pods by label) or "
+             "`inferencepool` (one InferencePool's pods, models from each pod's `/v1/models`)."),
     Variable("KVGATE_PODS_FILE", "pods_file", _text, "",
              "YAML list of pods (`name`, `address`, `port`, `model`, optional `kv_events`, `lora`); re-read when it changes."),
     Variable("KVGATE_PODS", "pods", _text, "", "Pods as one line: `name=host:port/model,...`."),
@@ -110,6 +111,11 @@ VARIABLES: tuple[Variable, ...] = (
              "Label selector of the vLLM pods to watch."),
     Variable("KVGATE_K8S_API_URL", "k8s_api_url", _text, "",
              "Kubernetes API URL (empty: in-cluster service account)."),
+    Variable("KVGATE_INFERENCEPOOL_NAME", "inferencepool_name", _text, "",
+             "The InferencePool (inference.networking.k8s.io/v1, in KVGATE_K8S_NAMESPACE) to serve, "
+             "with `inferencepool` discovery."),
+    Variable("KVGATE_POOL_MODELS_REFRESH_S", "pool_models_refresh_s", _positive_float, 30.0,
+             "How often each InferencePool endpoint's `/v1/models` is asked again (LoRA adapters come and go)."),
     Variable("KVGATE_ROUTING_STRATEGY", "routing_strategy", _choice(*STRATEGIES), "kv-sync",
              "Default strategy; a request may choose another with the `routing-strategy` header."),
     Variable("KVGATE_ROUTING_WEIGHTS", "routing_weights", _text, "",
@@ -127,6 +133,16 @@ VARIABLES: tuple[Variable, ...] = (
              "Block size of the `prefix-cache` strategy's own guesses (kv-sync learns it from events)."),
     Variable("KVGATE_PREFIX_CACHE_BLOCKS", "prefix_cache_blocks", _int_range(1, 1 << 32), 200_000,
              "Most blocks the `prefix-cache` strategy remembers."),
+    Variable("KVGATE_FALLBACK_ENDPOINTS", "fallback_endpoints", _int_range(0, 64), 3,
+             "Next-best pods listed after the picked one in `x-gateway-destination-endpoint` (and `envoy.lb`), "
+             "for the data plane's retries."),
+    Variable("KVGATE_SHEDDABLE_OBJECTIVES", "sheddable_objectives", _text, "",
+             "Comma-separated objective names (`x-gateway-inference-objective` header) whose requests get 429 "
+             "when every eligible pod is saturated."),
+    Variable("KVGATE_SATURATION_QUEUE", "saturation_queue", _positive_float, 5.0,
+             "A pod is saturated when its engine reports this many waiting requests or more..."),
+    Variable("KVGATE_SATURATION_KV_USAGE", "saturation_kv_usage", _positive_float, 0.8,
+             "...or its KV cache usage (0..1) at or above this (a pod without a fresh scrape is not saturated)."),
     Variable("KVGATE_ENGINE_METRICS_INTERVAL_S", "engine_metrics_interval_s", _positive_float, 1.0,
              "How often each pod's `/metrics` is scraped (queue length, KV utilisation, liveness)."),
     Variable("KVGATE_PODS_POLL_S", "pods_poll_s", _positive_float, 1.0, "How often KVGATE_PODS_FILE is checked for changes."),
@@ -181,6 +197,11 @@ VARIABLES: tuple[Variable, ...] = (
              "Most event batches queued per engine connection."),
     Variable("KVGATE_KV_EVENTS_TICK_BUDGET_S", "kv_events_tick_budget_s", _positive_float, 0.002,
              "Time the KV event ingest thread spends on one engine's queued batches before the other engines' turn."),
+    Variable("KVGATE_DRAIN_DELAY_S", "drain_delay_s", _float_min(0.0), 3.0,
+             "On SIGTERM: readiness turns NOT_SERVING, and new ext_proc streams are still served this long "
+             "(while the data plane's health checks notice)..."),
+    Variable("KVGATE_DRAIN_TIMEOUT_S", "drain_timeout_s", _float_min(0.0), 25.0,
+             "...then new streams are refused and in-flight ones get this long to finish."),
     Variable("KVGATE_LOG_LEVEL", "log_level", _choice("debug", "info", "warning", "error"), "info", "Log level."),
 )
 
@@ -196,6 +217,8 @@ class Settings:
     k8s_namespace: str = ""
     k8s_label_selector: str = "model.aibrix.ai/name"
     k8s_api_url: str = ""
+    inferencepool_name: str = ""
+    pool_models_refresh_s: float = 30.0
     routing_strategy: str = "kv-sync"
     routing_weights: str = ""
     routing_guard_slack: int = 16
@@ -203,6 +226,10 @@ class Settings:
     routing_prefill_tokens_per_s: float = 10_000.0
     prefix_cache_block_size: int = 16
     prefix_cache_blocks: int = 200_000
+    fallback_endpoints: int = 3
+    sheddable_objectives: str = ""
+    saturation_queue: float = 5.0
+    saturation_kv_usage: float = 0.8
     engine_metrics_interval_s: float = 1.0
     pods_poll_s: float = 1.0
     redis_url: str = ""
@@ -227,6 +254,8 @@ class Settings:
     kv_events_heartbeat_timeout_s: float = 15.0
     kv_events_rcv_hwm: int = 10_000
     kv_events_tick_budget_s: float = 0.002
+    drain_delay_s: float = 3.0
+    drain_timeout_s: float = 25.0
     log_level: str = "info"
 
     @classmethod
@@ -257,6 +286,8 @@ class Settings:
             raise ConfigError(str(e)) from None
         if self.discovery == "static" and not (self.pods_file or self.pods):
             raise ConfigError("KVGATE_PODS_FILE or KVGATE_PODS: one is required with KVGATE_DISCOVERY=static")
+        if self.discovery == "inferencepool" and not self.inferencepool_name:
+            raise ConfigError("KVGATE_INFERENCEPOOL_NAME: required with KVGATE_DISCOVERY=inferencepool")
         if self.tokenizer == "local" and not self.tokenizer_path:
             raise ConfigError("KVGATE_TOKENIZER_PATH: required with KVGATE_TOKENIZER=local")
         if self.kv_events_backoff_max_s < self.kv_events_backoff_min_s:
