@@ -68,11 +68,11 @@ def _upstream_config(ports: list[int], admin: int) -> dict:
 
 def _envoy_only_config(listen: int, admin: int, upstream: int) -> dict:
     config = render_envoy_config(listen_port=listen, admin_port=admin, extproc_port=1,
-                                 default_pool=[("127.0.0.1", upstream)])
+                                 pool=[("127.0.0.1", upstream)])
     hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.ext_proc"]
     for route in hcm["route_config"]["virtual_hosts"][0]["routes"]:
-        route["route"] = {"cluster": "default_pool", "timeout": "0s"}
+        route["route"] = {"cluster": "pool", "timeout": "0s"}
     return config
 
 
@@ -156,7 +156,7 @@ def run(seconds: float, rounds: int, n_pods: int, log) -> dict:
         gateways = {}
         for name, ext in (("kvsync", grpc_port), ("noop", noop_port)):
             port = free_port()
-            stack.envoy(listen_port=port, extproc_port=ext, default_pool=[("127.0.0.1", up_ports[0])], name=name)
+            stack.envoy(listen_port=port, extproc_port=ext, pool=[("127.0.0.1", p) for p in up_ports], name=name)
             gateways[name] = f"http://127.0.0.1:{port}"
         port = free_port()
         _start_envoy(stack, "envoy_only", _envoy_only_config(port, free_port(), up_ports[0]), port)

@@ -13,6 +13,7 @@ import grpc
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from google.protobuf import struct_pb2
 
 
 class NoopProcessor(pb_grpc.ExternalProcessorServicer):
@@ -23,7 +24,12 @@ class NoopProcessor(pb_grpc.ExternalProcessorServicer):
         routed = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=[header]))
         self._headers = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
         self._headers_routed = pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=routed))
-        self._body = pb.ProcessingResponse(request_body=pb.BodyResponse(response=routed))
+        # override_host reads the endpoint from envoy.lb metadata
+        lb = struct_pb2.Struct()
+        lb.update({"envoy.lb": {"x-gateway-destination-endpoint": upstream}})
+        self._headers_routed.dynamic_metadata.CopyFrom(lb)
+        self._body = pb.ProcessingResponse(request_body=pb.BodyResponse(response=routed), dynamic_metadata=lb)
+        self._response_headers = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
 
     async def Process(self, request_iterator, context):  # noqa: N802
         async for msg in request_iterator:
@@ -32,6 +38,8 @@ class NoopProcessor(pb_grpc.ExternalProcessorServicer):
                 yield self._headers_routed if msg.request_headers.end_of_stream else self._headers
             elif which == "request_body":
                 yield self._body
+            elif which == "response_headers":
+                yield self._response_headers
 
 
 async def _main(port: int, upstream: str) -> None:

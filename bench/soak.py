@@ -162,7 +162,7 @@ def start_stack(stack: Stack, sims: int) -> SoakStack:
                                "KVGATE_TOKENIZER_CACHE_MB": str(_TOKENIZER_CACHE_MB)}, grpc_port=grpc_port)
     wait_for_port("127.0.0.1", http_port, timeout=15)
     listen = free_port()
-    stack.envoy(listen_port=listen, extproc_port=grpc_port, default_pool=[("127.0.0.1", pods[0]["port"])])
+    stack.envoy(listen_port=listen, extproc_port=grpc_port, pool=[("127.0.0.1", p["port"]) for p in pods])
     return SoakStack(f"http://127.0.0.1:{listen}", f"http://127.0.0.1:{http_port}", kvgate.popen.pid)
 
 

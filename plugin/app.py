@@ -2,6 +2,7 @@
 the ext_proc gRPC server and the HTTP port. Built once per process; nothing global."""
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass, field
 from functools import partial
@@ -22,7 +23,7 @@ from plugin.http import build_http_app
 from plugin.metrics import GatewayMetrics
 from routing.counts import LocalCounts, RedisCounts, RunningCounts
 from routing.discovery import StaticSource
-from routing.engine_metrics import EngineMetrics
+from routing.engine_metrics import EngineMetrics, Saturation
 from routing.k8s import KubernetesConfig, KubernetesSource
 from routing.metrics import RoutingMetrics
 from routing.pods import Pod
@@ -39,6 +40,12 @@ from tokenizer.types import Tokenizer
 from tokenizer.verified import VerifiedTokenizer, VerifyOptions
 
 log = logging.getLogger("kvgate")
+
+# gRPC health services, as the Endpoint Picker protocol defines them. kvgate replicas are active-active
+# (running counts shared through Redis), so there is no leader election: every synced replica is ready.
+LIVENESS = "liveness"  # SERVING while the process answers gRPC, whatever the pods or discovery
+# SERVING once discovery has synced and the KV event subscriptions are started; NOT_SERVING while draining
+READINESS = ("readiness", "envoy.service.ext_proc.v3.ExternalProcessor", "")
 
 
 def endpoint_specs(pods: list[Pod]) -> list[EndpointSpec]:
@@ -149,7 +156,9 @@ class App:
                                          prefill_tokens_per_s=s.routing_prefill_tokens_per_s,
                                          weights=parse_weights(s.routing_weights))
         self.router = Router(self.pods, default_strategy=s.routing_strategy, counts=counts, index=self.index,
-                             engines=self.engines, config=strategy_config, metrics=self.routing_metrics)
+                             engines=self.engines, config=strategy_config, metrics=self.routing_metrics,
+                             saturation=Saturation(s.saturation_queue, s.saturation_kv_usage),
+                             max_fallbacks=s.fallback_endpoints)
         self.tokenizer, self.verified_tokenizer = _tokenizer(s, self.registry,
                                                              known=lambda m: bool(self.pods.serving(m)))
         self.gateway_metrics = GatewayMetrics(self.registry)
@@ -158,9 +167,11 @@ class App:
             default_strategy=s.routing_strategy, max_body_bytes=s.max_body_bytes,
             tokenizer_timeout_s=s.tokenizer_timeout_s, tokenizer_url=s.tokenizer_url or None,
             target_pod_header=s.target_pod_header, reachable=lambda name: not self.engines.unreachable(name),
-            cached_tokens=self.tokenizer.cached if isinstance(self.tokenizer, CachedTokenizer) else None))
+            cached_tokens=self.tokenizer.cached if isinstance(self.tokenizer, CachedTokenizer) else None,
+            sheddable_objectives=frozenset(o.strip() for o in s.sheddable_objectives.split(",") if o.strip())))
         self.pods.add_listener(self._on_pods)
         self._grpc: grpc.aio.Server | None = None
+        self.grpc_port: int | None = None  # once serving
         self._http: web.AppRunner | None = None
         self.health = health.aio.HealthServicer()
 
@@ -184,29 +195,43 @@ class App:
                                  "models": self.verified_tokenizer.status() if self.verified_tokenizer else {}}
         return snapshot
 
+    async def set_ready(self, ready: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in READINESS:
+            await self.health.set(service, status)
+
     async def start(self) -> tuple[int, int]:
+        """Serve gRPC (liveness SERVING, readiness not yet) and HTTP, then sync discovery, start the
+        event subscriptions and the router: readiness SERVING."""
         s = self.settings
-        await self.source.start(self.pods)
-        self.subscriptions.sync(endpoint_specs(self.pods.pods()))
-        await self.router.start()
         # so_reuseport off: a stale kvgate on the same port must not keep taking Envoy's streams.
         # Envoy's buffer limit bounds bodies; gRPC's default 4 MiB would turn larger valid ones into 500s.
+        # gRPC refuses new streams beyond 1,000 (3,000 at most) not yet taken by the event loop: a burst of
+        # new HTTP requests above that failed with 500 while the loop caught up. One stream per in-flight
+        # request, 10,000+ of them: let them queue instead.
         self._grpc = grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", -1),
-                                              ("grpc.max_send_message_length", -1)])
+                                              ("grpc.max_send_message_length", -1),
+                                              ("grpc.server.max_pending_requests", 100_000),
+                                              ("grpc.server.max_pending_requests_hard_limit", 100_000)])
         pb_grpc.add_ExternalProcessorServicer_to_server(self.processor, self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
         grpc_port = self._grpc.add_insecure_port(_join(s.listen_host, s.grpc_port))
         if grpc_port == 0:
             raise OSError(f"KVGATE_GRPC_PORT: cannot listen on {_join(s.listen_host, s.grpc_port)}")
+        await self.set_ready(False)
+        await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
         await self._grpc.start()
+        self.grpc_port = grpc_port
         http_app = build_http_app(self.registry, healthy=self.healthy, debug=self.debug)
         self._http = web.AppRunner(http_app, access_log=None)
         await self._http.setup()
         site = web.TCPSite(self._http, s.listen_host, s.http_port, reuse_port=False)
         await site.start()
         http_port = site._server.sockets[0].getsockname()[1] if site._server else s.http_port
-        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
-        await self.health.set("envoy.service.ext_proc.v3.ExternalProcessor", health_pb2.HealthCheckResponse.SERVING)
+        await self.source.start(self.pods)
+        self.subscriptions.sync(endpoint_specs(self.pods.pods()))
+        await self.router.start()
+        await self.set_ready(True)
         log.info("kvgate serving: ext_proc on %s, HTTP on %s:%d, strategy %s, %d pods",
                  _join(s.listen_host, grpc_port), s.listen_host, http_port, s.routing_strategy, len(self.pods.pods()))
         return grpc_port, http_port
@@ -214,6 +239,15 @@ class App:
     async def wait(self) -> None:
         assert self._grpc is not None
         await self._grpc.wait_for_termination()
+
+    async def drain(self, delay_s: float, timeout_s: float) -> None:
+        """A graceful stop (SIGTERM, a rolling update): readiness NOT_SERVING while new streams are still
+        served for `delay_s` (the data plane's health checks take them elsewhere meanwhile), then new
+        streams are refused and in-flight ones get `timeout_s` to finish."""
+        await self.set_ready(False)
+        log.info("draining: readiness NOT_SERVING; new streams refused in %.1f s", delay_s)
+        await asyncio.sleep(delay_s)
+        await self.stop(timeout_s)
 
     async def stop(self, grace_s: float = 2.0) -> None:
         await self.health.enter_graceful_shutdown()

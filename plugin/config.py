@@ -127,6 +127,16 @@ VARIABLES: tuple[Variable, ...] = (
              "Block size of the `prefix-cache` strategy's own guesses (kv-sync learns it from events)."),
     Variable("KVGATE_PREFIX_CACHE_BLOCKS", "prefix_cache_blocks", _int_range(1, 1 << 32), 200_000,
              "Most blocks the `prefix-cache` strategy remembers."),
+    Variable("KVGATE_FALLBACK_ENDPOINTS", "fallback_endpoints", _int_range(0, 64), 3,
+             "Next-best pods listed after the picked one in `x-gateway-destination-endpoint` (and `envoy.lb`), "
+             "for the data plane's retries."),
+    Variable("KVGATE_SHEDDABLE_OBJECTIVES", "sheddable_objectives", _text, "",
+             "Comma-separated objective names (`x-gateway-inference-objective` header) whose requests get 429 "
+             "when every eligible pod is saturated."),
+    Variable("KVGATE_SATURATION_QUEUE", "saturation_queue", _positive_float, 5.0,
+             "A pod is saturated when its engine reports this many waiting requests or more..."),
+    Variable("KVGATE_SATURATION_KV_USAGE", "saturation_kv_usage", _positive_float, 0.8,
+             "...or its KV cache usage (0..1) at or above this (a pod without a fresh scrape is not saturated)."),
     Variable("KVGATE_ENGINE_METRICS_INTERVAL_S", "engine_metrics_interval_s", _positive_float, 1.0,
              "How often each pod's `/metrics` is scraped (queue length, KV utilisation, liveness)."),
     Variable("KVGATE_PODS_POLL_S", "pods_poll_s", _positive_float, 1.0, "How often KVGATE_PODS_FILE is checked for changes."),
@@ -181,6 +191,11 @@ VARIABLES: tuple[Variable, ...] = (
              "Most event batches queued per engine connection."),
     Variable("KVGATE_KV_EVENTS_TICK_BUDGET_S", "kv_events_tick_budget_s", _positive_float, 0.002,
              "Event ingestion time before yielding to request handling."),
+    Variable("KVGATE_DRAIN_DELAY_S", "drain_delay_s", _float_min(0.0), 3.0,
+             "On SIGTERM: readiness turns NOT_SERVING, and new ext_proc streams are still served this long "
+             "(while the data plane's health checks notice)..."),
+    Variable("KVGATE_DRAIN_TIMEOUT_S", "drain_timeout_s", _float_min(0.0), 25.0,
+             "...then new streams are refused and in-flight ones get this long to finish."),
     Variable("KVGATE_LOG_LEVEL", "log_level", _choice("debug", "info", "warning", "error"), "info", "Log level."),
 )
 
@@ -203,6 +218,10 @@ class Settings:
     routing_prefill_tokens_per_s: float = 10_000.0
     prefix_cache_block_size: int = 16
     prefix_cache_blocks: int = 200_000
+    fallback_endpoints: int = 3
+    sheddable_objectives: str = ""
+    saturation_queue: float = 5.0
+    saturation_kv_usage: float = 0.8
     engine_metrics_interval_s: float = 1.0
     pods_poll_s: float = 1.0
     redis_url: str = ""
@@ -227,6 +246,8 @@ class Settings:
     kv_events_heartbeat_timeout_s: float = 15.0
     kv_events_rcv_hwm: int = 10_000
     kv_events_tick_budget_s: float = 0.002
+    drain_delay_s: float = 3.0
+    drain_timeout_s: float = 25.0
     log_level: str = "info"
 
     @classmethod

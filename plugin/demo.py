@@ -88,7 +88,7 @@ def _start(stack: Stack, n_sims: int, n_gateways: int, log, dp_size: int = 1) ->
         log(f"  kvgate serve #{g}: ext_proc :{grpc_port}, metrics http://127.0.0.1:{http_port}/metrics")
     listen = free_port()
     stack.envoy(listen_port=listen, extproc_port=grpc_ports[0], more_extproc_ports=grpc_ports[1:],
-                default_pool=[("127.0.0.1", int(e.url.rsplit(":", 1)[1])) for e in engines])
+                pool=[("127.0.0.1", int(e.url.rsplit(":", 1)[1])) for e in engines])
     log(f"  envoy on http://127.0.0.1:{listen} (ext_proc streams spread over {n_gateways} kvgate replicas)")
     http_port = http_ports[0]
     return {"envoy_url": f"http://127.0.0.1:{listen}", "metrics_url": f"http://127.0.0.1:{http_port}/metrics",

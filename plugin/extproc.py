@@ -1,11 +1,21 @@
-"""Envoy's external processor: one gRPC stream per HTTP request.
+"""Envoy's external processor: one gRPC stream per HTTP request, speaking the Gateway API
+Inference Extension's Endpoint Picker protocol (v1.0.0).
 
 Headers arrive first (the client's routing headers are stripped there), then the
-buffered body; the answer to the body names the upstream pod in the
-`x-gateway-destination-endpoint` header, in `envoy.lb` dynamic metadata and, by
-default, in AIBrix's `target-pod` header; for a data-parallel pod it also names the
+buffered body; the answer to the body names the upstream pod, followed by the next-best
+pods to retry on (`ip:port,ip:port,...`, the same list in the
+`x-gateway-destination-endpoint` header and in `envoy.lb` dynamic metadata) and, by
+default, the pod alone in AIBrix's `target-pod` header; for a data-parallel pod it also names the
 rank in `x-data-parallel-rank` (vLLM and SGLang pin the request to that rank). The request counts as running on its
 pod until Envoy closes the stream, which it does when the HTTP request ends.
+
+The protocol's other clauses, one method each: the data plane's subset hint
+(`envoy.lb.subset_hint` metadata) limits the pick (503 when it leaves nothing); a request whose
+objective (`x-gateway-inference-objective`) is sheddable gets 429 when every eligible pod is
+saturated; the endpoint that served the request (`envoy.lb` `x-gateway-destination-endpoint-served`
+metadata on the response headers) takes the request's running count; with FULL_DUPLEX_STREAMED
+bodies the request body is gathered, the pick answered on the headers and the body sent back whole,
+and response body chunks are sent back as they come.
 """
 from __future__ import annotations
 
@@ -18,6 +28,7 @@ from types import CoroutineType
 from typing import AsyncIterator, Callable, Sequence
 
 from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
@@ -26,7 +37,8 @@ from google.protobuf import struct_pb2
 from plugin.metrics import GatewayMetrics
 from plugin.request import (CHAT, MODELS, ROUTED_POST_PATHS, ClientError, InferenceRequest,
                             bad_request, parse_body)
-from routing.errors import NoReadyPodError, RoutingError, UnknownModelError, UnknownStrategyError
+from routing.errors import (NoEligibleEndpointError, NoReadyPodError, RoutingError, SaturatedError,
+                            UnknownModelError, UnknownStrategyError)
 from routing.pods import Pod
 from routing.registry import PodRegistry
 from routing.router import Decision, RouteRequest, Router
@@ -39,7 +51,15 @@ DESTINATION_HEADER = "x-gateway-destination-endpoint"
 TARGET_POD_HEADER = "target-pod"
 STRATEGY_HEADER = "routing-strategy"
 DP_RANK_HEADER = "x-data-parallel-rank"
+# Envoy's per-request retry count: as many retries as the ranked list has fallbacks, so Envoy's retries
+# walk exactly kvgate's list (beyond it, override_host would fall to any pool endpoint).
+RETRIES_HEADER = "x-envoy-max-retries"
 LB_NAMESPACE = "envoy.lb"
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"  # the data plane's subset hint (request metadata)
+SUBSET_KEY = "x-gateway-destination-endpoint-subset"
+SERVED_KEY = "x-gateway-destination-endpoint-served"  # in LB_NAMESPACE on the response path
+OBJECTIVE_HEADER = "x-gateway-inference-objective"
+POD_RESPONSE_HEADER = "x-kvgate-pod"
 KVGATE_NAMESPACE = "kvgate"  # Envoy copies these into the client's x-kvgate-pod / -strategy / -rank
 # Headers only kvgate may set: whatever a client sends under these names is dropped (a client
 # choosing the rank would defeat the routing as surely as one choosing the pod).
@@ -50,6 +70,9 @@ _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 # The answer to headers that carry nothing to remove: built once, never mutated, shared by streams.
 _HEADERS_CONTINUE = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
 _BODY_CONTINUE = pb.ProcessingResponse(request_body=pb.BodyResponse())
+_RESPONSE_HEADERS_CONTINUE = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+_RESPONSE_BODY_CONTINUE = pb.ProcessingResponse(response_body=pb.BodyResponse())
+FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 
 
 @dataclass
@@ -69,6 +92,8 @@ class Gateway:
     reachable: Callable[[str], bool] | None = None
     # The tokenizer cache's whole-request probe (CachedTokenizer.cached): ids without a copy or an await.
     cached_tokens: Callable[[str, TokenizeInput], Sequence[int] | None] | None = None
+    # Objectives (the x-gateway-inference-objective header) whose requests may be shed (429) under saturation.
+    sheddable_objectives: frozenset[str] = frozenset()
 
 
 def _header_value(h: base_pb2.HeaderValue) -> str:
@@ -127,18 +152,97 @@ async def _finish(coro, pending):
 class _Stream:
     """The state of one HTTP request's ext_proc stream."""
 
-    def __init__(self, gw: Gateway, fallback_log: LogThrottle, answers: dict) -> None:
+    def __init__(self, gw: Gateway, fallback_log: LogThrottle, answers: dict, metric_children: dict) -> None:
         self.gw = gw
         self.fallback_log = fallback_log
-        # By (pod, endpoint, strategy): the routed answer (built once, never mutated, shared by streams)
-        # and its metric children.
+        # By (pod, endpoint, strategy, rank, fallbacks): the routed answer (built once, never mutated,
+        # shared by streams); by (strategy, pod): its metric children.
         self.answers = answers
+        self.metric_children = metric_children
         self.path = ""
         self.method = ""
         self.strategy: str | None = None
         self.request_id = ""
         self.decision: Decision | None = None
         self.kind = "other"
+        # EPP protocol state: the data plane's subset hint (None: any pod of the pool), the request's
+        # objective, the body modes (FULL_DUPLEX_STREAMED: gather the request body, echo the response's)
+        # and, while a streamed request body is gathered, its chunks and the header removals held back.
+        self.subset: frozenset[str] | None = None
+        self.objective = ""
+        self.streamed_request = False
+        self.streamed_response = False
+        self.chunks: list[bytes] | None = None
+        self.held_remove: list[str] | None = None
+
+    # --- EPP protocol clauses ------------------------------------------------------------
+    def read_context(self, msg: pb.ProcessingRequest) -> None:
+        """The first message: the body modes Envoy uses and the subset hint, if any."""
+        if msg.HasField("protocol_config"):
+            pc = msg.protocol_config
+            self.streamed_request = pc.request_body_mode == FULL_DUPLEX
+            self.streamed_response = pc.response_body_mode == FULL_DUPLEX
+        if msg.HasField("metadata_context"):
+            self.subset = subset_hint(msg.metadata_context)
+
+    def sheddable(self) -> bool:
+        return bool(self.objective) and self.objective in self.gw.sheddable_objectives
+
+    def on_response_headers(self, msg: pb.ProcessingRequest) -> pb.ProcessingResponse:
+        """Account the request to the endpoint that served it (a fallback, after a retry) and name
+        that pod in x-kvgate-pod."""
+        served = served_endpoint(msg)
+        d = self.decision
+        if not served or d is None:
+            return _RESPONSE_HEADERS_CONTINUE
+        m = self.gw.metrics
+        if served == d.pod.endpoint:
+            m.served.labels("picked").inc()
+            return _RESPONSE_HEADERS_CONTINUE
+        pod = self.gw.router.served(d, served)
+        if pod is None:
+            m.served.labels("unknown").inc()
+            return _RESPONSE_HEADERS_CONTINUE
+        m.served.labels("fallback").inc()
+        return pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=pb.CommonResponse(
+            header_mutation=pb.HeaderMutation(set_headers=[_set_header(POD_RESPONSE_HEADER, pod.name)]))))
+
+    def on_response_body(self, msg: pb.HttpBody) -> pb.ProcessingResponse:
+        if not self.streamed_response:
+            return _RESPONSE_BODY_CONTINUE
+        return pb.ProcessingResponse(response_body=_echo(msg))
+
+    async def on_streamed_body(self, msg: pb.HttpBody) -> pb.ProcessingResponse | list[pb.ProcessingResponse] | None:
+        """FULL_DUPLEX_STREAMED: Envoy keeps nothing of the body, so every chunk comes back; a routed
+        request's chunks are gathered until the last, then the pick answers the held headers and the
+        body goes back whole."""
+        if self.chunks is None:  # not a routed path: each chunk straight back
+            return pb.ProcessingResponse(request_body=_echo(msg))
+        self.chunks.append(msg.body)
+        size = sum(len(c) for c in self.chunks)
+        if size > self.gw.max_body_bytes:
+            parse_body(self.path, b"".join(self.chunks), self.gw.max_body_bytes)  # raises the 413
+        if not msg.end_of_stream:
+            return None
+        return await self._finish_streamed(end_of_stream=True)
+
+    async def on_request_trailers(self) -> list[pb.ProcessingResponse]:
+        """Trailers end a streamed request body whose last chunk did not."""
+        done = pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+        if self.chunks is None:
+            return [done]
+        return [*await self._finish_streamed(end_of_stream=False), done]
+
+    async def _finish_streamed(self, *, end_of_stream: bool) -> list[pb.ProcessingResponse]:
+        raw = b"".join(self.chunks or ())
+        self.chunks = None
+        d = await self._decide(raw)
+        head = self._routed(d.pod, d.strategy, body=False, remove=self.held_remove, rank=d.rank,
+                            fallbacks=d.fallbacks)
+        body = pb.ProcessingResponse(request_body=pb.BodyResponse(response=pb.CommonResponse(
+            body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
+                body=raw, end_of_stream=end_of_stream)))))
+        return [head, body]
 
     # --- phases -----------------------------------------------------------------------
     def on_headers(self, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
@@ -154,6 +258,8 @@ class _Stream:
                 self.strategy = _header_value(h).strip() or None
             elif key == "x-request-id":
                 self.request_id = _header_value(h)
+            elif key == OBJECTIVE_HEADER:
+                self.objective = _header_value(h).strip()
             elif key in RESERVED_HEADERS or key.startswith(RESERVED_PREFIX):
                 if remove is None:
                     remove = []
@@ -164,6 +270,9 @@ class _Stream:
             self.kind = "chat" if self.path == CHAT else "completion"
             if msg.end_of_stream:  # no body will follow
                 return self._error(bad_request("request body is empty; expected a JSON object", code="invalid_json"))
+            if self.streamed_request:  # the answer to the headers waits for the whole body
+                self.chunks, self.held_remove = [], remove
+                return None
             return _continue_headers(remove)
         if self.method == "GET" and self.path == MODELS:
             self.kind = "models"
@@ -171,31 +280,45 @@ class _Stream:
         self.gw.metrics.requests.labels("other", "passthrough").inc()
         return _continue_headers(remove)
 
-    async def on_body(self, msg: pb.HttpBody) -> pb.ProcessingResponse:
+    async def on_body(self, msg: pb.HttpBody) -> pb.ProcessingResponse | list[pb.ProcessingResponse] | None:
+        if self.streamed_request:
+            return await self.on_streamed_body(msg)
         if self.kind not in ("chat", "completion"):  # a body on a pass-through path
             return _BODY_CONTINUE
-        started = time.perf_counter()
-        request = parse_body(self.path, msg.body, self.gw.max_body_bytes)
-        strategy = self.strategy or self.gw.default_strategy
-        token_ids = await self._tokens(request, strategy)
-        self.decision = await self.gw.router.pick(RouteRequest(
-            model=request.model, token_ids=token_ids, strategy=strategy, request_id=self.request_id))
-        m, d = self.gw.metrics, self.decision
-        key = (d.pod.name, d.pod.endpoint, d.strategy, d.rank)
-        routed = self.answers.get(key)
-        if routed is None:
+        d = await self._decide(msg.body)
+        key = (d.pod.name, d.pod.endpoint, d.strategy, d.rank, d.fallbacks)
+        response = self.answers.get(key)
+        if response is None:
             if len(self.answers) > 4096:  # pods churn: keep the memo bounded
                 self.answers.clear()
-            routed = self.answers[key] = (self._routed(d.pod, d.strategy, body=True, rank=d.rank),
-                                          m.decision_seconds.labels(d.strategy), m.decisions.labels(d.strategy, d.pod.name))
-        response, seconds, decided = routed
+            response = self.answers[key] = self._routed(d.pod, d.strategy, body=True, rank=d.rank,
+                                                        fallbacks=d.fallbacks)
+        return response
+
+    async def _decide(self, raw: bytes) -> Decision:
+        """Parse, tokenize and pick (within the subset hint; shedding a sheddable request under saturation)."""
+        started = time.perf_counter()
+        request = parse_body(self.path, raw, self.gw.max_body_bytes)
+        strategy = self.strategy or self.gw.default_strategy
+        token_ids = await self._tokens(request, strategy)
+        self.decision = d = await self.gw.router.pick(RouteRequest(
+            model=request.model, token_ids=token_ids, strategy=strategy, request_id=self.request_id),
+            subset=self.subset, sheddable=self.sheddable())
+        m = self.gw.metrics
+        children = self.metric_children.get((d.strategy, d.pod.name))
+        if children is None:
+            if len(self.metric_children) > 4096:
+                self.metric_children.clear()
+            children = self.metric_children[(d.strategy, d.pod.name)] = (
+                m.decision_seconds.labels(d.strategy), m.decisions.labels(d.strategy, d.pod.name))
+        seconds, decided = children
         seconds.observe(time.perf_counter() - started)
         decided.inc()
         m.requests.labels(self.kind, "routed").inc()
         if d.total_blocks:
             m.prefix_blocks.labels("total").inc(d.total_blocks)
             m.prefix_blocks.labels("cached").inc(d.matched_blocks)
-        return response
+        return d
 
     # --- helpers ----------------------------------------------------------------------
     async def _tokens(self, request: InferenceRequest, strategy: str) -> Sequence[int] | None:
@@ -245,21 +368,29 @@ class _Stream:
 
     def _route_any(self, remove: list[str]) -> pb.ProcessingResponse:
         pods = [p for p in self.gw.registry.pods() if p.ready]
+        if self.subset is not None:
+            pods = [p for p in pods if p.endpoint in self.subset]
+            if not pods:
+                return self._error(ClientError(503, "no ready pod among the endpoints the gateway allowed",
+                                               type_="service_unavailable", code="no_eligible_endpoint"))
         if self.gw.reachable is not None:
             # Skip engines that refuse connections: they would answer 503.
             pods = [p for p in pods if self.gw.reachable(p.name)] or pods
         if not pods:
             return self._error(ClientError(503, "no ready pod", type_="service_unavailable", code="no_ready_pod"))
-        pod = pods[hash(self.request_id) % len(pods)]
+        first = hash(self.request_id) % len(pods)
+        pod = pods[first]
+        rest = tuple(pods[(first + i) % len(pods)].endpoint for i in range(1, min(len(pods), 4)))
         self.gw.metrics.requests.labels("models", "routed").inc()
-        return self._routed(pod, "any", body=False, remove=remove)
+        return self._routed(pod, "any", body=False, remove=remove, fallbacks=rest)
 
     def _routed(self, pod: Pod, strategy: str, *, body: bool, remove: list[str] | None = None,
-                rank: int | None = None) -> pb.ProcessingResponse:
-        endpoint = pod.endpoint
-        headers = [_set_header(DESTINATION_HEADER, endpoint)]
+                rank: int | None = None, fallbacks: tuple[str, ...] = ()) -> pb.ProcessingResponse:
+        # The ranked list, primary first: header and metadata carry the same value (the protocol requires it).
+        endpoint = ",".join((pod.endpoint, *fallbacks)) if fallbacks else pod.endpoint
+        headers = [_set_header(DESTINATION_HEADER, endpoint), _set_header(RETRIES_HEADER, str(len(fallbacks)))]
         if self.gw.target_pod_header:
-            headers.append(_set_header(TARGET_POD_HEADER, endpoint))
+            headers.append(_set_header(TARGET_POD_HEADER, pod.endpoint))
         ours = {"pod": pod.name, "strategy": strategy}
         if rank is not None:
             headers.append(_set_header(DP_RANK_HEADER, str(rank)))
@@ -285,6 +416,10 @@ class _Stream:
             return self._error(ClientError(400, str(exc), code="unknown_routing_strategy", param=STRATEGY_HEADER))
         if isinstance(exc, NoReadyPodError):
             return self._error(ClientError(503, str(exc), type_="service_unavailable", code="no_ready_pod"))
+        if isinstance(exc, NoEligibleEndpointError):
+            return self._error(ClientError(503, str(exc), type_="service_unavailable", code="no_eligible_endpoint"))
+        if isinstance(exc, SaturatedError):
+            return self._error(ClientError(429, str(exc), type_="rate_limit_exceeded", code="saturated"))
         if isinstance(exc, RoutingError):
             return self._error(ClientError(503, str(exc), type_="service_unavailable", code="routing_failed"))
         log.error("request %s: internal error", self.request_id, exc_info=exc)
@@ -297,10 +432,11 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         self.gw = gw
         self._fallback_log = LogThrottle(10.0)  # one warning per 10 s, with a count of the rest
         self._answers: dict = {}
+        self._metric_children: dict = {}
         self._releases: set[asyncio.Task] = set()
 
     async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest], context) -> AsyncIterator[pb.ProcessingResponse]:  # noqa: N802
-        stream = _Stream(self.gw, self._fallback_log, self._answers)
+        stream = _Stream(self.gw, self._fallback_log, self._answers, self._metric_children)
         self.gw.metrics.active_streams.inc()
         how = "completed"
         try:
@@ -308,14 +444,24 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 which = msg.WhichOneof("request")
                 try:
                     if which == "request_headers":
+                        stream.read_context(msg)
                         response = stream.on_headers(msg.request_headers)
                     elif which == "request_body":
                         response = await stream.on_body(msg.request_body)
+                    elif which == "response_headers":
+                        response = stream.on_response_headers(msg)
+                    elif which == "response_body":
+                        response = stream.on_response_body(msg.response_body)
+                    elif which == "request_trailers":
+                        response = await stream.on_request_trailers()
                     else:
                         response = _pass_through(which)
                 except Exception as exc:  # every failure becomes an answer: a request never hangs
                     response = stream.error_for(exc)
-                if response is not None:
+                if type(response) is list:  # a streamed body's pick: the held headers' answer, then the body
+                    for r in response:
+                        yield r
+                elif response is not None:
                     yield response
         except asyncio.CancelledError:
             how = "cancelled"
@@ -356,6 +502,41 @@ def _continue_headers(remove: list[str] | None) -> pb.ProcessingResponse:
         return _HEADERS_CONTINUE
     return pb.ProcessingResponse(request_headers=pb.HeadersResponse(
         response=pb.CommonResponse(header_mutation=pb.HeaderMutation(remove_headers=remove))))
+
+
+def subset_hint(metadata: base_pb2.Metadata) -> frozenset[str] | None:
+    """The endpoints the data plane allows (`envoy.lb.subset_hint`), None when it sets no hint. The
+    value is a list of `ip:port` strings or one comma-separated string (both occur in the wild)."""
+    ns = metadata.filter_metadata.get(SUBSET_NAMESPACE)
+    if ns is None or SUBSET_KEY not in ns.fields:
+        return None
+    value = ns.fields[SUBSET_KEY]
+    which = value.WhichOneof("kind")
+    if which == "string_value":
+        items = [value.string_value]
+    elif which == "list_value":
+        items = [v.string_value for v in value.list_value.values if v.WhichOneof("kind") == "string_value"]
+    else:
+        items = []
+    return frozenset(e.strip() for item in items for e in item.split(",") if e.strip())
+
+
+def served_endpoint(msg: pb.ProcessingRequest) -> str:
+    """The endpoint that served the request: `envoy.lb` `x-gateway-destination-endpoint-served` metadata
+    (the protocol's place), else the response header of that name; empty when neither is there."""
+    ns = msg.metadata_context.filter_metadata.get(LB_NAMESPACE) if msg.HasField("metadata_context") else None
+    if ns is not None and SERVED_KEY in ns.fields:
+        return ns.fields[SERVED_KEY].string_value.strip()
+    for h in msg.response_headers.headers.headers:
+        if h.key.lower() == SERVED_KEY:
+            return _header_value(h).strip()
+    return ""
+
+
+def _echo(msg: pb.HttpBody) -> pb.BodyResponse:
+    """A FULL_DUPLEX_STREAMED chunk sent back unchanged (Envoy forwards only what it gets back)."""
+    return pb.BodyResponse(response=pb.CommonResponse(body_mutation=pb.BodyMutation(
+        streamed_response=pb.StreamedBodyResponse(body=msg.body, end_of_stream=msg.end_of_stream))))
 
 
 def _pass_through(which: str | None) -> pb.ProcessingResponse | None:

@@ -161,6 +161,10 @@ class GatewayMetrics:
             ["kind"], registry=registry)
         self.active_streams = _LoopGauge(
             "kvgate_active_streams", "ext_proc streams open now (one per HTTP request in flight)", registry=registry)
+        self.served = LoopCounter(
+            "kvgate_served_requests", "Routed requests by the endpoint the data plane reports served them: the "
+            "picked pod, a fallback from the ranked list (the request's count moved there), or an unknown one",
+            ["endpoint"], registry=registry)
         self.released = LoopCounter(
             "kvgate_requests_released", "Routed requests whose HTTP stream ended, by how it ended",
             ["how"], registry=registry)

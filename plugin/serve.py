@@ -34,13 +34,21 @@ async def _serve(settings: Settings) -> int:
         await app.stop(0)
         return 1
     settle_heap()
-    stop = asyncio.Event()
+    signals = asyncio.Queue()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("kvgate stopping")
-    await app.stop()
+        loop.add_signal_handler(sig, signals.put_nowait, sig)
+    await signals.get()
+    log.info("kvgate stopping: draining (a second signal stops at once)")
+    drain = asyncio.create_task(app.drain(settings.drain_delay_s, settings.drain_timeout_s))
+    second = asyncio.create_task(signals.get())
+    await asyncio.wait((drain, second), return_when=asyncio.FIRST_COMPLETED)
+    if not drain.done():
+        log.info("kvgate stopping now")
+        drain.cancel()
+        await asyncio.gather(drain, return_exceptions=True)
+        await app.stop(0)
+    second.cancel()
     return 0
 
 

@@ -92,10 +92,11 @@ def find_envoy() -> str:
 
 
 def render_envoy_config(*, listen_port: int, admin_port: int, extproc_port: int,
-                        default_pool: Iterable[tuple[str, int]], extproc_host: str = "127.0.0.1",
+                        pool: Iterable[tuple[str, int]], extproc_host: str = "127.0.0.1",
                         failure_mode_allow: bool | None = None, more_extproc_ports: Iterable[int] = ()) -> dict:
-    """The shipped envoy/envoy.yaml with only ports and the default pool changed
-    (`more_extproc_ports`: further kvgate replicas; Envoy spreads ext_proc streams over them)."""
+    """The shipped envoy/envoy.yaml with only ports and the pool's endpoints changed (`pool`: every
+    engine kvgate may pick, since override_host only picks among them; `more_extproc_ports`: further
+    kvgate replicas, Envoy spreads ext_proc streams over them)."""
     config = yaml.safe_load(ENVOY_CONFIG.read_text())
     config = copy.deepcopy(config)
     config["admin"]["address"]["socket_address"]["port_value"] = admin_port
@@ -105,8 +106,8 @@ def render_envoy_config(*, listen_port: int, admin_port: int, extproc_port: int,
     clusters["kvgate"]["load_assignment"]["endpoints"][0]["lb_endpoints"] = [
         {"endpoint": {"address": {"socket_address": {"address": extproc_host, "port_value": port}}}}
         for port in (extproc_port, *more_extproc_ports)]
-    pool = [{"endpoint": {"address": {"socket_address": {"address": h, "port_value": p}}}} for h, p in default_pool]
-    clusters["default_pool"]["load_assignment"]["endpoints"] = [{"lb_endpoints": pool}]
+    endpoints = [{"endpoint": {"address": {"socket_address": {"address": h, "port_value": p}}}} for h, p in pool]
+    clusters["pool"]["load_assignment"]["endpoints"] = [{"lb_endpoints": endpoints}]
     if failure_mode_allow is not None:
         hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
         for f in hcm["http_filters"]:
@@ -176,12 +177,12 @@ class Stack:
                           ready_timeout=ready_timeout)
 
     # --- the components ------------------------------------------------------------
-    def envoy(self, *, listen_port: int, extproc_port: int, default_pool: Iterable[tuple[str, int]],
+    def envoy(self, *, listen_port: int, extproc_port: int, pool: Iterable[tuple[str, int]],
               admin_port: int | None = None, failure_mode_allow: bool | None = None, name: str = "envoy",
               more_extproc_ports: Iterable[int] = ()) -> Proc:
         admin_port = admin_port or free_port()
         config = render_envoy_config(listen_port=listen_port, admin_port=admin_port, extproc_port=extproc_port,
-                                     default_pool=default_pool, failure_mode_allow=failure_mode_allow,
+                                     pool=pool, failure_mode_allow=failure_mode_allow,
                                      more_extproc_ports=more_extproc_ports)
         path = self.workdir / f"{name}.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -271,11 +272,11 @@ def _render_main(argv: list[str] | None = None) -> int:
     p.add_argument("--listen-port", type=int, default=10000)
     p.add_argument("--admin-port", type=int, default=9901)
     p.add_argument("--extproc", type=hostport, default=("127.0.0.1", 50051))
-    p.add_argument("--pool", default="127.0.0.1:8000", help="default route's upstreams, comma separated")
+    p.add_argument("--pool", default="127.0.0.1:8000", help="the pool's engines (host:port), comma separated")
     args = p.parse_args(argv)
     config = render_envoy_config(listen_port=args.listen_port, admin_port=args.admin_port,
                                  extproc_port=args.extproc[1], extproc_host=args.extproc[0],
-                                 default_pool=[hostport(x) for x in args.pool.split(",") if x])
+                                 pool=[hostport(x) for x in args.pool.split(",") if x])
     config["static_resources"]["listeners"][0]["address"]["socket_address"]["address"] = args.listen_host
     sys.stdout.write(yaml.safe_dump(config, sort_keys=False))
     return 0

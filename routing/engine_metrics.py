@@ -31,6 +31,22 @@ class EngineLoad:
     ranks: Mapping[str, EngineLoad] | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Saturation:
+    """When an engine counts as saturated, for shedding sheddable requests (429): its own scraped
+    numbers say it is queueing (`waiting` requests at or above `queue`) or its KV cache is nearly
+    full (usage at or above `kv_usage`). An engine without a fresh scrape is not saturated: shedding
+    on missing knowledge would drop traffic whenever scraping breaks."""
+
+    queue: float = 5
+    kv_usage: float = 0.8
+
+    def saturated(self, load: EngineLoad | None) -> bool:
+        if load is None:
+            return False
+        return load.waiting >= self.queue or (load.kv_usage is not None and load.kv_usage >= self.kv_usage)
+
+
 def _load(waiting: float, running: float, usage: list[float], at: float) -> EngineLoad:
     kv = min(1.0, max(0.0, sum(usage) / len(usage))) if usage else None
     return EngineLoad(waiting=waiting, running=running, kv_usage=kv, at=at)

@@ -33,3 +33,21 @@ class UnknownStrategyError(RoutingError):
 
 class DiscoveryError(ValueError):
     """A pod source (file, list, Kubernetes object) holds content that cannot be used; names the source."""
+
+
+class NoEligibleEndpointError(RoutingError):
+    """The data plane's subset hint leaves no pod that serves the model and is ready (HTTP 503)."""
+
+    def __init__(self, model: str, subset: frozenset[str]) -> None:
+        shown = ", ".join(sorted(subset)[:8]) + (", ..." if len(subset) > 8 else "")
+        super().__init__(f"no ready pod of model {model!r} among the endpoints the gateway allowed ({shown or 'none'})")
+        self.model = model
+        self.subset = subset
+
+
+class SaturatedError(RoutingError):
+    """A sheddable request while every eligible pod is saturated (HTTP 429)."""
+
+    def __init__(self, model: str, pods: int) -> None:
+        super().__init__(f"all {pods} eligible pods of model {model!r} are saturated; sheddable request dropped")
+        self.model = model

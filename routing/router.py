@@ -9,8 +9,9 @@ import random
 from typing import Any, Mapping
 
 from routing.counts import LocalCounts, RunningCounts
-from routing.engine_metrics import EngineMetrics
-from routing.errors import NoReadyPodError, UnknownModelError, UnknownStrategyError
+from routing.engine_metrics import EngineMetrics, Saturation
+from routing.errors import (NoEligibleEndpointError, NoReadyPodError, SaturatedError, UnknownModelError,
+                            UnknownStrategyError)
 from routing.metrics import RoutingMetrics
 from routing.pods import Pod
 from routing.registry import PodRegistry
@@ -25,8 +26,11 @@ class Router:
     def __init__(self, registry: PodRegistry, *, default_strategy: str = "kv-sync",
                  counts: RunningCounts | None = None, index: PrefixSource | None = None,
                  engines: EngineMetrics | None = None, config: StrategyConfig | None = None,
-                 metrics: RoutingMetrics | None = None, seed: int | None = None) -> None:
+                 metrics: RoutingMetrics | None = None, seed: int | None = None,
+                 saturation: Saturation | None = None, max_fallbacks: int = 3) -> None:
         self._registry = registry
+        self._saturation = saturation or Saturation()
+        self._max_fallbacks = max_fallbacks
         self._counts = counts if counts is not None else LocalCounts()
         self._index = index
         self._engines = engines
@@ -83,12 +87,16 @@ class Router:
             return self._strategy(strategy).needs_tokens  # raises UnknownStrategyError
         return found
 
-    def _candidates(self, model: str) -> list[Pod]:
+    def _candidates(self, model: str, subset: frozenset[str] | None = None) -> list[Pod]:
         serving = self._registry.serving(model)
         if not serving:
             raise UnknownModelError(model)
+        if subset is not None:  # the data plane's subset hint: only these endpoints may be picked
+            serving = [p for p in serving if p.endpoint in subset]
         ready = [p for p in serving if p.ready]
         if not ready:
+            if subset is not None:
+                raise NoEligibleEndpointError(model, subset)
             raise NoReadyPodError(model)
         if self._engines is not None:
             # An engine that refuses connections would answer 503, whatever its cached blocks or load
@@ -98,13 +106,20 @@ class Router:
             return reachable or ready
         return ready
 
-    async def pick(self, request: RouteRequest) -> Decision:
-        """The pod for `request`, counted as running from now until `release(decision)`."""
+    async def pick(self, request: RouteRequest, *, subset: frozenset[str] | None = None,
+                   sheddable: bool = False) -> Decision:
+        """The pod for `request`, counted as running from now until `release(decision)`.
+
+        `subset`: the endpoints (`ip:port`) the data plane allows (NoEligibleEndpointError when none of
+        them is a ready pod of the model). `sheddable`: the request may be dropped (SaturatedError)
+        when every eligible pod is saturated."""
         strategy = self._strategy(request.strategy)
-        pods = self._candidates(request.model)  # fail fast, before any I/O
+        pods = self._candidates(request.model, subset)  # fail fast, before any I/O
         if self._refresh:
             await self._counts.refresh()
-            pods = self._candidates(request.model)  # the pods may have changed while refresh waited
+            pods = self._candidates(request.model, subset)  # the pods may have changed while refresh waited
+        if sheddable and self._all_saturated(pods):
+            raise SaturatedError(request.model, len(pods))
         # From here to the count increment nothing awaits: the next pick sees this one.
         base, lora = self._resolve_model(request.model, pods)
         ctx = PickContext(request=request, base_model=base, lora=lora, running=self._counts.totals())
@@ -116,7 +131,7 @@ class Router:
         filtered = self._filtered.get(name)
         if filtered is None:
             filtered = self._filtered[name] = lambda n: self._metrics.guard_excluded.labels(name).inc(n)
-        target, _ = strategy.choose(ctx, pods, on_error=self._scorer_failed, on_filtered=filtered)
+        target, scores = strategy.choose(ctx, pods, on_error=self._scorer_failed, on_filtered=filtered)
         self._counts.add(target.name, 1)
         ticket = next(self._tickets)
         self._active[ticket] = target.name
@@ -127,7 +142,41 @@ class Router:
         pod = target if target.rank is None else self._targets[target.parent][0]
         return Decision(pod=pod, strategy=name, matched_blocks=ctx.matched.get(target.name, 0),
                         total_blocks=ctx.total_blocks, request_id=request.request_id, ticket=ticket,
-                        rank=target.rank)
+                        rank=target.rank, fallbacks=self._fallbacks(pod, target.rank, pods, scores, ctx.running))
+
+    def _all_saturated(self, pods: list[Pod]) -> bool:
+        """Every pod saturated by its engine's own numbers (a data-parallel pod: every rank's)."""
+        if self._engines is None:
+            return False
+        get, saturated = self._engines.get, self._saturation.saturated
+        for p in pods:
+            ranks = range(p.dp_size) if p.dp_size > 1 else (None,)
+            if not all(saturated(get(p.name, r)) for r in ranks):
+                return False
+        return True
+
+    def _fallbacks(self, pod: Pod, rank: int | None, targets: list[Pod], scores: Mapping[str, float],
+                   running: Mapping[str, int]) -> tuple[str, ...]:
+        """The next-best endpoints after `pod`'s, by the same pick: highest combined score first, then
+        the candidates a filter set aside, each group least running first. A rank-pinned request only
+        falls back to pods that have that rank (the rank header goes with it)."""
+        if self._max_fallbacks <= 0 or len(targets) < 2:
+            return ()
+
+        def key(t: Pod) -> tuple:
+            score = scores.get(t.name)
+            return (score is None, -(score or 0.0), running.get(t.name, 0), t.name)
+        out: list[str] = []
+        seen = {pod.endpoint}
+        for t in sorted(targets, key=key):
+            endpoint = t.endpoint
+            if endpoint in seen or (rank is not None and rank >= t.dp_size):
+                continue
+            seen.add(endpoint)
+            out.append(endpoint)
+            if len(out) == self._max_fallbacks:
+                break
+        return tuple(out)
 
     def _rank_targets(self, pods: list[Pod]) -> list[Pod] | None:
         """`pods` with each data-parallel pod replaced by its rank targets; None if there is none."""
@@ -146,6 +195,26 @@ class Router:
 
     def _scorer_failed(self, scorer: str) -> None:
         self._metrics.scorer_errors.labels(scorer).inc()
+
+    def served(self, decision: Decision, endpoint: str) -> Pod | None:
+        """The data plane reports the endpoint that served `decision`'s request: when it is not the picked
+        pod (a fallback), its running count moves there. Returns the serving pod (None: not a known pod,
+        the count stays where it was)."""
+        if endpoint == decision.pod.endpoint:
+            return decision.pod
+        pod = next((p for p in self._registry.pods() if p.endpoint == endpoint), None)
+        if pod is None:
+            return None
+        old = self._active.get(decision.ticket)
+        if old is not None:
+            new = pod.name
+            if decision.rank is not None and pod.dp_size > decision.rank:
+                new = f"{pod.name}#{decision.rank}"
+            if new != old:
+                self._counts.add(old, -1)
+                self._counts.add(new, 1)
+                self._active[decision.ticket] = new
+        return pod
 
     async def release(self, decision: Decision) -> None:
         """The request's stream ended (finished, cancelled or failed); idempotent."""

@@ -31,6 +31,8 @@ class Decision:
     request_id: str = ""
     ticket: int = 0  # identifies the running-count increment `release` undoes
     rank: int | None = None  # the data-parallel rank of `pod` to pin it to; None: not a DP pod
+    # Next-best endpoints (`ip:port`, best first, never `pod`'s own) for the data plane to retry on.
+    fallbacks: tuple[str, ...] = ()
 
 
 @dataclass(slots=True)

@@ -21,21 +21,42 @@ def test_envoy_yaml_validates_with_real_envoy(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rendered = tmp_path / "r.yaml"
     rendered.write_text(yaml.safe_dump(render_envoy_config(listen_port=1, admin_port=2, extproc_port=3,
-                                                           default_pool=[("127.0.0.1", 4)])))
+                                                           pool=[("127.0.0.1", 4)])))
     proc = subprocess.run([find_envoy(), "--mode", "validate", "-c", str(rendered)], capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def test_envoy_yaml_never_fails_open_and_skips_response_phases():
+def test_envoy_yaml_never_fails_open_and_uses_the_epp_data_path():
     config = yaml.safe_load((REPO / "envoy" / "envoy.yaml").read_text())
     hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     ext = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")["typed_config"]
     assert ext["failure_mode_allow"] is False
     mode = ext["processing_mode"]
-    assert mode["request_body_mode"] == "BUFFERED" and mode["response_header_mode"] == "SKIP"
+    # response headers go to kvgate (they carry the served endpoint), the token stream does not
+    assert mode["request_body_mode"] == "BUFFERED" and mode["response_header_mode"] == "SEND"
     assert mode["response_body_mode"] == "NONE"
     assert {"envoy.lb", "kvgate"} <= set(ext["metadata_options"]["receiving_namespaces"]["untyped"])
+    assert {"envoy.lb", "envoy.lb.subset_hint"} <= set(ext["metadata_options"]["forwarding_namespaces"]["untyped"])
+    clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
+    # the routed paths: override_host over the pool, from envoy.lb metadata only (clients cannot set it)
+    routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+    routed = [r for r in routes if r["match"].get("path") in ("/v1/completions", "/v1/chat/completions")]
+    assert routed and all(r["route"]["cluster"] == "pool" for r in routed)
+    assert all("connect-failure" in r["route"]["retry_policy"]["retry_on"] for r in routed)
+    lb = clusters["pool"]["load_balancing_policy"]["policies"][0]["typed_extension_config"]
+    assert lb["name"] == "envoy.load_balancing_policies.override_host"
+    sources = lb["typed_config"]["override_host_sources"]
+    assert sources == [{"metadata": {"key": "envoy.lb", "path": [{"key": "x-gateway-destination-endpoint"}]}}]
+    assert lb["typed_config"]["selected_host_key"]["path"] == [{"key": "x-gateway-destination-endpoint-served"}]
+    # sized for 10,000+ in-flight requests: one upstream request and one ext_proc stream each
+    for name in ("pool", "kvgate"):
+        limits = clusters[name]["circuit_breakers"]["thresholds"][0]
+        assert min(limits["max_connections"], limits["max_pending_requests"], limits["max_requests"]) >= 10_000
+    # a dead or draining kvgate replica stops getting streams
+    kv = clusters["kvgate"]
+    assert kv["health_checks"][0]["grpc_health_check"]["service_name"] == "envoy.service.ext_proc.v3.ExternalProcessor"
+    assert "outlier_detection" in kv and ext["grpc_service"]["envoy_grpc"]["retry_policy"]["num_retries"] >= 1
 
 
 def _docs(path: Path) -> list[dict]:

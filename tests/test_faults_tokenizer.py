@@ -61,7 +61,7 @@ def gw():
                "KVGATE_TOKENIZER_URL": f"http://127.0.0.1:{free_port()}"}  # nobody listens there
         kvgate = stack.kvgate(env=env, grpc_port=grpc_port)
         listen = free_port()
-        stack.envoy(listen_port=listen, extproc_port=grpc_port, default_pool=[("127.0.0.1", port)])
+        stack.envoy(listen_port=listen, extproc_port=grpc_port, pool=[("127.0.0.1", port), ("127.0.0.1", port1)])
 
         def use_tokenizer(url: str) -> None:
             nonlocal kvgate

@@ -33,7 +33,7 @@ def gw():
                                    "KVGATE_HTTP_PORT": str(http_port), "KVGATE_MAX_BODY_BYTES": str(LIMIT)},
                               grpc_port=grpc_port)
         listen = free_port()
-        stack.envoy(listen_port=listen, extproc_port=grpc_port, default_pool=[("127.0.0.1", pods[0]["port"])])
+        stack.envoy(listen_port=listen, extproc_port=grpc_port, pool=[("127.0.0.1", p["port"]) for p in pods])
         with httpx.Client(base_url=f"http://127.0.0.1:{listen}", timeout=30) as client:
             client.kvgate_log = kvgate.log_path
             client.metrics_url = f"http://127.0.0.1:{http_port}/metrics"

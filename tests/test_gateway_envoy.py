@@ -46,7 +46,7 @@ class Env:
         self.kvgate = stack.kvgate(env=self.kvgate_env, grpc_port=self.grpc_port)
         self.listen = free_port()
         self.envoy = stack.envoy(listen_port=self.listen, extproc_port=self.grpc_port,
-                                 default_pool=[("127.0.0.1", self.sims["sim0"])])
+                                 pool=[("127.0.0.1", p["port"]) for p in pods])
         self.url = f"http://127.0.0.1:{self.listen}"
         self.client = httpx.Client(base_url=self.url, timeout=30)
 

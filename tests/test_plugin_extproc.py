@@ -27,6 +27,7 @@ class FakeDecision:
     matched_blocks: int = 0
     total_blocks: int = 0
     rank: int | None = None
+    fallbacks: tuple = ()
 
 
 class FakeRouter:
@@ -42,7 +43,7 @@ class FakeRouter:
             raise UnknownStrategyError(strategy, ("random",))
         return self.tokens
 
-    async def pick(self, req):
+    async def pick(self, req, subset=None, sheddable=False):
         if self.fail:
             raise self.fail
         self.picks.append(req)
@@ -130,7 +131,8 @@ async def test_routed_body_sets_destination_headers_and_metadata():
         "x-gateway-destination-endpoint", "target-pod", "x-kvgate-pod", "X-Data-Parallel-Rank"}
     hs = set_headers(out[1].request_body.response)
     # not a data-parallel decision: no rank header, the client's one is gone
-    assert hs == {"x-gateway-destination-endpoint": "10.0.0.7:8000", "target-pod": "10.0.0.7:8000"}
+    assert hs == {"x-gateway-destination-endpoint": "10.0.0.7:8000", "target-pod": "10.0.0.7:8000",
+                  "x-envoy-max-retries": "0"}  # no fallback: Envoy retries on nothing else
     md = out[1].dynamic_metadata
     assert md["envoy.lb"]["x-gateway-destination-endpoint"] == "10.0.0.7:8000"
     assert md["kvgate"]["pod"] == "p0" and md["kvgate"]["strategy"] == "kv-sync" and "rank" not in md["kvgate"]
@@ -147,7 +149,7 @@ async def test_rank_of_the_decision_is_set_and_the_clients_rank_stripped():
             k for k, _ in client_rank]
         hs = set_headers(out[1].request_body.response)
         assert hs == {"x-gateway-destination-endpoint": "10.0.0.7:8000", "target-pod": "10.0.0.7:8000",
-                      "x-data-parallel-rank": "1"}
+                      "x-data-parallel-rank": "1", "x-envoy-max-retries": "0"}
         assert out[1].dynamic_metadata["kvgate"]["rank"] == 1
     # Unrouted paths drop a client's rank too: the engine behind them must not be steered either.
     for method, path in (("GET", "/v1/models"), ("GET", "/health"), ("POST", "/v1/embeddings")):
@@ -161,7 +163,7 @@ async def test_target_pod_header_can_be_switched_off():
     out = await run_stream(gateway(FakeRouter(needs_tokens=False), target_pod_header=False),
                            [headers("POST", "/v1/chat/completions"),
                             body({"model": "m", "messages": [{"role": "user", "content": "x"}]})])
-    assert set(set_headers(out[1].request_body.response)) == {"x-gateway-destination-endpoint"}
+    assert set(set_headers(out[1].request_body.response)) == {"x-gateway-destination-endpoint", "x-envoy-max-retries"}
 
 
 @pytest.mark.parametrize("exc, status, code", [

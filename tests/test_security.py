@@ -47,7 +47,7 @@ class Env:
         wait_for_port("127.0.0.1", self.http_port, timeout=10)
         self.listen = free_port()
         stack.envoy(listen_port=self.listen, extproc_port=self.grpc_port,
-                    default_pool=[("127.0.0.1", self.sims["sim0"])])
+                    pool=[("127.0.0.1", p) for p in self.sims.values()])
         self.url = f"http://127.0.0.1:{self.listen}"
         self.client = httpx.Client(base_url=self.url, timeout=60)
         self.evil = f"127.0.0.1:{self.canary_port}"
