@@ -43,10 +43,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seconds", type=float, default=5.0, help="seconds per measurement (default 5)")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds per gateway (default 3)")
     p.add_argument("--pods", type=int, default=4, help="pods kvgate chooses among (default 4)")
+    p.add_argument("--observe", choices=("on", "off"), default="on",
+                   help="kvgate watches responses (KVGATE_OBSERVE_RESPONSES; default on, as shipped)")
 
 
 def _upstream_config(ports: list[int], admin: int) -> dict:
-    body = json.dumps({"id": "bench", "object": "chat.completion", "choices": []})
+    # an engine's non-streamed answer: JSON with usage (kvgate watches it, as it would vLLM's)
+    body = json.dumps({"id": "bench", "object": "chat.completion", "choices": [],
+                       "usage": {"prompt_tokens": 12, "completion_tokens": 1, "total_tokens": 13}})
     listeners = []
     for i, port in enumerate(ports):
         listeners.append({
@@ -59,7 +63,9 @@ def _upstream_config(ports: list[int], admin: int) -> dict:
                     "stat_prefix": f"up{i}",
                     "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [{
                         "match": {"prefix": "/"},
-                        "direct_response": {"status": 200, "body": {"inline_string": body}}}]}]},
+                        "direct_response": {"status": 200, "body": {"inline_string": body}},
+                        "response_headers_to_add": [{"header": {"key": "content-type",
+                                                                "value": "application/json"}}]}]}]},
                     "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {
                         "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}]}}]}]})
     return {"admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin}}},
@@ -132,7 +138,7 @@ def _metric(text: str, name: str, **labels: str) -> float:
     return total
 
 
-def run(seconds: float, rounds: int, n_pods: int, log) -> dict:
+def run(seconds: float, rounds: int, n_pods: int, log, observe: bool = True) -> dict:
     if not shutil.which("wrk"):
         raise StackError("wrk not found: install the Debian package wrk (./dev setup does)")
     with Stack() as stack:
@@ -148,7 +154,8 @@ def run(seconds: float, rounds: int, n_pods: int, log) -> dict:
         kvgate = stack.kvgate(env={"KVGATE_PODS_FILE": str(pods_file), "KVGATE_GRPC_PORT": str(grpc_port),
                           "KVGATE_HTTP_PORT": str(http_port), "KVGATE_ROUTING_STRATEGY": "kv-sync",
                           "KVGATE_TOKENIZER": "local", "KVGATE_TOKENIZER_PATH": str(testdata.path()),
-                          "KVGATE_LOG_LEVEL": "warning"}, grpc_port=grpc_port)
+                          "KVGATE_LOG_LEVEL": "warning",
+                          "KVGATE_OBSERVE_RESPONSES": "true" if observe else "false"}, grpc_port=grpc_port)
         noop_port = free_port()
         noop = stack.start("noop", [sys.executable, "-m", "bench.noop_processor", str(noop_port),
                                     f"127.0.0.1:{up_ports[0]}"], ready_port=("127.0.0.1", noop_port))
@@ -222,7 +229,7 @@ def run(seconds: float, rounds: int, n_pods: int, log) -> dict:
         "noop_added_p99_ms": round(med["noop"]["p99_ms"] - base["p99_ms"], 3),
         "errors": {g: m["errors"] for g, m in med.items()},
         "prefix_blocks_cached_fraction": round(cached / total, 3) if total else 0.0,
-        "rounds": rounds, "seconds": seconds, "pods": n_pods,
+        "rounds": rounds, "seconds": seconds, "pods": n_pods, "observe_responses": observe,
     }
     return out
 
@@ -253,7 +260,7 @@ def main(args: argparse.Namespace) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     try:
-        result = run(args.seconds, args.rounds, args.pods, log)
+        result = run(args.seconds, args.rounds, args.pods, log, observe=args.observe == "on")
     except StackError as e:
         print(f"kvgate bench gateway: {e}", file=sys.stderr)
         return 1

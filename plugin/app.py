@@ -21,6 +21,7 @@ from plugin.config import Settings
 from plugin.extproc import ExternalProcessor, Gateway
 from plugin.http import build_http_app
 from plugin.metrics import GatewayMetrics
+from plugin.observe import Observer
 from routing.counts import LocalCounts, RedisCounts, RunningCounts
 from routing.discovery import StaticSource
 from routing.engine_metrics import EngineMetrics, Saturation
@@ -30,6 +31,7 @@ from routing.pods import Pod
 from routing.registry import PodRegistry
 from routing.router import Router
 from routing.strategies import StrategyConfig, parse_weights
+from routing.tracking import TraceWindows, TraceWriter, TrackerRegistry
 from tokenizer.cache import CachedTokenizer, CacheOptions
 from tokenizer.hub import HubOptions
 from tokenizer.hub import fetch as hub_fetch
@@ -162,13 +164,18 @@ class App:
         self.tokenizer, self.verified_tokenizer = _tokenizer(s, self.registry,
                                                              known=lambda m: bool(self.pods.serving(m)))
         self.gateway_metrics = GatewayMetrics(self.registry)
+        self.trace_windows = TraceWindows(s.trace_write_interval_s)
+        self.trackers = TrackerRegistry((self.trace_windows,))
+        self.observer = Observer(self.registry, self.trackers) if s.observe_responses else None
+        self.trace_writer: TraceWriter | None = None
         self.processor = ExternalProcessor(Gateway(
             router=self.router, registry=self.pods, tokenizer=self.tokenizer, metrics=self.gateway_metrics,
             default_strategy=s.routing_strategy, max_body_bytes=s.max_body_bytes,
             tokenizer_timeout_s=s.tokenizer_timeout_s, tokenizer_url=s.tokenizer_url or None,
             target_pod_header=s.target_pod_header, reachable=lambda name: not self.engines.unreachable(name),
             cached_tokens=self.tokenizer.cached if isinstance(self.tokenizer, CachedTokenizer) else None,
-            sheddable_objectives=frozenset(o.strip() for o in s.sheddable_objectives.split(",") if o.strip())))
+            sheddable_objectives=frozenset(o.strip() for o in s.sheddable_objectives.split(",") if o.strip()),
+            observer=self.observer))
         self.pods.add_listener(self._on_pods)
         self._grpc: grpc.aio.Server | None = None
         self.grpc_port: int | None = None  # once serving
@@ -231,6 +238,10 @@ class App:
         await self.source.start(self.pods)
         self.subscriptions.sync(endpoint_specs(self.pods.pods()))
         await self.router.start()
+        if s.redis_url and self.observer is not None:
+            from redis.asyncio import Redis
+            self.trace_writer = TraceWriter(self.trace_windows, Redis.from_url(s.redis_url))
+            self.trace_writer.start()
         await self.set_ready(True)
         log.info("kvgate serving: ext_proc on %s, HTTP on %s:%d, strategy %s, %d pods",
                  _join(s.listen_host, grpc_port), s.listen_host, http_port, s.routing_strategy, len(self.pods.pods()))
@@ -259,6 +270,8 @@ class App:
         await self.subscriptions.aclose()
         await self.source.stop()
         await self.router.close()
+        if self.trace_writer is not None:
+            await self.trace_writer.aclose()
         await self.tokenizer.aclose()
 
 

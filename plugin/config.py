@@ -196,6 +196,12 @@ VARIABLES: tuple[Variable, ...] = (
              "(while the data plane's health checks notice)..."),
     Variable("KVGATE_DRAIN_TIMEOUT_S", "drain_timeout_s", _float_min(0.0), 25.0,
              "...then new streams are refused and in-flight ones get this long to finish."),
+    Variable("KVGATE_OBSERVE_RESPONSES", "observe_responses", _bool, True,
+             "Watch routed responses (Envoy streams their bodies through kvgate once the response headers "
+             "are seen): TTFT, TPOT and tokens per model and pod, request traces, output-length history."),
+    Variable("KVGATE_TRACE_WRITE_INTERVAL_S", "trace_write_interval_s", _positive_float, 10.0,
+             "With KVGATE_REDIS_URL: each model's request trace window (AIBrix's format, "
+             "`aibrix:<model>_request_trace_<t>`) is written to Redis this often."),
     Variable("KVGATE_LOG_LEVEL", "log_level", _choice("debug", "info", "warning", "error"), "info", "Log level."),
 )
 
@@ -248,6 +254,8 @@ class Settings:
     kv_events_tick_budget_s: float = 0.002
     drain_delay_s: float = 3.0
     drain_timeout_s: float = 25.0
+    observe_responses: bool = True
+    trace_write_interval_s: float = 10.0
     log_level: str = "info"
 
     @classmethod

@@ -34,6 +34,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
+from plugin import observe
 from plugin.metrics import GatewayMetrics
 from plugin.request import (CHAT, MODELS, ROUTED_POST_PATHS, ClientError, InferenceRequest,
                             bad_request, parse_body)
@@ -94,6 +95,8 @@ class Gateway:
     cached_tokens: Callable[[str, TokenizeInput], Sequence[int] | None] | None = None
     # Objectives (the x-gateway-inference-objective header) whose requests may be shed (429) under saturation.
     sheddable_objectives: frozenset[str] = frozenset()
+    # Watches routed responses (TTFT, TPOT, tokens; the request trackers); None: responses not read.
+    observer: observe.Observer | None = None
 
 
 def _header_value(h: base_pb2.HeaderValue) -> str:
@@ -174,6 +177,7 @@ class _Stream:
         self.streamed_response = False
         self.chunks: list[bytes] | None = None
         self.held_remove: list[str] | None = None
+        self.watch: observe.Watch | None = None
 
     # --- EPP protocol clauses ------------------------------------------------------------
     def read_context(self, msg: pb.ProcessingRequest) -> None:
@@ -189,6 +193,12 @@ class _Stream:
         return bool(self.objective) and self.objective in self.gw.sheddable_objectives
 
     def on_response_headers(self, msg: pb.ProcessingRequest) -> pb.ProcessingResponse:
+        answer = self._served(msg)
+        if self.watch is None:
+            return answer
+        return observe.response_headers(self.watch, msg, answer, self.streamed_response)
+
+    def _served(self, msg: pb.ProcessingRequest) -> pb.ProcessingResponse:
         """Account the request to the endpoint that served it (a fallback, after a retry) and name
         that pod in x-kvgate-pod."""
         served = served_endpoint(msg)
@@ -204,10 +214,14 @@ class _Stream:
             m.served.labels("unknown").inc()
             return _RESPONSE_HEADERS_CONTINUE
         m.served.labels("fallback").inc()
+        if self.watch is not None:
+            self.watch.served_by(pod.name)
         return pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=pb.CommonResponse(
             header_mutation=pb.HeaderMutation(set_headers=[_set_header(POD_RESPONSE_HEADER, pod.name)]))))
 
     def on_response_body(self, msg: pb.HttpBody) -> pb.ProcessingResponse:
+        if self.watch is not None:
+            self.watch.on_chunk(msg.body)
         if not self.streamed_response:
             return _RESPONSE_BODY_CONTINUE
         return pb.ProcessingResponse(response_body=_echo(msg))
@@ -318,6 +332,9 @@ class _Stream:
         if d.total_blocks:
             m.prefix_blocks.labels("total").inc(d.total_blocks)
             m.prefix_blocks.labels("cached").inc(d.matched_blocks)
+        if self.gw.observer is not None:
+            self.watch = self.gw.observer.start(self.request_id, request.model, d.pod.name, tokens=token_ids,
+                                                decision=d)
         return d
 
     # --- helpers ----------------------------------------------------------------------
@@ -471,6 +488,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             raise
         finally:
             self.gw.metrics.active_streams.dec()
+            if stream.watch is not None:
+                stream.watch.close()
             if stream.decision is not None:
                 # No await here (a cancelled stream must not wait): the release runs now if it needs no wait
                 # (the router's own counts), else it finishes in a task of its own.
