@@ -31,6 +31,7 @@ from routing.pods import Pod
 from routing.registry import PodRegistry
 from routing.router import Router
 from routing.strategies import StrategyConfig, parse_weights
+from routing.predictor import OutputPredictor, PredictorSync
 from routing.tracking import TraceWindows, TraceWriter, TrackerRegistry
 from tokenizer.cache import CachedTokenizer, CacheOptions
 from tokenizer.hub import HubOptions
@@ -165,7 +166,10 @@ class App:
                                                              known=lambda m: bool(self.pods.serving(m)))
         self.gateway_metrics = GatewayMetrics(self.registry)
         self.trace_windows = TraceWindows(s.trace_write_interval_s)
-        self.trackers = TrackerRegistry((self.trace_windows,))
+        self.predictor = OutputPredictor(window_s=s.predict_window_s, step_s=s.predict_step_s,
+                                         cold=s.predict_cold_start, max_output=s.predict_max_output)
+        self.trackers = TrackerRegistry((self.trace_windows, self.predictor))
+        self.predictor_sync: PredictorSync | None = None
         self.observer = Observer(self.registry, self.trackers) if s.observe_responses else None
         self.trace_writer: TraceWriter | None = None
         self.processor = ExternalProcessor(Gateway(
@@ -242,6 +246,8 @@ class App:
             from redis.asyncio import Redis
             self.trace_writer = TraceWriter(self.trace_windows, Redis.from_url(s.redis_url))
             self.trace_writer.start()
+            self.predictor_sync = PredictorSync(self.predictor, Redis.from_url(s.redis_url))
+            self.predictor_sync.start()
         await self.set_ready(True)
         log.info("kvgate serving: ext_proc on %s, HTTP on %s:%d, strategy %s, %d pods",
                  _join(s.listen_host, grpc_port), s.listen_host, http_port, s.routing_strategy, len(self.pods.pods()))
@@ -272,6 +278,8 @@ class App:
         await self.router.close()
         if self.trace_writer is not None:
             await self.trace_writer.aclose()
+        if self.predictor_sync is not None:
+            await self.predictor_sync.aclose()
         await self.tokenizer.aclose()
 
 

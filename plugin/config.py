@@ -202,6 +202,17 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("KVGATE_TRACE_WRITE_INTERVAL_S", "trace_write_interval_s", _positive_float, 10.0,
              "With KVGATE_REDIS_URL: each model's request trace window (AIBrix's format, "
              "`aibrix:<model>_request_trace_<t>`) is written to Redis this often."),
+    Variable("KVGATE_PREDICT_WINDOW_S", "predict_window_s", _positive_float, 240.0,
+             "Output-length prediction: completed requests of the last this many seconds count (shared "
+             "between replicas through KVGATE_REDIS_URL)..."),
+    Variable("KVGATE_PREDICT_STEP_S", "predict_step_s", _positive_float, 10.0,
+             "...the window advancing in steps of this long."),
+    Variable("KVGATE_PREDICT_COLD_START", "predict_cold_start",
+             _choice("optimistic", "random", "input", "pessimistic"), "optimistic",
+             "Predicted output length with no history for the input's length: `optimistic` 1, `random` "
+             "1..KVGATE_PREDICT_MAX_OUTPUT, `input` the input length, `pessimistic` KVGATE_PREDICT_MAX_OUTPUT."),
+    Variable("KVGATE_PREDICT_MAX_OUTPUT", "predict_max_output", _int_range(1, 1 << 20), 4096,
+             "Longest output the cold-start rules assume (tokens)."),
     Variable("KVGATE_LOG_LEVEL", "log_level", _choice("debug", "info", "warning", "error"), "info", "Log level."),
 )
 
@@ -256,6 +267,10 @@ class Settings:
     drain_timeout_s: float = 25.0
     observe_responses: bool = True
     trace_write_interval_s: float = 10.0
+    predict_window_s: float = 240.0
+    predict_step_s: float = 10.0
+    predict_cold_start: str = "optimistic"
+    predict_max_output: int = 4096
     log_level: str = "info"
 
     @classmethod

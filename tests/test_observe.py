@@ -154,3 +154,30 @@ def test_trace_window_is_aibrix_format_and_rotates_with_terms():
     w.done_request_trace(None, "b", "m", 16, 16, t2)
     _, traces = w.rotate()
     assert traces["m"]["40:40"] == 1 and traces["m"]["meta_total_reqs"] == 0 and traces["m"]["meta_pending_reqs"] == 0
+
+
+@pytest.mark.integration
+async def test_trace_writer_puts_aibrix_keys_in_redis_with_expiry():
+    import shutil
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server not installed")
+    from redis.asyncio import Redis
+    from routing.tracking import TraceWriter
+    from test_routing_redis import RedisServer
+    server = RedisServer()
+    server.start()
+    client = Redis.from_url(server.url)
+    try:
+        clock = Clock()
+        clock.t = 1_700_000_123.0
+        windows = TraceWindows(10.0, clock=clock)
+        term = windows.add_request_count(None, "a", "llama-3")
+        windows.done_request_trace(None, "a", "llama-3", 512, 64, term)
+        assert await TraceWriter(windows, client).write_once() == 1
+        raw = await client.get("aibrix:llama-3_request_trace_1700000120")
+        trace = json.loads(raw)
+        assert trace["90:60"] == 1 and trace["meta_v"] == 4 and trace["meta_total_reqs"] == 1
+        assert 0 < await client.ttl("aibrix:llama-3_request_trace_1700000120") <= 600
+    finally:
+        await client.aclose()
+        server.kill()
