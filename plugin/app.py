@@ -31,6 +31,8 @@ from routing.pods import Pod
 from routing.registry import PodRegistry
 from routing.router import Router
 from routing.strategies import StrategyConfig, parse_weights
+from routing.profiles import EngineProfiles
+from routing.slo import Capacity, parse_targets
 from routing.predictor import OutputPredictor, PredictorSync
 from routing.tracking import TraceWindows, TraceWriter, TrackerRegistry
 from tokenizer.cache import CachedTokenizer, CacheOptions
@@ -158,19 +160,23 @@ class App:
                                          approx_capacity=s.prefix_cache_blocks,
                                          prefill_tokens_per_s=s.routing_prefill_tokens_per_s,
                                          weights=parse_weights(s.routing_weights))
+        self.predictor = OutputPredictor(window_s=s.predict_window_s, step_s=s.predict_step_s,
+                                         cold=s.predict_cold_start, max_output=s.predict_max_output)
+        self.profiles = EngineProfiles(prefill_tokens_per_s=s.routing_prefill_tokens_per_s)
+        self.capacity = Capacity(self.profiles, self.predictor, targets=parse_targets(s.slo_targets))
         self.router = Router(self.pods, default_strategy=s.routing_strategy, counts=counts, index=self.index,
                              engines=self.engines, config=strategy_config, metrics=self.routing_metrics,
                              saturation=Saturation(s.saturation_queue, s.saturation_kv_usage),
-                             max_fallbacks=s.fallback_endpoints)
+                             max_fallbacks=s.fallback_endpoints, capacity=self.capacity)
         self.tokenizer, self.verified_tokenizer = _tokenizer(s, self.registry,
                                                              known=lambda m: bool(self.pods.serving(m)))
         self.gateway_metrics = GatewayMetrics(self.registry)
         self.trace_windows = TraceWindows(s.trace_write_interval_s)
-        self.predictor = OutputPredictor(window_s=s.predict_window_s, step_s=s.predict_step_s,
-                                         cold=s.predict_cold_start, max_output=s.predict_max_output)
-        self.trackers = TrackerRegistry((self.trace_windows, self.predictor))
+        self.trackers = TrackerRegistry((self.trace_windows, self.predictor, self.profiles))
         self.predictor_sync: PredictorSync | None = None
-        self.observer = Observer(self.registry, self.trackers) if s.observe_responses else None
+        self.profile_loader: asyncio.Task | None = None
+        self.observer = (Observer(self.registry, self.trackers, slo_targets=self.capacity.targets_for)
+                         if s.observe_responses else None)
         self.trace_writer: TraceWriter | None = None
         self.processor = ExternalProcessor(Gateway(
             router=self.router, registry=self.pods, tokenizer=self.tokenizer, metrics=self.gateway_metrics,
@@ -185,6 +191,15 @@ class App:
         self.grpc_port: int | None = None  # once serving
         self._http: web.AppRunner | None = None
         self.health = health.aio.HealthServicer()
+
+    async def _load_profiles(self, client, interval_s: float = 10.0) -> None:
+        """AIBrix's deployment profiles (`aibrix:profile_<model>_<deployment>`), re-read every 10 s."""
+        while True:
+            try:
+                await self.profiles.load_gpu_profiles(client)
+            except Exception as e:
+                log.warning("reading GPU profiles from Redis failed: %s", e)
+            await asyncio.sleep(interval_s)
 
     def _on_pods(self, added: list[Pod], removed: list[Pod]) -> None:
         # Subscriptions and index entries follow pods in and out of discovery.
@@ -248,6 +263,8 @@ class App:
             self.trace_writer.start()
             self.predictor_sync = PredictorSync(self.predictor, Redis.from_url(s.redis_url))
             self.predictor_sync.start()
+            self.profile_loader = asyncio.get_running_loop().create_task(
+                self._load_profiles(Redis.from_url(s.redis_url)))
         await self.set_ready(True)
         log.info("kvgate serving: ext_proc on %s, HTTP on %s:%d, strategy %s, %d pods",
                  _join(s.listen_host, grpc_port), s.listen_host, http_port, s.routing_strategy, len(self.pods.pods()))
@@ -280,6 +297,8 @@ class App:
             await self.trace_writer.aclose()
         if self.predictor_sync is not None:
             await self.predictor_sync.aclose()
+        if self.profile_loader is not None:
+            self.profile_loader.cancel()
         await self.tokenizer.aclose()
 
 

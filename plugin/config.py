@@ -82,6 +82,12 @@ def _redis_url(raw: str) -> str:
     return value
 
 
+def _slo_targets(raw: str) -> str:
+    from routing.slo import parse_targets
+    parse_targets(raw, "value")
+    return raw.strip()
+
+
 @dataclass(frozen=True)
 class Variable:
     env: str
@@ -213,6 +219,9 @@ VARIABLES: tuple[Variable, ...] = (
              "1..KVGATE_PREDICT_MAX_OUTPUT, `input` the input length, `pessimistic` KVGATE_PREDICT_MAX_OUTPUT."),
     Variable("KVGATE_PREDICT_MAX_OUTPUT", "predict_max_output", _int_range(1, 1 << 20), 4096,
              "Longest output the cold-start rules assume (tokens)."),
+    Variable("KVGATE_SLO_TARGETS", "slo_targets", _slo_targets, "*=1000/100",
+             "Default latency targets of the `slo` strategy, per model: `model=ttft_ms/tpot_ms,...` (`*`: any "
+             "other model); a request's `x-slo-ttft-ms` / `x-slo-tpot-ms` headers take precedence."),
     Variable("KVGATE_LOG_LEVEL", "log_level", _choice("debug", "info", "warning", "error"), "info", "Log level."),
 )
 
@@ -271,6 +280,7 @@ class Settings:
     predict_step_s: float = 10.0
     predict_cold_start: str = "optimistic"
     predict_max_output: int = 4096
+    slo_targets: str = "*=1000/100"
     log_level: str = "info"
 
     @classmethod

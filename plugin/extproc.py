@@ -60,6 +60,7 @@ SUBSET_NAMESPACE = "envoy.lb.subset_hint"  # the data plane's subset hint (reque
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 SERVED_KEY = "x-gateway-destination-endpoint-served"  # in LB_NAMESPACE on the response path
 OBJECTIVE_HEADER = "x-gateway-inference-objective"
+SLO_TTFT_HEADER, SLO_TPOT_HEADER = "x-slo-ttft-ms", "x-slo-tpot-ms"  # the request's latency targets
 POD_RESPONSE_HEADER = "x-kvgate-pod"
 KVGATE_NAMESPACE = "kvgate"  # Envoy copies these into the client's x-kvgate-pod / -strategy / -rank
 # Headers only kvgate may set: whatever a client sends under these names is dropped (a client
@@ -178,6 +179,7 @@ class _Stream:
         self.chunks: list[bytes] | None = None
         self.held_remove: list[str] | None = None
         self.watch: observe.Watch | None = None
+        self.slo: dict[str, float] | None = None  # header -> seconds
 
     # --- EPP protocol clauses ------------------------------------------------------------
     def read_context(self, msg: pb.ProcessingRequest) -> None:
@@ -274,6 +276,14 @@ class _Stream:
                 self.request_id = _header_value(h)
             elif key == OBJECTIVE_HEADER:
                 self.objective = _header_value(h).strip()
+            elif key == SLO_TTFT_HEADER or key == SLO_TPOT_HEADER:
+                ms = observe.milliseconds(_header_value(h))
+                if ms is None:
+                    return self._error(bad_request(f"{key}: expected a positive number of milliseconds",
+                                                   code="invalid_slo", param=key))
+                if self.slo is None:
+                    self.slo = {}
+                self.slo[key] = ms / 1000.0
             elif key in RESERVED_HEADERS or key.startswith(RESERVED_PREFIX):
                 if remove is None:
                     remove = []
@@ -315,8 +325,10 @@ class _Stream:
         request = parse_body(self.path, raw, self.gw.max_body_bytes)
         strategy = self.strategy or self.gw.default_strategy
         token_ids = await self._tokens(request, strategy)
+        slo = self.slo or {}
         self.decision = d = await self.gw.router.pick(RouteRequest(
-            model=request.model, token_ids=token_ids, strategy=strategy, request_id=self.request_id),
+            model=request.model, token_ids=token_ids, strategy=strategy, request_id=self.request_id,
+            slo_ttft_s=slo.get(SLO_TTFT_HEADER), slo_tpot_s=slo.get(SLO_TPOT_HEADER)),
             subset=self.subset, sheddable=self.sheddable())
         m = self.gw.metrics
         children = self.metric_children.get((d.strategy, d.pod.name))
@@ -334,7 +346,8 @@ class _Stream:
             m.prefix_blocks.labels("cached").inc(d.matched_blocks)
         if self.gw.observer is not None:
             self.watch = self.gw.observer.start(self.request_id, request.model, d.pod.name, tokens=token_ids,
-                                                decision=d)
+                                                decision=d, slo_ttft_s=slo.get(SLO_TTFT_HEADER),
+                                                slo_tpot_s=slo.get(SLO_TPOT_HEADER))
         return d
 
     # --- helpers ----------------------------------------------------------------------

@@ -53,6 +53,9 @@ class ObserveMetrics:
         self.observed = LoopCounter("kvgate_requests_observed",
                                     "Routed requests whose response was watched, by how their tokens were known: "
                                     "usage, counted (stream without usage), none (failed or cut)", ["source"], registry)
+        self.slo = LoopCounter("kvgate_slo_requests",
+                               "Streamed requests by model and whether they met both their TTFT and TPOT targets "
+                               "(x-slo-ttft-ms / x-slo-tpot-ms, else KVGATE_SLO_TARGETS)", ["model", "met"], registry)
 
 
 @dataclass(slots=True)
@@ -74,6 +77,8 @@ class Observation:
     last_at: float = 0.0
     events: int = 0  # SSE events carrying choices
     term: int = 0
+    slo_ttft_s: float | None = None  # the request's own targets (headers), None: the model's defaults
+    slo_tpot_s: float | None = None
 
     @property
     def ttft(self) -> float | None:
@@ -155,13 +160,16 @@ class Observer:
     """Process-wide: metrics and trackers; starts a Watch per routed request."""
 
     def __init__(self, registry: CollectorRegistry | None, trackers: TrackerRegistry | None = None,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter,
+                 slo_targets: Callable[[str, float | None, float | None], tuple[float, float]] | None = None) -> None:
         self.metrics = ObserveMetrics(registry)
+        self.slo_targets = slo_targets
         self.trackers = trackers if trackers is not None else TrackerRegistry()
         self.clock = clock
         self._children: dict = {}
 
-    def start(self, request_id: str, model: str, pod: str, *, tokens=None, decision=None, running: int = 0) -> Watch:
+    def start(self, request_id: str, model: str, pod: str, *, tokens=None, decision=None, running: int = 0,
+              slo_ttft_s: float | None = None, slo_tpot_s: float | None = None) -> Watch:
         """A routed request: `tokens` its prompt's ids if tokenized, `decision` the Router's (how many
         of the prompt's blocks the pod held)."""
         prompt = len(tokens) if tokens else 0
@@ -169,7 +177,7 @@ class Observer:
         if prompt and decision is not None and decision.total_blocks:
             uncached = prompt - prompt * decision.matched_blocks // decision.total_blocks
         obs = Observation(request_id, model, pod, self.clock(), prompt_tokens=prompt, uncached_tokens=uncached,
-                          running_at_start=running)
+                          running_at_start=running, slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s)
         obs.term = self.trackers.add_request_count(obs, request_id, model)
         return Watch(self, obs)
 
@@ -199,6 +207,10 @@ class Observer:
         if tpot is not None:
             tpot_h.observe(tpot)
         prompt_c.inc(o.prompt_tokens)
+        if self.slo_targets is not None and ttft is not None:
+            t_ttft, t_tpot = self.slo_targets(o.model, o.slo_ttft_s, o.slo_tpot_s)
+            met = ttft <= t_ttft and (tpot is None or tpot <= t_tpot)
+            self.metrics.slo.labels(o.model, "true" if met else "false").inc()
         completion_c.inc(o.completion_tokens)
         self.trackers.done_request_trace(o, o.request_id, o.model, o.prompt_tokens, o.completion_tokens, o.term)
 
@@ -236,3 +248,12 @@ def response_headers(watch: Watch, msg: pb.ProcessingRequest, answer: pb.Process
     out.CopyFrom(answer)
     out.mode_override.CopyFrom(_STREAMED)
     return out
+
+
+def milliseconds(text: str) -> float | None:
+    """A latency target header's value: a positive, finite number of milliseconds, else None."""
+    try:
+        v = float(text.strip())
+    except ValueError:
+        return None
+    return v if 0 < v < float("inf") else None

@@ -297,3 +297,21 @@ async def test_health_services_liveness_readiness_and_ext_proc():
         gate.set()
         await asyncio.gather(starting, return_exceptions=True)
         await app.stop(0)
+
+
+async def test_slo_headers_reach_the_router_and_a_bad_one_is_400():
+    gw, router, _ = setup(strategy="slo")
+    seen = []
+    real = router.pick
+
+    async def spy(request, **kw):
+        seen.append((request.slo_ttft_s, request.slo_tpot_s))
+        return await real(request, **kw)
+
+    router.pick = spy
+    async with Conversation(gw) as c:
+        await c.exchange(headers_msg([("x-slo-ttft-ms", "250"), ("x-slo-tpot-ms", "40")]), body_msg(PROMPT))
+        bad = await c.exchange(headers_msg([("x-slo-ttft-ms", "soon")]), body_msg(PROMPT))
+    assert seen == [(0.25, 0.04)]
+    assert bad[0].immediate_response.status.code == 400
+    assert json.loads(bad[0].immediate_response.body)["error"]["code"] == "invalid_slo"
