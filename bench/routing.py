@@ -29,7 +29,7 @@ capacity from the workload). Workloads (bench.routing_workloads):
   - W5 scale-out: 100% of the 3 starting pods' decode capacity (saturated once the later turns
     add up); a 4th pod joins at 10 s: added to the PodRegistry the Routers follow, to char-tree's
     trees and to the oracle's candidates.
-  - W6 data-parallel: as W3 at the 73% ratio; the third pod is a data-parallel engine of 2 ranks
+  - W7 data-parallel: as W3 at the 73% ratio; the third pod is a data-parallel engine of 2 ranks
     behind one pod name (4 engines, each rank its own cache, batch and KV events). kv-sync routes
     to the rank (x-data-parallel-rank); `kv-sync@no-rank` is kvgate before it did: the pod is one
     target and the engine's least-loaded balancer picks the rank (so does it for every policy
@@ -102,7 +102,7 @@ OTHER_GATEWAYS = (1, 4)  # the prefix strategies also run behind these (W1, W2)
 TARGET_GATEWAYS = (1, 2)  # the issue-13 targets are read at each of these replica counts
 # the policies kv-sync must beat (issue 13): every one but the oracle and kv-sync's own variants
 OTHERS = ("char-tree", "prefix-cache", "least-request", "round-robin", "random")
-CHAT_WORKLOADS = ("W3", "W4", "W5", "W6")
+CHAT_WORKLOADS = ("W3", "W4", "W5", "W7")
 
 
 def row(name: str, n: int, gateways: int) -> str:
@@ -417,7 +417,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"kvgate bench routing: {e}", file=sys.stderr)
         return 2
     every = (workloads.w1(quick), workloads.w2(quick), workloads.w3(quick), workloads.w4(quick), workloads.w5(quick),
-             workloads.w6(quick))
+             workloads.w7(quick))
     shapes = [s for s in every if not args.workload or s.name in args.workload]
     started = time.monotonic()
     report = run_all(shapes, seeds, args.jobs, config=config, gateways=args.gateways)

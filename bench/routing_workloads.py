@@ -355,8 +355,8 @@ def w5(quick: bool = False) -> ChatShape:
     return _chat_shape("W5", load=1.0, join_at_s=10.0)
 
 
-def w6(quick: bool = False) -> ChatShape:
+def w7(quick: bool = False) -> ChatShape:
     """Data-parallel: the chat workload (85% of decode capacity, KV at the 73% ratio) on 3 pods, the
     third a data-parallel engine of 2 ranks behind one pod name: 4 engines. Routing to the pod
     alone leaves the rank to the engine's least-loaded balancer, which knows nothing of caches."""
-    return _chat_shape("W6", dp_size=2)
+    return _chat_shape("W7", dp_size=2)

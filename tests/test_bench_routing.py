@@ -358,10 +358,10 @@ def test_data_parallel_pod_is_one_engine_per_rank_and_kv_sync_routes_to_the_rank
 
 
 def test_data_parallel_workload_compares_kv_sync_with_and_without_the_rank():
-    names = [p.name for p in bench.shape_policies(workloads.w6(), 2)]
+    names = [p.name for p in bench.shape_policies(workloads.w7(), 2)]
     assert "kv-sync@no-rank" in names and names[-1] == ORACLE
     assert "kv-sync@no-rank" not in [p.name for p in bench.shape_policies(workloads.w3(), 2)]
     p = {"kv-sync": {"hit_rate": 0.8, "ttft_p90_s": 0.05}, "kv-sync@no-rank": {"hit_rate": 0.75, "ttft_p90_s": 0.04}}
-    t = bench.targets({"gateways": 2, "workloads": {"W6": {"policies": p}}})
-    assert t["W6: kv-sync routed to the rank: hit rate >= kv-sync@no-rank's"]["met"]
-    assert not t["W6: kv-sync routed to the rank: TTFT p90 <= kv-sync@no-rank's"]["met"]
+    t = bench.targets({"gateways": 2, "workloads": {"W7": {"policies": p}}})
+    assert t["W7: kv-sync routed to the rank: hit rate >= kv-sync@no-rank's"]["met"]
+    assert not t["W7: kv-sync routed to the rank: TTFT p90 <= kv-sync@no-rank's"]["met"]
