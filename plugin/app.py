@@ -163,7 +163,15 @@ class App:
         self.predictor = OutputPredictor(window_s=s.predict_window_s, step_s=s.predict_step_s,
                                          cold=s.predict_cold_start, max_output=s.predict_max_output)
         self.profiles = EngineProfiles(prefill_tokens_per_s=s.routing_prefill_tokens_per_s)
-        self.capacity = Capacity(self.profiles, self.predictor, targets=parse_targets(s.slo_targets))
+        # The prefill queue the slo strategy reads: exact and shared between replicas when responses are
+        # observed (a request's tokens leave at its first token), else each replica's own estimate.
+        self.prefill_counts: RunningCounts | None = None
+        if s.observe_responses:
+            self.prefill_counts = (RedisCounts(s.redis_url, s.gateway_id, key_prefix="kvgate:{prefill}:",
+                                               ttl_s=s.redis_key_ttl_s, heartbeat_s=s.redis_key_ttl_s / 5)
+                                   if s.redis_url else LocalCounts())
+        self.capacity = Capacity(self.profiles, self.predictor, targets=parse_targets(s.slo_targets),
+                                 prefill=self.prefill_counts)
         self.router = Router(self.pods, default_strategy=s.routing_strategy, counts=counts, index=self.index,
                              engines=self.engines, config=strategy_config, metrics=self.routing_metrics,
                              saturation=Saturation(s.saturation_queue, s.saturation_kv_usage),
@@ -175,7 +183,8 @@ class App:
         self.trackers = TrackerRegistry((self.trace_windows, self.predictor, self.profiles))
         self.predictor_sync: PredictorSync | None = None
         self.profile_loader: asyncio.Task | None = None
-        self.observer = (Observer(self.registry, self.trackers, slo_targets=self.capacity.targets_for)
+        self.observer = (Observer(self.registry, self.trackers, slo_targets=self.capacity.targets_for,
+                                  on_first_token=self.capacity.first_token)
                          if s.observe_responses else None)
         self.trace_writer: TraceWriter | None = None
         self.processor = ExternalProcessor(Gateway(
@@ -257,6 +266,8 @@ class App:
         await self.source.start(self.pods)
         self.subscriptions.sync(endpoint_specs(self.pods.pods()))
         await self.router.start()
+        if self.prefill_counts is not None:
+            await self.prefill_counts.start()
         if s.redis_url and self.observer is not None:
             from redis.asyncio import Redis
             self.trace_writer = TraceWriter(self.trace_windows, Redis.from_url(s.redis_url))
@@ -293,6 +304,8 @@ class App:
         await self.subscriptions.aclose()
         await self.source.stop()
         await self.router.close()
+        if self.prefill_counts is not None:
+            await self.prefill_counts.close()
         if self.trace_writer is not None:
             await self.trace_writer.aclose()
         if self.predictor_sync is not None:

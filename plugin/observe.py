@@ -118,6 +118,8 @@ class Watch:
         now = self._observer.clock()
         if not body:
             return
+        if not o.first_at and not o.last_at and self._observer.on_first_token is not None:
+            self._observer.on_first_token(o.request_id)
         if o.streamed:
             if not o.first_at:
                 o.first_at = now
@@ -149,6 +151,8 @@ class Watch:
             return
         self._done = True
         o = self.obs
+        if self._observer.on_first_token is not None:
+            self._observer.on_first_token(o.request_id)  # idempotent: a request cut before its first token
         if not o.streamed and self._tail and _USAGE in self._tail:
             self._read_usage(self._tail)
         if not o.usage and o.streamed and o.status == 200 and o.events:
@@ -161,8 +165,11 @@ class Observer:
 
     def __init__(self, registry: CollectorRegistry | None, trackers: TrackerRegistry | None = None,
                  clock: Callable[[], float] = time.perf_counter,
-                 slo_targets: Callable[[str, float | None, float | None], tuple[float, float]] | None = None) -> None:
+                 slo_targets: Callable[[str, float | None, float | None], tuple[float, float]] | None = None,
+                 on_first_token: Callable[[str], None] | None = None) -> None:
         self.metrics = ObserveMetrics(registry)
+        # told a request's id at its first response chunk (or its end): the slo strategy's prefill queue
+        self.on_first_token = on_first_token
         self.slo_targets = slo_targets
         self.trackers = trackers if trackers is not None else TrackerRegistry()
         self.clock = clock

@@ -2,8 +2,11 @@
 against its targets (headers `x-slo-ttft-ms` / `x-slo-tpot-ms`, else the model's defaults).
 
 - TTFT = (the pod's queued prefill + this request's uncached prompt tokens, exactly, from the prefix
-  index) / the pod's prefill rate (routing.profiles). The queue is what this gateway sent the pod
-  uncached, draining at that rate.
+  index) / the pod's prefill rate (routing.profiles). The queue, when responses are observed
+  (`Capacity.prefill` set), is exact and shared: every gateway adds a request's uncached tokens to
+  the pod's count (RunningCounts: through Redis between replicas) when it routes it and takes them
+  off when its first token arrives (`Capacity.first_token`). Without it, the queue is what this
+  gateway sent the pod uncached, draining at the prefill rate.
 - TPOT = the pod's decode step time at its effective batch: the requests running there (every
   gateway's count), each weighted by how much of this request's decode it is predicted to overlap,
   from its predicted output length (routing.predictor); this request's own output is predicted too.
@@ -13,14 +16,18 @@ pod with the most headroom, else the least violation.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from routing.pods import Pod
 from routing.predictor import OutputPredictor
 from routing.profiles import EngineProfiles
 from routing.scoring import PickContext, Scorer
+
+
+DONE = "\x00prefilled"  # the prefill counts' key suffix for a pod's tokens prefilled so far
 
 
 def parse_targets(text: str, source: str = "KVGATE_SLO_TARGETS") -> dict[str, tuple[float, float]]:
@@ -48,6 +55,50 @@ class Capacity:
     targets: Mapping[str, tuple[float, float]] = field(default_factory=dict)  # model (or *) -> (ttft s, tpot s)
     default_targets: tuple[float, float] = (1.0, 0.1)
     clock: Callable[[], float] = time.monotonic
+    prefill: Any = None  # RunningCounts of uncached tokens routed and not yet at their first token, per pod
+    pending: dict[str, tuple[str, int]] = field(default_factory=dict)  # request id -> (pod, tokens added)
+    # per pod: when its prefill lane last started on a prompt as far as this gateway can tell (some
+    # gateway saw a first token there: the pod's shared count of prefilled tokens moved; or the queue
+    # grew from empty); the head is that far into its prefill
+    marks: dict[str, float] = field(default_factory=dict)
+    seen: dict[str, tuple[int, int]] = field(default_factory=dict)  # per pod: (queue, prefilled) when last read
+
+    def replica(self) -> "Capacity":
+        """Another gateway replica's view: the shared parts (profiles, prediction, the prefill counts)
+        the same objects, this replica's own requests and readings new."""
+        return dataclasses.replace(self, pending={}, marks={}, seen={})
+
+    def queue(self, pod: str, tokens: int, request_id: str) -> None:
+        """A routed request's uncached tokens join its pod's shared prefill queue."""
+        if self.prefill is None or tokens <= 0 or not request_id:
+            return
+        if request_id in self.pending:  # routed again (a retried pick): the first one's tokens leave
+            self.first_token(request_id)
+        if len(self.pending) > 100_000:  # first tokens never reported (a bug elsewhere): do not grow
+            self.pending.clear()
+        self.prefill.add(pod, tokens)
+        self.pending[request_id] = (pod, tokens)
+
+    def first_token(self, request_id: str) -> None:
+        """The request's first token arrived (or it ended without one): its tokens leave the queue. Idempotent."""
+        entry = self.pending.pop(request_id, None)
+        if entry is not None and self.prefill is not None:
+            self.prefill.add(entry[0], -entry[1])
+            self.prefill.add(entry[0] + DONE, entry[1])  # only grows: every gateway sees the head move on
+
+    def queued(self, pod: str, totals: Mapping[str, int], rate: float, now: float) -> float:
+        """Tokens still to prefill on `pod` before a new request: the shared queue, less the progress of
+        the prompt at its head since its prefill started."""
+        count, prefilled = totals.get(pod, 0), totals.get(pod + DONE, 0)
+        last, last_prefilled = self.seen.get(pod, (0, 0))
+        if (count, prefilled) != (last, last_prefilled):
+            self.seen[pod] = (count, prefilled)
+            if prefilled != last_prefilled or last <= 0:  # a prompt finished its prefill, or the lane starts
+                self.marks[pod] = now
+        if count <= 0:
+            return 0.0
+        done = (now - self.marks.get(pod, now)) * rate
+        return max(0.0, count - done) if done > 0 else float(count)
 
     def targets_for(self, model: str, ttft_s: float | None, tpot_s: float | None) -> tuple[float, float]:
         base = self.targets.get(model) or self.targets.get("*") or self.default_targets
@@ -129,9 +180,11 @@ class SLOScorer(Scorer):
         uncached = self._uncached(ctx, pods)
         now = cap.clock()
         scores, plans = {}, {}
+        shared = cap.prefill.totals() if cap.prefill is not None else None
         for p in pods:
             rate = cap.profiles.prefill_rate(p.pod_name, model, n, out_tokens)
-            ttft = (self.queued(p.name, now, rate) + uncached[p.name]) / rate
+            queued = cap.queued(p.name, shared, rate, now) if shared is not None else self.queued(p.name, now, rate)
+            ttft = (queued + uncached[p.name]) / rate
             running = ctx.running.get(p.name, 0)
             tpot = cap.profiles.step_time(p.pod_name, running + 1, model, n, out_tokens)
             start = now + ttft
@@ -153,7 +206,10 @@ class SLOScorer(Scorer):
             return
         rate, uncached, start, end = plan
         now = self.cap.clock()
-        self._queue[pod.name] = (self.queued(pod.name, now, rate) + uncached, now)
+        if self.cap.prefill is not None:
+            self.cap.queue(pod.name, int(uncached), ctx.request.request_id)
+        else:
+            self._queue[pod.name] = (self.queued(pod.name, now, rate) + uncached, now)
         self._decoding.setdefault(pod.name, []).append((start, end))
 
     def pods_changed(self, added: Sequence[Pod], removed: Sequence[Pod]) -> None:

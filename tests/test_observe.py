@@ -181,3 +181,16 @@ async def test_trace_writer_puts_aibrix_keys_in_redis_with_expiry():
     finally:
         await client.aclose()
         server.kill()
+
+
+def test_first_token_hook_fires_at_the_first_chunk_and_again_at_the_end_for_cut_requests():
+    seen = []
+    obs = Observer(CollectorRegistry(), clock=Clock(), on_first_token=seen.append)
+    w = obs.start("r1", "m", "p")
+    w.on_headers(200, "text/event-stream")
+    w.on_chunk(chat_chunk("", first=True))
+    w.on_chunk(chat_chunk("a"))
+    assert seen == ["r1"]
+    cut = obs.start("r2", "m", "p")
+    cut.close()
+    assert seen[-1] == "r2"

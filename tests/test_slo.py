@@ -135,3 +135,40 @@ async def test_model_default_targets_apply_without_headers_and_headers_take_prec
     assert cap.targets_for("m", None, None) == (1.0, 0.015)
     assert cap.targets_for("m", 0.2, 0.05) == (0.2, 0.05)
     assert cap.targets_for("other", None, 0.03) == (1.0, 0.03)
+
+
+async def test_prefill_queue_is_shared_by_replicas_and_leaves_at_the_first_token():
+    clock = Clock()
+    shared = LocalCounts()  # the prefill counts (Redis between replicas in a deployment)
+    base = Capacity(EngineProfiles(prefill_tokens_per_s=10_000.0), OutputPredictor(cold="input"), {"*": (0.5, 1.0)},
+                    clock=clock, prefill=shared)
+    a_view, b_view = base.replica(), base.replica()
+    ra = Router(PodRegistry(PODS), default_strategy="slo", capacity=a_view, seed=0)
+    rb = Router(PodRegistry(PODS), default_strategy="slo", capacity=b_view, seed=0)
+    doc = await ra.pick(RouteRequest("m", token_ids=list(range(8000)), request_id="doc"))
+    assert shared.totals()[doc.pod.name] == 8000
+    # replica b never routed the document, yet keeps a 300-token prompt off its 0.8 s queue
+    chat = await rb.pick(RouteRequest("m", token_ids=list(range(300)), request_id="chat"))
+    assert chat.pod.name != doc.pod.name
+    clock.t += 0.2  # b reads the queue; 0.2 s later the document's prefill is that far along as far as b knows
+    b_view.queued(doc.pod.name, shared.totals(), 10_000.0, clock.t)
+    a_view.first_token("doc")  # the document's first token (seen by a, the replica that routed it)
+    a_view.first_token("doc")  # idempotent
+    assert shared.totals().get(doc.pod.name, 0) == 0
+    clock.t += 0.1
+    assert b_view.queued(doc.pod.name, shared.totals(), 10_000.0, clock.t) == 0.0
+
+
+def test_head_of_the_queue_progress_counts_from_when_the_lane_moved():
+    clock = Clock()
+    shared = LocalCounts()
+    cap = Capacity(EngineProfiles(), OutputPredictor(), clock=clock, prefill=shared)
+    cap.queue("a", 5000, "r1")
+    cap.queue("a", 3000, "r2")
+    assert cap.queued("a", shared.totals(), 10_000.0, clock.t) == 8000  # the lane starts now
+    clock.t += 0.2
+    assert cap.queued("a", shared.totals(), 10_000.0, clock.t) == pytest.approx(6000)
+    cap.first_token("r1")  # r1 prefilled: r2 at the head from now
+    assert cap.queued("a", shared.totals(), 10_000.0, clock.t) == 3000
+    clock.t += 1.0
+    assert cap.queued("a", shared.totals(), 10_000.0, clock.t) == 0.0
