@@ -22,6 +22,7 @@ from plugin.extproc import ExternalProcessor, Gateway
 from plugin.http import build_http_app
 from plugin.metrics import GatewayMetrics
 from plugin.observe import Observer
+from routing.admission import Admission, LocalLimiter, RedisLimiter
 from routing.counts import LocalCounts, RedisCounts, RunningCounts
 from routing.discovery import StaticSource
 from routing.engine_metrics import EngineMetrics, Saturation
@@ -179,6 +180,18 @@ class App:
         self.tokenizer, self.verified_tokenizer = _tokenizer(s, self.registry,
                                                              known=lambda m: bool(self.pods.serving(m)))
         self.gateway_metrics = GatewayMetrics(self.registry)
+        self.admission: Admission | None = None
+        self._admission_redis = None
+        if s.admission_max_running > 0:
+            if s.redis_url:
+                from redis.asyncio import Redis
+                self._admission_redis = Redis.from_url(s.redis_url)
+                limiter = RedisLimiter(self._admission_redis, s.gateway_id, ttl_s=s.redis_key_ttl_s)
+            else:
+                limiter = LocalLimiter()
+            self.admission = Admission(limiter, max_running=s.admission_max_running,
+                                       max_wait_s=s.admission_max_wait_s, retry_after_s=s.admission_retry_after_s,
+                                       deleted_keep_s=s.admission_deleted_keep_s)
         self.trace_windows = TraceWindows(s.trace_write_interval_s)
         self.trackers = TrackerRegistry((self.trace_windows, self.predictor, self.profiles))
         self.predictor_sync: PredictorSync | None = None
@@ -194,7 +207,7 @@ class App:
             target_pod_header=s.target_pod_header, reachable=lambda name: not self.engines.unreachable(name),
             cached_tokens=self.tokenizer.cached if isinstance(self.tokenizer, CachedTokenizer) else None,
             sheddable_objectives=frozenset(o.strip() for o in s.sheddable_objectives.split(",") if o.strip()),
-            observer=self.observer))
+            observer=self.observer, admission=self.admission))
         self.pods.add_listener(self._on_pods)
         self._grpc: grpc.aio.Server | None = None
         self.grpc_port: int | None = None  # once serving
@@ -215,6 +228,13 @@ class App:
         for pod in removed:
             if self.pods.get(pod.name) is None:
                 self.index.remove_pod(pod.name)
+        if self.admission is not None:
+            self.admission.pods_removed([p.name for p in removed if self.pods.get(p.name) is None])
+            self.admission.pods_added([p.name for p in added])
+            try:
+                asyncio.get_running_loop().create_task(self.admission.expire_deleted())
+            except RuntimeError:  # no loop yet (discovery's first listing): nothing deleted to expire
+                pass
         self.subscriptions.sync(endpoint_specs(self.pods.pods()))
         log.info("pods: %d known (%s added, %s removed)", len(self.pods.pods()),
                  ", ".join(p.name for p in added) or "none", ", ".join(p.name for p in removed) or "none")
@@ -268,6 +288,8 @@ class App:
         await self.router.start()
         if self.prefill_counts is not None:
             await self.prefill_counts.start()
+        if self.admission is not None and isinstance(self.admission.limiter, RedisLimiter):
+            self.admission.limiter.start()
         if s.redis_url and self.observer is not None:
             from redis.asyncio import Redis
             self.trace_writer = TraceWriter(self.trace_windows, Redis.from_url(s.redis_url))
@@ -306,6 +328,8 @@ class App:
         await self.router.close()
         if self.prefill_counts is not None:
             await self.prefill_counts.close()
+        if self.admission is not None and isinstance(self.admission.limiter, RedisLimiter):
+            await self.admission.limiter.aclose()
         if self.trace_writer is not None:
             await self.trace_writer.aclose()
         if self.predictor_sync is not None:

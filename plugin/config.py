@@ -222,6 +222,15 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("KVGATE_SLO_TARGETS", "slo_targets", _slo_targets, "*=1000/100",
              "Default latency targets of the `slo` strategy, per model: `model=ttft_ms/tpot_ms,...` (`*`: any "
              "other model); a request's `x-slo-ttft-ms` / `x-slo-tpot-ms` headers take precedence."),
+    Variable("KVGATE_ADMISSION_MAX_RUNNING", "admission_max_running", _int_range(0, 1_000_000), 0,
+             "Most requests running on one pod over every replica, checked and counted atomically (Redis with "
+             "KVGATE_REDIS_URL); a request finding every eligible pod full waits (0: no limit)..."),
+    Variable("KVGATE_ADMISSION_MAX_WAIT_S", "admission_max_wait_s", _float_min(0.0), 5.0,
+             "...in its model's queue (models take turns) for up to this long, then gets 429..."),
+    Variable("KVGATE_ADMISSION_RETRY_AFTER_S", "admission_retry_after_s", _int_range(0, 3600), 1,
+             "...with this `Retry-After`."),
+    Variable("KVGATE_ADMISSION_DELETED_KEEP_S", "admission_deleted_keep_s", _float_min(0.0), 30.0,
+             "A pod that leaves discovery keeps its admitted count this long (re-created within it, the count stands)."),
     Variable("KVGATE_LOG_LEVEL", "log_level", _choice("debug", "info", "warning", "error"), "info", "Log level."),
 )
 
@@ -281,6 +290,10 @@ class Settings:
     predict_cold_start: str = "optimistic"
     predict_max_output: int = 4096
     slo_targets: str = "*=1000/100"
+    admission_max_running: int = 0
+    admission_max_wait_s: float = 5.0
+    admission_retry_after_s: int = 1
+    admission_deleted_keep_s: float = 30.0
     log_level: str = "info"
 
     @classmethod

@@ -35,11 +35,13 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from plugin import observe
+from plugin.admit import admit
 from plugin.metrics import GatewayMetrics
 from plugin.request import (CHAT, MODELS, ROUTED_POST_PATHS, ClientError, InferenceRequest,
                             bad_request, parse_body)
 from routing.errors import (NoEligibleEndpointError, NoReadyPodError, RoutingError, SaturatedError,
                             UnknownModelError, UnknownStrategyError)
+from routing.admission import Admission
 from routing.pods import Pod
 from routing.registry import PodRegistry
 from routing.router import Decision, RouteRequest, Router
@@ -98,6 +100,8 @@ class Gateway:
     sheddable_objectives: frozenset[str] = frozenset()
     # Watches routed responses (TTFT, TPOT, tokens; the request trackers); None: responses not read.
     observer: observe.Observer | None = None
+    # A per-pod running limit, checked and counted atomically after the pick; None: no limit.
+    admission: Admission | None = None
 
 
 def _header_value(h: base_pb2.HeaderValue) -> str:
@@ -114,6 +118,9 @@ def _immediate(err: ClientError, request_id: str) -> pb.ProcessingResponse:
         _set_header("content-type", "application/json"),
         _set_header("x-request-id", request_id),
     ])
+    retry_after = getattr(err, "retry_after", None)
+    if retry_after is not None:
+        headers.set_headers.append(_set_header("retry-after", str(retry_after)))
     return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
         status=http_status_pb2.HttpStatus(code=err.status), headers=headers, body=err.to_json(),
         details=f"kvgate_{err.code or err.type}"))
@@ -180,6 +187,7 @@ class _Stream:
         self.held_remove: list[str] | None = None
         self.watch: observe.Watch | None = None
         self.slo: dict[str, float] | None = None  # header -> seconds
+        self.admitted: str | None = None  # the pod admission counted this request on
 
     # --- EPP protocol clauses ------------------------------------------------------------
     def read_context(self, msg: pb.ProcessingRequest) -> None:
@@ -330,6 +338,9 @@ class _Stream:
             model=request.model, token_ids=token_ids, strategy=strategy, request_id=self.request_id,
             slo_ttft_s=slo.get(SLO_TTFT_HEADER), slo_tpot_s=slo.get(SLO_TPOT_HEADER)),
             subset=self.subset, sheddable=self.sheddable())
+        if self.gw.admission is not None:
+            d, self.admitted = await admit(self.gw.admission, self.gw.router, self.gw.registry, d, request.model)
+            self.decision = d
         m = self.gw.metrics
         children = self.metric_children.get((d.strategy, d.pod.name))
         if children is None:
@@ -506,7 +517,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             if stream.decision is not None:
                 # No await here (a cancelled stream must not wait): the release runs now if it needs no wait
                 # (the router's own counts), else it finishes in a task of its own.
-                release = self._release(stream.decision, how)
+                release = self._release(stream.decision, how, stream.admitted)
                 try:
                     pending = release.send(None)
                 except StopIteration:
@@ -516,9 +527,11 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                     self._releases.add(task)
                     task.add_done_callback(self._releases.discard)
 
-    async def _release(self, decision: Decision, how: str) -> None:
+    async def _release(self, decision: Decision, how: str, admitted: str | None = None) -> None:
         try:
             await self.gw.router.release(decision)
+            if admitted is not None and self.gw.admission is not None:
+                await self.gw.admission.release(admitted)
             self.gw.metrics.released.labels(how).inc()
         except Exception:
             log.exception("releasing the count of a request on %s failed", decision.pod.name)
