@@ -164,6 +164,7 @@ class App:
         self.predictor = OutputPredictor(window_s=s.predict_window_s, step_s=s.predict_step_s,
                                          cold=s.predict_cold_start, max_output=s.predict_max_output)
         self.profiles = EngineProfiles(prefill_tokens_per_s=s.routing_prefill_tokens_per_s)
+        self.engines.on_load = self.profiles.observe_engine
         # The prefill queue the slo strategy reads: exact and shared between replicas when responses are
         # observed (a request's tokens leave at its first token), else each replica's own estimate.
         self.prefill_counts: RunningCounts | None = None

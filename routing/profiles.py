@@ -2,7 +2,8 @@
 running, learned from observed requests; optionally a deployment's profile written to Redis by an
 external optimizer (AIBrix's `ModelGPUProfile`), which takes precedence where present.
 
-Learned (a RequestTracker: fed by every completed request, its ctx an `Observation`):
+Learned (a RequestTracker: fed by every completed request, its ctx an `Observation`; and from each
+scrape of the engine's own inter-token histogram, `observe_engine`):
 - prefill tokens/s: a slowly decaying maximum of uncached prompt tokens / TTFT over requests with at
   least `min_prefill_tokens` uncached. Queueing only ever makes that ratio smaller, so the maximum
   tracks the engine's own speed, not its queue.
@@ -109,6 +110,7 @@ class EngineProfiles:
         self._rate: dict[str, float] = {}
         self._decode: dict[str, _Line] = {}
         self._gpu: dict[tuple[str, str], GPUProfile] = {}  # (model, deployment)
+        self._scrapes: dict[str, Any] = {}  # pod -> last EngineLoad seen
 
     # --- answers ---------------------------------------------------------------------------
     def gpu_profile(self, model: str, pod: str) -> GPUProfile | None:
@@ -154,6 +156,22 @@ class EngineProfiles:
             if line is None:
                 line = self._decode[pod] = _Line(self.decay)
             line.add(float(max(running, 1)), tpot)
+
+    def observe_engine(self, pod: str, load: Any) -> None:
+        """A fresh scrape of the pod's /metrics (routing.engine_metrics.EngineLoad): vLLM's own
+        inter-token histogram, its mean over the scrape interval at the batch the engine reported."""
+        prev = self._scrapes.get(pod)
+        self._scrapes[pod] = load
+        if prev is None or load.tpot is None or prev.tpot is None:
+            return
+        ds, dn = load.tpot[0] - prev.tpot[0], load.tpot[1] - prev.tpot[1]
+        if dn <= 0 or ds <= 0:  # nothing decoded meanwhile, or the engine restarted (counters reset)
+            return
+        running = max(1.0, (load.running + prev.running) / 2)
+        line = self._decode.get(pod)
+        if line is None:
+            line = self._decode[pod] = _Line(self.decay)
+        line.add(running, ds / dn)
 
     def set_gpu_profile(self, model: str, deployment: str, profile: GPUProfile) -> None:
         self._gpu[(model, deployment)] = profile

@@ -172,3 +172,31 @@ def test_head_of_the_queue_progress_counts_from_when_the_lane_moved():
     assert cap.queued("a", shared.totals(), 10_000.0, clock.t) == 3000
     clock.t += 1.0
     assert cap.queued("a", shared.totals(), 10_000.0, clock.t) == 0.0
+
+
+VLLM_METRICS = """# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{{model_name="m"}} {running}
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{{model_name="m"}} 0
+# TYPE vllm:time_per_output_token_seconds histogram
+vllm:time_per_output_token_seconds_bucket{{le="+Inf",model_name="m"}} {n}
+vllm:time_per_output_token_seconds_count{{model_name="m"}} {n}
+vllm:time_per_output_token_seconds_sum{{model_name="m"}} {s}
+"""
+
+
+def test_decode_step_is_learned_from_vllms_own_inter_token_histogram():
+    from routing.engine_metrics import parse_engine_metrics
+    p = EngineProfiles()
+    total_n = total_s = 0.0
+    for i, running in enumerate([4, 4, 20, 20, 36, 36] * 3):
+        n = 500.0
+        total_n += n
+        total_s += n * (0.008 + 0.0002 * running)  # this scrape interval's mean: the engine's step at that batch
+        load = parse_engine_metrics(VLLM_METRICS.format(running=running, n=total_n, s=total_s), at=float(i))
+        assert load.tpot == (pytest.approx(total_s), total_n)
+        p.observe_engine("a", load)
+    assert p.step_time("a", 20) == pytest.approx(0.012, rel=0.05)
+    reset = parse_engine_metrics(VLLM_METRICS.format(running=5, n=10, s=0.1), at=99.0)
+    p.observe_engine("a", reset)  # counters went back (a restart): no sample from that interval
+    assert p.step_time("a", 20) == pytest.approx(0.012, rel=0.05)
