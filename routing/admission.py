@@ -147,12 +147,14 @@ class RedisLimiter:
 
 class Admission:
     def __init__(self, limiter: Limiter, *, max_running: int, max_wait_s: float = 5.0, retry_after_s: int = 1,
-                 deleted_keep_s: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 deleted_keep_s: float = 30.0, poll_s: float = 0.05,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.limiter = limiter
         self.max_running = max_running
         self.max_wait_s = max_wait_s
         self.retry_after_s = retry_after_s
         self.deleted_keep_s = deleted_keep_s
+        self.poll_s = poll_s  # a waiter also tries again this often: room freed by another gateway wakes no one here
         self._clock = clock
         self._queues: OrderedDict[str, deque[asyncio.Future]] = OrderedDict()  # model -> waiters
         self._deleted: dict[str, float] = {}  # pod -> when it left discovery
@@ -171,7 +173,7 @@ class Admission:
     async def admit(self, model: str, candidates: Sequence[str]) -> str | None:
         """The first candidate pod with room (counted as running until `release`), waiting in the
         model's queue while none has; None after `max_wait_s`."""
-        got = await self._try(candidates) if not self._queues.get(model) else None  # no overtaking waiters
+        got = await self._try(candidates) if not self.waiting else None  # no overtaking anyone waiting
         if got is not None:
             self.admitted += 1
             return got
@@ -179,32 +181,40 @@ class Admission:
         queue = self._queues.setdefault(model, deque())
         self.waited += 1
         loop = asyncio.get_running_loop()
-        front = False
-        while True:
-            left = deadline - self._clock()
-            if left <= 0:
-                break
-            fut = loop.create_future()
-            if front:
-                queue.appendleft(fut)
-            else:
-                queue.append(fut)
-            try:
-                await asyncio.wait_for(asyncio.shield(fut), left)
-            except asyncio.TimeoutError:
-                break
-            finally:
+        fut = loop.create_future()
+        queue.append(fut)
+        try:
+            while True:
+                left = deadline - self._clock()
+                if left <= 0:
+                    break
+                try:
+                    await asyncio.wait_for(asyncio.shield(fut), min(left, self.poll_s))
+                except asyncio.TimeoutError:
+                    # Room may have been freed by another gateway (its releases wake no one here):
+                    # the waiter whose turn it is tries, as if woken.
+                    if not self._my_turn(model, fut):
+                        continue
+                    self._queues.move_to_end(model)
                 if fut in queue:
                     queue.remove(fut)
-            got = await self._try(candidates)
-            if got is not None:
-                self.admitted += 1
-                self._drop_empty(model)
-                return got
-            front = True  # woken but another gateway took the room: first in line for the next
-        self._drop_empty(model)
+                got = await self._try(candidates)
+                if got is not None:
+                    self.admitted += 1
+                    return got
+                fut = loop.create_future()  # another gateway took the room: first in line for the next
+                queue = self._queues.setdefault(model, deque())  # (emptied and dropped meanwhile, maybe)
+                queue.appendleft(fut)
+        finally:
+            if fut in queue:
+                queue.remove(fut)
+            self._drop_empty(model)
         self.rejected += 1
         return None
+
+    def _my_turn(self, model: str, fut: asyncio.Future) -> bool:
+        first = next((m for m, q in self._queues.items() if q), None)
+        return first == model and self._queues[model][0] is fut
 
     def _drop_empty(self, model: str) -> None:
         q = self._queues.get(model)
