@@ -194,3 +194,8 @@ def test_first_token_hook_fires_at_the_first_chunk_and_again_at_the_end_for_cut_
     cut = obs.start("r2", "m", "p")
     cut.close()
     assert seen[-1] == "r2"
+
+
+def test_observe_cost_bench_drives_a_real_server_and_reports_cpu_per_request():
+    from bench import observe_cost
+    assert observe_cost.measure(40, 2, True) > 0  # the child server's CPU over 40 requests of 2 chunks
