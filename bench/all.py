@@ -27,9 +27,12 @@ BENCHES: tuple[tuple[str, list[str], str], ...] = (
                     "prefix-cache, least-request, round-robin, random) + 3 points, or >= the oracle's - 1 point, and "
                     "kv-sync's TTFT p90 <= the best other policy's; kv-sync within 3 points of the oracle in every "
                     "workload (and within 5 on W1, W2); on W1 kv-sync TTFT p90 >= 20x better than random and >= 3x "
-                    "better than prefix-cache, with 500 ms delay + 1% loss >= 2x better than prefix-cache. W6 (a "
+                    "better than prefix-cache, with 500 ms delay + 1% loss >= 2x better than prefix-cache. W7 (a "
                     "data-parallel engine): kv-sync routed to the rank no worse than kv-sync@no-rank on hit rate "
-                    "and TTFT p90. Rows without @Ngw run behind 2 replicas, the deployment kvgate ships"),
+                    "and TTFT p90. W6 (SLO mix, each request with TTFT and TPOT targets, 80% of fleet capacity): "
+                    "slo's SLO attainment >= kv-sync's + 10 points and >= least-request's + 25 points; output "
+                    "prediction median |log2 bucket error| <= 1 once warm. Rows without @Ngw run behind 2 replicas, "
+                    "the deployment kvgate ships"),
     ("gateway", [], "issue 14: kv-sync added p50 at 1 connection <= 1.0 ms over direct, warm and cold prompts; "
                     "kvgate CPU per routed request (its share of event following included) <= 1.2x the no-op "
                     "processor's; throughput through Envoy >= 90% of the no-op processor's. Also 1 vs 2 "

@@ -52,10 +52,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pods", type=int, default=4, help="pods kvgate chooses among (default 4)")
     p.add_argument("--ingest-rate", type=float, default=500.0,
                    help="one-block event batches/s published to measure the event-following share (default 500)")
+    p.add_argument("--observe", choices=("on", "off"), default="on",
+                   help="kvgate watches responses (KVGATE_OBSERVE_RESPONSES; default on, as shipped)")
 
 
 def _upstream_config(ports: list[int], admin: int) -> dict:
-    body = json.dumps({"id": "bench", "object": "chat.completion", "choices": []})
+    # an engine's non-streamed answer: JSON with usage (kvgate watches it, as it would vLLM's)
+    body = json.dumps({"id": "bench", "object": "chat.completion", "choices": [],
+                       "usage": {"prompt_tokens": 12, "completion_tokens": 1, "total_tokens": 13}})
     listeners = []
     for i, port in enumerate(ports):
         listeners.append({
@@ -68,7 +72,9 @@ def _upstream_config(ports: list[int], admin: int) -> dict:
                     "stat_prefix": f"up{i}",
                     "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [{
                         "match": {"prefix": "/"},
-                        "direct_response": {"status": 200, "body": {"inline_string": body}}}]}]},
+                        "direct_response": {"status": 200, "body": {"inline_string": body}},
+                        "response_headers_to_add": [{"header": {"key": "content-type",
+                                                                "value": "application/json"}}]}]}]},
                     "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {
                         "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}]}}]}]})
     return {"admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin}}},
@@ -203,7 +209,7 @@ def _subscribed(http_port: int, pod: str) -> int | bool:
     return False
 
 
-def run(seconds: float, rounds: int, n_pods: int, log, ingest_rate: float = 500.0) -> dict:
+def run(seconds: float, rounds: int, n_pods: int, log, ingest_rate: float = 500.0, observe: bool = True) -> dict:
     if not shutil.which("wrk"):
         raise StackError("wrk not found: install the Debian package wrk (./dev setup does)")
     with Stack() as stack:
@@ -225,7 +231,7 @@ def run(seconds: float, rounds: int, n_pods: int, log, ingest_rate: float = 500.
                 "KVGATE_PODS_FILE": str(pods_file), "KVGATE_GRPC_PORT": str(grpc_port),
                 "KVGATE_HTTP_PORT": str(http_port), "KVGATE_ROUTING_STRATEGY": "kv-sync",
                 "KVGATE_TOKENIZER": "local", "KVGATE_TOKENIZER_PATH": str(testdata.path()),
-                "KVGATE_LOG_LEVEL": "warning"}))
+                "KVGATE_LOG_LEVEL": "warning", "KVGATE_OBSERVE_RESPONSES": "true" if observe else "false"}))
             grpc_ports.append(grpc_port)
             http_ports.append(http_port)
         noop_port = free_port()
@@ -299,7 +305,7 @@ def run(seconds: float, rounds: int, n_pods: int, log, ingest_rate: float = 500.
     med = {g: {k: statistics.median(v) if v else None for k, v in s.items() if k != "errors"}
            | {"errors": sum(s["errors"])} for g, s in samples.items()}
     return summarize(med, samples, ingest_us, cached, total, rounds=rounds, seconds=seconds, pods=n_pods,
-                     ingest_rate=ingest_rate)
+                     ingest_rate=ingest_rate, observe_responses=observe)
 
 
 def summarize(med: dict, samples: dict, ingest_us: float | None, cached: float, total: float, **run) -> dict:
@@ -405,7 +411,7 @@ def main(args: argparse.Namespace) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     try:
-        result = run(args.seconds, args.rounds, args.pods, log, args.ingest_rate)
+        result = run(args.seconds, args.rounds, args.pods, log, args.ingest_rate, observe=args.observe == "on")
     except StackError as e:
         print(f"kvgate bench gateway: {e}", file=sys.stderr)
         return 1

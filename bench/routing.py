@@ -30,7 +30,13 @@ capacity from the workload). Workloads (bench.routing_workloads):
     up, ~8 s in); a 4th pod joins at 10 s (then 90%): added to the PodRegistry the Routers follow,
     to char-tree's trees and to the oracle's candidates; the `joined pod` column is its share of
     the requests that arrived after the join.
-  - W6 data-parallel: as W3 at the 73% ratio; the third pod is a data-parallel engine of 2 ranks
+  - W6 SLO mix (bench.routing_workloads.SLOShape): 80% short chats (tenant system prompts, 16-256
+    tokens out, targets TTFT 300 ms / TPOT 15 ms) and 20% long new documents (3000-8000 tokens,
+    128-512 out, 2 s / 25 ms), Poisson at 80% of the fleet's capacity (prefill-bound here), 4 pods;
+    each request carries its targets (x-slo-ttft-ms / x-slo-tpot-ms). Reported per policy:
+    `slo_attainment`, the share of requests meeting both; for `slo`, the output predictor's median
+    absolute log2-bucket error once warm (requests after the first quarter).
+  - W7 data-parallel: as W3 at the 73% ratio; the third pod is a data-parallel engine of 2 ranks
     behind one pod name (4 engines, each rank its own cache, batch and KV events). kv-sync routes
     to the rank (x-data-parallel-rank); `kv-sync@no-rank` is kvgate before it did: the pod is one
     target and the engine's least-loaded balancer picks the rank (so does it for every policy
@@ -108,7 +114,9 @@ OTHER_GATEWAYS = (1, 4)  # the prefix strategies also run behind these (W1, W2)
 TARGET_GATEWAYS = (1, 2)  # the issue-13 targets are read at each of these replica counts
 # the policies kv-sync must beat (issue 13): every one but the oracle and kv-sync's own variants
 OTHERS = ("char-tree", "prefix-cache", "least-request", "round-robin", "random")
-CHAT_WORKLOADS = ("W3", "W4", "W5", "W6")
+CHAT_WORKLOADS = ("W3", "W4", "W5", "W7")
+SLO_WORKLOADS = ("W6",)
+SLO_POLICIES = ("random", "round-robin", "least-request", "prefix-cache", "kv-sync", "slo")
 
 
 def row(name: str, n: int, gateways: int) -> str:
@@ -145,7 +153,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", default=None,
                         help=f"PNG to write (default {DEFAULT_PLOT}, none with --quick so a smoke run leaves "
                              "the committed plot alone; '' for none)")
-    parser.add_argument("--workload", action="append", choices=("W1", "W2", *CHAT_WORKLOADS),
+    parser.add_argument("--workload", action="append", choices=("W1", "W2", *SLO_WORKLOADS, *CHAT_WORKLOADS),
                         help="only these (repeatable)")
     parser.add_argument("--gateways", type=int, default=DEFAULT_GATEWAYS,
                         help=f"kvgate replicas in front of the engines (default {DEFAULT_GATEWAYS}, as shipped)")
@@ -191,6 +199,8 @@ def _run_job(job: _Job) -> tuple[str, RunResult, dict]:
 def shape_policies(shape: workloads.Shape | workloads.ChatShape, gateways: int) -> tuple[Policy, ...]:
     """W1 and W2 run the full list; the chat workloads the compared policies and the oracle; one
     with a data-parallel pod also kv-sync without routing to the rank (`kv-sync@no-rank`)."""
+    if shape.name in SLO_WORKLOADS:
+        return (*(Policy(n, n, gateways=gateways) for n in SLO_POLICIES), Policy(ORACLE, ORACLE))
     out = policies(gateways, full=shape.name not in CHAT_WORKLOADS)
     if getattr(shape, "dp_size", 1) > 1:
         out = (*out[:-1], Policy("kv-sync@no-rank", "kv-sync", gateways=gateways, dp_ranks=False), out[-1])
@@ -230,6 +240,14 @@ def run_all(shapes: list, seeds: int, jobs: int, chosen: tuple[Policy, ...] | No
                 joined = {pod for _, pod in infos[0]["joins"]}
                 w["policies"][p.name]["joined_share"] = _mean(
                     [sum(r.routed.get(j, 0) for j in joined) / i["after_join"] for r, i in zip(mine, infos)])
+            if mine and mine[0].slo_attainment is not None:
+                w["policies"][p.name]["slo_attainment"] = _mean([r.slo_attainment for r in mine])
+                w["policies"][p.name]["slo_attainment_by_targets"] = {
+                    k: _mean([r.slo_by_class.get(k, 0.0) for r in mine]) for k in mine[0].slo_by_class}
+            errs = [r.predict_bucket_error_median for r in mine if r.predict_bucket_error_median is not None]
+            if errs:
+                w["policies"][p.name]["predict_bucket_error_median"] = _mean(errs)
+                w["policies"][p.name]["predict_samples"] = sum(r.predict_samples for r in mine)
             if p.strategy == "kv-sync":
                 w["policies"][p.name]["event_batches"] = {
                     "published": sum(r.batches_published for r in mine), "decoded": sum(r.batches_decoded for r in mine),
@@ -254,6 +272,18 @@ def targets(report: dict) -> dict:
     g = report.get("gateways", DEFAULT_GATEWAYS)
     for wname, w in report["workloads"].items():
         p = w["policies"]
+        if wname in SLO_WORKLOADS:  # issue 16's targets, below
+            for other, need in (("kv-sync", 10), ("least-request", 25)):
+                if "slo" in p and other in p:
+                    mine, theirs = p["slo"]["slo_attainment"] * 100, p[other]["slo_attainment"] * 100
+                    out[f"{wname}: slo SLO attainment >= {other}'s + {need} points"] = {
+                        "value": round(mine, 2), "best_other": other, "best_other_value": round(theirs, 2),
+                        "margin": round(mine - theirs, 2), "met": mine >= theirs + need}
+            err = p.get("slo", {}).get("predict_bucket_error_median")
+            if err is not None:
+                out[f"{wname}: output prediction median |log2 bucket error| <= 1 once warm"] = {
+                    "value": round(err, 2), "met": err <= 1}
+            continue
         if "kv-sync" in p and ORACLE in p:
             gap = (p[ORACLE]["hit_rate"] - p["kv-sync"]["hit_rate"]) * 100
             out[f"{wname}: kv-sync hit rate within 5 points of oracle"] = {"value": round(gap, 2), "met": gap <= 5}
@@ -371,11 +401,17 @@ def format_table(report: dict) -> str:
         if joins:
             lines[-1] += f"{'joined pod':>12}"
         for name, m in w["policies"].items():
+            slo = ""
+            if "slo_attainment" in m:
+                slo = f"  SLO attained {m['slo_attainment']:.3f} (" + ", ".join(
+                    f"{k}: {v:.3f}" for k, v in m["slo_attainment_by_targets"].items()) + ")"
+                if "predict_bucket_error_median" in m:
+                    slo += f"; output prediction median |bucket error| {m['predict_bucket_error_median']:.2f}"
             lines.append(f"  {name:28}{m['hit_rate']:>9.3f}{m['ttft_p50_s']:>12.4f}{m['ttft_p90_s']:>12.4f}"
                          f"{m['ttft_p99_s']:>12.4f}{m['ttft_mean_s']:>13.4f}"
                          f"{m['throughput_tok_s']:>11.0f}{m['max_over_mean_running']:>14.2f}"
                          f"{m.get('repeat_miss_share', 0):>12.3f}{m.get('evicted_blocks', 0):>10.0f}"
-                         + (f"{m.get('joined_share', 0):>12.2f}" if joins else ""))
+                         + (f"{m.get('joined_share', 0):>12.2f}" if joins else "") + slo)
         lines.append("")
     lines.append(f"  Policies without @Ngw run behind {report.get('gateways', DEFAULT_GATEWAYS)} gateway replica(s).")
     for name, t in report.get("targets", {}).items():
@@ -432,7 +468,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"kvgate bench routing: {e}", file=sys.stderr)
         return 2
     every = (workloads.w1(quick), workloads.w2(quick), workloads.w3(quick), workloads.w4(quick), workloads.w5(quick),
-             workloads.w6(quick))
+             workloads.w6(quick), workloads.w7(quick))
     shapes = [s for s in every if not args.workload or s.name in args.workload]
     started = time.monotonic()
     report = run_all(shapes, seeds, args.jobs, config=config, gateways=args.gateways)

@@ -87,7 +87,10 @@ from routing.engine_metrics import EngineLoad
 from routing.pods import KVEventsEndpoint, Pod
 from routing.registry import PodRegistry
 from routing.router import Router
+from routing.predictor import OutputPredictor, bucket as _predict_bucket
+from routing.profiles import EngineProfiles
 from routing.scoring import RouteRequest
+from routing.slo import Capacity
 from routing.strategies import StrategyConfig
 from sim.engine import Completion, EngineConfig, EngineModel
 
@@ -132,6 +135,11 @@ class RunResult:
     routed: dict = field(default_factory=dict)  # engine (pod, or <pod>#<rank>) -> requests sent there
     decode_skipped: dict = field(default_factory=dict)  # reason -> count, from decode_batch (and WireError)
     index_stats: dict = field(default_factory=dict)
+    slo_attainment: float | None = None  # requests with targets: the share meeting both TTFT and TPOT
+    slo_by_class: dict = field(default_factory=dict)  # (ttft, tpot) targets -> attainment
+    # the slo policy's output prediction once warm (requests after the first quarter): median |log2 bucket error|
+    predict_bucket_error_median: float | None = None
+    predict_samples: int = 0
 
 
 class _CacheMirror:
@@ -349,6 +357,8 @@ async def _run(workload: Workload, policy: Policy, seed: int, strategy_config: S
     index = PrefixIndex()
     oracle = _Oracle({k: engines[k] for k in active_keys}, cfg) if policy.strategy == ORACLE else None
     routers: list[Router] = []
+    capacity: Capacity | None = None
+    capacities: list[Capacity] = []
     trees: list[CharTreePolicy] = []
     clock = [0.0]  # virtual now, for the strategies' time-based estimates (kv-sync's prefill backlog)
     config = dataclasses.replace(strategy_config or StrategyConfig(), clock=lambda: clock[0])
@@ -361,10 +371,31 @@ async def _run(workload: Workload, policy: Policy, seed: int, strategy_config: S
     elif oracle is None:
         counts = LocalCounts()
         loads = _EngineLoads(engines, ranks)
+        # Engine profiles, output history and the prefill queue's counts are shared by the replicas
+        # (through Redis in a deployment, with no lag here, as the running counts); the queue's tokens
+        # leave at the request's first token, which the replica that routed it observes in the response
+        # (and only it: each replica's Capacity knows its own requests' first tokens).
+        capacity = Capacity(EngineProfiles(prefill_tokens_per_s=config.prefill_tokens_per_s),
+                            OutputPredictor(rng=random.Random(f"predict:{seed}"), clock=lambda: clock[0]),
+                            clock=lambda: clock[0], prefill=LocalCounts())
+        capacities = [capacity.replica() for _ in range(policy.gateways)]
         routers = [Router(registry, default_strategy=policy.strategy, counts=counts, index=index, engines=loads,
-                          config=config, seed=seed if g == 0 else seed * 1000 + g)
+                          config=config, seed=seed if g == 0 else seed * 1000 + g, capacity=capacities[g])
                    for g in range(policy.gateways)]
-    feed_index = policy.strategy == "kv-sync"
+    started: dict[str, tuple[int, str]] = {}  # req_id -> (running on its engine at routing, engine)
+    prefilling: dict[str, set[str]] = {k: set() for k in names}  # engine -> routed, no first token yet
+
+    def first_tokens(key: str) -> None:
+        waiting = prefilling[key]
+        if capacity is None or not waiting:
+            return
+        for rid in [rid for rid in waiting if engines[key].first_token_time(rid) is not None
+                    or not engines[key].is_live(rid)]:
+            waiting.discard(rid)
+            capacities[int(rid[1:]) % len(capacities)].first_token(rid)  # request i went to replica i % n
+    bucket_errors: list[int] = []
+    warm_at = workload.requests[len(workload.requests) // 4].arrival if workload.requests else 0.0
+    feed_index = policy.strategy in ("kv-sync", "slo")
     loss_rng = random.Random(f"loss:{seed}")
     # the fleet's scheduled changes, in time order: (time, kind, pod index)
     changes = sorted([(t, "flush", i) for t, i in workload.flushes] + [(t, "join", i) for t, i in workload.joins])
@@ -405,6 +436,14 @@ async def _run(workload: Workload, policy: Policy, seed: int, strategy_config: S
     async def finish(key: str, done: list[Completion]) -> None:
         for comp in done:
             completions.append(comp)
+            if capacity is not None:  # what kvgate observes of a response: fed to profiles and prediction
+                at_start, _ = started.pop(comp.req_id, (0, key))
+                n_out = len(comp.output_token_ids)
+                tpot = (comp.finish_time - comp.first_token_time) / (n_out - 1) if n_out > 1 else None
+                capacity.profiles.observe(owner[key][0],
+                                          uncached_tokens=comp.prompt_tokens - comp.cached_tokens,
+                                          ttft=comp.ttft, tpot=tpot, running=at_start)
+                capacity.predictor.add(MODEL, comp.prompt_tokens, n_out, now=comp.finish_time)
             _, handle = inflight.pop(comp.req_id)
             running[key] -= 1
             pod_running[owner[key][0]] -= 1
@@ -436,6 +475,7 @@ async def _run(workload: Workload, policy: Policy, seed: int, strategy_config: S
             for key in names:
                 if next_t[key] <= t:
                     await finish(key, engines[key].advance(t))
+                    first_tokens(key)
                     pump(key, t)
         elif td <= t:
             while deliveries and deliveries[0][0] <= t:
@@ -472,7 +512,9 @@ async def _run(workload: Workload, policy: Policy, seed: int, strategy_config: S
             r = reqs[i]
             if routers:
                 router = routers[i % len(routers)]
-                decision = await router.pick(RouteRequest(MODEL, list(r.token_ids), None, r.req_id))
+                decision = await router.pick(RouteRequest(MODEL, list(r.token_ids), None, r.req_id,
+                                                          slo_ttft_s=r.slo_ttft_s or None,
+                                                          slo_tpot_s=r.slo_tpot_s or None))
                 pod, handle = decision.pod.name, (router, decision)
                 key = least_loaded_rank(pod) if decision.rank is None else ranks[pod][decision.rank]
             elif trees:
@@ -486,11 +528,20 @@ async def _run(workload: Workload, policy: Policy, seed: int, strategy_config: S
             pod_running[owner[key][0]] += 1
             routed[key] += 1
             engines[key].add_request(r.req_id, r.token_ids, r.max_tokens, t)
+            if capacity is not None:
+                started[r.req_id] = (running[key], key)
+                prefilling[key].add(r.req_id)
+                if policy.strategy == "slo" and t >= warm_at:
+                    guess = capacity.predictor.predict(MODEL, len(r.token_ids))
+                    bucket_errors.append(abs(_bucket(guess) - _bucket(r.max_tokens)))
             pump(key, t)
             loads = [running[k] for k in active_keys]
             ratios.append(max(loads) / (sum(loads) / len(loads)))
 
     out = _result(workload, policy, seed, engines, completions, ratios, published, decoded, lost, index)
+    if bucket_errors:
+        out.predict_bucket_error_median = float(np.median(bucket_errors))
+        out.predict_samples = len(bucket_errors)
     out.decode_skipped = dict(skipped)
     out.evicted_blocks = evicted
     out.flushed_blocks = flushed
@@ -511,7 +562,9 @@ def _result(workload: Workload, policy: Policy, seed: int, engines: dict[str, En
     out_tokens = sum(len(c.output_token_ids) for c in completions)
     reusable = reusable_tokens(workload)
     repeat = sum(c.cached_tokens < reusable[c.req_id] for c in completions)
+    slo, by_class = _attainment(workload, completions)
     return RunResult(
+        slo_attainment=slo, slo_by_class=by_class,
         policy=policy.name, seed=seed,
         hit_rate=sum(m.prefix_cache_hits for m in ms) / queries if queries else 0.0,
         ttft_p50_s=float(np.percentile(ttft, 50)), ttft_p90_s=float(np.percentile(ttft, 90)),
@@ -522,3 +575,27 @@ def _result(workload: Workload, policy: Policy, seed: int, engines: dict[str, En
         requests=len(completions), batches_published=published, batches_decoded=decoded, batches_lost=lost,
         index_stats=index.stats() if decoded else {},
     )
+
+
+def _bucket(tokens: int) -> int:
+    return _predict_bucket(tokens, 21)
+
+
+def _attainment(workload: Workload, completions: list[Completion]) -> tuple[float | None, dict]:
+    """Share of the requests with targets that met both (TTFT, and TPOT over the tokens after the first)."""
+    targets = {r.req_id: (r.slo_ttft_s, r.slo_tpot_s) for r in workload.requests if r.slo_ttft_s > 0}
+    if not targets:
+        return None, {}
+    met: Counter = Counter()
+    seen: Counter = Counter()
+    for c in completions:
+        t = targets.get(c.req_id)
+        if t is None:
+            continue
+        n = len(c.output_token_ids)
+        tpot = (c.finish_time - c.first_token_time) / (n - 1) if n > 1 else 0.0
+        ok = c.ttft <= t[0] and tpot <= t[1]
+        key = f"{t[0] * 1000:g}ms/{t[1] * 1000:g}ms"
+        seen[key] += 1
+        met[key] += ok
+    return sum(met.values()) / sum(seen.values()), {k: met[k] / seen[k] for k in seen}

@@ -166,6 +166,70 @@ class Request:
     arrival: float
     token_ids: tuple[int, ...]
     max_tokens: int
+    slo_ttft_s: float = 0.0  # > 0: the request's latency targets (W6), sent as x-slo-ttft-ms / -tpot-ms
+    slo_tpot_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class SLOShape:
+    """W6: short chats and long documents mixed, each request with TTFT and TPOT targets (see w6)."""
+
+    name: str
+    pods: int = 4
+    duration_s: float = 60.0
+    load: float = 0.8  # request rate / fleet capacity (the lower of prefill and decode capacity)
+    chat_share: float = 0.8
+    tenants: int = 20
+    zipf_s: float = 1.0
+    system_tokens: tuple[int, int] = (600, 1200)  # a chat's tenant system prompt (cacheable)
+    user_tokens: tuple[int, int] = (40, 160)
+    chat_output: tuple[int, int] = (16, 256)  # log-uniform
+    doc_tokens: tuple[int, int] = (3000, 8000)  # a document: never seen before
+    doc_output: tuple[int, int] = (128, 512)  # log-uniform
+    chat_slo: tuple[float, float] = (0.3, 0.015)  # TTFT s, TPOT s
+    doc_slo: tuple[float, float] = (2.0, 0.025)
+    capacity_ratio: float = 0.73
+    max_num_seqs: int = 64
+
+    def _means(self) -> tuple[float, float]:
+        """(prefill seconds, output tokens) per request, on average (kvgate sim timing)."""
+        def logu(lo, hi):
+            return (hi - lo) / math.log(hi / lo)
+        cfg = EngineConfig()
+        chat_prefill = sum(self.user_tokens) / 2 + 16  # the system prompt mostly cached
+        prefill = (self.chat_share * chat_prefill + (1 - self.chat_share) * sum(self.doc_tokens) / 2)
+        out = self.chat_share * logu(*self.chat_output) + (1 - self.chat_share) * logu(*self.doc_output)
+        return cfg.ttft_overhead_s + prefill * cfg.prefill_s_per_token, out
+
+    def capacity_rps(self) -> float:
+        prefill_s, out = self._means()
+        cfg = EngineConfig()
+        step = cfg.tpot_base_s + cfg.tpot_per_seq_s * self.max_num_seqs
+        decode = self.max_num_seqs / (out * step)
+        return self.pods * min(1.0 / prefill_s, decode)
+
+    @property
+    def request_rps(self) -> float:
+        return self.load * self.capacity_rps()
+
+    @property
+    def output_tokens(self) -> int:
+        return int(self._means()[1])
+
+    def describe(self) -> str:
+        return (f"SLO mix: {self.chat_share:.0%} chats ({self.system_tokens[0]}-{self.system_tokens[1]}-token system "
+                f"prompts of {self.tenants} Zipf tenants + {self.user_tokens[0]}-{self.user_tokens[1]} user, "
+                f"{self.chat_output[0]}-{self.chat_output[1]} out, targets TTFT {self.chat_slo[0] * 1000:g} ms / "
+                f"TPOT {self.chat_slo[1] * 1000:g} ms), documents ({self.doc_tokens[0]}-{self.doc_tokens[1]} new "
+                f"tokens, {self.doc_output[0]}-{self.doc_output[1]} out, {self.doc_slo[0] * 1000:g} ms / "
+                f"{self.doc_slo[1] * 1000:g} ms), {self.request_rps:.1f} req/s = {self.load:.0%} of fleet capacity "
+                f"over {self.duration_s:g} s, {self.pods} pods")
+
+    def as_dict(self) -> dict:
+        return {k: getattr(self, k) for k in ("pods", "duration_s", "load", "chat_share", "tenants", "system_tokens",
+                                              "user_tokens", "chat_output", "doc_tokens", "doc_output", "chat_slo",
+                                              "doc_slo", "capacity_ratio")} | {
+            "request_rps": round(self.request_rps, 2), "capacity_rps": round(self.capacity_rps(), 2)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,9 +324,11 @@ def _arrivals(shape: Shape, rng: random.Random, count: int | None) -> list[float
     return times
 
 
-def build(shape: Shape | ChatShape, seed: int) -> Workload:
+def build(shape: Shape | ChatShape | SLOShape, seed: int) -> Workload:
     if isinstance(shape, ChatShape):
         return _build_chat(shape, seed)
+    if isinstance(shape, SLOShape):
+        return _build_slo(shape, seed)
     rng = random.Random(f"{shape.name}:{seed}")
     prompts = _prompts(shape, rng)
     if shape.each_prompt_once:
@@ -371,8 +437,48 @@ def w5(quick: bool = False) -> ChatShape:
     return _chat_shape("W5", load=1.2, join_at_s=10.0)
 
 
-def w6(quick: bool = False) -> ChatShape:
+def w7(quick: bool = False) -> ChatShape:
     """Data-parallel: the chat workload (85% of decode capacity, KV at the 73% ratio) on 3 pods, the
     third a data-parallel engine of 2 ranks behind one pod name: 4 engines. Routing to the pod
     alone leaves the rank to the engine's least-loaded balancer, which knows nothing of caches."""
-    return _chat_shape("W6", dp_size=2)
+    return _chat_shape("W7", dp_size=2)
+
+
+def _log_uniform(rng: random.Random, lo: int, hi: int) -> int:
+    return int(round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))
+
+
+def _build_slo(shape: SLOShape, seed: int) -> Workload:
+    rng = random.Random(f"{shape.name}:{seed}")
+    systems = [_rand_tokens(rng, rng.randint(*shape.system_tokens)) for _ in range(shape.tenants)]
+    weights = [1.0 / (k + 1) ** shape.zipf_s for k in range(shape.tenants)]
+    rate = shape.request_rps
+    requests = []
+    t = 0.0
+    while True:
+        t += rng.expovariate(rate)
+        if t >= shape.duration_s:
+            break
+        if rng.random() < shape.chat_share:
+            system = systems[rng.choices(range(shape.tenants), weights)[0]]
+            prompt = system + _rand_tokens(rng, rng.randint(*shape.user_tokens))
+            out, (ttft, tpot) = _log_uniform(rng, *shape.chat_output), shape.chat_slo
+        else:
+            prompt = _rand_tokens(rng, rng.randint(*shape.doc_tokens))
+            out, (ttft, tpot) = _log_uniform(rng, *shape.doc_output), shape.doc_slo
+        requests.append(Request(f"r{len(requests)}", t, prompt, out, ttft, tpot))
+    reqs = tuple(requests)
+    ws = _distinct_blocks([r.token_ids for r in reqs])
+    prompt_tokens = sum(len(r.token_ids) for r in reqs)
+    return Workload(shape=shape, seed=seed, requests=reqs, working_set_blocks=ws,
+                    blocks_per_pod=math.ceil(ws / shape.capacity_ratio / shape.pods),
+                    compulsory_hit_rate=1.0 - _compulsory_misses(reqs) / prompt_tokens if prompt_tokens else 0.0)
+
+
+def w6(quick: bool = False) -> SLOShape:
+    """SLO mix: 80% short chats (cacheable tenant system prompts, short outputs, tight targets) and 20%
+    long new documents (long prefills, longer outputs, looser targets), Poisson arrivals at 80% of the
+    fleet's capacity (the lower of its prefill and decode capacity with kvgate sim timing: here prefill,
+    each engine prefilling one prompt at a time). A chat queued behind a document's prefill misses its
+    TTFT target; a crowded decode batch misses TPOT."""
+    return SLOShape("W6", duration_s=30.0 if quick else 60.0)

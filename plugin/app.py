@@ -21,6 +21,8 @@ from plugin.config import Settings
 from plugin.extproc import ExternalProcessor, Gateway
 from plugin.http import build_http_app
 from plugin.metrics import GatewayMetrics
+from plugin.observe import Observer
+from routing.admission import Admission, LocalLimiter, RedisLimiter
 from routing.counts import LocalCounts, RedisCounts, RunningCounts
 from routing.discovery import StaticSource
 from routing.engine_metrics import EngineMetrics, Saturation
@@ -32,6 +34,10 @@ from routing.pods import Pod
 from routing.registry import PodRegistry
 from routing.router import Router
 from routing.strategies import StrategyConfig, parse_weights
+from routing.profiles import EngineProfiles
+from routing.slo import Capacity, parse_targets
+from routing.predictor import OutputPredictor, PredictorSync
+from routing.tracking import TraceWindows, TraceWriter, TrackerRegistry
 from tokenizer.cache import CachedTokenizer, CacheOptions
 from tokenizer.hub import HubOptions
 from tokenizer.hub import fetch as hub_fetch
@@ -166,31 +172,81 @@ class App:
                                          approx_capacity=s.prefix_cache_blocks,
                                          prefill_tokens_per_s=s.routing_prefill_tokens_per_s,
                                          weights=parse_weights(s.routing_weights))
+        self.predictor = OutputPredictor(window_s=s.predict_window_s, step_s=s.predict_step_s,
+                                         cold=s.predict_cold_start, max_output=s.predict_max_output)
+        self.profiles = EngineProfiles(prefill_tokens_per_s=s.routing_prefill_tokens_per_s)
+        self.engines.on_load = self.profiles.observe_engine
+        # The prefill queue the slo strategy reads: exact and shared between replicas when responses are
+        # observed (a request's tokens leave at its first token), else each replica's own estimate.
+        self.prefill_counts: RunningCounts | None = None
+        if s.observe_responses:
+            self.prefill_counts = (RedisCounts(s.redis_url, s.gateway_id, key_prefix="kvgate:{prefill}:",
+                                               ttl_s=s.redis_key_ttl_s, heartbeat_s=s.redis_key_ttl_s / 5)
+                                   if s.redis_url else LocalCounts())
+        self.capacity = Capacity(self.profiles, self.predictor, targets=parse_targets(s.slo_targets),
+                                 prefill=self.prefill_counts)
         self.router = Router(self.pods, default_strategy=s.routing_strategy, counts=counts, index=self.shared_index,
                              engines=self.engines, config=strategy_config, metrics=self.routing_metrics,
                              saturation=Saturation(s.saturation_queue, s.saturation_kv_usage),
-                             max_fallbacks=s.fallback_endpoints)
+                             max_fallbacks=s.fallback_endpoints, capacity=self.capacity)
         self.tokenizer, self.verified_tokenizer = _tokenizer(s, self.registry,
                                                              known=lambda m: bool(self.pods.serving(m)))
         self.gateway_metrics = GatewayMetrics(self.registry)
+        self.admission: Admission | None = None
+        self._admission_redis = None
+        if s.admission_max_running > 0:
+            if s.redis_url:
+                from redis.asyncio import Redis
+                self._admission_redis = Redis.from_url(s.redis_url)
+                limiter = RedisLimiter(self._admission_redis, s.gateway_id, ttl_s=s.redis_key_ttl_s)
+            else:
+                limiter = LocalLimiter()
+            self.admission = Admission(limiter, max_running=s.admission_max_running,
+                                       max_wait_s=s.admission_max_wait_s, retry_after_s=s.admission_retry_after_s,
+                                       deleted_keep_s=s.admission_deleted_keep_s)
+        self.trace_windows = TraceWindows(s.trace_write_interval_s)
+        self.trackers = TrackerRegistry((self.trace_windows, self.predictor, self.profiles))
+        self.predictor_sync: PredictorSync | None = None
+        self.profile_loader: asyncio.Task | None = None
+        self.observer = (Observer(self.registry, self.trackers, slo_targets=self.capacity.targets_for,
+                                  on_first_token=self.capacity.first_token)
+                         if s.observe_responses else None)
+        self.trace_writer: TraceWriter | None = None
         self.processor = ExternalProcessor(Gateway(
             router=self.router, registry=self.pods, tokenizer=self.tokenizer, metrics=self.gateway_metrics,
             default_strategy=s.routing_strategy, max_body_bytes=s.max_body_bytes,
             tokenizer_timeout_s=s.tokenizer_timeout_s, tokenizer_url=s.tokenizer_url or None,
             target_pod_header=s.target_pod_header, reachable=lambda name: not self.engines.unreachable(name),
             cached_tokens=self.tokenizer.cached if isinstance(self.tokenizer, CachedTokenizer) else None,
-            sheddable_objectives=frozenset(o.strip() for o in s.sheddable_objectives.split(",") if o.strip())))
+            sheddable_objectives=frozenset(o.strip() for o in s.sheddable_objectives.split(",") if o.strip()),
+            observer=self.observer, admission=self.admission))
         self.pods.add_listener(self._on_pods)
         self._grpc: grpc.aio.Server | None = None
         self.grpc_port: int | None = None  # once serving
         self._http: web.AppRunner | None = None
         self.health = health.aio.HealthServicer()
 
+    async def _load_profiles(self, client, interval_s: float = 10.0) -> None:
+        """AIBrix's deployment profiles (`aibrix:profile_<model>_<deployment>`), re-read every 10 s."""
+        while True:
+            try:
+                await self.profiles.load_gpu_profiles(client)
+            except Exception as e:
+                log.warning("reading GPU profiles from Redis failed: %s", e)
+            await asyncio.sleep(interval_s)
+
     def _on_pods(self, added: list[Pod], removed: list[Pod]) -> None:
         # Subscriptions and index entries follow pods in and out of discovery.
         for pod in removed:
             if self.pods.get(pod.name) is None:
                 self.shared_index.remove_pod(pod.name)
+        if self.admission is not None:
+            self.admission.pods_removed([p.name for p in removed if self.pods.get(p.name) is None])
+            self.admission.pods_added([p.name for p in added])
+            try:
+                asyncio.get_running_loop().create_task(self.admission.expire_deleted())
+            except RuntimeError:  # no loop yet (discovery's first listing): nothing deleted to expire
+                pass
         self.subscriptions.sync(endpoint_specs(self.pods.pods()))
         log.info("pods: %d known (%s added, %s removed)", len(self.pods.pods()),
                  ", ".join(p.name for p in added) or "none", ", ".join(p.name for p in removed) or "none")
@@ -242,6 +298,18 @@ class App:
         await self.source.start(self.pods)
         self.subscriptions.sync(endpoint_specs(self.pods.pods()))
         await self.router.start()
+        if self.prefill_counts is not None:
+            await self.prefill_counts.start()
+        if self.admission is not None and isinstance(self.admission.limiter, RedisLimiter):
+            self.admission.limiter.start()
+        if s.redis_url and self.observer is not None:
+            from redis.asyncio import Redis
+            self.trace_writer = TraceWriter(self.trace_windows, Redis.from_url(s.redis_url))
+            self.trace_writer.start()
+            self.predictor_sync = PredictorSync(self.predictor, Redis.from_url(s.redis_url))
+            self.predictor_sync.start()
+            self.profile_loader = asyncio.get_running_loop().create_task(
+                self._load_profiles(Redis.from_url(s.redis_url)))
         await self.set_ready(True)
         log.info("kvgate serving: ext_proc on %s, HTTP on %s:%d, strategy %s, %d pods",
                  _join(s.listen_host, grpc_port), s.listen_host, http_port, s.routing_strategy, len(self.pods.pods()))
@@ -270,6 +338,16 @@ class App:
         await self.subscriptions.aclose()
         await self.source.stop()
         await self.router.close()
+        if self.prefill_counts is not None:
+            await self.prefill_counts.close()
+        if self.admission is not None and isinstance(self.admission.limiter, RedisLimiter):
+            await self.admission.limiter.aclose()
+        if self.trace_writer is not None:
+            await self.trace_writer.aclose()
+        if self.predictor_sync is not None:
+            await self.predictor_sync.aclose()
+        if self.profile_loader is not None:
+            self.profile_loader.cancel()
         await self.tokenizer.aclose()
 
 

@@ -82,6 +82,12 @@ def _redis_url(raw: str) -> str:
     return value
 
 
+def _slo_targets(raw: str) -> str:
+    from routing.slo import parse_targets
+    parse_targets(raw, "value")
+    return raw.strip()
+
+
 @dataclass(frozen=True)
 class Variable:
     env: str
@@ -202,6 +208,35 @@ VARIABLES: tuple[Variable, ...] = (
              "(while the data plane's health checks notice)..."),
     Variable("KVGATE_DRAIN_TIMEOUT_S", "drain_timeout_s", _float_min(0.0), 25.0,
              "...then new streams are refused and in-flight ones get this long to finish."),
+    Variable("KVGATE_OBSERVE_RESPONSES", "observe_responses", _bool, True,
+             "Watch routed responses (Envoy streams their bodies through kvgate once the response headers "
+             "are seen): TTFT, TPOT and tokens per model and pod, request traces, output-length history."),
+    Variable("KVGATE_TRACE_WRITE_INTERVAL_S", "trace_write_interval_s", _positive_float, 10.0,
+             "With KVGATE_REDIS_URL: each model's request trace window (AIBrix's format, "
+             "`aibrix:<model>_request_trace_<t>`) is written to Redis this often."),
+    Variable("KVGATE_PREDICT_WINDOW_S", "predict_window_s", _positive_float, 240.0,
+             "Output-length prediction: completed requests of the last this many seconds count (shared "
+             "between replicas through KVGATE_REDIS_URL)..."),
+    Variable("KVGATE_PREDICT_STEP_S", "predict_step_s", _positive_float, 10.0,
+             "...the window advancing in steps of this long."),
+    Variable("KVGATE_PREDICT_COLD_START", "predict_cold_start",
+             _choice("optimistic", "random", "input", "pessimistic"), "optimistic",
+             "Predicted output length with no history for the input's length: `optimistic` 1, `random` "
+             "1..KVGATE_PREDICT_MAX_OUTPUT, `input` the input length, `pessimistic` KVGATE_PREDICT_MAX_OUTPUT."),
+    Variable("KVGATE_PREDICT_MAX_OUTPUT", "predict_max_output", _int_range(1, 1 << 20), 4096,
+             "Longest output the cold-start rules assume (tokens)."),
+    Variable("KVGATE_SLO_TARGETS", "slo_targets", _slo_targets, "*=1000/100",
+             "Default latency targets of the `slo` strategy, per model: `model=ttft_ms/tpot_ms,...` (`*`: any "
+             "other model); a request's `x-slo-ttft-ms` / `x-slo-tpot-ms` headers take precedence."),
+    Variable("KVGATE_ADMISSION_MAX_RUNNING", "admission_max_running", _int_range(0, 1_000_000), 0,
+             "Most requests running on one pod over every replica, checked and counted atomically (Redis with "
+             "KVGATE_REDIS_URL); a request finding every eligible pod full waits (0: no limit)..."),
+    Variable("KVGATE_ADMISSION_MAX_WAIT_S", "admission_max_wait_s", _float_min(0.0), 5.0,
+             "...in its model's queue (models take turns) for up to this long, then gets 429..."),
+    Variable("KVGATE_ADMISSION_RETRY_AFTER_S", "admission_retry_after_s", _int_range(0, 3600), 1,
+             "...with this `Retry-After`."),
+    Variable("KVGATE_ADMISSION_DELETED_KEEP_S", "admission_deleted_keep_s", _float_min(0.0), 30.0,
+             "A pod that leaves discovery keeps its admitted count this long (re-created within it, the count stands)."),
     Variable("KVGATE_LOG_LEVEL", "log_level", _choice("debug", "info", "warning", "error"), "info", "Log level."),
 )
 
@@ -256,6 +291,17 @@ class Settings:
     kv_events_tick_budget_s: float = 0.002
     drain_delay_s: float = 3.0
     drain_timeout_s: float = 25.0
+    observe_responses: bool = True
+    trace_write_interval_s: float = 10.0
+    predict_window_s: float = 240.0
+    predict_step_s: float = 10.0
+    predict_cold_start: str = "optimistic"
+    predict_max_output: int = 4096
+    slo_targets: str = "*=1000/100"
+    admission_max_running: int = 0
+    admission_max_wait_s: float = 5.0
+    admission_retry_after_s: int = 1
+    admission_deleted_keep_s: float = 30.0
     log_level: str = "info"
 
     @classmethod

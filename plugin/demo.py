@@ -151,6 +151,7 @@ async def _compare(envoy_url: str, engine_urls: list[str], strategies: list[str]
             "hit_rate": None if hit_rate is None else round(hit_rate, 4),
             "ttft_p50_ms": None if p50 is None else round(p50 * 1000, 2),
             "ttft_p90_ms": None if p90 is None else round(p90 * 1000, 2),
+            "slo_attainment": None if res.slo_attainment is None else round(res.slo_attainment, 4),
             "requests": res.requests,
             "requests_per_s": round(res.requests / res.elapsed_s, 2) if res.elapsed_s else 0.0,
             "errors": res.errors,
@@ -165,12 +166,13 @@ def _table(results: dict[str, dict]) -> str:
     def f(v, fmt):
         return "-" if v is None else format(v, fmt)
 
-    lines = [f"{'strategy':<14} {'hit rate':>9} {'TTFT p50 ms':>12} {'TTFT p90 ms':>12} {'req/s':>7} "
+    lines = [f"{'strategy':<14} {'hit rate':>9} {'SLO met':>8} {'TTFT p50 ms':>12} {'TTFT p90 ms':>12} {'req/s':>7} "
              f"{'requests':>9} {'errors':>7}"]
     for name, r in results.items():
         hit = None if r["hit_rate"] is None else r["hit_rate"] * 100
-        lines.append(f"{name:<14} {f(hit, '8.1f')}% {f(r['ttft_p50_ms'], '12.1f')} {f(r['ttft_p90_ms'], '12.1f')} "
-                     f"{r['requests_per_s']:7.1f} {r['requests']:9d} {r['errors']:7d}")
+        slo = None if r.get("slo_attainment") is None else r["slo_attainment"] * 100
+        lines.append(f"{name:<14} {f(hit, '8.1f')}% {f(slo, '7.1f')}% {f(r['ttft_p50_ms'], '12.1f')} "
+                     f"{f(r['ttft_p90_ms'], '12.1f')} {r['requests_per_s']:7.1f} {r['requests']:9d} {r['errors']:7d}")
     return "\n".join(lines)
 
 

@@ -34,11 +34,14 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
+from plugin import observe
+from plugin.admit import admit
 from plugin.metrics import GatewayMetrics
 from plugin.request import (CHAT, MODELS, ROUTED_POST_PATHS, ClientError, InferenceRequest,
                             bad_request, parse_body)
 from routing.errors import (NoEligibleEndpointError, NoReadyPodError, RoutingError, SaturatedError,
                             UnknownModelError, UnknownStrategyError)
+from routing.admission import Admission
 from routing.pods import Pod
 from routing.registry import PodRegistry
 from routing.router import Decision, RouteRequest, Router
@@ -59,6 +62,7 @@ SUBSET_NAMESPACE = "envoy.lb.subset_hint"  # the data plane's subset hint (reque
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 SERVED_KEY = "x-gateway-destination-endpoint-served"  # in LB_NAMESPACE on the response path
 OBJECTIVE_HEADER = "x-gateway-inference-objective"
+SLO_TTFT_HEADER, SLO_TPOT_HEADER = "x-slo-ttft-ms", "x-slo-tpot-ms"  # the request's latency targets
 POD_RESPONSE_HEADER = "x-kvgate-pod"
 KVGATE_NAMESPACE = "kvgate"  # Envoy copies these into the client's x-kvgate-pod / -strategy / -rank
 # Headers only kvgate may set: whatever a client sends under these names is dropped (a client
@@ -94,6 +98,10 @@ class Gateway:
     cached_tokens: Callable[[str, TokenizeInput], Sequence[int] | None] | None = None
     # Objectives (the x-gateway-inference-objective header) whose requests may be shed (429) under saturation.
     sheddable_objectives: frozenset[str] = frozenset()
+    # Watches routed responses (TTFT, TPOT, tokens; the request trackers); None: responses not read.
+    observer: observe.Observer | None = None
+    # A per-pod running limit, checked and counted atomically after the pick; None: no limit.
+    admission: Admission | None = None
 
 
 def _header_value(h: base_pb2.HeaderValue) -> str:
@@ -110,6 +118,9 @@ def _immediate(err: ClientError, request_id: str) -> pb.ProcessingResponse:
         _set_header("content-type", "application/json"),
         _set_header("x-request-id", request_id),
     ])
+    retry_after = getattr(err, "retry_after", None)
+    if retry_after is not None:
+        headers.set_headers.append(_set_header("retry-after", str(retry_after)))
     return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
         status=http_status_pb2.HttpStatus(code=err.status), headers=headers, body=err.to_json(),
         details=f"kvgate_{err.code or err.type}"))
@@ -179,6 +190,9 @@ class _Stream:
         self.streamed_response = False
         self.chunks: list[bytes] | None = None
         self.held_remove: list[str] | None = None
+        self.watch: observe.Watch | None = None
+        self.slo: dict[str, float] | None = None  # header -> seconds
+        self.admitted: str | None = None  # the pod admission counted this request on
 
     # --- EPP protocol clauses ------------------------------------------------------------
     def read_context(self, msg: pb.ProcessingRequest) -> None:
@@ -194,6 +208,12 @@ class _Stream:
         return bool(self.objective) and self.objective in self.gw.sheddable_objectives
 
     def on_response_headers(self, msg: pb.ProcessingRequest) -> pb.ProcessingResponse:
+        answer = self._served(msg)
+        if self.watch is None:
+            return answer
+        return observe.response_headers(self.watch, msg, answer, self.streamed_response)
+
+    def _served(self, msg: pb.ProcessingRequest) -> pb.ProcessingResponse:
         """Account the request to the endpoint that served it (a fallback, after a retry) and name
         that pod in x-kvgate-pod."""
         served = served_endpoint(msg)
@@ -209,10 +229,14 @@ class _Stream:
             m.served.labels("unknown").inc()
             return _RESPONSE_HEADERS_CONTINUE
         m.served.labels("fallback").inc()
+        if self.watch is not None:
+            self.watch.served_by(pod.name)
         return pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=pb.CommonResponse(
             header_mutation=pb.HeaderMutation(set_headers=[_set_header(POD_RESPONSE_HEADER, pod.name)]))))
 
     def on_response_body(self, msg: pb.HttpBody) -> pb.ProcessingResponse:
+        if self.watch is not None:
+            self.watch.on_chunk(msg.body)
         if not self.streamed_response:
             return _RESPONSE_BODY_CONTINUE
         return pb.ProcessingResponse(response_body=_echo(msg))
@@ -265,6 +289,14 @@ class _Stream:
                 self.request_id = _header_value(h)
             elif key == OBJECTIVE_HEADER:
                 self.objective = _header_value(h).strip()
+            elif key == SLO_TTFT_HEADER or key == SLO_TPOT_HEADER:
+                ms = observe.milliseconds(_header_value(h))
+                if ms is None:
+                    return self._error(bad_request(f"{key}: expected a positive number of milliseconds",
+                                                   code="invalid_slo", param=key))
+                if self.slo is None:
+                    self.slo = {}
+                self.slo[key] = ms / 1000.0
             elif key in RESERVED_HEADERS or key.startswith(RESERVED_PREFIX):
                 if remove is None:
                     remove = []
@@ -306,9 +338,14 @@ class _Stream:
         request = parse_body(self.path, raw, self.gw.max_body_bytes)
         strategy = self.strategy or self.gw.default_strategy
         token_ids = await self._tokens(request, strategy)
+        slo = self.slo or {}
         self.decision = d = await self.gw.router.pick(RouteRequest(
-            model=request.model, token_ids=token_ids, strategy=strategy, request_id=self.request_id),
+            model=request.model, token_ids=token_ids, strategy=strategy, request_id=self.request_id,
+            slo_ttft_s=slo.get(SLO_TTFT_HEADER), slo_tpot_s=slo.get(SLO_TPOT_HEADER)),
             subset=self.subset, sheddable=self.sheddable())
+        if self.gw.admission is not None:
+            d, self.admitted = await admit(self.gw.admission, self.gw.router, self.gw.registry, d, request.model)
+            self.decision = d
         m = self.gw.metrics
         children = self.metric_children.get((d.strategy, d.pod.name))
         if children is None:
@@ -323,6 +360,10 @@ class _Stream:
         if d.total_blocks:
             m.prefix_blocks.labels("total").inc(d.total_blocks)
             m.prefix_blocks.labels("cached").inc(d.matched_blocks)
+        if self.gw.observer is not None:
+            self.watch = self.gw.observer.start(self.request_id, request.model, d.pod.name, tokens=token_ids,
+                                                decision=d, slo_ttft_s=slo.get(SLO_TTFT_HEADER),
+                                                slo_tpot_s=slo.get(SLO_TPOT_HEADER))
         return d
 
     # --- helpers ----------------------------------------------------------------------
@@ -476,10 +517,12 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             raise
         finally:
             self.gw.metrics.active_streams.dec()
+            if stream.watch is not None:
+                stream.watch.close()
             if stream.decision is not None:
                 # No await here (a cancelled stream must not wait): the release runs now if it needs no wait
                 # (the router's own counts), else it finishes in a task of its own.
-                release = self._release(stream.decision, how)
+                release = self._release(stream.decision, how, stream.admitted)
                 try:
                     pending = release.send(None)
                 except StopIteration:
@@ -489,9 +532,11 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                     self._releases.add(task)
                     task.add_done_callback(self._releases.discard)
 
-    async def _release(self, decision: Decision, how: str) -> None:
+    async def _release(self, decision: Decision, how: str, admitted: str | None = None) -> None:
         try:
             await self.gw.router.release(decision)
+            if admitted is not None and self.gw.admission is not None:
+                await self.gw.admission.release(admitted)
             self.gw.metrics.released.labels(how).inc()
         except Exception:
             log.exception("releasing the count of a request on %s failed", decision.pod.name)

@@ -32,6 +32,9 @@ class WorkloadShape:
     max_tokens: int = 24
     turns: int = 6  # a conversation restarts after this many turns
     concurrency: int = 8
+    # every request's latency targets (sent as x-slo-ttft-ms / x-slo-tpot-ms; the slo strategy reads them)
+    slo_ttft_ms: float = 150.0
+    slo_tpot_ms: float = 30.0
 
 
 @dataclass
@@ -42,6 +45,11 @@ class Results:
     error_samples: list[str] = field(default_factory=list)
     elapsed_s: float = 0.0
     pods: dict[str, int] = field(default_factory=dict)
+    slo_met: int = 0  # requests that met both their TTFT and TPOT targets
+
+    @property
+    def slo_attainment(self) -> float | None:
+        return self.slo_met / self.requests if self.requests else None
 
     def percentile(self, q: float) -> float | None:
         if not self.ttft_s:
@@ -80,6 +88,7 @@ class ChatWorkload:
         for user in users:
             queue.put_nowait(user)
         headers = {"routing-strategy": strategy} if strategy else {}
+        headers.update({"x-slo-ttft-ms": f"{self.shape.slo_ttft_ms:g}", "x-slo-tpot-ms": f"{self.shape.slo_tpot_ms:g}"})
         started = time.monotonic()
         deadline = started + duration_s
         sent = 0
@@ -107,6 +116,7 @@ class ChatWorkload:
         body = {"model": self.model, "messages": messages, "stream": True, "max_tokens": self.shape.max_tokens}
         t0 = time.monotonic()
         first: float | None = None
+        last, events = 0.0, 0
         pieces: list[str] = []
         try:
             async with client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
@@ -119,6 +129,8 @@ class ChatWorkload:
                         continue
                     if first is None:
                         first = time.monotonic() - t0
+                    last = time.monotonic() - t0
+                    events += 1
                     chunk = json.loads(line[6:])
                     for choice in chunk.get("choices", []):
                         pieces.append(choice.get("delta", {}).get("content") or "")
@@ -133,5 +145,7 @@ class ChatWorkload:
             return
         results.requests += 1
         results.ttft_s.append(first)
+        tpot = (last - first) / (events - 1) if events > 1 else 0.0
+        results.slo_met += first <= self.shape.slo_ttft_ms / 1000 and tpot <= self.shape.slo_tpot_ms / 1000
         results.pods[pod] = results.pods.get(pod, 0) + 1
         self.record_answer(user, "".join(pieces))

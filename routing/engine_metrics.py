@@ -5,7 +5,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -19,6 +19,9 @@ log = logging.getLogger(__name__)
 WAITING = "vllm:num_requests_waiting"
 RUNNING = "vllm:num_requests_running"
 KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # new name, pre-0.10 name
+# vLLM's own latency histograms (cumulative _sum and _count): inter-token time (older name first), TTFT
+TPOT = ("vllm:time_per_output_token_seconds", "vllm:inter_token_latency_seconds")
+TTFT = "vllm:time_to_first_token_seconds"
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +32,9 @@ class EngineLoad:
     at: float  # time.monotonic() of the scrape
     # per value of the `engine` label when there are several (vLLM: one per data-parallel rank)
     ranks: Mapping[str, EngineLoad] | None = None
+    # vLLM's histograms, summed over the engine's series: (sum of seconds, count), None if not exported
+    tpot: tuple[float, float] | None = None
+    ttft: tuple[float, float] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,8 +62,16 @@ def parse_engine_metrics(text: str, at: float = 0.0) -> EngineLoad:
     """Queue lengths summed over an engine's series, KV usage averaged (DP ranks report one each,
     labelled `engine`); with several ranks, each one's own numbers in `ranks`."""
     per: dict[str, list] = {}  # engine label -> [waiting, running, usage samples]
+    hist: dict[str, list[float]] = {}  # TPOT / TTFT -> [sum, count]
     for family in text_string_to_metric_families(text):
         for s in family.samples:
+            if s.name.endswith(("_sum", "_count")):
+                base, _, part = s.name.rpartition("_")
+                which = "tpot" if base in TPOT else "ttft" if base == TTFT else None
+                if which is not None:
+                    acc = hist.setdefault(which, [0.0, 0.0])
+                    acc[0 if part == "sum" else 1] += s.value
+                continue
             if s.name == WAITING:
                 i = 0
             elif s.name == RUNNING:
@@ -75,10 +89,12 @@ def parse_engine_metrics(text: str, at: float = 0.0) -> EngineLoad:
                 acc[i] += s.value
     whole = _load(sum(a[0] for a in per.values()), sum(a[1] for a in per.values()),
                   [u for a in per.values() for u in a[2]], at)
+    tpot = tuple(hist["tpot"]) if "tpot" in hist else None
+    ttft = tuple(hist["ttft"]) if "ttft" in hist else None
     if len(per) < 2:
-        return whole
+        return EngineLoad(whole.waiting, whole.running, whole.kv_usage, at, None, tpot, ttft)
     ranks = {engine: _load(w, r, u, at) for engine, (w, r, u) in per.items()}
-    return EngineLoad(whole.waiting, whole.running, whole.kv_usage, at, ranks)
+    return EngineLoad(whole.waiting, whole.running, whole.kv_usage, at, ranks, tpot, ttft)
 
 
 class EngineMetrics:
@@ -93,6 +109,7 @@ class EngineMetrics:
         self._client = client
         self._own_client = client is None
         self._loads: dict[str, EngineLoad] = {}
+        self.on_load: Callable[[str, EngineLoad], None] | None = None  # each fresh scrape (engine profiles)
         self._down: set[str] = set()  # pods whose engine refused the last scrape's connection
         self._task: asyncio.Task | None = None
         registry.add_listener(self._on_pods)
@@ -141,7 +158,9 @@ class EngineMetrics:
         self._down.discard(pod.name)
         try:
             resp.raise_for_status()
-            self._loads[pod.name] = parse_engine_metrics(resp.text, time.monotonic())
+            load = self._loads[pod.name] = parse_engine_metrics(resp.text, time.monotonic())
+            if self.on_load is not None:
+                self.on_load(pod.name, load)
         except Exception as e:
             self._metrics.scrape_errors.inc()
             log.debug("scrape of %s failed: %s", pod.name, e)

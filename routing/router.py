@@ -17,6 +17,7 @@ from routing.pods import Pod
 from routing.registry import PodRegistry
 from routing.scorers import PrefixSource
 from routing.scoring import Decision, PickContext, RouteRequest, Scorer, Strategy
+from routing.slo import default_capacity
 from routing.strategies import StrategyConfig, build_strategies
 
 log = logging.getLogger(__name__)
@@ -27,7 +28,7 @@ class Router:
                  counts: RunningCounts | None = None, index: PrefixSource | None = None,
                  engines: EngineMetrics | None = None, config: StrategyConfig | None = None,
                  metrics: RoutingMetrics | None = None, seed: int | None = None,
-                 saturation: Saturation | None = None, max_fallbacks: int = 3) -> None:
+                 saturation: Saturation | None = None, max_fallbacks: int = 3, capacity=None) -> None:
         self._registry = registry
         self._saturation = saturation or Saturation()
         self._max_fallbacks = max_fallbacks
@@ -36,7 +37,8 @@ class Router:
         self._engines = engines
         self._metrics = metrics or RoutingMetrics()
         self._strategies: dict[str, Strategy] = build_strategies(config or StrategyConfig(), random.Random(seed),
-                                                                 index=index, engines=engines)
+                                                                 index=index, engines=engines,
+                                                                 capacity=capacity or default_capacity())
         if default_strategy not in self._strategies:
             raise UnknownStrategyError(default_strategy, self.strategy_names())
         # each scorer once, though several strategies may weigh it

@@ -20,6 +20,9 @@ class RouteRequest:
     token_ids: Sequence[int] | None = None  # None: not tokenized (tokenizer down or not needed)
     strategy: str | None = None  # None: the configured default
     request_id: str = ""
+    # Latency targets (x-slo-ttft-ms / x-slo-tpot-ms), seconds; None: the model's defaults (slo strategy)
+    slo_ttft_s: float | None = None
+    slo_tpot_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,6 +17,7 @@ from routing.approx import ApproxPrefixTable
 from routing.engine_metrics import EngineMetrics
 from routing.scorers import (ApproxPrefixScorer, KVUtilizationScorer, LoadScorer, PrecisePrefixScorer,
                              PrefillBacklog, PrefixSource, QueueScorer)
+from routing.slo import Capacity, SLOScorer
 from routing.scoring import (Filter, LoadGuard, MaxScorePicker, Picker, RandomPicker, RoundRobinPicker, Scorer,
                              Strategy)
 
@@ -43,12 +44,14 @@ class Resources:
     config: StrategyConfig
     index: PrefixSource | None = None
     engines: EngineMetrics | None = None
+    capacity: Capacity | None = None  # engine profiles, output prediction, SLO targets
 
 
 # What a scorer may need, and how a missing one is explained.
 NEEDS = {
     "index": "the prefix index",
     "engines": "engine metrics scraping (interval > 0)",
+    "capacity": "engine profiles and output prediction (KVGATE_OBSERVE_RESPONSES)",
 }
 
 
@@ -96,6 +99,10 @@ SCORERS: dict[str, ScorerSpec] = {s.name: s for s in (
                "fewer waiting requests (`vllm:num_requests_waiting`, scraped)"),
     ScorerSpec("kv-util", lambda r: KVUtilizationScorer(r.engines), ("engines",),
                "more free KV cache (1 - `vllm:kv_cache_usage_perc` or `gpu_cache_usage_perc`, scraped)"),
+    ScorerSpec("slo", lambda r: SLOScorer(r.capacity, r.index), ("capacity",),
+               "predicted TTFT ((queued prefill + this request's uncached tokens from the index) / the pod's prefill "
+               "rate) and TPOT (decode step at the running batch, weighted by predicted outputs) against the "
+               "request's targets: 0.5..1 with headroom, below 0.5 by violation"),
 )}
 
 STRATEGIES: dict[str, StrategySpec] = {s.name: s for s in (
@@ -109,6 +116,9 @@ STRATEGIES: dict[str, StrategySpec] = {s.name: s for s in (
     StrategySpec("kv-sync", MaxScorePicker, "max score, random tie-break",
                  "the event-fed index's estimated prefill wait, combined with load (the default)",
                  {"prefix": 3.0, "load": 2.0}, guard=True),
+    StrategySpec("slo", MaxScorePicker, "max score, random tie-break",
+                 "meets the request's TTFT and TPOT targets (`x-slo-ttft-ms`, `x-slo-tpot-ms` or the model's "
+                 "defaults) with the most headroom, else the least violation", {"slo": 1.0}),
 )}
 
 NAMES = tuple(STRATEGIES)
@@ -143,11 +153,11 @@ def parse_weights(text: str, source: str = "KVGATE_ROUTING_WEIGHTS") -> dict[str
 
 
 def build_strategies(config: StrategyConfig, rng: random.Random, *, index: PrefixSource | None = None,
-                     engines: EngineMetrics | None = None) -> dict[str, Strategy]:
+                     engines: EngineMetrics | None = None, capacity: Capacity | None = None) -> dict[str, Strategy]:
     """Every strategy that can run with what is given: one whose default scorers need a missing
     resource (`kv-sync` without the index) is left out; a configured scorer that does raises
     ValueError. Each scorer is built once and shared by the strategies weighing it."""
-    res = Resources(config, index, engines)
+    res = Resources(config, index, engines, capacity)
     built: dict[str, Scorer] = {}
 
     def missing(scorer: str) -> str | None:

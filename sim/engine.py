@@ -306,6 +306,11 @@ class EngineModel:
     def is_live(self, req_id: str) -> bool:
         return req_id in self._live
 
+    def first_token_time(self, req_id: str) -> float | None:
+        """When a live request's first token came (None: not yet, or not live)."""
+        req = self._live.get(req_id)
+        return req.first_token_time if req is not None and req.first_token_time > 0 else None
+
     # ---- input checks -----------------------------------------------------------------------
 
     def _validate(self, req_id: str, tokens: tuple[int, ...], max_tokens: int, now: float, lora: str | None) -> None:

@@ -3,6 +3,7 @@ the report's JSON shape, the plot."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -359,13 +360,46 @@ def test_data_parallel_pod_is_one_engine_per_rank_and_kv_sync_routes_to_the_rank
 
 
 def test_data_parallel_workload_compares_kv_sync_with_and_without_the_rank():
-    names = [p.name for p in bench.shape_policies(workloads.w6(), 2)]
+    names = [p.name for p in bench.shape_policies(workloads.w7(), 2)]
     assert "kv-sync@no-rank" in names and names[-1] == ORACLE
     assert "kv-sync@no-rank" not in [p.name for p in bench.shape_policies(workloads.w3(), 2)]
     p = {"kv-sync": {"hit_rate": 0.8, "ttft_p90_s": 0.05}, "kv-sync@no-rank": {"hit_rate": 0.75, "ttft_p90_s": 0.04}}
+    t = bench.targets({"gateways": 2, "workloads": {"W7": {"policies": p}}})
+    assert t["W7: kv-sync routed to the rank: hit rate >= kv-sync@no-rank's"]["met"]
+    assert not t["W7: kv-sync routed to the rank: TTFT p90 <= kv-sync@no-rank's"]["met"]
+
+
+def test_w6_mixes_chats_and_documents_each_with_targets_at_80_percent_of_capacity():
+    shape = workloads.w6()
+    wl = workloads.build(shape, 1)
+    chats = [r for r in wl.requests if r.slo_ttft_s == shape.chat_slo[0]]
+    docs = [r for r in wl.requests if r.slo_ttft_s == shape.doc_slo[0]]
+    assert len(chats) + len(docs) == len(wl.requests)
+    assert 0.75 < len(chats) / len(wl.requests) < 0.85
+    assert all(shape.doc_tokens[0] <= len(r.token_ids) <= shape.doc_tokens[1] for r in docs)
+    assert all(r.slo_tpot_s > 0 for r in wl.requests)
+    rate = len(wl.requests) / shape.duration_s
+    assert rate == pytest.approx(0.8 * shape.capacity_rps(), rel=0.1)
+
+
+def test_w6_runs_slo_against_least_request_and_reports_attainment_and_prediction():
+    shape = dataclasses.replace(workloads.w6(), duration_s=12.0)
+    wl = workloads.build(shape, 1)
+    slo = run(wl, Policy("slo", "slo"), seed=1)
+    lr = run(wl, Policy("least-request", "least-request"), seed=1)
+    assert 0.0 <= lr.slo_attainment < slo.slo_attainment <= 1.0
+    assert slo.predict_samples > 0 and slo.predict_bucket_error_median is not None
+    assert lr.predict_bucket_error_median is None  # only the slo policy predicts
+
+
+def test_w6_targets_compare_slo_with_kv_sync_and_least_request():
+    p = {"slo": {"slo_attainment": 0.86, "predict_bucket_error_median": 1.0},
+         "kv-sync": {"slo_attainment": 0.78}, "least-request": {"slo_attainment": 0.60}}
     t = bench.targets({"gateways": 2, "workloads": {"W6": {"policies": p}}})
-    assert t["W6: kv-sync routed to the rank: hit rate >= kv-sync@no-rank's"]["met"]
-    assert not t["W6: kv-sync routed to the rank: TTFT p90 <= kv-sync@no-rank's"]["met"]
+    assert not t["W6: slo SLO attainment >= kv-sync's + 10 points"]["met"]
+    assert t["W6: slo SLO attainment >= least-request's + 25 points"]["met"]
+    assert t["W6: output prediction median |log2 bucket error| <= 1 once warm"]["met"]
+    assert not any(k.startswith("W6 @") for k in t)  # the kv-sync hit-rate targets are not W6's
 
 
 def test_oracle_rewarms_where_a_flushed_prefix_was_instead_of_anywhere():

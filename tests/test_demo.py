@@ -61,13 +61,14 @@ def test_no_traffic_prints_one_line_and_stops_everything(sig):
 
 def test_short_comparison_prints_the_json_summary():
     proc = subprocess.run([sys.executable, "-m", "plugin.cli", "demo", "--duration", "2", "--json", "--sims", "2",
-                           "--strategies", "round-robin,kv-sync"], capture_output=True, text=True, timeout=240,
+                           "--strategies", "round-robin,kv-sync,slo"], capture_output=True, text=True, timeout=240,
                           cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert set(result["strategies"]) == {"round-robin", "kv-sync"}
+    assert set(result["strategies"]) == {"round-robin", "kv-sync", "slo"}
     for name, r in result["strategies"].items():
-        assert set(r) >= {"hit_rate", "ttft_p50_ms", "ttft_p90_ms", "requests", "errors"}
+        assert set(r) >= {"hit_rate", "slo_attainment", "ttft_p50_ms", "ttft_p90_ms", "requests", "errors"}
+        assert 0.0 <= r["slo_attainment"] <= 1.0
         assert r["requests"] > 0 and r["errors"] == 0, (name, r)
         assert 0.0 <= r["hit_rate"] <= 1.0 and r["ttft_p50_ms"] <= r["ttft_p90_ms"]
     assert "kv-sync" in proc.stderr  # progress was shown

@@ -282,3 +282,74 @@ def test_metrics_and_health(env):
     with grpc.insecure_channel(f"127.0.0.1:{env.grpc_port}") as ch:
         resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
     assert resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _samples(env) -> dict[tuple[str, frozenset], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+    text = httpx.get(f"http://127.0.0.1:{env.http_port}/metrics", timeout=5).text
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def _sample(samples, name, **labels) -> float:
+    return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+@pytest.mark.parametrize("stream, usage", [(True, True), (True, False), (False, True)])
+def test_responses_are_observed_through_envoy(env, stream, usage):
+    """TTFT and TPOT (streamed), prompt and completion tokens (from usage, or counted from the chunks
+    when a stream has none) reach kvgate through Envoy, by model and serving pod, while SSE still
+    streams token by token."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": f"observe {stream} {usage}"}],
+            "max_tokens": 12, "stream": stream}
+    if stream and usage:
+        body["stream_options"] = {"include_usage": True}
+    before = _samples(env)
+    arrivals = []
+    t0 = time.monotonic()
+    with env.client.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        pod = r.headers["x-kvgate-pod"]
+        raw = b""
+        for chunk in r.iter_bytes():
+            arrivals.append(time.monotonic() - t0)
+            raw += chunk
+    if stream:
+        events = [json.loads(line[6:]) for line in raw.decode().splitlines()
+                  if line.startswith("data: {")]
+        # one chunk per token, after the role chunk that opens a chat stream (no token in it, as in vLLM)
+        sent = sum(1 for e in events if e["choices"] and e["choices"][0]["delta"] != {"role": "assistant",
+                                                                                     "content": ""})
+        assert arrivals[-1] - arrivals[0] >= 0.15, "the stream was buffered"
+        prompt = next((e["usage"]["prompt_tokens"] for e in events if e.get("usage")), None)
+    else:
+        u = json.loads(raw)["usage"]
+        sent, prompt = u["completion_tokens"], u["prompt_tokens"]
+    labels = {"model": MODEL, "pod": pod}
+
+    def observed():
+        s = _samples(env)
+        return _sample(s, "kvgate_request_completion_tokens_total", **labels) - _sample(
+            before, "kvgate_request_completion_tokens_total", **labels) >= 12 and s
+
+    after = wait_until(observed, timeout=5)
+    assert _sample(after, "kvgate_request_completion_tokens_total", **labels) - _sample(
+        before, "kvgate_request_completion_tokens_total", **labels) == 12 == sent
+    if prompt is not None:
+        assert _sample(after, "kvgate_request_prompt_tokens_total", **labels) - _sample(
+            before, "kvgate_request_prompt_tokens_total", **labels) == prompt
+    ttft = _sample(after, "kvgate_request_ttft_seconds_count", **labels) - _sample(
+        before, "kvgate_request_ttft_seconds_count", **labels)
+    tpot_sum = _sample(after, "kvgate_request_tpot_seconds_sum", **labels) - _sample(
+        before, "kvgate_request_tpot_seconds_sum", **labels)
+    if stream:
+        assert ttft == 1
+        assert 0.015 <= tpot_sum <= 0.2  # the sim's 20 ms per token, seen through Envoy
+    else:
+        assert ttft == 0 and tpot_sum == 0  # one JSON body: no first token to time
+    source = "usage" if usage else "counted"
+    assert _sample(after, "kvgate_requests_observed_total", source=source) > _sample(
+        before, "kvgate_requests_observed_total", source=source)

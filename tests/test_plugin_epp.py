@@ -297,3 +297,51 @@ async def test_health_services_liveness_readiness_and_ext_proc():
         gate.set()
         await asyncio.gather(starting, return_exceptions=True)
         await app.stop(0)
+
+
+async def test_slo_headers_reach_the_router_and_a_bad_one_is_400():
+    gw, router, _ = setup(strategy="slo")
+    seen = []
+    real = router.pick
+
+    async def spy(request, **kw):
+        seen.append((request.slo_ttft_s, request.slo_tpot_s))
+        return await real(request, **kw)
+
+    router.pick = spy
+    async with Conversation(gw) as c:
+        await c.exchange(headers_msg([("x-slo-ttft-ms", "250"), ("x-slo-tpot-ms", "40")]), body_msg(PROMPT))
+        bad = await c.exchange(headers_msg([("x-slo-ttft-ms", "soon")]), body_msg(PROMPT))
+    assert seen == [(0.25, 0.04)]
+    assert bad[0].immediate_response.status.code == 400
+    assert json.loads(bad[0].immediate_response.body)["error"]["code"] == "invalid_slo"
+
+
+async def test_admission_moves_to_a_fallback_with_room_then_answers_429_with_retry_after():
+    from routing.admission import Admission, LocalLimiter
+    adm = Admission(LocalLimiter(), max_running=1, max_wait_s=0.3, retry_after_s=2)
+    gw, router, _ = setup(pods=PODS[:2], admission=adm)
+    async with Conversation(gw) as c:
+        first, second = c.stream(), c.stream()
+        await first.write(headers_msg())
+        await first.write(body_msg(PROMPT))
+        a = [await first.read(), await first.read()]
+        await second.write(headers_msg())
+        await second.write(body_msg(PROMPT))
+        b = [await second.read(), await second.read()]
+        pods = {destination(a[1])[0].split(",")[0], destination(b[1])[0].split(",")[0]}
+        assert pods == {p.endpoint for p in PODS[:2]}  # the second went to the pod with room
+        assert adm.limiter.running() == {"p0": 1, "p1": 1}
+        third = await c.exchange(headers_msg(), body_msg(PROMPT))  # both full: waits 0.3 s, then 429
+        resp = third[-1].immediate_response
+        assert resp.status.code == 429
+        assert json.loads(resp.body)["error"]["code"] == "admission_timeout"
+        assert ("retry-after", "2") in {(h.header.key, h.header.raw_value.decode()) for h in resp.headers.set_headers}
+        for call in (first, second):  # both streams end: their admitted counts are released
+            await call.done_writing()
+            while await call.read() != grpc.aio.EOF:
+                pass
+        deadline = asyncio.get_running_loop().time() + 5
+        while (adm.limiter.running() or router.running()) and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
+    assert adm.limiter.running() == {} and router.running() == {}

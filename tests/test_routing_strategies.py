@@ -292,7 +292,8 @@ async def test_errors_and_needs_tokens():
     with pytest.raises(UnknownStrategyError):
         r.needs_tokens("fastest")
     assert {s: r.needs_tokens(s) for s in r.strategy_names()} == {
-        "random": False, "round-robin": False, "least-request": False, "prefix-cache": True, "kv-sync": True}
+        "random": False, "round-robin": False, "least-request": False, "prefix-cache": True, "kv-sync": True,
+        "slo": True}
     assert r.needs_tokens(None) is True
     assert r.running() == {}
 

@@ -95,7 +95,7 @@ def test_kvgate_serve_fetches_from_the_hub_verifies_then_tokenizes_locally(hub, 
                           "KVGATE_TOKENIZER_CACHE_DIR": str(tmp_path / "cache"),
                           "KVGATE_TOKENIZER_VERIFY_REQUESTS": "2", "KVGATE_TOKENIZER_SAMPLE_RATE": "0",
                           "HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf")}, grpc_port=grpc_port)
-        stack.envoy(listen_port=listen, extproc_port=grpc_port, default_pool=[("127.0.0.1", pods[0]["port"])])
+        stack.envoy(listen_port=listen, extproc_port=grpc_port, pool=[("127.0.0.1", pods[0]["port"])])
         debug, metrics = f"http://127.0.0.1:{http_port}/debug", f"http://127.0.0.1:{http_port}/metrics"
 
         def chat(i: int) -> None:

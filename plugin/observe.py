@@ -1,0 +1,266 @@
+"""Watching routed responses: time to first token, time per output token, prompt and completion
+tokens, and the pod that served each request; fed to Prometheus and to the request trackers.
+
+The cost is kept to what the ext_proc protocol makes unavoidable. Envoy's filter sends no response
+body by default (`response_body_mode: NONE`); the answer to a routed request's response headers turns
+on STREAMED for that response alone (`mode_override`, allowed by `allow_mode_override`), so SSE chunks
+pass on as they come and pass-through requests pay nothing. Each chunk is answered with one prebuilt
+empty message; the chunk itself is only searched for bytes, never decoded: the first chunk's arrival is
+the first token; a chunk holding `"usage"` has its token counts read by a regular expression; a stream
+without usage has its completion tokens counted as its `data: {` events (one token each, as vLLM
+streams them) less the usage-only ones. A JSON (non-streamed) response keeps only its tail, where
+vLLM puts `usage`; it has no first token to time, so it gives tokens but no TTFT or TPOT.
+
+The request trackers see AIBrix's contract: `add_request_count` once routed, then one `done_*`: with
+the tokens when known, else without (a failed or cut response). Their `ctx` is the `Observation`.
+"""
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from prometheus_client import CollectorRegistry
+
+from plugin.metrics import LoopCounter, LoopHistogram
+from routing.tracking import TrackerRegistry
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0, 60.0)
+TPOT_BUCKETS = (0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
+_PROMPT = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
+_COMPLETION = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+_EVENT = b"data: {"
+_USAGE = b'"usage"'
+_USAGE_ONLY = b'"choices":[]'
+_ROLE_ONLY = b'"delta":{"role":"assistant","content":""}'  # the chunk opening a chat stream: no token
+_TAIL = 512  # bytes of a JSON response kept for its usage
+
+
+class ObserveMetrics:
+    def __init__(self, registry: CollectorRegistry | None) -> None:
+        self.ttft = LoopHistogram("kvgate_request_ttft_seconds",
+                                  "Time from the routing answer to the first streamed response chunk, by model and pod",
+                                  ["model", "pod"], registry, buckets=TTFT_BUCKETS)
+        self.tpot = LoopHistogram("kvgate_request_tpot_seconds",
+                                  "Time per output token after the first (streamed responses), by model and pod",
+                                  ["model", "pod"], registry, buckets=TPOT_BUCKETS)
+        self.prompt_tokens = LoopCounter("kvgate_request_prompt_tokens", "Prompt tokens of served requests, by model and pod",
+                                         ["model", "pod"], registry)
+        self.completion_tokens = LoopCounter("kvgate_request_completion_tokens",
+                                             "Completion tokens of served requests, by model and pod",
+                                             ["model", "pod"], registry)
+        self.observed = LoopCounter("kvgate_requests_observed",
+                                    "Routed requests whose response was watched, by how their tokens were known: "
+                                    "usage, counted (stream without usage), none (failed or cut)", ["source"], registry)
+        self.slo = LoopCounter("kvgate_slo_requests",
+                               "Streamed requests by model and whether they met both their TTFT and TPOT targets "
+                               "(x-slo-ttft-ms / x-slo-tpot-ms, else KVGATE_SLO_TARGETS)", ["model", "met"], registry)
+
+
+@dataclass(slots=True)
+class Observation:
+    """One routed request, as the trackers see it (their `ctx`)."""
+
+    request_id: str
+    model: str
+    pod: str  # the serving pod's name (the picked one until the data plane names another)
+    routed_at: float  # the observer's clock at the routing answer
+    prompt_tokens: int = 0  # usage's, else the tokenized prompt's length (0: unknown)
+    uncached_tokens: int = 0  # prompt tokens the pod did not hold at routing (index), 0 when unknown
+    running_at_start: int = 0  # requests running on the pod when this one was routed (this one included)
+    completion_tokens: int = 0
+    usage: bool = False  # token counts from the engine's usage
+    status: int = 0
+    streamed: bool = False
+    first_at: float = 0.0  # first response chunk (streamed)
+    last_at: float = 0.0
+    events: int = 0  # SSE events carrying choices
+    term: int = 0
+    slo_ttft_s: float | None = None  # the request's own targets (headers), None: the model's defaults
+    slo_tpot_s: float | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return self.first_at - self.routed_at if self.streamed and self.first_at else None
+
+    @property
+    def tpot(self) -> float | None:
+        if not self.streamed or not self.first_at or self.completion_tokens < 2:
+            return None
+        return (self.last_at - self.first_at) / (self.completion_tokens - 1)
+
+
+class Watch:
+    """One routed response being watched (see the module doc)."""
+
+    __slots__ = ("obs", "_observer", "_tail", "_done")
+
+    def __init__(self, observer: "Observer", obs: Observation) -> None:
+        self.obs = obs
+        self._observer = observer
+        self._tail = b""
+        self._done = False
+
+    def served_by(self, pod: str) -> None:
+        """The data plane named another pod (a retry on a fallback)."""
+        self.obs.pod = pod
+
+    def on_headers(self, status: int, content_type: str) -> bool:
+        """The response's status and type; True when its body should be watched."""
+        o = self.obs
+        o.status = status
+        o.streamed = content_type.startswith("text/event-stream")
+        return status == 200
+
+    def on_chunk(self, body: bytes) -> None:
+        o = self.obs
+        now = self._observer.clock()
+        if not body:
+            return
+        if not o.first_at and not o.last_at and self._observer.on_first_token is not None:
+            self._observer.on_first_token(o.request_id)
+        if o.streamed:
+            if not o.first_at:
+                o.first_at = now
+            o.last_at = now
+            events = body.count(_EVENT)
+            if not o.events and _ROLE_ONLY in body:
+                events -= 1
+            if _USAGE in body:
+                usage_only = body.count(_USAGE_ONLY)
+                events -= usage_only
+                self._read_usage(body)
+            o.events += events
+        else:
+            tail = self._tail + body
+            self._tail = tail[-_TAIL:]
+            o.last_at = now
+
+    def _read_usage(self, text: bytes) -> None:
+        prompt = list(_PROMPT.finditer(text))
+        completion = list(_COMPLETION.finditer(text))
+        if prompt and completion:
+            self.obs.prompt_tokens = int(prompt[-1].group(1))
+            self.obs.completion_tokens = int(completion[-1].group(1))
+            self.obs.usage = True
+
+    def close(self) -> None:
+        """The HTTP stream ended: record what was seen and tell the trackers (once)."""
+        if self._done:
+            return
+        self._done = True
+        o = self.obs
+        if self._observer.on_first_token is not None:
+            self._observer.on_first_token(o.request_id)  # idempotent: a request cut before its first token
+        if not o.streamed and self._tail and _USAGE in self._tail:
+            self._read_usage(self._tail)
+        if not o.usage and o.streamed and o.status == 200 and o.events:
+            o.completion_tokens = o.events
+        self._observer.finish(self)
+
+
+class Observer:
+    """Process-wide: metrics and trackers; starts a Watch per routed request."""
+
+    def __init__(self, registry: CollectorRegistry | None, trackers: TrackerRegistry | None = None,
+                 clock: Callable[[], float] = time.perf_counter,
+                 slo_targets: Callable[[str, float | None, float | None], tuple[float, float]] | None = None,
+                 on_first_token: Callable[[str], None] | None = None) -> None:
+        self.metrics = ObserveMetrics(registry)
+        # told a request's id at its first response chunk (or its end): the slo strategy's prefill queue
+        self.on_first_token = on_first_token
+        self.slo_targets = slo_targets
+        self.trackers = trackers if trackers is not None else TrackerRegistry()
+        self.clock = clock
+        self._children: dict = {}
+
+    def start(self, request_id: str, model: str, pod: str, *, tokens=None, decision=None, running: int = 0,
+              slo_ttft_s: float | None = None, slo_tpot_s: float | None = None) -> Watch:
+        """A routed request: `tokens` its prompt's ids if tokenized, `decision` the Router's (how many
+        of the prompt's blocks the pod held)."""
+        prompt = len(tokens) if tokens else 0
+        uncached = prompt
+        if prompt and decision is not None and decision.total_blocks:
+            uncached = prompt - prompt * decision.matched_blocks // decision.total_blocks
+        obs = Observation(request_id, model, pod, self.clock(), prompt_tokens=prompt, uncached_tokens=uncached,
+                          running_at_start=running, slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s)
+        obs.term = self.trackers.add_request_count(obs, request_id, model)
+        return Watch(self, obs)
+
+    def _series(self, model: str, pod: str):
+        key = (model, pod)
+        s = self._children.get(key)
+        if s is None:
+            if len(self._children) > 4096:
+                self._children.clear()
+            m = self.metrics
+            s = self._children[key] = (m.ttft.labels(model, pod), m.tpot.labels(model, pod),
+                                       m.prompt_tokens.labels(model, pod), m.completion_tokens.labels(model, pod))
+        return s
+
+    def finish(self, watch: Watch) -> None:
+        o = watch.obs
+        ok = o.status == 200 and (o.usage or o.completion_tokens > 0)
+        if not ok:
+            self.metrics.observed.labels("none").inc()
+            self.trackers.done_request_count(o, o.request_id, o.model, o.term)
+            return
+        self.metrics.observed.labels("usage" if o.usage else "counted").inc()
+        ttft_h, tpot_h, prompt_c, completion_c = self._series(o.model, o.pod)
+        ttft, tpot = o.ttft, o.tpot
+        if ttft is not None:
+            ttft_h.observe(ttft)
+        if tpot is not None:
+            tpot_h.observe(tpot)
+        prompt_c.inc(o.prompt_tokens)
+        if self.slo_targets is not None and ttft is not None:
+            t_ttft, t_tpot = self.slo_targets(o.model, o.slo_ttft_s, o.slo_tpot_s)
+            met = ttft <= t_ttft and (tpot is None or tpot <= t_tpot)
+            self.metrics.slo.labels(o.model, "true" if met else "false").inc()
+        completion_c.inc(o.completion_tokens)
+        self.trackers.done_request_trace(o, o.request_id, o.model, o.prompt_tokens, o.completion_tokens, o.term)
+
+
+# --- the ext_proc side: response headers read, the body's mode turned on -------------------------
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2  # noqa: E402
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb  # noqa: E402
+
+_STREAMED = processing_mode_pb2.ProcessingMode(
+    request_header_mode=processing_mode_pb2.ProcessingMode.SEND,  # must restate: an override replaces all
+    response_header_mode=processing_mode_pb2.ProcessingMode.SEND,
+    request_body_mode=processing_mode_pb2.ProcessingMode.BUFFERED,
+    response_body_mode=processing_mode_pb2.ProcessingMode.STREAMED,
+    request_trailer_mode=processing_mode_pb2.ProcessingMode.SKIP,
+    response_trailer_mode=processing_mode_pb2.ProcessingMode.SKIP)
+_CONTINUE_STREAMED = pb.ProcessingResponse(response_headers=pb.HeadersResponse(), mode_override=_STREAMED)
+
+
+def response_headers(watch: Watch, msg: pb.ProcessingRequest, answer: pb.ProcessingResponse,
+                     body_sent: bool) -> pb.ProcessingResponse:
+    """Read the response's status and content type into `watch`; when its body is worth watching and
+    Envoy would not send it (`body_sent` False), the answer turns the body's STREAMED mode on."""
+    status, ctype = 0, ""
+    for h in msg.response_headers.headers.headers:
+        key = h.key.lower()
+        if key == ":status":
+            status = int((h.raw_value or h.value.encode()) or 0)
+        elif key == "content-type":
+            ctype = (h.raw_value.decode("latin-1") if h.raw_value else h.value).lower()
+    if not watch.on_headers(status, ctype) or body_sent:
+        return answer
+    if not answer.response_headers.HasField("response"):
+        return _CONTINUE_STREAMED
+    out = pb.ProcessingResponse()
+    out.CopyFrom(answer)
+    out.mode_override.CopyFrom(_STREAMED)
+    return out
+
+
+def milliseconds(text: str) -> float | None:
+    """A latency target header's value: a positive, finite number of milliseconds, else None."""
+    try:
+        v = float(text.strip())
+    except ValueError:
+        return None
+    return v if 0 < v < float("inf") else None

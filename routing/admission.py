@@ -1,0 +1,260 @@
+"""Admission: an atomic check-and-count of running requests against a per-pod limit, so that
+gateways admitting at the same time never put a pod past it, and a fair per-model wait when every
+eligible pod is full.
+
+- `LocalLimiter` (one process) and `RedisLimiter` (replicas sharing Redis) implement
+  `try_acquire(pod, limit)` / `release(pod)`. In Redis one Lua script sums the pod's count over every
+  live gateway's hash (`<prefix>gw:<id>`, listed in `<prefix>gateways`; a gateway's hash expires when
+  it stops heartbeating) and increments this gateway's only when the sum is below the limit: the
+  check and the count are one atomic step.
+- `Admission.admit(model, candidates)` takes the first candidate with room; when none has room the
+  request waits, in its model's FIFO queue, for up to `max_wait_s`. Every release wakes one waiter,
+  the models taking turns (round robin), so a model with a long queue cannot starve another. A
+  request that waited out its time gets None: the caller answers 429 with `Retry-After`.
+- A pod that leaves discovery keeps its count for `deleted_keep_s` (AIBrix keeps a snapshot of
+  recently deleted pods): re-created within that window, it starts with the requests still running
+  on it, and their releases count against it.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from collections import OrderedDict, deque
+from typing import Any, Callable, Protocol, Sequence
+
+log = logging.getLogger(__name__)
+
+
+class Limiter(Protocol):
+    async def try_acquire(self, pod: str, limit: int) -> bool: ...
+
+    async def release(self, pod: str) -> None: ...
+
+    def running(self) -> dict[str, int]: ...
+
+    async def forget(self, pod: str) -> None: ...
+
+
+class LocalLimiter:
+    def __init__(self) -> None:
+        self._counts: dict[str, int] = {}
+
+    async def try_acquire(self, pod: str, limit: int) -> bool:
+        n = self._counts.get(pod, 0)
+        if n >= limit:
+            return False
+        self._counts[pod] = n + 1
+        return True
+
+    async def release(self, pod: str) -> None:
+        n = self._counts.get(pod, 0) - 1
+        if n > 0:
+            self._counts[pod] = n
+        else:
+            self._counts.pop(pod, None)
+
+    def running(self) -> dict[str, int]:
+        return dict(self._counts)
+
+    async def forget(self, pod: str) -> None:
+        self._counts.pop(pod, None)
+
+
+# KEYS[1] the gateways set, KEYS[2] this gateway's hash; ARGV: prefix, pod, limit, ttl ms, gateway id
+_ACQUIRE = """
+local total = 0
+local ids = redis.call('SMEMBERS', KEYS[1])
+for _, id in ipairs(ids) do
+  local key = ARGV[1] .. 'gw:' .. id
+  if redis.call('EXISTS', key) == 1 then
+    total = total + tonumber(redis.call('HGET', key, ARGV[2]) or '0')
+  elseif id ~= ARGV[5] then
+    redis.call('SREM', KEYS[1], id)
+  end
+end
+if total >= tonumber(ARGV[3]) then return 0 end
+redis.call('HINCRBY', KEYS[2], ARGV[2], 1)
+redis.call('PEXPIRE', KEYS[2], ARGV[4])
+redis.call('SADD', KEYS[1], ARGV[5])
+return 1
+"""
+_RELEASE = """
+local n = redis.call('HINCRBY', KEYS[1], ARGV[1], -1)
+if n <= 0 then redis.call('HDEL', KEYS[1], ARGV[1]) end
+return n
+"""
+
+
+class RedisLimiter:
+    """Counts shared by gateway replicas; this gateway's part expires `ttl_s` after it stops heartbeating."""
+
+    def __init__(self, client: Any, gateway_id: str = "", *, prefix: str = "kvgate:{admit}:", ttl_s: float = 5.0) -> None:
+        self._r = client
+        self.gateway_id = gateway_id or f"{socket.gethostname()}-{os.getpid()}"
+        self._prefix = prefix
+        self._set = f"{prefix}gateways"
+        self._key = f"{prefix}gw:{self.gateway_id}"
+        self._ttl_ms = int(ttl_s * 1000)
+        self._acquire = client.register_script(_ACQUIRE)
+        self._release = client.register_script(_RELEASE)
+        self._mine: dict[str, int] = {}
+        self._task: asyncio.Task | None = None
+
+    async def try_acquire(self, pod: str, limit: int) -> bool:
+        ok = await self._acquire(keys=[self._set, self._key],
+                                 args=[self._prefix, pod, limit, self._ttl_ms, self.gateway_id])
+        if ok:
+            self._mine[pod] = self._mine.get(pod, 0) + 1
+        return bool(ok)
+
+    async def release(self, pod: str) -> None:
+        if self._mine.get(pod, 0) <= 0:
+            return
+        self._mine[pod] -= 1
+        await self._release(keys=[self._key], args=[pod])
+
+    def running(self) -> dict[str, int]:
+        return {p: n for p, n in self._mine.items() if n > 0}
+
+    async def forget(self, pod: str) -> None:
+        self._mine.pop(pod, None)
+        await self._r.hdel(self._key, pod)
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(self._ttl_ms / 5000)
+            try:
+                if any(self._mine.values()):
+                    await self._r.pexpire(self._key, self._ttl_ms)
+            except Exception as e:
+                log.warning("admission heartbeat to Redis failed: %s", e)
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._heartbeat())
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+
+class Admission:
+    def __init__(self, limiter: Limiter, *, max_running: int, max_wait_s: float = 5.0, retry_after_s: int = 1,
+                 deleted_keep_s: float = 30.0, poll_s: float = 0.05,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.limiter = limiter
+        self.max_running = max_running
+        self.max_wait_s = max_wait_s
+        self.retry_after_s = retry_after_s
+        self.deleted_keep_s = deleted_keep_s
+        self.poll_s = poll_s  # a waiter also tries again this often: room freed by another gateway wakes no one here
+        self._clock = clock
+        self._queues: OrderedDict[str, deque[asyncio.Future]] = OrderedDict()  # model -> waiters
+        self._deleted: dict[str, float] = {}  # pod -> when it left discovery
+        self.admitted = self.waited = self.rejected = 0
+
+    @property
+    def waiting(self) -> int:
+        return sum(len(q) for q in self._queues.values())
+
+    async def _try(self, candidates: Sequence[str]) -> str | None:
+        for pod in candidates:
+            if await self.limiter.try_acquire(pod, self.max_running):
+                return pod
+        return None
+
+    async def admit(self, model: str, candidates: Sequence[str]) -> str | None:
+        """The first candidate pod with room (counted as running until `release`), waiting in the
+        model's queue while none has; None after `max_wait_s`."""
+        got = await self._try(candidates) if not self.waiting else None  # no overtaking anyone waiting
+        if got is not None:
+            self.admitted += 1
+            return got
+        deadline = self._clock() + self.max_wait_s
+        queue = self._queues.setdefault(model, deque())
+        self.waited += 1
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        queue.append(fut)
+        try:
+            while True:
+                left = deadline - self._clock()
+                if left <= 0:
+                    break
+                try:
+                    await asyncio.wait_for(asyncio.shield(fut), min(left, self.poll_s))
+                except asyncio.TimeoutError:
+                    # Room may have been freed by another gateway (its releases wake no one here):
+                    # the waiter whose turn it is tries, as if woken.
+                    if not self._my_turn(model, fut):
+                        continue
+                    self._queues.move_to_end(model)
+                if fut in queue:
+                    queue.remove(fut)
+                got = await self._try(candidates)
+                if got is not None:
+                    self.admitted += 1
+                    return got
+                fut = loop.create_future()  # another gateway took the room: first in line for the next
+                queue = self._queues.setdefault(model, deque())  # (emptied and dropped meanwhile, maybe)
+                queue.appendleft(fut)
+        finally:
+            if fut in queue:
+                queue.remove(fut)
+            self._drop_empty(model)
+        self.rejected += 1
+        return None
+
+    def _my_turn(self, model: str, fut: asyncio.Future) -> bool:
+        first = next((m for m, q in self._queues.items() if q), None)
+        return first == model and self._queues[model][0] is fut
+
+    def _drop_empty(self, model: str) -> None:
+        q = self._queues.get(model)
+        if q is not None and not q:
+            del self._queues[model]
+
+    async def release(self, pod: str) -> None:
+        await self.limiter.release(pod)
+        self.wake()
+
+    def wake(self) -> None:
+        """One waiter gets to try again: the next model in turn with a waiter, its oldest."""
+        for _ in range(len(self._queues)):
+            model, queue = next(iter(self._queues.items()))
+            self._queues.move_to_end(model)  # the next release goes to the next model
+            while queue:
+                fut = queue.popleft()
+                if not fut.done():
+                    fut.set_result(None)
+                    return
+
+    # --- discovery -----------------------------------------------------------------------------
+    def pods_removed(self, names: Sequence[str]) -> None:
+        now = self._clock()
+        for n in names:
+            self._deleted[n] = now
+
+    def pods_added(self, names: Sequence[str]) -> list[str]:
+        """Pods back within the window keep their counts; returns those."""
+        now = self._clock()
+        kept = [n for n in names if n in self._deleted and now - self._deleted[n] <= self.deleted_keep_s]
+        for n in names:
+            self._deleted.pop(n, None)
+        return kept
+
+    async def expire_deleted(self) -> list[str]:
+        """Pods gone longer than the window: their counts are dropped (returns them)."""
+        now = self._clock()
+        gone = [n for n, at in self._deleted.items() if now - at > self.deleted_keep_s]
+        for n in gone:
+            del self._deleted[n]
+            await self.limiter.forget(n)
+        return gone

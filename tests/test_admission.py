@@ -1,0 +1,149 @@
+"""Admission (routing.admission): the atomic check-and-count (in process, and across two gateways on a
+real redis-server), the fair per-model wait, 429 after the wait, and recently deleted pods' counts."""
+from __future__ import annotations
+
+import asyncio
+import shutil
+
+import pytest
+
+from routing.admission import Admission, LocalLimiter, RedisLimiter
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+async def test_limit_holds_a_waiter_gets_the_released_room_and_a_late_one_gets_none():
+    adm = Admission(LocalLimiter(), max_running=2, max_wait_s=0.5)
+    assert await adm.admit("m", ["a"]) == "a"
+    assert await adm.admit("m", ["a", "b"]) == "a"
+    waiter = asyncio.create_task(adm.admit("m", ["a"]))
+    await asyncio.sleep(0)
+    assert not waiter.done() and adm.waiting == 1
+    await adm.release("a")
+    assert await asyncio.wait_for(waiter, 1.0) == "a"
+    assert adm.limiter.running() == {"a": 2}
+    assert await adm.admit("m", ["a"]) is None  # waited 0.5 s, nothing released
+    assert adm.rejected == 1 and adm.waiting == 0
+
+
+async def test_waiting_models_take_turns_whatever_their_queue_lengths():
+    adm = Admission(LocalLimiter(), max_running=1, max_wait_s=5.0)
+    assert await adm.admit("big", ["p"]) == "p"
+    order: list[str] = []
+
+    async def one(model: str) -> None:
+        pod = await adm.admit(model, ["p"])
+        order.append(model)
+        await asyncio.sleep(0)
+        await adm.release(pod)
+
+    tasks = [asyncio.create_task(one("big")) for _ in range(5)]
+    await asyncio.sleep(0)
+    tasks.append(asyncio.create_task(one("small")))
+    await asyncio.sleep(0)
+    await adm.release("p")
+    await asyncio.wait_for(asyncio.gather(*tasks), 5.0)
+    assert order.index("small") <= 1  # served first or second, not after big's five
+    assert sorted(order) == ["big"] * 5 + ["small"]
+
+
+async def test_recently_deleted_pod_keeps_its_count_and_loses_it_after_the_window():
+    clock = Clock()
+    adm = Admission(LocalLimiter(), max_running=2, deleted_keep_s=30.0, clock=clock)
+    await adm.admit("m", ["a"])
+    await adm.admit("m", ["a"])
+    adm.pods_removed(["a"])
+    clock.t += 10
+    assert adm.pods_added(["a"]) == ["a"]  # back within 30 s: still 2 running, still full
+    assert await adm.limiter.try_acquire("a", 2) is False
+    adm.pods_removed(["a"])
+    clock.t += 31
+    assert await adm.expire_deleted() == ["a"]
+    assert adm.limiter.running() == {}
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")
+async def test_two_gateways_never_admit_past_the_limit_in_redis():
+    from redis.asyncio import Redis
+    from test_routing_redis import RedisServer
+    server = RedisServer()
+    server.start()
+    ca, cb = Redis.from_url(server.url), Redis.from_url(server.url)
+    try:
+        a, b = RedisLimiter(ca, "gw-a", ttl_s=1.0), RedisLimiter(cb, "gw-b", ttl_s=1.0)
+        a.start()  # a heartbeats; b will stop (as if killed)
+        got = await asyncio.gather(*(lim.try_acquire("p", 5) for _ in range(30) for lim in (a, b)))
+        assert sum(got) == 5  # 60 concurrent attempts over two gateways: exactly the limit
+        holder = a if a.running().get("p") else b
+        await holder.release("p")
+        assert await b.try_acquire("p", 5) and not await a.try_acquire("p", 5)
+        # b's counts expire with its key: a may fill the pod up to the limit, and no further
+        held_by_a = a.running().get("p", 0)
+        assert await asyncio.wait_for(_until_acquired(a, 5), 5.0)
+        extra = [await a.try_acquire("p", 5) for _ in range(5)]
+        assert a.running()["p"] == 5 and sum(extra) == 5 - held_by_a - 1
+        await a.aclose()
+    finally:
+        await ca.aclose()
+        await cb.aclose()
+        server.kill()
+
+
+async def _until_acquired(lim, limit):
+    """b's key expires about 1 s after its last write: until then a finds the pod full."""
+    while not await lim.try_acquire("p", limit):
+        await asyncio.sleep(0.05)
+    return True
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")
+async def test_burst_of_3x_capacity_over_two_gateways_never_exceeds_limits_loses_nothing_and_is_fair():
+    """4 pods x limit 4 = 16 running at most; 48 requests at once over 2 gateways (3x capacity), 40 of
+    one model and 8 of another, each running 40 ms once admitted."""
+    from redis.asyncio import Redis
+    from test_routing_redis import RedisServer
+    server = RedisServer()
+    server.start()
+    clients = [Redis.from_url(server.url) for _ in range(2)]
+    try:
+        gws = [Admission(RedisLimiter(c, f"gw-{i}", ttl_s=5.0), max_running=4, max_wait_s=10.0, poll_s=0.02)
+               for i, c in enumerate(clients)]
+        pods = ["p0", "p1", "p2", "p3"]
+        running = dict.fromkeys(pods, 0)
+        peak = dict.fromkeys(pods, 0)
+        done: list[tuple[str, float]] = []
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+
+        async def request(i: int, model: str) -> None:
+            gw = gws[i % 2]
+            order = pods[i % 4:] + pods[:i % 4]
+            pod = await gw.admit(model, order)
+            assert pod is not None, "a request was refused though the burst drains in well under the wait"
+            running[pod] += 1
+            peak[pod] = max(peak[pod], running[pod])
+            await asyncio.sleep(0.04)
+            running[pod] -= 1
+            done.append((model, loop.time() - start))
+            await gw.release(pod)
+
+        models = ["big"] * 40 + ["small"] * 8
+        await asyncio.wait_for(asyncio.gather(*(request(i, m) for i, m in enumerate(models))), 30.0)
+        assert len(done) == 48  # nothing lost
+        assert max(peak.values()) <= 4  # no pod past its limit, counted over both gateways
+        small = sorted(t for m, t in done if m == "small")
+        big = sorted(t for m, t in done if m == "big")
+        assert small[-1] < big[-1]  # the small model is not left to the end of the big one's queue
+        assert sum(small) / len(small) <= sum(big) / len(big)
+    finally:
+        for c in clients:
+            await c.aclose()
+        server.kill()
