@@ -14,7 +14,6 @@ import sys
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 
 import httpx
 import pytest
@@ -25,8 +24,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvcache.publisher import END_SEQ, EventPublisher
 from kvcache.wire import decode_batch
-from stackutil import canary_hits, start_canary, wait_until
-from plugin.stack import Stack, free_port, wait_for_port
+from stackutil import GatewayEnv, stack_fixture, wait_until
+from plugin.stack import Stack, free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -34,8 +33,6 @@ MODEL = "m"
 GATEWAY_ID = "faults-gw"
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
          "quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split()
-
-
 
 
 def prompt(seed: int, words: int = 160) -> str:
@@ -172,13 +169,10 @@ pub.close()
 """
 
 
-@dataclass
-class Env:
-    stack: Stack
-    sims: dict[str, dict] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        stack = self.stack
+class Env(GatewayEnv):
+    def __init__(self, stack: Stack) -> None:
+        super().__init__(stack)
+        self.sims: dict[str, dict] = {}
         self.redis, self.redis_url = stack.redis()
         self.redis_port = int(self.redis_url.rsplit(":", 1)[1].split("/")[0])
         pods = []
@@ -192,49 +186,25 @@ class Env:
         # sim1's live messages cross a lossy proxy; its replay socket is reached directly.
         self.proxy_port = free_port()
         self.proxy = LossyProxy(self.sims["sim1"]["pub"], self.proxy_port)
+        self.on_close(self.proxy.close)
         pods[1]["kv_events"]["pub_port"] = self.proxy_port
         # "ghost": a publisher in this process with an 8-batch replay buffer, behind a pod never ready.
         gpub, greplay = free_port(), free_port()
         self.ghost = EventPublisher(f"tcp://127.0.0.1:{gpub}", f"tcp://127.0.0.1:{greplay}", buffer_steps=8)
+        self.on_close(self.ghost.close)
         pods.append({"name": "ghost", "address": "127.0.0.1", "port": free_port(), "model": MODEL, "ready": False,
                      "kv_events": {"pub_port": gpub, "replay_port": greplay}})
         # "flood": an event firehose started by the flood test, behind a pod never ready.
         self.flood_ports = (free_port(), free_port())
         pods.append({"name": "flood", "address": "127.0.0.1", "port": free_port(), "model": MODEL, "ready": False,
                      "kv_events": {"pub_port": self.flood_ports[0], "replay_port": self.flood_ports[1]}})
-        self.pods = pods
-        self.pods_file = stack.pods_file(pods)
-        self.canary, self.canary_port = start_canary(stack)
-        self.grpc_port, self.http_port = free_port(), free_port()
-        self.kvgate_env = {
-            "KVGATE_PODS_FILE": str(self.pods_file), "KVGATE_GRPC_PORT": str(self.grpc_port),
-            "KVGATE_HTTP_PORT": str(self.http_port), "KVGATE_ROUTING_STRATEGY": "kv-sync",
-            "KVGATE_REDIS_URL": self.redis_url, "KVGATE_GATEWAY_ID": GATEWAY_ID,
+        self.start_gateway(pods, {
+            "KVGATE_ROUTING_STRATEGY": "kv-sync", "KVGATE_REDIS_URL": self.redis_url, "KVGATE_GATEWAY_ID": GATEWAY_ID,
             "KVGATE_KV_EVENTS_BACKOFF_MIN_S": "0.1", "KVGATE_KV_EVENTS_BACKOFF_MAX_S": "1",
-        }
-        self.kvgate = stack.kvgate(env=self.kvgate_env, grpc_port=self.grpc_port)
-        self.listen = free_port()
-        self.envoy = stack.envoy(listen_port=self.listen, extproc_port=self.grpc_port,
-                                 default_pool=[("127.0.0.1", self.sims["sim0"]["port"])])
-        self.url = f"http://127.0.0.1:{self.listen}"
-        self.client = httpx.Client(base_url=self.url, timeout=30)
-
-    # --- kvgate's view --------------------------------------------------------------------
-    def debug(self) -> dict:
-        return httpx.get(f"http://127.0.0.1:{self.http_port}/debug", timeout=5).json()
-
-    def metrics(self) -> str:
-        return httpx.get(f"http://127.0.0.1:{self.http_port}/metrics", timeout=5).text
-
-    def counts_are_zero(self) -> bool:
-        d = self.debug()
-        return d["in_flight_here"] == 0 and all(p["running"] == 0 for p in d["pods"])
+        }, default_pool=[("127.0.0.1", self.sims["sim0"]["port"])])
 
     def cached_blocks_counter(self) -> float:
         return metric(self.metrics(), "kvgate_prefix_blocks", kind="cached")
-
-    def canary_hits(self) -> int:
-        return canary_hits(self.canary)
 
     # --- the engines' view ----------------------------------------------------------------
     def truth(self, names=("sim0", "sim1")) -> tuple[int, int]:
@@ -264,23 +234,8 @@ class Env:
         assert r.status_code == 200, r.text
         return r.json()
 
-    def restart_kvgate(self) -> None:
-        self.kvgate = self.stack.restart(self.kvgate, env=self.kvgate_env, ready_port=("127.0.0.1", self.grpc_port))
-        wait_for_port("127.0.0.1", self.http_port, timeout=10)
 
-
-@pytest.fixture(scope="module")
-def env():
-    with Stack() as stack:
-        e = Env(stack)
-        try:
-            yield e
-        finally:
-            e.client.close()
-            e.proxy.close()
-            e.ghost.close()
-            if any(not p.alive() for p in stack.procs):
-                print(e.kvgate.log_tail(), e.envoy.log_tail())
+env = stack_fixture(Env)
 
 
 class Load:

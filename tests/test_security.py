@@ -10,11 +10,10 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-import httpx
 import pytest
 
-from stackutil import canary_hits, start_canary, wait_until
-from plugin.stack import Stack, free_port, wait_for_port
+from stackutil import GatewayEnv, stack_fixture, wait_until
+from plugin.stack import Stack, free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -24,11 +23,9 @@ BEARER = "secret-bearer-T0k3n-9f8e7d"
 SPOOF_HEADERS = ("x-gateway-destination-endpoint", "target-pod", "x-envoy-original-dst-host", "x-kvgate-pod")
 
 
-
-
-class Env:
+class Env(GatewayEnv):
     def __init__(self, stack: Stack) -> None:
-        self.stack = stack
+        super().__init__(stack)
         self.redis, self.redis_url = stack.redis(password=REDIS_PASSWORD)
         self.sims = {}
         pods = []
@@ -37,47 +34,16 @@ class Env:
             stack.sim(name=name, port=port, model=MODEL, extra=["--tpot-ms", "2"])
             self.sims[name] = port
             pods.append({"name": name, "address": "127.0.0.1", "port": port, "model": MODEL})
-        self.pods_file = stack.pods_file(pods)
-        self.canary, self.canary_port = start_canary(stack)
-        self.grpc_port, self.http_port = free_port(), free_port()
-        self.env = {"KVGATE_PODS_FILE": str(self.pods_file), "KVGATE_GRPC_PORT": str(self.grpc_port),
-                    "KVGATE_HTTP_PORT": str(self.http_port), "KVGATE_LOG_LEVEL": "debug",
-                    "KVGATE_REDIS_URL": self.redis_url, "KVGATE_GATEWAY_ID": "sec-gw"}
-        self.kvgate = stack.kvgate(env=self.env, grpc_port=self.grpc_port)
-        wait_for_port("127.0.0.1", self.http_port, timeout=10)
-        self.listen = free_port()
-        stack.envoy(listen_port=self.listen, extproc_port=self.grpc_port,
-                    default_pool=[("127.0.0.1", self.sims["sim0"])])
-        self.url = f"http://127.0.0.1:{self.listen}"
-        self.client = httpx.Client(base_url=self.url, timeout=60)
+        self.start_gateway(pods, {"KVGATE_LOG_LEVEL": "debug", "KVGATE_REDIS_URL": self.redis_url,
+                                  "KVGATE_GATEWAY_ID": "sec-gw"},
+                           default_pool=[("127.0.0.1", self.sims["sim0"])], client_timeout=60)
         self.evil = f"127.0.0.1:{self.canary_port}"
-
-    def restart_kvgate(self, **overrides: str) -> None:
-        self.kvgate = self.stack.restart(self.kvgate, env={**self.env, **overrides},
-                                         ready_port=("127.0.0.1", self.grpc_port))
-        wait_for_port("127.0.0.1", self.http_port, timeout=10)
-
-    def debug_text(self) -> str:
-        return httpx.get(f"http://127.0.0.1:{self.http_port}/debug", timeout=5).text
-
-    def metrics_text(self) -> str:
-        return httpx.get(f"http://127.0.0.1:{self.http_port}/metrics", timeout=5).text
-
-    def canary_hits(self) -> int:
-        return canary_hits(self.canary)
 
     def ok(self) -> bool:
         return self.client.post("/v1/completions", json={"model": MODEL, "prompt": "ok", "max_tokens": 1}).status_code == 200
 
 
-@pytest.fixture(scope="module")
-def env():
-    with Stack() as stack:
-        e = Env(stack)
-        try:
-            yield e
-        finally:
-            e.client.close()
+env = stack_fixture(Env)
 
 
 # --- clients cannot choose the upstream -----------------------------------------------------
@@ -168,7 +134,7 @@ def test_body_over_envoy_buffer_gets_413_and_the_gateway_keeps_serving(env):
 
 def _no_secret(env: Env, *secrets: str) -> None:
     log = env.kvgate.log_path.read_text(errors="replace")
-    debug, metrics = env.debug_text(), env.metrics_text()
+    debug, metrics = env.debug_text(), env.metrics()
     for secret in secrets:
         for where, text in (("log", log), ("/debug", debug), ("/metrics", metrics)):
             assert secret not in text, f"{secret[:6]}... appears in kvgate's {where}"
