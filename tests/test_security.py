@@ -156,17 +156,25 @@ def test_authorization_headers_never_reach_logs_or_debug(env):
     secret_headers = {"authorization": f"Bearer {BEARER}", "x-api-key": BEARER + "-key",
                       "cookie": f"session={BEARER}-cookie", "proxy-authorization": f"Basic {BEARER}-proxy"}
     bodies = [
-        ("/v1/completions", {"model": MODEL, "prompt": "hello", "max_tokens": 1}),  # routed
-        ("/v1/completions", {"model": "nope", "prompt": "x"}),  # 404
-        ("/v1/chat/completions", {"model": MODEL, "messages": []}),  # 400
-        ("/v1/completions", {"model": MODEL, "prompt": [1, -1]}),  # 400 token id
+        ("/v1/completions", {"model": MODEL, "prompt": "hello", "max_tokens": 1}, 200),  # routed
+        ("/v1/completions", {"model": "nope", "prompt": "x"}, 404),
+        ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400),
+        ("/v1/completions", {"model": MODEL, "prompt": [1, -1]}, 400),  # token id
     ]
-    for path, body in bodies:
-        env.client.post(path, json=body, headers={**secret_headers, "routing-strategy": "kv-sync"})
-    env.client.post("/v1/completions", json={"model": MODEL, "prompt": "x"},
-                    headers={**secret_headers, "routing-strategy": f"evil-{BEARER}"})
-    env.client.get("/v1/models", headers=secret_headers)
-    env.client.post("/v1/completions", content=b"{nope", headers=secret_headers)
+    # Each request took its path through Envoy and kvgate (its status says which), or the check of
+    # kvgate's log below would prove nothing.
+    statuses = []
+    for path, body, _ in bodies:
+        r = env.client.post(path, json=body, headers={**secret_headers, "routing-strategy": "kv-sync"})
+        statuses.append(r.status_code)
+    assert statuses == [want for _, _, want in bodies]
+    r = env.client.post("/v1/completions", json={"model": MODEL, "prompt": "x"},
+                        headers={**secret_headers, "routing-strategy": f"evil-{BEARER}"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "routing-strategy", r.text
+    r = env.client.get("/v1/models", headers=secret_headers)
+    assert r.status_code == 200 and [m["id"] for m in r.json()["data"]] == [MODEL]
+    r = env.client.post("/v1/completions", content=b"{nope", headers=secret_headers)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
     _no_secret(env, BEARER)
 
 
