@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Callable, Iterable
 
 import httpx
@@ -33,6 +35,34 @@ async def wait_until_async(predicate, timeout: float = 15.0, interval: float = 0
             return value
         await asyncio.sleep(interval)
     return predicate()
+
+
+def make_tls_certs(workdir: Path, name: str = "test", ca: tuple[Path, Path] | None = None) -> dict[str, Path]:
+    """A CA and a server certificate for 127.0.0.1 signed by it, both as strict X.509 verification
+    (Python 3.13's default contexts, VERIFY_X509_STRICT) wants them: the CA with basicConstraints
+    CA:TRUE (critical), keyUsage keyCertSign (critical) and a subject key identifier; the server's
+    with a SAN, serverAuth, and subject and authority key identifiers. `ca` (cert, key): sign with
+    that CA instead of a new one. Returns the paths: ca, ca_key, cert, key."""
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
+
+    if ca is None:
+        ca = (workdir / f"{name}-ca.pem", workdir / f"{name}-ca.key")
+        ca_ext = workdir / f"{name}-ca.cnf"
+        ca_ext.write_text(f"[req]\ndistinguished_name = dn\nprompt = no\n[dn]\nCN = kvgate {name} CA\n"
+                          "[v3]\nbasicConstraints = critical, CA:TRUE\nkeyUsage = critical, keyCertSign, cRLSign\n"
+                          "subjectKeyIdentifier = hash\n")
+        run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-config", str(ca_ext), "-extensions", "v3",
+            "-keyout", str(ca[1]), "-out", str(ca[0]))
+    cert, key, csr = (workdir / f"{name}-server.{ext}" for ext in ("pem", "key", "csr"))
+    ext = workdir / f"{name}-server.cnf"
+    ext.write_text("basicConstraints = critical, CA:FALSE\nkeyUsage = critical, digitalSignature, keyEncipherment\n"
+                   "extendedKeyUsage = serverAuth\nsubjectAltName = IP:127.0.0.1\n"
+                   "subjectKeyIdentifier = hash\nauthorityKeyIdentifier = keyid\n")
+    run("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-keyout", str(key), "-out", str(csr))
+    run("x509", "-req", "-in", str(csr), "-CA", str(ca[0]), "-CAkey", str(ca[1]), "-CAcreateserial", "-days", "2",
+        "-extfile", str(ext), "-out", str(cert))
+    return {"ca": ca[0], "ca_key": ca[1], "cert": cert, "key": key}
 
 
 def start_canary(stack: Stack) -> tuple[Proc, int]:

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from stackutil import GatewayEnv, stack_fixture, wait_until
-from plugin.stack import Stack, free_port
+from stackutil import GatewayEnv, make_tls_certs, stack_fixture, wait_until
+from plugin.stack import Stack, StackError, free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -191,30 +191,22 @@ def test_wrong_redis_password_degrades_to_local_counts_and_is_not_shown(env):
     assert wait_until(env.ok, timeout=10)
 
 
-def _tls_redis(stack: Stack, workdir: Path) -> int:
-    ca_key, ca, key, csr, cert = (workdir / n for n in ("ca.key", "ca.pem", "redis.key", "redis.csr", "redis.pem"))
-    run = lambda *a: subprocess.run(["openssl", *a], check=True, capture_output=True, timeout=60)  # noqa: E731
-    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=kvgate-test-ca",
-        "-keyout", str(ca_key), "-out", str(ca))
-    run("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-keyout", str(key), "-out", str(csr))
-    ext = workdir / "san.cnf"
-    ext.write_text("subjectAltName=IP:127.0.0.1\n")
-    run("x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key), "-CAcreateserial", "-days", "1",
-        "-extfile", str(ext), "-out", str(cert))
+def _tls_redis(stack: Stack) -> tuple[int, Path]:
+    certs = make_tls_certs(stack.workdir, "redis")
     port = free_port()
     stack.start("redis-tls", ["redis-server", "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
-                              "--tls-cert-file", str(cert), "--tls-key-file", str(key), "--tls-ca-cert-file", str(ca),
-                              "--tls-auth-clients", "no", "--requirepass", REDIS_PASSWORD, "--save", "",
-                              "--appendonly", "no"], ready_port=("127.0.0.1", port))
-    return port
+                              "--tls-cert-file", str(certs["cert"]), "--tls-key-file", str(certs["key"]),
+                              "--tls-ca-cert-file", str(certs["ca"]), "--tls-auth-clients", "no",
+                              "--requirepass", REDIS_PASSWORD, "--save", "", "--appendonly", "no"],
+                ready_port=("127.0.0.1", port))
+    return port, certs["ca"]
 
 
 def test_rediss_url_with_auth_over_tls(env):
     try:
-        port = _tls_redis(env.stack, env.stack.workdir)
-    except (FileNotFoundError, subprocess.CalledProcessError) as e:
+        port, ca = _tls_redis(env.stack)
+    except (FileNotFoundError, subprocess.CalledProcessError, StackError) as e:
         pytest.skip(f"no openssl or no TLS in redis-server: {e}")
-    ca = env.stack.workdir / "ca.pem"
     env.restart_kvgate(KVGATE_REDIS_URL=f"rediss://:{REDIS_PASSWORD}@127.0.0.1:{port}/0?ssl_ca_certs={ca}")
     try:
         assert wait_until(lambda: '"redis_up": true' in env.debug_text(), timeout=10), env.kvgate.log_tail()
