@@ -531,12 +531,19 @@ async def test_silent_dead_connection_is_detected_by_heartbeat_and_repaired(harn
         sink, manager = make()
         manager.sync([EndpointSpec("p", "m", "127.0.0.1", port, e.replay_port, 0)])
         await until(lambda: status(manager)["connected"])
-        e.publish(0)
-        await until(lambda: sink.hashes() == [0])
+        # Connected, the SUB's subscription still has to cross the proxy to the engine: publish until
+        # one event arrives live (those the engine dropped before it come back by replay).
+        published = 0
+        while not sink.hashes():
+            assert published < 200, "no event ever arrived through the proxy"
+            e.publish(published)
+            published += 1
+            await asyncio.sleep(0.05)
+        await until(lambda: sink.hashes() == list(range(published)))
         proxy.blackhole()  # no FIN, no RST: only missing heartbeats reveal it
-        e.publish(1, 2)
+        e.publish(published, published + 1)
         await until(lambda: manager.metrics.disconnections.labels("p", "0")._value.get() >= 1)
-        await until(lambda: sink.hashes() == [0, 1, 2])  # reconnected through the proxy, replayed
+        await until(lambda: sink.hashes() == list(range(published + 2)))  # reconnected through the proxy, replayed
         assert sink.drops() == 0
     finally:
         await proxy.close()
