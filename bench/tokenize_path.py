@@ -54,7 +54,7 @@ def main(mode):
         stack.kvgate(env={"KVGATE_PODS_FILE": str(stack.pods_file(pods)), "KVGATE_GRPC_PORT": str(grpc),
                           "KVGATE_HTTP_PORT": str(http), "KVGATE_LOG_LEVEL": "warning", **env_extra}, grpc_port=grpc)
         listen = free_port()
-        stack.envoy(listen_port=listen, extproc_port=grpc, default_pool=[("127.0.0.1", p["port"]) for p in pods])
+        stack.envoy(listen_port=listen, extproc_port=grpc, pool=[("127.0.0.1", p["port"]) for p in pods])
         url = f"http://127.0.0.1:{listen}"
         asyncio.run(drive(url, 20, seed=99))  # warm-up (and verification in auto mode)
         time.sleep(0.5)

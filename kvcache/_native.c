@@ -18,8 +18,9 @@
 #define EMPTY UINT64_MAX
 #define TOMB (UINT64_MAX - 1)
 #define KEY_MASK ((UINT64_C(1) << 60) - 1)
-#define MULT UINT64_C(0x9E3779B97F4A7C15)
-#define MIX UINT64_C(0x9E3779B97F4A7C15)
+/* 2**64 / golden ratio, odd: the multiplier of the key chain and of the engine hash fold alike
+ * (blockkeys.py's MULT, index.py's _MIX). */
+#define GOLDEN UINT64_C(0x9E3779B97F4A7C15)
 #define MAX_DEPTH 32
 
 /* ---- block keys ------------------------------------------------------------------------ */
@@ -40,7 +41,7 @@ static inline uint64_t block_hash_final(uint64_t h) {
     return h ^ (h >> 32);
 }
 
-static inline uint64_t chain(uint64_t parent, uint64_t bh) { return (parent * MULT + bh) & KEY_MASK; }
+static inline uint64_t chain(uint64_t parent, uint64_t bh) { return (parent * GOLDEN + bh) & KEY_MASK; }
 
 /* A Python int token id as its 64 bits (two's complement for negatives); -1 and an exception
  * (TypeError, OverflowError) when it is no int in [-2**63, 2**64). */
@@ -121,7 +122,7 @@ static void tokens_close(Tokens *t) {
 
 /* chain_keys(parent: int, token_ids: Sequence[int], block_size: int) -> bytes
  * The keys (native uint64) of every full block of token_ids under the block keyed parent. */
-static PyObject *py_chain_keys(PyObject *self, PyObject *args) {
+static PyObject *py_chain_keys(PyObject *Py_UNUSED(self), PyObject *args) {
     unsigned long long parent;
     PyObject *tokens;
     Py_ssize_t bs;
@@ -294,7 +295,7 @@ static int release_one(HashMapView *m, KeyTableView *t, uint64_t h, uint64_t one
 }
 
 static inline uint64_t fold(uint64_t h) {
-    h *= MIX;
+    h *= GOLDEN;
     return h >= TOMB ? h - 2 : h;
 }
 
@@ -777,11 +778,8 @@ static int map_event(Reader *r, Batch *b, uint32_t pairs) {
     Reader none = {NIL_BYTE, NIL_BYTE + 1};
     if (rd_medium(medium_at.p ? &medium_at : &none, b)) return -1;
     if (tag == 1) {
-        const int stored_fields = F_TYPE | F_HASHES | F_PARENT | F_TOKENS | F_BS | F_LORA_ID | F_MEDIUM |
-                                  F_LORA_NAME | F_EXTRA | F_GROUP | F_KIND | F_WINDOW | F_LOCALITY |
-                                  F_OWNERSHIP | F_SESSION | F_LOOKAHEAD;
-        if ((seen & (F_HASHES | F_TOKENS | F_BS)) != (F_HASHES | F_TOKENS | F_BS) || (seen & ~stored_fields))
-            return -1;
+        /* every known key may appear in a BlockStored: only the required ones are checked */
+        if ((seen & (F_HASHES | F_TOKENS | F_BS)) != (F_HASHES | F_TOKENS | F_BS)) return -1;
         if (!(seen & F_PARENT)) st.has_parent = 0;
         return do_stored(b, &st);
     }
@@ -861,7 +859,7 @@ static int batch(const char *data, Py_ssize_t len, Batch *b) {
  * None: the batch is not in the fast path's shape (or not valid), take the general path.
  * Fast path shape: BlockStored and BlockRemoved events only, int or bin block hashes, ASCII LoRA names, KV cache
  * group 0, one medium and one block size for the whole batch, no unknown fields, ASCII strs. */
-static PyObject *py_scan_batch(PyObject *self, PyObject *arg) {
+static PyObject *py_scan_batch(PyObject *Py_UNUSED(self), PyObject *arg) {
     Py_buffer view;
     if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) return NULL;
     Batch b;
@@ -887,15 +885,26 @@ static PyObject *py_scan_batch(PyObject *self, PyObject *arg) {
     return out;
 }
 
-static int get_u64(PyObject *o, Py_buffer *v, int writable, const char *what) {
+/* A table column: a contiguous buffer of `itemsize`-byte items, at least one (a table of capacity 0
+ * has no slot to probe: its home slot 0 would be read out of bounds). */
+static int get_column(PyObject *o, Py_buffer *v, int writable, Py_ssize_t itemsize, const char *what) {
     if (PyObject_GetBuffer(o, v, (writable ? PyBUF_WRITABLE : 0) | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
         return -1;
-    if (v->itemsize != 8) {
-        PyErr_Format(PyExc_TypeError, "%s: expected 8-byte items", what);
+    if (v->itemsize != itemsize) {
+        PyErr_Format(PyExc_TypeError, "%s: expected %zd-byte items, got %zd-byte ones", what, itemsize, v->itemsize);
+        PyBuffer_Release(v);
+        return -1;
+    }
+    if (v->len < itemsize) {
+        PyErr_Format(PyExc_ValueError, "%s: a table of capacity 0", what);
         PyBuffer_Release(v);
         return -1;
     }
     return 0;
+}
+
+static int get_u64(PyObject *o, Py_buffer *v, int writable, const char *what) {
+    return get_column(o, v, writable, 8, what);
 }
 
 /* apply_batch(payload, root, one, tick, hm_keys, hm_values, kt_keys, kt_masks, kt_stamps, others, roots)
@@ -904,7 +913,7 @@ static int get_u64(PyObject *o, Py_buffer *v, int writable, const char *what) {
  * media tables' key arrays (at most 8: a freed key's engine hash is kept while one holds it); `roots`
  * maps each LoRA key scan_batch listed to its root key. The caller made room for every
  * stored block in both tables (no rebuild happens here); live/used are deltas. */
-static PyObject *py_apply_batch(PyObject *self, PyObject *args) {
+static PyObject *py_apply_batch(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_buffer payload, hk, hv, tk, tm, ts;
     unsigned long long root, one;
     unsigned long tick;
@@ -933,9 +942,9 @@ static PyObject *py_apply_batch(PyObject *self, PyObject *args) {
     got = 3;
     if (get_u64(otm, &tm, 1, "kt_masks")) goto done;
     got = 4;
-    if (PyObject_GetBuffer(ots, &ts, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) goto done;
+    if (get_column(ots, &ts, 1, 4, "kt_stamps")) goto done;
     got = 5;
-    if (ts.itemsize != 4 || hk.len != hv.len || tk.len != tm.len || tk.len / 8 != ts.len / 4) {
+    if (hk.len != hv.len || tk.len != tm.len || tk.len / 8 != ts.len / 4) {
         PyErr_SetString(PyExc_ValueError, "apply_batch: table arrays of mismatched sizes");
         goto done;
     }
@@ -995,7 +1004,7 @@ static int record_runs(PyObject *out, uint64_t bits, Py_ssize_t run) {
  * For one table: per holder bit of `cand` (< 2**64), how many leading full blocks of the prompt
  * it holds (runs of 0 left out). Stops probing once no candidate holds the next block. With
  * tick > 0 the matched keys (the deepest run) are stamped as most recently used. */
-static PyObject *py_match_runs(PyObject *self, PyObject *args) {
+static PyObject *py_match_runs(PyObject *Py_UNUSED(self), PyObject *args) {
     PyObject *tokens, *otk, *otm, *ots;
     Py_ssize_t bs;
     unsigned long long root, cand;
@@ -1011,7 +1020,7 @@ static PyObject *py_match_runs(PyObject *self, PyObject *args) {
         PyBuffer_Release(&tk);
         return NULL;
     }
-    if (PyObject_GetBuffer(ots, &ts, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+    if (get_column(ots, &ts, 1, 4, "kt_stamps")) {
         PyBuffer_Release(&tk);
         PyBuffer_Release(&tm);
         return NULL;
@@ -1020,7 +1029,7 @@ static PyObject *py_match_runs(PyObject *self, PyObject *args) {
     Tokens toks;
     int toks_open = 0;
     Py_ssize_t *slots = NULL;
-    if (tk.len != tm.len || ts.len * 2 != tk.len) {
+    if (tk.len != tm.len || tk.len / 8 != ts.len / 4) {
         PyErr_SetString(PyExc_ValueError, "match_runs: table arrays of mismatched sizes");
         goto done;
     }
@@ -1105,7 +1114,12 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvcache._native",
-                                    "The prefix index's hot loops in C (see kvcache/_native.c).", -1, methods};
+static struct PyModuleDef module = {
+    .m_base = PyModuleDef_HEAD_INIT,
+    .m_name = "kvcache._native",
+    .m_doc = "The prefix index's hot loops in C (see kvcache/_native.c).",
+    .m_size = -1,
+    .m_methods = methods,
+};
 
 PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }

@@ -197,10 +197,6 @@ class KeyTable(OpenTable):
         super().__init__(cap)
         self.high: dict[int, int] = {}  # key -> mask >> 64
 
-    def mask_of(self, k: int) -> int:
-        s = self.find(k)
-        return 0 if s < 0 else self._mask[s] | (self.high.get(k, 0) << 64)
-
 
 class HashMap(OpenTable):
     """uint64 -> uint64 (the engine's folded block hash -> kvgate's block key). Keys must be

@@ -23,7 +23,7 @@ from plugin.http import build_http_app
 from plugin.metrics import GatewayMetrics
 from plugin.observe import Observer
 from routing.admission import Admission, LocalLimiter, RedisLimiter
-from routing.counts import LocalCounts, RedisCounts, RunningCounts
+from routing.counts import LocalCounts, RedisCounts, RunningCounts, build_counts
 from routing.discovery import StaticSource
 from routing.engine_metrics import EngineMetrics, Saturation
 from routing.inferencepool import InferencePoolConfig, InferencePoolSource
@@ -133,6 +133,32 @@ def _from_hub(options: HubOptions, model: str) -> LocalTokenizer:
     return LocalTokenizer.from_path(hub_fetch(model, options))
 
 
+def pod_source(s: Settings, metrics: RoutingMetrics) -> StaticSource | KubernetesSource | InferencePoolSource:
+    """The discovery source the settings name."""
+    if s.discovery == "inferencepool":
+        return InferencePoolSource(InferencePoolConfig(
+            name=s.inferencepool_name, namespace=s.k8s_namespace, api=ApiConfig(api_url=s.k8s_api_url),
+            models_refresh_s=s.pool_models_refresh_s), metrics=metrics)
+    if s.discovery == "kubernetes":
+        return KubernetesSource(KubernetesConfig(api_url=s.k8s_api_url, namespace=s.k8s_namespace,
+                                                 label_selector=s.k8s_label_selector), metrics=metrics)
+    return StaticSource(s.pods_file, s.pods, poll_interval_s=s.pods_poll_s, metrics=metrics)
+
+
+def running_counts(s: Settings, metrics: RoutingMetrics) -> RunningCounts:
+    """Counts shared through KVGATE_REDIS_URL (heartbeat at a fifth of the key TTL; a pick reads the other
+    gateways' counts in the background while its view is younger than that; writes batched every 5 ms),
+    else in-process."""
+    return build_counts(s.redis_url, s.gateway_id, ttl_s=s.redis_key_ttl_s, heartbeat_s=s.redis_key_ttl_s / 5,
+                        stale_ok_s=s.redis_key_ttl_s / 5, write_interval_s=0.005, metrics=metrics)
+
+
+def strategy_config(s: Settings) -> StrategyConfig:
+    return StrategyConfig(guard_abs_slack=s.routing_guard_slack, guard_rel_slack=s.routing_guard_ratio,
+                          approx_block_size=s.prefix_cache_block_size, approx_capacity=s.prefix_cache_blocks,
+                          prefill_tokens_per_s=s.routing_prefill_tokens_per_s, weights=parse_weights(s.routing_weights))
+
+
 @dataclass
 class App:
     settings: Settings
@@ -142,16 +168,7 @@ class App:
         s = self.settings
         self.routing_metrics = RoutingMetrics(self.registry)
         self.pods = PodRegistry()
-        if s.discovery == "inferencepool":
-            self.source = InferencePoolSource(InferencePoolConfig(
-                name=s.inferencepool_name, namespace=s.k8s_namespace, api=ApiConfig(api_url=s.k8s_api_url),
-                models_refresh_s=s.pool_models_refresh_s), metrics=self.routing_metrics)
-        elif s.discovery == "kubernetes":
-            self.source = KubernetesSource(KubernetesConfig(api_url=s.k8s_api_url, namespace=s.k8s_namespace,
-                                                            label_selector=s.k8s_label_selector),
-                                           metrics=self.routing_metrics)
-        else:
-            self.source = StaticSource(s.pods_file, s.pods, poll_interval_s=s.pods_poll_s, metrics=self.routing_metrics)
+        self.source = pod_source(s, self.routing_metrics)
         self.index = PrefixIndex(max_entries=s.index_max_entries)
         self.subscriptions = SubscriberManager(self.index, SubscriberOptions(
             replay_timeout=s.kv_events_replay_timeout_s, reconnect_initial=s.kv_events_backoff_min_s,
@@ -161,17 +178,8 @@ class App:
         # The ingest thread applies batches under the subscriptions' lock; everything else reaches the
         # index through this view, under the same lock.
         self.shared_index = LockedIndex(self.index, self.subscriptions.lock)
-        counts: RunningCounts = (RedisCounts(s.redis_url, s.gateway_id, ttl_s=s.redis_key_ttl_s,
-                                             heartbeat_s=s.redis_key_ttl_s / 5,
-                                             stale_ok_s=s.redis_key_ttl_s / 5, write_interval_s=0.005,
-                                             metrics=self.routing_metrics)
-                                 if s.redis_url else LocalCounts())
+        self.counts = running_counts(s, self.routing_metrics)
         self.engines = EngineMetrics(self.pods, interval_s=s.engine_metrics_interval_s, metrics=self.routing_metrics)
-        strategy_config = StrategyConfig(guard_abs_slack=s.routing_guard_slack, guard_rel_slack=s.routing_guard_ratio,
-                                         approx_block_size=s.prefix_cache_block_size,
-                                         approx_capacity=s.prefix_cache_blocks,
-                                         prefill_tokens_per_s=s.routing_prefill_tokens_per_s,
-                                         weights=parse_weights(s.routing_weights))
         self.predictor = OutputPredictor(window_s=s.predict_window_s, step_s=s.predict_step_s,
                                          cold=s.predict_cold_start, max_output=s.predict_max_output)
         self.profiles = EngineProfiles(prefill_tokens_per_s=s.routing_prefill_tokens_per_s)
@@ -185,8 +193,8 @@ class App:
                                    if s.redis_url else LocalCounts())
         self.capacity = Capacity(self.profiles, self.predictor, targets=parse_targets(s.slo_targets),
                                  prefill=self.prefill_counts)
-        self.router = Router(self.pods, default_strategy=s.routing_strategy, counts=counts, index=self.shared_index,
-                             engines=self.engines, config=strategy_config, metrics=self.routing_metrics,
+        self.router = Router(self.pods, default_strategy=s.routing_strategy, counts=self.counts, index=self.shared_index,
+                             engines=self.engines, config=strategy_config(s), metrics=self.routing_metrics,
                              saturation=Saturation(s.saturation_queue, s.saturation_kv_usage),
                              max_fallbacks=s.fallback_endpoints, capacity=self.capacity)
         self.tokenizer, self.verified_tokenizer = _tokenizer(s, self.registry,

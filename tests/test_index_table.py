@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import msgpack
 import numpy as np
 import pytest
 
@@ -152,3 +153,28 @@ def test_chain_keys_read_integer_buffers_like_lists():
     assert chain_keys(11, array("i", [-3, 4]), 2) == reference_chain_keys(11, [-3, 4], 2)
     with pytest.raises(TypeError):
         chain_keys(11, np.array([1.0, 2.0]), 1)
+
+
+def test_native_table_columns_are_checked_by_item_size_and_capacity():
+    """The C loops read the tables' arrays raw: a stamp column of the wrong item size (same byte length
+    as the right one) and a table of capacity 0 (no slot 0 to probe) are refused, never read."""
+    from kvcache import _native
+
+    empty = np.full(8, np.iinfo(np.uint64).max, np.uint64)
+    masks, stamps = np.zeros(8, np.uint64), np.zeros(8, np.uint32)
+    assert _native.match_runs([1, 2], 1, 0, 1, 1, empty, masks, stamps) == {}
+    with pytest.raises(TypeError, match="kt_stamps: expected 4-byte items"):
+        _native.match_runs([1, 2], 1, 0, 1, 1, empty, masks, np.zeros(16, np.uint16))
+    none64, none32 = np.zeros(0, np.uint64), np.zeros(0, np.uint32)
+    with pytest.raises(ValueError, match="capacity 0"):
+        _native.match_runs([1, 2], 1, 0, 1, 1, none64, none64, none32)
+    payload = msgpack.packb([1.0, [["BlockStored", [5], None, [1], 1, None, "GPU", None]]])
+    assert _native.scan_batch(payload) is not None
+    with pytest.raises(TypeError, match="kt_stamps: expected 4-byte items"):
+        _native.apply_batch(payload, 0, 1, 0, empty.copy(), masks.copy(), empty.copy(), masks.copy(),
+                            np.zeros(16, np.uint16), (), {})
+    with pytest.raises(ValueError, match="capacity 0"):
+        _native.apply_batch(payload, 0, 1, 0, none64, none64, none64, none64, none32, (), {})
+    with pytest.raises(ValueError, match="others: a table of capacity 0"):
+        _native.apply_batch(payload, 0, 1, 0, empty.copy(), masks.copy(), empty.copy(), masks.copy(),
+                            stamps.copy(), (none64,), {})
