@@ -1254,6 +1254,10 @@ static int do_stored(Batch *b, Stored *st) {
     uint64_t k = 0;
     if (!st->has_parent && chain_root(b, st, &k)) return -1;
     if (!b->applying) return 0;
+    if (b->mid < 0) {
+        PyErr_SetString(PyExc_ValueError, "apply_batch: stores need a medium table");
+        return -1;
+    }
     if (st->has_parent) {
         HTable *ht = &b->c->models[b->model];
         Py_ssize_t s = ht_find(ht, fold(st->parent));
@@ -1409,11 +1413,8 @@ static int map_event(Reader *r, Batch *b, uint32_t pairs) {
     Reader none = {NIL_BYTE, NIL_BYTE + 1};
     if (rd_medium(medium_at.p ? &medium_at : &none, b)) return -1;
     if (tag == 1) {
-        const int stored_fields = F_TYPE | F_HASHES | F_PARENT | F_TOKENS | F_BS | F_LORA_ID | F_MEDIUM |
-                                  F_LORA_NAME | F_EXTRA | F_GROUP | F_KIND | F_WINDOW | F_LOCALITY |
-                                  F_OWNERSHIP | F_SESSION | F_LOOKAHEAD;
-        if ((seen & (F_HASHES | F_TOKENS | F_BS)) != (F_HASHES | F_TOKENS | F_BS) || (seen & ~stored_fields))
-            return -1;
+        /* every known key may appear in a BlockStored: only the required ones are checked */
+        if ((seen & (F_HASHES | F_TOKENS | F_BS)) != (F_HASHES | F_TOKENS | F_BS)) return -1;
         if (!(seen & F_PARENT)) st.has_parent = 0;
         return do_stored(b, &st);
     }
@@ -1828,10 +1829,6 @@ static PyObject *core_apply_batch(Core *c, PyObject *args) {
     if (batch(payload.buf, payload.len, &b)) {
         if (!PyErr_Occurred()) /* scan_batch accepted these bytes: only a changed buffer gets here */
             PyErr_SetString(PyExc_ValueError, "apply_batch: payload is not in the fast path's shape (scan it first)");
-        goto done;
-    }
-    if (m < 0 && b.stored_events) {
-        PyErr_SetString(PyExc_ValueError, "apply_batch: stores need a medium table");
         goto done;
     }
     out = Py_BuildValue("nnnn", b.added, b.removed, b.unknown_parent, b.unknown_removed);

@@ -125,10 +125,6 @@ class EventPublisher:
 
     # --- publishing -------------------------------------------------------
 
-    @property
-    def next_seq(self) -> int:
-        return self._seq
-
     def publish(self, events: Iterable[KVEvent], ts: float | None = None) -> int:
         """Publish one batch; returns its seq."""
         batch = EventBatch(time.time() if ts is None else ts, tuple(events), self.data_parallel_rank)

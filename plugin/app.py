@@ -18,7 +18,7 @@ from plugin.config import Settings
 from plugin.extproc import ExternalProcessor, Gateway
 from plugin.http import build_http_app
 from plugin.metrics import GatewayMetrics
-from routing.counts import LocalCounts, RedisCounts, RunningCounts
+from routing.counts import RunningCounts, build_counts
 from routing.discovery import StaticSource
 from routing.engine_metrics import EngineMetrics
 from routing.k8s import KubernetesConfig, KubernetesSource
@@ -72,6 +72,26 @@ def _tokenizer(settings: Settings, registry: CollectorRegistry) -> Tokenizer:
                            options=CacheOptions(max_bytes=settings.tokenizer_cache_mb << 20), registry=registry)
 
 
+def pod_source(s: Settings, metrics: RoutingMetrics) -> StaticSource | KubernetesSource:
+    """The discovery source the settings name."""
+    if s.discovery == "kubernetes":
+        return KubernetesSource(KubernetesConfig(api_url=s.k8s_api_url, namespace=s.k8s_namespace,
+                                                 label_selector=s.k8s_label_selector), metrics=metrics)
+    return StaticSource(s.pods_file, s.pods, poll_interval_s=s.pods_poll_s, metrics=metrics)
+
+
+def running_counts(s: Settings, metrics: RoutingMetrics) -> RunningCounts:
+    """Counts shared through KVGATE_REDIS_URL (heartbeat at a fifth of the key TTL), else in-process."""
+    return build_counts(s.redis_url, s.gateway_id, ttl_s=s.redis_key_ttl_s, heartbeat_s=s.redis_key_ttl_s / 5,
+                        metrics=metrics)
+
+
+def strategy_config(s: Settings) -> StrategyConfig:
+    return StrategyConfig(guard_abs_slack=s.routing_guard_slack, guard_rel_slack=s.routing_guard_ratio,
+                          approx_block_size=s.prefix_cache_block_size, approx_capacity=s.prefix_cache_blocks,
+                          prefill_tokens_per_s=s.routing_prefill_tokens_per_s, weights=parse_weights(s.routing_weights))
+
+
 @dataclass
 class App:
     settings: Settings
@@ -81,29 +101,17 @@ class App:
         s = self.settings
         self.routing_metrics = RoutingMetrics(self.registry)
         self.pods = PodRegistry()
-        if s.discovery == "kubernetes":
-            self.source = KubernetesSource(KubernetesConfig(api_url=s.k8s_api_url, namespace=s.k8s_namespace,
-                                                            label_selector=s.k8s_label_selector),
-                                           metrics=self.routing_metrics)
-        else:
-            self.source = StaticSource(s.pods_file, s.pods, poll_interval_s=s.pods_poll_s, metrics=self.routing_metrics)
+        self.source = pod_source(s, self.routing_metrics)
         self.index = PrefixIndex(max_entries=s.index_max_entries)
         self.subscriptions = SubscriberManager(self.index, SubscriberOptions(
             replay_timeout=s.kv_events_replay_timeout_s, reconnect_initial=s.kv_events_backoff_min_s,
             reconnect_max=s.kv_events_backoff_max_s, heartbeat_interval=s.kv_events_heartbeat_s,
             heartbeat_timeout=s.kv_events_heartbeat_timeout_s, rcv_hwm=s.kv_events_rcv_hwm,
             tick_budget=s.kv_events_tick_budget_s), KVEventMetrics(self.registry))
-        counts: RunningCounts = (RedisCounts(s.redis_url, s.gateway_id, ttl_s=s.redis_key_ttl_s,
-                                             heartbeat_s=s.redis_key_ttl_s / 5, metrics=self.routing_metrics)
-                                 if s.redis_url else LocalCounts())
+        self.counts = running_counts(s, self.routing_metrics)
         self.engines = EngineMetrics(self.pods, interval_s=s.engine_metrics_interval_s, metrics=self.routing_metrics)
-        strategy_config = StrategyConfig(guard_abs_slack=s.routing_guard_slack, guard_rel_slack=s.routing_guard_ratio,
-                                         approx_block_size=s.prefix_cache_block_size,
-                                         approx_capacity=s.prefix_cache_blocks,
-                                         prefill_tokens_per_s=s.routing_prefill_tokens_per_s,
-                                         weights=parse_weights(s.routing_weights))
-        self.router = Router(self.pods, default_strategy=s.routing_strategy, counts=counts, index=self.index,
-                             engines=self.engines, config=strategy_config, metrics=self.routing_metrics)
+        self.router = Router(self.pods, default_strategy=s.routing_strategy, counts=self.counts, index=self.index,
+                             engines=self.engines, config=strategy_config(s), metrics=self.routing_metrics)
         self.tokenizer = _tokenizer(s, self.registry)
         self.gateway_metrics = GatewayMetrics(self.registry)
         self.processor = ExternalProcessor(Gateway(

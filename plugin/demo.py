@@ -6,6 +6,15 @@ behind one port, which kvgate routes to rank by rank), redis-server when install
 a multi-turn chat workload through Envoy once per strategy and prints, per
 strategy, the prefix cache hit rate (from the engines' own /metrics), TTFT p50/p90,
 requests/s and errors. Every process it starts is stopped on exit, Ctrl-C included.
+
+Supervision: SIGINT and SIGTERM both stop the demo, however it was started (a shell
+starts a script's background job with SIGINT ignored; the demo installs its own handler
+regardless). The first stop signal unwinds it; one arriving while the stack is being
+stopped only hurries that (SIGKILL instead of waiting for the SIGTERMs), and the stop
+always ends with every child process gone. With --no-traffic, an engine that exits is
+reported and the stack keeps serving on the others (kvgate routes around an engine
+whose /metrics stopped answering); Envoy, Redis or a kvgate replica exiting stops the
+demo, with the reason.
 """
 from __future__ import annotations
 
@@ -73,15 +82,17 @@ def _start(stack: Stack, n_sims: int, n_gateways: int, log, dp_size: int = 1) ->
         log(f"  redis-server at {redis_url}")
     else:
         log("  redis-server not installed: running counts stay in process")
-    grpc_ports, http_ports = [], []
-    for g in range(n_gateways):
+    grpc_ports, http_ports, replicas = [], [], []
+    for g in range(n_gateways):  # started together, then waited for
         grpc_port, http_port = free_port(), free_port()
         env = {"KVGATE_PODS_FILE": str(pods_file), "KVGATE_GRPC_PORT": str(grpc_port),
                "KVGATE_HTTP_PORT": str(http_port), "KVGATE_REDIS_URL": redis_url,
                "KVGATE_ROUTING_STRATEGY": "kv-sync", "KVGATE_GATEWAY_ID": f"kvgate{g}"}
-        stack.kvgate(env=env, grpc_port=grpc_port, name=f"kvgate{g}")
+        replicas.append(stack.kvgate(env=env, grpc_port=grpc_port, name=f"kvgate{g}", wait=False))
         grpc_ports.append(grpc_port)
         http_ports.append(http_port)
+    for g, (proc, grpc_port, http_port) in enumerate(zip(replicas, grpc_ports, http_ports)):
+        stack.ready(proc, ("127.0.0.1", grpc_port))
         log(f"  kvgate serve #{g}: ext_proc :{grpc_port}, metrics http://127.0.0.1:{http_port}/metrics")
     listen = free_port()
     stack.envoy(listen_port=listen, extproc_port=grpc_ports[0], more_extproc_ports=grpc_ports[1:],
@@ -175,8 +186,78 @@ class _Stop(Exception):
     pass
 
 
-def _raise_stop(signum, frame):  # SIGTERM behaves like Ctrl-C: unwind, stopping every process
-    raise _Stop()
+class _StopSignals:
+    """SIGINT and SIGTERM: the first raises _Stop where the demo runs (unwinding to the stack's
+    shutdown), or, while traffic runs on an event loop, cancels its main task (an exception raised
+    in the middle of a task would end that task only); any later one, once `stopping` is set, only
+    sets `hurry`."""
+
+    def __init__(self) -> None:
+        self.stopping = False
+        self.hurry = False
+        self.reason = ""
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task | None = None
+
+    def install(self) -> None:
+        # Explicitly, for SIGINT too: a background job of a script starts with SIGINT ignored, and
+        # Python then installs no handler of its own.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.stopping:
+            self.hurry = True
+            return
+        self.stopping = True
+        self.reason = signal.Signals(signum).name
+        task, loop = self._task, self._loop
+        if task is not None and loop is not None and not task.done():
+            task.cancel()
+            loop.call_soon_threadsafe(lambda: None)  # wake the loop if it waits in select()
+            return
+        raise _Stop(self.reason)
+
+    def run(self, coro):
+        """asyncio.run(coro), a stop signal cancelling it; raises _Stop if one did."""
+        async def main():
+            self._loop, self._task = asyncio.get_running_loop(), asyncio.current_task()
+            try:
+                return await coro
+            finally:
+                self._task = None
+
+        try:
+            result = asyncio.run(main())
+        except asyncio.CancelledError:
+            if not self.stopping:
+                raise
+        if self.stopping:
+            raise _Stop(self.reason)
+        return result
+
+
+def _supervise(stack: Stack, engines: set[str], log) -> int:
+    """Until a stop signal: report engines that exit (the others keep serving); return 1 when
+    something else (Envoy, Redis, a kvgate replica) or the last engine exits."""
+    gone: set[str] = set()
+    while True:
+        for proc in stack.procs:
+            if proc.name in gone or proc.alive():
+                continue
+            gone.add(proc.name)
+            status = proc.popen.returncode
+            if proc.name not in engines:
+                log(f"kvgate demo: {proc.name} exited (status {status}); the demo cannot serve without it, "
+                    f"stopping the stack")
+                return 1
+            left = sorted(engines - gone)
+            if not left:
+                log(f"kvgate demo: engine {proc.name} exited (status {status}), the last one; stopping the stack")
+                return 1
+            log(f"kvgate demo: engine {proc.name} exited (status {status}); kvgate routes around it, "
+                f"the stack keeps serving on {', '.join(left)}")
+        time.sleep(0.2)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -198,21 +279,17 @@ def main(args: argparse.Namespace) -> int:
         print(json.dumps({"strategies": results}) if args.json else _table(results), flush=True)
         return 0
 
-    signal.signal(signal.SIGTERM, _raise_stop)
+    signals = _StopSignals()
+    signals.install()
     stack = Stack()
     try:
         log(f"kvgate demo: starting {args.sims} engines, kvgate and Envoy on loopback (logs in {stack.workdir})")
         info = _start(stack, args.sims, args.gateways, log, args.dp_size)
         if args.no_traffic:
             print(json.dumps(info), flush=True)
-            signal.signal(signal.SIGINT, _raise_stop)
-            while all(p.alive() for p in stack.procs):
-                time.sleep(0.5)
-            dead = [p.name for p in stack.procs if not p.alive()]
-            log(f"kvgate demo: {', '.join(dead)} exited; stopping the stack")
-            return 1
+            return _supervise(stack, {p["name"] for p in info["pods"]}, log)
         log(f"kvgate demo: {args.duration:.0f} s of multi-turn chat traffic per strategy: {', '.join(strategies)}")
-        results = asyncio.run(_compare(info["envoy_url"], [p["url"] for p in info["pods"]], strategies,
+        results = signals.run(_compare(info["envoy_url"], [p["url"] for p in info["pods"]], strategies,
                                        args.duration, args.concurrency, log))
         if args.json:
             print(json.dumps({"strategies": results}), flush=True)
@@ -221,11 +298,17 @@ def main(args: argparse.Namespace) -> int:
             print("\nhit rate: prompt tokens served from the engines' prefix caches (their own /metrics).",
                   flush=True)
         return 0
-    except (KeyboardInterrupt, _Stop):
-        log("kvgate demo: stopping")
+    except _Stop as e:
+        log(f"kvgate demo: {e}: stopping (another stop signal stops it at once)")
         return 130 if not args.no_traffic else 0
     except StackError as e:
         log(f"kvgate demo: {e}")
         return 1
     finally:
-        stack.close()
+        while True:
+            try:
+                signals.stopping = True  # from here on a signal only hurries the shutdown
+                stack.close(hurry=lambda: signals.hurry)
+                break
+            except _Stop:  # the first signal came just before `stopping` was set: stop all the same
+                continue

@@ -6,6 +6,7 @@ every other field is left to the engine, which sees the body unchanged.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,13 @@ ROUTED_POST_PATHS = (COMPLETIONS, CHAT)
 
 # Token ids are 32-bit in every vLLM tokenizer; larger or negative ones are malformed.
 MAX_TOKEN_ID = 2**31 - 1
+
+# kvgate's own bound on the nesting of a JSON body, the same on every interpreter: 3.11's decoder
+# fails past the recursion limit (about 1000 levels), 3.13's accepts any depth. OpenAI bodies nest a
+# few levels; tool parameter schemas a few dozen.
+MAX_JSON_DEPTH = 256
+# A JSON string (escapes included) or a bracket: brackets inside strings are not structure.
+_JSON_TOKENS = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]', re.DOTALL)
 
 
 class ClientError(Exception):
@@ -49,6 +57,23 @@ class InferenceRequest:
     item: TokenizeInput  # what the engine will tokenize (the first prompt of a batch)
 
 
+def nests_deeper_than(body: bytes, limit: int) -> bool:
+    """Whether the arrays and objects of a JSON text nest deeper than `limit` (exact for valid JSON).
+    Only a body holding more than `limit` opening brackets is scanned: counting them is one C pass."""
+    if body.count(b"[") + body.count(b"{") <= limit:
+        return False
+    depth = 0
+    for m in _JSON_TOKENS.finditer(body):
+        c = body[m.start()]
+        if c == 0x5B or c == 0x7B:  # [ {
+            depth += 1
+            if depth > limit:
+                return True
+        elif c == 0x5D or c == 0x7D:  # ] }
+            depth -= 1
+    return False
+
+
 def parse_body(path: str, body: bytes, max_bytes: int) -> InferenceRequest:
     """Parse and check a /v1/completions or /v1/chat/completions body."""
     if len(body) > max_bytes:
@@ -56,12 +81,16 @@ def parse_body(path: str, body: bytes, max_bytes: int) -> InferenceRequest:
                           code="request_too_large")
     if not body:
         raise bad_request("request body is empty; expected a JSON object", code="invalid_json")
+    if nests_deeper_than(body, MAX_JSON_DEPTH):
+        raise bad_request(f"request body nests arrays or objects deeper than {MAX_JSON_DEPTH} levels",
+                          code="invalid_json")
     try:
         data = json.loads(body)
     except UnicodeDecodeError:
         raise bad_request("request body is not valid UTF-8", code="invalid_json") from None
-    except RecursionError:
-        raise bad_request("request body is nested too deeply", code="invalid_json") from None
+    except RecursionError:  # not valid JSON either (the bound above is exact for valid JSON)
+        raise bad_request(f"request body nests arrays or objects deeper than {MAX_JSON_DEPTH} levels",
+                          code="invalid_json") from None
     except ValueError as e:
         raise bad_request(f"request body is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(data, dict):

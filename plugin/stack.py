@@ -3,6 +3,11 @@ kvgate serve) on loopback: used by `kvgate demo`, the benchmarks and the integra
 
 Every process gets its own log file, is checked for readiness before use, and is
 stopped (SIGTERM, then SIGKILL) by `Stack.close()`, which runs however we exit.
+
+An exception raised by a signal handler (the demo's stop signals) can interrupt a Stack
+anywhere, but never between a child's start and its record in `procs`: children are
+started from a short-lived thread, where no Python signal handler runs; `close()` waits
+for a start under way and lets no new one begin, then stops what `procs` holds.
 """
 from __future__ import annotations
 
@@ -16,10 +21,11 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 import yaml
 
@@ -124,6 +130,11 @@ class Proc:
     def alive(self) -> bool:
         return self.popen.poll() is None
 
+    def send(self, sig: int) -> None:
+        if self.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.popen.send_signal(sig)
+
     def stop(self, timeout: float = 5.0, sig: int = signal.SIGTERM) -> None:
         if self.popen.poll() is not None:
             return
@@ -149,6 +160,9 @@ class Stack:
 
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvgate-stack-")))
     procs: list[Proc] = field(default_factory=list)
+    _lock: threading.Condition = field(default_factory=threading.Condition, repr=False)
+    _spawning: int = 0
+    _closed: bool = False
 
     def start(self, name: str, argv: list[str], *, env: Mapping[str, str] | None = None,
               ready_port: tuple[str, int] | None = None, ready_timeout: float = 30.0) -> Proc:
@@ -159,13 +173,45 @@ class Stack:
             del full_env[k]
         full_env.update(env or {})
         full_env.setdefault("PYTHONUNBUFFERED", "1")
-        with open(log_path, "wb") as log_file:
-            popen = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=full_env, cwd=str(self.workdir), start_new_session=True)
-        proc = Proc(name, popen, log_path)
-        self.procs.append(proc)
+        started: list[Proc] = []
+        failed: list[BaseException] = []
+        done = threading.Event()  # waited on, not Thread.join: 3.11's join, interrupted, forgets the thread
+
+        def spawn() -> None:  # Popen and the record of its child: no signal handler comes between them here
+            try:
+                with self._lock:
+                    if self._closed:
+                        raise StackError(f"not starting {name}: the stack is stopping")
+                    self._spawning += 1
+                try:
+                    with open(log_path, "wb") as log_file:
+                        popen = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT,
+                                                 stdin=subprocess.DEVNULL, env=full_env, cwd=str(self.workdir),
+                                                 start_new_session=True)
+                    started.append(Proc(name, popen, log_path))
+                    self.procs.append(started[0])
+                finally:
+                    with self._lock:
+                        self._spawning -= 1
+                        self._lock.notify_all()
+            except BaseException as e:
+                failed.append(e)
+            finally:
+                done.set()
+
+        threading.Thread(target=spawn, name=f"start-{name}").start()
+        done.wait()
+        if failed:
+            raise failed[0]
+        proc = started[0]
         if ready_port is not None:
-            wait_for_port(*ready_port, timeout=ready_timeout, proc=popen, name=name, log_path=log_path)
+            self.ready(proc, ready_port, timeout=ready_timeout)
+        return proc
+
+    @staticmethod
+    def ready(proc: Proc, port: tuple[str, int], timeout: float = 30.0) -> Proc:
+        """Wait until `proc` listens on `port` (host, port); StackError if it exits or times out first."""
+        wait_for_port(*port, timeout=timeout, proc=proc.popen, name=proc.name, log_path=proc.log_path)
         return proc
 
     def restart(self, proc: Proc, *, ready_port: tuple[str, int] | None = None, env: Mapping[str, str] | None = None,
@@ -203,7 +249,8 @@ class Stack:
         return proc, f"redis://{auth}127.0.0.1:{port}/0"
 
     def sim(self, *, name: str, port: int, model: str, kv_events_port: int | None = None,
-            replay_port: int | None = None, extra: list[str] | None = None) -> Proc:
+            replay_port: int | None = None, extra: list[str] | None = None, wait: bool = True) -> Proc:
+        """A simulated engine; with wait=False, returned started, not yet listening (see `ready`)."""
         argv = [sys.executable, "-m", "plugin.cli", "sim", "--host", "127.0.0.1", "--port", str(port),
                 "--model", model, "--name", name]
         if kv_events_port is None:
@@ -211,13 +258,14 @@ class Stack:
         else:
             argv += ["--kv-events-port", str(kv_events_port), "--replay-port", str(replay_port or 0)]
         argv += extra or []
-        return self.start(name, argv, ready_port=("127.0.0.1", port))
+        return self.start(name, argv, ready_port=("127.0.0.1", port) if wait else None)
 
     def engines(self, n: int, *, model: str, extra: list[str] | None = None, prefix: str = "sim",
                 dp: Iterable[int] = ()) -> list[dict]:
-        """`n` simulated engines publishing KV events with replay; their entries for a pods file.
+        """`n` simulated engines publishing KV events with replay, started together (each takes
+        seconds to import its libraries); their entries for a pods file, once all listen.
         `dp`: data-parallel ranks per engine, in order (engines beyond it have one)."""
-        pods = []
+        pods, procs = [], []
         sizes = list(dp)
         for i in range(n):
             name, port = f"{prefix}{i}", free_port()
@@ -227,12 +275,14 @@ class Stack:
             else:  # rank r publishes on pub + r and replays on replay + r
                 pub = free_port_run(2 * size)
                 replay, more = pub + size, ["--dp-size", str(size)]
-            self.sim(name=name, port=port, model=model, kv_events_port=pub, replay_port=replay,
-                     extra=[*(extra or []), *more])
+            procs.append(self.sim(name=name, port=port, model=model, kv_events_port=pub, replay_port=replay,
+                                  extra=[*(extra or []), *more], wait=False))
             kv = {"pub_port": pub, "replay_port": replay}
             if size > 1:
                 kv["dp_size"] = size
             pods.append({"name": name, "address": "127.0.0.1", "port": port, "model": model, "kv_events": kv})
+        for proc, pod in zip(procs, pods):
+            self.ready(proc, ("127.0.0.1", pod["port"]))
         return pods
 
     def pods_file(self, pods: list[dict]) -> Path:
@@ -241,13 +291,30 @@ class Stack:
         path.write_text(yaml.safe_dump(pods, sort_keys=False))
         return path
 
-    def kvgate(self, *, env: Mapping[str, str], grpc_port: int, name: str = "kvgate") -> Proc:
+    def kvgate(self, *, env: Mapping[str, str], grpc_port: int, name: str = "kvgate", wait: bool = True) -> Proc:
+        """`kvgate serve`; with wait=False, returned started, not yet listening (see `ready`)."""
         argv = [sys.executable, "-m", "plugin.cli", "serve"]
-        return self.start(name, argv, env=env, ready_port=("127.0.0.1", grpc_port))
+        return self.start(name, argv, env=env, ready_port=("127.0.0.1", grpc_port) if wait else None)
 
-    def close(self) -> None:
-        for proc in reversed(self.procs):
-            proc.stop()
+    def close(self, grace_s: float = 5.0, hurry: Callable[[], bool] | None = None) -> None:
+        """Stop every process: SIGTERM to all (newest first), up to `grace_s` for them to exit, cut
+        short as soon as `hurry()` is true, then SIGKILL for the rest. Returns once every one has
+        exited and been reaped. No process starts once it began."""
+        with self._lock:
+            self._closed = True
+            while self._spawning:  # a start under way, its caller interrupted: its child is stopped too
+                self._lock.wait()
+        procs = list(reversed(self.procs))
+        for proc in procs:
+            proc.send(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while (any(p.alive() for p in procs) and time.monotonic() < deadline
+               and not (hurry is not None and hurry())):
+            time.sleep(0.02)
+        for proc in procs:
+            proc.send(signal.SIGKILL)
+        for proc in procs:
+            proc.popen.wait()
         self.procs.clear()
 
     def __enter__(self) -> "Stack":

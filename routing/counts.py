@@ -19,6 +19,8 @@ import asyncio
 import logging
 import os
 import socket
+import ssl
+import sys
 import time
 from typing import Protocol
 from urllib.parse import urlsplit
@@ -101,6 +103,29 @@ def redact_url(url: str) -> str:
     return parts._replace(netloc=f"{user}:***@{host}{port}").geturl()
 
 
+def cert_verification_error(e: BaseException | None) -> ssl.SSLCertVerificationError | None:
+    """The certificate verification failure behind `e` (redis-py wraps it in its ConnectionError)."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, ssl.SSLCertVerificationError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def describe_cert_failure(url_shown: str, err: ssl.SSLCertVerificationError) -> str:
+    """What failed and why, in words a user can act on."""
+    text = (f"TLS certificate verification of Redis {url_shown} failed: {err.verify_message} "
+            f"(OpenSSL verify code {err.verify_code}). Check the server's certificate and the CA given in "
+            f"KVGATE_REDIS_URL's ssl_ca_certs option")
+    if sys.version_info >= (3, 13):
+        text += (" (this Python verifies with X.509 strict checks: a CA needs basicConstraints CA:TRUE marked "
+                 "critical, keyUsage keyCertSign and a subject key identifier; a server certificate a "
+                 "subjectAltName and an authority key identifier)")
+    return text + "."
+
+
 def default_gateway_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
@@ -179,6 +204,7 @@ class RedisCounts:
         self._backoff = backoff_min_s
         self.up = False
         self.failures = 0
+        self._cert_reported = False
         self._closing = False
 
     # -- the request path ------------------------------------------------------------------
@@ -259,6 +285,7 @@ class RedisCounts:
         if not self.up:
             log.info("running counts: Redis %s reachable, shared counts on", self._url_shown)
         self.up = True
+        self._cert_reported = False
         self._down_until = 0.0  # a concurrent op may have failed meanwhile; this success ends the back-off
         self._backoff = self._backoff_min
         self._metrics.redis_up.set(1)
@@ -266,7 +293,11 @@ class RedisCounts:
     def _failed(self, op: str, e: Exception) -> None:
         self.failures += 1
         self._metrics.redis_errors.labels(op).inc()
-        if self.up or self.failures == 1:
+        cert = cert_verification_error(e)
+        if cert is not None and not self._cert_reported:  # a configuration error: said once, plainly
+            self._cert_reported = True
+            log.error("running counts: %s Local counts until it is fixed.", describe_cert_failure(self._url_shown, cert))
+        elif self.up or self.failures == 1:
             log.warning("running counts: Redis %s %s failed (%s: %s); local counts for %.1fs",
                         self._url_shown, op, type(e).__name__, e, self._backoff)
         self.up = False

@@ -1,5 +1,5 @@
-"""Pod discovery: one interface, a static source (YAML file and/or one-line list) here,
-Kubernetes in routing.k8s.
+"""Pod discovery: a static source (YAML file and/or one-line list) here, Kubernetes in
+routing.k8s; both have the same two methods, `start(registry)` and `stop()`.
 
 A source's `start(registry)` loads the first list (raising DiscoveryError, which names
 the source, if it cannot) and then keeps the registry current in the background; a bad
@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from typing import Any, Protocol
+from typing import Any
 
 import yaml
 
@@ -20,14 +20,6 @@ from routing.pods import KVEventsEndpoint, Pod
 from routing.registry import PodRegistry
 
 log = logging.getLogger(__name__)
-
-
-class PodSource(Protocol):
-    async def start(self, registry: PodRegistry) -> None:
-        """Put the first pod list in `registry` (raise DiscoveryError if impossible), then follow changes."""
-        ...
-
-    async def stop(self) -> None: ...
 
 
 # ---- parsing --------------------------------------------------------------------------------

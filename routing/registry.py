@@ -33,9 +33,6 @@ class PodRegistry:
     def add_listener(self, fn: PodListener) -> None:
         self._listeners.append(fn)
 
-    def remove_listener(self, fn: PodListener) -> None:
-        self._listeners.remove(fn)
-
     def replace(self, pods: Iterable[Pod]) -> tuple[list[Pod], list[Pod]]:
         """Make `pods` the current set; returns and announces `(added, removed)`."""
         new: dict[str, Pod] = {}

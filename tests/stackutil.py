@@ -1,11 +1,18 @@
 """Helpers shared by the integration tests (real processes on loopback)."""
 from __future__ import annotations
 
+import asyncio
 import socket
+import subprocess
 import sys
 import time
+from pathlib import Path
+from typing import Callable, Iterable
 
-from plugin.stack import Proc, Stack, free_port
+import httpx
+import pytest
+
+from plugin.stack import Proc, Stack, free_port, wait_for_port
 
 
 def wait_until(predicate, timeout: float = 15.0, interval: float = 0.05):
@@ -17,6 +24,45 @@ def wait_until(predicate, timeout: float = 15.0, interval: float = 0.05):
             return value
         time.sleep(interval)
     return predicate()
+
+
+async def wait_until_async(predicate, timeout: float = 15.0, interval: float = 0.02):
+    """wait_until for a test on the event loop: polls with asyncio.sleep, so the loop's tasks run."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        await asyncio.sleep(interval)
+    return predicate()
+
+
+def make_tls_certs(workdir: Path, name: str = "test", ca: tuple[Path, Path] | None = None) -> dict[str, Path]:
+    """A CA and a server certificate for 127.0.0.1 signed by it, both as strict X.509 verification
+    (Python 3.13's default contexts, VERIFY_X509_STRICT) wants them: the CA with basicConstraints
+    CA:TRUE (critical), keyUsage keyCertSign (critical) and a subject key identifier; the server's
+    with a SAN, serverAuth, and subject and authority key identifiers. `ca` (cert, key): sign with
+    that CA instead of a new one. Returns the paths: ca, ca_key, cert, key."""
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
+
+    if ca is None:
+        ca = (workdir / f"{name}-ca.pem", workdir / f"{name}-ca.key")
+        ca_ext = workdir / f"{name}-ca.cnf"
+        ca_ext.write_text(f"[req]\ndistinguished_name = dn\nprompt = no\n[dn]\nCN = kvgate {name} CA\n"
+                          "[v3]\nbasicConstraints = critical, CA:TRUE\nkeyUsage = critical, keyCertSign, cRLSign\n"
+                          "subjectKeyIdentifier = hash\n")
+        run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-config", str(ca_ext), "-extensions", "v3",
+            "-keyout", str(ca[1]), "-out", str(ca[0]))
+    cert, key, csr = (workdir / f"{name}-server.{ext}" for ext in ("pem", "key", "csr"))
+    ext = workdir / f"{name}-server.cnf"
+    ext.write_text("basicConstraints = critical, CA:FALSE\nkeyUsage = critical, digitalSignature, keyEncipherment\n"
+                   "extendedKeyUsage = serverAuth\nsubjectAltName = IP:127.0.0.1\n"
+                   "subjectKeyIdentifier = hash\nauthorityKeyIdentifier = keyid\n")
+    run("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-keyout", str(key), "-out", str(csr))
+    run("x509", "-req", "-in", str(csr), "-CA", str(ca[0]), "-CAkey", str(ca[1]), "-CAcreateserial", "-days", "2",
+        "-extfile", str(ext), "-out", str(cert))
+    return {"ca": ca[0], "ca_key": ca[1], "cert": cert, "key": key}
 
 
 def start_canary(stack: Stack) -> tuple[Proc, int]:
@@ -39,3 +85,79 @@ def refused_port() -> tuple[socket.socket, int]:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     return sock, sock.getsockname()[1]
+
+
+class GatewayEnv:
+    """The integration stack's common part: `kvgate serve` and Envoy in front of pods a subclass
+    started, a canary outside discovery, and a client through Envoy. A subclass's __init__ starts its
+    engines (and Redis, ...) on `self.stack`, then calls `start_gateway`; `on_close` registers what
+    else must be released at the end (sockets, threads)."""
+
+    def __init__(self, stack: Stack) -> None:
+        self.stack = stack
+        self._closers: list[Callable[[], object]] = []
+
+    def start_gateway(self, pods: list[dict], env: dict[str, str], default_pool: Iterable[tuple[str, int]],
+                      client_timeout: float = 30) -> None:
+        self.pods = pods
+        self.pods_file = self.stack.pods_file(pods)
+        self.canary, self.canary_port = start_canary(self.stack)
+        self.grpc_port, self.http_port = free_port(), free_port()
+        self.kvgate_env = {"KVGATE_PODS_FILE": str(self.pods_file), "KVGATE_GRPC_PORT": str(self.grpc_port),
+                           "KVGATE_HTTP_PORT": str(self.http_port), **env}
+        self.kvgate = self.stack.kvgate(env=self.kvgate_env, grpc_port=self.grpc_port)
+        wait_for_port("127.0.0.1", self.http_port, timeout=10)
+        self.listen = free_port()
+        self.envoy = self.stack.envoy(listen_port=self.listen, extproc_port=self.grpc_port, default_pool=default_pool)
+        self.url = f"http://127.0.0.1:{self.listen}"
+        self.client = httpx.Client(base_url=self.url, timeout=client_timeout)
+        self.on_close(self.client.close)
+
+    def on_close(self, fn: Callable[[], object]) -> None:
+        self._closers.append(fn)
+
+    def close(self) -> None:
+        for fn in reversed(self._closers):
+            fn()
+
+    # --- kvgate's view --------------------------------------------------------------------
+    def debug(self) -> dict:
+        return httpx.get(f"http://127.0.0.1:{self.http_port}/debug", timeout=5).json()
+
+    def debug_text(self) -> str:
+        return httpx.get(f"http://127.0.0.1:{self.http_port}/debug", timeout=5).text
+
+    def metrics(self) -> str:
+        return httpx.get(f"http://127.0.0.1:{self.http_port}/metrics", timeout=5).text
+
+    def counts_are_zero(self) -> bool:
+        d = self.debug()
+        return d["in_flight_here"] == 0 and all(p["running"] == 0 for p in d["pods"])
+
+    def canary_hits(self) -> int:
+        return canary_hits(self.canary)
+
+    def restart_kvgate(self, **overrides: str) -> None:
+        """kvgate again, with its settings and `overrides`; returns once both its ports listen."""
+        self.kvgate = self.stack.restart(self.kvgate, env={**self.kvgate_env, **overrides},
+                                         ready_port=("127.0.0.1", self.grpc_port))
+        wait_for_port("127.0.0.1", self.http_port, timeout=10)
+
+
+def stack_fixture(make: Callable[[Stack], GatewayEnv]):
+    """The module-scoped fixture of an integration module: `env = stack_fixture(Env)`. One stack per
+    module, stopped whatever happens; the logs of kvgate and Envoy are printed if a process died."""
+
+    @pytest.fixture(scope="module")
+    def env():
+        with Stack() as stack:
+            e = make(stack)
+            try:
+                yield e
+            finally:
+                e.close()
+                dead = [p.name for p in stack.procs if not p.alive()]
+                if dead:
+                    print(f"stack processes not running at the end: {dead}", e.kvgate.log_tail(), e.envoy.log_tail())
+
+    return env

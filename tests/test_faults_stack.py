@@ -14,7 +14,6 @@ import sys
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 
 import httpx
 import pytest
@@ -25,8 +24,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvcache.publisher import END_SEQ, EventPublisher
 from kvcache.wire import decode_batch
-from stackutil import canary_hits, start_canary, wait_until
-from plugin.stack import Stack, free_port, wait_for_port
+from stackutil import GatewayEnv, stack_fixture, wait_until
+from plugin.stack import Stack, free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -34,8 +33,6 @@ MODEL = "m"
 GATEWAY_ID = "faults-gw"
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
          "quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split()
-
-
 
 
 def prompt(seed: int, words: int = 160) -> str:
@@ -143,12 +140,15 @@ class LossyProxy:
 # --- the stack ------------------------------------------------------------------------------
 
 FLOOD_SCRIPT = r"""
-import sys, time, random
+import os, sys, time, random
 from kvcache.events import BlockStored, AllBlocksCleared
 from kvcache.publisher import EventPublisher
 pub_port, replay_port, blocks_per_s, seconds = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
+go = sys.argv[5]
 pub = EventPublisher(f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{replay_port}", buffer_steps=1000)
-time.sleep(1.0)  # let kvgate's subscriber connect
+deadline = time.monotonic() + 30
+while not os.path.exists(go) and time.monotonic() < deadline:  # the test says go once kvgate is connected
+    time.sleep(0.02)
 rng = random.Random(7)
 per_batch = 4
 interval = per_batch / blocks_per_s
@@ -167,18 +167,17 @@ while time.monotonic() - start < seconds:
         time.sleep(delay)
 pub.publish([AllBlocksCleared()])
 print(f"FLOOD sent={sent} seconds={time.monotonic() - start:.2f}", flush=True)
-time.sleep(2.0)
+deadline = time.monotonic() + 30
+while not os.path.exists(go + ".done") and time.monotonic() < deadline:  # replay stays up until the test is done
+    time.sleep(0.02)
 pub.close()
 """
 
 
-@dataclass
-class Env:
-    stack: Stack
-    sims: dict[str, dict] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        stack = self.stack
+class Env(GatewayEnv):
+    def __init__(self, stack: Stack) -> None:
+        super().__init__(stack)
+        self.sims: dict[str, dict] = {}
         self.redis, self.redis_url = stack.redis()
         self.redis_port = int(self.redis_url.rsplit(":", 1)[1].split("/")[0])
         pods = []
@@ -192,49 +191,25 @@ class Env:
         # sim1's live messages cross a lossy proxy; its replay socket is reached directly.
         self.proxy_port = free_port()
         self.proxy = LossyProxy(self.sims["sim1"]["pub"], self.proxy_port)
+        self.on_close(self.proxy.close)
         pods[1]["kv_events"]["pub_port"] = self.proxy_port
         # "ghost": a publisher in this process with an 8-batch replay buffer, behind a pod never ready.
         gpub, greplay = free_port(), free_port()
         self.ghost = EventPublisher(f"tcp://127.0.0.1:{gpub}", f"tcp://127.0.0.1:{greplay}", buffer_steps=8)
+        self.on_close(self.ghost.close)
         pods.append({"name": "ghost", "address": "127.0.0.1", "port": free_port(), "model": MODEL, "ready": False,
                      "kv_events": {"pub_port": gpub, "replay_port": greplay}})
         # "flood": an event firehose started by the flood test, behind a pod never ready.
         self.flood_ports = (free_port(), free_port())
         pods.append({"name": "flood", "address": "127.0.0.1", "port": free_port(), "model": MODEL, "ready": False,
                      "kv_events": {"pub_port": self.flood_ports[0], "replay_port": self.flood_ports[1]}})
-        self.pods = pods
-        self.pods_file = stack.pods_file(pods)
-        self.canary, self.canary_port = start_canary(stack)
-        self.grpc_port, self.http_port = free_port(), free_port()
-        self.kvgate_env = {
-            "KVGATE_PODS_FILE": str(self.pods_file), "KVGATE_GRPC_PORT": str(self.grpc_port),
-            "KVGATE_HTTP_PORT": str(self.http_port), "KVGATE_ROUTING_STRATEGY": "kv-sync",
-            "KVGATE_REDIS_URL": self.redis_url, "KVGATE_GATEWAY_ID": GATEWAY_ID,
+        self.start_gateway(pods, {
+            "KVGATE_ROUTING_STRATEGY": "kv-sync", "KVGATE_REDIS_URL": self.redis_url, "KVGATE_GATEWAY_ID": GATEWAY_ID,
             "KVGATE_KV_EVENTS_BACKOFF_MIN_S": "0.1", "KVGATE_KV_EVENTS_BACKOFF_MAX_S": "1",
-        }
-        self.kvgate = stack.kvgate(env=self.kvgate_env, grpc_port=self.grpc_port)
-        self.listen = free_port()
-        self.envoy = stack.envoy(listen_port=self.listen, extproc_port=self.grpc_port,
-                                 default_pool=[("127.0.0.1", self.sims["sim0"]["port"])])
-        self.url = f"http://127.0.0.1:{self.listen}"
-        self.client = httpx.Client(base_url=self.url, timeout=30)
-
-    # --- kvgate's view --------------------------------------------------------------------
-    def debug(self) -> dict:
-        return httpx.get(f"http://127.0.0.1:{self.http_port}/debug", timeout=5).json()
-
-    def metrics(self) -> str:
-        return httpx.get(f"http://127.0.0.1:{self.http_port}/metrics", timeout=5).text
-
-    def counts_are_zero(self) -> bool:
-        d = self.debug()
-        return d["in_flight_here"] == 0 and all(p["running"] == 0 for p in d["pods"])
+        }, default_pool=[("127.0.0.1", self.sims["sim0"]["port"])])
 
     def cached_blocks_counter(self) -> float:
         return metric(self.metrics(), "kvgate_prefix_blocks", kind="cached")
-
-    def canary_hits(self) -> int:
-        return canary_hits(self.canary)
 
     # --- the engines' view ----------------------------------------------------------------
     def truth(self, names=("sim0", "sim1")) -> tuple[int, int]:
@@ -264,23 +239,8 @@ class Env:
         assert r.status_code == 200, r.text
         return r.json()
 
-    def restart_kvgate(self) -> None:
-        self.kvgate = self.stack.restart(self.kvgate, env=self.kvgate_env, ready_port=("127.0.0.1", self.grpc_port))
-        wait_for_port("127.0.0.1", self.http_port, timeout=10)
 
-
-@pytest.fixture(scope="module")
-def env():
-    with Stack() as stack:
-        e = Env(stack)
-        try:
-            yield e
-        finally:
-            e.client.close()
-            e.proxy.close()
-            e.ghost.close()
-            if any(not p.alive() for p in stack.procs):
-                print(e.kvgate.log_tail(), e.envoy.log_tail())
+env = stack_fixture(Env)
 
 
 class Load:
@@ -326,6 +286,14 @@ class Load:
                 except httpx.HTTPError as e:
                     outcome = f"{type(e).__name__}: {e}"
                 self.results.append((t0, time.monotonic(), outcome))
+
+    def done(self, started_after: float = 0.0) -> int:
+        """Requests started at or after `started_after` (monotonic) that have ended."""
+        return sum(1 for t0, _, _ in list(self.results) if t0 >= started_after)
+
+    def wait_done(self, n: int, started_after: float = 0.0, timeout: float = 20.0) -> None:
+        """Wait until `n` requests started at or after `started_after` have ended."""
+        assert wait_until(lambda: self.done(started_after) >= n, timeout=timeout), (n, self.results[-5:])
 
     def failures(self, started_after: float = 0.0, ended_before: float = float("inf")) -> list:
         return [o for t0, t1, o in self.results if t0 >= started_after and t1 < ended_before and o != 200]
@@ -437,8 +405,13 @@ def test_restart_hidden_behind_a_proxy_is_noticed_at_its_first_batch(env):
     sim1 = env.sims["sim1"]
     sim1["proc"].kill()
     sim1["proc"] = env.stack.restart(sim1["proc"], ready_port=("127.0.0.1", sim1["port"]))
-    time.sleep(0.5)  # the proxy's SUB reconnects to the new engine
-    env.complete_direct("sim1", prompt(361))
+    # Requests to the new engine until the proxy forwards its events: the proxy's SUB has reconnected.
+    forwarded, n = env.proxy.forwarded, iter(range(361, 400))
+
+    def through_the_proxy():
+        env.complete_direct("sim1", prompt(next(n)))
+        return env.proxy.forwarded > forwarded
+    assert wait_until(through_the_proxy, timeout=10, interval=0.1)
 
     def noticed():
         return metric(env.metrics(), "kvgate_kvevents_state_drops", pod="sim1", reason="restart") > drops
@@ -453,15 +426,18 @@ def test_redis_killed_under_load_no_request_fails_and_counts_reconverge(env):
     key = f"kvgate:{{running}}:gw:{GATEWAY_ID}"
     assert wait_until(lambda: env.debug()["counts"]["redis_up"])
     with Load(env.url, workers=3) as load:
-        time.sleep(1.0)
+        load.wait_done(10)
         env.redis.kill()
-        time.sleep(2.0)
+        killed_at = time.monotonic()
+        # kvgate notices, and requests go on meanwhile (on its local counts).
+        assert wait_until(lambda: not env.debug()["counts"]["redis_up"], timeout=10)
+        load.wait_done(10, started_after=time.monotonic())
         env.redis = env.stack.restart(env.redis, ready_port=("127.0.0.1", env.redis_port))
         # The gateway republishes its whole state once Redis is back.
         assert wait_until(lambda: r.exists(key), timeout=10)
         assert wait_until(lambda: env.debug()["counts"]["redis_up"], timeout=10)
-        time.sleep(1.0)
-    assert len(load.results) > 10
+        load.wait_done(10, started_after=time.monotonic())
+    assert load.done(started_after=killed_at) >= 20
     assert load.failures() == [], load.failures()[:5]
     assert wait_until(env.counts_are_zero), env.debug()["counts"]
     # Redis itself agrees: this gateway's hash holds no running request.
@@ -473,10 +449,10 @@ def test_kvgate_killed_under_load_fails_closed_then_recovers_its_index(env, reco
     evil = {"x-gateway-destination-endpoint": f"127.0.0.1:{env.canary_port}", "target-pod": f"127.0.0.1:{env.canary_port}"}
     canary_before = env.canary_hits()
     with Load(env.url, workers=3, headers=evil) as load:
-        time.sleep(1.0)
+        load.wait_done(10)
         killed_at = time.monotonic()
         env.kvgate.kill()
-        time.sleep(1.5)
+        load.wait_done(5, started_after=time.monotonic())  # requests while kvgate is down: they fail closed
         env.restart_kvgate()
 
         def serving():
@@ -484,7 +460,7 @@ def test_kvgate_killed_under_load_fails_closed_then_recovers_its_index(env, reco
                                    headers=evil).status_code == 200
         assert wait_until(serving, timeout=20, interval=0.2)
         recovered_at = time.monotonic()
-        time.sleep(1.5)
+        load.wait_done(10, started_after=recovered_at)
     assert env.canary_hits() == canary_before, "a spoofed header reached a server outside discovery"
     # Requests done before the kill, and started after recovery, all succeed. Those in between fail
     # closed: a 5xx, or (for streams already flowing) a cut connection, since Envoy resets a request
@@ -492,6 +468,7 @@ def test_kvgate_killed_under_load_fails_closed_then_recovers_its_index(env, reco
     assert load.failures(ended_before=killed_at) == []
     assert load.failures(started_after=recovered_at) == []
     window = [o for t0, t1, o in load.results if t1 >= killed_at and t0 < recovered_at and o != 200]
+    assert len(window) >= 5, window  # the requests sent while kvgate was down, at least, failed
     assert all((isinstance(o, int) and o >= 500) or "RemoteProtocolError" in str(o) for o in window), window
     record_property("kvgate_kill_failed_in_window", len(window))
     print(f"\nKVGATE-KILL window failures: {Counter(str(o)[:40] for o in window)}")
@@ -576,9 +553,13 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def test_event_flood_while_serving_keeps_routing_responsive(env, record_property):
-    """Benchmark-style: routing latency p50/p99 quiet vs. under a 10x event flood, recorded, not asserted
-    (timing on a shared 2-core machine is too noisy for a bound). Asserted: the flood is ingested and
-    every request meanwhile succeeds."""
+    """Routing latency p50/p99, quiet vs. under a 10x event flood, recorded; asserted: the flood is
+    ingested while the whole probe runs, every request meanwhile succeeds, and routing stays responsive
+    within bounds loose enough for a shared 2-core machine: measured there, flood p50 6-7 ms vs. quiet
+    6-7.5 ms and a p99 ratio of 0.7-2.3; an ingestion that blocked the event loop 0.6 ms per batch made
+    the flood p50 34 ms (the p50 bound fails), one blocking 3 ms per batch never caught up with the flood
+    (the AllBlocksCleared wait fails). The p99 bound only catches stalls of 50 ms and more: 200 samples
+    make p99 their second worst. Speed targets live in `kvgate bench`, not here."""
     m0, t0 = env.metrics(), time.monotonic()
     with Load(env.url, workers=2) as quiet_load:
         quiet = _route_latencies(env, 200, offset=10_000)
@@ -588,18 +569,28 @@ def test_event_flood_while_serving_keeps_routing_responsive(env, record_property
                        - metric(m0, "kvgate_kvevents_events_received", type="BlockStored")) / quiet_s
     # 10x the stores the engines produced under this load, or 10x a busy engine's 500 blocks/s if more.
     flood_rate = 10 * max(normal_blocks_s, 500.0)
+    go = env.stack.workdir / "flood.go"
     flood = env.stack.start("flood", [sys.executable, "-c", FLOOD_SCRIPT, str(env.flood_ports[0]),
-                                      str(env.flood_ports[1]), str(flood_rate), "8"])
-    time.sleep(1.5)
-    before = metric(env.metrics(), "kvgate_kvevents_batches_received", pod="flood")
+                                      str(env.flood_ports[1]), str(flood_rate), "8", str(go)])
+    assert wait_until(lambda: metric(env.metrics(), "kvgate_kvevents_connection_status", pod="flood") == 1)
+    go.touch()
+    assert wait_until(lambda: metric(env.metrics(), "kvgate_kvevents_batches_received", pod="flood") > 0)
+    m2 = env.metrics()
+    before = metric(m2, "kvgate_kvevents_batches_received", pod="flood")
+    cleared_before = metric(m2, "kvgate_kvevents_events_applied", type="AllBlocksCleared")
     with Load(env.url, workers=2) as flood_load:
         flooded = _route_latencies(env, 200, offset=20_000)
-    ingested = metric(env.metrics(), "kvgate_kvevents_batches_received", pod="flood") - before
+    m3 = env.metrics()
+    ingested = metric(m3, "kvgate_kvevents_batches_received", pod="flood") - before
+    # The flood's last event (AllBlocksCleared) had not come yet: the whole probe ran under the flood.
+    assert metric(m3, "kvgate_kvevents_events_applied", type="AllBlocksCleared") == cleared_before
+    assert wait_until(lambda: metric(env.metrics(), "kvgate_kvevents_events_applied", type="AllBlocksCleared")
+                      > cleared_before)
+    (go.parent / (go.name + ".done")).touch()
     flood.popen.wait(20)
     env.stack.procs.remove(flood)
     assert quiet_load.failures() == [] and flood_load.failures() == [], flood_load.failures()[:5]
     assert ingested > 100, "the flood never reached kvgate"
-    assert wait_until(lambda: metric(env.metrics(), "kvgate_kvevents_events_applied", type="AllBlocksCleared") >= 1)
     numbers = {
         "normal_blocks_per_s": round(normal_blocks_s, 1), "flood_blocks_per_s": round(flood_rate, 1),
         "flood_batches_ingested_during_probe": int(ingested),
@@ -610,3 +601,5 @@ def test_event_flood_while_serving_keeps_routing_responsive(env, record_property
     for k, v in numbers.items():
         record_property(k, v)
     print("\nFLOOD " + json.dumps(numbers))
+    assert numbers["flood_p50_ms"] <= 2 * numbers["quiet_p50_ms"] + 5, numbers
+    assert numbers["flood_p99_ms"] <= 4 * numbers["quiet_p99_ms"] + 50, numbers

@@ -10,75 +10,37 @@ import httpx
 import pytest
 import yaml
 
-from stackutil import canary_hits, refused_port, start_canary, wait_until
-from plugin.stack import Stack, free_port
+from stackutil import GatewayEnv, refused_port, stack_fixture, wait_until
+from plugin.stack import Stack
 
 pytestmark = pytest.mark.integration
 
 MODEL = "m"
 
 
-
-
-class Env:
+class Env(GatewayEnv):
     def __init__(self, stack: Stack):
-        self.stack = stack
+        super().__init__(stack)
         # sim1 is a data-parallel engine of two ranks behind one port
         pods = stack.engines(2, model=MODEL, extra=["--tpot-ms", "20", "--ttft-overhead-ms", "2"], dp=(1, 2))
         self.sims = {p["name"]: p["port"] for p in pods}
         # A pod whose engine is not running: requests to it fail upstream. Its port is held (bound, not
         # listening), else a server started later (Envoy's admin port, say) could be given it and answer.
         self.held = [refused_port(), refused_port()]
+        for sock, _ in self.held:
+            self.on_close(sock.close)
         (_, dead_port), (_, drained_port) = self.held
         pods.append({"name": "dead", "address": "127.0.0.1", "port": dead_port, "model": "deadmodel"})
         pods.append({"name": "drained", "address": "127.0.0.1", "port": drained_port, "model": "drainedmodel",
                      "ready": False})
-        self.pods = pods
-        self.pods_file = stack.pods_file(pods)
-        # A server outside discovery: nothing a client sends may ever reach it.
-        self.canary, self.canary_port = start_canary(stack)
-        self.grpc_port, self.http_port = free_port(), free_port()
-        self.kvgate_env = {
-            "KVGATE_PODS_FILE": str(self.pods_file), "KVGATE_GRPC_PORT": str(self.grpc_port),
-            "KVGATE_HTTP_PORT": str(self.http_port), "KVGATE_MAX_BODY_BYTES": "65536",
-            "KVGATE_ROUTING_STRATEGY": "kv-sync", "KVGATE_LOG_LEVEL": "info",
-        }
-        self.kvgate = stack.kvgate(env=self.kvgate_env, grpc_port=self.grpc_port)
-        self.listen = free_port()
-        self.envoy = stack.envoy(listen_port=self.listen, extproc_port=self.grpc_port,
-                                 default_pool=[("127.0.0.1", self.sims["sim0"])])
-        self.url = f"http://127.0.0.1:{self.listen}"
-        self.client = httpx.Client(base_url=self.url, timeout=30)
-
-    def debug(self) -> dict:
-        return httpx.get(f"http://127.0.0.1:{self.http_port}/debug", timeout=5).json()
+        self.start_gateway(pods, {"KVGATE_MAX_BODY_BYTES": "65536", "KVGATE_ROUTING_STRATEGY": "kv-sync",
+                                  "KVGATE_LOG_LEVEL": "info"}, default_pool=[("127.0.0.1", self.sims["sim0"])])
 
     def debug_pod(self, name: str) -> dict:
         return next(p for p in self.debug()["pods"] if p["name"] == name)
 
-    def counts_are_zero(self) -> bool:
-        d = self.debug()
-        return d["in_flight_here"] == 0 and all(p["running"] == 0 for p in d["pods"])
 
-    def canary_hits(self) -> int:
-        return canary_hits(self.canary)
-
-    def restart_kvgate(self) -> None:
-        self.kvgate = self.stack.restart(self.kvgate, env=self.kvgate_env, ready_port=("127.0.0.1", self.grpc_port))
-
-
-@pytest.fixture(scope="module")
-def env():
-    with Stack() as stack:
-        e = Env(stack)
-        try:
-            yield e
-        finally:
-            e.client.close()
-            for sock, _ in e.held:
-                sock.close()
-            if any(not p.alive() for p in stack.procs):
-                print(e.kvgate.log_tail(), e.envoy.log_tail())
+env = stack_fixture(Env)
 
 
 def _error(r: httpx.Response) -> dict:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import msgpack
 import numpy as np
 import pytest
 
@@ -160,3 +161,34 @@ def test_chain_keys_read_integer_buffers_like_lists():
     assert chain_keys(11, array("i", [-3, 4]), 2) == reference_chain_keys(11, [-3, 4], 2)
     with pytest.raises(TypeError):
         chain_keys(11, np.array([1.0, 2.0]), 1)
+
+
+def test_core_refuses_ids_it_never_gave_and_ragged_buffers():
+    """The C tables trust only what they handed out: an unknown model, medium or slot, a slot
+    already cleared, and hashes and keys of different counts or not whole uint64s are refused
+    with a clear error before anything is read or changed."""
+    core = native.Core(100)
+    model, medium = core.new_model(), core.new_medium()
+    slot = core.new_slot(core.new_group())
+    one = _u64([1])
+    assert core.store(model, medium, slot, one, _u64([5])) == 1
+    for bad in [(model + 1, medium, slot), (model, medium + 1, slot), (model, medium, slot + 1), (model, -1, slot)]:
+        with pytest.raises(ValueError, match="no (model|medium table|live slot)"):
+            core.store(*bad, one, one)
+    with pytest.raises(ValueError, match="as many hashes as keys"):
+        core.store(model, medium, slot, one, _u64([5, 6]))
+    with pytest.raises(ValueError, match="uint64"):
+        core.release(model, medium, slot, b"\x01\x02\x03")
+    payload = msgpack.packb([1.0, [["BlockStored", [5], None, [1], 1, None, "GPU", None]]])
+    assert native.scan_batch(payload) is not None
+    with pytest.raises(ValueError, match="stores need a medium table"):
+        core.apply_batch(payload, model, -1, slot, 0, {})
+    core.kill_slot(slot)
+    with pytest.raises(ValueError, match="no live slot"):
+        core.release(model, medium, slot, one)
+    with pytest.raises(ValueError, match="not empty"):
+        core.free_medium(medium)  # the dead slot's mark is still there: the background pass removes it
+    core.maintain()
+    core.free_medium(medium)
+    core.check()
+    assert core.stats()[:3] == (0, 0, 1)  # no entry, none evicted; the engine hash waits for the sweep

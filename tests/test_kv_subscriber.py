@@ -106,6 +106,12 @@ def status(manager, rank=0):
     return next(s for s in manager.status() if s["rank"] == rank)
 
 
+def connections(manager, kind: str, pod: str = "p", rank: int = 0) -> float:
+    """kvgate_kvevents_{connections,disconnections}_total of one endpoint."""
+    return manager.metrics.registry.get_sample_value(f"kvgate_kvevents_{kind}_total",
+                                                     {"pod": pod, "rank": str(rank)}) or 0.0
+
+
 @pytest.mark.parametrize("generation", GENERATIONS)
 async def test_replays_history_then_follows_live(harness, generation):
     make, engine = harness
@@ -206,7 +212,9 @@ async def test_restart_without_replay_follows_new_stream(harness):
     e.publish(0, 1, 2)
     await until(lambda: len(sink.hashes()) == 3)
     e.pub.restart()
-    await until(lambda: status(manager)["connected"] and status(manager)["reconnects"] + 1 >= 1)
+    # The SUB saw the old publisher go and is connected to the new one: a second connection, after a loss.
+    await until(lambda: connections(manager, "disconnections") == 1 and connections(manager, "connections") == 2
+                and status(manager)["connected"])
 
     async def keep_publishing():  # live-only: what is sent before the SUB reconnects is lost
         n = 100
@@ -423,7 +431,7 @@ async def test_live_batch_older_than_a_jumping_replay_is_stale_not_a_restart():
     """The replay answers from seq 5 while live seq 3 (same engine) is still queued: 3 is stale."""
     ctx = zmq.Context()
     pub_port, replay_port = free_port(), free_port()
-    pub, router = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
+    pub, router = ctx.socket(zmq.XPUB), ctx.socket(zmq.ROUTER)  # XPUB: tells when the SUB has subscribed
     pub.bind(f"tcp://127.0.0.1:{pub_port}")
     router.bind(f"tcp://127.0.0.1:{replay_port}")
 
@@ -436,9 +444,9 @@ async def test_live_batch_older_than_a_jumping_replay_is_stale_not_a_restart():
     def serve():
         if router.poll(5000):
             client, _, _ = router.recv_multipart()
-            for _ in range(5):  # the SUB is connected; its subscription reaches the PUB shortly
-                live(3, 3)
-                time.sleep(0.05)
+            assert pub.poll(5000), "the SUB never subscribed"
+            assert pub.recv() == b"\x01"  # its subscription to everything: live 3 now reaches it
+            live(3, 3)
             for seq in (5, 6):
                 router.send_multipart([client, b"", seq.to_bytes(8, "big"), batch(seq)])
             router.send_multipart([client, b"", END_SEQ, b""])

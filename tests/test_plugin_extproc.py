@@ -15,6 +15,7 @@ from plugin.extproc import ExternalProcessor, Gateway
 from plugin.metrics import GatewayMetrics
 from routing.errors import NoReadyPodError, UnknownModelError, UnknownStrategyError
 from routing.pods import Pod
+from stackutil import wait_until_async
 from tokenizer.types import TokenizerError
 
 POD = Pod("p0", "10.0.0.7", 8000, "m")
@@ -101,7 +102,9 @@ async def run_stream(gw, messages):
             stub = pb_grpc.ExternalProcessorStub(ch)
             call = stub.Process(iter(messages))
             out = [r async for r in call]
-        await asyncio.sleep(0.05)
+        # The client may have its last answer before the server's handler has run its `finally` (the
+        # release): wait until no stream is open, then for the releases still pending.
+        assert await wait_until_async(lambda: gw.metrics.active_streams.value == 0, timeout=5)
         await proc.drain()
         return out
     finally:

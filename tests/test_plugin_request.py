@@ -87,3 +87,21 @@ def test_chat_fields():
     assert r.item.continue_final_message is True and r.item.add_generation_prompt is False
     assert r.item.chat_template_kwargs == {"x": 1}
     assert r.stream is False
+
+
+def test_nesting_bound_is_kvgates_own_whatever_the_interpreter():
+    """MAX_JSON_DEPTH levels pass, one more is invalid_json, on 3.11 (whose decoder would stop near
+    1000 levels) and 3.13 (whose decoder has no bound) alike; brackets inside strings are text."""
+    from plugin.request import MAX_JSON_DEPTH
+
+    def body(depth: int) -> bytes:
+        return b'{"model": "m", "prompt": "x", "extra": ' + b"[" * (depth - 1) + b"]" * (depth - 1) + b"}"
+
+    assert parse_body(COMPLETIONS, body(MAX_JSON_DEPTH), LIMIT).model == "m"
+    for depth in (MAX_JSON_DEPTH + 1, 900, 5000):
+        e = _err(COMPLETIONS, body(depth))
+        assert (e.status, e.code) == (400, "invalid_json") and f"deeper than {MAX_JSON_DEPTH}" in e.message
+    objects = b'{"model": "m", "prompt": "x", "a": ' + b'{"a": ' * MAX_JSON_DEPTH + b"1" + b"}" * MAX_JSON_DEPTH + b"}"
+    assert _err(CHAT, objects).code == "invalid_json"
+    brackets_in_text = _j({"model": "m", "prompt": "[" * 5000 + '\\"{' * 100})
+    assert parse_body(COMPLETIONS, brackets_in_text, LIMIT).item.text.startswith("[[[")

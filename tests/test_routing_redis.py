@@ -16,6 +16,7 @@ from routing.pods import KVEventsEndpoint, Pod
 from routing.registry import PodRegistry
 from routing.router import Router
 from routing.scoring import RouteRequest
+from stackutil import make_tls_certs
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")]
@@ -292,31 +293,67 @@ def test_url_handling():
     assert "topsecret" not in str(e.value)
 
 
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl not installed")
-async def test_tls_url(tmp_path):
-    """rediss:// with the server's CA given in the URL (redis-py's ssl_ca_certs query option)."""
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
-                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
-                   check=True, capture_output=True, timeout=30)
+def _tls_server(certs: dict) -> tuple[subprocess.Popen, int]:
     port = free_port()
     proc = subprocess.Popen(["redis-server", "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
-                             "--tls-cert-file", str(cert), "--tls-key-file", str(key), "--tls-ca-cert-file", str(cert),
-                             "--tls-auth-clients", "no", "--save", "", "--appendonly", "no"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             "--tls-cert-file", str(certs["cert"]), "--tls-key-file", str(certs["key"]),
+                             "--tls-ca-cert-file", str(certs["ca"]), "--tls-auth-clients", "no", "--save", "",
+                             "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.skip("this redis-server has no TLS support")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return proc, port
+        except OSError:
+            time.sleep(0.02)
+    proc.kill()
+    raise RuntimeError("redis-server (TLS) did not start")
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl not installed")
+async def test_tls_url(tmp_path):
+    """rediss:// with the server's CA given in the URL (redis-py's ssl_ca_certs query option); the
+    certificates pass strict X.509 verification (Python 3.13's default)."""
+    certs = make_tls_certs(tmp_path)
+    proc, port = _tls_server(certs)
     try:
-        url = f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={cert}"
+        url = f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={certs['ca']}"
         a, b = RedisCounts(url, "tls-a", **FAST), RedisCounts(url, "tls-b", **FAST)
         a.add("p0", 2)
-        deadline = time.monotonic() + 10
-        while not await a.flush() and time.monotonic() < deadline:
-            if proc.poll() is not None:
-                pytest.skip("this redis-server has no TLS support")
-            await asyncio.sleep(0.05)
+        assert await a.flush(), "no TLS connection with certificates that should pass"
         await b.refresh()
         assert b.totals() == {"p0": 2}
         await a.close()
         await b.close()
+    finally:
+        proc.kill()
+        proc.wait(5)
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl not installed")
+async def test_certificate_that_fails_verification_is_named_in_one_clear_error(tmp_path, caplog):
+    """The server's certificate is not from the CA the URL gives: local counts, and one ERROR line
+    saying what failed (verification of which Redis) and why (OpenSSL's own words), not a bare
+    ConnectionError."""
+    certs = make_tls_certs(tmp_path, "server")
+    other = make_tls_certs(tmp_path, "other")
+    proc, port = _tls_server(certs)
+    caplog.set_level(logging.INFO, logger="routing.counts")
+    try:
+        c = RedisCounts(f"rediss://:pw@127.0.0.1:{port}/0?ssl_ca_certs={other['ca']}", "tls-bad", **FAST)
+        c.add("p0", 1)
+        assert not await c.flush() and not await c.flush()
+        assert c.totals() == {"p0": 1} and not c.up
+        errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+        assert len(errors) == 1, caplog.text
+        assert "TLS certificate verification of Redis rediss://:***@127.0.0.1" in errors[0]
+        # OpenSSL's reason (the server sends its CA along, which the given CA does not vouch for).
+        assert ("self-signed certificate in certificate chain (OpenSSL verify code 19)" in errors[0]
+                or "unable to get local issuer certificate (OpenSSL verify code 20)" in errors[0]), errors[0]
+        assert "ssl_ca_certs" in errors[0]
+        await c.close()
     finally:
         proc.kill()
         proc.wait(5)

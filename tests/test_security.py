@@ -10,11 +10,10 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-import httpx
 import pytest
 
-from stackutil import canary_hits, start_canary, wait_until
-from plugin.stack import Stack, free_port, wait_for_port
+from stackutil import GatewayEnv, make_tls_certs, stack_fixture, wait_until
+from plugin.stack import Stack, StackError, free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -24,11 +23,9 @@ BEARER = "secret-bearer-T0k3n-9f8e7d"
 SPOOF_HEADERS = ("x-gateway-destination-endpoint", "target-pod", "x-envoy-original-dst-host", "x-kvgate-pod")
 
 
-
-
-class Env:
+class Env(GatewayEnv):
     def __init__(self, stack: Stack) -> None:
-        self.stack = stack
+        super().__init__(stack)
         self.redis, self.redis_url = stack.redis(password=REDIS_PASSWORD)
         self.sims = {}
         pods = []
@@ -37,47 +34,16 @@ class Env:
             stack.sim(name=name, port=port, model=MODEL, extra=["--tpot-ms", "2"])
             self.sims[name] = port
             pods.append({"name": name, "address": "127.0.0.1", "port": port, "model": MODEL})
-        self.pods_file = stack.pods_file(pods)
-        self.canary, self.canary_port = start_canary(stack)
-        self.grpc_port, self.http_port = free_port(), free_port()
-        self.env = {"KVGATE_PODS_FILE": str(self.pods_file), "KVGATE_GRPC_PORT": str(self.grpc_port),
-                    "KVGATE_HTTP_PORT": str(self.http_port), "KVGATE_LOG_LEVEL": "debug",
-                    "KVGATE_REDIS_URL": self.redis_url, "KVGATE_GATEWAY_ID": "sec-gw"}
-        self.kvgate = stack.kvgate(env=self.env, grpc_port=self.grpc_port)
-        wait_for_port("127.0.0.1", self.http_port, timeout=10)
-        self.listen = free_port()
-        stack.envoy(listen_port=self.listen, extproc_port=self.grpc_port,
-                    default_pool=[("127.0.0.1", self.sims["sim0"])])
-        self.url = f"http://127.0.0.1:{self.listen}"
-        self.client = httpx.Client(base_url=self.url, timeout=60)
+        self.start_gateway(pods, {"KVGATE_LOG_LEVEL": "debug", "KVGATE_REDIS_URL": self.redis_url,
+                                  "KVGATE_GATEWAY_ID": "sec-gw"},
+                           default_pool=[("127.0.0.1", self.sims["sim0"])], client_timeout=60)
         self.evil = f"127.0.0.1:{self.canary_port}"
-
-    def restart_kvgate(self, **overrides: str) -> None:
-        self.kvgate = self.stack.restart(self.kvgate, env={**self.env, **overrides},
-                                         ready_port=("127.0.0.1", self.grpc_port))
-        wait_for_port("127.0.0.1", self.http_port, timeout=10)
-
-    def debug_text(self) -> str:
-        return httpx.get(f"http://127.0.0.1:{self.http_port}/debug", timeout=5).text
-
-    def metrics_text(self) -> str:
-        return httpx.get(f"http://127.0.0.1:{self.http_port}/metrics", timeout=5).text
-
-    def canary_hits(self) -> int:
-        return canary_hits(self.canary)
 
     def ok(self) -> bool:
         return self.client.post("/v1/completions", json={"model": MODEL, "prompt": "ok", "max_tokens": 1}).status_code == 200
 
 
-@pytest.fixture(scope="module")
-def env():
-    with Stack() as stack:
-        e = Env(stack)
-        try:
-            yield e
-        finally:
-            e.client.close()
+env = stack_fixture(Env)
 
 
 # --- clients cannot choose the upstream -----------------------------------------------------
@@ -168,7 +134,7 @@ def test_body_over_envoy_buffer_gets_413_and_the_gateway_keeps_serving(env):
 
 def _no_secret(env: Env, *secrets: str) -> None:
     log = env.kvgate.log_path.read_text(errors="replace")
-    debug, metrics = env.debug_text(), env.metrics_text()
+    debug, metrics = env.debug_text(), env.metrics()
     for secret in secrets:
         for where, text in (("log", log), ("/debug", debug), ("/metrics", metrics)):
             assert secret not in text, f"{secret[:6]}... appears in kvgate's {where}"
@@ -190,17 +156,25 @@ def test_authorization_headers_never_reach_logs_or_debug(env):
     secret_headers = {"authorization": f"Bearer {BEARER}", "x-api-key": BEARER + "-key",
                       "cookie": f"session={BEARER}-cookie", "proxy-authorization": f"Basic {BEARER}-proxy"}
     bodies = [
-        ("/v1/completions", {"model": MODEL, "prompt": "hello", "max_tokens": 1}),  # routed
-        ("/v1/completions", {"model": "nope", "prompt": "x"}),  # 404
-        ("/v1/chat/completions", {"model": MODEL, "messages": []}),  # 400
-        ("/v1/completions", {"model": MODEL, "prompt": [1, -1]}),  # 400 token id
+        ("/v1/completions", {"model": MODEL, "prompt": "hello", "max_tokens": 1}, 200),  # routed
+        ("/v1/completions", {"model": "nope", "prompt": "x"}, 404),
+        ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400),
+        ("/v1/completions", {"model": MODEL, "prompt": [1, -1]}, 400),  # token id
     ]
-    for path, body in bodies:
-        env.client.post(path, json=body, headers={**secret_headers, "routing-strategy": "kv-sync"})
-    env.client.post("/v1/completions", json={"model": MODEL, "prompt": "x"},
-                    headers={**secret_headers, "routing-strategy": f"evil-{BEARER}"})
-    env.client.get("/v1/models", headers=secret_headers)
-    env.client.post("/v1/completions", content=b"{nope", headers=secret_headers)
+    # Each request took its path through Envoy and kvgate (its status says which), or the check of
+    # kvgate's log below would prove nothing.
+    statuses = []
+    for path, body, _ in bodies:
+        r = env.client.post(path, json=body, headers={**secret_headers, "routing-strategy": "kv-sync"})
+        statuses.append(r.status_code)
+    assert statuses == [want for _, _, want in bodies]
+    r = env.client.post("/v1/completions", json={"model": MODEL, "prompt": "x"},
+                        headers={**secret_headers, "routing-strategy": f"evil-{BEARER}"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "routing-strategy", r.text
+    r = env.client.get("/v1/models", headers=secret_headers)
+    assert r.status_code == 200 and [m["id"] for m in r.json()["data"]] == [MODEL]
+    r = env.client.post("/v1/completions", content=b"{nope", headers=secret_headers)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
     _no_secret(env, BEARER)
 
 
@@ -217,30 +191,22 @@ def test_wrong_redis_password_degrades_to_local_counts_and_is_not_shown(env):
     assert wait_until(env.ok, timeout=10)
 
 
-def _tls_redis(stack: Stack, workdir: Path) -> int:
-    ca_key, ca, key, csr, cert = (workdir / n for n in ("ca.key", "ca.pem", "redis.key", "redis.csr", "redis.pem"))
-    run = lambda *a: subprocess.run(["openssl", *a], check=True, capture_output=True, timeout=60)  # noqa: E731
-    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=kvgate-test-ca",
-        "-keyout", str(ca_key), "-out", str(ca))
-    run("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-keyout", str(key), "-out", str(csr))
-    ext = workdir / "san.cnf"
-    ext.write_text("subjectAltName=IP:127.0.0.1\n")
-    run("x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key), "-CAcreateserial", "-days", "1",
-        "-extfile", str(ext), "-out", str(cert))
+def _tls_redis(stack: Stack) -> tuple[int, Path]:
+    certs = make_tls_certs(stack.workdir, "redis")
     port = free_port()
     stack.start("redis-tls", ["redis-server", "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
-                              "--tls-cert-file", str(cert), "--tls-key-file", str(key), "--tls-ca-cert-file", str(ca),
-                              "--tls-auth-clients", "no", "--requirepass", REDIS_PASSWORD, "--save", "",
-                              "--appendonly", "no"], ready_port=("127.0.0.1", port))
-    return port
+                              "--tls-cert-file", str(certs["cert"]), "--tls-key-file", str(certs["key"]),
+                              "--tls-ca-cert-file", str(certs["ca"]), "--tls-auth-clients", "no",
+                              "--requirepass", REDIS_PASSWORD, "--save", "", "--appendonly", "no"],
+                ready_port=("127.0.0.1", port))
+    return port, certs["ca"]
 
 
 def test_rediss_url_with_auth_over_tls(env):
     try:
-        port = _tls_redis(env.stack, env.stack.workdir)
-    except (FileNotFoundError, subprocess.CalledProcessError) as e:
+        port, ca = _tls_redis(env.stack)
+    except (FileNotFoundError, subprocess.CalledProcessError, StackError) as e:
         pytest.skip(f"no openssl or no TLS in redis-server: {e}")
-    ca = env.stack.workdir / "ca.pem"
     env.restart_kvgate(KVGATE_REDIS_URL=f"rediss://:{REDIS_PASSWORD}@127.0.0.1:{port}/0?ssl_ca_certs={ca}")
     try:
         assert wait_until(lambda: '"redis_up": true' in env.debug_text(), timeout=10), env.kvgate.log_tail()
