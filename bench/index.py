@@ -22,6 +22,7 @@
   one pod removed along the way. `churn_longest_stall_ms` is the longest single call of any of
   them: how long the event loop can be held by the index (GC off while timing); `_cpu_ms` the
   same in this thread's CPU time (on a shared machine the wall clock also counts preemption).
+  `churn_fill_longest_apply_ms`: the longest apply while filling (a table growing is one rehash).
 - bytes per entry: tracemalloc'd size of the index after building the fleet / entries (numpy
   registers its arrays with tracemalloc, so the index's tables are counted);
   `fleet_table_bytes` is the tables' own size as the index reports it, a cross-check.
@@ -266,16 +267,21 @@ def bench_fleet(n_pods: int, entries: int, queries: int, seed: int) -> dict:
     }
 
 
-def _fill(ix: PrefixIndex, pods: list[str], entries: int, rng: random.Random) -> None:
+def _fill(ix: PrefixIndex, pods: list[str], entries: int, rng: random.Random) -> float:
     """Conversations of 512 blocks (engine hashes from a counter), round robin over `pods`, until
-    the index holds `entries`: the quick way to a full index."""
-    n = 0
+    the index holds `entries`: the quick way to a full index. Returns the longest apply (seconds):
+    growing a table while the index fills is one rehash."""
+    n, longest = 0, 0.0
     while ix.stats()["entries"] < entries:
         for _ in range(64):
             tokens = array("H", rng.randbytes(2 * 512 * BLOCK))
             hashes = tuple(range(n * 512 + 1, n * 512 + 513))
-            ix.apply(pods[n % len(pods)], MODEL, 0, [BlockStored(hashes, None, tokens, BLOCK, None, "GPU", None)])
+            ev = BlockStored(hashes, None, tokens, BLOCK, None, "GPU", None)
+            w = time.perf_counter()
+            ix.apply(pods[n % len(pods)], MODEL, 0, [ev])
+            longest = max(longest, time.perf_counter() - w)
             n += 1
+    return longest
 
 
 def bench_churn(entries: int, n_blocks: int, seed: int) -> dict:
@@ -286,7 +292,7 @@ def bench_churn(entries: int, n_blocks: int, seed: int) -> dict:
     pods = [f"churn-{i}" for i in range(64)]
     ix = PrefixIndex(max_entries=entries)
     t0 = time.perf_counter()
-    _fill(ix, pods, entries, rng)
+    fill_longest = _fill(ix, pods, entries, rng)
     fill_s = time.perf_counter() - t0
     streams, blocks = [], 0  # 8 engines, each its own stream (its removals are of its own blocks), interleaved
     for e in range(8):
@@ -335,6 +341,7 @@ def bench_churn(entries: int, n_blocks: int, seed: int) -> dict:
     out = {
         "churn_bound": entries,
         "churn_fill_s": fill_s,
+        "churn_fill_longest_apply_ms": fill_longest * 1e3,  # 512-block stores, table growth included
         "churn_entries": stats["entries"],
         "churn_batches": len(order),
         "churn_blocks": blocks,
