@@ -1,4 +1,4 @@
-"""The prefix index's building blocks: vectorised block keys equal the incremental ones, the C
+"""The prefix index's building blocks: block keys for a whole prompt equal the incremental ones, the C
 tables behave like dicts (growth, backward-shift deletion, wrap-around, holder lists growing into
 bitmasks and back), fleets of more than 64 pod-ranks match exactly, and recency survives the
 uint32 clock wrapping."""
@@ -10,14 +10,14 @@ import msgpack
 import numpy as np
 import pytest
 
-from kvcache.blockkeys import KEY_MASK, block_keys, chain_key_array, chain_keys, reference_chain_keys, root_key
+from kvcache.blockkeys import KEY_MASK, block_keys, chain_keys, reference_chain_keys, root_key
 from kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvcache.index import PrefixIndex
 from kvcache.native import native
 
 
 @pytest.mark.parametrize("block_size", [1, 3, 16])
-def test_vectorised_keys_equal_the_incremental_chain(block_size):
+def test_batch_keys_equal_the_incremental_chain(block_size):
     rng = random.Random(block_size)
     for n_blocks in [0, 1, 2, 23, 24, 25, 100, 600]:
         tokens = [rng.randrange(1 << rng.choice((8, 17, 40))) for _ in range(n_blocks * block_size + rng.randrange(block_size))]
@@ -27,7 +27,6 @@ def test_vectorised_keys_equal_the_incremental_chain(block_size):
             k = reference_chain_keys(k, tokens[i * block_size:(i + 1) * block_size], block_size)[0]  # one block on its own
             want.append(k)
         assert chain_keys(parent, tokens, block_size) == want
-        assert chain_key_array(parent, tokens, block_size).tolist() == want
         assert all(0 <= x <= KEY_MASK for x in want)
     assert block_keys("m", None, list(range(64)), 4) == chain_keys(root_key("m", None), list(range(64)), 4)
 
