@@ -205,8 +205,7 @@ class PrefixIndex:
     def match(self, model: str, lora: str | None, token_ids: Sequence[int],
               pods: Iterable[str]) -> dict[str, PrefixMatch]:
         """Per candidate pod, the consecutive leading blocks of `token_ids` it holds (best rank)."""
-        pods = list(pods)
-        key = tuple(pods)
+        pods = key = tuple(pods)
         cand = self._cand.get(key)
         if cand is None:  # the router asks about the same pods again and again: kept until slots change
             cand = 0
@@ -366,7 +365,7 @@ class PrefixIndex:
 
     # --- matching --------------------------------------------------------------------------
 
-    def _per_pod(self, pods: list[str], run_any: dict[int, int], run_med: dict[str, dict[int, int]],
+    def _per_pod(self, pods: Sequence[str], run_any: dict[int, int], run_med: dict[str, dict[int, int]],
                  total: int) -> dict[str, PrefixMatch]:
         """Results per pod from runs per slot (every slot there is a candidate's). Results are
         shared between pods with the same answer: treat them as read-only."""
