@@ -268,17 +268,22 @@ def bench_fleet(n_pods: int, entries: int, queries: int, seed: int) -> dict:
 
 
 def _fill(ix: PrefixIndex, pods: list[str], entries: int, rng: random.Random) -> float:
+    from kvcache.wire import decode_batch, encode_batch
+
     """Conversations of 512 blocks (engine hashes from a counter), round robin over `pods`, until
-    the index holds `entries`: the quick way to a full index. Returns the longest apply (seconds):
+    the index holds `entries`: the quick way to a full index (through apply_payload, as the
+    subscriber applies batches). Returns the longest apply (seconds):
     growing a table while the index fills is one rehash."""
     n, longest = 0, 0.0
     while ix.stats()["entries"] < entries:
         for _ in range(64):
-            tokens = array("H", rng.randbytes(2 * 512 * BLOCK))
+            tokens = array("H", rng.randbytes(2 * 512 * BLOCK)).tolist()
             hashes = tuple(range(n * 512 + 1, n * 512 + 513))
-            ev = BlockStored(hashes, None, tokens, BLOCK, None, "GPU", None)
+            payload = encode_batch(EventBatch(0.0, (BlockStored(hashes, None, tokens, BLOCK, None, "GPU", None),), 0),
+                                   "0.33")
             w = time.perf_counter()
-            ix.apply(pods[n % len(pods)], MODEL, 0, [ev])
+            if ix.apply_payload(pods[n % len(pods)], MODEL, 0, payload) is None:
+                ix.apply(pods[n % len(pods)], MODEL, 0, decode_batch(payload).batch.events)
             longest = max(longest, time.perf_counter() - w)
             n += 1
     return longest
