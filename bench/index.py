@@ -6,12 +6,23 @@
   batch it declines), timed on one core; blocks/s counts stored plus removed blocks. For
   reference: the general path on every batch (decode_batch to typed events + apply), and its
   two halves.
-- fleet: 64 pods, each holding 8k-token conversations (512 blocks of 16) that start with one of a
-  few shared system prompts, some conversations on two pods; about 1M (block, pod) entries.
-- match: p50/p99 of match() for an 8k-token prompt that one pod holds entirely, all 64 pods
+  The index already tracks the largest --pods count of pod-ranks (the stream is the last one's),
+  so holder sets are as wide as in that fleet.
+- fleet, once per --pods count (default 64 and 512, side by side; keys prefixed `pods<N>_` when
+  there are several): that many pods, each holding 8k-token conversations (512 blocks of 16) that
+  start with one of a few shared system prompts, some conversations on two pods; about --entries
+  (block, pod) entries.
+- match: p50/p99 of match() for an 8k-token prompt that one pod holds entirely, all pods
   candidates (the walk cannot stop early), 64 different prompts in turn (cold caches); wall
   clock and this process's CPU time (the machine is shared). Throughputs are per CPU second.
-- stats_cpu_ms: one stats() call on the fleet (it counts blocks per pod: for debug snapshots).
+- stats_cpu_ms: one stats() call on the fleet; remove_pod_ms: one pod leaving.
+- churn (--churn-entries N, 0 skips it): an index at its bound of N entries (64 pods) keeps taking
+  live batches (8 engines' streams through apply_payload: prefill, decode, their own evictions),
+  so every batch also evicts; stats() and a match every 200 batches, and one rank dropped and
+  one pod removed along the way. `churn_longest_stall_ms` is the longest single call of any of
+  them: how long the event loop can be held by the index (GC off while timing); `_cpu_ms` the
+  same in this thread's CPU time (on a shared machine the wall clock also counts preemption).
+  `churn_fill_longest_apply_ms`: the longest apply while filling (a table growing is one rehash).
 - bytes per entry: tracemalloc'd size of the index after building the fleet / entries (numpy
   registers its arrays with tracemalloc, so the index's tables are counted);
   `fleet_table_bytes` is the tables' own size as the index reports it, a cross-check.
@@ -38,9 +49,13 @@ M64 = (1 << 64) - 1
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--entries", type=int, default=1_000_000, help="(block, pod) entries in the fleet")
-    parser.add_argument("--pods", type=int, default=64, help="pods in the fleet")
+    parser.add_argument("--pods", default="64,512", help="pods in the fleet; several (comma-separated) are "
+                        "measured one after another")
     parser.add_argument("--queries", type=int, default=3000, help="match() calls timed")
     parser.add_argument("--ingest-blocks", type=int, default=1_000_000, help="blocks ingested when timing ingest")
+    parser.add_argument("--churn-entries", type=int, default=0,
+                        help="also measure the longest stall under churn at this bound (0: skip)")
+    parser.add_argument("--churn-blocks", type=int, default=400_000, help="blocks applied in the churn phase")
     parser.add_argument("--seed", type=int, default=1)
 
 
@@ -109,7 +124,16 @@ def _timed(fn) -> tuple[float, float]:
         gc.enable()
 
 
-def bench_ingest(n_blocks: int, seed: int) -> dict:
+def _with_pods(n_pods: int) -> PrefixIndex:
+    """An index that already tracks n_pods - 1 other pods (one block each): the stream's pod is
+    the n_pods-th, so holder sets are that wide."""
+    ix = PrefixIndex(max_entries=10_000_000)
+    for i in range(n_pods - 1):
+        ix.apply(f"other-{i}", MODEL, 0, [BlockStored((i,), None, (i,) * BLOCK, BLOCK, None, "GPU", None)])
+    return ix
+
+
+def bench_ingest(n_blocks: int, seed: int, n_pods: int = 1) -> dict:
     try:
         from kvcache.wire import decode_batch, encode_batch
     except ImportError:  # wire.py not there yet
@@ -118,13 +142,11 @@ def bench_ingest(n_blocks: int, seed: int) -> dict:
     payloads = [encode_batch(b, "0.33") for b in batches]
 
     def both() -> None:  # the subscriber's path: the native one-pass apply, the decoder when it declines
-        ix = PrefixIndex(max_entries=10_000_000)
         for p in payloads:
             if ix.apply_payload("pod-0", MODEL, 0, p) is None:
                 ix.apply("pod-0", MODEL, 0, decode_batch(p).batch.events)
 
     def general() -> None:  # every batch decoded to typed events, then applied
-        ix = PrefixIndex(max_entries=10_000_000)
         for p in payloads:
             ix.apply("pod-0", MODEL, 0, decode_batch(p).batch.events)
 
@@ -135,19 +157,22 @@ def bench_ingest(n_blocks: int, seed: int) -> dict:
     decoded = [decode_batch(p).batch.events for p in payloads]
 
     def index_only() -> None:
-        ix = PrefixIndex(max_entries=10_000_000)
         for events in decoded:
             ix.apply("pod-0", MODEL, 0, events)
 
+    ix = _with_pods(n_pods)
     wall, cpu = _timed(both)
+    ix = _with_pods(n_pods)
     _, cpu_general = _timed(general)
     _, cpu_decode = _timed(decode_only)
+    ix = _with_pods(n_pods)
     _, cpu_index = _timed(index_only)
     return {"ingest_blocks_per_s": total / cpu, "ingest_wall_blocks_per_s": total / wall,
             "ingest_general_path_blocks_per_s": total / cpu_general,
             "ingest_decode_only_blocks_per_s": total / cpu_decode,
             "ingest_index_only_blocks_per_s": total / cpu_index,
-            "ingest_blocks": total, "ingest_events": sum(len(e) for e in decoded), "ingest_batches": len(payloads)}
+            "ingest_blocks": total, "ingest_events": sum(len(e) for e in decoded), "ingest_batches": len(payloads),
+            "ingest_pods": n_pods}
 
 
 def _conversation(system: tuple[int, ...], seed: int) -> tuple[int, ...]:
@@ -242,16 +267,123 @@ def bench_fleet(n_pods: int, entries: int, queries: int, seed: int) -> dict:
     }
 
 
+def _fill(ix: PrefixIndex, pods: list[str], entries: int, rng: random.Random) -> float:
+    from kvcache.wire import decode_batch, encode_batch
+
+    """Conversations of 512 blocks (engine hashes from a counter), round robin over `pods`, until
+    the index holds `entries`: the quick way to a full index (through apply_payload, as the
+    subscriber applies batches). Returns the longest apply (seconds):
+    growing a table while the index fills is one rehash."""
+    n, longest = 0, 0.0
+    while ix.stats()["entries"] < entries:
+        for _ in range(64):
+            tokens = array("H", rng.randbytes(2 * 512 * BLOCK)).tolist()
+            hashes = tuple(range(n * 512 + 1, n * 512 + 513))
+            payload = encode_batch(EventBatch(0.0, (BlockStored(hashes, None, tokens, BLOCK, None, "GPU", None),), 0),
+                                   "0.33")
+            w = time.perf_counter()
+            if ix.apply_payload(pods[n % len(pods)], MODEL, 0, payload) is None:
+                ix.apply(pods[n % len(pods)], MODEL, 0, decode_batch(payload).batch.events)
+            longest = max(longest, time.perf_counter() - w)
+            n += 1
+    return longest
+
+
+def bench_churn(entries: int, n_blocks: int, seed: int) -> dict:
+    """The longest single index call while an index at its bound keeps taking batches."""
+    from kvcache.wire import decode_batch, encode_batch
+
+    rng = random.Random(seed)
+    pods = [f"churn-{i}" for i in range(64)]
+    ix = PrefixIndex(max_entries=entries)
+    t0 = time.perf_counter()
+    fill_longest = _fill(ix, pods, entries, rng)
+    fill_s = time.perf_counter() - t0
+    streams, blocks = [], 0  # 8 engines, each its own stream (its removals are of its own blocks), interleaved
+    for e in range(8):
+        batches, total = _ingest_batches(n_blocks // 8, random.Random(seed * 100 + e))
+        streams.append([encode_batch(b, "0.33") for b in batches])
+        blocks += total
+    order = [(e, p) for i in range(max(map(len, streams))) for e, s in enumerate(streams) if i < len(s)
+             for p in (s[i],)]
+    prompts = [tuple(array("H", rng.randbytes(2 * 512 * BLOCK))) for _ in range(4)]
+    for i, prompt in enumerate(prompts):  # prompts some pods hold
+        ix.apply(pods[i], MODEL, 0, [BlockStored(tuple(range(10**9 + i * 512, 10**9 + i * 512 + 512)), None,
+                                                  prompt, BLOCK, None, "GPU", None)])
+    applies: list[float] = []
+    longest = {"apply": 0.0, "stats": 0.0, "match": 0.0, "drop": 0.0, "remove_pod": 0.0}
+    longest_cpu = dict.fromkeys(longest, 0.0)
+
+    def timed(name: str, call) -> None:
+        w, c = time.perf_counter(), time.thread_time()
+        call()
+        longest_cpu[name] = max(longest_cpu[name], time.thread_time() - c)
+        longest[name] = max(longest[name], time.perf_counter() - w)
+    evicted0 = ix.stats()["evicted_entries"]
+    gc.collect()
+    gc.disable()
+    try:
+        c0 = time.process_time()
+        for i, (e, payload) in enumerate(order):
+            w, c = time.perf_counter(), time.thread_time()
+            if ix.apply_payload(pods[e], MODEL, 0, payload) is None:
+                ix.apply(pods[e], MODEL, 0, decode_batch(payload).batch.events)
+            longest_cpu["apply"] = max(longest_cpu["apply"], time.thread_time() - c)
+            applies.append(time.perf_counter() - w)
+            if i % 200 == 199:
+                timed("stats", ix.stats)
+                timed("match", lambda: ix.match(MODEL, None, prompts[i % 4], pods))
+            if i == len(order) // 3:  # an engine restarted: its rank's blocks are forgotten
+                timed("drop", lambda: ix.drop(pods[20], 0))
+            if i == 2 * len(order) // 3:  # a pod left discovery
+                timed("remove_pod", lambda: ix.remove_pod(pods[21]))
+        cpu = time.process_time() - c0
+    finally:
+        gc.enable()
+    stats = ix.stats()
+    srt = sorted(applies)
+    longest["apply"] = srt[-1]
+    out = {
+        "churn_bound": entries,
+        "churn_fill_s": fill_s,
+        "churn_fill_longest_apply_ms": fill_longest * 1e3,  # 512-block stores, table growth included
+        "churn_entries": stats["entries"],
+        "churn_batches": len(order),
+        "churn_blocks": blocks,
+        "churn_evicted": stats["evicted_entries"] - evicted0,
+        "churn_apply_p50_us": srt[len(srt) // 2] * 1e6,
+        "churn_apply_p99_us": srt[int(len(srt) * 0.99)] * 1e6,
+        "churn_apply_p999_us": srt[int(len(srt) * 0.999)] * 1e6,
+    }
+    out.update({f"churn_longest_{k}_ms": v * 1e3 for k, v in longest.items()})
+    out.update({f"churn_longest_{k}_cpu_ms": v * 1e3 for k, v in longest_cpu.items()})
+    out["churn_longest_stall_ms"] = max(longest.values()) * 1e3
+    out["churn_longest_stall_cpu_ms"] = max(longest_cpu.values()) * 1e3
+    out["churn_blocks_per_cpu_s"] = blocks / cpu
+    return out
+
+
 def main(args: argparse.Namespace) -> int:
     out: dict = {"load_avg_1m_before": os.getloadavg()[0]}  # a shared machine skews wall times
-    out.update(bench_ingest(args.ingest_blocks, args.seed))
-    out.update(bench_fleet(args.pods, args.entries, args.queries, args.seed))
-    out["targets_met"] = {
-        "ingest_blocks_per_s>=1e6": (out.get("ingest_blocks_per_s") or 0) >= 1e6,
-        "match_p99_us<=200": out["match_p99_us"] <= 200,
-        "match_cpu_p99_us<=200": out["match_cpu_p99_us"] <= 200,
-        "bytes_per_entry<=64": out["bytes_per_entry"] <= 64,
-    }
+    sizes = [int(p) for p in str(args.pods).split(",") if p.strip()]
+    out.update(bench_ingest(args.ingest_blocks, args.seed, max(sizes)))
+    targets = {"ingest_blocks_per_s>=1e6": (out.get("ingest_blocks_per_s") or 0) >= 1e6}
+    for n in sizes:
+        t0 = time.perf_counter()
+        fleet = bench_fleet(n, args.entries, args.queries, args.seed)
+        fleet["fleet_s"] = time.perf_counter() - t0
+        pre = f"pods{n}_" if len(sizes) > 1 else ""
+        out.update({pre + k: v for k, v in fleet.items()})
+        targets.update({
+            f"{pre}match_p99_us<=200": fleet["match_p99_us"] <= 200,
+            f"{pre}match_cpu_p99_us<=200": fleet["match_cpu_p99_us"] <= 200,
+            f"{pre}bytes_per_entry<=64": fleet["bytes_per_entry"] <= 64,
+        })
+    if args.churn_entries:
+        out.update(bench_churn(args.churn_entries, args.churn_blocks, args.seed))
+        targets["churn_longest_stall_ms<=2"] = out["churn_longest_stall_ms"] <= 2
+        targets["churn_longest_stall_cpu_ms<=2"] = out["churn_longest_stall_cpu_ms"] <= 2
+    out["targets_met"] = targets
     if args.json:
         print(json.dumps(out))
         return 0

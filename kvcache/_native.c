@@ -1,14 +1,14 @@
-/* kvcache._native: the prefix index's hot loops in C.
+/* kvcache._native: the prefix index's tables and hot loops in C.
  *
  * - chain_keys: kvgate's block keys (see kvcache/blockkeys.py for the definition).
- * - scan_batch / apply_batch: one vLLM KV event batch (msgpack bytes) checked, then applied to
- *   the index's tables without building a Python object per event or per token id. Anything
- *   outside the common shape (see scan_batch) is declined, and the caller takes the general
- *   path (kvcache.wire.decode_batch + PrefixIndex.apply), which handles and counts it.
- * - match_runs: one table's leading-run walk for a prompt (compute keys, probe, running AND).
- *
- * The tables are the numpy arrays of kvcache/table.py (open addressing, linear probing, EMPTY
- * and TOMB reserved keys); this file and table.py must agree on the slot arithmetic.
+ * - Core: the index's tables (key tables per medium, engine-hash maps per model, slots and pods,
+ *   counts, recency, eviction, background passes); kvcache/index.py is its only user and keeps
+ *   names, logging and the per-pod answers. One implementation for every fleet shape.
+ * - scan_batch / Core.apply_batch: one vLLM KV event batch (msgpack bytes) checked, then applied
+ *   without building a Python object per event or per token id. Anything outside the common shape
+ *   (see scan_batch) is declined, and the caller takes the general path (kvcache.wire.decode_batch
+ *   + PrefixIndex.apply, which calls Core.store / Core.release), which handles and counts it.
+ * - Core.match: the leading-run walk for a prompt (compute keys, probe, running AND of holders).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -16,7 +16,7 @@
 #include <string.h>
 
 #define EMPTY UINT64_MAX
-#define TOMB (UINT64_MAX - 1)
+#define TOMB (UINT64_MAX - 1) /* folded engine hashes stay below it (index.py's _fold) */
 #define KEY_MASK ((UINT64_C(1) << 60) - 1)
 /* 2**64 / golden ratio, odd: the multiplier of the key chain and of the engine hash fold alike
  * (blockkeys.py's MULT, index.py's _MIX). */
@@ -46,6 +46,19 @@ static inline uint64_t chain(uint64_t parent, uint64_t bh) { return (parent * GO
 /* A Python int token id as its 64 bits (two's complement for negatives); -1 and an exception
  * (TypeError, OverflowError) when it is no int in [-2**63, 2**64). */
 static inline int token_bits(PyObject *o, uint64_t *out) {
+    /* token ids are small ints: read one-digit ints directly (a third of the cost of a prompt's keys) */
+#if PY_VERSION_HEX >= 0x030C0000
+    if (PyLong_CheckExact(o) && PyUnstable_Long_IsCompact((PyLongObject *)o)) {
+        *out = (uint64_t)(int64_t)PyUnstable_Long_CompactValue((PyLongObject *)o);
+        return 0;
+    }
+#else
+    if (PyLong_CheckExact(o) && Py_ABS(Py_SIZE(o)) <= 1) {
+        int64_t v = (int64_t)((PyLongObject *)o)->ob_digit[0];
+        *out = (uint64_t)(Py_SIZE(o) < 0 ? -v : v);
+        return 0;
+    }
+#endif
     if (!PyLong_Check(o)) {
         PyErr_Format(PyExc_TypeError, "token ids must be ints, got %.80s", Py_TYPE(o)->tp_name);
         return -1;
@@ -158,140 +171,525 @@ static PyObject *py_chain_keys(PyObject *Py_UNUSED(self), PyObject *args) {
     return out;
 }
 
-/* ---- tables (kvcache/table.py's layout) -------------------------------------------------- */
+/* ---- the index's tables ------------------------------------------------------------------
+ *
+ * One implementation for every fleet shape. A Core holds:
+ * - per medium a key table: block key -> holders (the slots holding it there) and a recency stamp;
+ * - per model a hash map: the engine's folded block hash -> block key;
+ * - slots (one per (pod, rank), numbered from 0) grouped by pod, with per-slot and per-pod counts
+ *   kept as they change (stats never scan).
+ * Both tables are open addressing with linear probing and backward-shift deletion (no tombstones,
+ * so no rebuild at a steady size). A key's holders fit in its 8-byte word while there are at most
+ * four of them (16-bit slot numbers); more holders move to a bitmask of W words in a pool.
+ * Slots are freed lazily: a cleared slot is dead at once (its entries uncounted, never a
+ * candidate) and its holder marks are removed by the maintenance pass, a bounded amount of work
+ * per call; its number is reused only after a pass started after its death has finished.
+ * Recency stamps are uint32 ticks compared by age (tick - stamp, modulo 2**32); the maintenance
+ * pass clamps ages at 2**30 so they never wrap. Eviction sweeps from a cursor, dropping the keys
+ * older than a threshold read off the stamps (exact on small tables, sampled on large ones).
+ * Every allocation goes through PyMem_Raw* (tracemalloc counts it). The GIL is held throughout. */
+
+#define HOLD_OVF 0xFFFFu                /* first field of an overflow holder word */
+#define MAX_SLOTS 0xFFF0                /* slot numbers fit the 16-bit fields (stored + 1) */
+#define MAX_LOAD_NUM 3                  /* grow past 3/4 full ... */
+#define MAX_LOAD_DEN 4
+#define GROW_LOAD 0.55                  /* ... to 0.55 full */
+#define MIN_CAP 64
+#define AGE_CLAMP (UINT32_C(1) << 30)
+#define EXACT_KEYS 65536                /* up to this many keys the eviction threshold is exact */
+#define SAMPLES 4096
+#define PASS_BUDGET 32768               /* key positions one maintenance call sweeps while dead slots wait */
+#define ORPHAN_BUDGET 2048              /* engine-hash positions one call sweeps (each a probe: a cache miss) */
+
+typedef struct { uint64_t key, hold; } KSlot;
+typedef struct { uint64_t h, key; } HSlot;
 
 typedef struct {
-    uint64_t *keys, *value;
-    Py_ssize_t cap;
-    Py_ssize_t live, used; /* deltas to hand back */
-} HashMapView;
-
-typedef struct {
-    uint64_t *keys, *mask;
+    KSlot *s;
     uint32_t *stamp;
-    Py_ssize_t cap;
-    Py_ssize_t live, used;
-} KeyTableView;
+    Py_ssize_t cap, live;
+    int used; /* a medium id in use */
+} KTable;
 
-/* Home slots (table.py's _home): a HashMap keys on its top 32 bits, a KeyTable on bits 28..59. */
-static inline Py_ssize_t hm_slot(uint64_t h, Py_ssize_t cap) { return (Py_ssize_t)(((h >> 32) * (uint64_t)cap) >> 32); }
+typedef struct {
+    HSlot *s;
+    Py_ssize_t cap, live;
+} HTable;
 
-static inline Py_ssize_t kt_slot(uint64_t k, Py_ssize_t cap) {
+enum { SLOT_FREE = 0, SLOT_LIVE = 1, SLOT_DEAD = 2 };
+
+typedef struct {
+    PyObject_HEAD
+    KTable *media;
+    int n_media;
+    HTable *models;
+    int n_models;
+    /* slots */
+    Py_ssize_t slot_cap; /* a multiple of 64: slot numbers below it */
+    int W;               /* slot_cap / 64: words of a holder bitmask */
+    int32_t *slot_group, *slot_next;
+    uint8_t *slot_state;
+    int64_t *slot_entries;
+    uint64_t *live_bits, *dead_bits, *pass_bits;
+    Py_ssize_t n_dead;
+    /* groups (pods) */
+    Py_ssize_t group_cap;
+    int32_t *group_head;
+    int64_t *group_blocks;
+    uint8_t *group_state; /* 0 free, 1 live, 2 removed (freed once its slots are) */
+    uint32_t *group_mark;
+    uint32_t mark;
+    /* holder bitmasks of keys with more than four holders: W words each */
+    uint64_t *pool;
+    Py_ssize_t pool_cap, pool_top, pool_live;
+    int64_t pool_free;
+    uint32_t *scratch; /* slot numbers, slot_cap of them */
+    /* counters */
+    int64_t entries, max_entries, evicted;
+    uint32_t tick, maint_tick;
+    /* maintenance pass */
+    int m_table, pass_active;
+    Py_ssize_t m_pos;
+    /* eviction */
+    int e_table, e_valid;
+    Py_ssize_t e_pos, e_seen, e_cycle;
+    int64_t e_progress;
+    uint32_t e_age;
+    int e_exact;
+    uint64_t rng;
+    /* orphaned engine hashes */
+    int h_active, h_model;
+    Py_ssize_t h_pos;
+} Core;
+
+/* ---- key table and hash map ---- */
+
+static inline Py_ssize_t kt_home(Py_ssize_t cap, uint64_t k) {
     return (Py_ssize_t)((((k >> 28) & 0xFFFFFFFFu) * (uint64_t)cap) >> 32);
 }
 
-static inline Py_ssize_t hm_home(const HashMapView *m, uint64_t h) { return hm_slot(h, m->cap); }
+static inline Py_ssize_t ht_home(Py_ssize_t cap, uint64_t h) { return (Py_ssize_t)(((h >> 32) * (uint64_t)cap) >> 32); }
 
-static inline Py_ssize_t kt_home(const KeyTableView *t, uint64_t k) { return kt_slot(k, t->cap); }
-
-/* The slot holding key k, probing linearly from slot s; -1 at the first empty slot. */
-static Py_ssize_t probe(const uint64_t *keys, Py_ssize_t cap, Py_ssize_t s, uint64_t k) {
+static inline Py_ssize_t kt_find(const KTable *t, uint64_t k) {
+    if (!t->live) return -1;
+    Py_ssize_t s = kt_home(t->cap, k);
     for (;;) {
-        uint64_t x = keys[s];
+        uint64_t x = t->s[s].key;
         if (x == k) return s;
         if (x == EMPTY) return -1;
-        if (++s == cap) s = 0;
+        if (++s == t->cap) s = 0;
     }
 }
 
-static inline Py_ssize_t hm_find(const HashMapView *m, uint64_t h) { return probe(m->keys, m->cap, hm_home(m, h), h); }
-
-static inline Py_ssize_t kt_find(const KeyTableView *t, uint64_t k) { return probe(t->keys, t->cap, kt_home(t, k), k); }
-
-/* Map engine hash h to key k (inserting h), set bit `one` on k (inserting k), stamp it.
- * Returns 1 if the bit was newly set. The caller guarantees room (no rebuild here). */
-static int store_pair(HashMapView *m, KeyTableView *t, uint64_t h, uint64_t k, uint64_t one, uint32_t stamp) {
-    Py_ssize_t s = hm_home(m, h), tomb = -1;
+static inline Py_ssize_t ht_find(const HTable *t, uint64_t h) {
+    if (!t->live) return -1;
+    Py_ssize_t s = ht_home(t->cap, h);
     for (;;) {
-        uint64_t x = m->keys[s];
-        if (x == h) break;
-        if (x >= TOMB) {
-            if (x == EMPTY) {
-                if (tomb >= 0) s = tomb;
-                else m->used++;
-                m->keys[s] = h;
-                m->live++;
-                break;
-            }
-            if (tomb < 0) tomb = s;
-        }
-        if (++s == m->cap) s = 0;
-    }
-    m->value[s] = k;
-    int added = 0;
-    s = kt_home(t, k);
-    tomb = -1;
-    for (;;) {
-        uint64_t x = t->keys[s];
-        if (x == k) {
-            if (!(t->mask[s] & one)) {
-                t->mask[s] |= one;
-                added = 1;
-            }
-            break;
-        }
-        if (x >= TOMB) {
-            if (x == EMPTY) {
-                if (tomb >= 0) s = tomb;
-                else t->used++;
-                t->keys[s] = k;
-                t->mask[s] = one;
-                t->live++;
-                added = 1;
-                break;
-            }
-            if (tomb < 0) tomb = s;
-        }
+        uint64_t x = t->s[s].h;
+        if (x == h) return s;
+        if (x == EMPTY) return -1;
         if (++s == t->cap) s = 0;
     }
+}
+
+static int kt_alloc(KTable *t, Py_ssize_t cap) {
+    KSlot *s = PyMem_RawMalloc(sizeof(KSlot) * cap);
+    uint32_t *st = PyMem_RawCalloc(cap, sizeof(uint32_t));
+    if (!s || !st) {
+        PyMem_RawFree(s);
+        PyMem_RawFree(st);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < cap; i++) s[i].key = EMPTY, s[i].hold = 0;
+    t->s = s;
+    t->stamp = st;
+    t->cap = cap;
+    t->live = 0;
+    return 0;
+}
+
+static int ht_alloc(HTable *t, Py_ssize_t cap) {
+    HSlot *s = PyMem_RawMalloc(sizeof(HSlot) * cap);
+    if (!s) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < cap; i++) s[i].h = EMPTY, s[i].key = 0;
+    t->s = s;
+    t->cap = cap;
+    t->live = 0;
+    return 0;
+}
+
+static inline Py_ssize_t grown_cap(Py_ssize_t live) {
+    Py_ssize_t cap = (Py_ssize_t)(live / GROW_LOAD) + 1;
+    return cap < MIN_CAP ? MIN_CAP : cap;
+}
+
+/* Room for `more` keys without passing the maximum load: a rehash into a larger table. */
+static int kt_reserve(KTable *t, Py_ssize_t more) {
+    if ((t->live + more) * MAX_LOAD_DEN <= t->cap * MAX_LOAD_NUM) return 0;
+    KTable old = *t;
+    if (kt_alloc(t, grown_cap(old.live + more)) < 0) {
+        *t = old;
+        return -1;
+    }
+    t->used = old.used;
+    for (Py_ssize_t i = 0; i < old.cap; i++) {
+        uint64_t k = old.s[i].key;
+        if (k == EMPTY) continue;
+        Py_ssize_t s = kt_home(t->cap, k);
+        while (t->s[s].key != EMPTY)
+            if (++s == t->cap) s = 0;
+        t->s[s] = old.s[i];
+        t->stamp[s] = old.stamp[i];
+    }
+    t->live = old.live;
+    PyMem_RawFree(old.s);
+    PyMem_RawFree(old.stamp);
+    return 0;
+}
+
+static int ht_reserve(HTable *t, Py_ssize_t more) {
+    if ((t->live + more) * MAX_LOAD_DEN <= t->cap * MAX_LOAD_NUM) return 0;
+    HTable old = *t;
+    if (ht_alloc(t, grown_cap(old.live + more)) < 0) {
+        *t = old;
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < old.cap; i++) {
+        uint64_t h = old.s[i].h;
+        if (h == EMPTY) continue;
+        Py_ssize_t s = ht_home(t->cap, h);
+        while (t->s[s].h != EMPTY)
+            if (++s == t->cap) s = 0;
+        t->s[s] = old.s[i];
+    }
+    t->live = old.live;
+    PyMem_RawFree(old.s);
+    return 0;
+}
+
+/* Is `home` cyclically in (hole, j]? Then the key at j cannot move back to the hole. */
+static inline int stays(Py_ssize_t hole, Py_ssize_t j, Py_ssize_t home) {
+    return hole <= j ? (hole < home && home <= j) : (hole < home || home <= j);
+}
+
+/* Backward-shift deletion: later keys of the probe run move back into the hole. */
+static void kt_delete(KTable *t, Py_ssize_t hole) {
+    Py_ssize_t j = hole;
+    for (;;) {
+        if (++j == t->cap) j = 0;
+        uint64_t k = t->s[j].key;
+        if (k == EMPTY) break;
+        if (stays(hole, j, kt_home(t->cap, k))) continue;
+        t->s[hole] = t->s[j];
+        t->stamp[hole] = t->stamp[j];
+        hole = j;
+    }
+    t->s[hole].key = EMPTY;
+    t->s[hole].hold = 0;
+    t->live--;
+}
+
+static void ht_delete(HTable *t, Py_ssize_t hole) {
+    Py_ssize_t j = hole;
+    for (;;) {
+        if (++j == t->cap) j = 0;
+        uint64_t h = t->s[j].h;
+        if (h == EMPTY) break;
+        if (stays(hole, j, ht_home(t->cap, h))) continue;
+        t->s[hole] = t->s[j];
+        hole = j;
+    }
+    t->s[hole].h = EMPTY;
+    t->live--;
+}
+
+/* k's slot, inserted with no holders if absent (room reserved by the caller). */
+static Py_ssize_t kt_claim(KTable *t, uint64_t k, int *fresh) {
+    Py_ssize_t s = kt_home(t->cap, k);
+    for (;;) {
+        uint64_t x = t->s[s].key;
+        if (x == k) {
+            *fresh = 0;
+            return s;
+        }
+        if (x == EMPTY) break;
+        if (++s == t->cap) s = 0;
+    }
+    t->s[s].key = k;
+    t->s[s].hold = 0;
+    t->live++;
+    *fresh = 1;
+    return s;
+}
+
+/* ---- holders ---- */
+
+static inline int hold_ovf(uint64_t h) { return (h & 0xFFFF) == HOLD_OVF; }
+
+static inline uint64_t *hold_words(const Core *c, uint64_t h) { return c->pool + ((h >> 16) & 0xFFFFFFFFu) * c->W; }
+
+static inline int bit_of(const uint64_t *w, Py_ssize_t s) { return (int)((w[s >> 6] >> (s & 63)) & 1); }
+
+/* The holders' slot numbers into c->scratch; their count. */
+static Py_ssize_t hold_list(const Core *c, uint64_t h) {
+    Py_ssize_t n = 0;
+    if (hold_ovf(h)) {
+        const uint64_t *w = hold_words(c, h);
+        for (int i = 0; i < c->W; i++)
+            for (uint64_t b = w[i]; b; b &= b - 1) c->scratch[n++] = (uint32_t)(i * 64 + __builtin_ctzll(b));
+        return n;
+    }
+    for (; h; h >>= 16) c->scratch[n++] = (uint32_t)(h & 0xFFFF) - 1;
+    return n;
+}
+
+/* The holder bitmask of h into out, words [lo, hi) only (the others are left as they are). */
+static inline void hold_bits_range(const Core *c, uint64_t h, uint64_t *out, int lo, int hi) {
+    if (hold_ovf(h)) {
+        memcpy(out + lo, hold_words(c, h) + lo, sizeof(uint64_t) * (hi - lo));
+        return;
+    }
+    memset(out + lo, 0, sizeof(uint64_t) * (hi - lo));
+    for (; h; h >>= 16) {
+        uint32_t s = (uint32_t)(h & 0xFFFF) - 1;
+        if ((int)(s >> 6) >= lo && (int)(s >> 6) < hi) out[s >> 6] |= UINT64_C(1) << (s & 63);
+    }
+}
+
+static int64_t pool_alloc(Core *c) {
+    if (c->pool_free >= 0) {
+        int64_t i = c->pool_free;
+        c->pool_free = (int64_t)c->pool[i * c->W];
+        c->pool_live++;
+        return i;
+    }
+    if (c->pool_top == c->pool_cap) {
+        Py_ssize_t cap = c->pool_cap ? 2 * c->pool_cap : 64;
+        uint64_t *p = PyMem_RawRealloc(c->pool, sizeof(uint64_t) * c->W * cap);
+        if (!p) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        c->pool = p;
+        c->pool_cap = cap;
+    }
+    c->pool_live++;
+    return c->pool_top++;
+}
+
+static void pool_release(Core *c, int64_t i) {
+    c->pool[i * c->W] = (uint64_t)c->pool_free;
+    c->pool_free = i;
+    c->pool_live--;
+}
+
+/* Adds `slot` to holder word *h: 1 if added, 0 if it held already, -1 on a failed allocation. */
+static int hold_add(Core *c, uint64_t *h, uint32_t slot) {
+    uint64_t x = *h;
+    if (hold_ovf(x)) {
+        uint64_t *w = hold_words(c, x);
+        if (bit_of(w, slot)) return 0;
+        w[slot >> 6] |= UINT64_C(1) << (slot & 63);
+        return 1;
+    }
+    for (int i = 0; i < 4; i++) {
+        uint64_t f = (x >> (16 * i)) & 0xFFFF;
+        if (f == slot + 1) return 0;
+        if (!f) {
+            *h = x | ((uint64_t)(slot + 1) << (16 * i));
+            return 1;
+        }
+    }
+    int64_t i = pool_alloc(c); /* a fifth holder: to a bitmask */
+    if (i < 0) return -1;
+    uint64_t *w = c->pool + i * c->W;
+    memset(w, 0, sizeof(uint64_t) * c->W);
+    for (; x; x >>= 16) {
+        uint32_t s = (uint32_t)(x & 0xFFFF) - 1;
+        w[s >> 6] |= UINT64_C(1) << (s & 63);
+    }
+    w[slot >> 6] |= UINT64_C(1) << (slot & 63);
+    *h = HOLD_OVF | ((uint64_t)i << 16);
+    return 1;
+}
+
+/* Removes `slot` from *h: 1 if it held, else 0. Four or fewer holders left move back inline. */
+static int hold_del(Core *c, uint64_t *h, uint32_t slot) {
+    uint64_t x = *h;
+    if (hold_ovf(x)) {
+        uint64_t *w = hold_words(c, x);
+        if (!bit_of(w, slot)) return 0;
+        w[slot >> 6] &= ~(UINT64_C(1) << (slot & 63));
+        int n = 0;
+        for (int i = 0; i < c->W && n <= 4; i++) n += __builtin_popcountll(w[i]);
+        if (n <= 4) {
+            uint64_t y = 0;
+            int f = 0;
+            for (int i = 0; i < c->W; i++)
+                for (uint64_t b = w[i]; b; b &= b - 1)
+                    y |= (uint64_t)(i * 64 + __builtin_ctzll(b) + 1) << (16 * f++);
+            pool_release(c, (int64_t)((x >> 16) & 0xFFFFFFFFu));
+            *h = y;
+        }
+        return 1;
+    }
+    for (int i = 0; i < 4; i++) {
+        uint64_t f = (x >> (16 * i)) & 0xFFFF;
+        if (!f) return 0;
+        if (f == slot + 1) {
+            uint64_t low = (UINT64_C(1) << (16 * i)) - 1;
+            *h = (x & low) | ((x >> 16) & ~low);
+            return 1;
+        }
+    }
+    return 0;
+}
+
+static void hold_free(Core *c, uint64_t h) {
+    if (hold_ovf(h)) pool_release(c, (int64_t)((h >> 16) & 0xFFFFFFFFu));
+}
+
+/* Does any slot of group g hold the key whose holder word is h? */
+static int hold_has_group(const Core *c, uint64_t h, int32_t g) {
+    if (hold_ovf(h)) {
+        const uint64_t *w = hold_words(c, h);
+        for (int32_t s = c->group_head[g]; s >= 0; s = c->slot_next[s])
+            if (bit_of(w, s)) return 1;
+        return 0;
+    }
+    for (; h; h >>= 16)
+        if (c->slot_group[(h & 0xFFFF) - 1] == g) return 1;
+    return 0;
+}
+
+/* Does group g hold key k in any medium but `skip`? */
+static int group_holds(const Core *c, uint64_t k, int32_t g, int skip) {
+    for (int m = 0; m < c->n_media; m++) {
+        if (m == skip || !c->media[m].used) continue;
+        Py_ssize_t s = kt_find(&c->media[m], k);
+        if (s >= 0 && hold_has_group(c, c->media[m].s[s].hold, g)) return 1;
+    }
+    return 0;
+}
+
+static int held_anywhere(const Core *c, uint64_t k) {
+    for (int m = 0; m < c->n_media; m++)
+        if (c->media[m].used && kt_find(&c->media[m], k) >= 0) return 1;
+    return 0;
+}
+
+/* ---- entries ---- */
+
+/* Medium m's key k gains holder `slot` (live), stamped: 1 if newly held, 0 if held, -1 on error. */
+static int key_add(Core *c, int m, uint64_t k, uint32_t slot, uint32_t stamp) {
+    KTable *t = &c->media[m];
+    if (kt_reserve(t, 1) < 0) return -1;
+    int fresh;
+    Py_ssize_t s = kt_claim(t, k, &fresh);
+    uint64_t h = t->s[s].hold;
+    int32_t g = c->slot_group[slot];
+    int had = !fresh && hold_has_group(c, h, g);
+    if (!had && c->n_media > 1) had = group_holds(c, k, g, m);
+    int r = hold_add(c, &h, slot);
+    if (r < 0) {
+        if (fresh) kt_delete(t, s);
+        return -1;
+    }
+    t->s[s].hold = h;
     t->stamp[s] = stamp;
-    return added;
+    if (r) {
+        c->entries++;
+        c->slot_entries[slot]++;
+        if (!had) c->group_blocks[g]++;
+    }
+    return r;
+}
+
+/* `slot` no longer holds the key at position s of medium m: 1 if it held it, else 0; *freed when
+ * the key had no other holder (it is deleted). */
+static int key_del_at(Core *c, int m, Py_ssize_t s, uint32_t slot, int *freed) {
+    KTable *t = &c->media[m];
+    uint64_t h = t->s[s].hold, k = t->s[s].key;
+    *freed = 0;
+    if (!hold_del(c, &h, slot)) return 0;
+    if (c->slot_state[slot] == SLOT_LIVE) {
+        c->entries--;
+        c->slot_entries[slot]--;
+    }
+    int32_t g = c->slot_group[slot];
+    if (h) {
+        t->s[s].hold = h;
+    } else {
+        kt_delete(t, s);
+        *freed = 1;
+    }
+    if (!(h && hold_has_group(c, h, g)) && !group_holds(c, k, g, m)) c->group_blocks[g]--;
+    return 1;
+}
+
+/* Drops the key at position s of medium m with all its holders (eviction); its live entries. */
+static int64_t key_drop_at(Core *c, int m, Py_ssize_t s) {
+    KTable *t = &c->media[m];
+    uint64_t h = t->s[s].hold, k = t->s[s].key;
+    Py_ssize_t n = hold_list(c, h);
+    hold_free(c, h);
+    kt_delete(t, s);
+    int64_t gone = 0;
+    uint32_t mark = ++c->mark;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint32_t x = c->scratch[i];
+        if (c->slot_state[x] == SLOT_LIVE) {
+            gone++;
+            c->slot_entries[x]--;
+        }
+        int32_t g = c->slot_group[x];
+        if (c->group_mark[g] == mark) continue;
+        c->group_mark[g] = mark;
+        if (!group_holds(c, k, g, -1)) c->group_blocks[g]--;
+    }
+    c->entries -= gone;
+    return gone;
 }
 
 enum { R_UNKNOWN = -2, R_NOT_HELD = -1, R_FREED = 0, R_STILL_HELD = 1 };
 
-static inline void free_slot(uint64_t *keys, Py_ssize_t cap, Py_ssize_t s, Py_ssize_t *live, Py_ssize_t *used) {
-    Py_ssize_t nxt = s + 1 < cap ? s + 1 : 0;
-    if (keys[nxt] == EMPTY) {
-        keys[s] = EMPTY;
-        (*used)--;
-    } else {
-        keys[s] = TOMB;
-    }
-    (*live)--;
-}
-
-#define MAX_OTHERS 8
-
-typedef struct {
-    const uint64_t *keys;
-    Py_ssize_t cap;
-} OtherTable; /* another medium's KeyTable: only its keys are read */
-
-static inline int other_holds(const OtherTable *o, uint64_t k) {
-    return probe(o->keys, o->cap, kt_slot(k, o->cap), k) >= 0;
-}
-
-/* table.py's release() plus the index's _forget_hash_if_unheld(): unset bit `one` of the key
- * engine hash h maps to; free the key when no holder is left, and h's entry too when no other
- * medium table holds the key. */
-static int release_one(HashMapView *m, KeyTableView *t, uint64_t h, uint64_t one, const OtherTable *others,
-                       int n_others) {
-    Py_ssize_t hs = hm_find(m, h);
+/* Engine hash h (folded) of `model` is no longer held by `slot` in medium m (-1: a medium with
+ * no table). A freed key's hash entry goes too unless another medium still holds the key. */
+static int release_one(Core *c, int model, int m, uint64_t h, uint32_t slot) {
+    HTable *ht = &c->models[model];
+    Py_ssize_t hs = ht_find(ht, h);
     if (hs < 0) return R_UNKNOWN;
-    uint64_t k = m->value[hs];
-    Py_ssize_t s = kt_find(t, k);
-    if (s < 0) return R_NOT_HELD;
-    uint64_t msk = t->mask[s];
-    if (!(msk & one)) return R_NOT_HELD;
-    msk ^= one;
-    t->mask[s] = msk;
-    if (msk) return R_STILL_HELD;
-    free_slot(t->keys, t->cap, s, &t->live, &t->used);
-    for (int i = 0; i < n_others; i++)
-        if (other_holds(&others[i], k)) return R_FREED;
-    free_slot(m->keys, m->cap, hs, &m->live, &m->used);
+    if (m < 0) return R_NOT_HELD;
+    uint64_t k = ht->s[hs].key;
+    Py_ssize_t s = kt_find(&c->media[m], k);
+    int freed;
+    if (s < 0 || !key_del_at(c, m, s, slot, &freed)) return R_NOT_HELD;
+    if (!freed) return R_STILL_HELD;
+    if (!held_anywhere(c, k)) ht_delete(ht, hs);
     return R_FREED;
+}
+
+/* Map engine hash h to key k for `model`, and k gains holder `slot` in medium m. */
+static int store_pair(Core *c, int model, int m, uint64_t h, uint64_t k, uint32_t slot, uint32_t stamp) {
+    HTable *ht = &c->models[model];
+    if (ht_reserve(ht, 1) < 0) return -1;
+    Py_ssize_t s = ht_home(ht->cap, h);
+    for (;;) {
+        uint64_t x = ht->s[s].h;
+        if (x == h) break;
+        if (x == EMPTY) {
+            ht->s[s].h = h;
+            ht->live++;
+            break;
+        }
+        if (++s == ht->cap) s = 0;
+    }
+    ht->s[s].key = k;
+    return key_add(c, m, k, slot, stamp);
 }
 
 static inline uint64_t fold(uint64_t h) {
@@ -299,6 +697,238 @@ static inline uint64_t fold(uint64_t h) {
     return h >= TOMB ? h - 2 : h;
 }
 
+/* ---- maintenance: dead slots, stamp ages, orphaned engine hashes ---- */
+
+static Py_ssize_t total_cap(const Core *c) {
+    Py_ssize_t n = 0;
+    for (int m = 0; m < c->n_media; m++)
+        if (c->media[m].used) n += c->media[m].cap;
+    return n;
+}
+
+static int64_t total_keys(const Core *c) {
+    int64_t n = 0;
+    for (int m = 0; m < c->n_media; m++)
+        if (c->media[m].used) n += c->media[m].live;
+    return n;
+}
+
+static void slot_unlink(Core *c, int32_t s) {
+    int32_t g = c->slot_group[s];
+    int32_t *p = &c->group_head[g];
+    while (*p != s) p = &c->slot_next[*p];
+    *p = c->slot_next[s];
+    if (c->group_head[g] < 0 && c->group_state[g] == 2) { /* a removed pod's last slot */
+        c->group_state[g] = 0;
+        c->group_blocks[g] = 0;
+    }
+    c->slot_group[s] = -1;
+    c->slot_next[s] = -1;
+    c->slot_state[s] = SLOT_FREE;
+}
+
+/* A pass over every table finished: the slots dead when it started are gone everywhere. */
+static void pass_done(Core *c) {
+    for (int i = 0; i < c->W; i++) {
+        for (uint64_t b = c->pass_bits[i]; b; b &= b - 1) {
+            int32_t s = i * 64 + __builtin_ctzll(b);
+            slot_unlink(c, s);
+            c->n_dead--;
+        }
+        c->dead_bits[i] &= ~c->pass_bits[i];
+        c->pass_bits[i] = 0;
+    }
+    c->pass_active = 0;
+}
+
+/* Sweeps up to `budget` key-table positions from the pass cursor: dead holders out, ages clamped. */
+static void pass_step(Core *c, Py_ssize_t budget) {
+    while (budget > 0) {
+        if (!c->pass_active) {
+            c->pass_active = 1;
+            c->m_table = 0;
+            c->m_pos = 0;
+            memcpy(c->pass_bits, c->dead_bits, sizeof(uint64_t) * c->W);
+        }
+        if (c->m_table >= c->n_media) {
+            pass_done(c);
+            if (!c->n_dead) return;
+            continue;
+        }
+        KTable *t = &c->media[c->m_table];
+        if (!t->used || c->m_pos >= t->cap) {
+            c->m_table++;
+            c->m_pos = 0;
+            continue;
+        }
+        Py_ssize_t s = c->m_pos;
+        budget--;
+        uint64_t k = t->s[s].key;
+        if (k == EMPTY) {
+            c->m_pos++;
+            continue;
+        }
+        if ((uint32_t)(c->tick - t->stamp[s]) > AGE_CLAMP) t->stamp[s] = c->tick - AGE_CLAMP;
+        if (c->n_dead) {
+            Py_ssize_t n = hold_list(c, t->s[s].hold);
+            int freed = 0;
+            for (Py_ssize_t i = 0; i < n && !freed; i++)
+                if (c->slot_state[c->scratch[i]] == SLOT_DEAD) key_del_at(c, c->m_table, s, c->scratch[i], &freed);
+            if (freed) continue; /* a later key moved into s: look at it too */
+        }
+        c->m_pos++;
+    }
+}
+
+/* Deletes up to `budget` engine hashes whose key no medium holds. */
+static void orphan_step(Core *c, Py_ssize_t budget) {
+    while (budget > 0 && c->h_active) {
+        if (c->h_model >= c->n_models) {
+            c->h_active = 0;
+            return;
+        }
+        HTable *ht = &c->models[c->h_model];
+        if (c->h_pos >= ht->cap) {
+            c->h_model++;
+            c->h_pos = 0;
+            continue;
+        }
+        budget--;
+        HSlot *e = &ht->s[c->h_pos];
+        if (e->h != EMPTY && !held_anywhere(c, e->key)) {
+            ht_delete(ht, c->h_pos);
+            continue;
+        }
+        c->h_pos++;
+    }
+}
+
+/* ---- eviction ---- */
+
+static uint32_t select_nth(uint32_t *a, Py_ssize_t n, Py_ssize_t k) { /* the k-th smallest (0-based) */
+    Py_ssize_t lo = 0, hi = n - 1;
+    while (lo < hi) {
+        uint32_t p = a[lo + (hi - lo) / 2];
+        Py_ssize_t i = lo, j = hi;
+        while (i <= j) {
+            while (a[i] < p) i++;
+            while (a[j] > p) j--;
+            if (i <= j) {
+                uint32_t x = a[i];
+                a[i++] = a[j];
+                a[j--] = x;
+            }
+        }
+        if (k <= j) hi = j;
+        else if (k >= i) lo = i;
+        else return a[k];
+    }
+    return a[k];
+}
+
+static inline uint64_t next_rand(Core *c) {
+    c->rng = c->rng * UINT64_C(6364136223846793005) + UINT64_C(1442695040888963407);
+    return c->rng >> 17;
+}
+
+/* The age from which keys are evicted this cycle: the need-th oldest key's on small tables
+ * (strictly older ones first while there are any), else a quantile of sampled ages aiming at
+ * about 1/32 of the keys per sweep of the tables. */
+static int evict_threshold(Core *c, int64_t need) {
+    int64_t keys = total_keys(c);
+    Py_ssize_t cap = total_cap(c);
+    int exact = keys <= EXACT_KEYS || c->e_exact;
+    Py_ssize_t n = 0, want = exact ? (Py_ssize_t)keys : SAMPLES;
+    uint32_t *ages = PyMem_RawMalloc(sizeof(uint32_t) * (want ? want : 1));
+    if (!ages) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    if (exact) {
+        for (int m = 0; m < c->n_media; m++) {
+            KTable *t = &c->media[m];
+            if (!t->used) continue;
+            for (Py_ssize_t s = 0; s < t->cap && n < want; s++)
+                if (t->s[s].key != EMPTY) ages[n++] = c->tick - t->stamp[s];
+        }
+    } else {
+        for (Py_ssize_t tries = 0; n < want && tries < 8 * SAMPLES; tries++) {
+            Py_ssize_t g = (Py_ssize_t)(next_rand(c) % (uint64_t)cap);
+            for (int m = 0; m < c->n_media; m++) {
+                KTable *t = &c->media[m];
+                if (!t->used) continue;
+                if (g < t->cap) {
+                    if (t->s[g].key != EMPTY) ages[n++] = c->tick - t->stamp[g];
+                    break;
+                }
+                g -= t->cap;
+            }
+        }
+    }
+    if (!n) {
+        PyMem_RawFree(ages);
+        c->e_age = 0;
+        return 0;
+    }
+    Py_ssize_t take;
+    if (exact) {
+        take = need < n ? (Py_ssize_t)need : n;
+    } else {
+        double q = (double)need / (double)(keys ? keys : 1);
+        if (q < 1.0 / 32) q = 1.0 / 32;
+        take = (Py_ssize_t)(q * n) + 1;
+        if (take > n) take = n;
+    }
+    if (take < 1) take = 1;
+    uint32_t age = select_nth(ages, n, n - take); /* the take-th largest */
+    if (exact && age < UINT32_MAX) {
+        Py_ssize_t older = 0;
+        for (Py_ssize_t i = 0; i < n; i++) older += ages[i] > age;
+        if (older) age++;
+    }
+    PyMem_RawFree(ages);
+    c->e_age = age;
+    return 0;
+}
+
+/* Evicts keys until the entries are within the bound. */
+static int evict(Core *c) {
+    while (c->entries > c->max_entries) {
+        if (!total_keys(c)) { /* cannot happen while the counts are right; never spin */
+            c->entries = 0;
+            break;
+        }
+        if (!c->e_valid || c->e_seen >= c->e_cycle) {
+            if (c->e_valid && !c->e_progress) c->e_exact = 1; /* a whole sweep found nothing: read every stamp */
+            if (evict_threshold(c, c->entries - c->max_entries) < 0) return -1;
+            c->e_valid = 1;
+            c->e_seen = 0;
+            c->e_cycle = total_cap(c);
+            c->e_progress = 0;
+        }
+        if (c->e_table >= c->n_media) {
+            c->e_table = 0;
+            c->e_pos = 0;
+        }
+        KTable *t = &c->media[c->e_table];
+        if (!t->used || c->e_pos >= t->cap) {
+            c->e_table++;
+            c->e_pos = 0;
+            continue;
+        }
+        c->e_seen++;
+        Py_ssize_t s = c->e_pos;
+        if (t->s[s].key != EMPTY && (uint32_t)(c->tick - t->stamp[s]) >= c->e_age) {
+            int64_t gone = key_drop_at(c, c->e_table, s);
+            c->evicted += gone;
+            c->e_progress += 1;
+            continue; /* a later key may have moved into s */
+        }
+        c->e_pos++;
+    }
+    if (c->e_progress && c->e_exact) c->e_exact = 0;
+    return 0;
+}
 /* ---- msgpack reading ------------------------------------------------------------------------ */
 
 typedef struct {
@@ -479,14 +1109,12 @@ typedef struct {
     int medium_seen;
     /* apply */
     int applying;
-    HashMapView *m;
-    KeyTableView *t;
-    uint64_t root, one;
-    uint32_t tick;
+    Core *c;
+    int model, mid; /* mid -1: removals in a medium without a table */
+    uint32_t slot;
+    uint64_t root;
     PyObject *loras; /* scan: the set of LoRA keys of chain-starting stores */
     PyObject *roots; /* apply: LoRA key -> root key */
-    const OtherTable *others;
-    int n_others;
     Py_ssize_t added, removed, unknown_parent, unknown_removed;
 } Batch;
 
@@ -626,15 +1254,20 @@ static int do_stored(Batch *b, Stored *st) {
     uint64_t k = 0;
     if (!st->has_parent && chain_root(b, st, &k)) return -1;
     if (!b->applying) return 0;
+    if (b->mid < 0) {
+        PyErr_SetString(PyExc_ValueError, "apply_batch: stores need a medium table");
+        return -1;
+    }
     if (st->has_parent) {
-        Py_ssize_t s = hm_find(b->m, fold(st->parent));
+        HTable *ht = &b->c->models[b->model];
+        Py_ssize_t s = ht_find(ht, fold(st->parent));
         if (s < 0) { /* its chain is unknown: never guess a chain start */
             b->unknown_parent += st->n_hashes;
             return 0;
         }
-        k = b->m->value[s];
+        k = ht->s[s].key;
     }
-    b->tick++;
+    uint32_t tick = ++b->c->tick;
     Reader hr = st->hashes, tr = st->tokens;
     uint64_t bs = st->block_size, h, t;
     for (uint32_t i = 0; i < st->n_hashes; i++) {
@@ -645,7 +1278,9 @@ static int do_stored(Batch *b, Stored *st) {
         }
         k = chain(k, block_hash_final(bh));
         rd_hash(&hr, &h);
-        b->added += store_pair(b->m, b->t, fold(h), k, b->one, b->tick);
+        int r = store_pair(b->c, b->model, b->mid, fold(h), k, b->slot, tick);
+        if (r < 0) return -1;
+        b->added += r;
     }
     return 0;
 }
@@ -657,7 +1292,7 @@ static int do_removed(Batch *b, Reader hashes, uint32_t n) {
     uint64_t h;
     for (uint32_t i = 0; i < n; i++) {
         rd_hash(&hashes, &h);
-        int res = release_one(b->m, b->t, fold(h), b->one, b->others, b->n_others);
+        int res = release_one(b->c, b->model, b->mid, fold(h), b->slot);
         if (res >= R_FREED) b->removed++;
         else if (res == R_UNKNOWN) b->unknown_removed++;
     }
@@ -885,109 +1520,352 @@ static PyObject *py_scan_batch(PyObject *Py_UNUSED(self), PyObject *arg) {
     return out;
 }
 
-/* A table column: a contiguous buffer of `itemsize`-byte items, at least one (a table of capacity 0
- * has no slot to probe: its home slot 0 would be read out of bounds). */
-static int get_column(PyObject *o, Py_buffer *v, int writable, Py_ssize_t itemsize, const char *what) {
-    if (PyObject_GetBuffer(o, v, (writable ? PyBUF_WRITABLE : 0) | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
-        return -1;
-    if (v->itemsize != itemsize) {
-        PyErr_Format(PyExc_TypeError, "%s: expected %zd-byte items, got %zd-byte ones", what, itemsize, v->itemsize);
-        PyBuffer_Release(v);
-        return -1;
-    }
-    if (v->len < itemsize) {
-        PyErr_Format(PyExc_ValueError, "%s: a table of capacity 0", what);
-        PyBuffer_Release(v);
+/* ---- the Core type ------------------------------------------------------------------------ */
+
+static int as_int(PyObject *o, int *out) {
+    long v = PyLong_AsLong(o);
+    if (v == -1 && PyErr_Occurred()) return -1;
+    if (v < INT32_MIN || v > INT32_MAX) {
+        PyErr_SetString(PyExc_OverflowError, "an id out of range");
         return -1;
     }
+    *out = (int)v;
     return 0;
 }
 
-static int get_u64(PyObject *o, Py_buffer *v, int writable, const char *what) {
-    return get_column(o, v, writable, 8, what);
+static int grow_slots(Core *c, Py_ssize_t cap) {
+    int W = (int)(cap / 64), oldW = c->W;
+    Py_ssize_t old = c->slot_cap;
+#define GROW(field, type)                                                               \
+    do {                                                                                \
+        type *p = PyMem_RawRealloc(c->field, sizeof(type) * (size_t)cap);               \
+        if (!p) return PyErr_NoMemory(), -1;                                            \
+        c->field = p;                                                                   \
+    } while (0)
+    GROW(slot_group, int32_t);
+    GROW(slot_next, int32_t);
+    GROW(slot_state, uint8_t);
+    GROW(slot_entries, int64_t);
+    GROW(scratch, uint32_t);
+#undef GROW
+    for (Py_ssize_t s = old; s < cap; s++) {
+        c->slot_group[s] = -1;
+        c->slot_next[s] = -1;
+        c->slot_state[s] = SLOT_FREE;
+        c->slot_entries[s] = 0;
+    }
+    uint64_t **bits[3] = {&c->live_bits, &c->dead_bits, &c->pass_bits};
+    for (int i = 0; i < 3; i++) {
+        uint64_t *p = PyMem_RawRealloc(*bits[i], sizeof(uint64_t) * W);
+        if (!p) return PyErr_NoMemory(), -1;
+        memset(p + oldW, 0, sizeof(uint64_t) * (W - oldW));
+        *bits[i] = p;
+    }
+    if (c->pool_cap) { /* every holder bitmask to the new width */
+        uint64_t *p = PyMem_RawCalloc((size_t)c->pool_cap * W, sizeof(uint64_t));
+        if (!p) return PyErr_NoMemory(), -1;
+        for (Py_ssize_t i = 0; i < c->pool_top; i++) memcpy(p + i * W, c->pool + i * oldW, sizeof(uint64_t) * oldW);
+        PyMem_RawFree(c->pool);
+        c->pool = p;
+    }
+    c->slot_cap = cap;
+    c->W = W;
+    return 0;
 }
 
-/* apply_batch(payload, root, one, tick, hm_keys, hm_values, kt_keys, kt_masks, kt_stamps, others, roots)
- *   -> (added, removed, tick, hm_live, hm_used, kt_live, kt_used, unknown_parent, unknown_removed)
- * Applies a batch scan_batch accepted, for the holder bit `one`; `others` is a tuple of the other
- * media tables' key arrays (at most 8: a freed key's engine hash is kept while one holds it); `roots`
- * maps each LoRA key scan_batch listed to its root key. The caller made room for every
- * stored block in both tables (no rebuild happens here); live/used are deltas. */
-static PyObject *py_apply_batch(PyObject *Py_UNUSED(self), PyObject *args) {
-    Py_buffer payload, hk, hv, tk, tm, ts;
-    unsigned long long root, one;
-    unsigned long tick;
-    PyObject *ohk, *ohv, *otk, *otm, *ots, *oothers, *oroots;
-    if (!PyArg_ParseTuple(args, "y*KKkOOOOOO!O!", &payload, &root, &one, &tick, &ohk, &ohv, &otk, &otm, &ots,
-                          &PyTuple_Type, &oothers, &PyDict_Type, &oroots))
-        return NULL;
-    int got = 0, n_others = 0;
+static int core_init(Core *c, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"max_entries", NULL};
+    long long max_entries;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "L", kwlist, &max_entries)) return -1;
+    if (max_entries <= 0) {
+        PyErr_Format(PyExc_ValueError, "max_entries must be positive, got %lld", max_entries);
+        return -1;
+    }
+    if (c->slot_cap) {
+        PyErr_SetString(PyExc_RuntimeError, "Core is initialised once");
+        return -1;
+    }
+    c->max_entries = max_entries;
+    c->pool_free = -1;
+    c->rng = 0x853C49E6748FEA9Bu;
+    return grow_slots(c, 64);
+}
+
+static void core_dealloc(Core *c) {
+    for (int m = 0; m < c->n_media; m++) {
+        PyMem_RawFree(c->media[m].s);
+        PyMem_RawFree(c->media[m].stamp);
+    }
+    for (int m = 0; m < c->n_models; m++) PyMem_RawFree(c->models[m].s);
+    void *arrays[] = {c->media, c->models, c->slot_group, c->slot_next, c->slot_state, c->slot_entries,
+                      c->live_bits, c->dead_bits, c->pass_bits, c->group_head, c->group_blocks, c->group_state,
+                      c->group_mark, c->pool, c->scratch};
+    for (size_t i = 0; i < sizeof arrays / sizeof *arrays; i++) PyMem_RawFree(arrays[i]);
+    Py_TYPE(c)->tp_free((PyObject *)c);
+}
+
+static int arg_medium(Core *c, int m, int allow_none) {
+    if ((allow_none && m == -1) || (m >= 0 && m < c->n_media && c->media[m].used)) return 0;
+    PyErr_Format(PyExc_ValueError, "no medium table %d", m);
+    return -1;
+}
+
+static int arg_model(Core *c, int m) {
+    if (m >= 0 && m < c->n_models) return 0;
+    PyErr_Format(PyExc_ValueError, "no model %d", m);
+    return -1;
+}
+
+static int arg_slot(Core *c, long s) {
+    if (s >= 0 && s < c->slot_cap && c->slot_state[s] == SLOT_LIVE) return 0;
+    PyErr_Format(PyExc_ValueError, "no live slot %ld", s);
+    return -1;
+}
+
+/* new_medium() -> id: an empty key table (ids of freed ones are reused) */
+static PyObject *core_new_medium(Core *c, PyObject *Py_UNUSED(ignored)) {
+    int m = 0;
+    while (m < c->n_media && c->media[m].used) m++;
+    if (m == c->n_media) {
+        KTable *p = PyMem_RawRealloc(c->media, sizeof(KTable) * (m + 1));
+        if (!p) return PyErr_NoMemory();
+        c->media = p;
+        memset(&p[m], 0, sizeof(KTable));
+        c->n_media++;
+    }
+    if (kt_alloc(&c->media[m], MIN_CAP) < 0) return NULL;
+    c->media[m].used = 1;
+    return PyLong_FromLong(m);
+}
+
+/* free_medium(id): drop an empty medium table */
+static PyObject *core_free_medium(Core *c, PyObject *arg) {
+    int m;
+    if (as_int(arg, &m) || arg_medium(c, m, 0)) return NULL;
+    if (c->media[m].live) return PyErr_Format(PyExc_ValueError, "medium table %d is not empty", m);
+    PyMem_RawFree(c->media[m].s);
+    PyMem_RawFree(c->media[m].stamp);
+    memset(&c->media[m], 0, sizeof(KTable));
+    Py_RETURN_NONE;
+}
+
+/* new_model() -> id: an empty engine-hash map */
+static PyObject *core_new_model(Core *c, PyObject *Py_UNUSED(ignored)) {
+    HTable *p = PyMem_RawRealloc(c->models, sizeof(HTable) * (c->n_models + 1));
+    if (!p) return PyErr_NoMemory();
+    c->models = p;
+    if (ht_alloc(&p[c->n_models], MIN_CAP) < 0) return NULL;
+    return PyLong_FromLong(c->n_models++);
+}
+
+/* new_group() -> id: a pod */
+static PyObject *core_new_group(Core *c, PyObject *Py_UNUSED(ignored)) {
+    Py_ssize_t g = 0;
+    while (g < c->group_cap && c->group_state[g]) g++;
+    if (g == c->group_cap) {
+        Py_ssize_t cap = c->group_cap ? 2 * c->group_cap : 64;
+        int32_t *head = PyMem_RawRealloc(c->group_head, sizeof(int32_t) * cap);
+        if (head) c->group_head = head;
+        int64_t *blocks = PyMem_RawRealloc(c->group_blocks, sizeof(int64_t) * cap);
+        if (blocks) c->group_blocks = blocks;
+        uint8_t *state = PyMem_RawRealloc(c->group_state, cap);
+        if (state) c->group_state = state;
+        uint32_t *mark = PyMem_RawRealloc(c->group_mark, sizeof(uint32_t) * cap);
+        if (mark) c->group_mark = mark;
+        if (!head || !blocks || !state || !mark) return PyErr_NoMemory();
+        for (Py_ssize_t i = c->group_cap; i < cap; i++) {
+            c->group_head[i] = -1;
+            c->group_blocks[i] = 0;
+            c->group_state[i] = 0;
+            c->group_mark[i] = 0;
+        }
+        c->group_cap = cap;
+    }
+    c->group_state[g] = 1;
+    c->group_head[g] = -1;
+    c->group_blocks[g] = 0;
+    return PyLong_FromSsize_t(g);
+}
+
+static void kill_slot(Core *c, int32_t s) {
+    c->entries -= c->slot_entries[s];
+    c->slot_entries[s] = 0;
+    c->slot_state[s] = SLOT_DEAD;
+    c->live_bits[s >> 6] &= ~(UINT64_C(1) << (s & 63));
+    c->dead_bits[s >> 6] |= UINT64_C(1) << (s & 63);
+    c->n_dead++;
+}
+
+/* new_slot(group) -> id: the lowest free slot number */
+static PyObject *core_new_slot(Core *c, PyObject *arg) {
+    Py_ssize_t g = PyLong_AsSsize_t(arg);
+    if (g == -1 && PyErr_Occurred()) return NULL;
+    if (g < 0 || g >= c->group_cap || c->group_state[g] != 1) return PyErr_Format(PyExc_ValueError, "no group %zd", g);
+    Py_ssize_t s = 0;
+    while (s < c->slot_cap && c->slot_state[s] != SLOT_FREE) s++;
+    if (s >= MAX_SLOTS) return PyErr_Format(PyExc_OverflowError, "more than %d pod-ranks", MAX_SLOTS);
+    if (s == c->slot_cap && grow_slots(c, 2 * c->slot_cap) < 0) return NULL;
+    c->slot_state[s] = SLOT_LIVE;
+    c->slot_group[s] = (int32_t)g;
+    c->slot_next[s] = c->group_head[g];
+    c->group_head[g] = (int32_t)s;
+    c->slot_entries[s] = 0;
+    c->live_bits[s >> 6] |= UINT64_C(1) << (s & 63);
+    return PyLong_FromSsize_t(s);
+}
+
+/* kill_slot(id): the slot holds nothing from now on (its marks go in the background) */
+static PyObject *core_kill_slot(Core *c, PyObject *arg) {
+    long s = PyLong_AsLong(arg);
+    if ((s == -1 && PyErr_Occurred()) || arg_slot(c, s)) return NULL;
+    kill_slot(c, (int32_t)s);
+    Py_RETURN_NONE;
+}
+
+/* remove_group(id): kill its slots; the id is reused once they are gone */
+static PyObject *core_remove_group(Core *c, PyObject *arg) {
+    Py_ssize_t g = PyLong_AsSsize_t(arg);
+    if (g == -1 && PyErr_Occurred()) return NULL;
+    if (g < 0 || g >= c->group_cap || c->group_state[g] != 1) return PyErr_Format(PyExc_ValueError, "no group %zd", g);
+    for (int32_t s = c->group_head[g]; s >= 0; s = c->slot_next[s])
+        if (c->slot_state[s] == SLOT_LIVE) kill_slot(c, s);
+    c->group_state[g] = 2;
+    if (c->group_head[g] < 0) {
+        c->group_state[g] = 0;
+        c->group_blocks[g] = 0;
+    }
+    Py_RETURN_NONE;
+}
+
+/* key_of(model, folded_hash) -> key | None */
+static PyObject *core_key_of(Core *c, PyObject *args) {
+    int model;
+    unsigned long long h;
+    if (!PyArg_ParseTuple(args, "iK", &model, &h) || arg_model(c, model)) return NULL;
+    Py_ssize_t s = ht_find(&c->models[model], h);
+    if (s < 0) Py_RETURN_NONE;
+    return PyLong_FromUnsignedLongLong(c->models[model].s[s].key);
+}
+
+/* store(model, medium, slot, folded_hashes, keys) -> entries added
+ * One BlockStored's blocks (native uint64 bytes, pairwise), stamped with one new tick. */
+static PyObject *core_store(Core *c, PyObject *args) {
+    int model, m;
+    long slot;
+    Py_buffer hv, kv;
+    if (!PyArg_ParseTuple(args, "iily*y*", &model, &m, &slot, &hv, &kv)) return NULL;
     PyObject *out = NULL;
-    Py_buffer other_bufs[MAX_OTHERS];
-    OtherTable others[MAX_OTHERS];
-    if (PyTuple_GET_SIZE(oothers) > MAX_OTHERS) {
-        PyErr_SetString(PyExc_ValueError, "apply_batch: more than 8 other media tables");
+    if (arg_model(c, model) || arg_medium(c, m, 0) || arg_slot(c, slot)) goto done;
+    if (hv.len != kv.len || hv.len % 8) {
+        PyErr_SetString(PyExc_ValueError, "store: as many hashes as keys, uint64 each");
         goto done;
     }
-    for (; n_others < PyTuple_GET_SIZE(oothers); n_others++) {
-        if (get_u64(PyTuple_GET_ITEM(oothers, n_others), &other_bufs[n_others], 0, "others")) goto done;
-        others[n_others].keys = other_bufs[n_others].buf;
-        others[n_others].cap = other_bufs[n_others].len / 8;
+    Py_ssize_t n = hv.len / 8, added = 0;
+    uint32_t tick = ++c->tick;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t h, k;
+        memcpy(&h, (char *)hv.buf + 8 * i, 8);
+        memcpy(&k, (char *)kv.buf + 8 * i, 8);
+        int r = store_pair(c, model, m, h, k & KEY_MASK, (uint32_t)slot, tick);
+        if (r < 0) goto done;
+        added += r;
     }
-    if (get_u64(ohk, &hk, 1, "hm_keys")) goto done;
-    got = 1;
-    if (get_u64(ohv, &hv, 1, "hm_values")) goto done;
-    got = 2;
-    if (get_u64(otk, &tk, 1, "kt_keys")) goto done;
-    got = 3;
-    if (get_u64(otm, &tm, 1, "kt_masks")) goto done;
-    got = 4;
-    if (get_column(ots, &ts, 1, 4, "kt_stamps")) goto done;
-    got = 5;
-    if (hk.len != hv.len || tk.len != tm.len || tk.len / 8 != ts.len / 4) {
-        PyErr_SetString(PyExc_ValueError, "apply_batch: table arrays of mismatched sizes");
-        goto done;
-    }
-    HashMapView m = {hk.buf, hv.buf, hk.len / 8, 0, 0};
-    KeyTableView t = {tk.buf, tm.buf, ts.buf, tk.len / 8, 0, 0};
-    Batch b;
-    memset(&b, 0, sizeof b);
-    b.applying = 1;
-    b.m = &m;
-    b.t = &t;
-    b.root = root;
-    b.one = one;
-    b.tick = (uint32_t)tick;
-    b.others = others;
-    b.n_others = n_others;
-    b.roots = oroots;
-    if (batch(payload.buf, payload.len, &b)) {
-        /* scan_batch accepted these bytes: only a changed buffer or missing roots get here */
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_ValueError, "apply_batch: payload is not in the fast path's shape (scan it first)");
-        goto done;
-    }
-    out = Py_BuildValue("nnknnnnnn", b.added, b.removed, (unsigned long)b.tick, m.live, m.used, t.live, t.used,
-                        b.unknown_parent, b.unknown_removed);
+    out = PyLong_FromSsize_t(added);
 done:
-    for (int i = 0; i < n_others; i++) PyBuffer_Release(&other_bufs[i]);
-    PyBuffer_Release(&payload);
-    if (got >= 1) PyBuffer_Release(&hk);
-    if (got >= 2) PyBuffer_Release(&hv);
-    if (got >= 3) PyBuffer_Release(&tk);
-    if (got >= 4) PyBuffer_Release(&tm);
-    if (got >= 5) PyBuffer_Release(&ts);
+    PyBuffer_Release(&hv);
+    PyBuffer_Release(&kv);
     return out;
 }
 
-/* ---- matching ------------------------------------------------------------------------------ */
+/* release(model, medium, slot, folded_hashes) -> (entries removed, hashes unknown)
+ * medium -1: a medium without a table (only unknown hashes are counted). */
+static PyObject *core_release(Core *c, PyObject *args) {
+    int model, m;
+    long slot;
+    Py_buffer hv;
+    if (!PyArg_ParseTuple(args, "iily*", &model, &m, &slot, &hv)) return NULL;
+    PyObject *out = NULL;
+    if (arg_model(c, model) || arg_medium(c, m, 1) || arg_slot(c, slot)) goto done;
+    if (hv.len % 8) {
+        PyErr_SetString(PyExc_ValueError, "release: uint64 hashes");
+        goto done;
+    }
+    Py_ssize_t removed = 0, unknown = 0;
+    for (Py_ssize_t i = 0; i < hv.len / 8; i++) {
+        uint64_t h;
+        memcpy(&h, (char *)hv.buf + 8 * i, 8);
+        int r = release_one(c, model, m, h, (uint32_t)slot);
+        if (r >= R_FREED) removed++;
+        else if (r == R_UNKNOWN) unknown++;
+    }
+    out = Py_BuildValue("nn", removed, unknown);
+done:
+    PyBuffer_Release(&hv);
+    return out;
+}
 
-/* out[bit] = run for each bit set in `bits`; -1 with an exception on failure. */
-static int record_runs(PyObject *out, uint64_t bits, Py_ssize_t run) {
+/* apply_batch(payload, model, medium, slot, root, roots)
+ *   -> (entries added, entries removed, unknown-parent blocks, unknown removed blocks)
+ * Applies a batch scan_batch accepted (medium -1: a removals-only batch in a medium without a
+ * table); `roots` maps each LoRA key scan_batch listed to its root key. */
+static PyObject *core_apply_batch(Core *c, PyObject *args) {
+    Py_buffer payload;
+    int model, m;
+    long slot;
+    unsigned long long root;
+    PyObject *roots;
+    if (!PyArg_ParseTuple(args, "y*iilKO!", &payload, &model, &m, &slot, &root, &PyDict_Type, &roots)) return NULL;
+    PyObject *out = NULL;
+    if (arg_model(c, model) || arg_medium(c, m, 1) || arg_slot(c, slot)) goto done;
+    Batch b;
+    memset(&b, 0, sizeof b);
+    b.applying = 1;
+    b.c = c;
+    b.model = model;
+    b.mid = m;
+    b.slot = (uint32_t)slot;
+    b.root = root;
+    b.roots = roots;
+    if (batch(payload.buf, payload.len, &b)) {
+        if (!PyErr_Occurred()) /* scan_batch accepted these bytes: only a changed buffer gets here */
+            PyErr_SetString(PyExc_ValueError, "apply_batch: payload is not in the fast path's shape (scan it first)");
+        goto done;
+    }
+    out = Py_BuildValue("nnnn", b.added, b.removed, b.unknown_parent, b.unknown_removed);
+done:
+    PyBuffer_Release(&payload);
+    return out;
+}
+
+/* maintain(): evict down to the bound, then a bounded step of the background passes (dead slots'
+ * marks, stamp ages, engine hashes nobody's key uses). Call after every batch. */
+static PyObject *core_maintain(Core *c, PyObject *Py_UNUSED(ignored)) {
+    if (evict(c) < 0) return NULL;
+    Py_ssize_t cap = total_cap(c);
+    Py_ssize_t budget = c->n_dead ? PASS_BUDGET
+                                  : (Py_ssize_t)(((uint64_t)(uint32_t)(c->tick - c->maint_tick) * (uint64_t)cap) >> 22) + 16;
+    c->maint_tick = c->tick;
+    pass_step(c, budget);
+    if (!c->h_active) {
+        int64_t hashes = 0;
+        for (int i = 0; i < c->n_models; i++) hashes += c->models[i].live;
+        int64_t keys = total_keys(c);
+        if (hashes > keys + keys / 4 + 4096) {
+            c->h_active = 1;
+            c->h_model = 0;
+            c->h_pos = 0;
+        }
+    }
+    if (c->h_active) orphan_step(c, ORPHAN_BUDGET);
+    Py_RETURN_NONE;
+}
+
+/* out[slot] = run for each bit of `bits` (word w); -1 with an exception on failure. */
+static int record_runs(PyObject *out, int w, uint64_t bits, Py_ssize_t run) {
     PyObject *v = PyLong_FromSsize_t(run);
     if (!v) return -1;
     for (; bits; bits &= bits - 1) {
-        PyObject *kb = PyLong_FromLong(__builtin_ctzll(bits));
+        PyObject *kb = PyLong_FromLong(w * 64 + __builtin_ctzll(bits));
         int rc = kb ? PyDict_SetItem(out, kb, v) : -1;
         Py_XDECREF(kb);
         if (rc < 0) {
@@ -999,127 +1877,353 @@ static int record_runs(PyObject *out, uint64_t bits, Py_ssize_t run) {
     return 0;
 }
 
-/* match_runs(token_ids, block_size, root, cand, tick, kt_keys, kt_masks, kt_stamps)
- *   -> {bit: leading blocks held}
- * For one table: per holder bit of `cand` (< 2**64), how many leading full blocks of the prompt
- * it holds (runs of 0 left out). Stops probing once no candidate holds the next block. With
- * tick > 0 the matched keys (the deepest run) are stamped as most recently used. */
-static PyObject *py_match_runs(PyObject *Py_UNUSED(self), PyObject *args) {
-    PyObject *tokens, *otk, *otm, *ots;
+/* match(token_ids, block_size, root, cand, media) -> ({slot: run}, [{slot: run} per medium] | None)
+ * Per candidate slot (`cand`: a little-endian bitmask, bytes), how many leading full blocks of the
+ * prompt it holds in any of `media` (medium ids), and with several media the same per medium
+ * (runs of 0 left out). Stops probing once no candidate holds the next block; the matched keys
+ * (the deepest run) are stamped as most recently used. */
+static PyObject *core_match(Core *c, PyObject *args) {
+    PyObject *tokens, *media;
     Py_ssize_t bs;
-    unsigned long long root, cand;
-    unsigned long tick;
-    if (!PyArg_ParseTuple(args, "OnKKkOOO", &tokens, &bs, &root, &cand, &tick, &otk, &otm, &ots)) return NULL;
+    unsigned long long root;
+    Py_buffer cb;
+    if (!PyArg_ParseTuple(args, "OnKy*O!", &tokens, &bs, &root, &cb, &PyTuple_Type, &media)) return NULL;
+    PyObject *out = NULL, *run_any = NULL, *run_med = NULL;
+    Tokens toks;
+    int toks_open = 0, W = c->W;
+    Py_ssize_t nm = PyTuple_GET_SIZE(media);
+    int mids[64];
+    uint64_t *keys = NULL, *words = NULL;
+    Py_ssize_t *slots = NULL;
     if (bs <= 0) {
         PyErr_Format(PyExc_ValueError, "block_size must be positive, got %zd", bs);
-        return NULL;
-    }
-    Py_buffer tk, tm, ts;
-    if (get_u64(otk, &tk, 0, "kt_keys")) return NULL;
-    if (get_u64(otm, &tm, 0, "kt_masks")) {
-        PyBuffer_Release(&tk);
-        return NULL;
-    }
-    if (get_column(ots, &ts, 1, 4, "kt_stamps")) {
-        PyBuffer_Release(&tk);
-        PyBuffer_Release(&tm);
-        return NULL;
-    }
-    PyObject *out = NULL;
-    Tokens toks;
-    int toks_open = 0;
-    Py_ssize_t *slots = NULL;
-    if (tk.len != tm.len || tk.len / 8 != ts.len / 4) {
-        PyErr_SetString(PyExc_ValueError, "match_runs: table arrays of mismatched sizes");
         goto done;
+    }
+    if (nm > 64) {
+        PyErr_SetString(PyExc_ValueError, "match: more than 64 media");
+        goto done;
+    }
+    for (Py_ssize_t j = 0; j < nm; j++) {
+        if (as_int(PyTuple_GET_ITEM(media, j), &mids[j]) || arg_medium(c, mids[j], 0)) goto done;
     }
     if (tokens_open(tokens, &toks) < 0) goto done;
     toks_open = 1;
     Py_ssize_t n = toks.n / bs;
-    KeyTableView t = {tk.buf, tm.buf, ts.buf, tk.len / 8, 0, 0};
-    slots = PyMem_Malloc(sizeof(Py_ssize_t) * (n ? n : 1));
-    out = PyDict_New();
-    if (!slots || !out) goto fail;
+    run_any = PyDict_New();
+    if (!run_any) goto done;
+    if (nm > 1) {
+        run_med = PyList_New(nm);
+        if (!run_med) goto done;
+        for (Py_ssize_t j = 0; j < nm; j++) {
+            PyObject *d = PyDict_New();
+            if (!d) goto done;
+            PyList_SET_ITEM(run_med, j, d);
+        }
+    }
+    /* words: alive (any medium), held (any medium), one medium's holders, alive per medium */
+    words = PyMem_RawCalloc((size_t)W * (3 + nm), sizeof(uint64_t));
+    keys = PyMem_RawMalloc(sizeof(uint64_t) * (n ? n : 1));
+    slots = PyMem_RawMalloc(sizeof(Py_ssize_t) * (n ? n : 1) * (nm ? nm : 1));
+    if (!words || !keys || !slots) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    uint64_t *alive = words, *held = words + W, *hb = words + 2 * W, *alive_m = words + 3 * W;
+    int any = 0;
+    for (int w = 0; w < W && 8 * w < cb.len; w++) {
+        uint64_t x = 0;
+        memcpy(&x, (char *)cb.buf + 8 * w, cb.len - 8 * w < 8 ? (size_t)(cb.len - 8 * w) : 8);
+        alive[w] = x & c->live_bits[w];
+        any |= alive[w] != 0;
+    }
+    if (!any || !nm || !n) goto result;
+    for (Py_ssize_t j = 0; j < nm; j++) memcpy(alive_m + j * W, alive, sizeof(uint64_t) * W);
     /* keys first, then the probes with prefetching: the tables are far larger than the caches,
      * so each probe is a memory miss; issuing them PREFETCH ahead overlaps them */
-    uint64_t *keys = PyMem_Malloc(sizeof(uint64_t) * (n ? n : 1));
-    if (!keys) goto fail;
     uint64_t k = root, tok;
     for (Py_ssize_t i = 0; i < n; i++) {
         uint64_t h = block_hash_init((uint64_t)bs);
         for (Py_ssize_t j = 0; j < bs; j++) {
-            if (tokens_get(&toks, i * bs + j, &tok) < 0) {
-                PyMem_Free(keys);
-                goto fail;
-            }
+            if (tokens_get(&toks, i * bs + j, &tok) < 0) goto done;
             h = block_hash_step(h, tok);
         }
         k = chain(k, block_hash_final(h));
         keys[i] = k;
     }
     enum { PREFETCH = 12 };
-    for (Py_ssize_t i = 0; i < n && i < PREFETCH; i++) {
-        Py_ssize_t s = kt_home(&t, keys[i]);
-        __builtin_prefetch(&t.keys[s]);
-        __builtin_prefetch(&t.mask[s]);
-    }
-    uint64_t alive = cand;
+    for (Py_ssize_t i = 0; i < n && i < PREFETCH; i++)
+        for (Py_ssize_t j = 0; j < nm; j++) {
+            const KTable *t = &c->media[mids[j]];
+            __builtin_prefetch(&t->s[kt_home(t->cap, keys[i])]);
+        }
+    /* only the words [lo, hi) can hold a live candidate: the walk narrows as candidates drop out */
+    int lo = 0, hi = W;
+    while (!alive[lo]) lo++;
+    while (!alive[hi - 1]) hi--;
     Py_ssize_t i = 0, deepest = 0;
-    for (; i < n && alive; i++) {
-        if (i + PREFETCH < n) {
-            Py_ssize_t s = kt_home(&t, keys[i + PREFETCH]);
-            __builtin_prefetch(&t.keys[s]);
-            __builtin_prefetch(&t.mask[s]);
-        }
-        Py_ssize_t s = kt_find(&t, keys[i]);
-        slots[i] = s;
-        uint64_t held = s >= 0 ? t.mask[s] & alive : 0;
-        if (held != alive) {
-            uint64_t dropped = alive & ~held;
-            if (i) {
-                if (record_runs(out, dropped, i) < 0) {
-                    PyMem_Free(keys);
-                    goto fail;
-                }
-                if (i > deepest) deepest = i;
+    for (; i < n && any; i++) {
+        if (i + PREFETCH < n)
+            for (Py_ssize_t j = 0; j < nm; j++) {
+                const KTable *t = &c->media[mids[j]];
+                __builtin_prefetch(&t->s[kt_home(t->cap, keys[i + PREFETCH])]);
             }
-            alive = held;
+        if (nm > 1) memset(held + lo, 0, sizeof(uint64_t) * (hi - lo));
+        for (Py_ssize_t j = 0; j < nm; j++) {
+            const KTable *t = &c->media[mids[j]];
+            Py_ssize_t s = kt_find(t, keys[i]);
+            slots[i * nm + j] = s;
+            uint64_t *bits = nm > 1 ? hb : held;
+            if (s >= 0) hold_bits_range(c, t->s[s].hold, bits, lo, hi);
+            else memset(bits + lo, 0, sizeof(uint64_t) * (hi - lo));
+            if (nm > 1) {
+                uint64_t *am = alive_m + j * W;
+                for (int w = lo; w < hi; w++) {
+                    uint64_t now = am[w] & bits[w];
+                    if (i && (am[w] & ~now) && record_runs(PyList_GET_ITEM(run_med, j), w, am[w] & ~now, i) < 0) goto done;
+                    am[w] = now;
+                    held[w] |= bits[w];
+                }
+            }
         }
+        for (int w = lo; w < hi; w++) {
+            uint64_t now = alive[w] & held[w];
+            if (i && (alive[w] & ~now)) {
+                if (record_runs(run_any, w, alive[w] & ~now, i) < 0) goto done;
+                deepest = i;
+            }
+            alive[w] = now;
+        }
+        while (lo < hi && !alive[lo]) lo++;
+        while (hi > lo && !alive[hi - 1]) hi--;
+        any = lo < hi;
     }
-    PyMem_Free(keys);
-    if (alive && n) { /* held every block */
+    if (any) { /* held every block */
         deepest = n;
-        if (record_runs(out, alive, n) < 0) goto fail;
+        for (int w = 0; w < W; w++)
+            if (alive[w] && record_runs(run_any, w, alive[w], n) < 0) goto done;
+        if (nm > 1)
+            for (Py_ssize_t j = 0; j < nm; j++)
+                for (int w = 0; w < W; w++)
+                    if (alive_m[j * W + w] && record_runs(PyList_GET_ITEM(run_med, j), w, alive_m[j * W + w], n) < 0)
+                        goto done;
     }
-    if (tick)
-        for (Py_ssize_t j = 0; j < deepest; j++)
-            if (slots[j] >= 0) t.stamp[slots[j]] = (uint32_t)tick;
-    goto done;
-fail:
-    Py_CLEAR(out);
+    if (deepest) {
+        uint32_t tick = ++c->tick;
+        for (Py_ssize_t x = 0; x < deepest * nm; x++)
+            if (slots[x] >= 0) c->media[mids[x % nm]].stamp[slots[x]] = tick;
+        if (!(tick & 0xFFFF)) pass_step(c, PASS_BUDGET); /* ages stay clamped without batches too */
+    }
+result:
+    out = PyTuple_Pack(2, run_any, run_med ? run_med : Py_None);
 done:
-    PyMem_Free(slots);
+    Py_XDECREF(run_any);
+    Py_XDECREF(run_med);
+    PyMem_RawFree(words);
+    PyMem_RawFree(keys);
+    PyMem_RawFree(slots);
     if (toks_open) tokens_close(&toks);
-    PyBuffer_Release(&tk);
-    PyBuffer_Release(&tm);
-    PyBuffer_Release(&ts);
+    PyBuffer_Release(&cb);
     return out;
 }
+
+/* stats() -> (entries, evicted, engine hashes, bytes held, [keys per medium id or None]) */
+static PyObject *core_stats(Core *c, PyObject *Py_UNUSED(ignored)) {
+    int64_t hashes = 0;
+    Py_ssize_t bytes = (Py_ssize_t)(c->pool_cap * c->W * 8 + c->slot_cap * 21 + c->group_cap * 17);
+    for (int i = 0; i < c->n_models; i++) {
+        hashes += c->models[i].live;
+        bytes += c->models[i].cap * (Py_ssize_t)sizeof(HSlot);
+    }
+    PyObject *keys = PyList_New(c->n_media);
+    if (!keys) return NULL;
+    for (int m = 0; m < c->n_media; m++) {
+        PyObject *v = c->media[m].used ? PyLong_FromSsize_t(c->media[m].live) : Py_NewRef(Py_None);
+        if (!v) {
+            Py_DECREF(keys);
+            return NULL;
+        }
+        PyList_SET_ITEM(keys, m, v);
+        if (c->media[m].used) bytes += c->media[m].cap * (Py_ssize_t)(sizeof(KSlot) + sizeof(uint32_t));
+    }
+    return Py_BuildValue("LLLnN", (long long)c->entries, (long long)c->evicted, (long long)hashes, bytes, keys);
+}
+
+/* group_blocks(id) -> distinct blocks the group's slots hold over every medium */
+static PyObject *core_group_blocks(Core *c, PyObject *arg) {
+    Py_ssize_t g = PyLong_AsSsize_t(arg);
+    if (g == -1 && PyErr_Occurred()) return NULL;
+    if (g < 0 || g >= c->group_cap || !c->group_state[g]) return PyErr_Format(PyExc_ValueError, "no group %zd", g);
+    return PyLong_FromLongLong(c->group_blocks[g]);
+}
+
+#define CHECK(cond, ...)                                                                   \
+    do {                                                                                   \
+        if (!(cond)) {                                                                     \
+            PyErr_Format(PyExc_AssertionError, __VA_ARGS__);                               \
+            goto fail;                                                                     \
+        }                                                                                  \
+    } while (0)
+
+/* check(): every invariant of the tables and counts, recomputed the slow way (for tests) */
+static PyObject *core_check(Core *c, PyObject *Py_UNUSED(ignored)) {
+    int64_t entries = 0;
+    int64_t *slot_entries = PyMem_RawCalloc(c->slot_cap, sizeof(int64_t));
+    int64_t *group_blocks = PyMem_RawCalloc(c->group_cap ? c->group_cap : 1, sizeof(int64_t));
+    if (!slot_entries || !group_blocks) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    Py_ssize_t pool_used = 0;
+    for (int m = 0; m < c->n_media; m++) {
+        const KTable *t = &c->media[m];
+        if (!t->used) continue;
+        Py_ssize_t live = 0;
+        for (Py_ssize_t s = 0; s < t->cap; s++) {
+            uint64_t k = t->s[s].key, h = t->s[s].hold;
+            if (k == EMPTY) continue;
+            live++;
+            CHECK(kt_find(t, k) == s, "medium %d: key at %zd not found from its home", m, s);
+            CHECK(h != 0, "medium %d: key at %zd without holders", m, s);
+            if (hold_ovf(h)) {
+                pool_used++;
+                int bits = 0;
+                for (int w = 0; w < c->W; w++) bits += __builtin_popcountll(hold_words(c, h)[w]);
+                CHECK(bits > 4, "medium %d: a bitmask of %d holders", m, bits);
+            } else {
+                for (int i = 0; i < 4; i++)
+                    if (!((h >> (16 * i)) & 0xFFFF)) {
+                        CHECK(!(h >> (16 * i)), "medium %d: holder fields not packed", m);
+                        break;
+                    }
+            }
+            Py_ssize_t n = hold_list(c, h);
+            for (Py_ssize_t i = 0; i < n; i++) {
+                uint32_t x = c->scratch[i];
+                CHECK(x < c->slot_cap && c->slot_state[x] != SLOT_FREE, "medium %d: a free slot %u holds a key", m, x);
+                if (c->slot_state[x] == SLOT_LIVE) {
+                    entries++;
+                    slot_entries[x]++;
+                }
+            }
+            uint32_t mark = ++c->mark;
+            for (Py_ssize_t i = 0; i < n; i++) {
+                int32_t g = c->slot_group[c->scratch[i]];
+                if (c->group_mark[g] == mark) continue;
+                c->group_mark[g] = mark;
+                int earlier = 0;
+                for (int m2 = 0; m2 < m && !earlier; m2++) {
+                    if (!c->media[m2].used) continue;
+                    Py_ssize_t s2 = kt_find(&c->media[m2], k);
+                    earlier = s2 >= 0 && hold_has_group(c, c->media[m2].s[s2].hold, g);
+                }
+                group_blocks[g] += !earlier;
+            }
+        }
+        CHECK(live == t->live, "medium %d: %zd keys counted %zd", m, live, t->live);
+    }
+    CHECK(pool_used == c->pool_live, "holder bitmasks: %zd used, %zd counted", pool_used, c->pool_live);
+    CHECK(entries == c->entries, "entries %lld counted %lld", (long long)entries, (long long)c->entries);
+    for (Py_ssize_t s = 0; s < c->slot_cap; s++)
+        CHECK(slot_entries[s] == c->slot_entries[s], "slot %zd: %lld entries counted %lld", s,
+              (long long)slot_entries[s], (long long)c->slot_entries[s]);
+    for (Py_ssize_t g = 0; g < c->group_cap; g++)
+        CHECK(!c->group_state[g] || group_blocks[g] == c->group_blocks[g], "group %zd: %lld blocks counted %lld", g,
+              (long long)group_blocks[g], (long long)c->group_blocks[g]);
+    for (int i = 0; i < c->n_models; i++) {
+        const HTable *t = &c->models[i];
+        Py_ssize_t live = 0;
+        for (Py_ssize_t s = 0; s < t->cap; s++) {
+            if (t->s[s].h == EMPTY) continue;
+            live++;
+            CHECK(ht_find(t, t->s[s].h) == s, "model %d: hash at %zd not found from its home", i, s);
+        }
+        CHECK(live == t->live, "model %d: %zd hashes counted %zd", i, live, t->live);
+    }
+    PyMem_RawFree(slot_entries);
+    PyMem_RawFree(group_blocks);
+    Py_RETURN_NONE;
+fail:
+    PyMem_RawFree(slot_entries);
+    PyMem_RawFree(group_blocks);
+    return NULL;
+}
+
+static PyObject *core_get_tick(Core *c, void *Py_UNUSED(closure)) { return PyLong_FromUnsignedLong(c->tick); }
+
+static int core_set_tick(Core *c, PyObject *v, void *Py_UNUSED(closure)) {
+    unsigned long t = v ? PyLong_AsUnsignedLong(v) : 0;
+    if (!v || (t == (unsigned long)-1 && PyErr_Occurred()) || t > UINT32_MAX) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "tick: a uint32");
+        return -1;
+    }
+    c->tick = (uint32_t)t; /* the stamps stay: every key ages by the jump (tests move time this way) */
+    return 0;
+}
+
+static PyObject *core_get_dead(Core *c, void *Py_UNUSED(closure)) { return PyLong_FromSsize_t(c->n_dead); }
+
+static PyMethodDef core_methods[] = {
+    {"new_medium", (PyCFunction)core_new_medium, METH_NOARGS, "new_medium() -> medium id"},
+    {"free_medium", (PyCFunction)core_free_medium, METH_O, "free_medium(id): drop an empty medium table"},
+    {"new_model", (PyCFunction)core_new_model, METH_NOARGS, "new_model() -> model id"},
+    {"new_group", (PyCFunction)core_new_group, METH_NOARGS, "new_group() -> group (pod) id"},
+    {"remove_group", (PyCFunction)core_remove_group, METH_O, "remove_group(id): kill its slots"},
+    {"new_slot", (PyCFunction)core_new_slot, METH_O, "new_slot(group) -> slot id"},
+    {"kill_slot", (PyCFunction)core_kill_slot, METH_O, "kill_slot(id): it holds nothing from now on"},
+    {"key_of", (PyCFunction)core_key_of, METH_VARARGS, "key_of(model, folded hash) -> key | None"},
+    {"store", (PyCFunction)core_store, METH_VARARGS, "store(model, medium, slot, hashes, keys) -> added"},
+    {"release", (PyCFunction)core_release, METH_VARARGS, "release(model, medium, slot, hashes) -> (removed, unknown)"},
+    {"apply_batch", (PyCFunction)core_apply_batch, METH_VARARGS,
+     "apply_batch(payload, model, medium, slot, root, roots) -> (added, removed, unknown parent, unknown removed)"},
+    {"maintain", (PyCFunction)core_maintain, METH_NOARGS, "maintain(): evict to the bound, a step of the passes"},
+    {"match", (PyCFunction)core_match, METH_VARARGS, "match(tokens, bs, root, cand, media) -> (runs, runs per medium)"},
+    {"stats", (PyCFunction)core_stats, METH_NOARGS, "stats() -> (entries, evicted, hashes, bytes, keys per medium)"},
+    {"group_blocks", (PyCFunction)core_group_blocks, METH_O, "group_blocks(id) -> distinct blocks held"},
+    {"check", (PyCFunction)core_check, METH_NOARGS, "check(): recompute every count and invariant (tests)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef core_getset[] = {
+    {"tick", (getter)core_get_tick, (setter)core_set_tick, "the recency clock (uint32; stamps are compared by age)",
+     NULL},
+    {"dead_slots", (getter)core_get_dead, NULL, "slots cleared whose marks are not all gone yet", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject CoreType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvcache._native.Core",
+    .tp_basicsize = sizeof(Core),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "The prefix index's tables (see kvcache/_native.c and kvcache/index.py).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)core_init,
+    .tp_dealloc = (destructor)core_dealloc,
+    .tp_methods = core_methods,
+    .tp_getset = core_getset,
+};
 
 static PyMethodDef methods[] = {
     {"chain_keys", py_chain_keys, METH_VARARGS, "chain_keys(parent, token_ids, block_size) -> bytes of uint64 keys"},
     {"scan_batch", py_scan_batch, METH_O, "scan_batch(payload) -> summary tuple, or None for the general path"},
-    {"apply_batch", py_apply_batch, METH_VARARGS, "apply_batch(payload, root, one, tick, 5 table arrays) -> deltas"},
-    {"match_runs", py_match_runs, METH_VARARGS, "match_runs(tokens, bs, root, cand, tick, 3 table arrays) -> {bit: run}"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     .m_base = PyModuleDef_HEAD_INIT,
     .m_name = "kvcache._native",
-    .m_doc = "The prefix index's hot loops in C (see kvcache/_native.c).",
+    .m_doc = "The prefix index's tables and hot loops in C (see kvcache/_native.c).",
     .m_size = -1,
     .m_methods = methods,
 };
 
-PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__native(void) {
+    if (PyType_Ready(&CoreType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    if (PyModule_AddObjectRef(m, "Core", (PyObject *)&CoreType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

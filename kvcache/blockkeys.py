@@ -18,8 +18,6 @@ from array import array
 from functools import lru_cache
 from typing import Sequence
 
-import numpy as np
-
 from kvcache.native import native as _native
 
 # 60 bits: below kvcache.table's reserved key values, and 32-byte ints where Python holds keys.
@@ -44,11 +42,6 @@ def block_keys(model: str, lora: str | None, token_ids: Sequence[int], block_siz
 def chain_keys(parent: int, token_ids: Sequence[int], block_size: int) -> list[int]:
     """Keys of every full block of `token_ids` under the block keyed `parent` (or a root key)."""
     return array("Q", _native.chain_keys(parent, token_ids, block_size)).tolist()
-
-
-def chain_key_array(parent: int, token_ids: Sequence[int], block_size: int) -> np.ndarray:
-    """chain_keys as a uint64 array."""
-    return np.frombuffer(_native.chain_keys(parent, token_ids, block_size), np.uint64)
 
 
 _M64 = (1 << 64) - 1

@@ -1,4 +1,4 @@
-"""`kvgate bench index` runs end to end on a small fleet and reports every figure."""
+"""`kvgate bench index` runs end to end on small fleets and reports every figure."""
 from __future__ import annotations
 
 import argparse
@@ -19,3 +19,20 @@ def test_bench_index_json(capsys):
     assert out["fleet_entries"] >= 20000
     assert out["match_blocks"] == 512  # the prompt is held entirely by one pod
     assert set(out["targets_met"]) >= {"ingest_blocks_per_s>=1e6", "match_p99_us<=200", "bytes_per_entry<=64"}
+
+
+def test_bench_index_two_fleet_sizes_and_churn(capsys):
+    """Several --pods are measured side by side (prefixed keys); --churn-entries adds the stall figures."""
+    parser = argparse.ArgumentParser()
+    bench_index.add_arguments(parser)
+    args = parser.parse_args(["--json", "--entries", "10000", "--pods", "4,80", "--queries", "20",
+                              "--ingest-blocks", "2000", "--churn-entries", "30000", "--churn-blocks", "8000"])
+    assert bench_index.main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ingest_pods"] == 80
+    for n in (4, 80):
+        assert out[f"pods{n}_fleet_pods"] == n and out[f"pods{n}_match_blocks"] == 512
+        assert f"pods{n}_match_p99_us<=200" in out["targets_met"]
+    assert out["churn_evicted"] > 0 and out["churn_entries"] <= 30000
+    assert 0 < out["churn_longest_apply_ms"] <= out["churn_longest_stall_ms"]
+    assert "churn_longest_stall_ms<=2" in out["targets_met"]

@@ -42,15 +42,16 @@ class Engine:
 
 
 class Fleet:
-    def __init__(self, rng: random.Random, media=MEDIA, loras=LORAS, hash_kinds=(0, 1, 2)) -> None:
+    def __init__(self, rng: random.Random, media=MEDIA, loras=LORAS, hash_kinds=(0, 1, 2), pods=PODS) -> None:
         self.rng = rng
+        self.pods = pods
         self.media, self.loras, self.kinds = media, loras, hash_kinds
-        self.engines = {(p, r): Engine(rng.choice(hash_kinds)) for p, (_, n) in PODS.items() for r in range(n)}
+        self.engines = {(p, r): Engine(rng.choice(hash_kinds)) for p, (_, n) in pods.items() for r in range(n)}
         self.learned: set[str] = set()
         self.fake = 0
 
     def model(self, pod):
-        return PODS[pod][0]
+        return self.pods[pod][0]
 
     # --- events: each returns (pod, rank, events) for the index -----------------------------
 
@@ -137,8 +138,8 @@ class Fleet:
         out = {}
         for p in pods:
             options = []
-            if p in PODS and PODS[p][0] == model:
-                for r in range(PODS[p][1]):
+            if p in self.pods and self.pods[p][0] == model:
+                for r in range(self.pods[p][1]):
                     vis = self.visible(p, r)
                     held_any = {i for i, _ in vis}
                     run = _run(ids, held_any)
@@ -154,7 +155,7 @@ class Fleet:
         """(blocks, by_medium, total) for one (pod, rank)."""
         bs = MODELS[model] if model in self.learned else None
         total = len(tokens) // bs if bs else 0
-        if pod not in PODS or PODS[pod][0] != model:
+        if pod not in self.pods or self.pods[pod][0] != model:
             return 0, {}, total
         ids = [(model, lora, tuple(tokens[: (i + 1) * bs])) for i in range(total)]
         vis = self.visible(pod, rank)
@@ -175,7 +176,7 @@ class Fleet:
         else:
             lora, prefix = rng.choice(self.loras), ()
         tokens = list(prefix) + [rng.randrange(VOCAB) for _ in range(rng.randrange(3 * bs))]
-        pods = rng.sample(list(PODS) + ["ghost"], rng.randint(1, len(PODS) + 1))
+        pods = rng.sample(list(self.pods) + ["ghost"], rng.randint(1, len(self.pods) + 1))
         return model, lora, tokens, pods
 
 
@@ -189,6 +190,7 @@ def _run(ids, held):
 
 
 def check(ix: PrefixIndex, fleet: Fleet, queries: int) -> None:
+    ix._core.check()  # the C tables' invariants and every count, recomputed the slow way
     assert ix.stats()["entries"] == fleet.entries()
     for _ in range(queries):
         model, lora, tokens, pods = fleet.query()
@@ -200,7 +202,7 @@ def check(ix: PrefixIndex, fleet: Fleet, queries: int) -> None:
             assert (got[p].blocks, got[p].total_blocks) == (blocks, total), (p, model, lora, tokens)
             assert got[p].by_medium in by_medium_options, (p, got[p], by_medium_options)
         # rank by rank (routing to a data-parallel rank): exact, no best-rank choice involved
-        targets = [(p, r) for p in pods for r in range(PODS[p][1] if p in PODS else 1)]
+        targets = [(p, r) for p in pods for r in range(fleet.pods[p][1] if p in fleet.pods else 1)]
         got_ranks = ix.match_ranks(model, lora, tokens, targets)
         assert set(got_ranks) == set(targets)
         for (p, r), m in got_ranks.items():
@@ -227,7 +229,7 @@ def event_stream(fleet: Fleet, ix: PrefixIndex, rng: random.Random, steps: int):
             ix.drop(pod, rank)
             continue
         else:
-            for r in range(PODS[pod][1]):
+            for r in range(fleet.pods[pod][1]):
                 fleet.restart(pod, r)
             ix.remove_pod(pod)
             continue
@@ -247,6 +249,24 @@ def test_index_equals_brute_force_model(seed):
             check(ix, fleet, 20)
     check(ix, fleet, 200)
     assert ix.stats()["skipped"].get("unknown_parent_blocks", 0) > 0
+
+
+# more than 64 pod-ranks, many holding the same blocks (holder bitmasks of several words)
+WIDE = {f"w{i}": ("m4" if i % 3 else "m2", 1 + (i % 4 == 0) * 3) for i in range(110)}
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_wide_fleet_equals_brute_force_model(seed):
+    """Every fleet size takes the same tables: 110 pods, 191 pod-ranks, the same checks."""
+    rng = random.Random(500 + seed)
+    fleet = Fleet(rng, pods=WIDE)
+    ix = PrefixIndex(max_entries=10**9)
+    for step, (pod, rank, events) in enumerate(event_stream(fleet, ix, rng, 4000)):
+        ix.apply(pod, fleet.model(pod), rank, events)
+        if step % 400 == 399:
+            check(ix, fleet, 10)
+    check(ix, fleet, 60)
+    assert ix.stats()["slots"] > 128
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -293,6 +313,7 @@ def test_bounded_index_only_forgets_never_invents(seed):
         events = fleet.store(pod, rank) if x < 0.6 else fleet.duplicate(pod, rank) if x < 0.7 else fleet.remove(pod, rank)
         ix.apply(pod, fleet.model(pod), rank, events)
         assert ix.stats()["entries"] <= 40
+        ix._core.check()
         if step % 10 == 0:
             model, lora, tokens, pods = fleet.query()
             got = ix.match(model, lora, tokens, pods)

@@ -1,6 +1,7 @@
-"""The prefix index's building blocks: vectorised block keys equal the incremental ones, the
-open-addressing tables behave like dicts (growth, tombstones, wrap-around, bulk deletion), and
-fleets of more than 64 pod-ranks (holder bits beyond the tables' arrays) match exactly."""
+"""The prefix index's building blocks: block keys for a whole prompt equal the incremental ones, the C
+tables behave like dicts (growth, backward-shift deletion, wrap-around, holder lists growing into
+bitmasks and back), fleets of more than 64 pod-ranks match exactly, and recency survives the
+uint32 clock wrapping."""
 from __future__ import annotations
 
 import random
@@ -9,14 +10,14 @@ import msgpack
 import numpy as np
 import pytest
 
-from kvcache.blockkeys import KEY_MASK, block_keys, chain_key_array, chain_keys, reference_chain_keys, root_key
+from kvcache.blockkeys import KEY_MASK, block_keys, chain_keys, reference_chain_keys, root_key
 from kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored
-from kvcache.index import _TICK_LIMIT, PrefixIndex
-from kvcache.table import TOMB, HashMap, KeyTable
+from kvcache.index import PrefixIndex
+from kvcache.native import native
 
 
 @pytest.mark.parametrize("block_size", [1, 3, 16])
-def test_vectorised_keys_equal_the_incremental_chain(block_size):
+def test_batch_keys_equal_the_incremental_chain(block_size):
     rng = random.Random(block_size)
     for n_blocks in [0, 1, 2, 23, 24, 25, 100, 600]:
         tokens = [rng.randrange(1 << rng.choice((8, 17, 40))) for _ in range(n_blocks * block_size + rng.randrange(block_size))]
@@ -26,7 +27,6 @@ def test_vectorised_keys_equal_the_incremental_chain(block_size):
             k = reference_chain_keys(k, tokens[i * block_size:(i + 1) * block_size], block_size)[0]  # one block on its own
             want.append(k)
         assert chain_keys(parent, tokens, block_size) == want
-        assert chain_key_array(parent, tokens, block_size).tolist() == want
         assert all(0 <= x <= KEY_MASK for x in want)
     assert block_keys("m", None, list(range(64)), 4) == chain_keys(root_key("m", None), list(range(64)), 4)
 
@@ -44,55 +44,44 @@ def test_keys_depend_on_block_order_and_every_block():
         block_keys("m", None, base, 0)
 
 
-@pytest.mark.parametrize("cls", [HashMap, KeyTable])
-def test_table_behaves_like_a_dict_through_growth_deletion_and_rebuilds(cls):
-    rng = random.Random(5)
-    t, model = cls(), {}
-    col = "value" if cls is HashMap else "mask"
-    pool = [rng.getrandbits(60) for _ in range(3000)]
-    for step_no in range(20000):
-        k = rng.choice(pool)
-        x = rng.random()
-        if x < 0.55:
-            s, new = t.claim(k)
-            assert new == (k not in model)
-            getattr(t, "_" + col)[s] = v = rng.getrandbits(63) + 1
-            model[k] = v
-        elif x < 0.9:
-            s = t.find(k)
-            assert (s >= 0) == (k in model)
-            if s >= 0:
-                t.delete(s)
-                del model[k]
-        elif x < 0.92 and model:  # bulk deletion of a random subset
-            gone = rng.sample(sorted(model), min(len(model), 50))
-            t.delete_slots(np.array([t.find(g) for g in gone], np.intp))
-            for g in gone:
-                del model[g]
-        if step_no % 2000 == 0 or step_no == 19999:
-            assert t.live == len(model) and t.used <= t.cap
-            probe = np.array(pool, np.uint64)
-            slots = t.lookup(probe)
-            got = {k: getattr(t, col)[s].item() for k, s in zip(pool, slots.tolist()) if s >= 0}
-            assert got == model
-            occupied = t.occupied()
-            assert sorted(t.keys[occupied].tolist()) == sorted(model)
-    assert (t.keys == np.uint64(TOMB)).sum() == t.used - t.live
+def _u64(xs) -> bytes:
+    return np.array(xs, np.uint64).tobytes()
 
 
-def test_rebuild_wraps_keys_that_run_past_the_end():
-    t = HashMap()
-    keys = [(0xFFFF_FFFF << 32) | i for i in range(300)]  # every home is the last slot
-    for k in keys:
-        t.put(k, k & 0xFFFF)
-    assert t.cap > 300  # it grew (rebuilding) while the run wrapped around
-    assert [t.get(k) for k in keys] == [k & 0xFFFF for k in keys]
-    assert t.lookup(np.array(keys + [5], np.uint64)).tolist()[-1] == -1
-    assert (t.lookup(np.array(keys, np.uint64)) >= 0).all()
-    for k in keys[::2]:
-        t.delete(t.find(k))
-    assert [t.get(k) for k in keys[1::2]] == [k & 0xFFFF for k in keys[1::2]]
-    assert all(t.get(k) is None for k in keys[::2])
+@pytest.mark.parametrize("wrap", [False, True])
+def test_core_tables_behave_like_dicts_through_growth_and_deletion(wrap):
+    """Random stores and removals straight on the C tables against dicts: engine hash -> key and
+    key -> holders. With `wrap`, every key's home is the table's last position (probe runs wrap)."""
+    rng = random.Random(5 + wrap)
+    core = native.Core(10**9)
+    model, medium = core.new_model(), core.new_medium()
+    slots = [core.new_slot(core.new_group()) for _ in range(150)]  # holder bitmasks of 3 words
+    top = (0xFFFF_FFFF << 28) if wrap else 0
+    pool = [(top | rng.getrandbits(28 if wrap else 60)) for _ in range(400)]
+    key_of = {h: k for h, k in zip((rng.getrandbits(62) for _ in pool), pool)}
+    hashes = list(key_of)
+    holders: dict[int, set[int]] = {}
+    for step in range(12000):
+        h = rng.choice(hashes)
+        k = key_of[h]
+        slot = rng.choice(slots[:6] if rng.random() < 0.5 else slots)  # a few slots hold much: >4 holders
+        if rng.random() < 0.6:
+            added = core.store(model, medium, slot, _u64([h]), _u64([k]))
+            assert added == (slot not in holders.get(k, set()))
+            holders.setdefault(k, set()).add(slot)
+        else:
+            removed, unknown = core.release(model, medium, slot, _u64([h]))
+            held = slot in holders.get(k, set())
+            assert removed == held
+            if held:
+                holders[k].discard(slot)
+                if not holders[k]:
+                    del holders[k]
+        if step % 1000 == 999:
+            core.check()
+            assert core.stats()[0] == sum(map(len, holders.values()))
+            assert core.stats()[4] == [len(holders)]
+    core.check()
 
 
 def test_more_than_64_pod_ranks_match_exactly():
@@ -122,21 +111,39 @@ def test_more_than_64_pod_ranks_match_exactly():
     assert ix.stats()["entries"] == sum(i % 10 + 1 for i in range(66)) - 1 + 8 * 2 + 9 * 2 - 2
 
 
-def test_eviction_keeps_recently_matched_keys_and_the_clock_rebases():
+def test_eviction_keeps_recently_matched_keys_across_the_clock_wrapping():
     ix = PrefixIndex(max_entries=55)
-    ix._tick = _TICK_LIMIT - 6  # the uint32 clock nears its end: an apply past the limit shifts every stamp down
+    ix._core.tick = 2**32 - 6  # the uint32 clock wraps within the test: stamps compare by age
     prompts = [tuple(range(1000 * i, 1000 * i + 40)) for i in range(6)]  # 10 blocks of 4 each
     for i, toks in enumerate(prompts[:5]):
         ix.apply("a", "m", 0, [BlockStored(tuple(range(100 * i, 100 * i + 10)), None, toks, 4)])
     ix.match("m", None, list(prompts[0]), ["a"])
     ix.apply("a", "m", 0, [BlockStored(tuple(range(500, 510)), None, prompts[5], 4)])
-    assert ix.stats()["entries"] <= 55 and ix._tick < 1000
+    assert ix.stats()["entries"] <= 55 and ix._core.tick < 1000
     held = [ix.match("m", None, list(p), ["a"])["a"].blocks for p in prompts]
     assert held[0] == 10 and held[5] == 10 and held[1] < 10
     ix.match("m", None, list(prompts[0]), ["a"])
     ix.apply("a", "m", 0, [BlockStored(tuple(range(600, 610)), None, tuple(range(9000, 9040)), 4)])
     assert ix.match("m", None, list(prompts[0]), ["a"])["a"].blocks == 10  # matched since: kept
     assert ix.stats()["entries"] <= 55 and ix.stats()["evicted_entries"] == 70 - ix.stats()["entries"]
+    ix._core.check()
+
+
+def test_maintenance_clamps_ages_so_old_keys_stay_oldest():
+    """A key left alone for more than 2**31 ticks would look new again if ages wrapped: the
+    background pass clamps them, so it is still evicted first."""
+    ix = PrefixIndex(max_entries=20)
+    ix.apply("a", "m", 0, [BlockStored(tuple(range(10)), None, tuple(range(40)), 4)])  # old
+    for _ in range(7):  # 7 x 2**29 ticks pass, batches keep arriving
+        ix._core.tick = (ix._core.tick + 2**29) % 2**32  # every key ages by 2**29
+        ix.apply("b", "m", 0, [])
+    ix.apply("a", "m", 0, [BlockStored(tuple(range(100, 110)), None, tuple(range(500, 540)), 4)])  # new
+    ix._core.tick = (ix._core.tick + 2**29) % 2**32  # the old keys' unclamped age is 2**32 now: 0
+    ix.apply("a", "m", 0, [BlockStored(tuple(range(200, 205)), None, tuple(range(900, 920)), 4)])  # over the bound
+    held = [ix.match("m", None, list(p), ["a"])["a"].blocks
+            for p in (range(40), range(500, 540), range(900, 920))]
+    assert held[1:] == [10, 5] and held[0] < 10
+    ix._core.check()
 
 
 def test_chain_keys_read_integer_buffers_like_lists():
@@ -155,26 +162,32 @@ def test_chain_keys_read_integer_buffers_like_lists():
         chain_keys(11, np.array([1.0, 2.0]), 1)
 
 
-def test_native_table_columns_are_checked_by_item_size_and_capacity():
-    """The C loops read the tables' arrays raw: a stamp column of the wrong item size (same byte length
-    as the right one) and a table of capacity 0 (no slot 0 to probe) are refused, never read."""
-    from kvcache import _native
-
-    empty = np.full(8, np.iinfo(np.uint64).max, np.uint64)
-    masks, stamps = np.zeros(8, np.uint64), np.zeros(8, np.uint32)
-    assert _native.match_runs([1, 2], 1, 0, 1, 1, empty, masks, stamps) == {}
-    with pytest.raises(TypeError, match="kt_stamps: expected 4-byte items"):
-        _native.match_runs([1, 2], 1, 0, 1, 1, empty, masks, np.zeros(16, np.uint16))
-    none64, none32 = np.zeros(0, np.uint64), np.zeros(0, np.uint32)
-    with pytest.raises(ValueError, match="capacity 0"):
-        _native.match_runs([1, 2], 1, 0, 1, 1, none64, none64, none32)
+def test_core_refuses_ids_it_never_gave_and_ragged_buffers():
+    """The C tables trust only what they handed out: an unknown model, medium or slot, a slot
+    already cleared, and hashes and keys of different counts or not whole uint64s are refused
+    with a clear error before anything is read or changed."""
+    core = native.Core(100)
+    model, medium = core.new_model(), core.new_medium()
+    slot = core.new_slot(core.new_group())
+    one = _u64([1])
+    assert core.store(model, medium, slot, one, _u64([5])) == 1
+    for bad in [(model + 1, medium, slot), (model, medium + 1, slot), (model, medium, slot + 1), (model, -1, slot)]:
+        with pytest.raises(ValueError, match="no (model|medium table|live slot)"):
+            core.store(*bad, one, one)
+    with pytest.raises(ValueError, match="as many hashes as keys"):
+        core.store(model, medium, slot, one, _u64([5, 6]))
+    with pytest.raises(ValueError, match="uint64"):
+        core.release(model, medium, slot, b"\x01\x02\x03")
     payload = msgpack.packb([1.0, [["BlockStored", [5], None, [1], 1, None, "GPU", None]]])
-    assert _native.scan_batch(payload) is not None
-    with pytest.raises(TypeError, match="kt_stamps: expected 4-byte items"):
-        _native.apply_batch(payload, 0, 1, 0, empty.copy(), masks.copy(), empty.copy(), masks.copy(),
-                            np.zeros(16, np.uint16), (), {})
-    with pytest.raises(ValueError, match="capacity 0"):
-        _native.apply_batch(payload, 0, 1, 0, none64, none64, none64, none64, none32, (), {})
-    with pytest.raises(ValueError, match="others: a table of capacity 0"):
-        _native.apply_batch(payload, 0, 1, 0, empty.copy(), masks.copy(), empty.copy(), masks.copy(),
-                            stamps.copy(), (none64,), {})
+    assert native.scan_batch(payload) is not None
+    with pytest.raises(ValueError, match="stores need a medium table"):
+        core.apply_batch(payload, model, -1, slot, 0, {})
+    core.kill_slot(slot)
+    with pytest.raises(ValueError, match="no live slot"):
+        core.release(model, medium, slot, one)
+    with pytest.raises(ValueError, match="not empty"):
+        core.free_medium(medium)  # the dead slot's mark is still there: the background pass removes it
+    core.maintain()
+    core.free_medium(medium)
+    core.check()
+    assert core.stats()[:3] == (0, 0, 1)  # no entry, none evicted; the engine hash waits for the sweep
