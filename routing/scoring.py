@@ -3,10 +3,12 @@ combine them, a picker chooses. A strategy is a named configuration of these pie
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import random
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any, Mapping, Protocol, Sequence
 
 from routing.pods import Pod
@@ -47,6 +49,7 @@ class PickContext:
     matched: dict[str, int] = field(default_factory=dict)
     total_blocks: int = 0
     state: dict[str, Any] = field(default_factory=dict)
+    family: int | None = None  # the prompt's first block key, where a scorer computed it: ties follow it
 
 
 class Filter(Protocol):
@@ -81,8 +84,28 @@ class Picker(Protocol):
 
 # ---- pickers -------------------------------------------------------------------------------
 
+_M64 = (1 << 64) - 1
+
+
+@lru_cache(maxsize=4096)
+def _pod_hash(name: str) -> int:
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "big")
+
+
+def rendezvous(key: int, pod: str) -> int:
+    """Rendezvous (highest random weight) rank of `pod` for `key`: the same in every process, so
+    gateway replicas ordering pods by it agree without talking, and removing a pod moves only the
+    keys it ranked first."""
+    x = (key ^ _pod_hash(pod)) & _M64
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _M64  # splitmix64's finaliser
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _M64
+    return x ^ (x >> 31)
+
+
 class MaxScorePicker:
-    """Highest combined score; ties (within 1e-9) broken at random so equals share the load."""
+    """Highest combined score. Ties (within 1e-9) go to the rendezvous-first pod of the prompt's
+    family where a scorer set `ctx.family` (replicas agree, the family stays together), else at
+    random so equals share the load."""
 
     def __init__(self, rng: random.Random) -> None:
         self._rng = rng
@@ -92,7 +115,12 @@ class MaxScorePicker:
         values = [get(p.name, 0.0) for p in pods]
         floor = max(values) - 1e-9
         top = [p for p, v in zip(pods, values) if v >= floor]
-        return top[0] if len(top) == 1 else self._rng.choice(top)
+        if len(top) == 1:
+            return top[0]
+        family = ctx.family
+        if family is None:
+            return self._rng.choice(top)
+        return max(top, key=lambda p: rendezvous(family, p.name))
 
 
 class RandomPicker:

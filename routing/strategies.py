@@ -15,8 +15,8 @@ from typing import Callable, Mapping
 
 from routing.approx import ApproxPrefixTable
 from routing.engine_metrics import EngineMetrics
-from routing.scorers import (ApproxPrefixScorer, KVUtilizationScorer, LoadScorer, PrecisePrefixScorer,
-                             PrefillBacklog, PrefixSource, QueueScorer)
+from routing.scorers import (ApproxPrefixScorer, FamilyAffinityScorer, KVUtilizationScorer, LoadScorer,
+                             PrecisePrefixScorer, PrefillBacklog, PrefixSource, QueueScorer)
 from routing.scoring import (Filter, LoadGuard, MaxScorePicker, Picker, RandomPicker, RoundRobinPicker, Scorer,
                              Strategy)
 
@@ -88,6 +88,9 @@ SCORERS: dict[str, ScorerSpec] = {s.name: s for s in (
                "estimated prefill wait from the event-fed index: the prompt tokens the pod does not hold "
                "(GPU blocks 1.0, CPU 0.8; counted twice: this request and whoever queues behind it) plus "
                "the pod's prefill backlog (`KVGATE_ROUTING_PREFILL_TOKENS_PER_S`)"),
+    ScorerSpec("affinity", lambda r: FamilyAffinityScorer(getattr(r.index, "block_size", None)), (),
+               "while the index shows no pod holding any of the prompt: 1 for the pod this gateway last "
+               "sent the prompt's family (first block) to, else for the family's rendezvous-first pod"),
     ScorerSpec("approx-prefix",
                lambda r: ApproxPrefixScorer(ApproxPrefixTable(r.config.approx_block_size, r.config.approx_capacity)),
                (), "leading prompt blocks this gateway sent the pod before (an LRU of chained block keys, "
@@ -108,7 +111,7 @@ STRATEGIES: dict[str, StrategySpec] = {s.name: s for s in (
                  {"approx-prefix": 3.0, "load": 2.0}, guard=True),
     StrategySpec("kv-sync", MaxScorePicker, "max score, random tie-break",
                  "the event-fed index's estimated prefill wait, combined with load (the default)",
-                 {"prefix": 3.0, "load": 2.0}, guard=True),
+                 {"prefix": 3.0, "load": 2.0, "affinity": 1.0}, guard=True),
 )}
 
 NAMES = tuple(STRATEGIES)
