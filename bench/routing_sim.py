@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from bench.chartree import CharTreePolicy
 from bench.routing_workloads import BLOCK_SIZE, Workload, prefix_keys
 from kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kvcache.index import PrefixIndex
@@ -55,6 +56,7 @@ from sim.engine import Completion, EngineConfig, EngineModel
 MODEL = "sim-model"
 GENERATION = "0.33"
 ORACLE = "oracle"
+CHAR_TREE = "char-tree"  # bench.chartree, not a Router strategy
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +87,9 @@ class RunResult:
     batches_published: int = 0
     batches_decoded: int = 0
     batches_lost: int = 0
+    evicted_blocks: int = 0  # BlockRemoved blocks over every engine (evictions; flushes not counted)
+    flushed_blocks: int = 0  # cached blocks dropped by scheduled flushes
+    routed: dict = field(default_factory=dict)  # pod -> requests sent there
     decode_skipped: dict = field(default_factory=dict)  # reason -> count, from decode_batch (and WireError)
     index_stats: dict = field(default_factory=dict)
 
@@ -139,6 +144,13 @@ class _Oracle:
         self.mirror = _CacheMirror(list(engines))
         self._lane_free = dict.fromkeys(engines, 0.0)
         self._out_tokens = dict.fromkeys(engines, 0)  # decode work (tokens) routed and not finished
+
+    def add(self, pod: str, engine: EngineModel) -> None:
+        """An engine joined: a candidate from now on."""
+        self._engines[pod] = engine
+        self.mirror.held.setdefault(pod, set())
+        self._lane_free[pod] = 0.0
+        self._out_tokens[pod] = 0
 
     def pick(self, tokens: tuple[int, ...], max_tokens: int, now: float) -> str:
         c = self._c
@@ -223,38 +235,50 @@ def run(workload: Workload, policy: Policy, seed: int, strategy_config: Strategy
 
 async def _run(workload: Workload, policy: Policy, seed: int, strategy_config: StrategyConfig | None) -> RunResult:
     cfg = engine_config(workload)
-    names = [f"pod-{i}" for i in range(workload.shape.pods)]
+    names = [f"pod-{i}" for i in range(workload.total_pods)]
     engines = {n: EngineModel(cfg) for n in names}
+    active = names[:workload.pods_at_start]  # in the fleet; the others join on schedule
     index = PrefixIndex()
-    oracle = _Oracle(engines, cfg) if policy.strategy == ORACLE else None
+    oracle = _Oracle({n: engines[n] for n in active}, cfg) if policy.strategy == ORACLE else None
     routers: list[Router] = []
+    trees: list[CharTreePolicy] = []
     clock = [0.0]  # virtual now, for the strategies' time-based estimates (kv-sync's prefill backlog)
     config = dataclasses.replace(strategy_config or StrategyConfig(), clock=lambda: clock[0])
-    if oracle is None:
-        pods = [Pod(name=n, address="127.0.0.1", port=8000 + i, model=MODEL) for i, n in enumerate(names)]
-        registry, counts = PodRegistry(pods), LocalCounts()
+    all_pods = [Pod(name=n, address="127.0.0.1", port=8000 + i, model=MODEL) for i, n in enumerate(names)]
+    registry = PodRegistry(all_pods[:len(active)])
+    if policy.strategy == CHAR_TREE:
+        trees = [CharTreePolicy(active, random.Random(f"char-tree:{seed}:{g}")) for g in range(policy.gateways)]
+    elif oracle is None:
+        counts = LocalCounts()
         loads = _EngineLoads(engines)
         routers = [Router(registry, default_strategy=policy.strategy, counts=counts, index=index, engines=loads,
                           config=config, seed=seed if g == 0 else seed * 1000 + g)
                    for g in range(policy.gateways)]
     feed_index = policy.strategy == "kv-sync"
     loss_rng = random.Random(f"loss:{seed}")
+    # the fleet's scheduled changes, in time order: (time, kind, pod index)
+    changes = sorted([(t, "flush", i) for t, i in workload.flushes] + [(t, "join", i) for t, i in workload.joins])
+    ci = 0
 
     deliveries: list[tuple[float, int, str, bytes]] = []
     seq = 0
-    published = decoded = lost = 0
+    published = decoded = lost = evicted = flushed = 0
     skipped: Counter[str] = Counter()
     next_t = dict.fromkeys(names, math.inf)
-    inflight: dict[str, tuple[str, object]] = {}  # req_id -> (pod, (router, decision) or max_tokens)
-    running = dict.fromkeys(names, 0)
+    inflight: dict[str, tuple[str, object]] = {}  # req_id -> (pod, (router, decision), max_tokens or None)
+    running = dict.fromkeys(names, 0)  # routed and not finished: what LocalCounts holds, for char-tree
+    routed = dict.fromkeys(names, 0)
     ratios: list[float] = []
     completions: list[Completion] = []
 
     def pump(pod: str, now: float) -> None:
-        nonlocal seq, published, lost
+        nonlocal seq, published, lost, evicted
         t = engines[pod].next_event_time()
         next_t[pod] = math.inf if t is None else t
         for batch in engines[pod].drain_events():
+            for ev in batch.events:
+                if type(ev) is BlockRemoved:
+                    evicted += len(ev.block_hashes)
             if oracle is not None:
                 oracle.mirror.apply(pod, batch)
             if not feed_index:
@@ -272,10 +296,10 @@ async def _run(workload: Workload, policy: Policy, seed: int, strategy_config: S
             completions.append(comp)
             _, handle = inflight.pop(comp.req_id)
             running[pod] -= 1
-            if oracle is None:
+            if routers:
                 router, decision = handle
                 await router.release(decision)
-            else:
+            elif oracle is not None:
                 oracle.finished(pod, handle)
 
     reqs = workload.requests
@@ -284,7 +308,8 @@ async def _run(workload: Workload, policy: Policy, seed: int, strategy_config: S
         ta = reqs[i].arrival if i < len(reqs) else math.inf
         te = min(next_t.values())
         td = deliveries[0][0] if deliveries else math.inf
-        t = min(ta, te, td)
+        tc = changes[ci][0] if ci < len(changes) else math.inf
+        t = min(ta, te, td, tc)
         if t == math.inf:
             break
         clock[0] = t
@@ -304,24 +329,46 @@ async def _run(workload: Workload, policy: Policy, seed: int, strategy_config: S
                 decoded += 1
                 skipped.update(result.skipped)
                 index.apply(pod, MODEL, result.batch.data_parallel_rank or 0, result.batch.events)
+        elif tc <= t:
+            _, kind, k = changes[ci]
+            ci += 1
+            pod = names[k]
+            if kind == "flush":
+                flushed += engines[pod].metrics().cached_blocks
+                engines[pod].reset_prefix_cache(t, force=True)
+                await finish(pod, engines[pod].advance(t))
+            else:  # join: discovery reports the new engine; every router, tree and the oracle follow
+                active.append(pod)
+                registry.replace(all_pods[:len(active)])
+                for tree in trees:
+                    tree.add_pod(pod)
+                if oracle is not None:
+                    oracle.add(pod, engines[pod])
+            pump(pod, t)
         else:
             r = reqs[i]
-            if oracle is None:
+            if routers:
                 router = routers[i % len(routers)]
                 decision = await router.pick(RouteRequest(MODEL, list(r.token_ids), None, r.req_id))
                 pod, handle = decision.pod.name, (router, decision)
+            elif trees:
+                pod, handle = trees[i % len(trees)].pick(r.token_ids, running), None
             else:
                 pod, handle = oracle.pick(r.token_ids, r.max_tokens, t), r.max_tokens
             i += 1
             inflight[r.req_id] = (pod, handle)
             running[pod] += 1
+            routed[pod] += 1
             engines[pod].add_request(r.req_id, r.token_ids, r.max_tokens, t)
             pump(pod, t)
-            mean = sum(running.values()) / len(running)
-            ratios.append(max(running.values()) / mean)
+            loads = [running[p] for p in active]
+            ratios.append(max(loads) / (sum(loads) / len(loads)))
 
     out = _result(workload, policy, seed, engines, completions, ratios, published, decoded, lost, index)
     out.decode_skipped = dict(skipped)
+    out.evicted_blocks = evicted
+    out.flushed_blocks = flushed
+    out.routed = {p: n for p, n in routed.items() if n}
     return out
 
 

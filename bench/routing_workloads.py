@@ -1,14 +1,41 @@
-"""The routing benchmark's workloads: prompts, arrival times and the engines' KV capacity.
+"""The routing benchmark's workloads: prompts, arrival times, the engines' KV capacity, and the
+fleet's scheduled changes (cache flushes, an engine joining).
 
-A workload is a set of distinct prompts (a group's shared context followed by one of its
-questions) and a Poisson arrival schedule whose rate steps up through a ramp. Both are a
-pure function of the shape and the seed, so every policy sees the same requests at the
-same virtual times. KV capacity per pod is set from the working set (every full block of
-every distinct prompt, counted once) divided by the capacity ratio and the pod count.
-The ramp's peak is a fraction (`peak_load`) of the cluster's decode capacity with the
-engines' default timing: pods x max_num_seqs / (output tokens x the step time of a full
-batch). Near it a router that keeps its hits is still below saturation and one that loses
-them is not.
+Every workload is a pure function of its shape and the seed, so every policy sees the same
+requests at the same virtual times (and the same flushes and joins). KV capacity per pod is
+set from the working set (every full block of every distinct prompt, counted once) divided by
+the capacity ratio and the pod count (the pods at the start).
+
+Two generators:
+
+- `Shape` (W1, W2): a set of distinct prompts (a group's shared context followed by one of its
+  questions) and a Poisson arrival schedule whose rate steps up through a ramp. The ramp's peak
+  is a fraction (`peak_load`) of the cluster's decode capacity with the engines' default timing:
+  pods x max_num_seqs / (output tokens x the step time of a full batch). Near it a router that
+  keeps its hits is still below saturation and one that loses them is not.
+- `ChatShape` (W3, W4, W5): multi-turn chats as users reported them. Tenants are Zipf-popular
+  (weight 1/rank^s); each has a system prompt of `system_tokens` (uniform in the range). A
+  conversation starts at Poisson times at a constant rate, picks a tenant, and has 2-4 turns:
+  turn 1's prompt is the system prompt + a user message, turn k+1's is turn k's prompt + a
+  synthetic assistant reply of `output_tokens` tokens + a new user message (the client re-sends
+  its history). The reply is random tokens, not what the engine generated, so only the previous
+  turn's prompt blocks can be cache hits (with real replies the engine that served turn k would
+  also hold the reply's blocks: the synthetic reply slightly favours no policy over another).
+  Each turn arrives `turn_gap_s` (uniform in the range) after the previous turn's arrival: a
+  pre-generated open-loop schedule (every policy sees identical arrivals) standing in for
+  "the next turn after the reply": the gap's lower bound is above a turn's latency at the
+  bench's load when routing keeps its hits (TTFT + output_tokens decode steps of a full batch,
+  100 x 20.8 ms ~ 2.1 s), so most turns are sent after the previous one finished; when a
+  policy is slower the next turn still arrives on time, as an impatient client's would.
+  Hundreds of conversations are in flight at once (the rate is set by `load`: request rate
+  = load x decode capacity of the starting pods). System prompts are 600-1200 tokens, the
+  reported ~1,200 at 1/2 to 1 scale rather than W1's 1/10: with the `kvgate sim` timing
+  (0.1 ms/token of prefill, 5 ms overhead) a missed system prompt costs 60-120 ms, so, as in
+  W1 (600-token contexts), prefill dominates TTFT and a miss shows; 120 tokens (1/10) would
+  cost 12 ms, lost in the overhead and in decode queueing.
+  `flush_every_s` > 0 schedules one engine's prefix-cache reset every that many seconds, the
+  engine rotating through the pods in a seeded order; `join_at_s` adds one engine (pod index
+  `pods`) at that time.
 """
 from __future__ import annotations
 
@@ -40,13 +67,75 @@ class Shape:
 
     def decode_capacity_rps(self) -> float:
         """Requests/s the pods finish with full batches (engine default timing, no prefill)."""
-        c = EngineConfig()
-        step = c.tpot_base_s + c.tpot_per_seq_s * self.max_num_seqs
-        return self.pods * self.max_num_seqs / (self.output_tokens * step)
+        return _decode_capacity_rps(self.pods, self.max_num_seqs, self.output_tokens)
 
     @property
     def peak_rps(self) -> float:
         return self.peak_load * self.decode_capacity_rps()
+
+    def describe(self) -> str:
+        return (f"{self.groups} groups x {self.prompts_per_group}, {self.context_tokens}+{self.question_tokens} "
+                f"prompt tokens, {self.output_tokens} out, {self.pods} pods")
+
+    def as_dict(self) -> dict:
+        return {"groups": self.groups, "prompts_per_group": self.prompts_per_group,
+                "context_tokens": self.context_tokens, "question_tokens": self.question_tokens,
+                "output_tokens": self.output_tokens, "pods": self.pods, "capacity_ratio": self.capacity_ratio,
+                "peak_load": self.peak_load, "peak_rps": round(self.peak_rps, 1), "ramp": list(self.ramp),
+                "stage_s": self.stage_s, "each_prompt_once": self.each_prompt_once}
+
+
+def _decode_capacity_rps(pods: int, max_num_seqs: int, output_tokens: int) -> float:
+    c = EngineConfig()
+    step = c.tpot_base_s + c.tpot_per_seq_s * max_num_seqs
+    return pods * max_num_seqs / (output_tokens * step)
+
+
+@dataclass(frozen=True, slots=True)
+class ChatShape:
+    """Multi-turn chats of Zipf-popular tenants (see the module docstring)."""
+
+    name: str
+    tenants: int
+    zipf_s: float  # tenant of rank k (1-based) has weight 1 / k**zipf_s
+    system_tokens: tuple[int, int]  # per tenant, uniform in [lo, hi]
+    user_tokens: tuple[int, int]  # per turn, uniform in [lo, hi]
+    output_tokens: int  # each turn's max_tokens, and the synthetic reply's length in the next turn's prompt
+    turns: tuple[int, int]  # per conversation, uniform in [lo, hi]
+    turn_gap_s: tuple[float, float]  # next turn's arrival after this one's, uniform in [lo, hi]
+    duration_s: float  # conversations start in [0, duration_s)
+    pods: int  # at the start
+    capacity_ratio: float  # working set / KV capacity of the starting pods
+    load: float  # request rate / decode capacity of the starting pods
+    flush_every_s: float = 0.0  # > 0: one engine's prefix cache reset this often (rotating, seeded order)
+    join_at_s: float | None = None  # one engine joins at this time
+    max_num_seqs: int = 64
+
+    def decode_capacity_rps(self) -> float:
+        return _decode_capacity_rps(self.pods, self.max_num_seqs, self.output_tokens)
+
+    @property
+    def request_rps(self) -> float:
+        return self.load * self.decode_capacity_rps()
+
+    def describe(self) -> str:
+        extra = ""
+        if self.flush_every_s > 0:
+            extra += f"; one engine's cache flushed every {self.flush_every_s:g} s"
+        if self.join_at_s is not None:
+            extra += f"; an engine joins at {self.join_at_s:g} s"
+        return (f"chat: {self.tenants} Zipf({self.zipf_s:g}) tenants, {self.system_tokens[0]}-{self.system_tokens[1]}"
+                f"-token system prompts, {self.turns[0]}-{self.turns[1]} turns (+{self.user_tokens[0]}-"
+                f"{self.user_tokens[1]} user, +{self.output_tokens} reply tokens each), {self.output_tokens} out, "
+                f"{self.request_rps:.0f} req/s over {self.duration_s:g} s, {self.pods} pods{extra}")
+
+    def as_dict(self) -> dict:
+        return {"tenants": self.tenants, "zipf_s": self.zipf_s, "system_tokens": list(self.system_tokens),
+                "user_tokens": list(self.user_tokens), "output_tokens": self.output_tokens,
+                "turns": list(self.turns), "turn_gap_s": list(self.turn_gap_s), "duration_s": self.duration_s,
+                "pods": self.pods, "capacity_ratio": self.capacity_ratio, "load": self.load,
+                "request_rps": round(self.request_rps, 1), "flush_every_s": self.flush_every_s,
+                "join_at_s": self.join_at_s}
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,12 +148,22 @@ class Request:
 
 @dataclass(frozen=True, slots=True)
 class Workload:
-    shape: Shape
+    shape: Shape | ChatShape
     seed: int
     requests: tuple[Request, ...]
     working_set_blocks: int
     blocks_per_pod: int
     compulsory_hit_rate: float  # ceiling: every distinct block computed once in the whole cluster
+    flushes: tuple[tuple[float, int], ...] = ()  # (time, pod index): that engine's prefix cache is reset
+    joins: tuple[tuple[float, int], ...] = ()  # (time, pod index): that engine joins the fleet
+
+    @property
+    def pods_at_start(self) -> int:
+        return self.shape.pods
+
+    @property
+    def total_pods(self) -> int:
+        return self.shape.pods + len(self.joins)
 
 
 def w1(quick: bool = False) -> Shape:
@@ -134,7 +233,9 @@ def _arrivals(shape: Shape, rng: random.Random, count: int | None) -> list[float
     return times
 
 
-def build(shape: Shape, seed: int) -> Workload:
+def build(shape: Shape | ChatShape, seed: int) -> Workload:
+    if isinstance(shape, ChatShape):
+        return _build_chat(shape, seed)
     rng = random.Random(f"{shape.name}:{seed}")
     prompts = _prompts(shape, rng)
     if shape.each_prompt_once:
@@ -166,3 +267,75 @@ def _compulsory_misses(requests: tuple[Request, ...]) -> int:
         tail += n - keep
         hittable.append(r.token_ids[:keep])
     return tail + _distinct_blocks(list(set(hittable))) * BLOCK_SIZE
+
+
+def _chat_prompts(shape: ChatShape, rng: random.Random) -> list[tuple[float, tuple[int, ...]]]:
+    """(arrival, prompt) of every turn of every conversation, in generation order."""
+    systems = [_rand_tokens(rng, rng.randint(*shape.system_tokens)) for _ in range(shape.tenants)]
+    weights = [1.0 / (k + 1) ** shape.zipf_s for k in range(shape.tenants)]
+    mean_turns = (shape.turns[0] + shape.turns[1]) / 2
+    conv_rate = shape.request_rps / mean_turns
+    out: list[tuple[float, tuple[int, ...]]] = []
+    t = 0.0
+    while True:
+        t += rng.expovariate(conv_rate)
+        if t >= shape.duration_s:
+            return out
+        history = systems[rng.choices(range(shape.tenants), weights)[0]]
+        at = t
+        for turn in range(rng.randint(*shape.turns)):
+            if turn:
+                history += _rand_tokens(rng, shape.output_tokens)  # the previous turn's (synthetic) reply
+                at += rng.uniform(*shape.turn_gap_s)
+            history += _rand_tokens(rng, rng.randint(*shape.user_tokens))
+            out.append((at, history))
+
+
+def _build_chat(shape: ChatShape, seed: int) -> Workload:
+    rng = random.Random(f"{shape.name}:{seed}")
+    turns = sorted(_chat_prompts(shape, rng), key=lambda x: x[0])  # stable: equal times keep their order
+    requests = tuple(Request(f"r{i}", t, p, shape.output_tokens) for i, (t, p) in enumerate(turns))
+    ws = _distinct_blocks([r.token_ids for r in requests])
+    prompt_tokens = sum(len(r.token_ids) for r in requests)
+    end = requests[-1].arrival if requests else 0.0
+    flushes: tuple[tuple[float, int], ...] = ()
+    if shape.flush_every_s > 0:
+        order = list(range(shape.pods))
+        rng.shuffle(order)
+        n = int(end // shape.flush_every_s)
+        flushes = tuple(((k + 1) * shape.flush_every_s, order[k % len(order)]) for k in range(n))
+    joins = ((shape.join_at_s, shape.pods),) if shape.join_at_s is not None else ()
+    return Workload(
+        shape=shape, seed=seed, requests=requests, working_set_blocks=ws,
+        blocks_per_pod=math.ceil(ws / shape.capacity_ratio / shape.pods),
+        compulsory_hit_rate=1.0 - _compulsory_misses(requests) / prompt_tokens if prompt_tokens else 0.0,
+        flushes=flushes, joins=joins,
+    )
+
+
+def _chat_shape(name: str, **kw) -> ChatShape:
+    base = dict(tenants=40, zipf_s=1.0, system_tokens=(600, 1200), user_tokens=(40, 120), output_tokens=100,
+                turns=(2, 4), turn_gap_s=(2.5, 5.0), duration_s=16.0, pods=3, capacity_ratio=0.73, load=0.85)
+    base.update(kw)
+    return ChatShape(name=name, **base)
+
+
+# The chat workloads are the same with --quick (which runs one seed): their KV capacity follows the
+# distinct blocks of the whole run, which grow with its length, so a shorter run would be another
+# scenario, not a faster one.
+
+def w3(quick: bool = False) -> ChatShape:
+    """Pressure: the chat workload with fleet KV capacity at 50% of its working set: engines evict."""
+    return _chat_shape("W3", capacity_ratio=2.0)
+
+
+def w4(quick: bool = False) -> ChatShape:
+    """Flushes: the chat workload with one engine's prefix cache reset every 2 s (rotating), at 60% of
+    decode capacity: at 85% as in W3, the misses after each flush saturate every policy's prefill."""
+    return _chat_shape("W4", flush_every_s=2.0, load=0.6)
+
+
+def w5(quick: bool = False) -> ChatShape:
+    """Scale-out: the chat workload at the 3 starting pods' decode capacity (saturated once the
+    conversations' later turns add up, ~8 s in); a 4th pod joins at 10 s."""
+    return _chat_shape("W5", load=1.0, join_at_s=10.0)

@@ -30,7 +30,8 @@ The model, and where it simplifies vLLM:
   BlockStored per request per step for its newly full blocks (prompt blocks when
   its prefill completes, output blocks at decode batch boundaries, at most every
   `block_size` steps, and at completion), one BlockRemoved per evicted block,
-  AllBlocksCleared on `reset_prefix_cache()`.
+  AllBlocksCleared on `reset_prefix_cache()` (refused while requests run, as in vLLM,
+  unless forced: see there).
 """
 from __future__ import annotations
 
@@ -137,7 +138,7 @@ class _Request:
         self.keys: list[BlockHash] = []  # published hash of each of those blocks
         self.seq: tuple[int, ...] = tokens  # prompt, then prompt + output once admitted
         self.packed = packed  # `seq` as 4-byte unsigned ints, for hashing
-        self.held: list[BlockHash] = []  # cached blocks referenced, in sequence order
+        self.held: list[BlockHash | None] = []  # cached blocks referenced, in sequence order (None: private)
         self.reserved = 0  # blocks reserved but not (yet) cached
         self.cached_tokens = 0
         self.first_token_time = 0.0
@@ -257,12 +258,21 @@ class EngineModel:
         out, self._batches = self._batches, []
         return out
 
-    def reset_prefix_cache(self, now: float | None = None) -> bool:
-        """Drop every cached block (AllBlocksCleared). Refused (False) while requests run, as in vLLM."""
+    def reset_prefix_cache(self, now: float | None = None, force: bool = False) -> bool:
+        """Drop every cached block (AllBlocksCleared). Refused (False) while requests run, as in vLLM,
+        unless `force` (the routing benchmark's flushes, under load): then the running requests keep
+        the memory of the blocks they hold, as private blocks outside the cache (counted as reserved
+        until they finish), and the blocks they fill afterwards are cached as usual (chained on
+        blocks no longer cached, so reachable only once those are computed again)."""
         if now is not None:
             self._run_until(now)
-        if self._running or self._waiting:
+        if (self._running or self._waiting) and not force:
             return False
+        for req in self._running.values():
+            private = sum(key is not None for key in req.held)
+            req.reserved += private
+            self._reserved_total += private
+            req.held = [None] * len(req.held)  # positions kept: caching resumes after them
         self._blocks.clear()
         self._lru.clear()
         self._events.append(AllBlocksCleared())
@@ -492,6 +502,8 @@ class EngineModel:
 
     def _release(self, req: _Request) -> None:
         for key in reversed(req.held):  # tail blocks become the oldest: evicted first
+            if key is None:  # private since a forced reset: freed with `reserved`
+                continue
             rc = self._blocks[key] - 1
             self._blocks[key] = rc
             if rc == 0:

@@ -210,3 +210,129 @@ def test_engine_metric_scorers_read_the_simulated_engines(tiny):
     first = run(tiny, Policy("kv-sync", "kv-sync"), seed=3, strategy_config=cfg)
     assert first.requests == len(tiny.requests)
     assert first == run(tiny, Policy("kv-sync", "kv-sync"), seed=3, strategy_config=cfg)
+
+
+TINY_CHAT = workloads.ChatShape(name="TC", tenants=5, zipf_s=1.0, system_tokens=(96, 160), user_tokens=(10, 30),
+                                output_tokens=20, turns=(2, 4), turn_gap_s=(0.3, 0.6), duration_s=2.0, pods=3,
+                                capacity_ratio=0.73, load=0.3)
+
+
+def test_chat_turns_resend_the_history_and_arrive_after_the_previous_turn():
+    wl = workloads.build(TINY_CHAT, seed=5)
+    assert wl == workloads.build(TINY_CHAT, seed=5) and wl.requests != workloads.build(TINY_CHAT, seed=6).requests
+    reqs = wl.requests
+    assert [r.arrival for r in reqs] == sorted(r.arrival for r in reqs) and len(reqs) > 30
+    follow_ups = 0
+    for k, r in enumerate(reqs):
+        earlier = [e for e in reqs[:k] if r.token_ids[:len(e.token_ids)] == e.token_ids]
+        if earlier:  # a later turn: previous prompt + reply + user message, a gap after it
+            prev = max(earlier, key=lambda e: len(e.token_ids))
+            extra = len(r.token_ids) - len(prev.token_ids)
+            assert 20 + 10 <= extra <= 20 + 30
+            assert 0.3 <= r.arrival - prev.arrival <= 0.6 + 1e-9
+            follow_ups += 1
+        else:  # a first turn: a system prompt + one user message
+            assert 96 + 10 <= len(r.token_ids) <= 160 + 30
+    assert 0.4 < follow_ups / len(reqs) < 0.8  # 2-4 turns: 1/2 to 3/4 of the turns follow another
+    assert 0 < wl.compulsory_hit_rate < 1 and wl.flushes == () and wl.joins == ()
+
+
+def test_flushes_rotate_over_the_pods_and_a_join_adds_the_next_pod():
+    import dataclasses
+    wl = workloads.build(dataclasses.replace(TINY_CHAT, flush_every_s=0.5, join_at_s=1.0), seed=2)
+    times = [t for t, _ in wl.flushes]
+    assert times == [0.5 * (k + 1) for k in range(len(times))] and times[-1] <= wl.requests[-1].arrival
+    pods = [p for _, p in wl.flushes]
+    assert sorted(pods[:3]) == [0, 1, 2] and pods[3:6] == pods[:3]
+    assert wl.joins == ((1.0, 3),) and wl.pods_at_start == 3 and wl.total_pods == 4
+
+
+def test_forced_reset_clears_the_cache_under_load_and_running_requests_still_finish():
+    from kvcache.events import AllBlocksCleared
+    from sim.engine import EngineModel
+    engine = EngineModel(EngineConfig(num_blocks=64, max_num_seqs=4))
+    prompt = list(range(1000, 1064))  # 4 full blocks
+    engine.add_request("a", prompt, 8, now=0.0)
+    engine.advance(0.05)  # prefilled: its blocks are cached and held
+    assert engine.metrics().cached_blocks >= 4
+    assert engine.reset_prefix_cache(0.05) is False  # refused while it runs, as vLLM does
+    engine.drain_events()
+    assert engine.reset_prefix_cache(0.05, force=True) is True
+    assert AllBlocksCleared() in [ev for b in engine.drain_events() for ev in b.events]
+    assert engine.cached_block_hashes() == set()
+    done, t = [], 0.05
+    while (nxt := engine.next_event_time()) is not None:
+        t = nxt
+        done += engine.advance(t)
+    assert [c.req_id for c in done] == ["a"]
+    m = engine.metrics()
+    assert m.kv_usage == 0 and m.running == 0
+    engine.add_request("b", prompt, 4, now=t + 1)  # the flushed prompt is a miss again
+    engine.advance(t + 2)
+    assert engine.metrics().prefix_cache_hits == 0
+
+
+def test_flushes_cost_hits_and_are_seen_by_kv_sync():
+    import dataclasses
+    steady = workloads.build(TINY_CHAT, seed=3)
+    flushed = workloads.build(dataclasses.replace(TINY_CHAT, flush_every_s=0.25), seed=3)
+    assert steady.requests == flushed.requests and flushed.flushes
+    for policy in (Policy("kv-sync", "kv-sync"), Policy(ORACLE, ORACLE), Policy("char-tree", "char-tree")):
+        a, b = run(steady, policy, seed=1), run(flushed, policy, seed=1)
+        assert b.flushed_blocks > 0 and a.flushed_blocks == 0
+        assert b.hit_rate < a.hit_rate, policy.name
+        assert b == run(flushed, policy, seed=1)
+    assert run(flushed, Policy("kv-sync", "kv-sync"), seed=1).index_stats["skipped"] == {}
+
+
+def test_a_joining_engine_gets_requests_only_after_it_joins():
+    import dataclasses
+    wl = workloads.build(dataclasses.replace(TINY_CHAT, join_at_s=1.0, load=1.5), seed=4)  # saturated before
+    for policy in (Policy("least-request", "least-request"), Policy(ORACLE, ORACLE), Policy("kv-sync", "kv-sync")):
+        r = run(wl, policy, seed=1)
+        assert r.requests == len(wl.requests)
+        assert set(r.routed) <= {"pod-0", "pod-1", "pod-2", "pod-3"} and r.routed.get("pod-3", 0) > 0, policy.name
+    before = sum(1 for q in wl.requests if q.arrival < 1.0)
+    r = run(wl, Policy("round-robin", "round-robin"), seed=1)
+    assert r.routed["pod-3"] <= (len(wl.requests) - before) // 4 + 1  # dealt in turn over 4 only after the join
+
+
+def test_pressure_evicts_and_the_count_is_reported():
+    import dataclasses
+    roomy = workloads.build(TINY_CHAT, seed=1)
+    tight = workloads.build(dataclasses.replace(TINY_CHAT, capacity_ratio=2.0), seed=1)
+    assert tight.blocks_per_pod < roomy.blocks_per_pod
+    a = run(roomy, Policy("kv-sync", "kv-sync"), seed=1)
+    b = run(tight, Policy("kv-sync", "kv-sync"), seed=1)
+    assert b.evicted_blocks > a.evicted_blocks >= 0
+    assert b.index_stats["skipped"] == {}
+
+
+def test_chat_workloads_run_every_compared_policy_at_both_replica_counts():
+    names = [p.name for p in bench.shape_policies(workloads.w3(), 2)]
+    for n in bench.TARGET_GATEWAYS:
+        for o in (*bench.OTHERS, "kv-sync"):
+            assert bench.row(o, n, 2) in names
+    assert ORACLE in names and not any("delay" in n or "@4gw" in n for n in names)
+
+
+def test_issue_13_targets_compare_with_the_best_other_policy_at_each_replica_count():
+    def pol(**hits):
+        return {k.replace("_", "-").replace("-1gw", "@1gw"): {"hit_rate": v[0], "ttft_p90_s": v[1]}
+                for k, v in hits.items()}
+    p = pol(kv_sync=(0.80, 0.05), char_tree=(0.76, 0.06), prefix_cache=(0.70, 0.04), random=(0.3, 1.0),
+            oracle=(0.85, 0.03), kv_sync_1gw=(0.80, 0.05), char_tree_1gw=(0.79, 0.05))
+    t = bench.targets({"gateways": 2, "workloads": {"W3": {"policies": p}}})
+    hit2 = t["W3 @2gw: kv-sync hit rate >= best other + 3 points, or >= oracle - 1"]
+    assert hit2["met"] and hit2["best_other"] == "char-tree" and hit2["margin"] == 4.0
+    p90 = t["W3 @2gw: kv-sync TTFT p90 <= best other's"]
+    assert not p90["met"] and p90["best_other"] == "prefix-cache"
+    hit1 = t["W3 @1gw: kv-sync hit rate >= best other + 3 points, or >= oracle - 1"]
+    assert not hit1["met"] and hit1["best_other"] == "char-tree@1gw" and hit1["oracle"] == 85.0
+    assert t["W3 @1gw: kv-sync TTFT p90 <= best other's"]["met"]  # equal is enough
+    assert not t["W3: kv-sync hit rate within 3 points of oracle"]["met"]
+    p["oracle"]["hit_rate"] = 0.805  # the oracle leaves less room: within 1 point of it is enough
+    t = bench.targets({"gateways": 2, "workloads": {"W3": {"policies": p}}})
+    assert t["W3 @1gw: kv-sync hit rate >= best other + 3 points, or >= oracle - 1"]["met"]
+    info = bench.comparisons({"workloads": {"W3": {"policies": {**p, "x": {"hit_rate": 0.9, "ttft_p90_s": 1.0}}}}})
+    assert list(info) == ["W3: oracle hit rate below x's by (points)"]
