@@ -141,7 +141,7 @@ async def test_a_new_engine_is_used_when_load_warrants():
     # a family held by a busy-but-not-overloaded engine stays there: its cache is worth more
     assert await pick(r, prompt(held["b"], 1)) == "b"
     # a family whose pod is overloaded (the load guard) goes to the newcomer, not to another warm pod
-    await hold(r, {"c": 20})
+    await hold(r, {"c": StrategyConfig().guard_abs_slack})
     clock.now += 1.0
     assert await pick(r, prompt(held["c"], 1)) == "d"
 
