@@ -74,7 +74,9 @@ def render(name: str, data: dict) -> str:
         for w, wd in data["workloads"].items():
             pols = wd.get("policies", {})
             cols = ["hit_rate", "ttft_p50_s", "ttft_p90_s", "throughput_tok_s", "max_over_mean_running",
-                    "evicted_blocks"]
+                    "repeat_miss_share", "evicted_blocks"]
+            if any("joined_share" in pd for pd in pols.values()):
+                cols.append("joined_share")
             about = f" ({wd['describe']})" if wd.get("describe") else ""
             out.append(f"**{w}**{about}\n\n| policy | " + " | ".join(cols) + " |\n|---|" + "---|" * len(cols))
             for p, pd in pols.items():

@@ -26,9 +26,10 @@ capacity from the workload). Workloads (bench.routing_workloads):
     is reset (forced under load: sim.engine.EngineModel.reset_prefix_cache), the engine rotating
     in a seeded order. kv-sync sees the AllBlocksCleared event; guessers are not told; the
     oracle's mirror sees it.
-  - W5 scale-out: 100% of the 3 starting pods' decode capacity (saturated once the later turns
-    add up); a 4th pod joins at 10 s: added to the PodRegistry the Routers follow, to char-tree's
-    trees and to the oracle's candidates.
+  - W5 scale-out: 120% of the 3 starting pods' decode capacity (over it once the later turns add
+    up, ~8 s in); a 4th pod joins at 10 s (then 90%): added to the PodRegistry the Routers follow,
+    to char-tree's trees and to the oracle's candidates; the `joined pod` column is its share of
+    the requests that arrived after the join.
 
 Policies: random, round-robin, least-request, prefix-cache (router-side guess), char-tree
 (bench.chartree: the design of SGLang's model gateway `cache_aware` policy), kv-sync
@@ -57,7 +58,12 @@ Metrics per run, then the mean over seeds:
 - throughput_tok_s: output tokens / virtual time from the first arrival to the last finish;
 - max_over_mean_running: at each arrival (after the pick), max over the pods in the fleet of
   requests routed there and not finished / their mean over those pods, averaged over arrivals;
-- evicted_blocks: blocks the engines evicted (BlockRemoved), flushed_blocks: blocks flushes dropped.
+- repeat_miss_share: the share of requests that recomputed a prefix block some earlier request had
+  computed (routing_sim.reusable_tokens): the misses a router could have avoided had every block
+  stayed cached, i.e. sent away from its prefix, or to where it was evicted or flushed;
+- evicted_blocks: blocks the engines evicted (BlockRemoved), flushed_blocks: blocks flushes dropped;
+- joined_share (W5): the share of the requests arriving after the join that went to the joined pod
+  (a quarter would be an even split over 4 pods).
 Per workload, beside the compulsory-miss hit-rate bound: ttft_p90_floor_s, the p90 of
 routing_sim.ttft_floor (each request's TTFT with every block ever computed cached everywhere and
 no queueing), a p90 no router can go below. The TTFT ratio targets report it as `attainable`:
@@ -88,7 +94,7 @@ from bench.routing_sim import ORACLE, Policy, RunResult, run, ttft_floor
 from routing.strategies import StrategyConfig, parse_weights
 
 METRICS = ("hit_rate", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "ttft_mean_s", "throughput_tok_s",
-           "max_over_mean_running", "evicted_blocks", "flushed_blocks")
+           "max_over_mean_running", "repeat_miss_share", "evicted_blocks", "flushed_blocks")
 DEFAULT_PLOT = "docs/bench-routing.png"
 
 
@@ -167,7 +173,8 @@ def _workload(shape: workloads.Shape | workloads.ChatShape, seed: int) -> tuple[
     info = {"requests": len(wl.requests), "working_set_blocks": wl.working_set_blocks,
             "blocks_per_pod": wl.blocks_per_pod, "compulsory_hit_rate": wl.compulsory_hit_rate,
             "ttft_p90_floor_s": float(np.percentile(ttft_floor(wl), 90)), "flushes": len(wl.flushes),
-            "joins": [[round(t, 3), f"pod-{i}"] for t, i in wl.joins]}
+            "joins": [[round(t, 3), f"pod-{i}"] for t, i in wl.joins],
+            "after_join": sum(r.arrival >= min((t for t, _ in wl.joins), default=0.0) for r in wl.requests)}
     return wl, info
 
 
@@ -210,6 +217,10 @@ def run_all(shapes: list, seeds: int, jobs: int, chosen: tuple[Policy, ...] | No
         for p in chosen_here:
             mine = [r for r, _ in runs if r.policy == p.name]
             w["policies"][p.name] = {m: _mean([float(getattr(r, m)) for r in mine]) for m in METRICS}
+            if infos[0]["joins"]:  # share of the requests after the join that the joined pods got
+                joined = {pod for _, pod in infos[0]["joins"]}
+                w["policies"][p.name]["joined_share"] = _mean(
+                    [sum(r.routed.get(j, 0) for j in joined) / i["after_join"] for r, i in zip(mine, infos)])
             if p.strategy == "kv-sync":
                 w["policies"][p.name]["event_batches"] = {
                     "published": sum(r.batches_published for r in mine), "decoded": sum(r.batches_decoded for r in mine),
@@ -336,12 +347,16 @@ def format_table(report: dict) -> str:
                      f"hit-rate bound {w['compulsory_hit_rate']:.3f}; TTFT p90 floor {w['ttft_p90_floor_s']:.4f} s"
                      f"{extra}")
         lines.append(f"  {'policy':28}{'hit rate':>9}{'TTFT p50 s':>12}{'TTFT p90 s':>12}{'TTFT p99 s':>12}"
-                     f"{'TTFT mean s':>13}{'out tok/s':>11}{'max/mean run':>14}{'evicted':>10}")
+                     f"{'TTFT mean s':>13}{'out tok/s':>11}{'max/mean run':>14}{'repeat miss':>12}{'evicted':>10}")
+        joins = bool(w.get("joins"))
+        if joins:
+            lines[-1] += f"{'joined pod':>12}"
         for name, m in w["policies"].items():
             lines.append(f"  {name:28}{m['hit_rate']:>9.3f}{m['ttft_p50_s']:>12.4f}{m['ttft_p90_s']:>12.4f}"
                          f"{m['ttft_p99_s']:>12.4f}{m['ttft_mean_s']:>13.4f}"
                          f"{m['throughput_tok_s']:>11.0f}{m['max_over_mean_running']:>14.2f}"
-                         f"{m.get('evicted_blocks', 0):>10.0f}")
+                         f"{m.get('repeat_miss_share', 0):>12.3f}{m.get('evicted_blocks', 0):>10.0f}"
+                         + (f"{m.get('joined_share', 0):>12.2f}" if joins else ""))
         lines.append("")
     lines.append(f"  Policies without @Ngw run behind {report.get('gateways', DEFAULT_GATEWAYS)} gateway replica(s).")
     for name, t in report.get("targets", {}).items():

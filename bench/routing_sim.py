@@ -4,8 +4,8 @@ The run drives the project's real code: `routing.router.Router` with its real st
 `LocalCounts`, and `kvcache.index.PrefixIndex` fed only by what the simulated engines
 (`sim.engine.EngineModel`) publish, each batch encoded with `kvcache.wire.encode_batch`
 (vLLM 0.33) and decoded with `kvcache.wire.decode_batch`. Nothing sleeps: the loop jumps to
-the next arrival, engine event or event delivery; at equal times engines run first, then
-deliveries, then arrivals. A request counts as running from its pick to its completion.
+the next arrival, engine event, event delivery, flush or join; at equal times engines run
+first, then deliveries, then flushes and joins, then arrivals. A request counts as running from its pick to its completion.
 
 Event delivery model: a batch reaches the index `delay_s` of virtual time after the engine
 step that produced it; with `loss` > 0 each batch is independently dropped with that
@@ -17,15 +17,45 @@ They share one LocalCounts (Redis-shared counts with no lag) and one PrefixIndex
 replica subscribes to every engine, so their indexes are equal); each has its own
 strategies, so `prefix-cache` only learns from its own replica's decisions.
 
+`char-tree` (bench.chartree, not a Router strategy): one CharTreePolicy per replica, requests
+dealt in turn, each tree learning from its own replica's picks; the running counts it reads are
+the run's own requests routed and not finished, what the Routers' shared LocalCounts hold.
+
+The fleet's scheduled changes (Workload.flushes, Workload.joins) happen on the same clock, after
+the engines' events and deliveries due at that time and before arrivals:
+- a flush resets that engine's prefix cache even under load (EngineModel.reset_prefix_cache with
+  force=True: running requests keep their blocks as private memory); the engine publishes
+  AllBlocksCleared, which reaches kv-sync's index like any batch (delay, loss) and the oracle's
+  mirror at once; the guessers (prefix-cache, char-tree) are not told;
+- a join makes the engine a candidate from then on: it is added to the PodRegistry (the Routers
+  follow it), to every CharTreePolicy (an empty tree) and to the oracle's candidates. Engines
+  not yet joined count in no load ratio.
+Counted per run: BlockRemoved blocks (evictions) over every engine, blocks dropped by flushes,
+requests routed per pod, and the share of requests that recomputed at least one prefix block
+some earlier request had computed (served fewer cached tokens than reusable_tokens: sent where
+the prefix was not, or where it had been evicted or flushed).
+
 The oracle (not a Router strategy) knows each engine's cache exactly (a mirror fed by the
 engines' raw events without delay or loss, equal to the engine's cache by construction of
 EngineModel) and the load it created itself. For each pod it predicts this request's TTFT
 with the engine's own timing model: admission (immediate below max_num_seqs, else the wait
 for enough decoding requests to finish), the serial prefill lane's backlog, the request's
-uncached tokens x prefill time + overhead; it picks the minimum (ties: fewer running, then
-name). It is the best greedy placement with perfect knowledge, not a proof of optimality;
-the workload-level `compulsory_hit_rate` (every distinct block computed once in the cluster)
-is the hit-rate bound no router can exceed.
+uncached tokens x prefill time + overhead. Greedy on that alone it spreads what it could keep
+together: a burst of one prefix family, or a family no engine holds any more after a flush,
+lands on whichever lanes are free and every copy is computed again, so behind one replica the
+guessers (char-tree, prefix-cache) kept more hits than it in W3 and W4, and after flushes its
+TTFT p90 was worse than kv-sync's (W4, one seed: hit rate 60.0% against char-tree's 62.7%, p90
+0.30 s against kv-sync's 0.20 s). So it also remembers where it placed each prefix: per pod, the
+prompt blocks of its requests not finished yet, and the blocks a flush dropped and no eviction
+has removed since (the mirror keeps them). Its cost for a pod is the predicted TTFT plus the
+prefill time of the leading prompt tokens that some pod holds, was sent or held before a flush,
+and this pod does not (ORACLE_AFFINITY = 1: a copy is charged again what it costs now). It picks
+the minimum (ties: fewer running, then name). With that memory, W3/W4 seed 1 (`--quick`): hit
+rate 73.4 -> 76.2% and 60.0 -> 63.1%, p90 0.160 -> 0.138 s and 0.303 -> 0.169 s; it costs some
+TTFT where spreading paid (W5 p90 0.042 -> 0.054 s, W2 0.22 -> 0.34 s). It is a greedy reference
+with perfect knowledge, not a proof of optimality: a policy may still beat it (the report lists
+those cases as [info]); the workload-level `compulsory_hit_rate` (every distinct block computed
+once in the cluster) is the hit-rate bound no router can exceed.
 """
 from __future__ import annotations
 
@@ -87,6 +117,7 @@ class RunResult:
     batches_published: int = 0
     batches_decoded: int = 0
     batches_lost: int = 0
+    repeat_miss_share: float = 0.0  # requests that recomputed a prefix block an earlier request had computed
     evicted_blocks: int = 0  # BlockRemoved blocks over every engine (evictions; flushes not counted)
     flushed_blocks: int = 0  # cached blocks dropped by scheduled flushes
     routed: dict = field(default_factory=dict)  # pod -> requests sent there
@@ -95,11 +126,17 @@ class RunResult:
 
 
 class _CacheMirror:
-    """Every engine's cache, exactly, from its raw events: the oracle's view."""
+    """Every engine's cache, exactly, from its raw events: the oracle's view. Also, per engine, the
+    blocks a flush (AllBlocksCleared) dropped and no eviction removed since: where prefixes were."""
 
     def __init__(self, pods: list[str]) -> None:
         self._child: dict[tuple[object, tuple[int, ...]], object] = {}  # (parent hash, block tokens) -> hash
         self.held: dict[str, set] = {p: set() for p in pods}
+        self.flushed: dict[str, set] = {p: set() for p in pods}
+
+    def add_pod(self, pod: str) -> None:
+        self.held.setdefault(pod, set())
+        self.flushed.setdefault(pod, set())
 
     def apply(self, pod: str, batch: EventBatch) -> None:
         held = self.held[pod]
@@ -112,11 +149,12 @@ class _CacheMirror:
                     parent = h
             elif type(ev) is BlockRemoved:
                 held.difference_update(ev.block_hashes)
+                self.flushed[pod].difference_update(ev.block_hashes)
             elif type(ev) is AllBlocksCleared:
+                self.flushed[pod] |= held
                 held.clear()
 
-    def hit_tokens(self, tokens: tuple[int, ...]) -> dict[str, int]:
-        """Per pod, prompt tokens the engine would serve from cache now (vLLM's rule)."""
+    def _chain(self, tokens: tuple[int, ...]) -> list:
         chain = []
         h = None
         for i in range((len(tokens) - 1) // BLOCK_SIZE):
@@ -124,37 +162,72 @@ class _CacheMirror:
             if h is None:
                 break
             chain.append(h)
-        out = {}
+        return chain
+
+    def hit_tokens(self, tokens: tuple[int, ...]) -> dict[str, int]:
+        """Per pod, prompt tokens the engine would serve from cache now (vLLM's rule)."""
+        return self.hits_and_flushed(tokens)[0]
+
+    def hits_and_flushed(self, tokens: tuple[int, ...]) -> tuple[dict[str, int], dict[str, int]]:
+        """Per pod: the hit tokens, and the leading tokens held or dropped by a flush since."""
+        chain = self._chain(tokens)
+        hits, was = {}, {}
         for pod, held in self.held.items():
+            flushed = self.flushed[pod]
             n = 0
             for h in chain:
                 if h not in held:
                     break
                 n += 1
-            out[pod] = n * BLOCK_SIZE
-        return out
+            m = n
+            for h in chain[n:]:
+                if h not in held and h not in flushed:
+                    break
+                m += 1
+            hits[pod], was[pod] = n * BLOCK_SIZE, m * BLOCK_SIZE
+        return hits, was
+
+
+ORACLE_AFFINITY = 1.0  # see _Oracle
 
 
 class _Oracle:
-    """Exact cache + own load ledger -> minimum predicted TTFT (see the module docstring)."""
+    """Exact cache + own load ledger -> minimum predicted TTFT plus the cost of copying a prefix
+    another engine holds or is being sent (see the module docstring)."""
 
-    def __init__(self, engines: dict[str, EngineModel], config: EngineConfig) -> None:
+    def __init__(self, engines: dict[str, EngineModel], config: EngineConfig,
+                 affinity: float = ORACLE_AFFINITY) -> None:
         self._engines = engines
         self._c = config
+        self._affinity = affinity
         self.mirror = _CacheMirror(list(engines))
         self._lane_free = dict.fromkeys(engines, 0.0)
         self._out_tokens = dict.fromkeys(engines, 0)  # decode work (tokens) routed and not finished
+        # per pod, the prompt block keys (routing_workloads.prefix_keys) of requests sent there and
+        # not finished: where each prefix was sent, cached yet or not, flushed since or not
+        self._placed: dict[str, Counter[int]] = {p: Counter() for p in engines}
 
     def add(self, pod: str, engine: EngineModel) -> None:
         """An engine joined: a candidate from now on."""
         self._engines[pod] = engine
-        self.mirror.held.setdefault(pod, set())
+        self.mirror.add_pod(pod)
         self._lane_free[pod] = 0.0
         self._out_tokens[pod] = 0
+        self._placed[pod] = Counter()
 
-    def pick(self, tokens: tuple[int, ...], max_tokens: int, now: float) -> str:
+    def pick(self, tokens: tuple[int, ...], max_tokens: int, now: float) -> tuple[str, tuple]:
         c = self._c
-        hits = self.mirror.hit_tokens(tokens)
+        hits, was = self.mirror.hits_and_flushed(tokens)
+        keys = prefix_keys(tokens)[:(len(tokens) - 1) // BLOCK_SIZE]
+        have = {}
+        for pod, placed in self._placed.items():
+            n = 0
+            for k in keys:
+                if k not in placed:
+                    break
+                n += 1
+            have[pod] = max(was[pod], n * BLOCK_SIZE)
+        most = max(have.values())
         best = None
         for pod, eng in self._engines.items():
             m = eng.metrics()
@@ -167,16 +240,24 @@ class _Oracle:
                 admit += (busy - c.max_num_seqs + 1) * per_req * step / c.max_num_seqs
             start = max(admit, self._lane_free[pod])
             ttft = start + c.prefill_s_per_token * (len(tokens) - hits[pod]) + c.ttft_overhead_s - now
-            key = (ttft, busy, pod)
+            cost = ttft + self._affinity * c.prefill_s_per_token * (most - have[pod])
+            key = (cost, busy, pod)
             if best is None or key < best[0]:
                 best = (key, pod, start + c.prefill_s_per_token * (len(tokens) - hits[pod]))
         _, pod, lane_end = best
         self._lane_free[pod] = lane_end
         self._out_tokens[pod] += max_tokens
-        return pod
+        self._placed[pod].update(keys)
+        return pod, (max_tokens, keys)
 
-    def finished(self, pod: str, max_tokens: int) -> None:
+    def finished(self, pod: str, handle: tuple) -> None:
+        max_tokens, keys = handle
         self._out_tokens[pod] -= max_tokens
+        self._placed[pod].subtract(keys)
+        placed = self._placed[pod]
+        for k in keys:
+            if placed[k] <= 0:
+                del placed[k]
 
 
 class _EngineLoads:
@@ -204,28 +285,35 @@ def engine_config(workload: Workload) -> EngineConfig:
                         max_num_seqs=workload.shape.max_num_seqs)
 
 
-def ttft_floor(workload: Workload) -> np.ndarray:
-    """Per request, a TTFT no router can beat on these engines: overhead + prefill of the prompt
-    tokens past the longest block-aligned prefix it shares with any earlier request (at most
-    `len - 1` tokens, vLLM's rule), as if every block ever computed stayed cached everywhere and
-    no request ever waited. (Both workloads' prompts never contain earlier outputs, so prompt
-    blocks are all a cache could hold for them.) Its percentiles bound every policy's: with
-    TTFT >= floor request by request, each order statistic is >= the floor's."""
-    cfg = engine_config(workload)
-    bs = cfg.block_size
+def reusable_tokens(workload: Workload) -> dict[str, int]:
+    """Per request id, the prompt tokens a cache could serve if every block ever computed stayed
+    cached everywhere: the longest block-aligned prefix shared with any earlier request, at most
+    `len - 1` tokens (vLLM's rule). (No workload's prompts contain engine outputs (the chat
+    workloads' replies are synthetic), so prompt blocks are all a cache could hold for them.)"""
+    bs = BLOCK_SIZE
     seen: set[int] = set()
-    out = []
+    out = {}
     for r in sorted(workload.requests, key=lambda r: r.arrival):
-        n = len(r.token_ids)
         keys = prefix_keys(r.token_ids, bs)
         hit = 0
-        for key in keys[:(n - 1) // bs]:
+        for key in keys[:(len(r.token_ids) - 1) // bs]:
             if key not in seen:
                 break
             hit += 1
-        out.append(cfg.ttft_overhead_s + cfg.prefill_s_per_token * (n - hit * bs))
+        out[r.req_id] = hit * bs
         seen.update(keys)
-    return np.array(out)
+    return out
+
+
+def ttft_floor(workload: Workload) -> np.ndarray:
+    """Per request (in arrival order), a TTFT no router can beat on these engines: overhead +
+    prefill of the prompt tokens past reusable_tokens, as if every block ever computed stayed
+    cached everywhere and no request ever waited, flushes ignored. Its percentiles bound every
+    policy's: with TTFT >= floor request by request, each order statistic is >= the floor's."""
+    cfg = engine_config(workload)
+    reusable = reusable_tokens(workload)
+    return np.array([cfg.ttft_overhead_s + cfg.prefill_s_per_token * (len(r.token_ids) - reusable[r.req_id])
+                     for r in sorted(workload.requests, key=lambda r: r.arrival)])
 
 
 def run(workload: Workload, policy: Policy, seed: int, strategy_config: StrategyConfig | None = None) -> RunResult:
@@ -354,7 +442,7 @@ async def _run(workload: Workload, policy: Policy, seed: int, strategy_config: S
             elif trees:
                 pod, handle = trees[i % len(trees)].pick(r.token_ids, running), None
             else:
-                pod, handle = oracle.pick(r.token_ids, r.max_tokens, t), r.max_tokens
+                pod, handle = oracle.pick(r.token_ids, r.max_tokens, t)
             i += 1
             inflight[r.req_id] = (pod, handle)
             running[pod] += 1
@@ -383,6 +471,8 @@ def _result(workload: Workload, policy: Policy, seed: int, engines: dict[str, En
     start = min(r.arrival for r in workload.requests)
     end = max(c.finish_time for c in completions)
     out_tokens = sum(len(c.output_token_ids) for c in completions)
+    reusable = reusable_tokens(workload)
+    repeat = sum(c.cached_tokens < reusable[c.req_id] for c in completions)
     return RunResult(
         policy=policy.name, seed=seed,
         hit_rate=sum(m.prefix_cache_hits for m in ms) / queries if queries else 0.0,
@@ -390,6 +480,7 @@ def _result(workload: Workload, policy: Policy, seed: int, engines: dict[str, En
         ttft_mean_s=float(ttft.mean()), ttft_p99_s=float(np.percentile(ttft, 99)),
         throughput_tok_s=out_tokens / (end - start) if end > start else 0.0,
         max_over_mean_running=float(np.mean(ratios)) if ratios else 0.0,
+        repeat_miss_share=repeat / len(completions) if completions else 0.0,
         requests=len(completions), batches_published=published, batches_decoded=decoded, batches_lost=lost,
         index_stats=index.stats() if decoded else {},
     )

@@ -281,6 +281,7 @@ def test_flushes_cost_hits_and_are_seen_by_kv_sync():
         a, b = run(steady, policy, seed=1), run(flushed, policy, seed=1)
         assert b.flushed_blocks > 0 and a.flushed_blocks == 0
         assert b.hit_rate < a.hit_rate, policy.name
+        assert 0 <= a.repeat_miss_share < b.repeat_miss_share <= 1, policy.name  # flushed prefixes recomputed
         assert b == run(flushed, policy, seed=1)
     assert run(flushed, Policy("kv-sync", "kv-sync"), seed=1).index_stats["skipped"] == {}
 
@@ -336,3 +337,42 @@ def test_issue_13_targets_compare_with_the_best_other_policy_at_each_replica_cou
     assert t["W3 @1gw: kv-sync hit rate >= best other + 3 points, or >= oracle - 1"]["met"]
     info = bench.comparisons({"workloads": {"W3": {"policies": {**p, "x": {"hit_rate": 0.9, "ttft_p90_s": 1.0}}}}})
     assert list(info) == ["W3: oracle hit rate below x's by (points)"]
+
+
+def test_oracle_rewarms_where_a_flushed_prefix_was_instead_of_anywhere():
+    from kvcache.events import AllBlocksCleared, BlockStored, EventBatch
+    from bench.routing_sim import _Oracle
+    from sim.engine import EngineModel
+    cfg = EngineConfig(num_blocks=256)
+    prompt = tuple(range(2000, 2100))  # 6 full blocks + 4 tokens
+    stored = BlockStored(block_hashes=tuple(range(1, 7)), parent_block_hash=None, token_ids=prompt[:96],
+                         block_size=16, lora_id=None, medium="GPU", lora_name=None)
+
+    def oracle(affinity: float) -> _Oracle:
+        o = _Oracle({"pod-0": EngineModel(cfg), "pod-1": EngineModel(cfg)}, cfg, affinity=affinity)
+        o.mirror.apply("pod-1", EventBatch(ts=0.0, events=(stored,)))
+        o.mirror.apply("pod-1", EventBatch(ts=1.0, events=(AllBlocksCleared(),)))
+        return o
+
+    o = oracle(1.0)
+    assert o.mirror.hits_and_flushed(prompt) == ({"pod-0": 0, "pod-1": 0}, {"pod-0": 0, "pod-1": 96})
+    assert o.pick(prompt, 4, now=2.0)[0] == "pod-1"  # both miss: the flushed one is re-warmed
+    assert oracle(0.0).pick(prompt, 4, now=2.0)[0] == "pod-0"  # greedy TTFT alone: a tie, broken by name
+    # a request sent and not finished counts as placed: the same family follows it
+    o = _Oracle({"pod-0": EngineModel(cfg), "pod-1": EngineModel(cfg)}, cfg)
+    pod, handle = o.pick(prompt, 4, now=0.0)
+    assert o.pick(prompt + (7, 8), 4, now=0.005)[0] == pod
+    o.finished(pod, handle)
+
+
+def test_report_gives_the_joined_pods_share_of_the_requests_after_the_join():
+    import dataclasses
+    shape = dataclasses.replace(TINY_CHAT, join_at_s=1.0, load=1.5)
+    chosen = (Policy("least-request", "least-request"), Policy("round-robin", "round-robin"))
+    report = bench.run_all([shape], seeds=1, jobs=1, chosen=chosen)
+    w = report["workloads"]["TC"]
+    assert w["joins"] == [[1.0, "pod-3"]]
+    rr = w["policies"]["round-robin"]["joined_share"]
+    assert 0.2 <= rr <= 0.3  # dealt in turn over 4 pods after the join
+    assert 0 < w["policies"]["least-request"]["joined_share"] <= 1
+    assert "joined pod" in bench.format_table(report)
