@@ -167,9 +167,10 @@ class PrecisePrefixScorer(Scorer):
 
 class FamilyAffinityScorer(Scorer):
     """Where a prompt's family (the prompts sharing its first block) goes while no pod holds any of
-    the prompt per the index (ctx.matched and total_blocks, which the `prefix` scorer fills: weigh
-    this one after it; without its answer this scorer gives nothing): the pod this gateway last sent the family to, else the family's rendezvous-first pod.
-    That pod scores 1, the others 0; when some pod holds a block the index decides alone.
+    the prompt per the index: the pod this gateway last sent the family to, else the family's
+    rendezvous-first pod. That pod scores 1, the others 0; when some pod holds a block the index
+    decides alone. Reads the index's answer from ctx.matched and ctx.total_blocks, which the
+    `prefix` scorer fills (weigh this one after it); without that answer it gives nothing.
 
     Why: a family nobody holds (never seen, evicted everywhere, its engine flushed) left to load
     alone scatters over the engines, and each one it lands on misses its shared prefix; kept on one
