@@ -158,7 +158,7 @@ class LoadGuard:
     81.0 -> 83.2% hit rate, TTFT p90 0.26 -> 0.07 s)."""
 
     abs_slack: int = 16
-    rel_slack: float = 0.6
+    rel_slack: float = 0.7
     far: float = 4.0
     name: str = "load-guard"
 

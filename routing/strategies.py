@@ -24,7 +24,7 @@ from routing.scoring import (Filter, LoadGuard, MaxScorePicker, Picker, RandomPi
 @dataclass(frozen=True)
 class StrategyConfig:
     guard_abs_slack: int = 16  # KVGATE_ROUTING_GUARD_SLACK
-    guard_rel_slack: float = 0.6  # KVGATE_ROUTING_GUARD_RATIO
+    guard_rel_slack: float = 0.7  # KVGATE_ROUTING_GUARD_RATIO
     load_scale: float = 8.0  # running-count gap that costs a full load point
     approx_block_size: int = 16  # KVGATE_PREFIX_CACHE_BLOCK_SIZE
     approx_capacity: int = 200_000  # KVGATE_PREFIX_CACHE_BLOCKS

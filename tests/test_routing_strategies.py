@@ -199,7 +199,7 @@ async def test_burst_of_identical_requests_spreads(strategy):
     assert r.running() == {}
 
 
-# running counts -> pods the guard keeps (the defaults: slack 16, ratio 0.6, far 4 slacks)
+# running counts -> pods the guard keeps (the defaults: slack 16, ratio 0.7, far 4 slacks)
 GUARD_TABLE = [
     ("two pods: slack above the other is set aside", {"a": 16, "b": 0}, {"b"}),
     ("two pods: just under the slack stays", {"a": 15, "b": 0}, {"a", "b"}),
