@@ -128,9 +128,9 @@ VARIABLES: tuple[Variable, ...] = (
              "Scorer weights laid over the defaults: `kv-sync:prefix=3,load=2,queue=1;prefix-cache:...` "
              f"(scorers: {', '.join(SCORERS)}; 0 removes one)."),
     Variable("KVGATE_ROUTING_GUARD_SLACK", "routing_guard_slack", _int_range(0, 1_000_000), 16,
-             "Load guard: a pod running this many more requests than the mean of the other pods (or twice "
-             "that beyond the least loaded one) is set aside..."),
-    Variable("KVGATE_ROUTING_GUARD_RATIO", "routing_guard_ratio", _positive_float, 0.5,
+             "Load guard: a pod running this many more requests than the mean of the other pods (or four "
+             "times that beyond the least loaded one) is set aside..."),
+    Variable("KVGATE_ROUTING_GUARD_RATIO", "routing_guard_ratio", _positive_float, 0.7,
              "...or this fraction of that mean (of the least loaded one's count), whichever is larger."),
     Variable("KVGATE_ROUTING_PREFILL_TOKENS_PER_S", "routing_prefill_tokens_per_s", _positive_float, 10_000.0,
              "kv-sync's estimate of an engine's prefill speed (tokens/s), at which the prompt tokens it "
@@ -257,7 +257,7 @@ class Settings:
     routing_strategy: str = "kv-sync"
     routing_weights: str = ""
     routing_guard_slack: int = 16
-    routing_guard_ratio: float = 0.5
+    routing_guard_ratio: float = 0.7
     routing_prefill_tokens_per_s: float = 10_000.0
     prefix_cache_block_size: int = 16
     prefix_cache_blocks: int = 200_000

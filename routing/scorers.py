@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from typing import Callable, Mapping, Protocol, Sequence
 
+from kvcache.blockkeys import block_keys
 from routing.approx import ApproxPrefixTable
 from routing.engine_metrics import EngineMetrics
 from routing.pods import Pod
-from routing.scoring import PickContext, Scorer
+from routing.scoring import PickContext, Scorer, rendezvous
 
 
 class PrefixMatchLike(Protocol):
@@ -169,6 +171,65 @@ class PrecisePrefixScorer(Scorer):
         uncached = ctx.state.get(self.name)
         if self.backlog is not None and uncached is not None:
             self.backlog.add(pod.name, uncached.get(pod.name, 0.0))
+
+
+class FamilyAffinityScorer(Scorer):
+    """Where a prompt's family (the prompts sharing its first block) goes while no pod holds any of
+    the prompt per the index: the pod this gateway last sent the family to, else the family's
+    rendezvous-first pod. That pod scores 1, the others 0; when some pod holds a block the index
+    decides alone. Reads the index's answer from ctx.matched and ctx.total_blocks, which the
+    `prefix` scorer fills (weigh this one after it); without that answer it gives nothing.
+
+    Why: a family nobody holds (never seen, evicted everywhere, its engine flushed) left to load
+    alone scatters over the engines, and each one it lands on misses its shared prefix; kept on one
+    pod, one miss re-warms it. Gateway replicas agree without talking: their last decisions followed
+    the same shared index, and the rendezvous order is the same in every process. Also sets
+    `ctx.family`, so the picker breaks ties the same way. Per replica, at most `capacity` families
+    (least recently picked dropped first)."""
+
+    name = "affinity"
+    needs_tokens = True
+
+    def __init__(self, block_size: Callable[[str], int | None] | None = None, default_block_size: int = 16,
+                 capacity: int = 100_000) -> None:
+        if default_block_size < 1 or capacity < 1:
+            raise ValueError("default_block_size and capacity must be positive")
+        self._block_size = block_size
+        self._default_block_size = default_block_size
+        self._capacity = capacity
+        self._homes: OrderedDict[int, str] = OrderedDict()  # family key -> pod last sent to
+
+    def score(self, ctx: PickContext, pods: Sequence[Pod]) -> dict[str, float]:
+        tokens = ctx.request.token_ids
+        bs = (self._block_size(ctx.base_model) if self._block_size is not None else None) or self._default_block_size
+        if not tokens or len(tokens) < bs:
+            return {}
+        key = ctx.family = block_keys(ctx.base_model, ctx.lora, tokens[:bs], bs)[0]
+        if not ctx.total_blocks or max(ctx.matched.values(), default=0) > 0:
+            return {}  # the index did not answer (no prefix scorer, or it failed), or someone holds a block
+        home = self._homes.get(key)
+        if home is None or not any(p.name == home for p in pods):  # never sent, or set aside by a filter
+            home = max(pods, key=lambda p: rendezvous(key, p.name)).name
+        return {home: 1.0}
+
+    def picked(self, ctx: PickContext, pod: Pod) -> None:
+        key = ctx.family
+        if key is None:
+            return
+        homes = self._homes
+        homes[key] = pod.name
+        homes.move_to_end(key)
+        if len(homes) > self._capacity:
+            homes.popitem(last=False)
+
+    def pods_changed(self, added: Sequence[Pod], removed: Sequence[Pod]) -> None:
+        gone = {p.name for p in removed}
+        if gone:
+            for key in [k for k, pod in self._homes.items() if pod in gone]:
+                del self._homes[key]
+
+    def __len__(self) -> int:
+        return len(self._homes)
 
 
 class ApproxPrefixScorer(Scorer):

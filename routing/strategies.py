@@ -15,8 +15,8 @@ from typing import Callable, Mapping
 
 from routing.approx import ApproxPrefixTable
 from routing.engine_metrics import EngineMetrics
-from routing.scorers import (ApproxPrefixScorer, KVUtilizationScorer, LoadScorer, PrecisePrefixScorer,
-                             PrefillBacklog, PrefixSource, QueueScorer)
+from routing.scorers import (ApproxPrefixScorer, FamilyAffinityScorer, KVUtilizationScorer, LoadScorer,
+                             PrecisePrefixScorer, PrefillBacklog, PrefixSource, QueueScorer)
 from routing.slo import Capacity, SLOScorer
 from routing.scoring import (Filter, LoadGuard, MaxScorePicker, Picker, RandomPicker, RoundRobinPicker, Scorer,
                              Strategy)
@@ -25,7 +25,7 @@ from routing.scoring import (Filter, LoadGuard, MaxScorePicker, Picker, RandomPi
 @dataclass(frozen=True)
 class StrategyConfig:
     guard_abs_slack: int = 16  # KVGATE_ROUTING_GUARD_SLACK
-    guard_rel_slack: float = 0.5  # KVGATE_ROUTING_GUARD_RATIO
+    guard_rel_slack: float = 0.7  # KVGATE_ROUTING_GUARD_RATIO
     load_scale: float = 8.0  # running-count gap that costs a full load point
     approx_block_size: int = 16  # KVGATE_PREFIX_CACHE_BLOCK_SIZE
     approx_capacity: int = 200_000  # KVGATE_PREFIX_CACHE_BLOCKS
@@ -91,6 +91,9 @@ SCORERS: dict[str, ScorerSpec] = {s.name: s for s in (
                "estimated prefill wait from the event-fed index: the prompt tokens the pod does not hold "
                "(GPU blocks 1.0, CPU 0.8; counted twice: this request and whoever queues behind it) plus "
                "the pod's prefill backlog (`KVGATE_ROUTING_PREFILL_TOKENS_PER_S`)"),
+    ScorerSpec("affinity", lambda r: FamilyAffinityScorer(getattr(r.index, "block_size", None)), (),
+               "while the index shows no pod holding any of the prompt: 1 for the pod this gateway last "
+               "sent the prompt's family (first block) to, else for the family's rendezvous-first pod"),
     ScorerSpec("approx-prefix",
                lambda r: ApproxPrefixScorer(ApproxPrefixTable(r.config.approx_block_size, r.config.approx_capacity)),
                (), "leading prompt blocks this gateway sent the pod before (an LRU of chained block keys, "
@@ -115,7 +118,7 @@ STRATEGIES: dict[str, StrategySpec] = {s.name: s for s in (
                  {"approx-prefix": 3.0, "load": 2.0}, guard=True),
     StrategySpec("kv-sync", MaxScorePicker, "max score, random tie-break",
                  "the event-fed index's estimated prefill wait, combined with load (the default)",
-                 {"prefix": 3.0, "load": 2.0}, guard=True),
+                 {"prefix": 3.0, "load": 1.0, "affinity": 0.5}, guard=True),
     StrategySpec("slo", MaxScorePicker, "max score, random tie-break",
                  "meets the request's TTFT and TPOT targets (`x-slo-ttft-ms`, `x-slo-tpot-ms` or the model's "
                  "defaults) with the most headroom, else the least violation", {"slo": 1.0}),

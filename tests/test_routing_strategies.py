@@ -197,7 +197,10 @@ async def test_burst_of_identical_requests_spreads(strategy):
     r = router(strategy, index=index, pod_list=pods("a", "b", "c", "d"))
     decisions = await asyncio.gather(*(r.pick(RouteRequest("m", TOKENS, request_id=str(i))) for i in range(100)))
     per_pod = collections.Counter(d.pod.name for d in decisions)
-    assert len(per_pod) == 4, per_pod
+    # kv-sync sees that only `a` holds the prompt: load and backlog put the others to work; the
+    # guess of prefix-cache counts every pod it sent the prompt to as holding it, and leaves a
+    # fourth pod idle while the three stay below the guard's idle-pod bound (four slacks)
+    assert len(per_pod) >= (4 if strategy == "kv-sync" else 3), per_pod
     # the guard's rule held at each pod's last pick; counts only grew since, so with the final counts
     # a pod is at most one request past it
     least = min(per_pod.values())
@@ -211,16 +214,18 @@ async def test_burst_of_identical_requests_spreads(strategy):
     assert r.running() == {}
 
 
-# running counts -> pods the guard keeps (slack 16, ratio 0.5)
+# running counts -> pods the guard keeps (the defaults: slack 16, ratio 0.7, far 4 slacks)
 GUARD_TABLE = [
     ("two pods: slack above the other is set aside", {"a": 16, "b": 0}, {"b"}),
     ("two pods: just under the slack stays", {"a": 15, "b": 0}, {"a", "b"}),
     ("one idle (just added) pod does not set aside the warm ones", {"a": 20, "b": 20, "c": 20, "d": 0},
      {"a", "b", "c", "d"}),
     ("a hot pod among equals is set aside", {"a": 30, "b": 10, "c": 10, "d": 10}, {"b", "c", "d"}),
-    ("warm pods twice the slack above an idle one are set aside", {"a": 32, "b": 32, "c": 32, "d": 0}, {"d"}),
+    ("warm pods just under four slacks above a just-added one stay: it is filled by scores, not a burst",
+     {"a": 63, "b": 63, "c": 63, "d": 0}, {"a", "b", "c", "d"}),
+    ("warm pods four slacks above an idle one are set aside", {"a": 64, "b": 64, "c": 64, "d": 0}, {"d"}),
     ("the slack grows with the others' load", {"a": 70, "b": 50, "c": 50}, {"a", "b", "c"}),
-    ("...but not without bound", {"a": 76, "b": 50, "c": 50}, {"b", "c"}),
+    ("...but not without bound", {"a": 88, "b": 50, "c": 50}, {"b", "c"}),
     ("a single pod is always kept", {"a": 99}, {"a"}),
 ]
 
@@ -228,7 +233,8 @@ GUARD_TABLE = [
 @pytest.mark.parametrize("case, running, kept", GUARD_TABLE, ids=[c[0] for c in GUARD_TABLE])
 def test_load_guard_table(case, running, kept):
     ctx = PickContext(request=RouteRequest("m"), base_model="m", lora=None, running=running)
-    got = LoadGuard(16, 0.5).filter(ctx, pods(*running))
+    got = LoadGuard().filter(ctx, pods(*running))
+    assert (LoadGuard().abs_slack, LoadGuard().rel_slack) == (SLACK, StrategyConfig().guard_rel_slack)
     assert {p.name for p in got} == kept, case
 
 
