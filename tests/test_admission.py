@@ -119,30 +119,33 @@ async def test_burst_of_3x_capacity_over_two_gateways_never_exceeds_limits_loses
         pods = ["p0", "p1", "p2", "p3"]
         running = dict.fromkeys(pods, 0)
         peak = dict.fromkeys(pods, 0)
-        done: list[tuple[str, float]] = []
-        loop = asyncio.get_running_loop()
-        start = loop.time()
+        done: list[str] = []
+        admitted: list[str] = []  # models in the order their requests were admitted
 
         async def request(i: int, model: str) -> None:
             gw = gws[i % 2]
             order = pods[i % 4:] + pods[:i % 4]
             pod = await gw.admit(model, order)
             assert pod is not None, "a request was refused though the burst drains in well under the wait"
+            admitted.append(model)
             running[pod] += 1
             peak[pod] = max(peak[pod], running[pod])
             await asyncio.sleep(0.04)
             running[pod] -= 1
-            done.append((model, loop.time() - start))
+            done.append(model)
             await gw.release(pod)
 
         models = ["big"] * 40 + ["small"] * 8
         await asyncio.wait_for(asyncio.gather(*(request(i, m) for i, m in enumerate(models))), 30.0)
         assert len(done) == 48  # nothing lost
         assert max(peak.values()) <= 4  # no pod past its limit, counted over both gateways
-        small = sorted(t for m, t in done if m == "small")
-        big = sorted(t for m, t in done if m == "big")
-        assert small[-1] < big[-1]  # the small model is not left to the end of the big one's queue
-        assert sum(small) / len(small) <= sum(big) / len(big)
+        # Fairness by admission order, not by the clock (a loaded machine stretches every wait alike):
+        # the first 16 admitted at once are big (requests 0-15); first come, first served would then
+        # admit the 8 small ones last (positions 40-47, mean 43.5). A per-model fair queue takes
+        # them in turn with the 24 big ones still waiting.
+        small = [i for i, m in enumerate(admitted) if m == "small"]
+        assert len(small) == 8 and max(small) < 47, admitted  # not left to the end of the big one's queue
+        assert sum(small) / len(small) < 36, admitted
     finally:
         for c in clients:
             await c.aclose()
