@@ -25,6 +25,8 @@ import time
 from collections import OrderedDict, deque
 from typing import Any, Callable, Protocol, Sequence
 
+from routing.background import BackgroundLoop
+
 log = logging.getLogger(__name__)
 
 
@@ -88,7 +90,7 @@ return n
 """
 
 
-class RedisLimiter:
+class RedisLimiter(BackgroundLoop):
     """Counts shared by gateway replicas; this gateway's part expires `ttl_s` after it stops heartbeating."""
 
     def __init__(self, client: Any, gateway_id: str = "", *, prefix: str = "kvgate:{admit}:", ttl_s: float = 5.0) -> None:
@@ -123,7 +125,7 @@ class RedisLimiter:
         self._mine.pop(pod, None)
         await self._r.hdel(self._key, pod)
 
-    async def _heartbeat(self) -> None:
+    async def _run(self) -> None:  # the heartbeat
         while True:
             await asyncio.sleep(self._ttl_ms / 5000)
             try:
@@ -132,17 +134,6 @@ class RedisLimiter:
             except Exception as e:
                 log.warning("admission heartbeat to Redis failed: %s", e)
 
-    def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._heartbeat())
-
-    async def aclose(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
 
 
 class Admission:

@@ -21,6 +21,8 @@ import random
 import time
 from typing import Any, Callable
 
+from routing.background import BackgroundLoop
+
 log = logging.getLogger(__name__)
 
 COLD_RULES = ("optimistic", "random", "input", "pessimistic")
@@ -162,7 +164,7 @@ class OutputPredictor:
             self.add(model, input_tokens, output_tokens)
 
 
-class PredictorSync:
+class PredictorSync(BackgroundLoop):
     """Shares an OutputPredictor's counts through Redis: every step, this replica's new counts are added
     to the step's hash and the window's hashes are read back as the predictor's totals."""
 
@@ -238,15 +240,3 @@ class PredictorSync:
             except Exception as e:
                 log.warning("sharing output-length history through Redis failed: %s", e)
 
-    def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run())
-
-    async def aclose(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None

@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
+from routing.background import BackgroundLoop
+
 log = logging.getLogger(__name__)
 
 TRACE_VERSION = 4
@@ -186,7 +188,7 @@ class TraceWindows:
         return t, traces
 
 
-class TraceWriter:
+class TraceWriter(BackgroundLoop):
     """Writes TraceWindows to Redis every interval (a background task), under AIBrix's key names."""
 
     def __init__(self, windows: TraceWindows, redis_client: Any) -> None:
@@ -217,15 +219,3 @@ class TraceWriter:
             except Exception as e:  # Redis down: this window is lost, the next one is written
                 log.warning("writing request traces to Redis failed: %s", e)
 
-    def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run())
-
-    async def aclose(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
