@@ -64,6 +64,7 @@ def _publisher(pub_port: int, replay_port: int) -> int:
     pub = EventPublisher(f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{replay_port}", hwm=1_000_000)
     print("ready", flush=True)
     n = 0
+    last = -1  # seq of the last batch published (seqs start at 0)
     try:
         for line in sys.stdin:
             rate, seconds = (float(x) for x in line.split())
@@ -76,9 +77,9 @@ def _publisher(pub_port: int, replay_port: int) -> int:
                 # a chain of 32 blocks, then a new one: each batch one BlockStored of one block
                 parent = n if n % 32 else None
                 n += 1
-                pub.publish([BlockStored((n,), parent, tuple(range(n * BLOCK_SIZE, (n + 1) * BLOCK_SIZE)),
-                                         BLOCK_SIZE, None, "GPU", None)])
-            print(f"sent {count} {pub.next_seq - 1}", flush=True)  # seqs start at 0
+                last = pub.publish([BlockStored((n,), parent, tuple(range(n * BLOCK_SIZE, (n + 1) * BLOCK_SIZE)),
+                                                BLOCK_SIZE, None, "GPU", None)])
+            print(f"sent {count} {last}", flush=True)
     finally:
         pub.close()
     return 0
