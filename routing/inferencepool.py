@@ -20,10 +20,9 @@ from typing import Any, Mapping
 
 import httpx
 
-from routing.discovery import kv_events_from_mapping
 from routing.errors import DiscoveryError
-from routing.k8s import (DP_SIZE_ANNOTATION, KV_EVENTS_LABEL, LORA_LABEL, MODEL_LABEL, PUB_PORT_ANNOTATION,
-                         REPLAY_PORT_ANNOTATION, _int)
+from routing.k8s import (KV_EVENTS_LABEL, LORA_LABEL, MODEL_LABEL, PUB_PORT_ANNOTATION, _int,
+                         kv_events_from_annotations)
 from routing.kube import Api, ApiConfig, ListWatch
 from routing.metrics import RoutingMetrics
 from routing.pods import KVEventsEndpoint, Pod
@@ -91,15 +90,7 @@ def member_from_object(obj: Mapping[str, Any]) -> Member | None:
     ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
     kv = None
     if str(labels.get(KV_EVENTS_LABEL, "")).lower() == "true" or PUB_PORT_ANNOTATION in annotations:
-        spec: dict[str, Any] = {"dp_size": _int(annotations.get(DP_SIZE_ANNOTATION, 1), f"{where} {DP_SIZE_ANNOTATION}",
-                                                1, 1024)}
-        if PUB_PORT_ANNOTATION in annotations:
-            spec["pub_port"] = _int(annotations[PUB_PORT_ANNOTATION], f"{where} {PUB_PORT_ANNOTATION}", 1, 65535)
-        if REPLAY_PORT_ANNOTATION in annotations:
-            raw = annotations[REPLAY_PORT_ANNOTATION]
-            spec["replay_port"] = None if str(raw).lower() == "none" else _int(
-                raw, f"{where} {REPLAY_PORT_ANNOTATION}", 1, 65535)
-        kv = kv_events_from_mapping(spec, where)
+        kv = kv_events_from_annotations(annotations, where)
     labelled = None
     if labels.get(MODEL_LABEL):
         raw = ",".join(x for x in (labels.get(LORA_LABEL, ""), annotations.get(LORA_LABEL, "")) if x)

@@ -23,7 +23,7 @@ import aiohttp
 from routing.discovery import kv_events_from_mapping
 from routing.errors import DiscoveryError
 from routing.metrics import RoutingMetrics
-from routing.pods import Pod
+from routing.pods import KVEventsEndpoint, Pod
 from routing.registry import PodRegistry
 
 log = logging.getLogger(__name__)
@@ -68,6 +68,20 @@ def _int(value: Any, where: str, lo: int, hi: int) -> int:
     return n
 
 
+def kv_events_from_annotations(annotations: Mapping[str, Any], where: str) -> KVEventsEndpoint:
+    """Where a pod publishes KV events, from its annotations (dp size, pub and replay ports; the
+    defaults otherwise). Raises DiscoveryError for values that cannot be used."""
+    spec: dict[str, Any] = {"dp_size": _int(annotations.get(DP_SIZE_ANNOTATION, 1), f"{where} {DP_SIZE_ANNOTATION}",
+                                            1, 1024)}
+    if PUB_PORT_ANNOTATION in annotations:
+        spec["pub_port"] = _int(annotations[PUB_PORT_ANNOTATION], f"{where} {PUB_PORT_ANNOTATION}", 1, 65535)
+    if REPLAY_PORT_ANNOTATION in annotations:
+        raw = annotations[REPLAY_PORT_ANNOTATION]
+        spec["replay_port"] = None if str(raw).lower() == "none" else _int(
+            raw, f"{where} {REPLAY_PORT_ANNOTATION}", 1, 65535)
+    return kv_events_from_mapping(spec, where)
+
+
 def pod_from_object(obj: Mapping[str, Any], *, qualify: bool = False) -> Pod | None:
     """The Pod for a Kubernetes pod object, or None while it cannot take traffic at all.
     Raises DiscoveryError for labels or annotations that cannot be used."""
@@ -84,15 +98,7 @@ def pod_from_object(obj: Mapping[str, Any], *, qualify: bool = False) -> Pod | N
     ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
     kv = None
     if str(labels.get(KV_EVENTS_LABEL, "")).lower() == "true":
-        spec: dict[str, Any] = {"dp_size": _int(annotations.get(DP_SIZE_ANNOTATION, 1), f"{where} {DP_SIZE_ANNOTATION}",
-                                                1, 1024)}
-        if PUB_PORT_ANNOTATION in annotations:
-            spec["pub_port"] = _int(annotations[PUB_PORT_ANNOTATION], f"{where} {PUB_PORT_ANNOTATION}", 1, 65535)
-        if REPLAY_PORT_ANNOTATION in annotations:
-            raw = annotations[REPLAY_PORT_ANNOTATION]
-            spec["replay_port"] = None if str(raw).lower() == "none" else _int(
-                raw, f"{where} {REPLAY_PORT_ANNOTATION}", 1, 65535)
-        kv = kv_events_from_mapping(spec, where)
+        kv = kv_events_from_annotations(annotations, where)
     lora_raw = ",".join(x for x in (labels.get(LORA_LABEL, ""), annotations.get(LORA_LABEL, "")) if x)
     lora = tuple(dict.fromkeys(x.strip() for x in lora_raw.split(",") if x.strip()))
     return Pod(
