@@ -11,17 +11,13 @@ cannot hold commas). Annotations (ours): `kvgate.io/dp-size`, `kvgate.io/kv-even
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import os
-import ssl
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-import aiohttp
-
 from routing.discovery import kv_events_from_mapping
 from routing.errors import DiscoveryError
+from routing.kube import Api, ApiConfig, ListWatch
 from routing.metrics import RoutingMetrics
 from routing.pods import KVEventsEndpoint, Pod
 from routing.registry import PodRegistry
@@ -37,7 +33,6 @@ PUB_PORT_ANNOTATION = "kvgate.io/kv-events-pub-port"
 REPLAY_PORT_ANNOTATION = "kvgate.io/kv-events-replay-port"
 
 _SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
-_MAX_LINE = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -52,10 +47,6 @@ class KubernetesConfig:
     request_timeout_s: float = 10.0
     backoff_min_s: float = 0.5
     backoff_max_s: float = 10.0
-
-
-class _Gone(Exception):
-    """The resourceVersion is too old (HTTP 410): list again."""
 
 
 def _int(value: Any, where: str, lo: int, hi: int) -> int:
@@ -113,69 +104,53 @@ def pod_from_object(obj: Mapping[str, Any], *, qualify: bool = False) -> Pod | N
 
 
 class KubernetesSource:
+    """Pods by label selector: one `ListWatch` (routing.kube) over the pods collection; every change
+    that alters a routable pod republishes the registry."""
+
     def __init__(self, config: KubernetesConfig = KubernetesConfig(), *, metrics: RoutingMetrics | None = None,
                  environ: Mapping[str, str] | None = None) -> None:
-        env = os.environ if environ is None else environ
         self._cfg = config
         self._metrics = metrics or RoutingMetrics()
-        api = config.api_url
-        if not api:
-            host, port = env.get("KUBERNETES_SERVICE_HOST"), env.get("KUBERNETES_SERVICE_PORT", "443")
-            if not host:
-                raise DiscoveryError("Kubernetes discovery: KVGATE_K8S_API_URL is empty and KUBERNETES_SERVICE_HOST "
-                                     "is unset (not in a cluster?)")
-            api = f"https://[{host}]:{port}" if ":" in host else f"https://{host}:{port}"
-        self._api = api.rstrip("/")
-        ns = config.namespace
-        if not ns and os.path.exists(config.namespace_file):
-            with open(config.namespace_file, encoding="utf-8") as f:
-                ns = f.read().strip()
-        self.namespace = ns
-        self._path = f"/api/v1/namespaces/{ns}/pods" if ns else "/api/v1/pods"
+        self._api = Api(ApiConfig(api_url=config.api_url, token_file=config.token_file, ca_file=config.ca_file,
+                                  namespace_file=config.namespace_file, watch_timeout_s=config.watch_timeout_s,
+                                  request_timeout_s=config.request_timeout_s, backoff_min_s=config.backoff_min_s,
+                                  backoff_max_s=config.backoff_max_s), environ)
+        self.namespace = self._api.namespace(config.namespace)
+        path = f"/api/v1/namespaces/{self.namespace}/pods" if self.namespace else "/api/v1/pods"
+        self._watch = ListWatch(self._api, path, {"labelSelector": config.label_selector}, what=self.source_of(path),
+                                on_list=self._on_list, on_event=self._on_event, on_error=self._on_error)
         self._objects: dict[str, Pod] = {}  # by uid (or name) -> pod, only those that can take traffic
         self._registry: PodRegistry | None = None
-        self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task | None = None
-        self.resource_version = ""
-        self.lists = 0
         self.errors = 0
         self.skipped = 0
 
+    def source_of(self, path: str) -> str:
+        return f"Kubernetes {self._api.url}{path}?labelSelector={self._cfg.label_selector}"
+
     @property
     def source(self) -> str:
-        return f"Kubernetes {self._api}{self._path}?labelSelector={self._cfg.label_selector}"
+        return self._watch.what
 
-    def _headers(self) -> dict[str, str]:
-        try:
-            with open(self._cfg.token_file, encoding="utf-8") as f:  # re-read: bound tokens rotate
-                token = f.read().strip()
-        except OSError:
-            return {}
-        return {"Authorization": f"Bearer {token}"} if token else {}
-
-    def _ssl(self) -> ssl.SSLContext | None:
-        if self._api.startswith("https://") and os.path.exists(self._cfg.ca_file):
-            return ssl.create_default_context(cafile=self._cfg.ca_file)
-        return None
+    @property
+    def resource_version(self) -> str:
+        return self._watch.resource_version
 
     async def start(self, registry: PodRegistry) -> None:
         self._registry = registry
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=self._ssl() or True))
         try:
-            await self._list()
+            await self._watch.list()
         except Exception as e:
-            await self._session.close()
+            await self._api.close()
             raise DiscoveryError(f"{self.source}: first list failed: {type(e).__name__}: {e}") from None
-        self._task = asyncio.create_task(self._run(), name="kvgate-k8s-pods")
+        self._task = asyncio.create_task(self._watch.run(), name="kvgate-k8s-pods")
 
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        await self._api.close()
 
     # -- state ----------------------------------------------------------------------------------
 
@@ -198,41 +173,18 @@ class KubernetesSource:
         self._registry.replace(pods.values())
         self._metrics.discovery_pods.set(len(pods))
 
-    async def _list(self) -> None:
-        assert self._session is not None
-        async with self._session.get(self._api + self._path, params={"labelSelector": self._cfg.label_selector},
-                                     headers=self._headers(),
-                                     timeout=aiohttp.ClientTimeout(total=self._cfg.request_timeout_s)) as resp:
-            if resp.status != 200:
-                raise DiscoveryError(f"{self.source}: list answered HTTP {resp.status}: {(await resp.text())[:200]}")
-            body = await resp.json(content_type=None)
+    def _on_list(self, items: list[dict]) -> None:
         objects: dict[str, Pod] = {}
-        for item in body.get("items") or []:
+        for item in items:
             pod = self._pod(item)
             if pod is not None:
                 objects[self._key(item)] = pod
         self._objects = objects
-        self.resource_version = (body.get("metadata") or {}).get("resourceVersion", "")
-        self.lists += 1
         self._publish()
 
-    def _apply(self, event: Mapping[str, Any]) -> None:
-        kind = event.get("type")
-        obj = event.get("object") or {}
-        if kind == "ERROR":
-            if obj.get("code") == 410:
-                raise _Gone()
-            raise DiscoveryError(f"{self.source}: watch error {obj.get('code')}: {obj.get('message')}")
-        rv = (obj.get("metadata") or {}).get("resourceVersion")
-        if rv:
-            self.resource_version = rv
-        if kind == "BOOKMARK":
-            return
+    def _on_event(self, kind: str, obj: dict) -> None:
         key = self._key(obj)
-        pod = self._pod(obj) if kind in ("ADDED", "MODIFIED") else None
-        if kind not in ("ADDED", "MODIFIED", "DELETED"):
-            log.warning("ignoring watch event of type %r", kind)
-            return
+        pod = self._pod(obj) if kind != "DELETED" else None
         before = self._objects.get(key)
         if pod is None:
             self._objects.pop(key, None)
@@ -241,52 +193,6 @@ class KubernetesSource:
         if before != pod:
             self._publish()
 
-    async def _watch(self) -> None:
-        assert self._session is not None
-        params = {"labelSelector": self._cfg.label_selector, "watch": "1", "allowWatchBookmarks": "true",
-                  "resourceVersion": self.resource_version, "timeoutSeconds": str(self._cfg.watch_timeout_s)}
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self._cfg.request_timeout_s,
-                                        sock_read=self._cfg.watch_timeout_s + 30)
-        async with self._session.get(self._api + self._path, params=params, headers=self._headers(),
-                                     timeout=timeout) as resp:
-            if resp.status == 410:
-                raise _Gone()
-            if resp.status != 200:
-                raise DiscoveryError(f"{self.source}: watch answered HTTP {resp.status}: {(await resp.text())[:200]}")
-            buf = b""
-            async for chunk in resp.content.iter_any():
-                buf += chunk
-                *lines, buf = buf.split(b"\n")
-                for line in lines:
-                    if line.strip():
-                        self._apply(json.loads(line))
-                if len(buf) > _MAX_LINE:
-                    raise DiscoveryError(f"{self.source}: watch line longer than {_MAX_LINE} bytes")
-
-    async def _run(self) -> None:
-        backoff = self._cfg.backoff_min_s
-        relist = False
-        while True:
-            try:
-                if relist:
-                    await self._list()
-                    relist = False
-                started = asyncio.get_running_loop().time()
-                await self._watch()  # ends when the server closes the watch (timeoutSeconds): watch again
-                if asyncio.get_running_loop().time() - started < 1.0:  # a server ending watches at once: no busy loop
-                    await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, self._cfg.backoff_max_s)
-                else:
-                    backoff = self._cfg.backoff_min_s
-            except asyncio.CancelledError:
-                raise
-            except _Gone:
-                log.info("pod watch: resourceVersion %s expired, listing again", self.resource_version)
-                relist = True
-            except Exception as e:
-                self.errors += 1
-                self._metrics.discovery_errors.labels("kubernetes").inc()
-                log.warning("pod watch failed (%s: %s); retrying in %.1fs", type(e).__name__, e, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, self._cfg.backoff_max_s)
-                relist = True
+    def _on_error(self) -> None:
+        self.errors += 1
+        self._metrics.discovery_errors.labels("kubernetes").inc()
