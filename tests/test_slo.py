@@ -109,6 +109,35 @@ async def test_slo_avoids_the_pod_with_queued_prefill_for_a_tight_ttft():
     assert d.pod.name != first.pod.name
 
 
+async def test_a_long_prompt_leaves_the_fastest_lane_to_tight_requests_when_another_pod_meets_its_targets():
+    clock = Clock()
+    r, _ = slo_router(PODS, clock)
+    doc = list(range(100_000, 105_000))  # 0.5 s of prefill at 10k tokens/s
+    # no tighter target seen yet: the document takes the most headroom (either idle pod)
+    await r.pick(RouteRequest("m", token_ids=list(range(200_000, 201_000)), request_id="q", slo_ttft_s=2.0))
+    clock.t += 10.0  # that queue has drained
+    chat = await r.pick(RouteRequest("m", token_ids=list(range(300)), request_id="c1", slo_ttft_s=0.3))
+    # the chat's pod holds 300 queued tokens (30 ms), the other none: the fastest lane
+    fast = "b" if chat.pod.name == "a" else "a"
+    d = await r.pick(RouteRequest("m", token_ids=doc, request_id="d1", slo_ttft_s=2.0))
+    assert d.pod.name == chat.pod.name  # most headroom alone would have taken the empty lane
+    c2 = await r.pick(RouteRequest("m", token_ids=list(range(400, 700)), request_id="c2", slo_ttft_s=0.3))
+    assert c2.pod.name == fast  # the next chat finds it free
+    d2 = await r.pick(RouteRequest("m", token_ids=list(range(300_000, 318_000)), request_id="d2", slo_ttft_s=5.0))
+    assert d2.pod.name == chat.pod.name  # 1.8 s more there: 2.33 s, within its 5 s
+    # when only the fastest lane meets a document's target (2.83 s on the other), the document takes it
+    d3 = await r.pick(RouteRequest("m", token_ids=doc, request_id="d3", slo_ttft_s=2.0))
+    assert d3.pod.name == fast
+
+
+async def test_without_tighter_traffic_a_long_prompt_takes_the_most_headroom():
+    clock = Clock()
+    r, _ = slo_router(PODS, clock)
+    first = await r.pick(RouteRequest("m", token_ids=list(range(1000)), request_id="a1", slo_ttft_s=2.0))
+    d = await r.pick(RouteRequest("m", token_ids=list(range(100_000, 105_000)), request_id="d", slo_ttft_s=2.0))
+    assert d.pod.name != first.pod.name  # the emptier lane: no tighter request to keep it for
+
+
 async def test_slo_meets_tpot_by_batch_size_with_most_headroom_else_least_violation():
     clock = Clock()
     r, counts = slo_router(PODS, clock)
