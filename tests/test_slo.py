@@ -1,8 +1,10 @@
 """Engine profiles (routing.profiles) and the slo strategy (routing.slo) as units, on the real Router."""
 from __future__ import annotations
 
+import asyncio
 import json
 import random
+import time
 
 import pytest
 
@@ -186,6 +188,52 @@ async def test_prefill_queue_is_shared_by_replicas_and_leaves_at_the_first_token
     assert shared.totals().get(doc.pod.name, 0) == 0
     clock.t += 0.1
     assert b_view.queued(doc.pod.name, shared.totals(), 10_000.0, clock.t) == 0.0
+
+
+@pytest.mark.integration
+async def test_prefill_queue_reaches_the_other_replica_through_redis():
+    import shutil
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server not installed")
+    from routing.counts import RedisCounts
+    from test_routing_redis import RedisServer
+    server = RedisServer()
+    server.start()
+    counts = [RedisCounts(server.url, f"gw{i}", key_prefix="kvgate:{prefill}:", ttl_s=5.0, heartbeat_s=1.0,
+                          stale_ok_s=1.0, write_interval_s=0.005) for i in range(2)]
+    try:
+        for c in counts:
+            await c.start()
+        clock = Clock()
+        profiles = EngineProfiles(prefill_tokens_per_s=10_000.0)
+        caps = [Capacity(profiles, OutputPredictor(cold="input"), {"*": (0.5, 1.0)}, clock=clock, prefill=c)
+                for c in counts]
+        ra, rb = (Router(PodRegistry(PODS), default_strategy="slo", capacity=cap, seed=0) for cap in caps)
+        doc = await ra.pick(RouteRequest("m", token_ids=list(range(8000)), request_id="doc"))
+
+        # each pick of b's starts a read of the others' shares in the background, for the next pick
+        deadline = time.monotonic() + 5.0
+        while counts[1].totals().get(doc.pod.name, 0) != 8000:
+            assert time.monotonic() < deadline, "replica b never saw the document's queued tokens"
+            await rb.pick(RouteRequest("m", token_ids=[1], request_id="probe"))
+            caps[1].first_token("probe")
+            await asyncio.sleep(0.01)
+        chat = await rb.pick(RouteRequest("m", token_ids=list(range(300)), request_id="chat"))
+        assert chat.pod.name != doc.pod.name  # b keeps its chat off the 0.8 s queue a put there
+    finally:
+        for c in counts:
+            await c.close()
+        server.kill()
+
+
+def test_decision_carries_the_running_count_on_its_target_this_request_included():
+    async def go():
+        r, counts = slo_router(PODS, Clock())
+        counts.add("a", 3)
+        counts.add("b", 30)  # b's decode step misses the 50 ms target: a is picked
+        return await r.pick(RouteRequest("m", token_ids=[1, 2, 3]))
+    d = asyncio.run(go())
+    assert (d.pod.name, d.running) == ("a", 4)
 
 
 def test_head_of_the_queue_progress_counts_from_when_the_lane_moved():
