@@ -204,6 +204,7 @@ class SLOScorer(Scorer):
         scores, plans, lanes = {}, {}, {}
         shared = cap.prefill.totals() if cap.prefill is not None else None
         tight = cap.tightest(model, t_ttft, now)
+        fewest = min(uncached.values(), default=0.0)
         for p in pods:
             rate = cap.profiles.prefill_rate(p.pod_name, model, n, out_tokens)
             queued = cap.queued(p.name, shared, rate, now) if shared is not None else self.queued(p.name, now, rate)
@@ -218,7 +219,9 @@ class SLOScorer(Scorer):
             plans[p.name] = (rate, uncached[p.name], start, start + out_tokens * tpot)
             r1, r2 = ttft / t_ttft, tpot / t_tpot
             if r1 <= 1.0 and r2 <= 1.0:
-                scores[p.name] = 0.5 + 0.5 * min(1.0 - r1, 1.0 - r2)
+                # headroom charges a copy: prompt tokens another pod holds and this one would prefill again
+                copy = (uncached[p.name] - fewest) / rate
+                scores[p.name] = 0.5 + 0.5 * max(min(1.0 - r1 - copy / t_ttft, 1.0 - r2), 1e-3)
             else:
                 scores[p.name] = 0.5 / (1.0 + max(r1, r2) - 1.0)
         if t_ttft > tight and len(pods) > 1:
