@@ -10,9 +10,11 @@ against its targets (headers `x-slo-ttft-ms` / `x-slo-tpot-ms`, else the model's
 - TPOT = the pod's decode step time at its effective batch: the requests running there (every
   gateway's count), each weighted by how much of this request's decode it is predicted to overlap,
   from its predicted output length (routing.predictor); this request's own output is predicted too.
-A pod meeting both targets scores 0.5 + 0.5 x its headroom (the smaller of 1 - predicted/target);
-one missing either scores 0.5 / (1 + its worst relative violation): the max-score picker takes the
-pod with the most headroom, else the least violation.
+A pod meeting both targets scores 0.5 + 0.5 x its headroom (the smaller of 1 - predicted/target,
+the TTFT's charged a copy: the prefill time of the prompt tokens the best-matched pod holds and this
+one does not, which cost cache and the lane of whoever follows; at least 0.001); one missing either
+scores 0.5 / (1 + its worst relative violation): the max-score picker takes the pod with the most
+headroom, else the least violation.
 
 One fast lane: an engine prefills one prompt at a time, first come first served, so a long prompt
 holds its pod's lane for its whole prefill and every request queued behind it waits that long. A
