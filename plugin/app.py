@@ -188,8 +188,11 @@ class App:
         # observed (a request's tokens leave at its first token), else each replica's own estimate.
         self.prefill_counts: RunningCounts | None = None
         if s.observe_responses:
+            # read and written like the running counts: a pick reads the others' shares in the background,
+            # the changes of a burst go out as one write every 5 ms
             self.prefill_counts = (RedisCounts(s.redis_url, s.gateway_id, key_prefix="kvgate:{prefill}:",
-                                               ttl_s=s.redis_key_ttl_s, heartbeat_s=s.redis_key_ttl_s / 5)
+                                               ttl_s=s.redis_key_ttl_s, heartbeat_s=s.redis_key_ttl_s / 5,
+                                               stale_ok_s=s.redis_key_ttl_s / 5, write_interval_s=0.005)
                                    if s.redis_url else LocalCounts())
         self.capacity = Capacity(self.profiles, self.predictor, targets=parse_targets(s.slo_targets),
                                  prefill=self.prefill_counts)

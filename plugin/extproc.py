@@ -361,8 +361,10 @@ class _Stream:
             m.prefix_blocks.labels("total").inc(d.total_blocks)
             m.prefix_blocks.labels("cached").inc(d.matched_blocks)
         if self.gw.observer is not None:
+            # running: the batch the engine profiles learn the decode step time at
             self.watch = self.gw.observer.start(self.request_id, request.model, d.pod.name, tokens=token_ids,
-                                                decision=d, slo_ttft_s=slo.get(SLO_TTFT_HEADER),
+                                                decision=d, running=d.running,
+                                                slo_ttft_s=slo.get(SLO_TTFT_HEADER),
                                                 slo_tpot_s=slo.get(SLO_TPOT_HEADER))
         return d
 

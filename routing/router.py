@@ -36,9 +36,9 @@ class Router:
         self._index = index
         self._engines = engines
         self._metrics = metrics or RoutingMetrics()
+        capacity = capacity or default_capacity()
         self._strategies: dict[str, Strategy] = build_strategies(config or StrategyConfig(), random.Random(seed),
-                                                                 index=index, engines=engines,
-                                                                 capacity=capacity or default_capacity())
+                                                                 index=index, engines=engines, capacity=capacity)
         if default_strategy not in self._strategies:
             raise UnknownStrategyError(default_strategy, self.strategy_names())
         # each scorer once, though several strategies may weigh it
@@ -53,6 +53,12 @@ class Router:
         self._filtered: dict[str, Any] = {}
         # In-process counts are current by construction: their refresh never waits, so pick skips it.
         self._refresh = type(self._counts).refresh is not LocalCounts.refresh
+        # The slo scorer's shared prefill queue (Capacity.prefill): read like the running counts, by the
+        # strategies that weigh it, when other gateways' shares live elsewhere (Redis).
+        prefill = getattr(capacity, "prefill", None)
+        self._prefill = prefill if prefill is not None and type(prefill).refresh is not LocalCounts.refresh else None
+        self._reads_prefill = {name: any(sc.name == "slo" for sc, _ in st.scorers)
+                               for name, st in self._strategies.items()}
         # Data-parallel pods by name: (the pod object the targets were made from, its rank targets).
         self._targets: dict[str, tuple[Pod, tuple[Pod, ...]]] = {}
         self._dp = any(p.dp_size > 1 for p in registry.pods())  # False: pick never looks for ranks
@@ -117,8 +123,11 @@ class Router:
         when every eligible pod is saturated."""
         strategy = self._strategy(request.strategy)
         pods = self._candidates(request.model, subset)  # fail fast, before any I/O
-        if self._refresh:
-            await self._counts.refresh()
+        if self._refresh or (self._prefill is not None and self._reads_prefill[strategy.name]):
+            if self._refresh:
+                await self._counts.refresh()
+            if self._prefill is not None and self._reads_prefill[strategy.name]:
+                await self._prefill.refresh()
             pods = self._candidates(request.model, subset)  # the pods may have changed while refresh waited
         if sheddable and self._all_saturated(pods):
             raise SaturatedError(request.model, len(pods))
@@ -144,7 +153,8 @@ class Router:
         pod = target if target.rank is None else self._targets[target.parent][0]
         return Decision(pod=pod, strategy=name, matched_blocks=ctx.matched.get(target.name, 0),
                         total_blocks=ctx.total_blocks, request_id=request.request_id, ticket=ticket,
-                        rank=target.rank, fallbacks=self._fallbacks(pod, target.rank, pods, scores, ctx.running))
+                        rank=target.rank, fallbacks=self._fallbacks(pod, target.rank, pods, scores, ctx.running),
+                        running=ctx.running.get(target.name, 0) + 1)
 
     def _all_saturated(self, pods: list[Pod]) -> bool:
         """Every pod saturated by its engine's own numbers (a data-parallel pod: every rank's)."""

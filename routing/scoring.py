@@ -38,6 +38,7 @@ class Decision:
     rank: int | None = None  # the data-parallel rank of `pod` to pin it to; None: not a DP pod
     # Next-best endpoints (`ip:port`, best first, never `pod`'s own) for the data plane to retry on.
     fallbacks: tuple[str, ...] = ()
+    running: int = 0  # requests running on the picked target when it was picked, this one included
 
 
 @dataclass(slots=True)

@@ -118,6 +118,7 @@ class EngineMetrics:
     requests_finished: int
     prompt_tokens: int  # counter, at admission
     generation_tokens: int  # counter, at completion
+    peak_live: int = 0  # most requests live at once since start (the simulator's own, not vLLM's)
 
 
 class _Request:
@@ -159,6 +160,7 @@ class EngineModel:
                        for lora in (None, *c.lora_names)}
         self._clock = float("-inf")
         self._live: dict[str, _Request] = {}
+        self._peak_live = 0  # most requests live at once (waiting, prefilling or decoding) since start
         self._waiting: deque[_Request] = deque()
         self._running: dict[str, _Request] = {}
         # KV cache: key -> reference count; unreferenced keys also in _lru, oldest release first.
@@ -198,6 +200,7 @@ class EngineModel:
         req = _Request(req_id, tokens, packed.tobytes(), max_tokens, lora, now, self._roots[lora])
         self._extend_keys(req, len(tokens) // self._bs)
         self._live[req_id] = req
+        self._peak_live = max(self._peak_live, len(self._live))
         self._waiting.append(req)
         self._admit(now)
         self._flush_events(now)
@@ -287,7 +290,7 @@ class EngineModel:
             running=len(self._running), waiting=len(self._waiting), kv_usage=used / c.num_blocks,
             prefix_cache_queries=self._queries, prefix_cache_hits=self._hits, cached_blocks=len(self._blocks),
             num_blocks=c.num_blocks, requests_finished=self._finished, prompt_tokens=self._prompt_tokens,
-            generation_tokens=self._gen_tokens,
+            generation_tokens=self._gen_tokens, peak_live=self._peak_live,
         )
 
     def step_time(self) -> float:

@@ -40,6 +40,9 @@ class EngineCollector(Collector):
                                          labels=_LABELS)
         success = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
                                       labels=[*_LABELS, "finished_reason"])
+        # the simulator's own (vLLM has none): what a test of admission limits reads
+        peak = GaugeMetricFamily("sim:requests_live_peak", "Most requests live at once (waiting or running) since "
+                                 "start.", labels=_LABELS)
         for rank, m in enumerate(ranks):
             labels = [self._model, str(rank)]
             running.add_metric(labels, m.running)
@@ -51,11 +54,12 @@ class EngineCollector(Collector):
             prompt.add_metric(labels, m.prompt_tokens)
             generation.add_metric(labels, m.generation_tokens)
             success.add_metric([*labels, "length"], m.requests_finished)
+            peak.add_metric(labels, m.peak_live)
         info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
                                  labels=["block_size", "num_gpu_blocks", "enable_prefix_caching"])
         if ranks:
             info.add_metric([str(self._block_size), str(ranks[0].num_blocks), "True"], 1.0)
-        yield from (running, waiting, usage, usage_old, queries, hits, prompt, generation, success, info)
+        yield from (running, waiting, usage, usage_old, queries, hits, prompt, generation, success, info, peak)
 
 
 def engine_registry(collector: EngineCollector, registry: CollectorRegistry | None = None) -> CollectorRegistry:

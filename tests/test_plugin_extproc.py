@@ -29,6 +29,7 @@ class FakeDecision:
     total_blocks: int = 0
     rank: int | None = None
     fallbacks: tuple = ()
+    running: int = 0
 
 
 class FakeRouter:
@@ -49,7 +50,7 @@ class FakeRouter:
             raise self.fail
         self.picks.append(req)
         self.running += 1
-        return FakeDecision(POD, req.strategy, rank=self.rank)
+        return FakeDecision(POD, req.strategy, rank=self.rank, running=self.running)
 
     async def release(self, d):
         self.running -= 1
@@ -339,3 +340,27 @@ async def test_count_released_when_the_stream_ends_whether_or_not_release_waits(
     await run_stream(gw, [headers("POST", "/v1/completions"), body({"model": "m", "prompt": "x"})])
     assert router.running == 0
     assert gw.metrics.released.labels("completed").value == 1
+
+
+async def test_observed_request_carries_the_running_count_its_pick_saw():
+    from plugin.observe import Observer
+    seen = []
+
+    class Tracker:
+        def add_request_count(self, ctx, request_id, model):
+            seen.append(ctx.running_at_start)
+            return 0
+
+        def done_request_count(self, ctx, request_id, model, term):
+            pass
+
+        def done_request_trace(self, ctx, request_id, model, i, o, term):
+            pass
+
+    router = FakeRouter()
+    router.running = 4  # four already running there: this request is the fifth
+    observer = Observer(CollectorRegistry())
+    observer.trackers.register(Tracker())
+    gw = gateway(router, FakeTokenizer(), observer=observer)
+    await run_stream(gw, [headers("POST", "/v1/completions"), body({"model": "m", "prompt": "x"})])
+    assert seen == [5]  # the batch the engine profiles learn the decode step time at

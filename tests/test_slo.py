@@ -1,8 +1,10 @@
 """Engine profiles (routing.profiles) and the slo strategy (routing.slo) as units, on the real Router."""
 from __future__ import annotations
 
+import asyncio
 import json
 import random
+import time
 
 import pytest
 
@@ -109,6 +111,35 @@ async def test_slo_avoids_the_pod_with_queued_prefill_for_a_tight_ttft():
     assert d.pod.name != first.pod.name
 
 
+async def test_a_long_prompt_leaves_the_fastest_lane_to_tight_requests_when_another_pod_meets_its_targets():
+    clock = Clock()
+    r, _ = slo_router(PODS, clock)
+    doc = list(range(100_000, 105_000))  # 0.5 s of prefill at 10k tokens/s
+    # no tighter target seen yet: the document takes the most headroom (either idle pod)
+    await r.pick(RouteRequest("m", token_ids=list(range(200_000, 201_000)), request_id="q", slo_ttft_s=2.0))
+    clock.t += 10.0  # that queue has drained
+    chat = await r.pick(RouteRequest("m", token_ids=list(range(300)), request_id="c1", slo_ttft_s=0.3))
+    # the chat's pod holds 300 queued tokens (30 ms), the other none: the fastest lane
+    fast = "b" if chat.pod.name == "a" else "a"
+    d = await r.pick(RouteRequest("m", token_ids=doc, request_id="d1", slo_ttft_s=2.0))
+    assert d.pod.name == chat.pod.name  # most headroom alone would have taken the empty lane
+    c2 = await r.pick(RouteRequest("m", token_ids=list(range(400, 700)), request_id="c2", slo_ttft_s=0.3))
+    assert c2.pod.name == fast  # the next chat finds it free
+    d2 = await r.pick(RouteRequest("m", token_ids=list(range(300_000, 318_000)), request_id="d2", slo_ttft_s=5.0))
+    assert d2.pod.name == chat.pod.name  # 1.8 s more there: 2.33 s, within its 5 s
+    # when only the fastest lane meets a document's target (2.83 s on the other), the document takes it
+    d3 = await r.pick(RouteRequest("m", token_ids=doc, request_id="d3", slo_ttft_s=2.0))
+    assert d3.pod.name == fast
+
+
+async def test_without_tighter_traffic_a_long_prompt_takes_the_most_headroom():
+    clock = Clock()
+    r, _ = slo_router(PODS, clock)
+    first = await r.pick(RouteRequest("m", token_ids=list(range(1000)), request_id="a1", slo_ttft_s=2.0))
+    d = await r.pick(RouteRequest("m", token_ids=list(range(100_000, 105_000)), request_id="d", slo_ttft_s=2.0))
+    assert d.pod.name != first.pod.name  # the emptier lane: no tighter request to keep it for
+
+
 async def test_slo_meets_tpot_by_batch_size_with_most_headroom_else_least_violation():
     clock = Clock()
     r, counts = slo_router(PODS, clock)
@@ -157,6 +188,52 @@ async def test_prefill_queue_is_shared_by_replicas_and_leaves_at_the_first_token
     assert shared.totals().get(doc.pod.name, 0) == 0
     clock.t += 0.1
     assert b_view.queued(doc.pod.name, shared.totals(), 10_000.0, clock.t) == 0.0
+
+
+@pytest.mark.integration
+async def test_prefill_queue_reaches_the_other_replica_through_redis():
+    import shutil
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server not installed")
+    from routing.counts import RedisCounts
+    from test_routing_redis import RedisServer
+    server = RedisServer()
+    server.start()
+    counts = [RedisCounts(server.url, f"gw{i}", key_prefix="kvgate:{prefill}:", ttl_s=5.0, heartbeat_s=1.0,
+                          stale_ok_s=1.0, write_interval_s=0.005) for i in range(2)]
+    try:
+        for c in counts:
+            await c.start()
+        clock = Clock()
+        profiles = EngineProfiles(prefill_tokens_per_s=10_000.0)
+        caps = [Capacity(profiles, OutputPredictor(cold="input"), {"*": (0.5, 1.0)}, clock=clock, prefill=c)
+                for c in counts]
+        ra, rb = (Router(PodRegistry(PODS), default_strategy="slo", capacity=cap, seed=0) for cap in caps)
+        doc = await ra.pick(RouteRequest("m", token_ids=list(range(8000)), request_id="doc"))
+
+        # each pick of b's starts a read of the others' shares in the background, for the next pick
+        deadline = time.monotonic() + 5.0
+        while counts[1].totals().get(doc.pod.name, 0) != 8000:
+            assert time.monotonic() < deadline, "replica b never saw the document's queued tokens"
+            await rb.pick(RouteRequest("m", token_ids=[1], request_id="probe"))
+            caps[1].first_token("probe")
+            await asyncio.sleep(0.01)
+        chat = await rb.pick(RouteRequest("m", token_ids=list(range(300)), request_id="chat"))
+        assert chat.pod.name != doc.pod.name  # b keeps its chat off the 0.8 s queue a put there
+    finally:
+        for c in counts:
+            await c.close()
+        server.kill()
+
+
+def test_decision_carries_the_running_count_on_its_target_this_request_included():
+    async def go():
+        r, counts = slo_router(PODS, Clock())
+        counts.add("a", 3)
+        counts.add("b", 30)  # b's decode step misses the 50 ms target: a is picked
+        return await r.pick(RouteRequest("m", token_ids=[1, 2, 3]))
+    d = asyncio.run(go())
+    assert (d.pod.name, d.running) == ("a", 4)
 
 
 def test_head_of_the_queue_progress_counts_from_when_the_lane_moved():
