@@ -15,7 +15,7 @@ import httpx
 import pytest
 import yaml
 
-from stackutil import wait_until
+from stackutil import QUICK_STOP, wait_until
 from plugin.stack import Stack, find_envoy, free_port, render_envoy_config
 
 pytestmark = pytest.mark.integration
@@ -40,7 +40,7 @@ def start_kvgates(stack: Stack, n: int, pods_file, redis_url: str = "", **env: s
     for i in range(n):
         grpc_port, http_port = free_port(), free_port()
         e = {"KVGATE_PODS_FILE": str(pods_file), "KVGATE_GRPC_PORT": str(grpc_port),
-             "KVGATE_HTTP_PORT": str(http_port), "KVGATE_GATEWAY_ID": f"gw{i}", **env}
+             "KVGATE_HTTP_PORT": str(http_port), "KVGATE_GATEWAY_ID": f"gw{i}", **QUICK_STOP, **env}
         if redis_url:
             e["KVGATE_REDIS_URL"] = redis_url
         proc = stack.kvgate(env=e, grpc_port=grpc_port, name=f"kvgate{i}")
