@@ -90,7 +90,9 @@ def _start(stack: Stack, n_sims: int, n_gateways: int, log, dp_size: int = 1) ->
                "KVGATE_HTTP_PORT": str(http_port), "KVGATE_REDIS_URL": redis_url,
                "KVGATE_ROUTING_STRATEGY": "kv-sync", "KVGATE_GATEWAY_ID": f"kvgate{g}",
                # The sims' own tokenizer files: kvgate tokenizes locally once its tokens match the sims' /tokenize.
-               "KVGATE_TOKENIZER_PATH": str(testdata.path())}
+               "KVGATE_TOKENIZER_PATH": str(testdata.path()),
+               # The demo stops its whole stack at once: no load balancer to drain for (3 s per stop otherwise).
+               "KVGATE_DRAIN_DELAY_S": "0"}
         replicas.append(stack.kvgate(env=env, grpc_port=grpc_port, name=f"kvgate{g}", wait=False))
         grpc_ports.append(grpc_port)
         http_ports.append(http_port)

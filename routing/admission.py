@@ -149,6 +149,7 @@ class Admission:
         self._clock = clock
         self._queues: OrderedDict[str, deque[asyncio.Future]] = OrderedDict()  # model -> waiters
         self._deleted: dict[str, float] = {}  # pod -> when it left discovery
+        self._woken: set[asyncio.Future] = set()  # waiters woken by a release here, not done trying yet
         self.admitted = self.waited = self.rejected = 0
 
     @property
@@ -183,20 +184,25 @@ class Admission:
                     await asyncio.wait_for(asyncio.shield(fut), min(left, self.poll_s))
                 except asyncio.TimeoutError:
                     # Room may have been freed by another gateway (its releases wake no one here):
-                    # the waiter whose turn it is tries, as if woken.
-                    if not self._my_turn(model, fut):
+                    # the waiter whose turn it is tries, as if woken; not while a waiter woken here
+                    # tries (that room is the woken one's: racing it for it would take its model's turn).
+                    if fut not in self._woken and (self._woken or not self._my_turn(model, fut)):
                         continue
-                    self._queues.move_to_end(model)
+                    if fut not in self._woken:
+                        self._queues.move_to_end(model)
                 if fut in queue:
                     queue.remove(fut)
                 got = await self._try(candidates)
+                self._woken.discard(fut)
                 if got is not None:
                     self.admitted += 1
                     return got
                 fut = loop.create_future()  # another gateway took the room: first in line for the next
                 queue = self._queues.setdefault(model, deque())  # (emptied and dropped meanwhile, maybe)
                 queue.appendleft(fut)
+                self._queues.move_to_end(model, last=False)  # and the turn stays this model's
         finally:
+            self._woken.discard(fut)
             if fut in queue:
                 queue.remove(fut)
             self._drop_empty(model)
@@ -225,6 +231,7 @@ class Admission:
                 fut = queue.popleft()
                 if not fut.done():
                     fut.set_result(None)
+                    self._woken.add(fut)
                     return
 
     # --- discovery -----------------------------------------------------------------------------

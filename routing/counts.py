@@ -209,6 +209,9 @@ class RedisCounts:
         self._reading: asyncio.Future | None = None
         self._dirty = asyncio.Event()
         self._writer: asyncio.Task | None = None
+        # One write in flight at a time: each rewrites the whole hash from the state it took, and two
+        # writes on two pooled connections could land out of order (the older state last).
+        self._write_lock = asyncio.Lock()
         self._down_until = 0.0
         self._backoff = backoff_min_s
         self.up = False
@@ -282,18 +285,21 @@ class RedisCounts:
                 await asyncio.sleep(self._write_interval)
 
     async def flush(self) -> bool:
-        """Publish this gateway's whole local state now; False if Redis did not take it."""
-        args: list[str | int] = [self._ttl_ms, self.gateway_id]
-        for pod, n in self._local.items():
-            args += [pod, n]
-        try:
-            await asyncio.wait_for(self._sync(keys=[self._key, self._set_key], args=args), self._timeout)
-        except Exception as e:
-            self._dirty.set()
-            self._failed("write", e)
-            return False
-        self._ok()
-        return True
+        """Publish this gateway's whole local state now; False if Redis did not take it. A write
+        already in flight (the background writer's) lands first: the state taken here is never
+        overwritten by an older one."""
+        async with self._write_lock:
+            args: list[str | int] = [self._ttl_ms, self.gateway_id]
+            for pod, n in self._local.items():
+                args += [pod, n]
+            try:
+                await asyncio.wait_for(self._sync(keys=[self._key, self._set_key], args=args), self._timeout)
+            except Exception as e:
+                self._dirty.set()
+                self._failed("write", e)
+                return False
+            self._ok()
+            return True
 
     def _ok(self) -> None:
         if not self.up:
@@ -344,6 +350,11 @@ class RedisCounts:
             await self._redis.aclose()
         except Exception:
             pass
+
+    @property
+    def others_read_at(self) -> float | None:
+        """time.monotonic() of the last successful read of the other gateways' counts (None: never)."""
+        return self._others_at if self._others_at > float("-inf") else None
 
     def snapshot(self) -> dict:
         return {

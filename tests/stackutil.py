@@ -15,6 +15,12 @@ import pytest
 from plugin.stack import Proc, Stack, free_port, wait_for_port
 
 
+# kvgate's environment in the test stacks: SIGTERM stops it at once. The drain delay (3 s by default) is
+# for a load balancer to see readiness turn NOT_SERVING; no test but the drain's own needs it, and every
+# stop of a stack or restart of a kvgate would wait it out. Tests of the drain set their own delay.
+QUICK_STOP = {"KVGATE_DRAIN_DELAY_S": "0"}
+
+
 def wait_until(predicate, timeout: float = 15.0, interval: float = 0.05):
     """Poll `predicate` until it returns something true, at most `timeout` s; returns its last value."""
     deadline = time.monotonic() + timeout
@@ -105,7 +111,7 @@ class GatewayEnv:
         self.canary, self.canary_port = start_canary(self.stack)
         self.grpc_port, self.http_port = free_port(), free_port()
         self.kvgate_env = {"KVGATE_PODS_FILE": str(self.pods_file), "KVGATE_GRPC_PORT": str(self.grpc_port),
-                           "KVGATE_HTTP_PORT": str(self.http_port), **env}
+                           "KVGATE_HTTP_PORT": str(self.http_port), **QUICK_STOP, **env}
         self.kvgate = self.stack.kvgate(env=self.kvgate_env, grpc_port=self.grpc_port)
         wait_for_port("127.0.0.1", self.http_port, timeout=10)
         self.listen = free_port()

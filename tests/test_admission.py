@@ -8,6 +8,7 @@ import shutil
 import pytest
 
 from routing.admission import Admission, LocalLimiter, RedisLimiter
+from stackutil import wait_until_async
 
 
 class Clock:
@@ -117,10 +118,21 @@ async def test_burst_of_3x_capacity_over_two_gateways_never_exceeds_limits_loses
         gws = [Admission(RedisLimiter(c, f"gw-{i}", ttl_s=5.0), max_running=4, max_wait_s=10.0, poll_s=0.02)
                for i, c in enumerate(clients)]
         pods = ["p0", "p1", "p2", "p3"]
+        models = ["big"] * 40 + ["small"] * 8
         running = dict.fromkeys(pods, 0)
         peak = dict.fromkeys(pods, 0)
         done: list[str] = []
         admitted: list[str] = []  # models in the order their requests were admitted
+        # The burst is all there before any room frees: the first admitted hold their pods until every
+        # request is admitted or waiting in its queue. (A request is queued only once its first sweep over
+        # the pods failed, 4 Redis round trips: on a loaded machine the last ones created, the small ones,
+        # were still sweeping while the first releases went to the big ones already queued.)
+        arrived = asyncio.Event()
+
+        async def all_arrived() -> None:
+            assert await wait_until_async(lambda: len(admitted) + sum(g.waiting for g in gws) == len(models),
+                                          timeout=20, interval=0.005), (admitted, [g.waiting for g in gws])
+            arrived.set()
 
         async def request(i: int, model: str) -> None:
             gw = gws[i % 2]
@@ -130,13 +142,13 @@ async def test_burst_of_3x_capacity_over_two_gateways_never_exceeds_limits_loses
             admitted.append(model)
             running[pod] += 1
             peak[pod] = max(peak[pod], running[pod])
+            await arrived.wait()
             await asyncio.sleep(0.04)
             running[pod] -= 1
             done.append(model)
             await gw.release(pod)
 
-        models = ["big"] * 40 + ["small"] * 8
-        await asyncio.wait_for(asyncio.gather(*(request(i, m) for i, m in enumerate(models))), 30.0)
+        await asyncio.wait_for(asyncio.gather(all_arrived(), *(request(i, m) for i, m in enumerate(models))), 30.0)
         assert len(done) == 48  # nothing lost
         assert max(peak.values()) <= 4  # no pod past its limit, counted over both gateways
         # Fairness by admission order, not by the clock (a loaded machine stretches every wait alike):

@@ -176,7 +176,7 @@ def test_an_engine_exit_is_reported_and_the_others_keep_serving(tmp_path):
 
 
 def test_short_comparison_prints_the_json_summary():
-    proc = subprocess.run([sys.executable, "-m", "plugin.cli", "demo", "--duration", "2", "--json", "--sims", "2",
+    proc = subprocess.run([sys.executable, "-m", "plugin.cli", "demo", "--duration", "1", "--json", "--sims", "2",
                            "--strategies", "round-robin,kv-sync,slo"], capture_output=True, text=True, timeout=240,
                           cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -31,6 +31,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 MODEL = "m"
 GATEWAY_ID = "faults-gw"
+METRICS_INTERVAL_S = 0.5  # kvgate's scrape of the engines' /metrics; a scrape older than 3 intervals is stale
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
          "quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split()
 
@@ -206,6 +207,7 @@ class Env(GatewayEnv):
         self.start_gateway(pods, {
             "KVGATE_ROUTING_STRATEGY": "kv-sync", "KVGATE_REDIS_URL": self.redis_url, "KVGATE_GATEWAY_ID": GATEWAY_ID,
             "KVGATE_KV_EVENTS_BACKOFF_MIN_S": "0.1", "KVGATE_KV_EVENTS_BACKOFF_MAX_S": "1",
+            "KVGATE_ENGINE_METRICS_INTERVAL_S": str(METRICS_INTERVAL_S),
         })
 
     def cached_blocks_counter(self) -> float:
@@ -386,7 +388,7 @@ def test_engine_down_requests_are_not_routed_on_its_stale_blocks(env):
         # kvgate has both signals: the event stream disconnected, and the engine's /metrics went stale.
         assert wait_until(lambda: metric(env.metrics(), "kvgate_kvevents_connection_status", pod="sim0") == 0, timeout=5)
         assert wait_until(lambda: next(p for p in env.debug()["pods"] if p["name"] == "sim0")
-                     .get("engine", {}).get("age_s", 99) > 3.0, timeout=10)
+                     .get("engine", {}).get("age_s", 99) > 3 * METRICS_INTERVAL_S, timeout=10)
         statuses = [env.client.post("/v1/completions", json={"model": MODEL, "prompt": p, "max_tokens": 1})
                     for _ in range(3)]
     finally:

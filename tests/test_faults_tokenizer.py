@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from plugin.stack import Stack, free_port, wait_for_port
+from stackutil import QUICK_STOP
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -58,7 +59,7 @@ def gw():
         grpc_port, http_port = free_port(), free_port()
         env = {"KVGATE_PODS_FILE": str(pods_file), "KVGATE_GRPC_PORT": str(grpc_port),
                "KVGATE_HTTP_PORT": str(http_port), "KVGATE_TOKENIZER_TIMEOUT_S": str(TIMEOUT_S),
-               "KVGATE_TOKENIZER_URL": f"http://127.0.0.1:{free_port()}"}  # nobody listens there
+               "KVGATE_TOKENIZER_URL": f"http://127.0.0.1:{free_port()}", **QUICK_STOP}  # nobody listens there
         kvgate = stack.kvgate(env=env, grpc_port=grpc_port)
         listen = free_port()
         stack.envoy(listen_port=listen, extproc_port=grpc_port, pool=[("127.0.0.1", port), ("127.0.0.1", port1)])

@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from plugin.stack import Stack, free_port
+from stackutil import QUICK_STOP
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -30,7 +31,7 @@ def gw():
         pods_file = stack.pods_file(pods)
         grpc_port, http_port = free_port(), free_port()
         kvgate = stack.kvgate(env={"KVGATE_PODS_FILE": str(pods_file), "KVGATE_GRPC_PORT": str(grpc_port),
-                                   "KVGATE_HTTP_PORT": str(http_port), "KVGATE_MAX_BODY_BYTES": str(LIMIT)},
+                                   "KVGATE_HTTP_PORT": str(http_port), "KVGATE_MAX_BODY_BYTES": str(LIMIT), **QUICK_STOP},
                               grpc_port=grpc_port)
         listen = free_port()
         stack.envoy(listen_port=listen, extproc_port=grpc_port, pool=[("127.0.0.1", p["port"]) for p in pods])

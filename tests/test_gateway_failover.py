@@ -15,7 +15,7 @@ import httpx
 import pytest
 import yaml
 
-from stackutil import wait_until
+from stackutil import QUICK_STOP, wait_until
 from plugin.stack import Stack, find_envoy, free_port, render_envoy_config
 
 pytestmark = pytest.mark.integration
@@ -40,7 +40,7 @@ def start_kvgates(stack: Stack, n: int, pods_file, redis_url: str = "", **env: s
     for i in range(n):
         grpc_port, http_port = free_port(), free_port()
         e = {"KVGATE_PODS_FILE": str(pods_file), "KVGATE_GRPC_PORT": str(grpc_port),
-             "KVGATE_HTTP_PORT": str(http_port), "KVGATE_GATEWAY_ID": f"gw{i}", **env}
+             "KVGATE_HTTP_PORT": str(http_port), "KVGATE_GATEWAY_ID": f"gw{i}", **QUICK_STOP, **env}
         if redis_url:
             e["KVGATE_REDIS_URL"] = redis_url
         proc = stack.kvgate(env=e, grpc_port=grpc_port, name=f"kvgate{i}")
@@ -48,9 +48,17 @@ def start_kvgates(stack: Stack, n: int, pods_file, redis_url: str = "", **env: s
     return out
 
 
-def test_engine_picked_next_is_sigkilled_and_the_next_40_requests_all_succeed():
+@pytest.fixture(scope="module")
+def engines():
+    """Three engines (a token every 2 ms) for the module's tests, started once (each test starts its own
+    kvgate replicas and Envoy); a test that kills one starts it again before it ends."""
     with Stack() as stack:
-        pods = stack.engines(3, model=MODEL, extra=["--tpot-ms", "2"])
+        yield stack, stack.engines(3, model=MODEL, extra=["--tpot-ms", "2"])
+
+
+def test_engine_picked_next_is_sigkilled_and_the_next_40_requests_all_succeed(engines):
+    engine_stack, pods = engines
+    with Stack() as stack:
         # kvgate scrapes rarely here: it keeps picking the dead engine, so every request below takes
         # the fallback path (Envoy's retry to the next endpoint of kvgate's list)
         gw, = start_kvgates(stack, 1, stack.pods_file(pods), KVGATE_ENGINE_METRICS_INTERVAL_S="60")
@@ -63,13 +71,17 @@ def test_engine_picked_next_is_sigkilled_and_the_next_40_requests_all_succeed():
             picked = first.headers["x-kvgate-pod"]
             # the prompt's blocks are on `picked` now: kvgate picks it again
             assert wait_until(lambda: client.post("/v1/completions", json=body).headers["x-kvgate-pod"] == picked)
-            victim = next(p for p in stack.procs if p.name == picked)
+            victim = next(p for p in engine_stack.procs if p.name == picked)
             victim.kill()
-            statuses, served = [], []
-            for _ in range(40):
-                r = client.post("/v1/completions", json=body)
-                statuses.append(r.status_code)
-                served.append(r.headers.get("x-kvgate-pod"))
+            try:
+                statuses, served = [], []
+                for _ in range(40):
+                    r = client.post("/v1/completions", json=body)
+                    statuses.append(r.status_code)
+                    served.append(r.headers.get("x-kvgate-pod"))
+            finally:  # back for the module's next tests
+                port = next(p["port"] for p in pods if p["name"] == picked)
+                engine_stack.restart(victim, ready_port=("127.0.0.1", port))
         assert statuses == [200] * 40, statuses
         assert picked not in served and set(served) <= {p["name"] for p in pods}
         # kvgate kept picking the dead engine at first (it holds the prefix) and learnt from Envoy which
@@ -168,8 +180,8 @@ class Clients:
         return len(self.results)
 
 
-def _two_replicas(stack: Stack, **env: str):
-    pods = stack.engines(2, model=MODEL, extra=["--tpot-ms", "2"])
+def _two_replicas(stack: Stack, pods: list[dict], **env: str):
+    pods = pods[:2]
     _, redis_url = stack.redis()
     gws = start_kvgates(stack, 2, stack.pods_file(pods), redis_url, **env)
     listen, admin = free_port(), free_port()
@@ -178,9 +190,9 @@ def _two_replicas(stack: Stack, **env: str):
     return gws, f"http://127.0.0.1:{listen}", admin
 
 
-def test_a_sigkilled_kvgate_replica_fails_no_request_that_starts_a_second_later():
+def test_a_sigkilled_kvgate_replica_fails_no_request_that_starts_a_second_later(engines):
     with Stack() as stack:
-        gws, url, admin = _two_replicas(stack)
+        gws, url, admin = _two_replicas(stack, engines[1])
         with Clients(url) as clients:
             assert wait_until(lambda: clients.count() >= 50, timeout=30)
             # both replicas take streams
@@ -196,9 +208,9 @@ def test_a_sigkilled_kvgate_replica_fails_no_request_that_starts_a_second_later(
         assert envoy_stat(admin, "cluster.kvgate.health_check.failure") >= 1  # Envoy noticed, by health checks
 
 
-def test_a_kvgate_replica_stopped_with_sigterm_drains_without_failing_a_request():
+def test_a_kvgate_replica_stopped_with_sigterm_drains_without_failing_a_request(engines):
     with Stack() as stack:
-        gws, url, _ = _two_replicas(stack, KVGATE_DRAIN_DELAY_S="1.5", KVGATE_DRAIN_TIMEOUT_S="20")
+        gws, url, _ = _two_replicas(stack, engines[1], KVGATE_DRAIN_DELAY_S="1.5", KVGATE_DRAIN_TIMEOUT_S="20")
         long_body = {"model": MODEL, "prompt": "a long answer", "max_tokens": 1000, "stream": True}
         in_flight: list[str] = []
 
@@ -228,9 +240,9 @@ def test_a_kvgate_replica_stopped_with_sigterm_drains_without_failing_a_request(
         assert drained >= 1.5  # it served through the drain delay before refusing streams
 
 
-def test_streamed_bodies_and_the_subset_hint_through_real_envoy():
+def test_streamed_bodies_and_the_subset_hint_through_real_envoy(engines):
+    pods = engines[1][:2]
     with Stack() as stack:
-        pods = stack.engines(2, model=MODEL, extra=["--tpot-ms", "2"])
         gw, = start_kvgates(stack, 1, stack.pods_file(pods))
         listen = free_port()
         config = render_envoy_config(listen_port=listen, admin_port=free_port(), extproc_port=gw["grpc"],

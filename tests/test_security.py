@@ -38,12 +38,30 @@ class Env(GatewayEnv):
                                   "KVGATE_GATEWAY_ID": "sec-gw"},
                            client_timeout=60)
         self.evil = f"127.0.0.1:{self.canary_port}"
+        self.overrides: dict[str, str] = {}
+
+    def kvgate_with(self, **overrides: str) -> None:
+        """kvgate with the module's settings and `overrides`: restarted only when the running one has others
+        (each test states what it needs; no test pays for restoring the one before it)."""
+        if overrides != self.overrides:
+            self.restart_kvgate(**overrides)
+            self.overrides = overrides
 
     def ok(self) -> bool:
         return self.client.post("/v1/completions", json={"model": MODEL, "prompt": "ok", "max_tokens": 1}).status_code == 200
 
 
 env = stack_fixture(Env)
+# The tests that run kvgate with settings of their own (env.kvgate_with); every other test gets the
+# module's settings back first, whatever ran before it.
+OWN_SETTINGS = {"test_wrong_redis_password_degrades_to_local_counts_and_is_not_shown",
+                "test_rediss_url_with_auth_over_tls", "test_credentials_in_the_tokenizer_url_are_not_shown"}
+
+
+@pytest.fixture(autouse=True)
+def _module_settings(request):
+    if request.node.originalname not in OWN_SETTINGS:
+        request.getfixturevalue("env").kvgate_with()
 
 
 # --- clients cannot choose the upstream -----------------------------------------------------
@@ -181,14 +199,10 @@ def test_authorization_headers_never_reach_logs_or_debug(env):
 def test_wrong_redis_password_degrades_to_local_counts_and_is_not_shown(env):
     wrong = "wrong-pw-Yy81"
     url = env.redis_url.replace(REDIS_PASSWORD, wrong)
-    env.restart_kvgate(KVGATE_REDIS_URL=url)
-    try:
-        assert wait_until(env.ok, timeout=10)
-        assert '"redis_up": false' in env.debug_text()
-        _no_secret(env, wrong, REDIS_PASSWORD)
-    finally:
-        env.restart_kvgate()
+    env.kvgate_with(KVGATE_REDIS_URL=url)
     assert wait_until(env.ok, timeout=10)
+    assert '"redis_up": false' in env.debug_text()
+    _no_secret(env, wrong, REDIS_PASSWORD)
 
 
 def _tls_redis(stack: Stack) -> tuple[int, Path]:
@@ -207,23 +221,15 @@ def test_rediss_url_with_auth_over_tls(env):
         port, ca = _tls_redis(env.stack)
     except (FileNotFoundError, subprocess.CalledProcessError, StackError) as e:
         pytest.skip(f"no openssl or no TLS in redis-server: {e}")
-    env.restart_kvgate(KVGATE_REDIS_URL=f"rediss://:{REDIS_PASSWORD}@127.0.0.1:{port}/0?ssl_ca_certs={ca}")
-    try:
-        assert wait_until(lambda: '"redis_up": true' in env.debug_text(), timeout=10), env.kvgate.log_tail()
-        assert env.ok()
-        assert "rediss://" in env.debug_text() and "***@127.0.0.1" in env.debug_text()
-        _no_secret(env, REDIS_PASSWORD)
-    finally:
-        env.restart_kvgate()
-    assert wait_until(env.ok, timeout=10)
+    env.kvgate_with(KVGATE_REDIS_URL=f"rediss://:{REDIS_PASSWORD}@127.0.0.1:{port}/0?ssl_ca_certs={ca}")
+    assert wait_until(lambda: '"redis_up": true' in env.debug_text(), timeout=10), env.kvgate.log_tail()
+    assert env.ok()
+    assert "rediss://" in env.debug_text() and "***@127.0.0.1" in env.debug_text()
+    _no_secret(env, REDIS_PASSWORD)
 
 
 def test_credentials_in_the_tokenizer_url_are_not_shown(env):
     secret = "tok-secret-77Qa"
-    env.restart_kvgate(KVGATE_TOKENIZER_URL=f"http://tok-user:{secret}@127.0.0.1:{env.sims['sim0']}")
-    try:
-        assert wait_until(env.ok, timeout=10)
-        _no_secret(env, secret)
-    finally:
-        env.restart_kvgate()
+    env.kvgate_with(KVGATE_TOKENIZER_URL=f"http://tok-user:{secret}@127.0.0.1:{env.sims['sim0']}")
     assert wait_until(env.ok, timeout=10)
+    _no_secret(env, secret)

@@ -84,7 +84,7 @@ def test_kvgate_serve_fetches_from_the_hub_verifies_then_tokenizes_locally(hub, 
     import httpx
 
     from plugin.stack import Stack, free_port
-    from stackutil import wait_until
+    from stackutil import QUICK_STOP, wait_until
 
     model = "org/tiny"  # the hub repository of the sim's (test) tokenizer
     with Stack() as stack:
@@ -94,7 +94,7 @@ def test_kvgate_serve_fetches_from_the_hub_verifies_then_tokenizes_locally(hub, 
                           "KVGATE_HTTP_PORT": str(http_port), "KVGATE_TOKENIZER_HUB": "true",
                           "KVGATE_TOKENIZER_CACHE_DIR": str(tmp_path / "cache"),
                           "KVGATE_TOKENIZER_VERIFY_REQUESTS": "2", "KVGATE_TOKENIZER_SAMPLE_RATE": "0",
-                          "HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf")}, grpc_port=grpc_port)
+                          "HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf"), **QUICK_STOP}, grpc_port=grpc_port)
         stack.envoy(listen_port=listen, extproc_port=grpc_port, pool=[("127.0.0.1", pods[0]["port"])])
         debug, metrics = f"http://127.0.0.1:{http_port}/debug", f"http://127.0.0.1:{http_port}/metrics"
 
