@@ -172,6 +172,7 @@ class Subscriber:
         self._catch_up_on_connect = True  # replay once the SUB is connected, so nothing published meanwhile is missed
         self._unverified = False  # reconnected, and no replay could confirm the stream continues
         self._lost_range = (0, 0)  # seqs declared lost on this connection: late live copies are stale
+        self._held_nothing = False  # the replay at connection answered, empty: the stream starts at seq 0
         self._error_log: dict[str, tuple[float, int]] = {}  # kind -> (last logged, suppressed since)
         self.stopped = False  # set (under the lock) by the manager: nothing more reaches the sink
         self.connected = False
@@ -203,6 +204,7 @@ class Subscriber:
         self._recent = {}
         self._unverified = False
         self._lost_range = (0, 0)
+        self._held_nothing = False
 
     # --- sockets --------------------------------------------------------------
 
@@ -305,6 +307,12 @@ class Subscriber:
             self._engine_restarted(f"live seq went back from {last} to {seq}")
         elif last is not None and seq > last + 1:
             self._repair(upto=seq)
+        elif last is None and seq > 0 and self._held_nothing:
+            # The engine held nothing when asked at connection, and this is not its first batch: those
+            # before it were published before our subscription reached its PUB (the replay at connection
+            # can run before it does). Replay them.
+            self._held_nothing = False
+            self._repair(upto=seq)
         elif self._unverified and last is not None and seq == last + 1 and not self._repair(upto=seq):
             # Reconnected without a replay to compare: a restarted engine can look like a continuation.
             log.warning("kv events %s rank %d: reconnected and cannot verify the stream continues (no replay); "
@@ -326,6 +334,7 @@ class Subscriber:
         try:
             if self._last is None:
                 self._replay_apply(0, upto=upto)
+                self._held_nothing = self._last is None and upto is None
             else:
                 # From `last`, not last+1: that batch must come back identical, else the engine restarted.
                 self._replay_apply(self._last, verify_first=True, upto=upto)
@@ -340,6 +349,7 @@ class Subscriber:
         self._last_seq_g.set(-1)
         try:
             self._replay_apply(0)
+            self._held_nothing = self._last is None
         except _ReplayFailed:
             pass
 

@@ -601,3 +601,54 @@ async def test_matches_through_locked_index_while_the_ingest_thread_applies(harn
     await publishing
     assert all(a <= b for a, b in zip(seen, seen[1:])), "a match saw less of the chain than an earlier one"
     assert len(set(seen)) > 2  # matches really ran while the chain grew
+
+
+async def test_batches_published_before_the_subscription_took_hold_are_replayed():
+    """The engine held nothing when asked at connection; it then published seqs 0 and 1 before the
+    SUB's subscription reached its PUB (so they went nowhere live). The first live batch, seq 2,
+    reveals them: they are replayed, in order, before it."""
+    ctx = zmq.Context()
+    pub_port, replay_port = free_port(), free_port()
+    pub, router = ctx.socket(zmq.XPUB), ctx.socket(zmq.ROUTER)  # XPUB: tells when the SUB has subscribed
+    pub.bind(f"tcp://127.0.0.1:{pub_port}")
+    router.bind(f"tcp://127.0.0.1:{replay_port}")
+    held: list[tuple[int, bytes]] = []
+
+    def batch(n):
+        return msgpack.packb([1.0, [["BlockStored", [n], None, [n], 1, None, "GPU", None]], 0])
+
+    def answer(client, start):
+        for seq, payload in held:
+            if seq >= start:
+                router.send_multipart([client, b"", seq.to_bytes(8, "big"), payload])
+        router.send_multipart([client, b"", END_SEQ, b""])
+
+    def serve():
+        assert router.poll(5000), "no replay request at connection"
+        client, _, start = router.recv_multipart()
+        answer(client, int.from_bytes(start, "big"))  # nothing held yet
+        held.extend((n, batch(n)) for n in (0, 1))  # published while nobody was subscribed
+        assert pub.poll(5000), "the SUB never subscribed"
+        assert pub.recv() == b"\x01"
+        held.append((2, batch(2)))
+        pub.send_multipart([b"", (2).to_bytes(8, "big"), held[-1][1]])
+        while router.poll(3000):  # the repair
+            client, _, start = router.recv_multipart()
+            answer(client, int.from_bytes(start, "big"))
+
+    t = threading.Thread(target=serve)
+    t.start()
+    sink = RecordingSink()
+    manager = SubscriberManager(sink, SubscriberOptions(replay_timeout=2.0))
+    try:
+        manager.sync([EndpointSpec("p", "m", "127.0.0.1", pub_port, replay_port, 0)])
+        await until(lambda: status(manager)["last_seq"] == 2)
+        assert sink.hashes() == [0, 1, 2]
+        st = status(manager)
+        assert st["missed_batches"] == 0 and sink.drops() == 0
+    finally:
+        await manager.aclose()
+        t.join()
+        pub.close(0)
+        router.close(0)
+        ctx.term()
