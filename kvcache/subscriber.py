@@ -541,9 +541,14 @@ class Subscriber:
             dealer.connect(endpoint)
             dealer.send_multipart((b"", start.to_bytes(8, "big")))
             while True:
-                if not dealer.poll(timeout_ms):
-                    self._replay_failed("timeout")
-                if self.stopped:  # unsubscribed meanwhile: nothing more reaches the sink anyway
+                waited = 0.0
+                while not dealer.poll(min(100.0, timeout_ms - waited)):  # in slices: a close is not held up
+                    waited += 100.0
+                    if self.stopped:  # unsubscribed meanwhile: nothing more reaches the sink anyway
+                        self._replay_failed("stopped")
+                    if waited >= timeout_ms:
+                        self._replay_failed("timeout")
+                if self.stopped:
                     self._replay_failed("stopped")
                 frames = dealer.recv_multipart()
                 # 0.26+: [b"", topic, seq, payload]; 0.25-: [b"", seq, payload]

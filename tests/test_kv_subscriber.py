@@ -676,3 +676,18 @@ async def test_batches_published_before_the_subscription_took_hold_are_replayed(
         pub.close(0)
         router.close(0)
         ctx.term()
+
+
+async def test_an_unanswered_replay_does_not_hold_other_engines_batches(harness):
+    """Engine a's replay port never answers (its replay at connection waits out the timeout); engine b's
+    live batches are applied meanwhile, not after it."""
+    make, engine = harness
+    a, b = engine(replay=False, pod="a"), engine(pod="b")
+    silent = EndpointSpec("a", "m", "127.0.0.1", a.pub_port, free_port(), 0)  # nothing answers there
+    sink, manager = make(options=SubscriberOptions(replay_timeout=4.0, reconnect_initial=0.05, reconnect_max=0.2))
+    manager.sync([silent, b.spec])
+    await until(lambda: all(s["connected"] for s in manager.status()))
+    b.publish(1, 2)
+    await until(lambda: sink.hashes("b") == [1, 2])
+    a_status = next(s for s in manager.status() if s["pod"] == "a")
+    assert a_status["replays"] == 1 and a_status["replay_failures"] == 0  # a's replay still under way
