@@ -284,12 +284,13 @@ class Subscriber:
         self._catch_up_on_connect = False
         self._unverified = not self._repair()
 
-    def live_message(self, frames: list[bytes]) -> tuple[int, bytes] | None:
-        """(seq, payload) of a live message, or None (a bad one, counted)."""
-        if len(frames) != 3 or len(frames[1]) != 8:
-            self._error("frame", f"live message with {len(frames)} frames")
-            return None
-        return int.from_bytes(frames[1], "big"), frames[2]
+    def live_message(self, item: tuple[int, bytes] | list[bytes]) -> tuple[int, bytes] | None:
+        """(seq, payload) of a live message as zmtp.Connection.messages gives it, or None (a bad one:
+        not three frames with an 8-byte seq, counted)."""
+        if type(item) is tuple:
+            return item
+        self._error("frame", f"live message with {len(item)} frames")
+        return None
 
     # --- sequencing -----------------------------------------------------------
 
@@ -789,15 +790,20 @@ class SubscriberManager:
             """Handle sub's pending messages in order until none is left (False), the tick budget is
             spent (True), or one needs a replay (handed to a worker: False)."""
             pending = sub.pending
+            counts = sub.counts
             while pending:
-                msg = sub.live_message(pending.popleft())
-                if msg is None:
+                msg = pending.popleft()
+                if type(msg) is not tuple:
+                    sub.live_message(msg)  # counted and logged
                     continue
                 seq, payload = msg
                 last = sub._last
                 if last is not None and seq == last + 1 and not sub._unverified:
-                    sub._n_live += 1  # on_live's common case, inline
-                    sub._take(seq, payload)
+                    # on_live's common case (and _take's), inline: a call costs ~1 us on a cold cache
+                    sub._n_live += 1
+                    counts["batches"] += 1
+                    sub._last = seq
+                    sub._apply(seq, payload)
                     sub._recent = {seq: hash(payload)}
                 elif sub.needs_replay(seq, payload):
                     hand_off(sub, sub.on_live, seq, payload)
@@ -825,7 +831,7 @@ class SubscriberManager:
                     alive = False
                 if alive:
                     sub.last_rx = time.monotonic()
-                    out: list[list[bytes]] = []
+                    out: list = []
                     try:
                         ready = conn.messages(out, 1 << 30)
                     except ProtocolError as e:

@@ -17,10 +17,14 @@ from __future__ import annotations
 import errno
 import socket
 
+from kvcache.native import native
+
+zmtp_split = native.zmtp_split
+
 SIGNATURE_END = 0x7F
 GREETING = b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x01" + b"NULL".ljust(20, b"\x00") + b"\x00" + b"\x00" * 31
 _PEER_TYPES = (b"PUB", b"XPUB")
-MAX_FRAME = 1 << 30  # a frame announcing more is not a KV event batch: the connection is dropped
+MAX_FRAME = 1 << 28  # a frame announcing more (256 MiB) is not a KV event batch: the connection is dropped
 RECV_BYTES = 1 << 16  # the read buffer's size (grown for a larger frame); recv_into, never recv(n):
 # recv(n) allocates n bytes per call (past 128 KiB an mmap and munmap each time)
 
@@ -63,7 +67,7 @@ def _properties(body: bytes) -> dict[bytes, bytes]:
 class Connection:
     """One TCP connection to an engine's PUB socket. States: connecting -> greeting -> ready."""
 
-    __slots__ = ("sock", "state", "_buf", "_view", "_pos", "_end", "_frames", "_out", "bytes_in")
+    __slots__ = ("sock", "state", "_buf", "_view", "_pos", "_end", "_out", "bytes_in")
 
     def __init__(self, addr: tuple, family: int) -> None:
         sock = socket.socket(family, socket.SOCK_STREAM)
@@ -74,7 +78,6 @@ class Connection:
         self._view = memoryview(self._buf)
         self._pos = 0  # next byte to parse
         self._end = 0  # end of the bytes received
-        self._frames: list[bytes] = []
         self._out = b""
         self.bytes_in = 0  # bytes received so far (any traffic counts as a sign of life)
         err = sock.connect_ex(addr)
@@ -140,9 +143,10 @@ class Connection:
         self._end = end + got
         return True
 
-    def messages(self, out: list[list[bytes]], limit: int) -> bool:
-        """Append up to `limit` complete messages from the buffer to `out`; True when the handshake
-        completed during this call. Commands are handled here (PING answered)."""
+    def messages(self, out: list, limit: int) -> bool:
+        """Append up to `limit` complete messages from the buffer to `out`: a live batch (three frames,
+        an 8-byte second) as (seq, payload), any other as the list of its frames. True when the
+        handshake completed during this call. Commands are handled here (PING answered)."""
         buf, pos, end = self._buf, self._pos, self._end
         became_ready = False
         if self.state == "greeting":
@@ -156,9 +160,19 @@ class Connection:
                 raise ProtocolError("security mechanism other than NULL")
             pos += 64
             self.state = "handshake"
-        frames = self._frames
         n = 0
-        while n < limit:
+        while True:
+            if self.state == "ready":
+                try:
+                    got, pos = zmtp_split(buf, pos, end, limit - n, MAX_FRAME)
+                except ValueError as e:
+                    self._pos = pos
+                    raise ProtocolError(str(e)) from None
+                out += got
+                n += len(got)
+                if n >= limit:
+                    break
+            # One frame the slow way: a command (the handshake's READY, a PING...), if one is complete.
             if end - pos < 2:
                 break
             flags = buf[pos]
@@ -174,19 +188,12 @@ class Connection:
                 raise ProtocolError(f"frame of {size} bytes")
             if end - pos < head + size:
                 break
+            if not flags & 0x04:
+                raise ProtocolError("message before READY")  # zmtp_split takes every message once ready
             body = self._view[pos + head:pos + head + size].tobytes()
             pos += head + size
-            if flags & 0x04:
-                if self._command(body):
-                    became_ready = True
-                continue
-            if self.state != "ready":
-                raise ProtocolError("message before READY")
-            frames.append(body)
-            if not flags & 0x01:
-                out.append(frames)
-                frames = self._frames = []
-                n += 1
+            if self._command(body):
+                became_ready = True
         self._pos = pos
         return became_ready
 
