@@ -30,7 +30,7 @@ import logging
 from array import array
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterable, NamedTuple, Sequence
+from typing import Iterable, Sequence
 
 from kvcache.blockkeys import root_key
 from kvcache.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEvent
@@ -44,10 +44,8 @@ _MIX = 0x9E3779B97F4A7C15  # odd: multiplying spreads small or sequential engine
 _TOMB = _M64 - 1  # folded hashes stay below the tables' reserved values (kvcache/_native.c)
 
 
-class BatchApplied(NamedTuple):
-    """What apply_payload applied: events by type (a tuple: made once per live batch)."""
-    stored: int
-    removed: int
+BatchApplied = tuple  # what apply_payload applied: (BlockStored events, BlockRemoved events); a plain tuple,
+# made once per live batch (a NamedTuple's __new__ is a Python call)
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,8 +167,11 @@ class PrefixIndex:
             self._skipped["unknown_parent_blocks"] += unknown_parent
         if unknown_removed:
             self._skipped["unknown_removed_blocks"] += unknown_removed
-        self._after_batch(False)
-        return BatchApplied(stored_events, removed_events)
+        self._core.maintain()  # _after_batch, inline: once per live batch
+        self._applies += 1
+        if not self._applies & 63:
+            self._drop_empty_media()
+        return stored_events, removed_events
 
     def _after_batch(self, cleared: bool) -> None:
         self._core.maintain()  # eviction down to the bound, a bounded step of the background passes

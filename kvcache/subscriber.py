@@ -1,9 +1,11 @@
 """Subscribers that keep each engine endpoint's KV event stream complete.
 
-One `Subscriber` per (pod, DP rank): a SUB socket for live batches and a
-short-lived DEALER per replay request. Every loss is either repaired by replay
-or declared to the sink with `drop(pod, rank)`, counted and logged:
-- start: replay from seq 0, then follow the live stream;
+One `Subscriber` per (pod, DP rank): a ZMTP SUB connection for live batches (kvcache.zmtp,
+plain TCP) and a short-lived libzmq DEALER per replay request. Every loss is either repaired
+by replay or declared to the sink with `drop(pod, rank)`, counted and logged:
+- start: replay from seq 0, then follow the live stream; if that replay found nothing and the
+  first live batch is not seq 0, what came before it (published before the subscription took
+  hold) is replayed;
 - gap in seq: replay the missing range; if the engine no longer holds it, drop;
 - reconnect: replay from the last applied seq, whose payload must match the one
   applied before (otherwise the engine restarted);
@@ -12,16 +14,21 @@ or declared to the sink with `drop(pod, rank)`, counted and logged:
 - a hole inside a replay (vLLM's ROUTER drops replies past its queue): ask again.
 
 Ingestion runs on one thread of its own (`SubscriberManager`), off the event loop that
-serves requests: it polls every endpoint's sockets with zmq (the GIL released while it
-waits), handles each endpoint's batches in order, and calls the sink under the manager's
-lock, which the request path takes too (`LockedIndex`) since the index is not thread-safe.
-An endpoint that has work queued gets `tick_budget` seconds before the others have their
-turn; a replay runs to its end (or its timeout) while the other endpoints' batches wait,
-bounded, in their own socket queues. Every socket queue is bounded.
+serves requests: it waits on every endpoint's socket with epoll (the GIL released), reads each
+with one recv per wake-up, handles each endpoint's batches in order, and calls the sink under
+the manager's lock, which the request path takes too (`LockedIndex`) since the index is not
+thread-safe. While batches keep coming it wakes every `coalesce` seconds and takes all that
+queued meanwhile. An endpoint that has work queued gets `tick_budget` seconds before the others
+have their turn. A replay runs on a worker thread of its endpoint: meanwhile that endpoint's
+live batches wait, in order, in its socket (TCP flow control bounds them, then the engine's
+send queue), and the other endpoints go on.
 
-Measured (bench ingest, 3 engines x 300 one-block batches/s): on asyncio with zmq.asyncio this
-cost 160-180 us of CPU per batch, ~85% of it zmq.asyncio's poller and future machinery and the
-event loop, ~15 us the index's apply_payload and ~10 us metrics.
+Measured (kvgate bench ingest, 3 engines x 333 one-block batches/s, loaded 2-core VM, CPU per
+batch): on asyncio with zmq.asyncio 160-180 us; on a thread with libzmq SUB sockets 68-78 us
+(libzmq's I/O thread 19-23, woken per message; zmq_poll, recv and getsockopt per frame); read
+here, 36-39 us. The processing itself (sequencing, apply_payload, metrics counted locally) is
+~5 us per batch on a warm cache, ~15 on the cold one of a thread that wakes 200 times a second;
+the rest is per wake-up (sleep, epoll, recv per engine).
 """
 from __future__ import annotations
 
@@ -55,7 +62,7 @@ class EventSink(Protocol):
 
     def drop(self, pod: str, rank: int) -> None: ...  # that rank's state can no longer be trusted
 
-    # Optional: `apply_payload(pod, model, rank, payload) -> BatchApplied | None` decodes and applies
+    # Optional: `apply_payload(pod, model, rank, payload) -> (stored events, removed events) | None` decodes and applies
     # raw batch bytes in one pass (kvcache.index.PrefixIndex); None sends the batch down the general
     # path (decode_batch, then apply).
 
@@ -129,10 +136,10 @@ class SubscriberOptions:
     reconnect_max: float = 30.0  # ... up to this
     heartbeat_interval: float = 5.0  # s between ZMTP pings; 0 disables dead-peer detection
     heartbeat_timeout: float = 15.0  # s without traffic before the connection counts as dead
-    rcv_hwm: int = 10_000  # batches queued in the SUB (and replay DEALER) socket at most
+    rcv_hwm: int = 10_000  # batches a replay DEALER queues at most (live ones wait in the TCP socket buffer)
     apply_chunk: int = 512  # events per sink.apply call (the lock is released between two)
     tick_budget: float = 0.002  # s of one endpoint's live batches before the other endpoints' turn
-    coalesce: float = 0.005  # s the ingest thread waits, once woken from idle, for more batches to queue
+    coalesce: float = 0.005  # s between two wake-ups of the ingest thread while batches keep coming
 
     def __post_init__(self) -> None:
         for name in ("replay_timeout", "reconnect_initial", "reconnect_max", "tick_budget"):
@@ -487,7 +494,9 @@ class Subscriber:
                 n = self._n_events
                 n[0] += stored
                 n[1] += removed
-                self._processed(time.perf_counter() - started)
+                seconds = time.perf_counter() - started  # _processed, inline
+                self._proc_n[bisect_left(_PROC_BOUNDS, seconds)] += 1
+                self._proc_sum += seconds
                 return
         try:
             decoded = decode_batch(payload)
