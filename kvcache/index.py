@@ -30,7 +30,7 @@ import logging
 from array import array
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 from kvcache.blockkeys import root_key
 from kvcache.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEvent
@@ -44,8 +44,13 @@ _MIX = 0x9E3779B97F4A7C15  # odd: multiplying spreads small or sequential engine
 _TOMB = _M64 - 1  # folded hashes stay below the tables' reserved values (kvcache/_native.c)
 
 
-BatchApplied = tuple  # what apply_payload applied: (BlockStored events, BlockRemoved events); a plain tuple,
-# made once per live batch (a NamedTuple's __new__ is a Python call)
+class BatchApplied(NamedTuple):
+    """What apply_payload applied: events by type."""
+    stored: int
+    removed: int
+
+
+_applied = tuple.__new__  # BatchApplied made without its __new__ (a Python-level call, once per live batch)
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,7 +176,7 @@ class PrefixIndex:
         self._applies += 1
         if not self._applies & 63:
             self._drop_empty_media()
-        return stored_events, removed_events
+        return _applied(BatchApplied, (stored_events, removed_events))
 
     def _after_batch(self, cleared: bool) -> None:
         self._core.maintain()  # eviction down to the bound, a bounded step of the background passes

@@ -62,7 +62,7 @@ class EventSink(Protocol):
 
     def drop(self, pod: str, rank: int) -> None: ...  # that rank's state can no longer be trusted
 
-    # Optional: `apply_payload(pod, model, rank, payload) -> (stored events, removed events) | None` decodes and applies
+    # Optional: `apply_payload(pod, model, rank, payload) -> BatchApplied | None` ((stored, removed) events) decodes and applies
     # raw batch bytes in one pass (kvcache.index.PrefixIndex); None sends the batch down the general
     # path (decode_batch, then apply).
 

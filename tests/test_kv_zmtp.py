@@ -142,3 +142,30 @@ async def test_a_peer_announcing_another_socket_type_is_a_counted_protocol_error
         for c in accepted:
             c.close()
         listener.close()
+
+
+def test_split_survives_random_and_mutated_bytes():
+    """Whatever the bytes: messages, a stop, or ValueError; never a read past `end` (run under ASan by
+    ./dev sanitize)."""
+    import random
+
+    rng = random.Random(14)
+    good = live(1, b"a" * 300) + frame(b"x") + live(2, b"b") + frame(b"\x04PING\x00\x01", command=True)
+    for i in range(3000):
+        if i % 2:
+            data = bytearray(rng.randbytes(rng.randrange(0, 64)))
+        else:
+            data = bytearray(good)
+            for _ in range(rng.randrange(1, 4)):
+                data[rng.randrange(len(data))] = rng.randrange(256)
+            data = data[:rng.randrange(len(data) + 1)]
+        end = len(data)
+        data += b"\xff" * 16  # bytes past `end` must never be taken
+        try:
+            got, pos = native.zmtp_split(data, 0, end, 100, MAX_FRAME)
+        except ValueError:
+            continue
+        assert 0 <= pos <= end
+        for item in got:
+            assert type(item) in (tuple, list)
+            assert b"\xff" * 16 not in (item[1] if type(item) is tuple else b"".join(item))
