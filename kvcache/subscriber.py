@@ -651,6 +651,8 @@ class SubscriberManager:
         return [sub.status() for sub in list(self._subs.values())]
 
     async def aclose(self) -> None:
+        if self._closed:
+            return
         self._closed = True
         for sub in list(self._subs.values()):
             with self.lock:
