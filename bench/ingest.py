@@ -33,6 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engines", type=int, default=3, help="publishing engines (default 3)")
     p.add_argument("--rate", type=float, default=333.0, help="one-block batches per second per engine (default 333: ~1000/s in all)")
     p.add_argument("--seconds", type=float, default=10.0, help="seconds of publishing (default 10)")
+    p.add_argument("--coalesce", type=float, default=None, metavar="S",
+                   help="kvgate's KVGATE_KV_EVENTS_COALESCE_S (default: kvgate's own, 0.005)")
     p.add_argument("--publish", nargs=2, type=int, metavar=("PUB_PORT", "REPLAY_PORT"), help=argparse.SUPPRESS)
 
 
@@ -93,7 +95,7 @@ def _last_seqs(http: str) -> dict[str, int | None]:
     return {s["pod"]: s["last_seq"] for s in subs if s.get("connected")}
 
 
-def run(engines: int, rate: float, seconds: float, log) -> dict:
+def run(engines: int, rate: float, seconds: float, log, coalesce: float | None = None) -> dict:
     import subprocess
 
     with Stack() as stack:
@@ -112,7 +114,9 @@ def run(engines: int, rate: float, seconds: float, log) -> dict:
             grpc_port, http_port = free_port(), free_port()
             kvgate = stack.kvgate(env={"KVGATE_PODS_FILE": str(stack.pods_file(pods)),
                                        "KVGATE_GRPC_PORT": str(grpc_port), "KVGATE_HTTP_PORT": str(http_port),
-                                       "KVGATE_LOG_LEVEL": "warning"}, grpc_port=grpc_port)
+                                       "KVGATE_LOG_LEVEL": "warning",
+                                       **({"KVGATE_KV_EVENTS_COALESCE_S": str(coalesce)} if coalesce is not None else {})},
+                                  grpc_port=grpc_port)
             http = f"http://127.0.0.1:{http_port}"
             deadline = time.monotonic() + 30
             while len(_last_seqs(http)) < engines:
@@ -157,7 +161,7 @@ def run(engines: int, rate: float, seconds: float, log) -> dict:
     lost = sum(s["missed_batches"] + s["drops"] for s in status)
     per_batch = (cpu - idle_per_s * wall) / sent * 1e6
     return {
-        "engines": engines, "rate_per_engine": rate, "seconds": seconds, "batches": sent,
+        "engines": engines, "rate_per_engine": rate, "seconds": seconds, "coalesce_s": coalesce, "batches": sent,
         "kvgate_cpu_s": round(cpu, 3), "idle_cpu_per_s": round(idle_per_s, 4),
         "cpu_us_per_batch": round(per_batch, 1), "cpu_us_per_batch_raw": round(cpu / sent * 1e6, 1),
         "cores_following": round((cpu - idle_per_s * wall) / wall, 3),
@@ -181,7 +185,8 @@ def table(r: dict) -> str:
 
 def main(args: argparse.Namespace) -> int:
     try:
-        result = run(args.engines, args.rate, args.seconds, lambda m: print(m, file=sys.stderr, flush=True))
+        result = run(args.engines, args.rate, args.seconds, lambda m: print(m, file=sys.stderr, flush=True),
+                     args.coalesce)
     except StackError as e:
         print(f"kvgate bench ingest: {e}", file=sys.stderr)
         return 1

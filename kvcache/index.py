@@ -30,7 +30,7 @@ import logging
 from array import array
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 from kvcache.blockkeys import root_key
 from kvcache.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEvent
@@ -44,11 +44,13 @@ _MIX = 0x9E3779B97F4A7C15  # odd: multiplying spreads small or sequential engine
 _TOMB = _M64 - 1  # folded hashes stay below the tables' reserved values (kvcache/_native.c)
 
 
-@dataclass(frozen=True, slots=True)
-class BatchApplied:
+class BatchApplied(NamedTuple):
     """What apply_payload applied: events by type."""
     stored: int
     removed: int
+
+
+_applied = tuple.__new__  # BatchApplied made without its __new__ (a Python-level call, once per live batch)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +101,7 @@ class PrefixIndex:
         self._pod_group: dict[str, int] = {}  # pod -> its group (pod) id in the tables
         self._pod_bits: dict[str, int] = {}  # pod -> OR of 1 << slot over its ranks
         self._cand: dict[tuple[str, ...], int] = {}  # candidate pods -> OR of their _pod_bits
+        self._roots: dict[str, int] = {}  # model -> root_key(model, None)
         self._applies = 0
         self._skipped: Counter[str] = Counter()
 
@@ -157,8 +160,11 @@ class PrefixIndex:
                 medium_id = self._medium_id(medium or DEFAULT_MEDIUM)
             if self._block_size.get(model) != bs:
                 self._learn_block_size(model, bs)
+        root = self._roots.get(model)
+        if root is None:
+            root = self._roots[model] = root_key(model, None)
         _, _, unknown_parent, unknown_removed = self._core.apply_batch(
-            payload, model_id, medium_id, slot, root_key(model, None),
+            payload, model_id, medium_id, slot, root,
             {lora: root_key(model, lora) for lora in loras} if loras else {})
         if unknown_parent:
             if not self._skipped["unknown_parent_blocks"]:
@@ -166,8 +172,11 @@ class PrefixIndex:
             self._skipped["unknown_parent_blocks"] += unknown_parent
         if unknown_removed:
             self._skipped["unknown_removed_blocks"] += unknown_removed
-        self._after_batch(False)
-        return BatchApplied(stored_events, removed_events)
+        self._core.maintain()  # _after_batch, inline: once per live batch
+        self._applies += 1
+        if not self._applies & 63:
+            self._drop_empty_media()
+        return _applied(BatchApplied, (stored_events, removed_events))
 
     def _after_batch(self, cleared: bool) -> None:
         self._core.maintain()  # eviction down to the bound, a bounded step of the background passes

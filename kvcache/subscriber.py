@@ -1,9 +1,11 @@
 """Subscribers that keep each engine endpoint's KV event stream complete.
 
-One `Subscriber` per (pod, DP rank): a SUB socket for live batches and a
-short-lived DEALER per replay request. Every loss is either repaired by replay
-or declared to the sink with `drop(pod, rank)`, counted and logged:
-- start: replay from seq 0, then follow the live stream;
+One `Subscriber` per (pod, DP rank): a ZMTP SUB connection for live batches (kvcache.zmtp,
+plain TCP) and a short-lived libzmq DEALER per replay request. Every loss is either repaired
+by replay or declared to the sink with `drop(pod, rank)`, counted and logged:
+- start: replay from seq 0, then follow the live stream; if that replay found nothing and the
+  first live batch is not seq 0, what came before it (published before the subscription took
+  hold) is replayed;
 - gap in seq: replay the missing range; if the engine no longer holds it, drop;
 - reconnect: replay from the last applied seq, whose payload must match the one
   applied before (otherwise the engine restarted);
@@ -12,34 +14,43 @@ or declared to the sink with `drop(pod, rank)`, counted and logged:
 - a hole inside a replay (vLLM's ROUTER drops replies past its queue): ask again.
 
 Ingestion runs on one thread of its own (`SubscriberManager`), off the event loop that
-serves requests: it polls every endpoint's sockets with zmq (the GIL released while it
-waits), handles each endpoint's batches in order, and calls the sink under the manager's
-lock, which the request path takes too (`LockedIndex`) since the index is not thread-safe.
-An endpoint that has work queued gets `tick_budget` seconds before the others have their
-turn; a replay runs to its end (or its timeout) while the other endpoints' batches wait,
-bounded, in their own socket queues. Every socket queue is bounded.
+serves requests: it waits on every endpoint's socket with epoll (the GIL released), reads each
+with one recv per wake-up, handles each endpoint's batches in order, and calls the sink under
+the manager's lock, which the request path takes too (`LockedIndex`) since the index is not
+thread-safe. While batches keep coming it wakes every `coalesce` seconds and takes all that
+queued meanwhile. An endpoint that has work queued gets `tick_budget` seconds before the others
+have their turn. A replay runs on a worker thread of its endpoint: meanwhile that endpoint's
+live batches wait, in order, in its socket (TCP flow control bounds them, then the engine's
+send queue), and the other endpoints go on.
 
-Measured (bench ingest, 3 engines x 300 one-block batches/s): on asyncio with zmq.asyncio this
-cost 160-180 us of CPU per batch, ~85% of it zmq.asyncio's poller and future machinery and the
-event loop, ~15 us the index's apply_payload and ~10 us metrics.
+Measured (kvgate bench ingest, 3 engines x 333 one-block batches/s, loaded 2-core VM, CPU per
+batch): on asyncio with zmq.asyncio 160-180 us; on a thread with libzmq SUB sockets 68-78 us
+(libzmq's I/O thread 19-23, woken per message; zmq_poll, recv and getsockopt per frame); read
+here, 36-39 us. The processing itself (sequencing, apply_payload, metrics counted locally) is
+~5 us per batch on a warm cache, ~15 on the cold one of a thread that wakes 200 times a second;
+the rest is per wake-up (sleep, epoll, recv per engine).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import select
+import socket
 import threading
 import time
-from collections import Counter
+from bisect import bisect_left
+from collections import Counter, deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
 from kvcache.events import KVEvent
 from kvcache.metrics import KVEventMetrics
 from kvcache.wire import WireError, decode_batch
+from kvcache.zmtp import Connection, ProtocolError, ping
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +62,7 @@ class EventSink(Protocol):
 
     def drop(self, pod: str, rank: int) -> None: ...  # that rank's state can no longer be trusted
 
-    # Optional: `apply_payload(pod, model, rank, payload) -> BatchApplied | None` decodes and applies
+    # Optional: `apply_payload(pod, model, rank, payload) -> BatchApplied | None` ((stored, removed) events) decodes and applies
     # raw batch bytes in one pass (kvcache.index.PrefixIndex); None sends the batch down the general
     # path (decode_batch, then apply).
 
@@ -125,10 +136,10 @@ class SubscriberOptions:
     reconnect_max: float = 30.0  # ... up to this
     heartbeat_interval: float = 5.0  # s between ZMTP pings; 0 disables dead-peer detection
     heartbeat_timeout: float = 15.0  # s without traffic before the connection counts as dead
-    rcv_hwm: int = 10_000  # batches queued in the SUB (and replay DEALER) socket at most
+    rcv_hwm: int = 10_000  # batches a replay DEALER queues at most (live ones wait in the TCP socket buffer)
     apply_chunk: int = 512  # events per sink.apply call (the lock is released between two)
     tick_budget: float = 0.002  # s of one endpoint's live batches before the other endpoints' turn
-    coalesce: float = 0.005  # s the ingest thread waits, once woken from idle, for more batches to queue
+    coalesce: float = 0.005  # s between two wake-ups of the ingest thread while batches keep coming
 
     def __post_init__(self) -> None:
         for name in ("replay_timeout", "reconnect_initial", "reconnect_max", "tick_budget"):
@@ -150,12 +161,16 @@ class _ReplayFailed(Exception):
 
 _HOLE_RETRIES = 3  # replays in a row that may stop at a hole without progress
 _ERROR_LOG_EVERY = 10.0  # s between two log lines for the same kind of error
-_MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+_PROC_BOUNDS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5)  # KVEventMetrics.processing's
+_FLUSH_EVERY = 0.1  # s between two writes of the locally counted metrics
+_HANDSHAKE_TIMEOUT = 30.0  # s for a connection to complete its handshake (libzmq's default)
 
 
 class Subscriber:
-    """Follows one engine endpoint and feeds `sink`. Driven by the SubscriberManager's thread:
-    `open()`, then `on_monitor()` / `drain()` when its sockets are readable, `close()`."""
+    """Follows one engine endpoint and feeds `sink`. Driven by the SubscriberManager's thread, which
+    owns its connection (`conn`, ZMTP over plain TCP) and hands it the live messages read from it;
+    whatever needs a replay runs on a worker thread of its own while the ingest thread goes on with
+    the other endpoints (this one's messages wait, in order, until the worker is done)."""
 
     def __init__(self, spec: EndpointSpec, sink: EventSink, ctx: zmq.Context, options: SubscriberOptions,
                  metrics: KVEventMetrics, lock: threading.Lock | None = None) -> None:
@@ -172,15 +187,31 @@ class Subscriber:
         self._catch_up_on_connect = True  # replay once the SUB is connected, so nothing published meanwhile is missed
         self._unverified = False  # reconnected, and no replay could confirm the stream continues
         self._lost_range = (0, 0)  # seqs declared lost on this connection: late live copies are stale
+        self._held_nothing = False  # the replay at connection answered, empty: the stream starts at seq 0
         self._error_log: dict[str, tuple[float, int]] = {}  # kind -> (last logged, suppressed since)
         self.stopped = False  # set (under the lock) by the manager: nothing more reaches the sink
         self.connected = False
-        self.sub: zmq.Socket | None = None
-        self.monitor: zmq.Socket | None = None
         self.counts: Counter[str] = Counter()
+        # connection state, the manager's (ingest thread)
+        self.conn: Connection | None = None
+        self.pending: deque[list[bytes]] = deque()  # live messages read, not yet handled
+        self.worker: threading.Thread | None = None  # a replay under way
+        self.worker_error: Exception | None = None
+        self._registered_fd = -1
+        self.retry_delay = options.reconnect_initial
+        self.connect_at: float | None = None  # when to (re)connect, while there is no connection
+        self.last_rx = 0.0  # when bytes last came in
+        self.ping_at = 0.0
+        self.registered = 0  # selector events the connection is registered for
+        # Counted locally per batch, written to the metrics by flush_metrics (a prometheus update costs
+        # about what applying a one-block batch does).
+        self._n_live = 0
+        self._n_events = [0, 0]  # BlockStored, BlockRemoved (fast path)
+        self._proc_n = [0] * (len(_PROC_BOUNDS) + 1)
+        self._proc_sum = 0.0
         self._connected_g = metrics.connected.labels(*self._labels)
         self._last_seq_g = metrics.last_seq.labels(*self._labels)
-        # children bound once: a labels() lookup per batch costs about as much as applying a small one
+        self._last_seq_g.set_function(lambda: -1 if self._last is None else self._last)  # read when scraped
         self._live_batches = metrics.batches_received.labels(*self._labels, "live")
         self._replay_batches = metrics.batches_received.labels(*self._labels, "replay")
         self._by_type = {name: (metrics.events_received.labels(name), metrics.events_applied.labels(name))
@@ -196,6 +227,34 @@ class Subscriber:
                 **{k: self.counts[k] for k in ("batches", "events", "duplicates", "missed_batches", "drops",
                                                 "replays", "replay_failures", "errors", "reconnects")}}
 
+    def flush_metrics(self) -> None:
+        """Write what was counted locally since the last flush to the prometheus metrics."""
+        n = self._n_live
+        if n:
+            self._n_live = 0
+            self._live_batches.inc(n)
+        for i, name in enumerate(("BlockStored", "BlockRemoved")):
+            k = self._n_events[i]
+            if k:
+                self._n_events[i] = 0
+                received, applied = self._by_type[name]
+                received.inc(k)
+                applied.inc(k)
+        if self._proc_sum or any(self._proc_n):
+            counts, total = self._proc_n, self._proc_sum
+            self._proc_n, self._proc_sum = [0] * len(counts), 0.0
+            hist = self._m.processing
+            buckets, hist_sum = getattr(hist, "_buckets", None), getattr(hist, "_sum", None)
+            if buckets is not None and hist_sum is not None and len(buckets) == len(counts):
+                for i, c in enumerate(counts):  # what observe() does, once per bucket instead of per batch
+                    if c:
+                        buckets[i].inc(c)
+                hist_sum.inc(total)
+            else:  # pragma: no cover - another prometheus_client: one observation per batch at its mean
+                mean = total / max(1, sum(counts))
+                for _ in range(sum(counts)):
+                    hist.observe(mean)
+
     def reset(self, reason: str) -> None:
         """Forget the stream position: the next open starts over with a replay from 0."""
         self._drop(reason)
@@ -203,96 +262,61 @@ class Subscriber:
         self._recent = {}
         self._unverified = False
         self._lost_range = (0, 0)
+        self._held_nothing = False
 
-    # --- sockets --------------------------------------------------------------
+    # --- connection events (ingest thread) ------------------------------------------------------
 
-    def open(self) -> None:
-        sub = self._ctx.socket(zmq.SUB)
-        self.sub = sub
-        sub.setsockopt(zmq.IPV6, 1)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.RCVHWM, self._opt.rcv_hwm)
-        sub.setsockopt(zmq.RECONNECT_IVL, int(self._opt.reconnect_initial * 1000))
-        sub.setsockopt(zmq.RECONNECT_IVL_MAX, int(self._opt.reconnect_max * 1000))
-        if self._opt.heartbeat_interval > 0:
-            sub.setsockopt(zmq.HEARTBEAT_IVL, int(self._opt.heartbeat_interval * 1000))
-            sub.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(self._opt.heartbeat_timeout * 1000))
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
-        self.monitor = sub.get_monitor_socket(_MONITORED)
-        self._catch_up_on_connect = True
-        sub.connect(self.spec.pub_endpoint)
+    def on_connected(self) -> None:
+        self.connected = True
+        self.retry_delay = self._opt.reconnect_initial
+        self._connected_g.set(1)
+        self._m.connections.labels(*self._labels).inc()
+        log.info("kv events %s rank %d: connected to %s", self.spec.pod, self.spec.rank, self.spec.pub_endpoint)
 
-    def close(self) -> None:
+    def on_disconnected(self) -> None:
         self.connected = False
         self._connected_g.set(0)
-        if self.sub is not None:
-            if self.monitor is not None:
-                try:
-                    self.sub.disable_monitor()
-                except zmq.ZMQError:
-                    pass
-                self.monitor.close(linger=0)
-            self.sub.close(linger=0)
-        self.sub = self.monitor = None
+        self._catch_up_on_connect = True
+        self._lost_range = (0, 0)
+        self._m.disconnections.labels(*self._labels).inc()
+        log.warning("kv events %s rank %d: disconnected from %s", self.spec.pod, self.spec.rank,
+                    self.spec.pub_endpoint)
 
-    def on_monitor(self) -> None:
-        assert self.monitor is not None
-        while True:
-            try:
-                msg = self.monitor.recv_multipart(flags=zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            event = parse_monitor_message(msg)["event"]
-            if event == zmq.EVENT_CONNECTED:
-                self.connected = True
-                self._connected_g.set(1)
-                self._m.connections.labels(*self._labels).inc()
-                log.info("kv events %s rank %d: connected to %s", self.spec.pod, self.spec.rank,
-                         self.spec.pub_endpoint)
-            elif event == zmq.EVENT_DISCONNECTED:
-                self.connected = False
-                self._connected_g.set(0)
-                self._catch_up_on_connect = True
-                self._lost_range = (0, 0)
-                self._m.disconnections.labels(*self._labels).inc()
-                log.warning("kv events %s rank %d: disconnected from %s", self.spec.pod, self.spec.rank,
-                            self.spec.pub_endpoint)
-            elif event == zmq.EVENT_CONNECT_RETRIED:
-                self.counts["reconnects"] += 1
-                self._m.reconnect_attempts.labels(*self._labels).inc()
-        if self._catch_up_on_connect and self.connected:
-            self._catch_up_on_connect = False
-            self._unverified = not self._repair()
+    def on_retry(self) -> None:
+        self.counts["reconnects"] += 1
+        self._m.reconnect_attempts.labels(*self._labels).inc()
 
-    def drain(self) -> bool:
-        """Handle queued live batches until the queue is empty (False) or the tick budget is spent
-        (True: more may be queued)."""
-        sub = self.sub
-        assert sub is not None
-        deadline = time.monotonic() + self._opt.tick_budget
-        # Frame by frame: a third of recv_multipart's cost. A message's frames arrive together.
-        recv, more = sub.recv, sub.getsockopt
-        while True:
-            try:
-                frames = [recv(zmq.NOBLOCK)]
-            except zmq.Again:
-                return False
-            while more(zmq.RCVMORE):
-                frames.append(recv())
-            if len(frames) != 3 or len(frames[1]) != 8:
-                self._error("frame", f"live message with {len(frames)} frames")
-            else:
-                self._on_live(int.from_bytes(frames[1], "big"), frames[2])
-            if time.monotonic() >= deadline:
-                return True
+    def catch_up(self) -> None:
+        """After a connection: replay what the engine published meanwhile (a worker's job)."""
+        self._catch_up_on_connect = False
+        self._unverified = not self._repair()
+
+    def live_message(self, item: tuple[int, bytes] | list[bytes]) -> tuple[int, bytes] | None:
+        """(seq, payload) of a live message as zmtp.Connection.messages gives it, or None (a bad one:
+        not three frames with an 8-byte seq, counted)."""
+        if type(item) is tuple:
+            return item
+        self._error("frame", f"live message with {len(item)} frames")
+        return None
 
     # --- sequencing -----------------------------------------------------------
 
     def _is_duplicate(self, seq: int, payload: bytes) -> bool:
         return self._recent.get(seq) == hash(payload)
 
-    def _on_live(self, seq: int, payload: bytes) -> None:
-        self._live_batches.inc()
+    def needs_replay(self, seq: int, payload: bytes) -> bool:
+        """Whether on_live(seq, payload) may ask the engine for a replay (so a worker runs it)."""
+        last = self._last
+        if last is None:
+            return seq > 0 and self._held_nothing
+        if seq == last + 1:
+            return self._unverified
+        if seq > last + 1:
+            return True
+        return not self._lost_range[0] <= seq < self._lost_range[1] and not self._is_duplicate(seq, payload)
+
+    def on_live(self, seq: int, payload: bytes) -> None:
+        self._n_live += 1
         last = self._last
         if last is not None and seq == last + 1 and not self._unverified:  # the common case, in order
             self._take(seq, payload)
@@ -304,6 +328,12 @@ class Subscriber:
         if last is not None and seq <= last and not self._is_duplicate(seq, payload):
             self._engine_restarted(f"live seq went back from {last} to {seq}")
         elif last is not None and seq > last + 1:
+            self._repair(upto=seq)
+        elif last is None and seq > 0 and self._held_nothing:
+            # The engine held nothing when asked at connection, and this is not its first batch: those
+            # before it were published before our subscription reached its PUB (the replay at connection
+            # can run before it does). Replay them.
+            self._held_nothing = False
             self._repair(upto=seq)
         elif self._unverified and last is not None and seq == last + 1 and not self._repair(upto=seq):
             # Reconnected without a replay to compare: a restarted engine can look like a continuation.
@@ -326,6 +356,7 @@ class Subscriber:
         try:
             if self._last is None:
                 self._replay_apply(0, upto=upto)
+                self._held_nothing = self._last is None and upto is None
             else:
                 # From `last`, not last+1: that batch must come back identical, else the engine restarted.
                 self._replay_apply(self._last, verify_first=True, upto=upto)
@@ -337,9 +368,9 @@ class Subscriber:
         log.warning("kv events %s rank %d: engine restarted (%s); dropping its blocks and following the new "
                     "stream", self.spec.pod, self.spec.rank, why)
         self.reset("restart")
-        self._last_seq_g.set(-1)
         try:
             self._replay_apply(0)
+            self._held_nothing = self._last is None
         except _ReplayFailed:
             pass
 
@@ -405,7 +436,6 @@ class Subscriber:
             self._lost(last + 1, seq)
         self.counts["batches"] += 1
         self._last = seq
-        self._last_seq_g.set(seq)
         self._apply(seq, payload)
 
     def _lost(self, first: int, upto: int) -> None:
@@ -459,14 +489,14 @@ class Subscriber:
                 self._drop("sink_error")
                 return
             if done is not None:
-                n = done.stored + done.removed
-                self.counts["events"] += n
-                for name, k in (("BlockStored", done.stored), ("BlockRemoved", done.removed)):
-                    if k:
-                        received, applied = self._by_type[name]
-                        received.inc(k)
-                        applied.inc(k)
-                self._m.processing.observe(time.perf_counter() - started)
+                stored, removed = done
+                self.counts["events"] += stored + removed
+                n = self._n_events
+                n[0] += stored
+                n[1] += removed
+                seconds = time.perf_counter() - started  # _processed, inline
+                self._proc_n[bisect_left(_PROC_BOUNDS, seconds)] += 1
+                self._proc_sum += seconds
                 return
         try:
             decoded = decode_batch(payload)
@@ -495,6 +525,10 @@ class Subscriber:
             self._m.events_applied.labels(name).inc(n)
         self._m.processing.observe(time.perf_counter() - started)
 
+    def _processed(self, seconds: float) -> None:
+        self._proc_n[bisect_left(_PROC_BOUNDS, seconds)] += 1
+        self._proc_sum += seconds
+
     # --- replay ---------------------------------------------------------------
 
     def _replay(self, start: int) -> Iterator[tuple[int, bytes]]:
@@ -517,8 +551,15 @@ class Subscriber:
             dealer.connect(endpoint)
             dealer.send_multipart((b"", start.to_bytes(8, "big")))
             while True:
-                if not dealer.poll(timeout_ms):
-                    self._replay_failed("timeout")
+                waited = 0.0
+                while not dealer.poll(min(100.0, timeout_ms - waited)):  # in slices: a close is not held up
+                    waited += 100.0
+                    if self.stopped:  # unsubscribed meanwhile: nothing more reaches the sink anyway
+                        self._replay_failed("stopped")
+                    if waited >= timeout_ms:
+                        self._replay_failed("timeout")
+                if self.stopped:
+                    self._replay_failed("stopped")
                 frames = dealer.recv_multipart()
                 # 0.26+: [b"", topic, seq, payload]; 0.25-: [b"", seq, payload]
                 if len(frames) == 4:
@@ -548,7 +589,7 @@ class Subscriber:
 
 class SubscriberManager:
     """Runs exactly one Subscriber per (pod, rank) of the specs last passed to `sync`, all on one
-    ingest thread; the sink is only ever called under `lock`."""
+    ingest thread (replays on a worker thread each); the sink is only ever called under `lock`."""
 
     def __init__(self, sink: EventSink, options: SubscriberOptions | None = None,
                  metrics: KVEventMetrics | None = None, lock: threading.Lock | None = None) -> None:
@@ -556,15 +597,13 @@ class SubscriberManager:
         self._opt = options or SubscriberOptions()
         self.metrics = metrics or KVEventMetrics()
         self.lock = lock or threading.Lock()
-        self._ctx = zmq.Context()
+        self._ctx = zmq.Context()  # replay DEALERs only: live batches are read without libzmq
         self._subs: dict[tuple[str, int], Subscriber] = {}
-        self._commands: list[tuple[str, Subscriber]] = []  # (start|stop, subscriber), under _cmd_lock
+        self._commands: list[tuple[str, Subscriber | None]] = []  # (start|stop|done|exit, subscriber), under _cmd_lock
         self._cmd_lock = threading.Lock()
-        self._wake_addr = f"inproc://kvgate-ingest-{id(self)}"
-        self._wake_rx = self._ctx.socket(zmq.PULL)
-        self._wake_rx.bind(self._wake_addr)
-        self._wake_tx = self._ctx.socket(zmq.PUSH)  # used by the owner's thread only
-        self._wake_tx.connect(self._wake_addr)
+        self._wake_rx, self._wake_tx = os.pipe()
+        os.set_blocking(self._wake_rx, False)
+        os.set_blocking(self._wake_tx, False)
         self._thread: threading.Thread | None = None
         self._closed = False
 
@@ -573,7 +612,7 @@ class SubscriberManager:
         if self._closed:
             raise RuntimeError("SubscriberManager is closed")
         wanted = {(s.pod, s.rank): s for s in specs}
-        commands = []
+        commands: list[tuple[str, Subscriber | None]] = []
         for key, sub in list(self._subs.items()):
             if wanted.get(key) != sub.spec:
                 del self._subs[key]
@@ -586,12 +625,18 @@ class SubscriberManager:
                 commands.append(("start", sub))
         if not commands:
             return
-        with self._cmd_lock:
-            self._commands.extend(commands)
+        self._post(commands)
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="kvgate-ingest", daemon=True)
             self._thread.start()
-        self._wake_tx.send(b"")
+
+    def _post(self, commands: list[tuple[str, Subscriber | None]]) -> None:
+        with self._cmd_lock:
+            self._commands.extend(commands)
+        try:
+            os.write(self._wake_tx, b"\0")
+        except BlockingIOError:  # the pipe is full: the ingest thread has wake-ups pending anyway
+            pass
 
     def _forget(self, sub: Subscriber) -> None:
         with self.lock:
@@ -606,128 +651,351 @@ class SubscriberManager:
         return [sub.status() for sub in list(self._subs.values())]
 
     async def aclose(self) -> None:
+        if self._closed:
+            return
         self._closed = True
         for sub in list(self._subs.values()):
             with self.lock:
                 sub.stopped = True
         self._subs.clear()
         if self._thread is not None:
-            with self._cmd_lock:
-                self._commands.append(("exit", None))  # type: ignore[arg-type]
-            self._wake_tx.send(b"")
+            self._post([("exit", None)])
             await asyncio.to_thread(self._thread.join)
             self._thread = None
-        self._wake_tx.close(linger=0)
-        self._wake_rx.close(linger=0)
+        os.close(self._wake_tx)
+        os.close(self._wake_rx)
         self._ctx.destroy(linger=0)
 
     # --- the ingest thread ----------------------------------------------------------------------
 
     def _loop(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._wake_rx, zmq.POLLIN)
-        owner: dict[zmq.Socket, Subscriber] = {}  # sub and monitor sockets -> their subscriber
+        opt = self._opt
+        ep = select.epoll()  # epoll itself: the selectors module's Python costs ~5 us more per call
+        wake_fd = self._wake_rx
+        ep.register(wake_fd, select.EPOLLIN)
+        owners: dict[int, Subscriber] = {}  # registered fd -> its subscriber
         running: set[Subscriber] = set()
-        restart_at: dict[Subscriber, float] = {}  # subscribers waiting out a back-off after a failure
-        delays: dict[Subscriber, float] = {}
-        busy: list[Subscriber] = []  # spent their tick budget with batches still queued
-        coalesce = self._opt.coalesce
+        backlog: list[Subscriber] = []  # spent their tick budget with messages still pending
+        workers: set[Subscriber] = set()
+        coalesce, budget = opt.coalesce, opt.tick_budget
+        hb_ivl, hb_timeout = opt.heartbeat_interval, opt.heartbeat_timeout
+        next_timers = 0.0  # when timers() must run next
+        last_timers = 0.0
+        READ, WRITE = select.EPOLLIN, select.EPOLLOUT
+        READABLE, WRITABLE = select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR, select.EPOLLOUT | select.EPOLLERR
 
-        def stop(sub: Subscriber) -> None:
-            for sock in (sub.sub, sub.monitor):
-                if sock is not None:
-                    poller.unregister(sock)
-                    owner.pop(sock, None)
-            sub.close()
+        def watch(sub: Subscriber) -> None:
+            """(Re-)register sub's connection for what it waits on; nothing while a worker has sub."""
+            conn = sub.conn
+            want = 0
+            if conn is not None and sub.worker is None:
+                want = (READ if conn.state != "connecting" and not sub.pending else 0) | (WRITE if conn.wants_write else 0)
+            fd = conn.fileno() if conn is not None else -1
+            if want == sub.registered and fd == sub._registered_fd:
+                return
+            if sub.registered:
+                if want and fd == sub._registered_fd:
+                    ep.modify(fd, want)
+                    sub.registered = want
+                    return
+                ep.unregister(sub._registered_fd)
+                owners.pop(sub._registered_fd, None)
+                sub.registered = 0
+            if want:
+                ep.register(fd, want)
+                owners[fd] = sub
+                sub._registered_fd = fd
+                sub.registered = want
+
+        def close_conn(sub: Subscriber) -> None:
+            if sub.registered:
+                ep.unregister(sub._registered_fd)
+                owners.pop(sub._registered_fd, None)
+                sub.registered = 0
+            if sub.conn is not None:
+                sub.conn.close()
+                sub.conn = None
+
+        def connect(sub: Subscriber) -> None:
+            nonlocal next_timers
+            sub.connect_at = None
+            try:
+                host = sub.spec.host.strip("[]")
+                family, _, _, _, addr = socket.getaddrinfo(host, sub.spec.pub_port, type=socket.SOCK_STREAM)[0]
+                sub.conn = Connection(addr, family)
+            except OSError as e:
+                log.debug("kv events %s: connect to %s failed: %s", sub.spec.pod, sub.spec.pub_endpoint, e)
+                retry(sub)
+                return
+            sub.last_rx = time.monotonic()  # the handshake deadline counts from here
+            next_timers = min(next_timers, sub.last_rx + _HANDSHAKE_TIMEOUT)
+            watch(sub)
+
+        def retry(sub: Subscriber) -> None:
+            nonlocal next_timers
+            close_conn(sub)
+            sub.on_retry()
+            sub.connect_at = time.monotonic() + sub.retry_delay
+            sub.retry_delay = min(sub.retry_delay * 2, opt.reconnect_max)
+            next_timers = min(next_timers, sub.connect_at)
+
+        def lost(sub: Subscriber) -> None:
+            """The connection ended: reconnect after the initial interval (or retry one never made)."""
+            nonlocal next_timers
+            if sub.connected:
+                close_conn(sub)
+                sub.on_disconnected()
+                sub.connect_at = time.monotonic() + opt.reconnect_initial
+                next_timers = min(next_timers, sub.connect_at)
+            else:
+                retry(sub)
 
         def start(sub: Subscriber) -> None:
-            sub.open()
-            poller.register(sub.sub, zmq.POLLIN)
-            poller.register(sub.monitor, zmq.POLLIN)
-            owner[sub.sub] = owner[sub.monitor] = sub
+            running.add(sub)
+            sub._catch_up_on_connect = True
+            connect(sub)
+
+        def stop(sub: Subscriber) -> None:
+            running.discard(sub)
+            if sub in backlog:
+                backlog.remove(sub)
+            close_conn(sub)
+            sub.pending.clear()
+            sub.connect_at = None
+            sub.connected = False
+            sub._connected_g.set(0)
 
         def failed(sub: Subscriber) -> None:
+            nonlocal next_timers
             # A bug must not stop one pod's stream for good: count, drop, start over after a back-off.
-            delay = delays.get(sub, self._opt.reconnect_initial)
             log.exception("kv events %s rank %d: subscriber failed; restarting in %.1f s", sub.spec.pod,
-                          sub.spec.rank, delay)
+                          sub.spec.rank, sub.retry_delay)
             self.metrics.errors.labels("subscriber").inc()
+            delay = sub.retry_delay
             stop(sub)
+            running.add(sub)
             sub.reset("subscriber_error")
-            restart_at[sub] = time.monotonic() + delay
-            delays[sub] = min(delay * 2, self._opt.reconnect_max)
+            sub._catch_up_on_connect = True
+            sub.connect_at = time.monotonic() + delay
+            sub.retry_delay = min(delay * 2, opt.reconnect_max)
+            next_timers = min(next_timers, sub.connect_at)
+
+        def hand_off(sub: Subscriber, job, *args) -> None:
+            """Run job(*args) (which may replay) on a worker thread; sub waits meanwhile."""
+            def run() -> None:
+                error = None
+                try:
+                    job(*args)
+                except Exception as e:  # reported to the ingest thread, which restarts the stream
+                    error = e
+                sub.worker_error = error
+                self._post([("done", sub)])
+
+            sub.worker = threading.Thread(target=run, name=f"kvgate-replay-{sub.spec.pod}-{sub.spec.rank}",
+                                          daemon=True)
+            workers.add(sub)
+            watch(sub)
+            sub.worker.start()
+
+        def handle(sub: Subscriber, deadline: float) -> bool:
+            """Handle sub's pending messages in order until none is left (False), the tick budget is
+            spent (True), or one needs a replay (handed to a worker: False)."""
+            pending = sub.pending
+            counts = sub.counts
+            while pending:
+                msg = pending.popleft()
+                if type(msg) is not tuple:
+                    sub.live_message(msg)  # counted and logged
+                    continue
+                seq, payload = msg
+                last = sub._last
+                if last is not None and seq == last + 1 and not sub._unverified:
+                    # on_live's common case (and _take's), inline: a call costs ~1 us on a cold cache
+                    sub._n_live += 1
+                    counts["batches"] += 1
+                    sub._last = seq
+                    sub._apply(seq, payload)
+                    sub._recent = {seq: hash(payload)}
+                elif sub.needs_replay(seq, payload):
+                    hand_off(sub, sub.on_live, seq, payload)
+                    return False
+                else:
+                    sub.on_live(seq, payload)
+                if time.monotonic() >= deadline:
+                    return True
+            return False
+
+        def on_event(sub: Subscriber, mask: int) -> None:
+            conn = sub.conn
+            if conn is None:
+                return
+            if mask & WRITE:
+                try:
+                    conn.on_writable()
+                except OSError:
+                    lost(sub)
+                    return
+            if mask & READ:
+                try:
+                    alive = conn.recv()
+                except OSError:
+                    alive = False
+                if alive:
+                    sub.last_rx = time.monotonic()
+                    out: list = []
+                    try:
+                        ready = conn.messages(out, 1 << 30)
+                    except ProtocolError as e:
+                        sub._error("protocol", f"connection dropped: {e}")
+                        ready, alive = False, False
+                    sub.pending.extend(out)
+                    if ready:
+                        sub.on_connected()
+                        sub.ping_at = sub.last_rx + hb_ivl
+                        if sub._catch_up_on_connect:
+                            hand_off(sub, sub.catch_up)
+                            return
+                if not alive:
+                    lost(sub)
+                    if sub.worker is None and sub.pending and sub not in backlog:
+                        backlog.append(sub)  # what came before the end is still handled
+                    return
+            if sub.pending and sub.worker is None:
+                if handle(sub, time.monotonic() + budget) and sub not in backlog:
+                    backlog.append(sub)
+            if sub.conn is not None:
+                watch(sub)
+
+        def timers(now: float) -> float:
+            """Reconnections, pings, dead peers, metrics; when to come back."""
+            nxt = now + 3600.0
+            for sub in list(running):
+                if sub.worker is not None:
+                    continue
+                sub.flush_metrics()
+                if sub.conn is None:
+                    if sub.connect_at is not None:
+                        if sub.connect_at <= now:
+                            connect(sub)
+                            if sub.conn is None:
+                                nxt = min(nxt, sub.connect_at)
+                                continue
+                        else:
+                            nxt = min(nxt, sub.connect_at)
+                            continue
+                    else:
+                        continue
+                conn = sub.conn
+                if conn is None:
+                    continue
+                if conn.state != "ready":
+                    if now - sub.last_rx >= _HANDSHAKE_TIMEOUT:
+                        sub._error("handshake", "no handshake in time")
+                        lost(sub)
+                        nxt = min(nxt, sub.connect_at or nxt)
+                    else:
+                        nxt = min(nxt, sub.last_rx + _HANDSHAKE_TIMEOUT)
+                    continue
+                if hb_ivl > 0:
+                    if now - sub.last_rx >= hb_timeout:  # not even a PONG: the peer (or the path) is dead
+                        lost(sub)
+                        nxt = min(nxt, sub.connect_at or nxt)
+                        continue
+                    if now >= sub.ping_at:
+                        conn.send(ping(hb_timeout))
+                        sub.ping_at = now + hb_ivl
+                        watch(sub)
+                    nxt = min(nxt, sub.ping_at, sub.last_rx + hb_timeout)
+            return nxt
 
         try:
+            streaming = False  # the last wake-up found batches: the next one is a sleep, not a wait
             while True:
-                timeout = None
-                if busy:
-                    timeout = 0
-                elif restart_at:
-                    timeout = max(0.0, (min(restart_at.values()) - time.monotonic()) * 1000)
-                ready = poller.poll(timeout)
-                if coalesce > 0 and timeout is None:
-                    # Woken from idle: let a few more batches queue before handling any, so that one wake-up
-                    # (and libzmq's signalling of it) serves several; the index lags by at most this long.
+                if backlog:
+                    ready = ep.poll(0)
+                elif streaming and coalesce > 0 and next_timers - time.monotonic() > coalesce:
+                    # Batches keep coming: sleep, then take what queued meanwhile. One context switch per
+                    # round instead of two (a wait that wakes at the first batch, then the sleep).
                     time.sleep(coalesce)
-                    ready = poller.poll(0)
-                for sock, _ in ready:
-                    if sock is self._wake_rx:
-                        while True:
-                            try:
-                                self._wake_rx.recv(zmq.NOBLOCK)
-                            except zmq.Again:
-                                break
+                    ready = ep.poll(0)
+                else:
+                    timeout = max(0.0, next_timers - time.monotonic())
+                    ready = ep.poll(timeout)
+                    if coalesce > 0 and timeout > coalesce and ready:
+                        # Woken from idle: let a few more batches queue before handling any, so that one
+                        # wake-up (and one recv per engine) serves several; the index lags by at most this long.
+                        time.sleep(coalesce)
+                        ready = ep.poll(0)
+                streaming = bool(ready)
+                for fd, ev in ready:
+                    if fd == wake_fd:  # commands
+                        try:
+                            while os.read(self._wake_rx, 4096):
+                                pass
+                        except BlockingIOError:
+                            pass
                         with self._cmd_lock:
                             commands, self._commands = self._commands, []
                         for what, sub in commands:
                             if what == "exit":
                                 return
                             if what == "start":
-                                running.add(sub)
-                                try:
-                                    start(sub)
-                                except Exception:
-                                    failed(sub)
-                            elif sub in running:
-                                running.discard(sub)
-                                restart_at.pop(sub, None)
-                                delays.pop(sub, None)
-                                if sub in busy:
-                                    busy.remove(sub)
+                                start(sub)
+                            elif what == "done":
+                                sub.worker.join()
+                                sub.worker = None
+                                workers.discard(sub)
+                                error, sub.worker_error = sub.worker_error, None
+                                if sub not in running:
+                                    continue
+                                if error is not None:
+                                    try:
+                                        raise error
+                                    except Exception:
+                                        failed(sub)
+                                    continue
+                                sub.last_rx = time.monotonic()  # nothing was read meanwhile
+                                if sub.conn is not None:
+                                    watch(sub)
+                                if sub.pending and sub not in backlog:
+                                    backlog.append(sub)
+                            elif sub in running:  # stop
                                 stop(sub)
+                        next_timers = 0.0
                         continue
-                    sub = owner.get(sock)
-                    if sub is None or sub.stopped:
-                        continue
-                    try:
-                        if sock is sub.monitor:
-                            sub.on_monitor()
-                        elif sub not in busy and sub.drain():
-                            busy.append(sub)
-                    except Exception:
-                        failed(sub)
-                # Endpoints with batches still queued take turns, one tick budget each.
-                for sub in busy[:]:
-                    busy.remove(sub)
-                    if sub.stopped or sub.sub is None:
+                    sub = owners.get(fd)
+                    if sub is not None and sub in running and not sub.stopped:
+                        mask = (READ if ev & READABLE else 0) | (WRITE if ev & WRITABLE else 0)
+                        try:
+                            on_event(sub, mask)
+                        except Exception:
+                            failed(sub)
+                # Endpoints with messages still pending take turns, one tick budget each.
+                for sub in backlog[:]:
+                    backlog.remove(sub)
+                    if sub.stopped or sub.worker is not None or sub not in running:
                         continue
                     try:
-                        if sub.drain():
-                            busy.append(sub)
+                        if handle(sub, time.monotonic() + budget):
+                            backlog.append(sub)
+                        elif sub.conn is not None:
+                            watch(sub)
                     except Exception:
                         failed(sub)
                 now = time.monotonic()
-                for sub, at in list(restart_at.items()):
-                    if at <= now:
-                        del restart_at[sub]
-                        if sub in running and not sub.stopped:
-                            try:
-                                start(sub)
-                            except Exception:
-                                failed(sub)
+                if ready:  # counted locally: written to the metrics within _FLUSH_EVERY
+                    next_timers = min(next_timers, last_timers + _FLUSH_EVERY)
+                if now >= next_timers:
+                    last_timers = now
+                    next_timers = timers(now)
         except Exception:
             log.exception("kv events: the ingest thread failed; KV events are no longer followed")
             self.metrics.errors.labels("subscriber").inc()
         finally:
-            for sub in running:
+            for sub in list(running):
                 stop(sub)
+            for sub in list(workers):  # bounded: a replay stops at its timeout or as soon as it sees `stopped`
+                with self.lock:
+                    sub.stopped = True
+                sub.worker.join()
+            ep.close()

@@ -174,7 +174,7 @@ class App:
             replay_timeout=s.kv_events_replay_timeout_s, reconnect_initial=s.kv_events_backoff_min_s,
             reconnect_max=s.kv_events_backoff_max_s, heartbeat_interval=s.kv_events_heartbeat_s,
             heartbeat_timeout=s.kv_events_heartbeat_timeout_s, rcv_hwm=s.kv_events_rcv_hwm,
-            tick_budget=s.kv_events_tick_budget_s), KVEventMetrics(self.registry))
+            tick_budget=s.kv_events_tick_budget_s, coalesce=s.kv_events_coalesce_s), KVEventMetrics(self.registry))
         # The ingest thread applies batches under the subscriptions' lock; everything else reaches the
         # index through this view, under the same lock.
         self.shared_index = LockedIndex(self.index, self.subscriptions.lock)

@@ -54,6 +54,16 @@ def _float_min(lo: float) -> Callable[[str], float]:
     return parse
 
 
+def _float_range(lo: float, hi: float) -> Callable[[str], float]:
+    def parse(raw: str) -> float:
+        value = float(raw.strip())
+        if not lo <= value <= hi:
+            raise ValueError(f"expected a number from {lo:g} to {hi:g}")
+        return value
+
+    return parse
+
+
 def _fraction(raw: str) -> float:
     value = float(raw.strip())
     if not 0.0 <= value <= 1.0:
@@ -200,9 +210,12 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("KVGATE_KV_EVENTS_HEARTBEAT_TIMEOUT_S", "kv_events_heartbeat_timeout_s", _positive_float, 15.0,
              "Silence after which an event connection counts as dead and is re-established."),
     Variable("KVGATE_KV_EVENTS_RCV_HWM", "kv_events_rcv_hwm", _int_range(1, 10_000_000), 10_000,
-             "Most event batches queued per engine connection."),
+             "Most batches a replay answer queues (live batches wait in the connection's socket buffer)."),
     Variable("KVGATE_KV_EVENTS_TICK_BUDGET_S", "kv_events_tick_budget_s", _positive_float, 0.002,
              "Time the KV event ingest thread spends on one engine's queued batches before the other engines' turn."),
+    Variable("KVGATE_KV_EVENTS_COALESCE_S", "kv_events_coalesce_s", _float_range(0.0, 0.1), 0.005,
+             "While KV event batches keep coming, the ingest thread wakes this often and takes every batch queued "
+             "meanwhile: the index lags by at most this long; a longer interval costs less CPU per batch."),
     Variable("KVGATE_DRAIN_DELAY_S", "drain_delay_s", _float_min(0.0), 3.0,
              "On SIGTERM: readiness turns NOT_SERVING, and new ext_proc streams are still served this long "
              "(while the data plane's health checks notice)..."),
@@ -289,6 +302,7 @@ class Settings:
     kv_events_heartbeat_timeout_s: float = 15.0
     kv_events_rcv_hwm: int = 10_000
     kv_events_tick_budget_s: float = 0.002
+    kv_events_coalesce_s: float = 0.005
     drain_delay_s: float = 3.0
     drain_timeout_s: float = 25.0
     observe_responses: bool = True

@@ -253,22 +253,44 @@ async def test_silent_replay_endpoint_does_not_block_live_events(harness):
 
 
 @pytest.mark.parametrize("generation", GENERATIONS)
+async def subscribed(e: Engine, manager, pod="p", rank=0, timeout: float = 10.0) -> int:
+    """Publish probe batches until one arrives live: an engine's PUB drops what it sends before the
+    SUB's subscription has reached it (libzmq's PUB even takes it in lazily, on a later send), and
+    what is not replayable (bad frames) would then be lost. Returns the seq the next batch gets."""
+    def live() -> float:
+        return manager.metrics.registry.get_sample_value(
+            "kvgate_kvevents_batches_received_total", {"pod": pod, "rank": str(rank), "source": "live"}) or 0.0
+
+    deadline = time.monotonic() + timeout
+    seq = 0
+    while True:
+        seq = e.pub.publish([ev(1000 + seq)]) + 1
+        probe_deadline = min(deadline, time.monotonic() + 0.5)
+        while not live() and time.monotonic() < probe_deadline:
+            await asyncio.sleep(0.01)
+        if live():
+            await until(lambda: status(manager, rank)["last_seq"] == seq - 1)
+            return seq
+        assert time.monotonic() < deadline, "no batch ever arrived live"
+
+
+@pytest.mark.parametrize("generation", GENERATIONS)
 async def test_garbage_is_counted_and_skipped_connection_stays_up(harness, generation, caplog):
     make, engine = harness
     e = engine(generation=generation)
-    e.publish(0)
     sink, manager = make()
     manager.sync([e.spec])
-    # The start replay is done: what follows is live. (Connected alone is not enough: the publisher may
-    # not have the subscription yet, and the two bad frames, never replayed, were lost at load.)
-    await until(lambda: sink.hashes() == [0])
+    await until(lambda: status(manager)["connected"])
+    first = await subscribed(e, manager)
+    probes = len(sink.hashes())
+    e.publish(0)
     e.pub.send_raw([b"only-two", b"frames"])
     e.pub.send_raw([b"", b"short", b"\x90"])
-    e.pub.publish_payload(b"\xc1 not msgpack")  # takes seq 1
+    e.pub.publish_payload(b"\xc1 not msgpack")  # takes seq first + 1
     e.pub.publish_payload(msgpack.packb([1.0, [["Mystery", 1], ["BlockStored", [1], None, [1], 2]], 0]))
     e.publish(3)
-    await until(lambda: status(manager)["last_seq"] == 3 and len(sink.hashes()) == 2)
-    assert sink.hashes() == [0, 3]
+    await until(lambda: status(manager)["last_seq"] == first + 3 and len(sink.hashes()) == probes + 2)
+    assert sink.hashes()[probes:] == [0, 3]
     st = status(manager)
     assert st["connected"] and st["errors"] == 3 and st["missed_batches"] == 0 and sink.drops() == 0
     assert manager.metrics.errors.labels("decode")._value.get() == 1
@@ -603,3 +625,69 @@ async def test_matches_through_locked_index_while_the_ingest_thread_applies(harn
     await publishing
     assert all(a <= b for a, b in zip(seen, seen[1:])), "a match saw less of the chain than an earlier one"
     assert len(set(seen)) > 2  # matches really ran while the chain grew
+
+
+async def test_batches_published_before_the_subscription_took_hold_are_replayed():
+    """The engine held nothing when asked at connection; it then published seqs 0 and 1 before the
+    SUB's subscription reached its PUB (so they went nowhere live). The first live batch, seq 2,
+    reveals them: they are replayed, in order, before it."""
+    ctx = zmq.Context()
+    pub_port, replay_port = free_port(), free_port()
+    pub, router = ctx.socket(zmq.XPUB), ctx.socket(zmq.ROUTER)  # XPUB: tells when the SUB has subscribed
+    pub.bind(f"tcp://127.0.0.1:{pub_port}")
+    router.bind(f"tcp://127.0.0.1:{replay_port}")
+    held: list[tuple[int, bytes]] = []
+
+    def batch(n):
+        return msgpack.packb([1.0, [["BlockStored", [n], None, [n], 1, None, "GPU", None]], 0])
+
+    def answer(client, start):
+        for seq, payload in held:
+            if seq >= start:
+                router.send_multipart([client, b"", seq.to_bytes(8, "big"), payload])
+        router.send_multipart([client, b"", END_SEQ, b""])
+
+    def serve():
+        assert router.poll(5000), "no replay request at connection"
+        client, _, start = router.recv_multipart()
+        answer(client, int.from_bytes(start, "big"))  # nothing held yet
+        held.extend((n, batch(n)) for n in (0, 1))  # published while nobody was subscribed
+        assert pub.poll(5000), "the SUB never subscribed"
+        assert pub.recv() == b"\x01"
+        held.append((2, batch(2)))
+        pub.send_multipart([b"", (2).to_bytes(8, "big"), held[-1][1]])
+        while router.poll(3000):  # the repair
+            client, _, start = router.recv_multipart()
+            answer(client, int.from_bytes(start, "big"))
+
+    t = threading.Thread(target=serve)
+    t.start()
+    sink = RecordingSink()
+    manager = SubscriberManager(sink, SubscriberOptions(replay_timeout=2.0))
+    try:
+        manager.sync([EndpointSpec("p", "m", "127.0.0.1", pub_port, replay_port, 0)])
+        await until(lambda: status(manager)["last_seq"] == 2)
+        assert sink.hashes() == [0, 1, 2]
+        st = status(manager)
+        assert st["missed_batches"] == 0 and sink.drops() == 0
+    finally:
+        await manager.aclose()
+        t.join()
+        pub.close(0)
+        router.close(0)
+        ctx.term()
+
+
+async def test_an_unanswered_replay_does_not_hold_other_engines_batches(harness):
+    """Engine a's replay port never answers (its replay at connection waits out the timeout); engine b's
+    live batches are applied meanwhile, not after it."""
+    make, engine = harness
+    a, b = engine(replay=False, pod="a"), engine(pod="b")
+    silent = EndpointSpec("a", "m", "127.0.0.1", a.pub_port, free_port(), 0)  # nothing answers there
+    sink, manager = make(options=SubscriberOptions(replay_timeout=4.0, reconnect_initial=0.05, reconnect_max=0.2))
+    manager.sync([silent, b.spec])
+    await until(lambda: all(s["connected"] for s in manager.status()))
+    b.publish(1, 2)
+    await until(lambda: sink.hashes("b") == [1, 2])
+    a_status = next(s for s in manager.status() if s["pod"] == "a")
+    assert a_status["replays"] == 1 and a_status["replay_failures"] == 0  # a's replay still under way

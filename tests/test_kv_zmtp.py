@@ -1,0 +1,171 @@
+"""The ZMTP SUB peer (kvcache/zmtp.py) and its C frame splitter, against real libzmq sockets."""
+from __future__ import annotations
+
+import asyncio
+import select
+import socket
+import time
+
+import pytest
+import zmq
+
+from kvcache.native import native
+from kvcache.subscriber import EndpointSpec, SubscriberManager
+from kvcache.zmtp import MAX_FRAME, Connection, ping
+from test_kv_subscriber import FAST, RecordingSink, free_port, until
+
+
+def frame(body: bytes, more: bool = False, command: bool = False) -> bytes:
+    flags = (1 if more else 0) | (4 if command else 0)
+    if len(body) > 255:
+        return bytes((flags | 2,)) + len(body).to_bytes(8, "big") + body
+    return bytes((flags, len(body))) + body
+
+
+def live(seq: int, payload: bytes) -> bytes:
+    return frame(b"", more=True) + frame(seq.to_bytes(8, "big"), more=True) + frame(payload)
+
+
+def test_split_takes_whole_messages_only_wherever_the_bytes_stop():
+    stream = (live(1, b"a" * 300) + frame(b"x") + live(2, b"b") + frame(b"\x04PING\x00\x01", command=True)
+              + live(3, b"c"))
+    expected = [(1, b"a" * 300), [b"x"], (2, b"b")]
+    for cut in range(len(stream) + 1):  # what one recv may have delivered so far
+        buf = bytearray(stream[:cut])
+        got, pos = native.zmtp_split(buf, 0, len(buf), 100, MAX_FRAME)
+        assert got == expected[:len(got)]
+        if got:  # it stops right after the last whole message it took
+            assert pos == len(b"".join([live(1, b"a" * 300), frame(b"x"), live(2, b"b")][:len(got)]))
+    buf = bytearray(stream)
+    got, pos = native.zmtp_split(buf, 0, len(buf), 100, MAX_FRAME)
+    assert got == expected and buf[pos] & 4  # stopped at the command: the caller handles it
+    got, pos2 = native.zmtp_split(buf, 0, len(buf), 2, MAX_FRAME)
+    assert got == expected[:2] and pos2 < pos  # at most `limit`
+
+
+def test_split_rejects_oversized_frames_and_commands_inside_a_message():
+    with pytest.raises(ValueError, match="frame of"):
+        native.zmtp_split(bytearray(b"\x02" + (1 << 40).to_bytes(8, "big")), 0, 9, 10, MAX_FRAME)
+    inside = bytearray(frame(b"", more=True) + frame(b"\x04PING\x00\x00", command=True))
+    with pytest.raises(ValueError, match="command inside"):
+        native.zmtp_split(inside, 0, len(inside), 10, MAX_FRAME)
+    with pytest.raises(ValueError, match="bad range"):
+        native.zmtp_split(bytearray(4), 0, 5, 10, MAX_FRAME)
+
+
+def connect_ready(port: int, timeout: float = 5.0) -> tuple[Connection, list]:
+    conn = Connection(("127.0.0.1", port), socket.AF_INET)
+    out: list = []
+    deadline = time.monotonic() + timeout
+    while conn.state != "ready":
+        assert time.monotonic() < deadline, f"no handshake (state {conn.state})"
+        if conn.state == "connecting":
+            if select.select([], [conn], [], 0.05)[1]:
+                conn.on_writable()
+            continue
+        if select.select([conn], [], [], 0.05)[0]:
+            assert conn.recv(), "the peer closed the connection"
+            conn.messages(out, 100)
+    return conn, out
+
+
+def test_handshake_with_libzmq_pub_then_messages_and_pong():
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.XPUB)  # XPUB: tells when the subscription arrived
+    port = free_port()
+    pub.bind(f"tcp://127.0.0.1:{port}")
+    try:
+        conn, out = connect_ready(port)
+        assert pub.poll(5000) and pub.recv() == b"\x01"  # subscribed to everything
+        pub.send_multipart([b"topic", (7).to_bytes(8, "big"), b"payload"])
+        pub.send_multipart([b"only", b"two"])
+        received = conn.bytes_in
+        conn.send(ping(2.0))
+        deadline = time.monotonic() + 5
+        while len(out) < 2 or conn.bytes_in - received < len(b"".join(frame(b"") for _ in range(2))) + 7:
+            assert time.monotonic() < deadline, f"got {out}"
+            if select.select([conn], [], [], 0.05)[0]:
+                assert conn.recv()
+                conn.messages(out, 100)
+        assert out == [(7, b"payload"), [b"only", b"two"]]
+        conn.close()
+    finally:
+        pub.close(0)
+        ctx.term()
+
+
+async def test_a_peer_that_is_not_a_publisher_is_dropped_and_retried():
+    """libzmq itself closes a SUB's connection to a ROUTER during the handshake: retried, never connected."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    port = free_port()
+    router.bind(f"tcp://127.0.0.1:{port}")
+    manager = SubscriberManager(RecordingSink(), FAST)
+    try:
+        manager.sync([EndpointSpec("p", "m", "127.0.0.1", port, None, 0)])
+        await until(lambda: manager.status()[0]["reconnects"] >= 2)
+        assert not manager.status()[0]["connected"]
+    finally:
+        await manager.aclose()
+        router.close(0)
+        ctx.term()
+
+
+async def test_a_peer_announcing_another_socket_type_is_a_counted_protocol_error():
+    """A hand-made ZMTP peer that says it is a ROUTER: the connection is dropped, counted, logged, retried."""
+    from kvcache.zmtp import GREETING, _command
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    listener.setblocking(False)
+    accepted: list[socket.socket] = []
+
+    async def serve():
+        loop = asyncio.get_running_loop()
+        while True:
+            conn, _ = await loop.sock_accept(listener)
+            accepted.append(conn)
+            await loop.sock_sendall(conn, GREETING + _command(b"READY", b"\x0bSocket-Type" + (6).to_bytes(4, "big")
+                                                               + b"ROUTER"))
+
+    server = asyncio.create_task(serve())
+    manager = SubscriberManager(RecordingSink(), FAST)
+    try:
+        manager.sync([EndpointSpec("p", "m", "127.0.0.1", listener.getsockname()[1], None, 0)])
+        protocol_errors = lambda: manager.metrics.errors.labels("protocol")._value.get()  # noqa: E731
+        await until(lambda: protocol_errors() >= 2)  # dropped, reconnected, dropped again
+        assert not manager.status()[0]["connected"] and manager.status()[0]["reconnects"] >= 1
+    finally:
+        server.cancel()
+        await manager.aclose()
+        for c in accepted:
+            c.close()
+        listener.close()
+
+
+def test_split_survives_random_and_mutated_bytes():
+    """Whatever the bytes: messages, a stop, or ValueError; never a read past `end` (run under ASan by
+    ./dev sanitize)."""
+    import random
+
+    rng = random.Random(14)
+    good = live(1, b"a" * 300) + frame(b"x") + live(2, b"b") + frame(b"\x04PING\x00\x01", command=True)
+    for i in range(3000):
+        if i % 2:
+            data = bytearray(rng.randbytes(rng.randrange(0, 64)))
+        else:
+            data = bytearray(good)
+            for _ in range(rng.randrange(1, 4)):
+                data[rng.randrange(len(data))] = rng.randrange(256)
+            data = data[:rng.randrange(len(data) + 1)]
+        end = len(data)
+        data += b"\xff" * 16  # bytes past `end` must never be taken
+        try:
+            got, pos = native.zmtp_split(data, 0, end, 100, MAX_FRAME)
+        except ValueError:
+            continue
+        assert 0 <= pos <= end
+        for item in got:
+            assert type(item) in (tuple, list)
+            assert b"\xff" * 16 not in (item[1] if type(item) is tuple else b"".join(item))
