@@ -249,6 +249,11 @@ _CONTINUE_STREAMED = _override(_MODE.STREAMED)
 _CONTINUE_WHOLE = _override(_MODE.BUFFERED_PARTIAL)
 
 
+def body_on(streamed: bool) -> pb.ProcessingResponse:
+    """The answer to response headers that turns the body on (prebuilt, never mutate it)."""
+    return _CONTINUE_STREAMED if streamed else _CONTINUE_WHOLE
+
+
 def response_headers(watch: Watch, msg: pb.ProcessingRequest, answer: pb.ProcessingResponse,
                      body_sent: bool) -> pb.ProcessingResponse:
     """Read the response's status and content type into `watch`; when its body is worth watching and
@@ -263,7 +268,7 @@ def response_headers(watch: Watch, msg: pb.ProcessingRequest, answer: pb.Process
             ctype = (h.raw_value.decode("latin-1") if h.raw_value else h.value).lower()
     if not watch.on_headers(status, ctype) or body_sent:
         return answer
-    turn_on = _CONTINUE_STREAMED if watch.obs.streamed else _CONTINUE_WHOLE
+    turn_on = body_on(watch.obs.streamed)
     if not answer.response_headers.HasField("response"):
         return turn_on
     out = pb.ProcessingResponse()
