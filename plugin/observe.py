@@ -243,8 +243,8 @@ def _override(body_mode: int) -> pb.ProcessingResponse:
 
 # A token stream chunk by chunk (TTFT, TPOT); any other body in one message: Envoy's STREAMED mode costs a
 # message (and a round trip through kvgate) per chunk and one more for the end of the stream, where
-# BUFFERED_PARTIAL sends a whole JSON answer once (and, unlike BUFFERED, does not fail a body past Envoy's
-# buffer limit).
+# BUFFERED_PARTIAL sends a whole JSON answer once (Envoy documents BUFFERED as failing a body past its
+# buffer limit; BUFFERED_PARTIAL sends what fits instead).
 _CONTINUE_STREAMED = _override(_MODE.STREAMED)
 _CONTINUE_WHOLE = _override(_MODE.BUFFERED_PARTIAL)
 
