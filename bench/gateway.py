@@ -3,7 +3,12 @@
 Five ways to the same upstream in one run, measured in alternating rounds:
 - `direct`: wrk straight to the upstream (no gateway at all);
 - `envoy_only`: Envoy without ext_proc;
-- `noop`: Envoy -> a no-op Python ext_proc that names a fixed upstream (bench.noop_processor);
+- `noop`: Envoy -> a no-op Python ext_proc that names a fixed upstream (bench.noop_processor), with
+  Envoy's processing mode as shipped (request headers and body, response headers): the minimum a
+  router needs, the targets' reference;
+- `noop_bodies`: the same no-op also asking for a successful response's body as kvgate does when it
+  watches responses (--observe on, the default): Envoy sends it the same messages it sends kvgate
+  (counted from Envoy's ext_proc stats), so kvgate's CPU beyond it is what kvgate does with them;
 - `kvsync`: Envoy -> one `kvgate serve` with the kv-sync strategy (local tokenizer, the prefix
   index holding the warm prompt's blocks from a simulated engine's events);
 - `kvsync_2rep`: Envoy -> two `kvgate serve` replicas on this node (issue 14 item 6).
@@ -197,6 +202,18 @@ def _ingest_us(stack: Stack, pids: list[int], http_ports: list[int], pod: str, p
         proc.wait(10)
 
 
+def _extproc_stats(admin_port: int) -> dict[str, int]:
+    """Envoy's ext_proc counters (streams started, messages sent to the processor) from its admin port."""
+    text = httpx.get(f"http://127.0.0.1:{admin_port}/stats", params={"filter": r"ext_proc\."}, timeout=5).text
+    out = {"streams_started": 0, "stream_msgs_sent": 0}
+    for line in text.splitlines():
+        name, _, value = line.partition(": ")
+        key = name.rsplit(".", 1)[-1]
+        if key in out and value.strip().isdigit():
+            out[key] += int(value)
+    return out
+
+
 def _subscribed(http_port: int, pod: str) -> int | bool:
     """The last seq kvgate applied from `pod` (True when connected with nothing yet), False if not connected."""
     try:
@@ -234,20 +251,23 @@ def run(seconds: float, rounds: int, n_pods: int, log, ingest_rate: float = 500.
                 "KVGATE_LOG_LEVEL": "warning", "KVGATE_OBSERVE_RESPONSES": "true" if observe else "false"}))
             grpc_ports.append(grpc_port)
             http_ports.append(http_port)
-        noop_port = free_port()
-        noop = stack.start("noop", [sys.executable, "-m", "bench.noop_processor", str(noop_port),
-                                    f"127.0.0.1:{up_ports[0]}"], ready_port=("127.0.0.1", noop_port))
-        pids = {"kvsync": [kvgates[0].popen.pid], "kvsync_2rep": [k.popen.pid for k in kvgates],
-                "noop": [noop.popen.pid]}
+        noop_ports, pids = {}, {"kvsync": [kvgates[0].popen.pid], "kvsync_2rep": [k.popen.pid for k in kvgates]}
+        for name, bodies in (("noop", False), ("noop_bodies", observe)):
+            noop_ports[name] = free_port()
+            proc = stack.start(name, [sys.executable, "-m", "bench.noop_processor", str(noop_ports[name]),
+                                      f"127.0.0.1:{up_ports[0]}", *(["--bodies"] if bodies else [])],
+                               ready_port=("127.0.0.1", noop_ports[name]))
+            pids[name] = [proc.popen.pid]
         gateways = {"direct": f"http://127.0.0.1:{up_ports[0]}"}
         port = free_port()
         _start_envoy(stack, "envoy_only", _envoy_only_config(port, free_port(), up_ports[0]), port)
         gateways["envoy_only"] = f"http://127.0.0.1:{port}"
-        for name, ext, more in (("noop", noop_port, ()), ("kvsync", grpc_ports[0], ()),
-                                ("kvsync_2rep", grpc_ports[0], grpc_ports[1:])):
-            port = free_port()
+        admins = {}
+        for name, ext, more in (("noop", noop_ports["noop"], ()), ("noop_bodies", noop_ports["noop_bodies"], ()),
+                                ("kvsync", grpc_ports[0], ()), ("kvsync_2rep", grpc_ports[0], grpc_ports[1:])):
+            port, admins[name] = free_port(), free_port()
             stack.envoy(listen_port=port, extproc_port=ext, pool=[("127.0.0.1", p) for p in up_ports], name=name,
-                        more_extproc_ports=more)
+                        more_extproc_ports=more, admin_port=admins[name])
             gateways[name] = f"http://127.0.0.1:{port}"
 
         # Warm up: the engine caches the prompt and publishes it; kvgate's tokenizer cache fills.
@@ -273,7 +293,7 @@ def run(seconds: float, rounds: int, n_pods: int, log, ingest_rate: float = 500.
         warm = stack.workdir / "post.lua"
         warm.write_text(_LUA.format(body=json.dumps(BODY)))
         cold = stack.workdir / "cold.lua"
-        keys = ("rps", "p50_ms", "p99_ms", "cpu_us", "cold_p50_ms", "cold_p99_ms", "cold_rps", "cold_cpu_us")
+        keys = ("rps", "p50_ms", "p99_ms", "cpu_us", "cold_p50_ms", "cold_p99_ms", "cold_rps", "cold_cpu_us", "msgs")
         samples: dict[str, dict[str, list]] = {g: {k: [] for k in keys} | {"errors": []} for g in gateways}
         for rnd in range(rounds):
             for name, url in gateways.items():
@@ -285,8 +305,14 @@ def run(seconds: float, rounds: int, n_pods: int, log, ingest_rate: float = 500.
                     if mode:
                         _cold_script(cold)
                     before = sum(_cpu_s(p) or 0 for p in ps)
+                    stats0 = _extproc_stats(admins[name]) if name in admins and not mode else None
                     hi = _wrk(url, script, 16, seconds)
                     after = sum(_cpu_s(p) or 0 for p in ps)
+                    if stats0 is not None:
+                        stats1 = _extproc_stats(admins[name])
+                        streams = stats1["streams_started"] - stats0["streams_started"]
+                        if streams:
+                            s["msgs"].append((stats1["stream_msgs_sent"] - stats0["stream_msgs_sent"]) / streams)
                     if mode:
                         _cold_script(cold)  # the 16-connection run saw the first nonces
                     lo = _wrk(url, script, 1, seconds)
@@ -310,6 +336,7 @@ def run(seconds: float, rounds: int, n_pods: int, log, ingest_rate: float = 500.
 
 def summarize(med: dict, samples: dict, ingest_us: float | None, cached: float, total: float, **run) -> dict:
     direct, envoy, noop, kv, kv2 = (med[g] for g in ("direct", "envoy_only", "noop", "kvsync", "kvsync_2rep"))
+    same = med.get("noop_bodies") or {}
     out: dict = {
         "direct_p50_ms": _round(direct["p50_ms"], 3), "envoy_only_p50_ms": _round(envoy["p50_ms"], 3),
         "noop_p50_ms": _round(noop["p50_ms"], 3), "kvsync_p50_ms": _round(kv["p50_ms"], 3),
@@ -327,12 +354,19 @@ def summarize(med: dict, samples: dict, ingest_us: float | None, cached: float, 
         "noop_rps": _round(noop["rps"], 1), "kvsync_rps": _round(kv["rps"], 1),
         "kvsync_cold_rps": _round(kv["cold_rps"], 1), "kvsync_2rep_rps": _round(kv2["rps"], 1),
         "kvsync_over_noop_rps": _round(kv["rps"] / noop["rps"], 3),
+        "kvsync_over_noop_bodies_rps": _round(kv["rps"] / same["rps"], 3) if same.get("rps") else None,
         "kvsync_cold_over_noop_rps": _round(kv["cold_rps"] / noop["cold_rps"], 3),
         "kvsync_2rep_over_1rep_rps": _round(kv2["rps"] / kv["rps"], 3),
         "kvsync_over_noop_rps_per_round": [round(a / b, 3) for a, b in zip(samples["kvsync"]["rps"],
                                                                            samples["noop"]["rps"])],
         # processor CPU per request at 16 connections (the 2-replica row sums both processes)
         "noop_cpu_us_per_request": _round(noop["cpu_us"], 1),
+        # the no-op answering the messages kvgate gets (response bodies too): kvgate's cost beyond the protocol
+        "noop_bodies_p50_ms": _round(same.get("p50_ms"), 3), "noop_bodies_rps": _round(same.get("rps"), 1),
+        "noop_bodies_cpu_us_per_request": _round(same.get("cpu_us"), 1),
+        # messages Envoy sent the processor per stream (warm, 16 connections): noop_bodies and kvsync match
+        "extproc_msgs_per_request": {g: _round(med[g].get("msgs"), 2) for g in ("noop", "noop_bodies", "kvsync")
+                                     if g in med},
         "kvsync_cpu_us_per_request": _round(kv["cpu_us"], 1),
         "kvsync_cold_cpu_us_per_request": _round(kv["cold_cpu_us"], 1),
         "kvsync_2rep_cpu_us_per_request": _round(kv2["cpu_us"], 1),
@@ -348,6 +382,8 @@ def summarize(med: dict, samples: dict, ingest_us: float | None, cached: float, 
         out["kvsync_cold_cpu_us_per_request_with_events"] = round(kv["cold_cpu_us"] + ingest_us, 1)
         out["kvsync_2rep_cpu_us_per_request_with_events"] = round(kv2["cpu_us"] + 2 * ingest_us, 1)
         out["kvsync_cpu_over_noop"] = round(with_events / noop["cpu_us"], 2)
+        if same.get("cpu_us"):
+            out["kvsync_cpu_over_noop_bodies"] = round(with_events / same["cpu_us"], 2)
         out["kvsync_cold_cpu_over_noop"] = round((kv["cold_cpu_us"] + ingest_us) / noop["cpu_us"], 2)
     if kv["rps"] and kv2["rps"] and kv["cpu_us"] and kv2["cpu_us"]:
         share = f"{ingest_us:.0f} us per batch per replica" if ingest_us is not None else "not measured"
@@ -382,6 +418,8 @@ def table(r: dict) -> str:
             f"{'envoy only':<16} {f(r['envoy_only_rps'], '.0f'):>10} {f(r['envoy_only_p50_ms']):>10} {'-':>11}",
             f"{'noop proc':<16} {f(r['noop_rps'], '.0f'):>10} {f(r['noop_p50_ms']):>10} "
             f"{f(r['noop_cpu_us_per_request'], '.0f'):>11}",
+            f"{'noop + bodies':<16} {f(r.get('noop_bodies_rps'), '.0f'):>10} {f(r.get('noop_bodies_p50_ms')):>10} "
+            f"{f(r.get('noop_bodies_cpu_us_per_request'), '.0f'):>11}",
             f"{'kv-sync warm':<16} {f(r['kvsync_rps'], '.0f'):>10} {f(r['kvsync_p50_ms']):>10} "
             f"{f(r['kvsync_cpu_us_per_request'], '.0f'):>11}",
             f"{'kv-sync cold':<16} {f(r['kvsync_cold_rps'], '.0f'):>10} {f(r['kvsync_cold_p50_ms']):>10} "
@@ -400,6 +438,9 @@ def table(r: dict) -> str:
             f"{f(r['kvsync_cold_over_noop_rps'])}); per round {r['kvsync_over_noop_rps_per_round']}",
             f"2 replicas / 1 replica throughput: {f(r['kvsync_2rep_over_1rep_rps'])}; CPU per request with events "
             f"{f(r.get('kvsync_2rep_cpu_us_per_request_with_events'), '.0f')} us (both replicas follow every engine)",
+            f"ext_proc messages per request: {r.get('extproc_msgs_per_request')}; against the no-op answering "
+            f"the same messages: CPU {f(r.get('kvsync_cpu_over_noop_bodies'))}x, throughput "
+            f"{f(r.get('kvsync_over_noop_bodies_rps'))}",
             f"prompt blocks found cached: {r['prefix_blocks_cached_fraction']:.0%}; errors {r['errors']}"]
     if r.get("replicas_note"):
         rows.append(r["replicas_note"])

@@ -1,7 +1,12 @@
 """A no-op ext_proc server for `kvgate bench gateway`: the cheapest Python processor that
 still routes (it names one fixed upstream), so the benchmark isolates kvgate's own cost.
 
-    python -m bench.noop_processor PORT UPSTREAM_IP:PORT
+    python -m bench.noop_processor PORT UPSTREAM_IP:PORT [--bodies]
+
+With `--bodies` it asks for a successful response's body as kvgate does when it watches responses (the
+same mode override: STREAMED for an event stream, BUFFERED_PARTIAL for anything else) and answers each
+body message with an empty one: Envoy then sends it exactly the messages it sends kvgate, and the
+difference in CPU is what kvgate does with them.
 """
 from __future__ import annotations
 
@@ -15,9 +20,11 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf import struct_pb2
 
+from plugin.observe import body_on
+
 
 class NoopProcessor(pb_grpc.ExternalProcessorServicer):
-    def __init__(self, upstream: str) -> None:
+    def __init__(self, upstream: str, bodies: bool = False) -> None:
         header = base_pb2.HeaderValueOption(
             header=base_pb2.HeaderValue(key="x-gateway-destination-endpoint", raw_value=upstream.encode()),
             append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
@@ -30,6 +37,19 @@ class NoopProcessor(pb_grpc.ExternalProcessorServicer):
         self._headers_routed.dynamic_metadata.CopyFrom(lb)
         self._body = pb.ProcessingResponse(request_body=pb.BodyResponse(response=routed), dynamic_metadata=lb)
         self._response_headers = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+        self._response_body = pb.ProcessingResponse(response_body=pb.BodyResponse())
+        self._bodies = bodies
+
+    def _on_response_headers(self, msg: pb.ProcessingRequest) -> pb.ProcessingResponse:
+        if not self._bodies:
+            return self._response_headers
+        status, streamed = b"", False
+        for h in msg.response_headers.headers.headers:
+            if h.key == ":status":
+                status = h.raw_value
+            elif h.key == "content-type":
+                streamed = h.raw_value.startswith(b"text/event-stream")
+        return body_on(streamed) if status == b"200" else self._response_headers
 
     async def Process(self, request_iterator, context):  # noqa: N802
         async for msg in request_iterator:
@@ -39,12 +59,14 @@ class NoopProcessor(pb_grpc.ExternalProcessorServicer):
             elif which == "request_body":
                 yield self._body
             elif which == "response_headers":
-                yield self._response_headers
+                yield self._on_response_headers(msg)
+            elif which == "response_body":
+                yield self._response_body
 
 
-async def _main(port: int, upstream: str) -> None:
+async def _main(port: int, upstream: str, bodies: bool) -> None:
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    pb_grpc.add_ExternalProcessorServicer_to_server(NoopProcessor(upstream), server)
+    pb_grpc.add_ExternalProcessorServicer_to_server(NoopProcessor(upstream, bodies), server)
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     stop = asyncio.Event()
@@ -55,4 +77,4 @@ async def _main(port: int, upstream: str) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(_main(int(sys.argv[1]), sys.argv[2]))
+    asyncio.run(_main(int(sys.argv[1]), sys.argv[2], "--bodies" in sys.argv[3:]))

@@ -6,7 +6,7 @@ A kvgate ext_proc server (plugin.extproc with the real Router, least-request, no
 child process on loopback; this process plays Envoy over real gRPC: request headers, body and
 response headers for every request and, when the response is watched, its body in `chunks` SSE
 chunks (one token each, usage in the last), as Envoy does once kvgate's answer to the response
-headers turns STREAMED on. The child's CPU time (from /proc) per request is reported with
+headers turns STREAMED on for an event stream. The child's CPU time (from /proc) per request is reported with
 observation on and off (off: Envoy sends no body, as with KVGATE_OBSERVE_RESPONSES=false).
 """
 from __future__ import annotations

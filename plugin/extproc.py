@@ -168,6 +168,10 @@ async def _finish(coro, pending):
 class _Stream:
     """The state of one HTTP request's ext_proc stream."""
 
+    __slots__ = ("gw", "fallback_log", "answers", "metric_children", "path", "method", "strategy", "request_id",
+                 "decision", "kind", "subset", "objective", "streamed_request", "streamed_response", "chunks",
+                 "held_remove", "watch", "slo", "admitted")
+
     def __init__(self, gw: Gateway, fallback_log: LogThrottle, answers: dict, metric_children: dict) -> None:
         self.gw = gw
         self.fallback_log = fallback_log
@@ -346,20 +350,22 @@ class _Stream:
         if self.gw.admission is not None:
             d, self.admitted = await admit(self.gw.admission, self.gw.router, self.gw.registry, d, request.model)
             self.decision = d
-        m = self.gw.metrics
-        children = self.metric_children.get((d.strategy, d.pod.name))
+        children = self.metric_children.get((d.strategy, d.pod.name, self.kind))
         if children is None:
             if len(self.metric_children) > 4096:
                 self.metric_children.clear()
-            children = self.metric_children[(d.strategy, d.pod.name)] = (
-                m.decision_seconds.labels(d.strategy), m.decisions.labels(d.strategy, d.pod.name))
-        seconds, decided = children
+            m = self.gw.metrics
+            children = self.metric_children[(d.strategy, d.pod.name, self.kind)] = (
+                m.decision_seconds.labels(d.strategy), m.decisions.labels(d.strategy, d.pod.name),
+                m.requests.labels(self.kind, "routed"), m.prefix_blocks.labels("total"),
+                m.prefix_blocks.labels("cached"))
+        seconds, decided, routed, total_blocks, cached_blocks = children
         seconds.observe(time.perf_counter() - started)
         decided.inc()
-        m.requests.labels(self.kind, "routed").inc()
+        routed.inc()
         if d.total_blocks:
-            m.prefix_blocks.labels("total").inc(d.total_blocks)
-            m.prefix_blocks.labels("cached").inc(d.matched_blocks)
+            total_blocks.inc(d.total_blocks)
+            cached_blocks.inc(d.matched_blocks)
         if self.gw.observer is not None:
             # running: the batch the engine profiles learn the decode step time at
             self.watch = self.gw.observer.start(self.request_id, request.model, d.pod.name, tokens=token_ids,

@@ -3,8 +3,10 @@ tokens, and the pod that served each request; fed to Prometheus and to the reque
 
 The cost is kept to what the ext_proc protocol makes unavoidable. Envoy's filter sends no response
 body by default (`response_body_mode: NONE`); the answer to a routed request's response headers turns
-on STREAMED for that response alone (`mode_override`, allowed by `allow_mode_override`), so SSE chunks
-pass on as they come and pass-through requests pay nothing. Each chunk is answered with one prebuilt
+the body on for that response alone (`mode_override`, allowed by `allow_mode_override`): STREAMED for an
+event stream, so SSE chunks pass on as they come, BUFFERED_PARTIAL for a JSON answer, which then comes
+in one message (STREAMED would take two: the body and the end of the stream); pass-through requests pay
+nothing. Each chunk is answered with one prebuilt
 empty message; the chunk itself is only searched for bytes, never decoded: the first chunk's arrival is
 the first token; a chunk holding `"usage"` has its token counts read by a regular expression; a stream
 without usage has its completion tokens counted as its `data: {` events (one token each, as vLLM
@@ -226,20 +228,37 @@ class Observer:
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2  # noqa: E402
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb  # noqa: E402
 
-_STREAMED = processing_mode_pb2.ProcessingMode(
-    request_header_mode=processing_mode_pb2.ProcessingMode.SEND,  # must restate: an override replaces all
-    response_header_mode=processing_mode_pb2.ProcessingMode.SEND,
-    request_body_mode=processing_mode_pb2.ProcessingMode.BUFFERED,
-    response_body_mode=processing_mode_pb2.ProcessingMode.STREAMED,
-    request_trailer_mode=processing_mode_pb2.ProcessingMode.SKIP,
-    response_trailer_mode=processing_mode_pb2.ProcessingMode.SKIP)
-_CONTINUE_STREAMED = pb.ProcessingResponse(response_headers=pb.HeadersResponse(), mode_override=_STREAMED)
+_MODE = processing_mode_pb2.ProcessingMode
+
+
+def _override(body_mode: int) -> pb.ProcessingResponse:
+    return pb.ProcessingResponse(response_headers=pb.HeadersResponse(), mode_override=_MODE(
+        request_header_mode=_MODE.SEND,  # must restate: an override replaces all
+        response_header_mode=_MODE.SEND,
+        request_body_mode=_MODE.BUFFERED,
+        response_body_mode=body_mode,
+        request_trailer_mode=_MODE.SKIP,
+        response_trailer_mode=_MODE.SKIP))
+
+
+# A token stream chunk by chunk (TTFT, TPOT); any other body in one message: Envoy's STREAMED mode costs a
+# message (and a round trip through kvgate) per chunk and one more for the end of the stream, where
+# BUFFERED_PARTIAL sends a whole JSON answer once (Envoy documents BUFFERED as failing a body past its
+# buffer limit; BUFFERED_PARTIAL sends what fits instead).
+_CONTINUE_STREAMED = _override(_MODE.STREAMED)
+_CONTINUE_WHOLE = _override(_MODE.BUFFERED_PARTIAL)
+
+
+def body_on(streamed: bool) -> pb.ProcessingResponse:
+    """The answer to response headers that turns the body on (prebuilt, never mutate it)."""
+    return _CONTINUE_STREAMED if streamed else _CONTINUE_WHOLE
 
 
 def response_headers(watch: Watch, msg: pb.ProcessingRequest, answer: pb.ProcessingResponse,
                      body_sent: bool) -> pb.ProcessingResponse:
     """Read the response's status and content type into `watch`; when its body is worth watching and
-    Envoy would not send it (`body_sent` False), the answer turns the body's STREAMED mode on."""
+    Envoy would not send it (`body_sent` False), the answer turns the body on: STREAMED for an event
+    stream, BUFFERED_PARTIAL (one message) for anything else."""
     status, ctype = 0, ""
     for h in msg.response_headers.headers.headers:
         key = h.key.lower()
@@ -249,11 +268,12 @@ def response_headers(watch: Watch, msg: pb.ProcessingRequest, answer: pb.Process
             ctype = (h.raw_value.decode("latin-1") if h.raw_value else h.value).lower()
     if not watch.on_headers(status, ctype) or body_sent:
         return answer
+    turn_on = body_on(watch.obs.streamed)
     if not answer.response_headers.HasField("response"):
-        return _CONTINUE_STREAMED
+        return turn_on
     out = pb.ProcessingResponse()
     out.CopyFrom(answer)
-    out.mode_override.CopyFrom(_STREAMED)
+    out.mode_override.CopyFrom(turn_on.mode_override)
     return out
 
 

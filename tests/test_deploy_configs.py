@@ -36,7 +36,7 @@ def test_envoy_yaml_never_fails_open_and_uses_the_epp_data_path():
     # response headers go to kvgate (they carry the served endpoint), the token stream does not
     assert mode["request_body_mode"] == "BUFFERED" and mode["response_header_mode"] == "SEND"
     assert mode["response_body_mode"] == "NONE"
-    # ...until kvgate's answer to a routed response's headers turns STREAMED on for it (plugin.observe)
+    # ...until kvgate's answer to a routed response's headers turns the body on for it (plugin.observe)
     assert ext["allow_mode_override"] is True
     assert {"envoy.lb", "kvgate"} <= set(ext["metadata_options"]["receiving_namespaces"]["untyped"])
     assert {"envoy.lb", "envoy.lb.subset_hint"} <= set(ext["metadata_options"]["forwarding_namespaces"]["untyped"])

@@ -94,6 +94,52 @@ def test_json_response_gives_tokens_but_no_ttft():
     assert value(reg, "kvgate_request_ttft_seconds_count", model="m", pod="p1") == 0
 
 
+def _response_headers_msg(status, content_type):
+    from envoy.config.core.v3 import base_pb2
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+    headers = [base_pb2.HeaderValue(key=":status", raw_value=str(status).encode())]
+    if content_type:
+        headers.append(base_pb2.HeaderValue(key="content-type", raw_value=content_type.encode()))
+    return pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=headers)))
+
+
+def test_the_answer_to_response_headers_asks_for_a_json_body_whole_and_an_event_stream_by_chunk():
+    """A JSON body comes back to kvgate in one message (BUFFERED_PARTIAL: STREAMED costs a message per
+    chunk plus one for the end of the stream); a token stream chunk by chunk (STREAMED, for TTFT and
+    TPOT); a failed response not at all. Every override restates the request's modes."""
+    from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+    from envoy.config.core.v3 import base_pb2
+
+    from plugin import observe
+    Mode = pm.ProcessingMode
+    cont = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+    obs = Observer(CollectorRegistry(), clock=Clock())
+    modes = {}
+    for ctype in ("application/json", "text/event-stream; charset=utf-8", ""):
+        out = observe.response_headers(obs.start("r", "m", "p"), _response_headers_msg(200, ctype), cont, False)
+        assert out.HasField("mode_override") and out.HasField("response_headers")
+        m = out.mode_override
+        assert (m.request_header_mode, m.request_body_mode, m.response_header_mode) == (
+            Mode.SEND, Mode.BUFFERED, Mode.SEND)
+        modes[ctype] = m.response_body_mode
+    assert modes == {"application/json": Mode.BUFFERED_PARTIAL, "text/event-stream; charset=utf-8": Mode.STREAMED,
+                     "": Mode.BUFFERED_PARTIAL}
+    # a failed response: no body asked for; a fallback's header mutation is kept beside the override
+    assert not observe.response_headers(obs.start("r", "m", "p"), _response_headers_msg(503, "application/json"),
+                                        cont, False).HasField("mode_override")
+    rewrite = pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=pb.CommonResponse(
+        header_mutation=pb.HeaderMutation(set_headers=[base_pb2.HeaderValueOption(
+            header=base_pb2.HeaderValue(key="x-kvgate-pod", raw_value=b"p2"))]))))
+    out = observe.response_headers(obs.start("r", "m", "p"), _response_headers_msg(200, "application/json"),
+                                   rewrite, False)
+    assert out.mode_override.response_body_mode == Mode.BUFFERED_PARTIAL
+    assert out.response_headers.response.header_mutation.set_headers[0].header.raw_value == b"p2"
+    # Envoy already sends the body (FULL_DUPLEX_STREAMED configured): nothing to turn on
+    assert not observe.response_headers(obs.start("r", "m", "p"), _response_headers_msg(200, "application/json"),
+                                        cont, True).HasField("mode_override")
+
+
 def test_failed_or_cut_response_is_done_without_usage_once():
     calls = []
     obs = Observer(CollectorRegistry(), TrackerRegistry((Recorder("a", calls),)), clock=Clock())
