@@ -157,29 +157,42 @@ class WordCachedEncoder:
             out.extend(self._affixes.suffix)
         return out
 
-    def _plain(self, text: str, out: list[int]) -> None:
+    def _split(self, text: str) -> list[str]:
+        """The pre-tokens of `text` (no added tokens in it), before the byte-level mapping."""
         words = [text]
         for stage in self._stages:
             words = stage.findall(words[0]) if len(words) == 1 else [w for p in words for w in stage.findall(p)]
             if sum(map(len, words)) != len(text):  # the matches leave gaps: spelled out, gaps kept
-                words = _split_isolated(self._stages, text)
-                break
+                return _split_isolated(self._stages, text)
+        return words
+
+    def _plain(self, text: str, out: list[int]) -> None:
+        words = self._split(text)
         found = list(map(self._words.get, words))  # one C loop; words never seen are None
         if None in found:
             cache = self._words
-            if len(cache) >= _MAX_WORDS:
-                cache.clear()
             for i, ids in enumerate(found):
                 if ids is None:
                     w = words[i]
                     ids = cache.get(w)
                     if ids is None:
+                        if len(cache) >= _MAX_WORDS:
+                            cache.clear()
                         ids = cache[w] = [t.id for t in self._model.tokenize(w.translate(self._to_bytelevel))]
                     found[i] = ids
         out += chain.from_iterable(found)
 
     def _self_check(self, backend: Any) -> None:
-        texts = list(_check_corpus())
+        """The tokenizer's own pre-tokens and ids on _check_corpus(), or NotFast (ids alone can hide a wrong
+        split: a small vocabulary often gives the same ids for "a_b" as one word or three)."""
+        texts = _check_corpus()
+        for text in texts:
+            pieces = [text] if self._added_pattern is None else [p for p in self._added_pattern.split(text) if p]
+            for piece in pieces:
+                mine = [w.translate(self._to_bytelevel) for w in self._split(piece)]
+                theirs = [w for w, _ in backend.pre_tokenizer.pre_tokenize_str(piece)]
+                if mine != theirs:
+                    raise NotFast(f"splits {piece[:60]!r} otherwise than the tokenizer")
         for special in (False, True):
             if special and self._affixes is None:
                 continue
