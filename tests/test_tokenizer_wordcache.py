@@ -7,6 +7,7 @@ Llama 3.1's (realtok.py; skipped, saying why, without them)."""
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
@@ -16,7 +17,8 @@ import realtok
 from tokenizer import testdata, wordcache
 from tokenizer.local import LocalTokenizer
 from tokenizer.types import ChatInput, PromptInput
-from tokenizer.wordcache import NotFast, WordCachedEncoder, ascii_pattern
+from kvcache.native import native
+from tokenizer.wordcache import NATIVE_KINDS, NotFast, WordCachedEncoder, ascii_pattern
 
 _LOCAL: dict[str, LocalTokenizer] = {}
 
@@ -119,6 +121,7 @@ def test_configurations_it_cannot_reproduce_are_refused(change, reason) -> None:
 
 def test_a_wrong_translation_is_caught_at_load(monkeypatch) -> None:
     # \p{L} read as Python's \w would (digits and "_" as letters): the load-time check must see it.
+    monkeypatch.setattr(wordcache, "NATIVE_KINDS", {})  # the `re` path
     monkeypatch.setitem(wordcache._ALONE, "\\p{L}", "[A-Za-z0-9_]")
     monkeypatch.setitem(wordcache._IN_CLASS, "\\p{L}", "A-Za-z0-9_")
     with pytest.raises(NotFast, match="otherwise than the tokenizer"):
@@ -154,3 +157,38 @@ def test_ascii_inputs_the_word_cache_takes_stay_on_the_calling_thread() -> None:
     assert not fast.inline(PromptInput(text="word " * 5000), 2048)
     chat = ChatInput(messages=({"role": "user", "content": "word " * 1000},))
     assert fast.inline(chat, 2048) and not slow.inline(chat, 2048)
+
+
+@pytest.mark.parametrize("pattern, kind", sorted(NATIVE_KINDS.items(), key=lambda kv: kv[1]))
+def test_the_c_scanner_splits_as_the_translated_regex(pattern, kind) -> None:
+    reference = re.compile(ascii_pattern(pattern), re.ASCII)
+    rng = random.Random(kind)
+    differ = []
+    for _ in range(20000):
+        text = _random_ascii(rng)
+        if native.split_bytelevel(text, kind) != reference.findall(text):
+            differ.append(text)
+    assert not differ, f"{len(differ)} texts split otherwise, e.g. {differ[:5]}"
+    with pytest.raises(ValueError):
+        native.split_bytelevel("café", kind)
+
+
+@pytest.mark.parametrize("name", ["test", "qwen3", "llama3_1"])
+def test_the_c_scanner_serves_the_known_regexes_and_the_re_path_agrees(name, monkeypatch) -> None:
+    local = _local(name)
+    enc = WordCachedEncoder.from_local(local.hf)
+    assert enc._native_kind is not None, f"{name}: its pre-tokenizer regex is not split in C"
+    monkeypatch.setattr(wordcache, "NATIVE_KINDS", {})
+    by_re = WordCachedEncoder.from_local(local.hf)
+    assert by_re._native_kind is None
+    rng = random.Random(5)
+    for _ in range(500):
+        text = _random_ascii(rng)
+        assert enc.encode(text) == by_re.encode(text)
+
+
+def test_a_scanner_of_another_regex_is_caught_at_load(monkeypatch) -> None:
+    gpt2 = next(p for p, k in NATIVE_KINDS.items() if k == 0)
+    monkeypatch.setattr(wordcache, "NATIVE_KINDS", {gpt2: 1})  # the test tokenizer's regex split as Llama 3's
+    with pytest.raises(NotFast, match="otherwise than the tokenizer"):
+        WordCachedEncoder.from_local(_local("test").hf)

@@ -8,8 +8,9 @@ A fast tokenizer (the `tokenizers` library) encodes a text without added tokens 
     encode(T) = concat(bpe(bytelevel(w)) for w in pretokenize(normalize(T)))
 with the BPE model applied to each pre-token on its own. For ASCII text every Unicode normalizer is the
 identity and the pre-tokenizer's regex classes (\\p{L}, \\p{N}, \\s) are plain ASCII sets, so the split is
-done here with Python's `re` on the pattern translated to those sets, and bpe(bytelevel(w)) is asked of
-the tokenizer's own BPE model (`Model.tokenize`) once per distinct word, then kept. Added tokens are cut out
+done here: by a C scanner for the GPT-2, Llama 3 and Qwen 2 regexes (kvcache/_native.c, its tokenizer
+section), else with Python's `re` on the pattern translated to those sets; and bpe(bytelevel(w)) is asked
+of the tokenizer's own BPE model (`Model.tokenize`) once per distinct word, then kept. Added tokens are cut out
 first, as the tokenizer does (leftmost-longest, raw text; segments.Segmenter checks their flags allow it).
 
 Only configurations where this identity is known to hold are taken (`WordCachedEncoder.from_local` says
@@ -23,12 +24,16 @@ from __future__ import annotations
 
 import json
 import re
-from itertools import chain
 from typing import Any
 
+from kvcache.native import native as _native
 from tokenizer.segments import NotSegmentable, SpecialAffixes, _affixes
 
 _GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+_LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                   r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Pre-tokenizer regexes the C scanner (kvcache/_native.c, its tokenizer section) splits by, by its kind number.
+NATIVE_KINDS = {_GPT2_PATTERN: 0, _LLAMA3_PATTERN: 1, _LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}"): 2}
 _NORMALIZERS = {"NFC", "NFD", "NFKC", "NFKD"}  # the identity on ASCII
 # The regex classes as the tokenizer's regex engine (Oniguruma, Unicode) reads them, restricted to ASCII:
 # \s is Unicode White_Space (not \x1c-\x1f, which Python's \s takes).
@@ -95,9 +100,11 @@ class WordCachedEncoder:
     """encode(text, add_special_tokens) -> ids exactly as the tokenizer gives them, or None (not handled)."""
 
     def __init__(self, model: Any, stages: list[re.Pattern[str]], added: dict[str, int],
-                 affixes: SpecialAffixes | None) -> None:
+                 affixes: SpecialAffixes | None, native_kind: int | None = None) -> None:
+        """`native_kind`: the C scanner's number for the one stage's regex (NATIVE_KINDS), None for `re`."""
         self._model = model  # tokenizers.models.BPE: tokenize(pre-token) -> Tokens
         self._stages = stages
+        self._native_kind = native_kind
         self._added = added
         alternatives = sorted(added, key=len, reverse=True)  # leftmost-longest, as in segments.Segmenter
         self._added_pattern = re.compile("|".join(re.escape(a) for a in alternatives)) if alternatives else None
@@ -129,12 +136,14 @@ class WordCachedEncoder:
                 raise NotFast(f"added token {tok.get('content')!r} has {', '.join(flags)}")
             if tok.get("content"):
                 added[tok["content"]] = int(tok["id"])
-        stages = [re.compile(p, re.ASCII) for p in _pre_tokenizer_stages(spec.get("pre_tokenizer"))]
+        patterns = _pre_tokenizer_stages(spec.get("pre_tokenizer"))
+        stages = [re.compile(ascii_pattern(p), re.ASCII) for p in patterns]
+        native_kind = NATIVE_KINDS.get(patterns[0]) if len(patterns) == 1 else None
         try:
             affixes = _affixes(spec.get("post_processor"), added)
         except (KeyError, TypeError, ValueError, NotSegmentable):
             affixes = None
-        enc = cls(backend.model, stages, added, affixes)
+        enc = cls(backend.model, stages, added, affixes, native_kind)
         enc._self_check(backend)
         return enc
 
@@ -158,7 +167,9 @@ class WordCachedEncoder:
         return out
 
     def _split(self, text: str) -> list[str]:
-        """The pre-tokens of `text` (no added tokens in it), before the byte-level mapping."""
+        """The pre-tokens of `text` (ASCII, no added tokens in it), before the byte-level mapping."""
+        if self._native_kind is not None:
+            return _native.split_bytelevel(text, self._native_kind)
         words = [text]
         for stage in self._stages:
             words = stage.findall(words[0]) if len(words) == 1 else [w for p in words for w in stage.findall(p)]
@@ -168,19 +179,19 @@ class WordCachedEncoder:
 
     def _plain(self, text: str, out: list[int]) -> None:
         words = self._split(text)
-        found = list(map(self._words.get, words))  # one C loop; words never seen are None
-        if None in found:
+        found = _native.concat_cached(words, self._words)  # None: some word not cached yet
+        if found is None:
             cache = self._words
-            for i, ids in enumerate(found):
-                if ids is None:
-                    w = words[i]
-                    ids = cache.get(w)
-                    if ids is None:
-                        if len(cache) >= _MAX_WORDS:
-                            cache.clear()
-                        ids = cache[w] = [t.id for t in self._model.tokenize(w.translate(self._to_bytelevel))]
-                    found[i] = ids
-        out += chain.from_iterable(found)
+            for w in words:
+                if w not in cache:
+                    if len(cache) >= _MAX_WORDS:
+                        cache.clear()
+                    cache[w] = [t.id for t in self._model.tokenize(w.translate(self._to_bytelevel))]
+            found = _native.concat_cached(words, cache)
+            if found is None:  # more new words than the cache holds: one at a time
+                found = [i for w in words for i in
+                         (cache.get(w) or [t.id for t in self._model.tokenize(w.translate(self._to_bytelevel))])]
+        out += found
 
     def _self_check(self, backend: Any) -> None:
         """The tokenizer's own pre-tokens and ids on _check_corpus(), or NotFast (ids alone can hide a wrong
@@ -236,7 +247,8 @@ def _check_normalizer(norm: Any) -> None:
 
 
 def _pre_tokenizer_stages(pre: Any) -> list[str]:
-    """The Python regexes of the pre-tokenizer's splits, in order; the last step must be ByteLevel."""
+    """The regexes (the tokenizer's syntax) of the pre-tokenizer's splits, in order; the last step must be
+    ByteLevel."""
     steps = [pre] if pre is None or pre.get("type") != "Sequence" else list(pre.get("pretokenizers") or [])
     if not steps or steps[-1] is None or steps[-1].get("type") != "ByteLevel":
         raise NotFast("pre-tokenizer does not end with ByteLevel")
@@ -245,12 +257,12 @@ def _pre_tokenizer_stages(pre: Any) -> list[str]:
         if step.get("type") != "Split" or step.get("invert") or step.get("behavior") != "Isolated" \
                 or "Regex" not in (step.get("pattern") or {}):
             raise NotFast(f"pre-tokenizer step {json.dumps(step)[:120]} is not a regex Split, isolated")
-        stages.append(ascii_pattern(step["pattern"]["Regex"]))
+        stages.append(step["pattern"]["Regex"])
     last = steps[-1]
     if last.get("add_prefix_space"):
         raise NotFast("ByteLevel add_prefix_space depends on the piece's position")
     if last.get("use_regex", True):
-        stages.append(ascii_pattern(_GPT2_PATTERN))
+        stages.append(_GPT2_PATTERN)
     return stages
 
 
