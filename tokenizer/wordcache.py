@@ -118,7 +118,9 @@ class WordCachedEncoder:
         or where the encoder disagrees with the tokenizer on the load-time self-check."""
         if getattr(hf, "split_special_tokens", False):
             raise NotFast("split_special_tokens is set")
-        backend = hf.backend_tokenizer
+        backend = getattr(hf, "backend_tokenizer", None)
+        if backend is None:
+            raise NotFast("not a fast (tokenizer.json) tokenizer")
         if getattr(backend, "encode_special_tokens", False):
             raise NotFast("encode_special_tokens is set")
         spec = json.loads(backend.to_str())
