@@ -56,7 +56,7 @@ def test_word_cache_gives_the_tokenizers_tokens_on_random_ascii_text(name) -> No
     backend = local.hf.backend_tokenizer
     rng = random.Random(14)
     differ = []
-    for i in range(3000):
+    for i in range(2000):
         text = _random_ascii(rng)
         special = i % 3 == 0
         theirs = backend.encode(text, add_special_tokens=special).ids
@@ -78,7 +78,7 @@ def test_a_long_prompt_with_a_new_start_matches_word_for_word(name) -> None:
 
 def test_non_ascii_text_is_left_to_the_tokenizer() -> None:
     local = _local("test")
-    enc = WordCachedEncoder.from_local(local.hf)
+    enc = local._fast
     for text in ("café au lait", "naïve\u00a0space", "emoji 🙂 here", "ſ's"):
         assert enc.encode(text) is None
         assert local.encode_prompt(text, False) == local.hf.backend_tokenizer.encode(text, add_special_tokens=False).ids
@@ -164,7 +164,7 @@ def test_the_c_scanner_splits_as_the_translated_regex(pattern, kind) -> None:
     reference = re.compile(ascii_pattern(pattern), re.ASCII)
     rng = random.Random(kind)
     differ = []
-    for _ in range(20000):
+    for _ in range(10000):
         text = _random_ascii(rng)
         if native.split_bytelevel(text, kind) != reference.findall(text):
             differ.append(text)
@@ -174,15 +174,18 @@ def test_the_c_scanner_splits_as_the_translated_regex(pattern, kind) -> None:
 
 
 @pytest.mark.parametrize("name", ["test", "qwen3", "llama3_1"])
-def test_the_c_scanner_serves_the_known_regexes_and_the_re_path_agrees(name, monkeypatch) -> None:
-    local = _local(name)
+def test_the_c_scanner_serves_the_known_regexes(name) -> None:
+    assert _local(name)._fast._native_kind is not None, f"{name}: its pre-tokenizer regex is not split in C"
+
+
+def test_the_re_path_and_the_c_scanner_give_the_same_tokens(monkeypatch) -> None:
+    local = _local("test")
     enc = WordCachedEncoder.from_local(local.hf)
-    assert enc._native_kind is not None, f"{name}: its pre-tokenizer regex is not split in C"
     monkeypatch.setattr(wordcache, "NATIVE_KINDS", {})
     by_re = WordCachedEncoder.from_local(local.hf)
-    assert by_re._native_kind is None
+    assert enc._native_kind is not None and by_re._native_kind is None
     rng = random.Random(5)
-    for _ in range(500):
+    for _ in range(1000):
         text = _random_ascii(rng)
         assert enc.encode(text) == by_re.encode(text)
 
