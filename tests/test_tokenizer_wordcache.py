@@ -84,6 +84,19 @@ def test_non_ascii_text_is_left_to_the_tokenizer() -> None:
         assert local.encode_prompt(text, False) == local.hf.backend_tokenizer.encode(text, add_special_tokens=False).ids
 
 
+@pytest.mark.parametrize("name", ["test", "qwen3", "llama3_1"])
+def test_non_ascii_pieces_between_added_tokens_are_encoded_exactly(name) -> None:
+    local = _local(name)
+    backend = local.hf.backend_tokenizer
+    rng = random.Random(9)
+    others = ["café", " naïve", "\u00a0", "🙂", "ſ's", " Ünïcödé words", "\u2028", "日本語"]
+    for i in range(500):
+        parts = [_random_ascii(rng) if rng.random() < 0.6 else rng.choice(others) for _ in range(rng.randint(1, 6))]
+        text = rng.choice(["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|begin_of_text|>"]).join(parts)
+        special = i % 2 == 0
+        assert local.encode_prompt(text, special) == backend.encode(text, add_special_tokens=special).ids, repr(text)
+
+
 def test_the_regex_is_translated_to_ascii_classes_or_refused() -> None:
     assert ascii_pattern(r"[^\s\p{L}\p{N}]+") == "[^\\t\\n\\x0b\\x0c\\r A-Za-z0-9]+"
     assert ascii_pattern(r"\s+(?!\S)") == "[\\t\\n\\x0b\\x0c\\r ]+(?![^\\t\\n\\x0b\\x0c\\r ])"

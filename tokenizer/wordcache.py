@@ -105,6 +105,7 @@ class WordCachedEncoder:
         self._model = model  # tokenizers.models.BPE: tokenize(pre-token) -> Tokens
         self._stages = stages
         self._native_kind = native_kind
+        self._backend: Any = None  # the tokenizers.Tokenizer, for non-ASCII pieces between added tokens
         self._added = added
         alternatives = sorted(added, key=len, reverse=True)  # leftmost-longest, as in segments.Segmenter
         self._added_pattern = re.compile("|".join(re.escape(a) for a in alternatives)) if alternatives else None
@@ -146,24 +147,33 @@ class WordCachedEncoder:
         except (KeyError, TypeError, ValueError, NotSegmentable):
             affixes = None
         enc = cls(backend.model, stages, added, affixes, native_kind)
+        enc._backend = backend
         enc._self_check(backend)
         return enc
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int] | None:
-        if not text.isascii() or (add_special_tokens and self._affixes is None):
+        """None where not handled: add_special_tokens with an unknown post-processor, or non-ASCII text without
+        added tokens. Between added tokens, a non-ASCII piece is encoded by the tokenizer alone: the same tokens,
+        since the tokenizer cuts added tokens out before anything else."""
+        if add_special_tokens and self._affixes is None:
+            return None
+        ascii_ = text.isascii()
+        if not ascii_ and (self._backend is None or self._added_pattern is None
+                           or self._added_pattern.search(text) is None):
             return None
         out: list[int] = list(self._affixes.prefix) if add_special_tokens else []
+        plain = self._plain if ascii_ else self._any
         if self._added_pattern is None:
-            self._plain(text, out)
+            plain(text, out)
         else:
             pos = 0
             for m in self._added_pattern.finditer(text):
                 if m.start() > pos:
-                    self._plain(text[pos:m.start()], out)
+                    plain(text[pos:m.start()], out)
                 out.append(self._added[m.group()])
                 pos = m.end()
             if pos < len(text):
-                self._plain(text[pos:], out)
+                plain(text[pos:], out)
         if add_special_tokens:
             out.extend(self._affixes.suffix)
         return out
@@ -178,6 +188,12 @@ class WordCachedEncoder:
             if sum(map(len, words)) != len(text):  # the matches leave gaps: spelled out, gaps kept
                 return _split_isolated(self._stages, text)
         return words
+
+    def _any(self, text: str, out: list[int]) -> None:
+        if text.isascii():
+            self._plain(text, out)
+        else:
+            out += self._backend.encode(text, add_special_tokens=False).ids
 
     def _plain(self, text: str, out: list[int]) -> None:
         words = self._split(text)
