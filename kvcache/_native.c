@@ -2213,7 +2213,8 @@ static PyTypeObject CoreType = {
  *     (?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+
  * On ASCII: \p{L} = [A-Za-z], \p{N} = [0-9], \s = [\t\n\v\f\r ] (Unicode White_Space). Every character is
  * in one of the four classes L, N, S and O (the rest), and each class has an alternative that takes it,
- * so the matches tile the text. `concat_cached(words, cache)` joins the cached id lists of `words`. */
+ * so the matches tile the text. `concat_cached(words, cache)` joins the cached id lists of `words`, or
+ * names the words not cached yet. */
 
 enum { PT_GPT2 = 0, PT_LLAMA3 = 1, PT_QWEN2 = 2 };
 
@@ -2329,24 +2330,33 @@ static PyObject *py_concat_cached(PyObject *Py_UNUSED(self), PyObject *args) {
     PyObject *words, *cache;
     if (!PyArg_ParseTuple(args, "O!O!", &PyList_Type, &words, &PyDict_Type, &cache)) return NULL;
     Py_ssize_t nw = PyList_GET_SIZE(words), total = 0;
+    PyObject *missing = NULL;  /* words not cached, in order (repeats kept): a tuple is returned then */
     PyObject **found = PyMem_Malloc((size_t)(nw ? nw : 1) * sizeof(PyObject *));
     if (!found) return PyErr_NoMemory();
     for (Py_ssize_t i = 0; i < nw; i++) {
-        PyObject *ids = PyDict_GetItemWithError(cache, PyList_GET_ITEM(words, i));  /* borrowed */
-        if (!ids || !PyList_Check(ids)) {
-            PyMem_Free(found);
-            if (PyErr_Occurred()) return NULL;
-            if (ids) return PyErr_Format(PyExc_TypeError, "cached ids must be lists");
-            Py_RETURN_NONE;  /* a word not cached yet */
+        PyObject *word = PyList_GET_ITEM(words, i);
+        PyObject *ids = PyDict_GetItemWithError(cache, word);  /* borrowed */
+        if (!ids) {
+            if (PyErr_Occurred()) goto fail;
+            if (!missing && !(missing = PyList_New(0))) goto fail;
+            if (PyList_Append(missing, word) < 0) goto fail;
+            continue;
+        }
+        if (!PyList_Check(ids)) {
+            PyErr_SetString(PyExc_TypeError, "cached ids must be lists");
+            goto fail;
         }
         found[i] = ids;
         total += PyList_GET_SIZE(ids);
     }
-    PyObject *out = PyList_New(total);
-    if (!out) {
+    if (missing) {
         PyMem_Free(found);
-        return NULL;
+        PyObject *t = PyList_AsTuple(missing);
+        Py_DECREF(missing);
+        return t;
     }
+    PyObject *out = PyList_New(total);
+    if (!out) goto fail;
     Py_ssize_t k = 0;
     for (Py_ssize_t i = 0; i < nw; i++) {
         Py_ssize_t m = PyList_GET_SIZE(found[i]);
@@ -2358,6 +2368,10 @@ static PyObject *py_concat_cached(PyObject *Py_UNUSED(self), PyObject *args) {
     }
     PyMem_Free(found);
     return out;
+fail:
+    Py_XDECREF(missing);
+    PyMem_Free(found);
+    return NULL;
 }
 /* ==== end of the tokenizer section ================================================================ */
 
@@ -2367,7 +2381,7 @@ static PyMethodDef methods[] = {
     {"split_bytelevel", py_split_bytelevel, METH_VARARGS,
      "split_bytelevel(ascii_text, kind) -> pre-tokens (kind 0 GPT-2, 1 Llama 3, 2 Qwen 2; tokenizer/wordcache.py)"},
     {"concat_cached", py_concat_cached, METH_VARARGS,
-     "concat_cached(words, cache) -> the cached id lists of words joined, or None when one is not cached"},
+     "concat_cached(words, cache) -> the cached id lists of words joined (a list), or the words not cached (a tuple)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -197,16 +197,16 @@ class WordCachedEncoder:
 
     def _plain(self, text: str, out: list[int]) -> None:
         words = self._split(text)
-        found = _native.concat_cached(words, self._words)  # None: some word not cached yet
-        if found is None:
+        found = _native.concat_cached(words, self._words)  # the ids, or a tuple of the words not cached yet
+        if type(found) is tuple:
             cache = self._words
-            for w in words:
-                if w not in cache:
+            for w in found:
+                if w not in cache:  # a word may be missing more than once
                     if len(cache) >= _MAX_WORDS:
                         cache.clear()
                     cache[w] = [t.id for t in self._model.tokenize(w.translate(self._to_bytelevel))]
             found = _native.concat_cached(words, cache)
-            if found is None:  # more new words than the cache holds: one at a time
+            if type(found) is tuple:  # more new words than the cache holds: one at a time
                 found = [i for w in words for i in
                          (cache.get(w) or [t.id for t in self._model.tokenize(w.translate(self._to_bytelevel))])]
         out += found
