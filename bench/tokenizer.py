@@ -4,7 +4,8 @@ Workload: multi-turn chats sharing one system prompt; request k of a conversatio
 carries its whole history. The remote side is a real HTTP server on loopback in
 its own process (tokenizer.stub_server: vLLM's /tokenize shapes, LocalTokenizer
 inside; or, by default, the simulated engine `kvgate sim`), reached through
-RemoteTokenizer. "Cold" is no cache; "cached" is
+RemoteTokenizer. "Cold" is no cache ("local plain": the local tokenizer without its word-cached
+encoder, tokenizer.wordcache); "cached" is
 CachedTokenizer starting empty on the same workload; "verified" is the gateway's
 default with tokenizer files (VerifiedTokenizer: local tokens once verified against
 the server, a 5% background sample still sent to it). Every answer is checked
@@ -150,6 +151,8 @@ async def _bench(args: argparse.Namespace, url: str) -> dict:
             RemoteTokenizer({MODEL: url}, options=options), segmenters=segmenters, registry=CollectorRegistry()
         ),
         "local cold": LocalBackend({MODEL: local}),
+        # the same without the word-cached encoder (tokenizer.wordcache): every text through the tokenizers library
+        "local plain": LocalBackend({MODEL: LocalTokenizer(local.hf, fast=False)}),
         "local cached": CachedTokenizer(LocalBackend({MODEL: local}), segmenters=segmenters, registry=CollectorRegistry()),
         # What the gateway runs with KVGATE_TOKENIZER=auto and the files: local tokens, verified against the server
         # (during the warm-up), with the default background sample; alone, and behind the whole-request cache.
@@ -194,8 +197,9 @@ async def _bench(args: argparse.Namespace, url: str) -> dict:
         await backend.aclose()
     median = {name: sorted(p, key=lambda r: r.mean_ms)[len(p) // 2] for name, p in passes.items()}
     per_request = {name: statistics.median(r) for name, r in rates.items()}
-    remote_cold, remote_cached, local_cold, local_cached, verified_cold, verified_cached = (median[n] for n in backends)
-    runs = [remote_cold, remote_cached, local_cold, local_cached, verified_cold, verified_cached]
+    remote_cold, remote_cached, local_cold, local_plain, local_cached, verified_cold, verified_cached = (
+        median[n] for n in backends)
+    runs = [remote_cold, remote_cached, local_cold, local_plain, local_cached, verified_cold, verified_cached]
     mismatches = sum(
         1 for ps in passes.values() for r in ps for got, want in zip(r.outputs, remote_cold.outputs) if got != want
     )
@@ -207,6 +211,8 @@ async def _bench(args: argparse.Namespace, url: str) -> dict:
         "remote_cold_ms": round(remote_cold.mean_ms, 3),
         "remote_cached_ms": round(remote_cached.mean_ms, 3),
         "local_cold_ms": round(local_cold.mean_ms, 3),
+        "local_plain_cold_ms": round(local_plain.mean_ms, 3),
+        "word_cache_speedup": round(local_plain.mean_ms / local_cold.mean_ms, 2),
         "local_cached_ms": round(local_cached.mean_ms, 3),
         "remote_speedup": round(remote_cold.mean_ms / remote_cached.mean_ms, 2),
         "local_speedup": round(local_cold.mean_ms / local_cached.mean_ms, 2),
@@ -245,6 +251,7 @@ def main(args: argparse.Namespace) -> int:
             print(f"{name:<15}{r['mean_ms']:>10.3f}{r['p50_ms']:>10.3f}{r['p99_ms']:>10.3f}{r['throughput_ms']:>14.3f}")
         print(f"verified path: /tokenize calls per request: {result['verified_waited_calls_per_request']} waited for, "
               f"{result['verified_remote_calls_per_request']} in all (background samples)")
+        print(f"word-cached encoder vs the tokenizers library alone (local cold): {result['word_cache_speedup']}x")
         print(f"cached vs cold: remote {result['remote_speedup']}x, local {result['local_speedup']}x; "
               f"tokens served from cache {result['cache_hit_rate']:.1%}; mismatches {result['mismatches']}")
     return 0 if result["mismatches"] == 0 else 1

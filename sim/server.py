@@ -158,7 +158,7 @@ class SimServer:
         if path is None:
             from tokenizer import testdata
             path = str(testdata.path())
-        self.tokenizer = LocalTokenizer.from_path(path)
+        self.tokenizer = LocalTokenizer.from_path(path, fast=False)  # the engine tokenizes as vLLM: no word cache
         self._vocab_size = len(self.tokenizer.hf)
         self._token_text = _output_pool(self.tokenizer)
         pool = tuple(self._token_text)

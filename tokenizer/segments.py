@@ -30,10 +30,12 @@ import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tokenizer.local import LocalTokenizer
 from tokenizer.types import ChatInput, PromptInput, TokenizeInput
+
+if TYPE_CHECKING:  # local.py builds its word cache with this module's post-processor reading
+    from tokenizer.local import LocalTokenizer
 
 Piece = str | int  # plain text to tokenize, or the id of an added token
 

@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="test-model")
     p.add_argument("--path", default=str(testdata.path()))
     args = p.parse_args(argv)
-    app = make_app({args.model: LocalTokenizer.from_path(args.path)})
+    app = make_app({args.model: LocalTokenizer.from_path(args.path, fast=False)})  # the reference, as vLLM
     web.run_app(app, host=args.host, port=args.port, print=lambda *_: print("listening", flush=True))
     return 0
 

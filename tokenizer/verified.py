@@ -32,7 +32,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
 
-from tokenizer.local import LocalTokenizer, input_size
+from tokenizer.local import LocalTokenizer
 from tokenizer.remote import request_body
 from tokenizer.types import PromptInput, TokenizeInput, Tokenizer, TokenizerError
 
@@ -46,7 +46,7 @@ class VerifyOptions:
     verify_requests: int = 5  # agreements of a shape before the local path serves it
     sample_rate: float = 0.05  # share of locally served requests checked against the engine afterwards
     max_checks: int = 4  # background checks in flight at once
-    offload_chars: int = 2048  # inputs this large are tokenized in a worker thread
+    offload_chars: int = 2048  # inputs this large are tokenized in a worker thread (LocalTokenizer.inline)
     log_chars: int = 400  # how much of a differing input is logged
     max_models: int = 256  # models tracked (a model beyond them is tokenized remotely, untracked)
 
@@ -212,9 +212,9 @@ class VerifiedTokenizer:
             self._check_later(m, shape_of(item), item, list(ids), None, base_url)
 
     async def _encode(self, local: LocalTokenizer, item: TokenizeInput) -> list[int]:
-        if input_size(item) >= self._options.offload_chars:
-            return await asyncio.to_thread(local.encode, item)
-        return local.encode(item)
+        if local.inline(item, self._options.offload_chars):
+            return local.encode(item)
+        return await asyncio.to_thread(local.encode, item)
 
     # --- models ----------------------------------------------------------------------------
     def _add(self, model: str) -> _Model:
