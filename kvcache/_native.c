@@ -2297,7 +2297,8 @@ static PyTypeObject CoreType = {
     .tp_getset = core_getset,
 };
 
-/* ==== tokenizer: byte-level BPE pre-tokenizer split on ASCII text (tokenizer/wordcache.py) = * Nothing in this section touches the index. `split_bytelevel(text, kind)` cuts ASCII text into the
+/* ==== tokenizer: byte-level BPE pre-tokenizer split on ASCII text (tokenizer/wordcache.py) ========
+ * Nothing in this section touches the index. `split_bytelevel(text, kind)` cuts ASCII text into the
  * pre-tokens of one of three known regexes, exactly as the `tokenizers` library's (Oniguruma) regex
  * with "isolated" splits does; tokenizer/wordcache.py compares it with the tokenizer at load and the
  * tests compare it with Python's `re` on the translated pattern:
@@ -2472,7 +2473,6 @@ static PyMethodDef methods[] = {
     {"chain_keys", py_chain_keys, METH_VARARGS, "chain_keys(parent, token_ids, block_size) -> bytes of uint64 keys"},
     {"scan_batch", py_scan_batch, METH_O, "scan_batch(payload) -> summary tuple, or None for the general path"},
     {"zmtp_split", py_zmtp_split, METH_VARARGS, "zmtp_split(buffer, pos, end, limit, max_frame) -> (messages, pos)"},
-=======
     {"split_bytelevel", py_split_bytelevel, METH_VARARGS,
      "split_bytelevel(ascii_text, kind) -> pre-tokens (kind 0 GPT-2, 1 Llama 3, 2 Qwen 2; tokenizer/wordcache.py)"},
     {"concat_cached", py_concat_cached, METH_VARARGS,
