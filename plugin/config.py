@@ -224,6 +224,12 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("KVGATE_OBSERVE_RESPONSES", "observe_responses", _bool, True,
              "Watch routed responses (Envoy streams their bodies through kvgate once the response headers "
              "are seen): TTFT, TPOT and tokens per model and pod, request traces, output-length history."),
+    Variable("KVGATE_OBSERVE_SAMPLE", "observe_sample", _fraction, 0.1,
+             "With KVGATE_OBSERVE_RESPONSES: the share of routed responses watched (kept evenly spaced). A "
+             "watched response costs two more ext_proc messages (about 300 us of kvgate CPU); an unwatched "
+             "one asks Envoy for none (its response headers are skipped too), is still uncounted when its "
+             "stream ends and still tells the trackers it is done (without usage). Requests with the slo "
+             "strategy or SLO headers are always watched. 1: every response."),
     Variable("KVGATE_TRACE_WRITE_INTERVAL_S", "trace_write_interval_s", _positive_float, 10.0,
              "With KVGATE_REDIS_URL: each model's request trace window (AIBrix's format, "
              "`aibrix:<model>_request_trace_<t>`) is written to Redis this often."),
@@ -306,6 +312,7 @@ class Settings:
     drain_delay_s: float = 3.0
     drain_timeout_s: float = 25.0
     observe_responses: bool = True
+    observe_sample: float = 0.1
     trace_write_interval_s: float = 10.0
     predict_window_s: float = 240.0
     predict_step_s: float = 10.0

@@ -23,7 +23,7 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import CoroutineType
 from typing import AsyncIterator, Callable, Sequence
 
@@ -73,10 +73,33 @@ RESERVED_PREFIX = "x-kvgate-"
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 # The answer to headers that carry nothing to remove: built once, never mutated, shared by streams.
 _HEADERS_CONTINUE = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+_HEADERS_UNWATCHED = pb.ProcessingResponse(request_headers=pb.HeadersResponse(), mode_override=observe.UNWATCHED)
 _BODY_CONTINUE = pb.ProcessingResponse(request_body=pb.BodyResponse())
 _RESPONSE_HEADERS_CONTINUE = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
 _RESPONSE_BODY_CONTINUE = pb.ProcessingResponse(response_body=pb.BodyResponse())
 FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+
+
+class Sampler:
+    """Takes `share` of the calls, evenly spaced (share 0.25: every fourth), deterministically."""
+
+    __slots__ = ("share", "_credit")
+
+    def __init__(self, share: float) -> None:
+        self.share = share
+        self._credit = 1.0  # the first call is taken
+
+    def take(self) -> bool:
+        if self.share >= 1.0:
+            return True
+        if self.share <= 0.0:
+            return False
+        if self._credit >= 1.0 - 1e-9:
+            self._credit -= 1.0
+            self._credit += self.share
+            return True
+        self._credit += self.share
+        return False
 
 
 @dataclass
@@ -100,6 +123,8 @@ class Gateway:
     sheddable_objectives: frozenset[str] = frozenset()
     # Watches routed responses (TTFT, TPOT, tokens; the request trackers); None: responses not read.
     observer: observe.Observer | None = None
+    # Which routed responses the observer watches (besides the slo strategy's and SLO-targeted ones, always).
+    sampler: Sampler = field(default_factory=lambda: Sampler(1.0))
     # A per-pod running limit, checked and counted atomically after the pick; None: no limit.
     admission: Admission | None = None
 
@@ -170,10 +195,12 @@ class _Stream:
 
     __slots__ = ("gw", "fallback_log", "answers", "metric_children", "path", "method", "strategy", "request_id",
                  "decision", "kind", "subset", "objective", "streamed_request", "streamed_response", "chunks",
-                 "held_remove", "watch", "slo", "admitted")
+                 "held_remove", "watch", "slo", "admitted", "watched", "sampler")
 
-    def __init__(self, gw: Gateway, fallback_log: LogThrottle, answers: dict, metric_children: dict) -> None:
+    def __init__(self, gw: Gateway, fallback_log: LogThrottle, answers: dict, metric_children: dict,
+                 sampler: "Sampler") -> None:
         self.gw = gw
+        self.sampler = sampler
         self.fallback_log = fallback_log
         # By (pod, endpoint, strategy, rank, fallbacks): the routed answer (built once, never mutated,
         # shared by streams); by (strategy, pod): its metric children.
@@ -197,6 +224,7 @@ class _Stream:
         self.watch: observe.Watch | None = None
         self.slo: dict[str, float] | None = None  # header -> seconds
         self.admitted: str | None = None  # the pod admission counted this request on
+        self.watched = True  # the response will be watched (if there is an observer)
 
     # --- EPP protocol clauses ------------------------------------------------------------
     def read_context(self, msg: pb.ProcessingRequest) -> None:
@@ -314,12 +342,27 @@ class _Stream:
             if self.streamed_request:  # the answer to the headers waits for the whole body
                 self.chunks, self.held_remove = [], remove
                 return None
+            if self.gw.observer is not None and not self._watch_response():
+                # Envoy sends nothing of this response (the override is honoured in this answer only)
+                self.watched = False
+                if not remove:
+                    return _HEADERS_UNWATCHED
+                answer = _continue_headers(remove)
+                answer.mode_override.CopyFrom(observe.UNWATCHED)
+                return answer
             return _continue_headers(remove)
         if self.method == "GET" and self.path == MODELS:
             self.kind = "models"
             return self._route_any(remove or [])
         self.gw.metrics.requests.labels("other", "passthrough").inc()
         return _continue_headers(remove)
+
+    def _watch_response(self) -> bool:
+        """Watch this response? Always for the slo strategy and requests with SLO targets (their
+        attainment, the prefill queue); else a sample (KVGATE_OBSERVE_SAMPLE)."""
+        if self.slo is not None or (self.strategy or self.gw.default_strategy) == "slo":
+            return True
+        return self.sampler.take()
 
     async def on_body(self, msg: pb.HttpBody) -> pb.ProcessingResponse | list[pb.ProcessingResponse] | None:
         if self.streamed_request:
@@ -371,7 +414,7 @@ class _Stream:
             self.watch = self.gw.observer.start(self.request_id, request.model, d.pod.name, tokens=token_ids,
                                                 decision=d, running=d.running,
                                                 slo_ttft_s=slo.get(SLO_TTFT_HEADER),
-                                                slo_tpot_s=slo.get(SLO_TPOT_HEADER))
+                                                slo_tpot_s=slo.get(SLO_TPOT_HEADER), watched=self.watched)
         return d
 
     # --- helpers ----------------------------------------------------------------------
@@ -490,7 +533,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         self._releases: set[asyncio.Task] = set()
 
     async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest], context) -> AsyncIterator[pb.ProcessingResponse]:  # noqa: N802
-        stream = _Stream(self.gw, self._fallback_log, self._answers, self._metric_children)
+        stream = _Stream(self.gw, self._fallback_log, self._answers, self._metric_children, self.gw.sampler)
         self.gw.metrics.active_streams.inc()
         how = "completed"
         try:

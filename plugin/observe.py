@@ -81,6 +81,7 @@ class Observation:
     term: int = 0
     slo_ttft_s: float | None = None  # the request's own targets (headers), None: the model's defaults
     slo_tpot_s: float | None = None
+    watched: bool = True  # False: Envoy sends nothing of the response (not sampled); only its end is seen
 
     @property
     def ttft(self) -> float | None:
@@ -178,7 +179,7 @@ class Observer:
         self._children: dict = {}
 
     def start(self, request_id: str, model: str, pod: str, *, tokens=None, decision=None, running: int = 0,
-              slo_ttft_s: float | None = None, slo_tpot_s: float | None = None) -> Watch:
+              slo_ttft_s: float | None = None, slo_tpot_s: float | None = None, watched: bool = True) -> Watch:
         """A routed request: `tokens` its prompt's ids if tokenized, `decision` the Router's (how many
         of the prompt's blocks the pod held)."""
         prompt = len(tokens) if tokens else 0
@@ -186,7 +187,8 @@ class Observer:
         if prompt and decision is not None and decision.total_blocks:
             uncached = prompt - prompt * decision.matched_blocks // decision.total_blocks
         obs = Observation(request_id, model, pod, self.clock(), prompt_tokens=prompt, uncached_tokens=uncached,
-                          running_at_start=running, slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s)
+                          running_at_start=running, slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s,
+                          watched=watched)
         obs.term = self.trackers.add_request_count(obs, request_id, model)
         return Watch(self, obs)
 
@@ -203,6 +205,10 @@ class Observer:
 
     def finish(self, watch: Watch) -> None:
         o = watch.obs
+        if not o.watched:  # not sampled: done, without usage
+            self.metrics.observed.labels("unsampled").inc()
+            self.trackers.done_request_count(o, o.request_id, o.model, o.term)
+            return
         ok = o.status == 200 and (o.usage or o.completion_tokens > 0)
         if not ok:
             self.metrics.observed.labels("none").inc()
@@ -239,6 +245,14 @@ def _override(body_mode: int) -> pb.ProcessingResponse:
         response_body_mode=body_mode,
         request_trailer_mode=_MODE.SKIP,
         response_trailer_mode=_MODE.SKIP))
+
+
+# The answer to a routed request's headers when its response will not be watched: Envoy sends neither
+# the response headers nor the body (two ext_proc messages fewer); the stream still ends with the HTTP
+# stream (the request's count is released then).
+UNWATCHED = _MODE(request_header_mode=_MODE.SEND, response_header_mode=_MODE.SKIP,
+                  request_body_mode=_MODE.BUFFERED, response_body_mode=_MODE.NONE,
+                  request_trailer_mode=_MODE.SKIP, response_trailer_mode=_MODE.SKIP)
 
 
 # A token stream chunk by chunk (TTFT, TPOT); any other body in one message: Envoy's STREAMED mode costs a

@@ -33,8 +33,10 @@ class Env(GatewayEnv):
         pods.append({"name": "dead", "address": "127.0.0.1", "port": dead_port, "model": "deadmodel"})
         pods.append({"name": "drained", "address": "127.0.0.1", "port": drained_port, "model": "drainedmodel",
                      "ready": False})
+        # No response sampled: only requests with SLO targets are watched (test_responses_are_observed...);
+        # every other one asks Envoy for nothing of its response.
         self.start_gateway(pods, {"KVGATE_MAX_BODY_BYTES": "65536", "KVGATE_ROUTING_STRATEGY": "kv-sync",
-                                  "KVGATE_LOG_LEVEL": "info"})
+                                  "KVGATE_LOG_LEVEL": "info", "KVGATE_OBSERVE_SAMPLE": "0"})
 
     def debug_pod(self, name: str) -> dict:
         return next(p for p in self.debug()["pods"] if p["name"] == name)
@@ -264,7 +266,7 @@ def _sample(samples, name, **labels) -> float:
 def test_responses_are_observed_through_envoy(env, stream, usage):
     """TTFT and TPOT (streamed), prompt and completion tokens (from usage, or counted from the chunks
     when a stream has none) reach kvgate through Envoy, by model and serving pod, while SSE still
-    streams token by token."""
+    streams token by token. (A request with SLO targets is always watched, whatever the sample.)"""
     body = {"model": MODEL, "messages": [{"role": "user", "content": f"observe {stream} {usage}"}],
             "max_tokens": 12, "stream": stream}
     if stream and usage:
@@ -272,7 +274,7 @@ def test_responses_are_observed_through_envoy(env, stream, usage):
     before = _samples(env)
     arrivals = []
     t0 = time.monotonic()
-    with env.client.stream("POST", "/v1/chat/completions", json=body) as r:
+    with env.client.stream("POST", "/v1/chat/completions", json=body, headers={"x-slo-ttft-ms": "60000"}) as r:
         assert r.status_code == 200
         pod = r.headers["x-kvgate-pod"]
         raw = b""
@@ -315,3 +317,26 @@ def test_responses_are_observed_through_envoy(env, stream, usage):
     source = "usage" if usage else "counted"
     assert _sample(after, "kvgate_requests_observed_total", source=source) > _sample(
         before, "kvgate_requests_observed_total", source=source)
+
+
+def test_an_unwatched_response_holds_its_count_until_it_ends_and_reaches_kvgate_not_at_all(env):
+    """Not sampled (KVGATE_OBSERVE_SAMPLE=0 here): kvgate asks Envoy for none of the response (no headers,
+    no body), yet the request stays counted on its pod while it streams, is uncounted when it ends, and
+    the trackers hear it done (counted as unsampled); no token counts or TTFT come from it."""
+    before = _samples(env)
+    body = {"model": MODEL, "prompt": "unwatched stream", "max_tokens": 25, "stream": True}
+    with env.client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        pod = r.headers["x-kvgate-pod"]
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        assert env.debug_pod(pod)["running"] == 1  # mid-stream: still counted
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]"
+    assert wait_until(env.counts_are_zero), env.debug()
+    after = wait_until(lambda: (s := _samples(env)) and _sample(s, "kvgate_requests_observed_total",
+                                                                 source="unsampled") > _sample(
+        before, "kvgate_requests_observed_total", source="unsampled") and s, timeout=5)
+    labels = {"model": MODEL, "pod": pod}
+    for name in ("kvgate_request_completion_tokens_total", "kvgate_request_ttft_seconds_count"):
+        assert _sample(after, name, **labels) == _sample(before, name, **labels)

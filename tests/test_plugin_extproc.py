@@ -9,6 +9,7 @@ import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from prometheus_client import CollectorRegistry
 
 from plugin.extproc import ExternalProcessor, Gateway
@@ -364,3 +365,49 @@ async def test_observed_request_carries_the_running_count_its_pick_saw():
     gw = gateway(router, FakeTokenizer(), observer=observer)
     await run_stream(gw, [headers("POST", "/v1/completions"), body({"model": "m", "prompt": "x"})])
     assert seen == [5]  # the batch the engine profiles learn the decode step time at
+
+
+def test_sampler_takes_its_share_evenly_spaced():
+    from plugin.extproc import Sampler
+    tenth = Sampler(0.1)
+    taken = [i for i in range(100) if tenth.take()]
+    assert taken == list(range(0, 100, 10))
+    assert all(Sampler(1.0).take() for _ in range(5))
+    assert not any(Sampler(0.0).take() for _ in range(5))
+    third = Sampler(1 / 3)
+    assert sum(third.take() for _ in range(300)) == 100
+
+
+async def test_unsampled_response_asks_envoy_for_nothing_and_tells_trackers_done():
+    from plugin.extproc import Sampler
+    from plugin.observe import Observer
+    done = []
+
+    class Tracker:
+        def add_request_count(self, ctx, request_id, model):
+            return 0
+
+        def done_request_count(self, ctx, request_id, model, term):
+            done.append(("count", ctx.watched))
+
+        def done_request_trace(self, ctx, request_id, model, i, o, term):
+            done.append(("trace", ctx.watched))
+
+    registry = CollectorRegistry()
+    observer = Observer(registry)
+    observer.trackers.register(Tracker())
+    gw = gateway(FakeRouter(), FakeTokenizer(), observer=observer, sampler=Sampler(0.5))
+    first = await run_stream(gw, [headers("POST", "/v1/completions"), body({"model": "m", "prompt": "x"})])
+    second = await run_stream(gw, [headers("POST", "/v1/completions"), body({"model": "m", "prompt": "x"})])
+    slo = await run_stream(gw, [headers("POST", "/v1/completions", [("x-slo-ttft-ms", "500")]),
+                                body({"model": "m", "prompt": "x"})])
+    # the first of two is watched: Envoy keeps the shipped mode (response headers sent)
+    assert not first[0].HasField("mode_override")
+    # the second is not: response headers and body skipped, the request body still whole
+    mode = second[0].mode_override
+    assert (mode.response_header_mode, mode.response_body_mode, mode.request_body_mode) == (
+        ProcessingMode.SKIP, ProcessingMode.NONE, ProcessingMode.BUFFERED)
+    assert second[1].request_body.response.header_mutation.set_headers  # still routed
+    assert not slo[0].HasField("mode_override")  # SLO targets: always watched
+    assert done == [("count", True), ("count", False), ("count", True)]  # none saw a response here
+    assert registry.get_sample_value("kvgate_requests_observed_total", {"source": "unsampled"}) == 1
