@@ -37,7 +37,6 @@ from typing import Any, Callable, Mapping, Sequence
 from routing.pods import Pod
 from routing.predictor import OutputPredictor
 from routing.profiles import EngineProfiles
-from routing.scorers import FamilyAffinityScorer
 from routing.scoring import PickContext, Scorer
 
 
@@ -145,8 +144,6 @@ class SLOScorer(Scorer):
         self._index = index
         size = getattr(index, "block_size", None)
         self._index_block_size = size if callable(size) else None
-        # a prompt family nobody holds goes home (kv-sync's affinity), when home meets the targets
-        self._affinity = FamilyAffinityScorer(self._index_block_size) if index is not None else None
         self._queue: dict[str, tuple[float, float]] = {}  # pod -> (uncached tokens queued, as of time)
         self._decoding: dict[str, list[tuple[float, float]]] = {}  # pod -> [(decode start, predicted end)]
         self.last: dict[str, tuple[float, float]] = {}  # the last request's predictions per pod (for tests/debug)
@@ -232,10 +229,6 @@ class SLOScorer(Scorer):
                 scores[p.name] = 0.5 + 0.5 * max(min(1.0 - r1 - copy / t_ttft, 1.0 - r2), 1e-3)
             else:
                 scores[p.name] = 0.5 / (1.0 + max(r1, r2) - 1.0)
-        if self._affinity is not None and len(pods) > 1:
-            home = next(iter(self._affinity.score(ctx, pods)), None)
-            if home is not None and scores.get(home, 0.0) >= 0.5:
-                scores[home] = min(1.0, max(scores.values()) + 1e-3)
         if t_ttft > tight and len(pods) > 1:
             fast = min(lanes, key=lambda name: (lanes[name][0], name))
             if lanes[fast][1] >= tight / 2 and scores[fast] >= 0.5 and any(
@@ -257,12 +250,8 @@ class SLOScorer(Scorer):
         else:
             self._queue[pod.name] = (self.queued(pod.name, now, rate) + uncached, now)
         self._decoding.setdefault(pod.name, []).append((start, end))
-        if self._affinity is not None:
-            self._affinity.picked(ctx, pod)
 
     def pods_changed(self, added: Sequence[Pod], removed: Sequence[Pod]) -> None:
-        if self._affinity is not None:
-            self._affinity.pods_changed(added, removed)
         for p in removed:
             self._queue.pop(p.name, None)
             self._decoding.pop(p.name, None)

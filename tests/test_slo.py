@@ -326,32 +326,3 @@ async def test_slo_adds_the_learned_ttft_overhead_and_tells_the_profiles_what_it
     assert d.pod.name == "b"
     pod, target, work, over = cap_profiles._expected["q"]
     assert (pod, over) == ("b", 0.0) and work == pytest.approx(0.1)
-
-
-class _EmptyIndex:
-    """No pod holds any of a prompt (every family cold)."""
-
-    def block_size(self, model):
-        return 16
-
-    def match(self, model, lora, token_ids, pods):
-        from types import SimpleNamespace
-        return {p: SimpleNamespace(blocks=0, total_blocks=len(token_ids) // 16) for p in pods}
-
-
-async def test_slo_keeps_a_cold_prompt_family_on_one_pod_while_that_pod_meets_the_targets():
-    clock = Clock()
-    pods3 = PODS + [Pod("c", "10.0.0.3", 8000, "m")]
-    cap = Capacity(EngineProfiles(prefill_tokens_per_s=10_000.0), OutputPredictor(cold="input", rng=random.Random(0)),
-                   {"*": (1.0, 0.05)}, clock=clock)
-    r = Router(PodRegistry(pods3), default_strategy="slo", capacity=cap, counts=LocalCounts(), seed=0,
-               index=_EmptyIndex())
-    family = list(range(16))
-    homes = set()
-    for i in range(6):  # each pick queues 0.05 s of prefill on its pod: headroom alone would rotate them
-        d = await r.pick(RouteRequest("m", token_ids=family + [1000 + i] * 484, request_id=f"f{i}"))
-        homes.add(d.pod.name)
-    assert len(homes) == 1
-    # a 0.2 s target the home's queue (0.3 s) now breaks: the family leaves it
-    d = await r.pick(RouteRequest("m", token_ids=family + [999] * 484, slo_ttft_s=0.2, request_id="tight"))
-    assert d.pod.name not in homes
