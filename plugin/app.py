@@ -269,6 +269,8 @@ class App:
     def debug(self) -> dict:
         snapshot = self.router.debug_snapshot(subscriptions=self.subscriptions.status())
         snapshot["settings"] = self.settings.redacted()
+        # engine profiles as learned: the slo strategy's TTFT overhead and how far its TTFT predictions are off
+        snapshot["profiles"] = {pod: self.profiles.learned(pod) for pod in self.profiles.pods()}
         snapshot["tokenizer"] = {"mode": self.settings.tokenizer,
                                  "models": self.verified_tokenizer.status() if self.verified_tokenizer else {}}
         return snapshot

@@ -1,11 +1,14 @@
-"""`kvgate demo`: the whole stack on loopback, then one workload run per strategy.
+"""`kvgate demo`: the whole stack on loopback, then a workload per strategy, compared.
 
 Starts simulated engines (publishing KV events; the last one data-parallel with two ranks
 behind one port, which kvgate routes to rank by rank), redis-server when installed
 (else the embedded in-process counts), `kvgate serve` and a real Envoy; drives
-a multi-turn chat workload through Envoy once per strategy and prints, per
-strategy, the prefix cache hit rate (from the engines' own /metrics), TTFT p50/p90,
-requests/s and errors. Every process it starts is stopped on exit, Ctrl-C included.
+a multi-turn chat workload through Envoy per strategy, in slices alternating between
+the strategies (A B, B A, ...: on a shared machine a strategy run alone meets a load the
+others never see; single runs differed by tens of points of SLO attainment), and prints,
+per strategy, the prefix cache hit rate (from the engines' own /metrics), SLO attainment,
+TTFT p50/p90, requests/s and errors; then how far the slo strategy's TTFT predictions
+were from the observed TTFTs (each replica's /debug `profiles`). Every process it starts is stopped on exit, Ctrl-C included.
 
 Supervision: SIGINT and SIGTERM both stop the demo, however it was started (a shell
 starts a script's background job with SIGINT ignored; the demo installs its own handler
@@ -49,6 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="kvgate replicas behind Envoy, sharing counts through Redis (default 2, as in production)")
     p.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated strategies to compare")
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight (default 8)")
+    p.add_argument("--slices", type=int, default=4,
+                   help="run each strategy's traffic in this many slices, alternating between the strategies on "
+                        "the same stack so they see the same machine load (default 4; 1: one run per strategy)")
     p.add_argument("--external", metavar="URL",
                    help="drive traffic at an existing gateway (e.g. docker-compose's Envoy) instead of starting one")
     p.add_argument("--engines", metavar="URL,...", default="",
@@ -137,27 +143,63 @@ async def _reset_caches(urls: list[str]) -> None:
         await asyncio.gather(*(client.post(u + "/reset_prefix_cache") for u in urls))
 
 
+def _merge(total: Results, part: Results) -> None:
+    total.ttft_s += part.ttft_s
+    total.requests += part.requests
+    total.errors += part.errors
+    total.error_samples += part.error_samples[:max(0, 5 - len(total.error_samples))]
+    total.elapsed_s += part.elapsed_s
+    total.slo_met += part.slo_met
+    for pod, n in part.pods.items():
+        total.pods[pod] = total.pods.get(pod, 0) + n
+
+
+def slice_order(strategies: list[str], slices: int) -> list[tuple[int, str]]:
+    """(slice, strategy) in the order they run: every strategy once per slice, the order reversed every
+    other slice (A B, B A, A B, ...), so no strategy always runs first on a fresh cache or last on a
+    machine the previous one left busy."""
+    out = []
+    for k in range(slices):
+        order = strategies if k % 2 == 0 else strategies[::-1]
+        out += [(k, s) for s in order]
+    return out
+
+
 async def _compare(envoy_url: str, engine_urls: list[str], strategies: list[str], duration: float,
-                   concurrency: int, log) -> dict[str, dict]:
+                   concurrency: int, log, slices: int = 1) -> dict[str, dict]:
+    """Each strategy gets `duration` seconds of traffic, in `slices` slices alternating between the
+    strategies on the same stack (so all of them see the same machine load over the run); each slice
+    starts from empty prefix caches and sends its slice's traffic (the same for every strategy)."""
     out: dict[str, dict] = {}
-    for strategy in strategies:
+    totals = {s: Results() for s in strategies}
+    counters = {s: [0.0, 0.0] for s in strategies}
+    part_s = duration / slices
+    for k, strategy in slice_order(strategies, slices):
         if engine_urls:
             await _reset_caches(engine_urls)
             await asyncio.sleep(0.3)  # let the cache-cleared events reach the index
             before = await _engine_counters(engine_urls)
-        workload = ChatWorkload(WorkloadShape(concurrency=concurrency), MODEL, seed=1)
+        workload = ChatWorkload(WorkloadShape(concurrency=concurrency), MODEL, seed=1 + k)
         last = [0.0]
+        done_s = totals[strategy].elapsed_s
 
         def progress(res: Results, elapsed: float) -> None:
             if elapsed - last[0] >= 2.0:
                 last[0] = elapsed
-                log(f"  {strategy:<14} {elapsed:5.1f}/{duration:.0f} s  {res.requests} requests, {res.errors} errors")
+                log(f"  {strategy:<14} {done_s + elapsed:5.1f}/{duration:.0f} s  "
+                    f"{totals[strategy].requests + res.requests} requests, {totals[strategy].errors + res.errors} errors")
 
-        res = await workload.run(envoy_url, duration, strategy=strategy, progress=progress)
-        hit_rate = None
+        part = await workload.run(envoy_url, part_s, strategy=strategy, progress=progress)
+        _merge(totals[strategy], part)
         if engine_urls:
             after = await _engine_counters(engine_urls)
-            dq, dh = after[0] - before[0], after[1] - before[1]
+            counters[strategy][0] += after[0] - before[0]
+            counters[strategy][1] += after[1] - before[1]
+    for strategy in strategies:
+        res = totals[strategy]
+        hit_rate = None
+        if engine_urls:
+            dq, dh = counters[strategy]
             hit_rate = dh / dq if dq else 0.0
         p50, p90 = res.percentile(0.5), res.percentile(0.9)
         out[strategy] = {
@@ -187,6 +229,33 @@ def _table(results: dict[str, dict]) -> str:
         lines.append(f"{name:<14} {f(hit, '8.1f')}% {f(slo, '7.1f')}% {f(r['ttft_p50_ms'], '12.1f')} "
                      f"{f(r['ttft_p90_ms'], '12.1f')} {r['requests_per_s']:7.1f} {r['requests']:9d} {r['errors']:7d}")
     return "\n".join(lines)
+
+
+async def _slo_model(gateways: list[str]) -> dict[str, dict]:
+    """Each replica's learned engine profiles from its /debug: per pod the TTFT overhead and how far slo's
+    TTFT predictions were off (observed - predicted)."""
+    async with httpx.AsyncClient(timeout=5.0) as client:
+        answers = await asyncio.gather(*(client.get(g + "/debug") for g in gateways), return_exceptions=True)
+    out = {}
+    for i, r in enumerate(answers):
+        if isinstance(r, httpx.Response) and r.status_code == 200:
+            out[f"kvgate{i}"] = r.json().get("profiles", {})
+    return out
+
+
+def _slo_model_lines(model: dict[str, dict]) -> list[str]:
+    lines = []
+    for gateway, pods in model.items():
+        for pod, p in sorted(pods.items()):
+            err = p.get("ttft_error_ms")
+            if not err:
+                continue
+            over = p.get("ttft_overhead_ms", {})
+            lines.append(f"{gateway} {pod}: slo TTFT observed - predicted {err['mean']:+.1f} ms "
+                         f"(mean |error| {err['mean_abs']:.1f} ms, {p.get('ttft_samples', 0):g} samples); "
+                         f"learned overhead {over.get('1', over.get(1, 0)):.1f} ms at 1 running, "
+                         f"{over.get('8', over.get(8, 0)):.1f} ms at 8")
+    return lines
 
 
 async def _tokenizer_status(gateways: list[str]) -> dict[str, dict]:
@@ -290,8 +359,8 @@ def _supervise(stack: Stack, engines: set[str], log) -> int:
 
 def main(args: argparse.Namespace) -> int:
     strategies = [s for s in args.strategies.split(",") if s]
-    if args.gateways < 1 or args.sims < 1 or args.dp_size < 1:
-        print("kvgate demo: --gateways, --sims and --dp-size must be at least 1", file=sys.stderr)
+    if args.gateways < 1 or args.sims < 1 or args.dp_size < 1 or args.slices < 1:
+        print("kvgate demo: --gateways, --sims, --dp-size and --slices must be at least 1", file=sys.stderr)
         return 2
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown:
@@ -303,7 +372,8 @@ def main(args: argparse.Namespace) -> int:
 
     if args.external:
         engines = [u for u in args.engines.split(",") if u]
-        results = asyncio.run(_compare(args.external, engines, strategies, args.duration, args.concurrency, log))
+        results = asyncio.run(_compare(args.external, engines, strategies, args.duration, args.concurrency, log,
+                                       args.slices))
         print(json.dumps({"strategies": results}) if args.json else _table(results), flush=True)
         return 0
 
@@ -318,14 +388,17 @@ def main(args: argparse.Namespace) -> int:
             return _supervise(stack, {p["name"] for p in info["pods"]}, log)
         log(f"kvgate demo: {args.duration:.0f} s of multi-turn chat traffic per strategy: {', '.join(strategies)}")
         results = signals.run(_compare(info["envoy_url"], [p["url"] for p in info["pods"]], strategies,
-                                       args.duration, args.concurrency, log))
+                                       args.duration, args.concurrency, log, args.slices))
         tokenizer = asyncio.run(_tokenizer_status(info["gateways"]))
+        slo_model = asyncio.run(_slo_model(info["gateways"]))
         if args.json:
-            print(json.dumps({"strategies": results, "tokenizer": tokenizer}), flush=True)
+            print(json.dumps({"strategies": results, "tokenizer": tokenizer, "slo_model": slo_model}), flush=True)
         else:
             print(_table(results), flush=True)
             print("\nhit rate: prompt tokens served from the engines' prefix caches (their own /metrics).",
                   flush=True)
+            if any(_slo_model_lines(slo_model)):
+                print("\n" + "\n".join(_slo_model_lines(slo_model)), flush=True)
             print("\n" + "\n".join(_tokenizer_lines(tokenizer)), flush=True)
         return 0
     except _Stop as e:

@@ -9,7 +9,14 @@ scrape of the engine's own inter-token histogram, `observe_engine`):
   tracks the engine's own speed, not its queue.
 - decode step seconds = a + b * running: a least-squares line over (running requests at routing,
   TPOT) samples with exponential forgetting (each sample's weight decays by `decay` per sample).
-Before any sample, the configured priors answer.
+- TTFT overhead seconds = c + d * running: the part of a request's TTFT that neither its queue nor its
+  own prefill explain (the engine's fixed cost per request, its scheduler, its process's load, the
+  network), the same kind of line over (running at routing, observed TTFT - predicted queue wait - own
+  prefill time). The slo scorer tells `expect` what it predicted for each request it routed; a request
+  routed without that prediction (another strategy) teaches it nothing. `ttft_error` keeps, per pod,
+  the decayed mean of observed - predicted TTFT (overhead included) and of its absolute value: how far
+  the model is off, for /debug and the demo.
+Before any sample, the configured priors answer (overhead: `ttft_overhead_s`, 0 by default).
 
 AIBrix's profile (JSON under `aibrix:profile_<model>_<deployment>`): `gpu` (the deployment), `indexes`
 ([output token counts, input token counts]), `ttft` and `tpot` ([output index][input index], seconds),
@@ -88,22 +95,23 @@ class _Line:
         self.sxx = self.sxx * d + x * x
         self.sxy = self.sxy * d + x * y
 
-    def at(self, x: float) -> float | None:
+    def at(self, x: float, floor: float = 1e-6) -> float | None:
         if self.w < 1:
             return None
         mx, my = self.sx / self.w, self.sy / self.w
         var = self.sxx / self.w - mx * mx
         if var <= 1e-9:
-            return my
+            return max(floor, my)
         b = max(0.0, (self.sxy / self.w - mx * my) / var)
-        return max(1e-6, my + b * (x - mx))
+        return max(floor, my + b * (x - mx))
 
 
 class EngineProfiles:
     def __init__(self, *, prefill_tokens_per_s: float = 10_000.0, decode_base_s: float = 0.01,
                  decode_per_request_s: float = 0.0005, min_prefill_tokens: int = 256,
-                 decay: float = 0.995) -> None:
+                 decay: float = 0.995, ttft_overhead_s: float = 0.0) -> None:
         self.prior_rate = prefill_tokens_per_s
+        self.prior_overhead = ttft_overhead_s
         self.prior_base, self.prior_per = decode_base_s, decode_per_request_s
         self.min_prefill_tokens = min_prefill_tokens
         self.decay = decay
@@ -111,6 +119,10 @@ class EngineProfiles:
         self._decode: dict[str, _Line] = {}
         self._gpu: dict[tuple[str, str], GPUProfile] = {}  # (model, deployment)
         self._scrapes: dict[str, Any] = {}  # pod -> last EngineLoad seen
+        self._overhead: dict[str, _Line] = {}
+        # request id -> (pod, target, predicted queue wait + own prefill s, predicted overhead s), by `expect`
+        self._expected: dict[str, tuple[str, str, float, float]] = {}
+        self._error: dict[str, list[float]] = {}  # pod -> [weight, sum of errors, sum of |errors|] (decayed)
 
     # --- answers ---------------------------------------------------------------------------
     def gpu_profile(self, model: str, pod: str) -> GPUProfile | None:
@@ -140,13 +152,56 @@ class EngineProfiles:
         got = line.at(running) if line is not None else None
         return got if got is not None else self.prior_base + self.prior_per * running
 
+    def ttft_overhead(self, pod: str, running: float) -> float:
+        """Seconds a request's first token takes beyond its queue and its own prefill, with `running`
+        requests on the pod (this one included)."""
+        line = self._overhead.get(pod)
+        got = line.at(running, floor=0.0) if line is not None else None
+        return got if got is not None else self.prior_overhead
+
+    def ttft_error(self, pod: str) -> tuple[float, float, float] | None:
+        """(mean observed - predicted TTFT s, mean |that| s, decayed sample weight), None before any."""
+        e = self._error.get(pod)
+        if e is None or e[0] <= 0:
+            return None
+        return e[1] / e[0], e[2] / e[0], e[0]
+
     def learned(self, pod: str) -> dict[str, Any]:
-        line = self._decode.get(pod)
-        return {"prefill_tokens_per_s": self._rate.get(pod), "samples": 0 if line is None else round(line.w, 1)}
+        line, over = self._decode.get(pod), self._overhead.get(pod)
+        err = self.ttft_error(pod)
+        return {"prefill_tokens_per_s": self._rate.get(pod), "samples": 0 if line is None else round(line.w, 1),
+                "ttft_overhead_ms": {n: round(self.ttft_overhead(pod, n) * 1000, 2) for n in (1, 8)},
+                "ttft_samples": 0 if over is None else round(over.w, 1),
+                "ttft_error_ms": None if err is None else {"mean": round(err[0] * 1000, 2),
+                                                          "mean_abs": round(err[1] * 1000, 2)}}
+
+    def pods(self) -> list[str]:
+        return sorted(set(self._rate) | set(self._decode) | set(self._overhead))
 
     # --- learning ----------------------------------------------------------------------------
+    def expect(self, request_id: str, pod: str, work_s: float, overhead_s: float, target: str = "") -> None:
+        """The slo scorer routed `request_id` to `pod` (its data-parallel rank `target`, `<pod>#<rank>`, if
+        any) predicting its TTFT as `work_s` (queue wait and own prefill) + `overhead_s`; its observed TTFT
+        (`observe` with the same id, by the pod or the rank's name) teaches the pod's overhead."""
+        if not request_id:
+            return
+        if len(self._expected) > 100_000:  # requests never completed (a bug elsewhere): do not grow
+            self._expected.clear()
+        self._expected[request_id] = (pod, target or pod, work_s, overhead_s)
+
     def observe(self, pod: str, *, uncached_tokens: int = 0, ttft: float | None = None, tpot: float | None = None,
-                running: int = 0) -> None:
+                running: int = 0, request_id: str = "") -> None:
+        expected = self._expected.pop(request_id, None) if request_id else None
+        if expected is not None and ttft is not None and ttft > 0 and pod in expected[:2]:
+            key, _, work, over = expected  # served where routed (not by a fallback): learned under the pod's name
+            line = self._overhead.get(key)
+            if line is None:
+                line = self._overhead[key] = _Line(self.decay)
+            line.add(float(max(running, 1)), ttft - work)
+            err = ttft - work - over
+            e = self._error.setdefault(key, [0.0, 0.0, 0.0])
+            d = self.decay
+            e[0], e[1], e[2] = e[0] * d + 1, e[1] * d + err, e[2] * d + abs(err)
         if ttft is not None and ttft > 0 and uncached_tokens >= self.min_prefill_tokens:
             sample = uncached_tokens / ttft
             old = self._rate.get(pod)
@@ -203,11 +258,11 @@ class EngineProfiles:
         return 0
 
     def done_request_count(self, ctx: Any, request_id: str, model: str, term: int) -> None:
-        return None
+        self._expected.pop(request_id, None)  # ended without a response to learn from
 
     def done_request_trace(self, ctx: Any, request_id: str, model: str, input_tokens: int, output_tokens: int,
                            term: int) -> None:
         if ctx is None:
             return
         self.observe(ctx.pod, uncached_tokens=ctx.uncached_tokens, ttft=ctx.ttft, tpot=ctx.tpot,
-                     running=ctx.running_at_start)
+                     running=ctx.running_at_start, request_id=request_id)

@@ -2,7 +2,8 @@
 against its targets (headers `x-slo-ttft-ms` / `x-slo-tpot-ms`, else the model's defaults).
 
 - TTFT = (the pod's queued prefill + this request's uncached prompt tokens, exactly, from the prefix
-  index) / the pod's prefill rate (routing.profiles). The queue, when responses are observed
+  index) / the pod's prefill rate (routing.profiles), plus the pod's learned TTFT overhead at its
+  running batch (routing.profiles: what observed TTFTs of earlier slo picks showed beyond that). The queue, when responses are observed
   (`Capacity.prefill` set), is exact and shared: every gateway adds a request's uncached tokens to
   the pod's count (RunningCounts: through Redis between replicas) when it routes it and takes them
   off when its first token arrives (`Capacity.first_token`). Without it, the queue is what this
@@ -210,15 +211,17 @@ class SLOScorer(Scorer):
         for p in pods:
             rate = cap.profiles.prefill_rate(p.pod_name, model, n, out_tokens)
             queued = cap.queued(p.name, shared, rate, now) if shared is not None else self.queued(p.name, now, rate)
-            ttft = (queued + uncached[p.name]) / rate
-            lanes[p.name] = (queued / rate, uncached[p.name] / rate)
             running = ctx.running.get(p.name, 0)
+            work = (queued + uncached[p.name]) / rate
+            overhead = cap.profiles.ttft_overhead(p.pod_name, running + 1)
+            ttft = work + overhead
+            lanes[p.name] = (queued / rate, uncached[p.name] / rate)
             tpot = cap.profiles.step_time(p.pod_name, running + 1, model, n, out_tokens)
             start = now + ttft
             batch = self._batch(p.name, running, start, start + out_tokens * tpot)
             tpot = cap.profiles.step_time(p.pod_name, batch, model, n, out_tokens)
             self.last[p.name] = (ttft, tpot)
-            plans[p.name] = (rate, uncached[p.name], start, start + out_tokens * tpot)
+            plans[p.name] = (rate, uncached[p.name], start, start + out_tokens * tpot, work, overhead)
             r1, r2 = ttft / t_ttft, tpot / t_tpot
             if r1 <= 1.0 and r2 <= 1.0:
                 # headroom charges a copy: prompt tokens another pod holds and this one would prefill again
@@ -238,8 +241,10 @@ class SLOScorer(Scorer):
         plan = ctx.state.get(self.name, {}).get(pod.name)
         if plan is None:
             return
-        rate, uncached, start, end = plan
+        rate, uncached, start, end, work, overhead = plan
         now = self.cap.clock()
+        # what this pick predicted, for the profiles to learn the TTFT overhead from its observed TTFT
+        self.cap.profiles.expect(ctx.request.request_id, pod.pod_name, work, overhead, pod.name)
         if self.cap.prefill is not None:
             self.cap.queue(pod.name, int(uncached), ctx.request.request_id)
         else:

@@ -176,9 +176,9 @@ def test_an_engine_exit_is_reported_and_the_others_keep_serving(tmp_path):
 
 
 def test_short_comparison_prints_the_json_summary():
-    proc = subprocess.run([sys.executable, "-m", "plugin.cli", "demo", "--duration", "1", "--json", "--sims", "2",
-                           "--strategies", "round-robin,kv-sync,slo"], capture_output=True, text=True, timeout=240,
-                          cwd=REPO)
+    proc = subprocess.run([sys.executable, "-m", "plugin.cli", "demo", "--duration", "2", "--slices", "2", "--json",
+                           "--sims", "2", "--strategies", "round-robin,kv-sync,slo"], capture_output=True, text=True,
+                          timeout=240, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert set(result["strategies"]) == {"round-robin", "kv-sync", "slo"}
@@ -194,3 +194,13 @@ def test_short_comparison_prints_the_json_summary():
         m = models["demo-model"]
         assert m["state"] == "serving" and "chat" in m["verified"], (gateway, m)
         assert m["served"]["local"] > 0 and m["checks"]["disagree"] == 0, (gateway, m)
+    # slo's TTFT predictions met their observed TTFTs: each replica's profiles say how far off they were
+    learned = [p for pods in result["slo_model"].values() for p in pods.values() if p["ttft_error_ms"] is not None]
+    assert learned and all(p["ttft_samples"] > 0 for p in learned), result["slo_model"]
+
+
+def test_slices_alternate_the_strategies_order_so_none_always_runs_first():
+    from plugin.demo import slice_order
+
+    assert slice_order(["a", "b"], 3) == [(0, "a"), (0, "b"), (1, "b"), (1, "a"), (2, "a"), (2, "b")]
+    assert slice_order(["a", "b", "c"], 1) == [(0, "a"), (0, "b"), (0, "c")]

@@ -277,3 +277,52 @@ def test_decode_step_is_learned_from_vllms_own_inter_token_histogram():
     reset = parse_engine_metrics(VLLM_METRICS.format(running=5, n=10, s=0.1), at=99.0)
     p.observe_engine("a", reset)  # counters went back (a restart): no sample from that interval
     assert p.step_time("a", 20) == pytest.approx(0.012, rel=0.05)
+
+
+def test_ttft_overhead_is_learned_as_a_line_in_running_from_what_slo_predicted():
+    p = EngineProfiles()
+    assert p.ttft_overhead("a", 4) == 0.0  # the prior
+    for i in range(60):
+        n = 1 + i % 8
+        # slo predicted 30 ms of queue and prefill; the engine took 10 ms + 2 ms per running request more
+        p.expect(f"r{i}", "a", 0.030, p.ttft_overhead("a", n))
+        p.observe("a", ttft=0.030 + 0.010 + 0.002 * n, running=n, request_id=f"r{i}")
+    assert p.ttft_overhead("a", 1) == pytest.approx(0.012, abs=1e-4)
+    assert p.ttft_overhead("a", 8) == pytest.approx(0.026, abs=1e-4)
+    mean, mean_abs, _ = p.ttft_error("a")
+    assert mean > 0  # it under-predicted while learning ...
+    for i in range(60, 400):
+        n = 1 + i % 8
+        p.expect(f"r{i}", "a", 0.030, p.ttft_overhead("a", n))
+        p.observe("a", ttft=0.030 + 0.010 + 0.002 * n, running=n, request_id=f"r{i}")
+    assert abs(p.ttft_error("a")[0]) < 1e-3  # ... and agrees once learned
+    assert p.learned("a")["ttft_overhead_ms"] == {1: 12.0, 8: 26.0}
+
+
+def test_ttft_overhead_learns_only_from_slo_predictions_served_where_routed():
+    p = EngineProfiles()
+    p.observe("a", ttft=0.5, running=1, request_id="other-strategy")  # no prediction: nothing learned
+    p.expect("r1", "a", 0.01, 0.0)
+    p.observe("b", ttft=0.5, running=1, request_id="r1")  # served by a fallback pod: nothing learned
+    p.expect("r2", "a", 0.01, 0.0)
+    p.done_request_count(None, "r2", "m", 0)  # ended without a response
+    p.observe("a", ttft=0.5, running=1, request_id="r2")
+    assert p.ttft_overhead("a", 1) == 0.0 and p.ttft_error("a") is None
+    p.expect("r3", "a", 0.01, 0.0, target="a#1")  # a data-parallel rank: learned under the pod's name
+    p.observe("a#1", ttft=0.03, running=1, request_id="r3")
+    assert p.ttft_overhead("a", 1) == pytest.approx(0.02)
+
+
+async def test_slo_adds_the_learned_ttft_overhead_and_tells_the_profiles_what_it_predicted():
+    clock = Clock()
+    cap_profiles = EngineProfiles(prefill_tokens_per_s=10_000.0)
+    cap = Capacity(cap_profiles, OutputPredictor(cold="input", rng=random.Random(0)), {"*": (1.0, 0.05)}, clock=clock)
+    r = Router(PodRegistry(PODS), default_strategy="slo", capacity=cap, counts=LocalCounts(), seed=0)
+    for i in range(20):  # pod a: 300 ms more than queue and prefill explain, at any batch
+        cap_profiles.expect(f"x{i}", "a", 0.0, 0.0)
+        cap_profiles.observe("a", ttft=0.3, running=1 + i % 3, request_id=f"x{i}")
+    # 1000 tokens: 0.1 s of prefill anywhere; a's overhead breaks a 0.3 s target, b's prior does not
+    d = await r.pick(RouteRequest("m", token_ids=list(range(1000)), slo_ttft_s=0.3, request_id="q"))
+    assert d.pod.name == "b"
+    pod, target, work, over = cap_profiles._expected["q"]
+    assert (pod, over) == ("b", 0.0) and work == pytest.approx(0.1)
