@@ -119,7 +119,7 @@ STRATEGIES: dict[str, StrategySpec] = {s.name: s for s in (
                  {"approx-prefix": 3.0, "load": 2.0}, guard=True),
     StrategySpec("kv-sync", MaxScorePicker, "max score, random tie-break",
                  "the event-fed index's estimated prefill wait, combined with load (the default)",
-                 {"prefix": 3.0, "load": 0.5, "affinity": 0.5}, guard=True),
+                 {"prefix": 3.0, "load": 1.0, "affinity": 0.5}, guard=True),
     StrategySpec("slo", MaxScorePicker, "max score, random tie-break",
                  "meets the request's TTFT and TPOT targets (`x-slo-ttft-ms`, `x-slo-tpot-ms` or the model's "
                  "defaults) with the most headroom, else the least violation", {"slo": 1.0}),
