@@ -93,7 +93,8 @@ SCORERS: dict[str, ScorerSpec] = {s.name: s for s in (
                "the pod's prefill backlog (`KVGATE_ROUTING_PREFILL_TOKENS_PER_S`)"),
     ScorerSpec("affinity", lambda r: FamilyAffinityScorer(getattr(r.index, "block_size", None)), (),
                "while the index shows no pod holding any of the prompt: 1 for the pod this gateway last "
-               "sent the prompt's family (first block) to, else for the family's rendezvous-first pod"),
+               "sent the prompt's family (first block) to; a family never sent: 0.5 for the pod this gateway "
+               "gave the fewest families (rendezvous order among equals)"),
     ScorerSpec("approx-prefix",
                lambda r: ApproxPrefixScorer(ApproxPrefixTable(r.config.approx_block_size, r.config.approx_capacity)),
                (), "leading prompt blocks this gateway sent the pod before (an LRU of chained block keys, "

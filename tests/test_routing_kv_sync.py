@@ -1,5 +1,6 @@
 """kv-sync's policy per scenario, on the real PrefixIndex fed with KV events: a flushed family
-re-warms one engine, eviction is followed exactly, a new engine is used when load warrants, and
+re-warms one engine, eviction is followed exactly, a new engine is used when load warrants, new
+families are dealt evenly over the pods, and
 gateway replicas (each its own Router and state, sharing the index and the counts) agree on a
 family nobody holds."""
 from __future__ import annotations
@@ -144,6 +145,24 @@ async def test_a_new_engine_is_used_when_load_warrants():
     await hold(r, {"c": StrategyConfig().guard_abs_slack})
     clock.now += 1.0
     assert await pick(r, prompt(held["c"], 1)) == "d"
+
+
+async def test_new_families_are_placed_where_the_fewest_families_live():
+    """Families nobody holds, arriving one at a time at equal loads, are dealt evenly over the pods
+    (rendezvous order alone would give some pods several more than others: their caches and batches
+    overfill and load then moves requests off their prefix). Each family then stays where it was
+    placed."""
+    (r,), engines, clock, _ = fleet(("a", "b", "c", "d"))
+    engines.store("a", family(999))  # the engines have published: the index knows their block size
+    placed = {}
+    for f in range(40):
+        clock.now += 1.0  # the earlier prefills are done
+        placed[f] = await pick(r, prompt(family(2000 + f), 0))
+    per_pod = {p: list(placed.values()).count(p) for p in "abcd"}
+    assert per_pod == {"a": 10, "b": 10, "c": 10, "d": 10}, per_pod
+    for f in range(0, 40, 7):  # not held yet (no events): each family goes back to its pod
+        clock.now += 1.0
+        assert await pick(r, prompt(family(2000 + f), 1)) == placed[f]
 
 
 async def test_gateway_replicas_agree_on_families_nobody_holds():

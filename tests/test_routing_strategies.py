@@ -106,6 +106,7 @@ KV_SYNC_TABLE = [
     ("affinity beats a small load gap", {"a": (4, {"GPU": 4})}, {"a": 3}, True, "a"),
     ("load guard: hit pod a slack above least", {"a": (4, {"GPU": 4})}, {"a": SLACK}, True, None),
     ("partial hit loses to a big load gap", {"a": (1, {"GPU": 1})}, {"a": 7, "b": 0, "c": 0}, True, None),
+    ("equal hits: the less loaded", {"a": (4, {"GPU": 4}), "b": (4, {"GPU": 4})}, {"a": 2}, True, "b"),
     ("no tokens: load only", {"a": (4, {"GPU": 4})}, {"a": 1, "c": 1}, False, "b"),
 ]
 
