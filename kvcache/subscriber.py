@@ -139,7 +139,7 @@ class SubscriberOptions:
     rcv_hwm: int = 10_000  # batches a replay DEALER queues at most (live ones wait in the TCP socket buffer)
     apply_chunk: int = 512  # events per sink.apply call (the lock is released between two)
     tick_budget: float = 0.002  # s of one endpoint's live batches before the other endpoints' turn
-    coalesce: float = 0.005  # s between two wake-ups of the ingest thread while batches keep coming
+    coalesce: float = 0.01  # s between two wake-ups of the ingest thread while batches keep coming
 
     def __post_init__(self) -> None:
         for name in ("replay_timeout", "reconnect_initial", "reconnect_max", "tick_budget"):
