@@ -60,8 +60,11 @@ def test_engine_picked_next_is_sigkilled_and_the_next_40_requests_all_succeed(en
     engine_stack, pods = engines
     with Stack() as stack:
         # kvgate scrapes rarely here: it keeps picking the dead engine, so every request below takes
-        # the fallback path (Envoy's retry to the next endpoint of kvgate's list)
-        gw, = start_kvgates(stack, 1, stack.pods_file(pods), KVGATE_ENGINE_METRICS_INTERVAL_S="60")
+        # the fallback path (Envoy's retry to the next endpoint of kvgate's list). Every response
+        # watched: the served endpoint is read from the response headers, which Envoy sends kvgate
+        # only for watched responses (KVGATE_OBSERVE_SAMPLE)
+        gw, = start_kvgates(stack, 1, stack.pods_file(pods), KVGATE_ENGINE_METRICS_INTERVAL_S="60",
+                            KVGATE_OBSERVE_SAMPLE="1")
         listen = free_port()
         stack.envoy(listen_port=listen, extproc_port=gw["grpc"], pool=[("127.0.0.1", p["port"]) for p in pods])
         body = {"model": MODEL, "prompt": "the same long shared prefix " * 20, "max_tokens": 2}
