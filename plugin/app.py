@@ -140,8 +140,8 @@ def pod_source(s: Settings, metrics: RoutingMetrics) -> StaticSource | Kubernete
             name=s.inferencepool_name, namespace=s.k8s_namespace, api=ApiConfig(api_url=s.k8s_api_url),
             models_refresh_s=s.pool_models_refresh_s), metrics=metrics)
     if s.discovery == "kubernetes":
-        return KubernetesSource(KubernetesConfig(api_url=s.k8s_api_url, namespace=s.k8s_namespace,
-                                                 label_selector=s.k8s_label_selector), metrics=metrics)
+        return KubernetesSource(KubernetesConfig(namespace=s.k8s_namespace, label_selector=s.k8s_label_selector,
+                                                 api=ApiConfig(api_url=s.k8s_api_url)), metrics=metrics)
     return StaticSource(s.pods_file, s.pods, poll_interval_s=s.pods_poll_s, metrics=metrics)
 
 

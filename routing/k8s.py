@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from routing.discovery import kv_events_from_mapping
@@ -32,21 +32,12 @@ DP_SIZE_ANNOTATION = "kvgate.io/dp-size"
 PUB_PORT_ANNOTATION = "kvgate.io/kv-events-pub-port"
 REPLAY_PORT_ANNOTATION = "kvgate.io/kv-events-replay-port"
 
-_SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
-
 
 @dataclass(frozen=True)
 class KubernetesConfig:
-    api_url: str = ""  # empty: in-cluster, https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT
     namespace: str = ""  # empty: the service account's namespace (all namespaces if none)
     label_selector: str = MODEL_LABEL
-    token_file: str = f"{_SA_DIR}/token"
-    ca_file: str = f"{_SA_DIR}/ca.crt"
-    namespace_file: str = f"{_SA_DIR}/namespace"
-    watch_timeout_s: int = 300
-    request_timeout_s: float = 10.0
-    backoff_min_s: float = 0.5
-    backoff_max_s: float = 10.0
+    api: ApiConfig = field(default_factory=ApiConfig)  # the API server's address, credentials, timeouts
 
 
 def _int(value: Any, where: str, lo: int, hi: int) -> int:
@@ -111,10 +102,7 @@ class KubernetesSource:
                  environ: Mapping[str, str] | None = None) -> None:
         self._cfg = config
         self._metrics = metrics or RoutingMetrics()
-        self._api = Api(ApiConfig(api_url=config.api_url, token_file=config.token_file, ca_file=config.ca_file,
-                                  namespace_file=config.namespace_file, watch_timeout_s=config.watch_timeout_s,
-                                  request_timeout_s=config.request_timeout_s, backoff_min_s=config.backoff_min_s,
-                                  backoff_max_s=config.backoff_max_s), environ)
+        self._api = Api(config.api, environ)
         self.namespace = self._api.namespace(config.namespace)
         path = f"/api/v1/namespaces/{self.namespace}/pods" if self.namespace else "/api/v1/pods"
         self._watch = ListWatch(self._api, path, {"labelSelector": config.label_selector}, what=self.source_of(path),

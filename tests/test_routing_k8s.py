@@ -11,6 +11,7 @@ from aiohttp import web
 
 from routing.errors import DiscoveryError
 from routing.k8s import KubernetesConfig, KubernetesSource, pod_from_object
+from routing.kube import ApiConfig
 from routing.metrics import RoutingMetrics
 from routing.pods import KVEventsEndpoint
 from routing.registry import PodRegistry
@@ -121,8 +122,8 @@ def source(api, tmp_path, **kw) -> tuple[KubernetesSource, RoutingMetrics]:
     token = tmp_path / "token"
     token.write_text("tok-1\n")
     metrics = RoutingMetrics()
-    cfg = KubernetesConfig(api_url=api.url, namespace=NS, token_file=str(token), backoff_min_s=0.01,
-                           backoff_max_s=0.05, **kw)
+    cfg = KubernetesConfig(namespace=NS, api=ApiConfig(api_url=api.url, token_file=str(token), backoff_min_s=0.01,
+                                                       backoff_max_s=0.05), **kw)
     return KubernetesSource(cfg, metrics=metrics, environ={}), metrics
 
 
@@ -157,7 +158,8 @@ def test_pod_from_object():
 def test_in_cluster_settings(tmp_path):
     ns_file = tmp_path / "namespace"
     ns_file.write_text("prod\n")
-    src = KubernetesSource(KubernetesConfig(namespace_file=str(ns_file), ca_file=str(tmp_path / "none")),
+    src = KubernetesSource(KubernetesConfig(api=ApiConfig(namespace_file=str(ns_file),
+                                                                  ca_file=str(tmp_path / "none"))),
                            environ={"KUBERNETES_SERVICE_HOST": "fd00::1", "KUBERNETES_SERVICE_PORT": "6443"})
     assert src.namespace == "prod"
     assert src.source.startswith("Kubernetes https://[fd00::1]:6443/api/v1/namespaces/prod/pods")
@@ -233,6 +235,6 @@ async def test_gone_means_list_again_and_missed_events_are_repaired(api, tmp_pat
 
 
 async def test_first_list_failure_raises_naming_the_source(tmp_path):
-    cfg = KubernetesConfig(api_url="http://127.0.0.1:1", namespace=NS, request_timeout_s=2)
+    cfg = KubernetesConfig(namespace=NS, api=ApiConfig(api_url="http://127.0.0.1:1", request_timeout_s=2))
     with pytest.raises(DiscoveryError, match="Kubernetes http://127.0.0.1:1/api/v1/namespaces/llm/pods"):
         await KubernetesSource(cfg, environ={}).start(PodRegistry())
