@@ -237,22 +237,22 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb  # noqa: E402
 _MODE = processing_mode_pb2.ProcessingMode
 
 
+def _mode(response_header_mode: int, response_body_mode: int):
+    """The shipped processing mode with the response's two modes replaced (an override replaces the
+    whole mode, so the rest must be restated: the request body BUFFERED, trailers skipped)."""
+    return _MODE(request_header_mode=_MODE.SEND, response_header_mode=response_header_mode,
+                 request_body_mode=_MODE.BUFFERED, response_body_mode=response_body_mode,
+                 request_trailer_mode=_MODE.SKIP, response_trailer_mode=_MODE.SKIP)
+
+
 def _override(body_mode: int) -> pb.ProcessingResponse:
-    return pb.ProcessingResponse(response_headers=pb.HeadersResponse(), mode_override=_MODE(
-        request_header_mode=_MODE.SEND,  # must restate: an override replaces all
-        response_header_mode=_MODE.SEND,
-        request_body_mode=_MODE.BUFFERED,
-        response_body_mode=body_mode,
-        request_trailer_mode=_MODE.SKIP,
-        response_trailer_mode=_MODE.SKIP))
+    return pb.ProcessingResponse(response_headers=pb.HeadersResponse(), mode_override=_mode(_MODE.SEND, body_mode))
 
 
 # The answer to a routed request's headers when its response will not be watched: Envoy sends neither
 # the response headers nor the body (two ext_proc messages fewer); the stream still ends with the HTTP
 # stream (the request's count is released then).
-UNWATCHED = _MODE(request_header_mode=_MODE.SEND, response_header_mode=_MODE.SKIP,
-                  request_body_mode=_MODE.BUFFERED, response_body_mode=_MODE.NONE,
-                  request_trailer_mode=_MODE.SKIP, response_trailer_mode=_MODE.SKIP)
+UNWATCHED = _mode(_MODE.SKIP, _MODE.NONE)
 
 
 # A token stream chunk by chunk (TTFT, TPOT); any other body in one message: Envoy's STREAMED mode costs a
