@@ -169,3 +169,38 @@ def stack_fixture(make: Callable[[Stack], GatewayEnv]):
                     print(f"stack processes not running at the end: {dead}", e.kvgate.log_tail(), e.envoy.log_tail())
 
     return env
+
+
+class RedisServer:
+    """A real redis-server on a free loopback port, without persistence; `kill` and `start` again
+    keep the port (a restart loses every key)."""
+
+    def __init__(self, password: str | None = None) -> None:
+        self.port = free_port()
+        self.password = password
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        args = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        if self.password:
+            args += ["--requirepass", self.password]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                    return
+            except OSError:
+                time.sleep(0.02)
+        raise RuntimeError("redis-server did not start")
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait(5)
+            self.proc = None

@@ -3,7 +3,6 @@ real redis-server), the fair per-model wait, 429 after the wait, and recently de
 from __future__ import annotations
 
 import asyncio
-import shutil
 
 import pytest
 
@@ -70,13 +69,9 @@ async def test_recently_deleted_pod_keeps_its_count_and_loses_it_after_the_windo
 
 
 @pytest.mark.integration
-@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")
-async def test_two_gateways_never_admit_past_the_limit_in_redis():
+async def test_two_gateways_never_admit_past_the_limit_in_redis(redis_server):
     from redis.asyncio import Redis
-    from test_routing_redis import RedisServer
-    server = RedisServer()
-    server.start()
-    ca, cb = Redis.from_url(server.url), Redis.from_url(server.url)
+    ca, cb = Redis.from_url(redis_server.url), Redis.from_url(redis_server.url)
     try:
         a, b = RedisLimiter(ca, "gw-a", ttl_s=1.0), RedisLimiter(cb, "gw-b", ttl_s=1.0)
         a.start()  # a heartbeats; b will stop (as if killed)
@@ -94,7 +89,6 @@ async def test_two_gateways_never_admit_past_the_limit_in_redis():
     finally:
         await ca.aclose()
         await cb.aclose()
-        server.kill()
 
 
 async def _until_acquired(lim, limit):
@@ -105,15 +99,11 @@ async def _until_acquired(lim, limit):
 
 
 @pytest.mark.integration
-@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")
-async def test_burst_of_3x_capacity_over_two_gateways_never_exceeds_limits_loses_nothing_and_is_fair():
+async def test_burst_of_3x_capacity_over_two_gateways_never_exceeds_limits_loses_nothing_and_is_fair(redis_server):
     """4 pods x limit 4 = 16 running at most; 48 requests at once over 2 gateways (3x capacity), 40 of
     one model and 8 of another, each running 40 ms once admitted."""
     from redis.asyncio import Redis
-    from test_routing_redis import RedisServer
-    server = RedisServer()
-    server.start()
-    clients = [Redis.from_url(server.url) for _ in range(2)]
+    clients = [Redis.from_url(redis_server.url) for _ in range(2)]
     try:
         gws = [Admission(RedisLimiter(c, f"gw-{i}", ttl_s=5.0), max_running=4, max_wait_s=10.0, poll_s=0.02)
                for i, c in enumerate(clients)]
@@ -161,4 +151,3 @@ async def test_burst_of_3x_capacity_over_two_gateways_never_exceeds_limits_loses
     finally:
         for c in clients:
             await c.aclose()
-        server.kill()

@@ -203,16 +203,10 @@ def test_trace_window_is_aibrix_format_and_rotates_with_terms():
 
 
 @pytest.mark.integration
-async def test_trace_writer_puts_aibrix_keys_in_redis_with_expiry():
-    import shutil
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server not installed")
+async def test_trace_writer_puts_aibrix_keys_in_redis_with_expiry(redis_server):
     from redis.asyncio import Redis
     from routing.tracking import TraceWriter
-    from test_routing_redis import RedisServer
-    server = RedisServer()
-    server.start()
-    client = Redis.from_url(server.url)
+    client = Redis.from_url(redis_server.url)
     try:
         clock = Clock()
         clock.t = 1_700_000_123.0
@@ -226,7 +220,6 @@ async def test_trace_writer_puts_aibrix_keys_in_redis_with_expiry():
         assert 0 < await client.ttl("aibrix:llama-3_request_trace_1700000120") <= 600
     finally:
         await client.aclose()
-        server.kill()
 
 
 def test_first_token_hook_fires_at_the_first_chunk_and_again_at_the_end_for_cut_requests():

@@ -3,7 +3,6 @@ cold-start rules, and sharing between two replicas through a real redis-server."
 from __future__ import annotations
 
 import random
-import shutil
 from collections import Counter
 
 import pytest
@@ -70,16 +69,12 @@ def test_window_slides_every_step_and_forgets_after_the_window():
 
 
 @pytest.mark.integration
-@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")
-async def test_two_replicas_share_history_through_redis():
+async def test_two_replicas_share_history_through_redis(redis_server):
     from redis.asyncio import Redis
-    from test_routing_redis import RedisServer
-    server = RedisServer()
-    server.start()
     clock = Clock(5000.0)
     a = OutputPredictor(clock=clock, rng=random.Random(1))
     b = OutputPredictor(clock=clock, rng=random.Random(2))
-    ra, rb = Redis.from_url(server.url), Redis.from_url(server.url)
+    ra, rb = Redis.from_url(redis_server.url), Redis.from_url(redis_server.url)
     try:
         sa, sb = PredictorSync(a, ra), PredictorSync(b, rb)
         for _ in range(30):
@@ -101,4 +96,3 @@ async def test_two_replicas_share_history_through_redis():
     finally:
         await ra.aclose()
         await rb.aclose()
-        server.kill()

@@ -11,12 +11,13 @@ import time
 
 import pytest
 
+from plugin.stack import free_port
 from routing.counts import LocalCounts, RedisCounts, build_counts, redact_url
 from routing.pods import KVEventsEndpoint, Pod
 from routing.registry import PodRegistry
 from routing.router import Router
 from routing.scoring import RouteRequest
-from stackutil import make_tls_certs
+from stackutil import RedisServer, make_tls_certs
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")]
@@ -25,52 +26,6 @@ pytestmark = [pytest.mark.integration,
 # gateway paused past its TTL vanishes from the others' view; an op past its timeout backs off).
 FAST = dict(ttl_s=5.0, heartbeat_s=0.2, read_max_age_s=0.0, op_timeout_s=2.0, backoff_min_s=0.05,
             backoff_max_s=0.3)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RedisServer:
-    def __init__(self, password: str | None = None) -> None:
-        self.port = free_port()
-        self.password = password
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        auth = f":{self.password}@" if self.password else ""
-        return f"redis://{auth}127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        args = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-        if self.password:
-            args += ["--requirepass", self.password]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return
-            except OSError:
-                time.sleep(0.02)
-        raise RuntimeError("redis-server did not start")
-
-    def kill(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait(5)
-            self.proc = None
-
-
-@pytest.fixture
-def redis_server():
-    server = RedisServer()
-    server.start()
-    yield server
-    server.kill()
 
 
 def pods(n=4):

@@ -65,15 +65,9 @@ def test_bad_gpu_profile_is_refused_clearly():
 
 
 @pytest.mark.integration
-async def test_gpu_profiles_load_from_aibrix_keys_in_redis():
-    import shutil
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server not installed")
+async def test_gpu_profiles_load_from_aibrix_keys_in_redis(redis_server):
     from redis.asyncio import Redis
-    from test_routing_redis import RedisServer
-    server = RedisServer()
-    server.start()
-    client = Redis.from_url(server.url)
+    client = Redis.from_url(redis_server.url)
     try:
         await client.set("aibrix:profile_llama_llama-a100", json.dumps(PROFILE))
         await client.set("aibrix:profile_llama_broken", "{not json")
@@ -82,7 +76,6 @@ async def test_gpu_profiles_load_from_aibrix_keys_in_redis():
         assert p.gpu_profile("llama", "llama-a100-abc-def") is not None
     finally:
         await client.aclose()
-        server.kill()
 
 
 def test_targets_parse_and_refuse_bad_values():
@@ -191,15 +184,9 @@ async def test_prefill_queue_is_shared_by_replicas_and_leaves_at_the_first_token
 
 
 @pytest.mark.integration
-async def test_prefill_queue_reaches_the_other_replica_through_redis():
-    import shutil
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server not installed")
+async def test_prefill_queue_reaches_the_other_replica_through_redis(redis_server):
     from routing.counts import RedisCounts
-    from test_routing_redis import RedisServer
-    server = RedisServer()
-    server.start()
-    counts = [RedisCounts(server.url, f"gw{i}", key_prefix="kvgate:{prefill}:", ttl_s=5.0, heartbeat_s=1.0,
+    counts = [RedisCounts(redis_server.url, f"gw{i}", key_prefix="kvgate:{prefill}:", ttl_s=5.0, heartbeat_s=1.0,
                           stale_ok_s=1.0, write_interval_s=0.005) for i in range(2)]
     try:
         for c in counts:
@@ -223,7 +210,6 @@ async def test_prefill_queue_reaches_the_other_replica_through_redis():
     finally:
         for c in counts:
             await c.close()
-        server.kill()
 
 
 def test_decision_carries_the_running_count_on_its_target_this_request_included():
