@@ -106,6 +106,19 @@ class LockedIndex:
         return self._index
 
 
+def _numeric_address(host: str, port: int) -> tuple[int, Any] | None:
+    """(family, socket address) of an IP address given as text, found without any lookup; None for
+    a host name."""
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                    flags=socket.AI_NUMERICHOST)[0]
+    except socket.gaierror as e:
+        if e.errno == socket.EAI_NONAME:
+            return None
+        raise
+    return family, addr
+
+
 def tcp_endpoint(host: str, port: int) -> str:
     host = host.strip("[]")
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
@@ -197,6 +210,8 @@ class Subscriber:
         self.pending: deque[list[bytes]] = deque()  # live messages read, not yet handled
         self.worker: threading.Thread | None = None  # a replay under way
         self.worker_error: Exception | None = None
+        self.resolving = False  # a host name being looked up on a thread of its own
+        self.resolved: tuple[int, Any] | OSError | None = None  # its (family, address), or why not
         self._registered_fd = -1
         self.retry_delay = options.reconnect_initial
         self.connect_at: float | None = None  # when to (re)connect, while there is no connection
@@ -599,7 +614,7 @@ class SubscriberManager:
         self.lock = lock or threading.Lock()
         self._ctx = zmq.Context()  # replay DEALERs only: live batches are read without libzmq
         self._subs: dict[tuple[str, int], Subscriber] = {}
-        self._commands: list[tuple[str, Subscriber | None]] = []  # (start|stop|done|exit, subscriber), under _cmd_lock
+        self._commands: list[tuple[str, Subscriber | None]] = []  # (start|stop|done|resolved|exit, subscriber), under _cmd_lock
         self._cmd_lock = threading.Lock()
         self._wake_rx, self._wake_tx = os.pipe()
         os.set_blocking(self._wake_rx, False)
@@ -666,6 +681,18 @@ class SubscriberManager:
         os.close(self._wake_rx)
         self._ctx.destroy(linger=0)
 
+    def _resolve(self, sub: Subscriber, host: str, port: int) -> None:
+        """Look `host` up (on a thread of its own) and hand the answer to the ingest thread."""
+        try:
+            family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+            sub.resolved = (family, addr)
+        except OSError as e:
+            sub.resolved = e
+        except Exception as e:  # noqa: BLE001 - whatever the lookup raised, the endpoint retries
+            sub.resolved = OSError(f"name lookup failed: {e!r}")
+        if not self._closed:
+            self._post([("resolved", sub)])
+
     # --- the ingest thread ----------------------------------------------------------------------
 
     def _loop(self) -> None:
@@ -717,15 +744,34 @@ class SubscriberManager:
                 sub.conn = None
 
         def connect(sub: Subscriber) -> None:
-            nonlocal next_timers
             sub.connect_at = None
+            if sub.resolving:  # its lookup's answer connects it
+                return
+            host, port = sub.spec.host.strip("[]"), sub.spec.pub_port
             try:
-                host = sub.spec.host.strip("[]")
-                family, _, _, _, addr = socket.getaddrinfo(host, sub.spec.pub_port, type=socket.SOCK_STREAM)[0]
-                sub.conn = Connection(addr, family)
+                address = _numeric_address(host, port)
             except OSError as e:
-                log.debug("kv events %s: connect to %s failed: %s", sub.spec.pod, sub.spec.pub_endpoint, e)
-                retry(sub)
+                connect_failed(sub, e)
+                return
+            if address is None:
+                # A host name: looked up on a thread of its own, since a lookup can take seconds (a dead
+                # DNS server) and this thread follows every engine.
+                sub.resolving = True
+                threading.Thread(target=self._resolve, args=(sub, host, port), daemon=True,
+                                 name=f"kvgate-resolve-{sub.spec.pod}").start()
+                return
+            open_connection(sub, address)
+
+        def connect_failed(sub: Subscriber, e: OSError) -> None:
+            log.debug("kv events %s: connect to %s failed: %s", sub.spec.pod, sub.spec.pub_endpoint, e)
+            retry(sub)
+
+        def open_connection(sub: Subscriber, address: tuple[int, Any]) -> None:
+            nonlocal next_timers
+            try:
+                sub.conn = Connection(address[1], address[0])
+            except OSError as e:
+                connect_failed(sub, e)
                 return
             sub.last_rx = time.monotonic()  # the handshake deadline counts from here
             next_timers = min(next_timers, sub.last_rx + _HANDSHAKE_TIMEOUT)
@@ -941,6 +987,14 @@ class SubscriberManager:
                                 return
                             if what == "start":
                                 start(sub)
+                            elif what == "resolved":
+                                result, sub.resolved, sub.resolving = sub.resolved, None, False
+                                if sub not in running or sub.stopped or sub.conn is not None:
+                                    continue  # stopped meanwhile
+                                if isinstance(result, OSError):
+                                    connect_failed(sub, result)
+                                else:
+                                    open_connection(sub, result)
                             elif what == "done":
                                 sub.worker.join()
                                 sub.worker = None

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import socket
 import threading
 import time
@@ -102,8 +103,8 @@ async def harness():
         e.pub.close()
 
 
-def status(manager, rank=0):
-    return next(s for s in manager.status() if s["rank"] == rank)
+def status(manager, rank=0, pod=None):
+    return next(s for s in manager.status() if s["rank"] == rank and (pod is None or s["pod"] == pod))
 
 
 def connections(manager, kind: str, pod: str = "p", rank: int = 0) -> float:
@@ -279,7 +280,7 @@ async def subscribed(e: Engine, manager, pod="p", rank=0, timeout: float = 10.0)
         while not live() and time.monotonic() < probe_deadline:
             await asyncio.sleep(0.01)
         if live():
-            await until(lambda: status(manager, rank)["last_seq"] == seq - 1)
+            await until(lambda: status(manager, rank, pod)["last_seq"] == seq - 1)
             return seq
         assert time.monotonic() < deadline, "no batch ever arrived live"
 
@@ -624,12 +625,19 @@ async def test_matches_through_locked_index_while_the_ingest_thread_applies(harn
     shared = LockedIndex(index, manager.lock)
     manager.sync([e.spec])
     await until(lambda: status(manager)["connected"])
-    n, bs = 1500, 4
+    n, bs, chunk = 1500, 4, 100
     tokens = list(range(n * bs))
+    # The chain goes out in chunks, each once the request path has seen the one before: matches then
+    # see it grow whatever the machine's load (a flood sent all at once could land before any match).
+    seen_chunk = [threading.Event() for _ in range(n // chunk)]
 
     def flood():
-        for i in range(n):
-            e.pub.publish([BlockStored((i + 1,), i or None, tuple(tokens[i * bs:(i + 1) * bs]), bs, None, "GPU", None)])
+        for c, seen_it in enumerate(seen_chunk):
+            for i in range(c * chunk, (c + 1) * chunk):
+                e.pub.publish([BlockStored((i + 1,), i or None, tuple(tokens[i * bs:(i + 1) * bs]), bs, None, "GPU",
+                                           None)])
+            if not seen_it.wait(30):
+                return
 
     publishing = asyncio.ensure_future(asyncio.to_thread(flood))
     seen = [0]
@@ -639,6 +647,8 @@ async def test_matches_through_locked_index_while_the_ingest_thread_applies(harn
             raise AssertionError(f"the chain never completed: {seen[-1]} of {n} blocks")
         m = shared.match("m", None, tokens, ["p"]).get("p")
         seen.append(m.blocks if m is not None else 0)
+        for c in range(seen[-1] // chunk):
+            seen_chunk[c].set()
         await asyncio.sleep(0.001)
     await publishing
     assert all(a <= b for a, b in zip(seen, seen[1:])), "a match saw less of the chain than an earlier one"
@@ -709,3 +719,34 @@ async def test_an_unanswered_replay_does_not_hold_other_engines_batches(harness)
     await until(lambda: sink.hashes("b") == [1, 2])
     a_status = next(s for s in manager.status() if s["pod"] == "a")
     assert a_status["replays"] == 1 and a_status["replay_failures"] == 0  # a's replay still under way
+
+
+async def test_a_hanging_name_lookup_holds_back_no_other_engine(harness, monkeypatch):
+    """Endpoints named by host name are resolved off the ingest thread: while one engine's lookup
+    hangs (a dead DNS server takes seconds per try), the other engines' batches keep arriving, and
+    the named engine follows once its name resolves."""
+    make, engine = harness
+    named, plain = engine(pod="named", replay=False), engine(pod="plain")
+    release = threading.Event()
+    real = socket.getaddrinfo
+
+    def lookup(host, *args, **kwargs):  # a name server that answers only when released
+        if host == "engine.kvgate.test" and not kwargs.get("flags", 0) & socket.AI_NUMERICHOST:
+            release.wait(20)
+            host = "127.0.0.1"
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", lookup)
+    plain.publish(0, 1)
+    sink, manager = make()
+    manager.sync([dataclasses.replace(named.spec, host="engine.kvgate.test"), plain.spec])  # the named one first
+    try:
+        await until(lambda: sink.hashes("plain") == [0, 1])
+        assert not status(manager, pod="named")["connected"]
+    finally:
+        release.set()
+    await until(lambda: status(manager, pod="named")["connected"])
+    await subscribed(named, manager, pod="named")
+    probes = len(sink.hashes("named"))
+    named.publish(5)
+    await until(lambda: sink.hashes("named")[probes:] == [5])
