@@ -22,7 +22,10 @@
   one pod removed along the way. `churn_longest_stall_ms` is the longest single call of any of
   them: how long the event loop can be held by the index (GC off while timing); `_cpu_ms` the
   same in this thread's CPU time (on a shared machine the wall clock also counts preemption).
-  `churn_fill_longest_apply_ms`: the longest apply while filling (a table growing is one rehash).
+  `churn_fill_longest_apply_ms`: the longest apply while filling (a table growing is one rehash, run
+  with the GIL released); `churn_fill_longest_match_ms`: the longest match meanwhile on another thread,
+  through the LockedIndex the request path uses (it waits for the filler's lock at most 1 ms, then
+  answers without the index: `churn_fill_busy_matches`), timed while 512-block batches are applied.
 - bytes per entry: tracemalloc'd size of the index after building the fleet / entries (numpy
   registers its arrays with tracemalloc, so the index's tables are counted);
   `fleet_table_bytes` is the tables' own size as the index reports it, a cross-check.
@@ -267,26 +270,74 @@ def bench_fleet(n_pods: int, entries: int, queries: int, seed: int) -> dict:
     }
 
 
-def _fill(ix: PrefixIndex, pods: list[str], entries: int, rng: random.Random) -> float:
-    from kvcache.wire import decode_batch, encode_batch
-
+def _fill(ix: PrefixIndex, pods: list[str], entries: int, rng: random.Random) -> tuple[float, float, int]:
     """Conversations of 512 blocks (engine hashes from a counter), round robin over `pods`, until
     the index holds `entries`: the quick way to a full index (through apply_payload, as the
-    subscriber applies batches). Returns the longest apply (seconds):
-    growing a table while the index fills is one rehash."""
-    n, longest = 0, 0.0
-    while ix.stats()["entries"] < entries:
-        for _ in range(64):
-            tokens = array("H", rng.randbytes(2 * 512 * BLOCK)).tolist()
-            hashes = tuple(range(n * 512 + 1, n * 512 + 513))
-            payload = encode_batch(EventBatch(0.0, (BlockStored(hashes, None, tokens, BLOCK, None, "GPU", None),), 0),
-                                   "0.33")
+    subscriber applies batches), on a thread of its own under a lock as kvgate's ingest thread
+    does, while this thread matches through a LockedIndex as the event loop does. Returns the longest
+    apply and the longest match (seconds), and the matches answered busy: growing a table while the index fills is one rehash,
+    which must not hold the matching thread. Matches are timed only while batches are applied (not
+    while the filler makes the next 64, a bench's own work), with the GIL switch interval at 0.1 ms."""
+    import sys
+    import threading
+
+    from kvcache.subscriber import IndexLock, LockedIndex
+    from kvcache.wire import decode_batch, encode_batch
+
+    lock = IndexLock()
+    busy = [0]
+    shared = LockedIndex(ix, lock, on_busy=lambda: busy.__setitem__(0, busy[0] + 1))
+    done = threading.Event()
+    longest = [0.0]
+    failed: list[BaseException] = []
+
+    applying = threading.Event()  # the matcher times its calls only while batches are applied
+
+    def fill() -> None:
+        n = 0
+        try:
+            while ix.stats()["entries"] < entries:
+                payloads = []
+                for i in range(n, n + 64):
+                    tokens = array("H", rng.randbytes(2 * 512 * BLOCK)).tolist()
+                    hashes = tuple(range(i * 512 + 1, i * 512 + 513))
+                    payloads.append(encode_batch(EventBatch(0.0, (BlockStored(hashes, None, tokens, BLOCK, None,
+                                                                              "GPU", None),), 0), "0.33"))
+                applying.set()
+                for payload in payloads:
+                    w = time.perf_counter()
+                    with lock:
+                        if ix.apply_payload(pods[n % len(pods)], MODEL, 0, payload) is None:
+                            ix.apply(pods[n % len(pods)], MODEL, 0, decode_batch(payload).batch.events)
+                    longest[0] = max(longest[0], time.perf_counter() - w)
+                    n += 1
+                applying.clear()
+        except BaseException as e:  # noqa: BLE001 - re-raised on the calling thread
+            failed.append(e)
+        finally:
+            applying.set()
+            done.set()
+
+    prompt = array("H", rng.randbytes(2 * 64 * BLOCK)).tolist()
+    switch = sys.getswitchinterval()
+    filler = threading.Thread(target=fill, name="bench-fill")
+    longest_match = 0.0
+    sys.setswitchinterval(1e-4)
+    try:
+        filler.start()
+        while not done.is_set():
+            if not applying.wait(0.01):
+                continue
             w = time.perf_counter()
-            if ix.apply_payload(pods[n % len(pods)], MODEL, 0, payload) is None:
-                ix.apply(pods[n % len(pods)], MODEL, 0, decode_batch(payload).batch.events)
-            longest = max(longest, time.perf_counter() - w)
-            n += 1
-    return longest
+            shared.match(MODEL, None, prompt, pods)
+            longest_match = max(longest_match, time.perf_counter() - w)
+            time.sleep(0.0005)
+    finally:
+        filler.join()
+        sys.setswitchinterval(switch)
+    if failed:
+        raise failed[0]
+    return longest[0], longest_match, busy[0]
 
 
 def bench_churn(entries: int, n_blocks: int, seed: int) -> dict:
@@ -297,7 +348,7 @@ def bench_churn(entries: int, n_blocks: int, seed: int) -> dict:
     pods = [f"churn-{i}" for i in range(64)]
     ix = PrefixIndex(max_entries=entries)
     t0 = time.perf_counter()
-    fill_longest = _fill(ix, pods, entries, rng)
+    fill_longest, fill_longest_match, fill_busy = _fill(ix, pods, entries, rng)
     fill_s = time.perf_counter() - t0
     streams, blocks = [], 0  # 8 engines, each its own stream (its removals are of its own blocks), interleaved
     for e in range(8):
@@ -347,6 +398,8 @@ def bench_churn(entries: int, n_blocks: int, seed: int) -> dict:
         "churn_bound": entries,
         "churn_fill_s": fill_s,
         "churn_fill_longest_apply_ms": fill_longest * 1e3,  # 512-block stores, table growth included
+        "churn_fill_longest_match_ms": fill_longest_match * 1e3,  # another thread's, meanwhile
+        "churn_fill_busy_matches": fill_busy,  # of those, answered without the index
         "churn_entries": stats["entries"],
         "churn_batches": len(order),
         "churn_blocks": blocks,

@@ -260,6 +260,7 @@ typedef struct {
     /* orphaned engine hashes */
     int h_active, h_model;
     Py_ssize_t h_pos;
+    int rehashing; /* a large table is being rehashed with the GIL released */
 } Core;
 
 /* ---- key table and hash map ---- */
@@ -292,7 +293,17 @@ static inline Py_ssize_t ht_find(const HTable *t, uint64_t h) {
     }
 }
 
-static int kt_alloc(KTable *t, Py_ssize_t cap) {
+static void kt_empty(KTable *t) {
+    for (Py_ssize_t i = 0; i < t->cap; i++) t->s[i].key = EMPTY, t->s[i].hold = 0;
+}
+
+static void ht_empty(HTable *t) {
+    for (Py_ssize_t i = 0; i < t->cap; i++) t->s[i].h = EMPTY, t->s[i].key = 0;
+}
+
+/* A table of `cap` slots; emptied unless `empty` is 0 (the caller empties it, e.g. without the GIL:
+ * writing a large table's every page takes tens of ms). */
+static int kt_alloc_as(KTable *t, Py_ssize_t cap, int empty) {
     KSlot *s = PyMem_RawMalloc(sizeof(KSlot) * cap);
     uint32_t *st = PyMem_RawCalloc(cap, sizeof(uint32_t));
     if (!s || !st) {
@@ -301,41 +312,58 @@ static int kt_alloc(KTable *t, Py_ssize_t cap) {
         PyErr_NoMemory();
         return -1;
     }
-    for (Py_ssize_t i = 0; i < cap; i++) s[i].key = EMPTY, s[i].hold = 0;
     t->s = s;
     t->stamp = st;
     t->cap = cap;
     t->live = 0;
+    if (empty) kt_empty(t);
     return 0;
 }
 
-static int ht_alloc(HTable *t, Py_ssize_t cap) {
+static int kt_alloc(KTable *t, Py_ssize_t cap) { return kt_alloc_as(t, cap, 1); }
+
+static int ht_alloc_as(HTable *t, Py_ssize_t cap, int empty) {
     HSlot *s = PyMem_RawMalloc(sizeof(HSlot) * cap);
     if (!s) {
         PyErr_NoMemory();
         return -1;
     }
-    for (Py_ssize_t i = 0; i < cap; i++) s[i].h = EMPTY, s[i].key = 0;
     t->s = s;
     t->cap = cap;
     t->live = 0;
+    if (empty) ht_empty(t);
     return 0;
 }
+
+static int ht_alloc(HTable *t, Py_ssize_t cap) { return ht_alloc_as(t, cap, 1); }
 
 static inline Py_ssize_t grown_cap(Py_ssize_t live) {
     Py_ssize_t cap = (Py_ssize_t)(live / GROW_LOAD) + 1;
     return cap < MIN_CAP ? MIN_CAP : cap;
 }
 
+/* Tables at least this large are rehashed with the GIL released: a rehash of millions of keys takes
+ * tens to hundreds of ms, which would hold every other thread of the process (the event loop serving
+ * requests) meanwhile. The caller's lock keeps other threads out of the index itself; c->rehashing
+ * turns a call that bypasses it into an error instead of a read of half-built tables. */
+#define NOGIL_REHASH_CAP 65536
+
 /* Room for `more` keys without passing the maximum load: a rehash into a larger table. */
-static int kt_reserve(KTable *t, Py_ssize_t more) {
+static int kt_reserve(Core *c, KTable *t, Py_ssize_t more) {
     if ((t->live + more) * MAX_LOAD_DEN <= t->cap * MAX_LOAD_NUM) return 0;
     KTable old = *t;
-    if (kt_alloc(t, grown_cap(old.live + more)) < 0) {
+    int nogil = old.cap >= NOGIL_REHASH_CAP;
+    if (kt_alloc_as(t, grown_cap(old.live + more), !nogil) < 0) {
         *t = old;
         return -1;
     }
     t->used = old.used;
+    PyThreadState *ts = NULL;
+    if (nogil) {
+        c->rehashing = 1;
+        ts = PyEval_SaveThread();
+        kt_empty(t);
+    }
     for (Py_ssize_t i = 0; i < old.cap; i++) {
         uint64_t k = old.s[i].key;
         if (k == EMPTY) continue;
@@ -346,17 +374,28 @@ static int kt_reserve(KTable *t, Py_ssize_t more) {
         t->stamp[s] = old.stamp[i];
     }
     t->live = old.live;
-    PyMem_RawFree(old.s);
+    PyMem_RawFree(old.s); /* the raw domain needs no GIL */
     PyMem_RawFree(old.stamp);
+    if (nogil) {
+        PyEval_RestoreThread(ts);
+        c->rehashing = 0;
+    }
     return 0;
 }
 
-static int ht_reserve(HTable *t, Py_ssize_t more) {
+static int ht_reserve(Core *c, HTable *t, Py_ssize_t more) {
     if ((t->live + more) * MAX_LOAD_DEN <= t->cap * MAX_LOAD_NUM) return 0;
     HTable old = *t;
-    if (ht_alloc(t, grown_cap(old.live + more)) < 0) {
+    int nogil = old.cap >= NOGIL_REHASH_CAP;
+    if (ht_alloc_as(t, grown_cap(old.live + more), !nogil) < 0) {
         *t = old;
         return -1;
+    }
+    PyThreadState *ts = NULL;
+    if (nogil) {
+        c->rehashing = 1;
+        ts = PyEval_SaveThread();
+        ht_empty(t);
     }
     for (Py_ssize_t i = 0; i < old.cap; i++) {
         uint64_t h = old.s[i].h;
@@ -368,6 +407,10 @@ static int ht_reserve(HTable *t, Py_ssize_t more) {
     }
     t->live = old.live;
     PyMem_RawFree(old.s);
+    if (nogil) {
+        PyEval_RestoreThread(ts);
+        c->rehashing = 0;
+    }
     return 0;
 }
 
@@ -587,7 +630,7 @@ static int held_anywhere(const Core *c, uint64_t k) {
 /* Medium m's key k gains holder `slot` (live), stamped: 1 if newly held, 0 if held, -1 on error. */
 static int key_add(Core *c, int m, uint64_t k, uint32_t slot, uint32_t stamp) {
     KTable *t = &c->media[m];
-    if (kt_reserve(t, 1) < 0) return -1;
+    if (kt_reserve(c, t, 1) < 0) return -1;
     int fresh;
     Py_ssize_t s = kt_claim(t, k, &fresh);
     uint64_t h = t->s[s].hold;
@@ -676,7 +719,7 @@ static int release_one(Core *c, int model, int m, uint64_t h, uint32_t slot) {
 /* Map engine hash h to key k for `model`, and k gains holder `slot` in medium m. */
 static int store_pair(Core *c, int model, int m, uint64_t h, uint64_t k, uint32_t slot, uint32_t stamp) {
     HTable *ht = &c->models[model];
-    if (ht_reserve(ht, 1) < 0) return -1;
+    if (ht_reserve(c, ht, 1) < 0) return -1;
     Py_ssize_t s = ht_home(ht->cap, h);
     for (;;) {
         uint64_t x = ht->s[s].h;
@@ -1717,7 +1760,19 @@ static int arg_slot(Core *c, long s) {
 }
 
 /* new_medium() -> id: an empty key table (ids of freed ones are reused) */
+/* Every method of Core starts with this: a call from another thread while a large rehash runs with
+ * the GIL released (kt_reserve) is an error, not a read of half-built tables. */
+#define CORE_ENTER(c)                                                                            \
+    do {                                                                                         \
+        if ((c)->rehashing) {                                                                    \
+            PyErr_SetString(PyExc_RuntimeError,                                                  \
+                            "prefix index: called from two threads at once (hold one lock)");    \
+            return NULL;                                                                         \
+        }                                                                                        \
+    } while (0)
+
 static PyObject *core_new_medium(Core *c, PyObject *Py_UNUSED(ignored)) {
+    CORE_ENTER(c);
     int m = 0;
     while (m < c->n_media && c->media[m].used) m++;
     if (m == c->n_media) {
@@ -1734,6 +1789,7 @@ static PyObject *core_new_medium(Core *c, PyObject *Py_UNUSED(ignored)) {
 
 /* free_medium(id): drop an empty medium table */
 static PyObject *core_free_medium(Core *c, PyObject *arg) {
+    CORE_ENTER(c);
     int m;
     if (as_int(arg, &m) || arg_medium(c, m, 0)) return NULL;
     if (c->media[m].live) return PyErr_Format(PyExc_ValueError, "medium table %d is not empty", m);
@@ -1745,6 +1801,7 @@ static PyObject *core_free_medium(Core *c, PyObject *arg) {
 
 /* new_model() -> id: an empty engine-hash map */
 static PyObject *core_new_model(Core *c, PyObject *Py_UNUSED(ignored)) {
+    CORE_ENTER(c);
     HTable *p = PyMem_RawRealloc(c->models, sizeof(HTable) * (c->n_models + 1));
     if (!p) return PyErr_NoMemory();
     c->models = p;
@@ -1754,6 +1811,7 @@ static PyObject *core_new_model(Core *c, PyObject *Py_UNUSED(ignored)) {
 
 /* new_group() -> id: a pod */
 static PyObject *core_new_group(Core *c, PyObject *Py_UNUSED(ignored)) {
+    CORE_ENTER(c);
     Py_ssize_t g = 0;
     while (g < c->group_cap && c->group_state[g]) g++;
     if (g == c->group_cap) {
@@ -1792,6 +1850,7 @@ static void kill_slot(Core *c, int32_t s) {
 
 /* new_slot(group) -> id: the lowest free slot number */
 static PyObject *core_new_slot(Core *c, PyObject *arg) {
+    CORE_ENTER(c);
     Py_ssize_t g = PyLong_AsSsize_t(arg);
     if (g == -1 && PyErr_Occurred()) return NULL;
     if (g < 0 || g >= c->group_cap || c->group_state[g] != 1) return PyErr_Format(PyExc_ValueError, "no group %zd", g);
@@ -1810,6 +1869,7 @@ static PyObject *core_new_slot(Core *c, PyObject *arg) {
 
 /* kill_slot(id): the slot holds nothing from now on (its marks go in the background) */
 static PyObject *core_kill_slot(Core *c, PyObject *arg) {
+    CORE_ENTER(c);
     long s = PyLong_AsLong(arg);
     if ((s == -1 && PyErr_Occurred()) || arg_slot(c, s)) return NULL;
     kill_slot(c, (int32_t)s);
@@ -1818,6 +1878,7 @@ static PyObject *core_kill_slot(Core *c, PyObject *arg) {
 
 /* remove_group(id): kill its slots; the id is reused once they are gone */
 static PyObject *core_remove_group(Core *c, PyObject *arg) {
+    CORE_ENTER(c);
     Py_ssize_t g = PyLong_AsSsize_t(arg);
     if (g == -1 && PyErr_Occurred()) return NULL;
     if (g < 0 || g >= c->group_cap || c->group_state[g] != 1) return PyErr_Format(PyExc_ValueError, "no group %zd", g);
@@ -1833,6 +1894,7 @@ static PyObject *core_remove_group(Core *c, PyObject *arg) {
 
 /* key_of(model, folded_hash) -> key | None */
 static PyObject *core_key_of(Core *c, PyObject *args) {
+    CORE_ENTER(c);
     int model;
     unsigned long long h;
     if (!PyArg_ParseTuple(args, "iK", &model, &h) || arg_model(c, model)) return NULL;
@@ -1844,6 +1906,7 @@ static PyObject *core_key_of(Core *c, PyObject *args) {
 /* store(model, medium, slot, folded_hashes, keys) -> entries added
  * One BlockStored's blocks (native uint64 bytes, pairwise), stamped with one new tick. */
 static PyObject *core_store(Core *c, PyObject *args) {
+    CORE_ENTER(c);
     int model, m;
     long slot;
     Py_buffer hv, kv;
@@ -1874,6 +1937,7 @@ done:
 /* release(model, medium, slot, folded_hashes) -> (entries removed, hashes unknown)
  * medium -1: a medium without a table (only unknown hashes are counted). */
 static PyObject *core_release(Core *c, PyObject *args) {
+    CORE_ENTER(c);
     int model, m;
     long slot;
     Py_buffer hv;
@@ -1903,6 +1967,7 @@ done:
  * Applies a batch scan_batch accepted (medium -1: a removals-only batch in a medium without a
  * table); `roots` maps each LoRA key scan_batch listed to its root key. */
 static PyObject *core_apply_batch(Core *c, PyObject *args) {
+    CORE_ENTER(c);
     Py_buffer payload;
     int model, m;
     long slot;
@@ -1934,6 +1999,7 @@ done:
 /* maintain(): evict down to the bound, then a bounded step of the background passes (dead slots'
  * marks, stamp ages, engine hashes nobody's key uses). Call after every batch. */
 static PyObject *core_maintain(Core *c, PyObject *Py_UNUSED(ignored)) {
+    CORE_ENTER(c);
     if (evict(c) < 0) return NULL;
     Py_ssize_t cap = total_cap(c);
     Py_ssize_t budget = c->n_dead ? PASS_BUDGET
@@ -1977,6 +2043,7 @@ static int record_runs(PyObject *out, int w, uint64_t bits, Py_ssize_t run) {
  * (runs of 0 left out). Stops probing once no candidate holds the next block; the matched keys
  * (the deepest run) are stamped as most recently used. */
 static PyObject *core_match(Core *c, PyObject *args) {
+    CORE_ENTER(c);
     PyObject *tokens, *media;
     Py_ssize_t bs;
     unsigned long long root;
@@ -2122,6 +2189,7 @@ done:
 
 /* stats() -> (entries, evicted, engine hashes, bytes held, [keys per medium id or None]) */
 static PyObject *core_stats(Core *c, PyObject *Py_UNUSED(ignored)) {
+    CORE_ENTER(c);
     int64_t hashes = 0;
     Py_ssize_t bytes = (Py_ssize_t)(c->pool_cap * c->W * 8 + c->slot_cap * 21 + c->group_cap * 17);
     for (int i = 0; i < c->n_models; i++) {
@@ -2144,6 +2212,7 @@ static PyObject *core_stats(Core *c, PyObject *Py_UNUSED(ignored)) {
 
 /* group_blocks(id) -> distinct blocks the group's slots hold over every medium */
 static PyObject *core_group_blocks(Core *c, PyObject *arg) {
+    CORE_ENTER(c);
     Py_ssize_t g = PyLong_AsSsize_t(arg);
     if (g == -1 && PyErr_Occurred()) return NULL;
     if (g < 0 || g >= c->group_cap || !c->group_state[g]) return PyErr_Format(PyExc_ValueError, "no group %zd", g);
@@ -2160,6 +2229,7 @@ static PyObject *core_group_blocks(Core *c, PyObject *arg) {
 
 /* check(): every invariant of the tables and counts, recomputed the slow way (for tests) */
 static PyObject *core_check(Core *c, PyObject *Py_UNUSED(ignored)) {
+    CORE_ENTER(c);
     int64_t entries = 0;
     int64_t *slot_entries = PyMem_RawCalloc(c->slot_cap, sizeof(int64_t));
     int64_t *group_blocks = PyMem_RawCalloc(c->group_cap ? c->group_cap : 1, sizeof(int64_t));

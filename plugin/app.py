@@ -177,7 +177,8 @@ class App:
             tick_budget=s.kv_events_tick_budget_s, coalesce=s.kv_events_coalesce_s), KVEventMetrics(self.registry))
         # The ingest thread applies batches under the subscriptions' lock; everything else reaches the
         # index through this view, under the same lock.
-        self.shared_index = LockedIndex(self.index, self.subscriptions.lock)
+        self.shared_index = LockedIndex(self.index, self.subscriptions.lock,
+                                        on_busy=self.routing_metrics.index_busy.inc)
         self.counts = running_counts(s, self.routing_metrics)
         self.engines = EngineMetrics(self.pods, interval_s=s.engine_metrics_interval_s, metrics=self.routing_metrics)
         self.predictor = OutputPredictor(window_s=s.predict_window_s, step_s=s.predict_step_s,

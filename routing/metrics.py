@@ -15,6 +15,10 @@ class RoutingMetrics:
         self.scorer_errors = Counter("kvgate_routing_scorer_errors_total",
                                      "Scorer failures (the scorer counted 0 for that request).", ["scorer"],
                                      registry=r)
+        self.index_busy = Counter("kvgate_routing_index_busy_total",
+                                  "Prefix index reads given up after waiting for the event ingestion (a growing "
+                                  "table being rehashed): the request was routed as if no pod held its prompt.",
+                                  registry=r)
         self.discovery_errors = Counter("kvgate_discovery_errors_total",
                                         "Pod lists rejected or watch failures; the last good list is kept.",
                                         ["source"], registry=r)

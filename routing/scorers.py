@@ -140,7 +140,7 @@ class PrecisePrefixScorer(Scorer):
         if ctx.ranks:  # data-parallel rank targets among the candidates: what each rank holds
             by_rank = self._index.match_ranks(ctx.base_model, ctx.lora, tokens,
                                               [(p.pod_name, p.rank or 0) for p in pods])
-            matches = {p.name: by_rank[(p.pod_name, p.rank or 0)] for p in pods}
+            matches = {p.name: m for p in pods if (m := by_rank.get((p.pod_name, p.rank or 0))) is not None}
         else:
             matches = self._index.match(ctx.base_model, ctx.lora, tokens, names)
         total = max([m.total_blocks for m in matches.values()], default=0)

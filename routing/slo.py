@@ -165,7 +165,7 @@ class SLOScorer(Scorer):
         if ctx.ranks:
             by_rank = self._index.match_ranks(ctx.base_model, ctx.lora, tokens,
                                               [(p.pod_name, p.rank or 0) for p in pods])
-            matches = {p.name: by_rank[(p.pod_name, p.rank or 0)] for p in pods}
+            matches = {p.name: m for p in pods if (m := by_rank.get((p.pod_name, p.rank or 0))) is not None}
         else:
             matches = self._index.match(ctx.base_model, ctx.lora, tokens, [p.name for p in pods])
         total = max([m.total_blocks for m in matches.values()], default=0)

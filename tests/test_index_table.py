@@ -84,6 +84,27 @@ def test_core_tables_behave_like_dicts_through_growth_and_deletion(wrap):
     core.check()
 
 
+
+def test_tables_grown_past_the_unlocked_rehash_size_keep_every_key():
+    """Tables of 65,536 slots and more are rehashed with the GIL released (the event loop runs
+    meanwhile): 100,000 engine hashes and keys grow both tables past that size, twice, and every
+    key, holder and count is still there."""
+    core = native.Core(10**9)
+    model, medium = core.new_model(), core.new_medium()
+    a, b = core.new_slot(core.new_group()), core.new_slot(core.new_group())
+    rng = random.Random(11)
+    keys = [rng.getrandbits(60) for _ in range(100_000)]
+    hashes = [rng.getrandbits(64) % ((1 << 64) - 2) for _ in keys]  # folded engine hashes: full 64-bit range
+    for i in range(0, len(keys), 5_000):
+        assert core.store(model, medium, a, _u64(hashes[i:i + 5_000]), _u64(keys[i:i + 5_000])) == 5_000
+    assert core.store(model, medium, b, _u64(hashes[::2]), _u64(keys[::2])) == 50_000
+    core.check()
+    assert core.stats()[0] == 150_000 and core.stats()[4] == [100_000]
+    assert core.release(model, medium, b, _u64(hashes[::2])) == (50_000, 0)
+    assert core.release(model, medium, a, _u64(hashes[:10])) == (10, 0)
+    core.check()
+    assert core.stats()[0] == 99_990
+
 def test_more_than_64_pod_ranks_match_exactly():
     bs = 2
     tokens = tuple(range(20))  # 10 blocks

@@ -135,3 +135,38 @@ async def test_without_data_parallel_pods_picks_never_ask_per_rank():
     assert (d2.pod.name, d2.rank) == ("b", None) and not calls
     d3 = await r.pick(RouteRequest("other", PROMPT))
     assert d3.pod.name == "x" and d3.rank in (0, 1)
+
+
+async def test_an_index_held_past_the_wait_routes_as_if_nobody_held_the_prompt():
+    """While the ingest thread holds the index (a growing table being rehashed takes ~140 ms at 4M
+    entries), a pick waits at most the LockedIndex's bound, then routes as if no pod held the prompt,
+    counted (data-parallel rank targets included). Once the lock is free the
+    index decides again."""
+    import threading
+
+    from kvcache.subscriber import IndexBusy, LockedIndex
+
+    busy = []
+    index = PrefixIndex(max_entries=10_000)
+    lock = threading.Lock()
+    shared = LockedIndex(index, lock, wait_s=0.005, on_busy=lambda: busy.append(1))
+    reg = PodRegistry(dp_fleet())
+    r = Router(reg, default_strategy="kv-sync", index=shared, seed=0)
+    index.apply("a", "m", 1, [stored(PROMPT, 8)])
+    d = await r.pick(RouteRequest("m", PROMPT))
+    assert (d.pod.name, d.rank, d.matched_blocks) == ("a", 1, 8)
+    await r.release(d)
+    with lock:  # the ingest thread's
+        d = await r.pick(RouteRequest("m", PROMPT))
+        assert (d.matched_blocks, d.total_blocks) == (0, 0)
+        await r.release(d)
+        assert shared.block_size("m") == BS  # read without the lock
+        try:
+            shared.stats()
+        except IndexBusy:
+            pass
+        else:
+            raise AssertionError("stats answered while the index was held")
+    assert len(busy) == 2
+    d = await r.pick(RouteRequest("m", PROMPT))
+    assert (d.pod.name, d.rank, d.matched_blocks) == ("a", 1, 8)
