@@ -133,6 +133,55 @@ static void tokens_close(Tokens *t) {
     Py_XDECREF(t->seq);
 }
 
+/* Block i of tk hashed (finalised): -1 with an exception at its first bad token id. */
+static int block_hash_one(Tokens *tk, Py_ssize_t i, Py_ssize_t bs, uint64_t *out) {
+    uint64_t h = block_hash_init((uint64_t)bs), t;
+    for (Py_ssize_t j = 0; j < bs; j++) {
+        if (tokens_get(tk, i * bs + j, &t) < 0) return -1;
+        h = block_hash_step(h, t);
+    }
+    *out = block_hash_final(h);
+    return 0;
+}
+
+/* The hashes (finalised) of blocks [0, n) of tk into out. One block's multiply chain waits on each
+ * multiply (latency-bound); four blocks' chains interleaved keep four in flight, ~3x the rate
+ * (chain_keys of a 1,724-token prompt: 6.5 -> 2.x us). A bad token id in a group of four is
+ * reported as the sequential walk reports it: the group again, one block after another. */
+static int block_hashes(Tokens *tk, Py_ssize_t n, Py_ssize_t bs, uint64_t *out) {
+    const uint64_t init = block_hash_init((uint64_t)bs);
+    Py_ssize_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        uint64_t h0 = init, h1 = init, h2 = init, h3 = init, t0, t1, t2, t3;
+        const Py_ssize_t b0 = i * bs, b1 = b0 + bs, b2 = b1 + bs, b3 = b2 + bs;
+        int bad = 0;
+        for (Py_ssize_t j = 0; j < bs; j++) {
+            if (tokens_get(tk, b0 + j, &t0) < 0 || tokens_get(tk, b1 + j, &t1) < 0 ||
+                tokens_get(tk, b2 + j, &t2) < 0 || tokens_get(tk, b3 + j, &t3) < 0) {
+                bad = 1;
+                break;
+            }
+            h0 = block_hash_step(h0, t0);
+            h1 = block_hash_step(h1, t1);
+            h2 = block_hash_step(h2, t2);
+            h3 = block_hash_step(h3, t3);
+        }
+        if (bad) {
+            PyErr_Clear();
+            for (Py_ssize_t b = i; b < i + 4; b++)
+                if (block_hash_one(tk, b, bs, &out[b]) < 0) return -1;
+            continue; /* unreachable in practice: the group holds a bad id */
+        }
+        out[i] = block_hash_final(h0);
+        out[i + 1] = block_hash_final(h1);
+        out[i + 2] = block_hash_final(h2);
+        out[i + 3] = block_hash_final(h3);
+    }
+    for (; i < n; i++)
+        if (block_hash_one(tk, i, bs, &out[i]) < 0) return -1;
+    return 0;
+}
+
 /* chain_keys(parent: int, token_ids: Sequence[int], block_size: int) -> bytes
  * The keys (native uint64) of every full block of token_ids under the block keyed parent. */
 static PyObject *py_chain_keys(PyObject *Py_UNUSED(self), PyObject *args) {
@@ -153,20 +202,13 @@ static PyObject *py_chain_keys(PyObject *Py_UNUSED(self), PyObject *args) {
         return NULL;
     }
     uint64_t *keys = (uint64_t *)PyBytes_AS_STRING(out);
-    uint64_t k = parent;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        uint64_t h = block_hash_init((uint64_t)bs), t;
-        for (Py_ssize_t j = 0; j < bs; j++) {
-            if (tokens_get(&tk, i * bs + j, &t) < 0) {
-                tokens_close(&tk);
-                Py_DECREF(out);
-                return NULL;
-            }
-            h = block_hash_step(h, t);
-        }
-        k = chain(k, block_hash_final(h));
-        keys[i] = k;
+    if (block_hashes(&tk, n, bs, keys) < 0) {
+        tokens_close(&tk);
+        Py_DECREF(out);
+        return NULL;
     }
+    uint64_t k = parent;
+    for (Py_ssize_t i = 0; i < n; i++) keys[i] = k = chain(k, keys[i]);
     tokens_close(&tk);
     return out;
 }
@@ -2101,16 +2143,9 @@ static PyObject *core_match(Core *c, PyObject *args) {
     for (Py_ssize_t j = 0; j < nm; j++) memcpy(alive_m + j * W, alive, sizeof(uint64_t) * W);
     /* keys first, then the probes with prefetching: the tables are far larger than the caches,
      * so each probe is a memory miss; issuing them PREFETCH ahead overlaps them */
-    uint64_t k = root, tok;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        uint64_t h = block_hash_init((uint64_t)bs);
-        for (Py_ssize_t j = 0; j < bs; j++) {
-            if (tokens_get(&toks, i * bs + j, &tok) < 0) goto done;
-            h = block_hash_step(h, tok);
-        }
-        k = chain(k, block_hash_final(h));
-        keys[i] = k;
-    }
+    if (block_hashes(&toks, n, bs, keys) < 0) goto done;
+    uint64_t k = root;
+    for (Py_ssize_t i = 0; i < n; i++) keys[i] = k = chain(k, keys[i]);
     enum { PREFETCH = 12 };
     for (Py_ssize_t i = 0; i < n && i < PREFETCH; i++)
         for (Py_ssize_t j = 0; j < nm; j++) {

@@ -31,6 +31,16 @@ def test_batch_keys_equal_the_incremental_chain(block_size):
     assert block_keys("m", None, list(range(64)), 4) == chain_keys(root_key("m", None), list(range(64)), 4)
 
 
+
+def test_a_bad_token_id_is_reported_in_prompt_order():
+    """Blocks are hashed four at a time; the error is still the first bad id's in prompt order (a
+    str in block 1 at position 5, before an out-of-range id at the start of block 2)."""
+    tokens = list(range(16)) + [1] * 5 + ["x"] + [1] * 10 + [2**70] + [1] * 15 + [3] * 16
+    with pytest.raises(TypeError, match="token ids must be ints, got str"):
+        chain_keys(0, tokens, 16)
+    with pytest.raises(OverflowError):
+        chain_keys(0, tokens[:21] + [1] + tokens[22:], 16)
+
 def test_keys_depend_on_block_order_and_every_block():
     base = list(range(40 * 4))
     keys = chain_keys(7, base, 4)
