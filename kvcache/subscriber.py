@@ -75,17 +75,13 @@ class IndexLock:
     batch after batch, kept winning, and reads waited out their bound: in `kvgate bench index`'s fill,
     1,706 of ~1,800 matches.)"""
 
-    __slots__ = ("_lock", "waiting")
+    __slots__ = ("_lock", "waiting", "acquire", "release")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.waiting = 0  # readers waiting; written by the request path's thread only
-
-    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        return self._lock.acquire(blocking, timeout)
-
-    def release(self) -> None:
-        self._lock.release()
+        self.acquire = self._lock.acquire  # the reader's side: the lock's own methods, no Python frame
+        self.release = self._lock.release
 
     def __enter__(self) -> IndexLock:
         if self.waiting:
