@@ -39,9 +39,11 @@ import select
 import socket
 import threading
 import time
+from array import array
 from bisect import bisect_left
 from collections import Counter, deque
 from collections.abc import Iterable, Iterator, Sequence
+from itertools import islice
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -65,6 +67,9 @@ class EventSink(Protocol):
     # Optional: `apply_payload(pod, model, rank, payload) -> BatchApplied | None` ((stored, removed) events) decodes and applies
     # raw batch bytes in one pass (kvcache.index.PrefixIndex); None sends the batch down the general
     # path (decode_batch, then apply).
+    # Optional, with apply_payload: `apply_run(pod, model, rank, messages, start, seq, max_batches, max_events,
+    # bounds, counts) -> RunApplied` applies a run of in-order live (seq, payload) messages in one call
+    # (kvcache.index.PrefixIndex.apply_run); the messages it stops before take the per-batch path.
 
 
 class LockedIndex:
@@ -162,6 +167,8 @@ class _ReplayFailed(Exception):
 _HOLE_RETRIES = 3  # replays in a row that may stop at a hole without progress
 _ERROR_LOG_EVERY = 10.0  # s between two log lines for the same kind of error
 _PROC_BOUNDS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5)  # KVEventMetrics.processing's
+_PROC_BOUNDS_D = array("d", _PROC_BOUNDS)
+_RUN_BATCHES = 64  # live batches one apply_run call (one hold of the lock) takes at most
 _FLUSH_EVERY = 0.1  # s between two writes of the locally counted metrics
 _HANDSHAKE_TIMEOUT = 30.0  # s for a connection to complete its handshake (libzmq's default)
 
@@ -177,6 +184,7 @@ class Subscriber:
         self.spec = spec
         self._sink = sink
         self._fast = getattr(sink, "apply_payload", None)
+        self._run = getattr(sink, "apply_run", None) if self._fast is not None else None
         self._ctx = ctx
         self._opt = options
         self._m = metrics
@@ -207,7 +215,7 @@ class Subscriber:
         # about what applying a one-block batch does).
         self._n_live = 0
         self._n_events = [0, 0]  # BlockStored, BlockRemoved (fast path)
-        self._proc_n = [0] * (len(_PROC_BOUNDS) + 1)
+        self._proc_n = array("q", bytes(8 * (len(_PROC_BOUNDS) + 1)))  # apply_run counts into it too
         self._proc_sum = 0.0
         self._connected_g = metrics.connected.labels(*self._labels)
         self._last_seq_g = metrics.last_seq.labels(*self._labels)
@@ -241,8 +249,8 @@ class Subscriber:
                 received.inc(k)
                 applied.inc(k)
         if self._proc_sum or any(self._proc_n):
-            counts, total = self._proc_n, self._proc_sum
-            self._proc_n, self._proc_sum = [0] * len(counts), 0.0
+            counts, total = self._proc_n.tolist(), self._proc_sum
+            self._proc_n, self._proc_sum = array("q", bytes(8 * len(counts))), 0.0
             hist = self._m.processing
             buckets, hist_sum = getattr(hist, "_buckets", None), getattr(hist, "_sum", None)
             if buckets is not None and hist_sum is not None and len(buckets) == len(counts):
@@ -474,6 +482,42 @@ class Subscriber:
         more = f"; {suppressed} more since the last report" if suppressed else ""
         log.warning("kv events %s rank %d: %s (%s%s)", self.spec.pod, self.spec.rank, what, kind, more,
                     exc_info=exc_info)
+
+    def take_run(self, messages: list, start: int) -> int:
+        """Apply live messages[start:] while they continue the stream in order (the common case of
+        on_live: no gap, nothing to verify) with the sink's apply_run, one call (one hold of the lock)
+        per up to _RUN_BATCHES batches or apply_chunk events; what each batch counts is counted as
+        on_live would. Returns how many messages were taken: the caller handles the rest one by one."""
+        last = self._last
+        if self._run is None or last is None or self._unverified:
+            return 0
+        with self._lock:
+            if self.stopped:
+                return 0
+            r = self._run(self.spec.pod, self.spec.model, self.spec.rank, messages, start, last + 1, _RUN_BATCHES,
+                          self._opt.apply_chunk, _PROC_BOUNDS_D, self._proc_n)
+        n = r.batches + (r.error is not None)  # a batch that failed was taken (and its state dropped)
+        if not n:
+            return 0
+        seq, payload = messages[start + n - 1]
+        self._n_live += n
+        counts = self.counts
+        counts["batches"] += n
+        counts["events"] += r.stored + r.removed
+        self._last = seq
+        self._recent = {seq: hash(payload)}
+        ne = self._n_events
+        ne[0] += r.stored
+        ne[1] += r.removed
+        self._proc_sum += r.seconds
+        if r.error is not None:
+            try:
+                raise r.error
+            except Exception:
+                self._error("sink", f"sink.apply_run failed on batch {seq}; its state is no longer trusted",
+                            exc_info=True)
+            self._drop("sink_error")
+        return n
 
     def _apply(self, seq: int, payload: bytes) -> None:
         started = time.perf_counter()
@@ -803,6 +847,17 @@ class SubscriberManager:
             pending = sub.pending
             counts = sub.counts
             while pending:
+                msg = pending[0]
+                if (sub._run is not None and type(msg) is tuple and sub._last is not None
+                        and msg[0] == sub._last + 1 and not sub._unverified):
+                    # a run of in-order batches (queued during a replay, or past a tick budget): one call
+                    k = sub.take_run(list(islice(pending, _RUN_BATCHES)), 0)
+                    if k:
+                        for _ in range(k):
+                            pending.popleft()
+                        if time.monotonic() >= deadline:
+                            return bool(pending)
+                        continue
                 msg = pending.popleft()
                 if type(msg) is not tuple:
                     sub.live_message(msg)  # counted and logged
@@ -826,6 +881,7 @@ class SubscriberManager:
             return False
 
         def on_event(sub: Subscriber, mask: int) -> None:
+            deadline = 0.0  # the end of sub's tick budget, once its turn started
             conn = sub.conn
             if conn is None:
                 return
@@ -848,7 +904,22 @@ class SubscriberManager:
                     except ProtocolError as e:
                         sub._error("protocol", f"connection dropped: {e}")
                         ready, alive = False, False
-                    sub.pending.extend(out)
+                    if out:
+                        if alive and not ready and not sub.pending and sub.worker is None:
+                            # The common case: the batches continue the stream in order. Whole runs of
+                            # them in one native call each, within the tick budget; the rest one by one.
+                            deadline = time.monotonic() + budget
+                            i, n = 0, len(out)
+                            while i < n:
+                                k = sub.take_run(out, i)
+                                if not k:
+                                    break
+                                i += k
+                                if time.monotonic() >= deadline:
+                                    break
+                            if i:
+                                del out[:i]
+                        sub.pending.extend(out)
                     if ready:
                         sub.on_connected()
                         sub.ping_at = sub.last_rx + hb_ivl
@@ -861,7 +932,7 @@ class SubscriberManager:
                         backlog.append(sub)  # what came before the end is still handled
                     return
             if sub.pending and sub.worker is None:
-                if handle(sub, time.monotonic() + budget) and sub not in backlog:
+                if handle(sub, deadline or time.monotonic() + budget) and sub not in backlog:
                     backlog.append(sub)
             if sub.conn is not None:
                 watch(sub)
