@@ -984,16 +984,18 @@ class SubscriberManager:
             while True:
                 if backlog:
                     ready = ep.poll(0)
-                elif streaming and coalesce > 0 and next_timers - time.monotonic() > coalesce:
+                elif streaming and coalesce > 0:
                     # Batches keep coming: sleep, then take what queued meanwhile. One context switch per
-                    # round instead of two (a wait that wakes at the first batch, then the sleep).
+                    # round instead of two (a wait that wakes at the first batch, then the sleep). Timers
+                    # that fall due meanwhile run right after it, at most `coalesce` late: waiting for them
+                    # instead would wake at every batch until they are due (a tenth of the time at the
+                    # metrics' flush interval: a third more wake-ups).
                     time.sleep(coalesce)
                     ready = ep.poll(0)
                 else:
-                    timeout = max(0.0, next_timers - time.monotonic())
-                    ready = ep.poll(timeout)
-                    if coalesce > 0 and timeout > coalesce and ready:
-                        # Woken from idle: let a few more batches queue before handling any, so that one
+                    ready = ep.poll(max(0.0, next_timers - time.monotonic()))
+                    if coalesce > 0 and ready and (len(ready) > 1 or ready[0][0] != wake_fd):
+                        # Woken from idle by a batch: let a few more queue before handling any, so that one
                         # wake-up (and one recv per engine) serves several; the index lags by at most this long.
                         time.sleep(coalesce)
                         ready = ep.poll(0)
