@@ -234,7 +234,7 @@ class PrefixIndex:
             self._applies = before + n
             if before >> 6 != self._applies >> 6:  # apply_payload's every 64 batches
                 self._drop_empty_media()
-        return RunApplied(n, stored, removed, seconds, error)
+        return _applied(RunApplied, (n, stored, removed, seconds, error))
 
     def _after_batch(self, cleared: bool) -> None:
         self._core.maintain()  # eviction down to the bound, a bounded step of the background passes

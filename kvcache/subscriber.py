@@ -169,7 +169,7 @@ _ERROR_LOG_EVERY = 10.0  # s between two log lines for the same kind of error
 _PROC_BOUNDS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5)  # KVEventMetrics.processing's
 _PROC_BOUNDS_D = array("d", _PROC_BOUNDS)
 _RUN_BATCHES = 64  # live batches one apply_run call (one hold of the lock) takes at most
-_FLUSH_EVERY = 0.1  # s between two writes of the locally counted metrics
+_FLUSH_EVERY = 0.5  # s between two writes of the locally counted metrics (a scrape sees them this late at most)
 _HANDSHAKE_TIMEOUT = 30.0  # s for a connection to complete its handshake (libzmq's default)
 
 
@@ -190,6 +190,7 @@ class Subscriber:
         self._m = metrics
         self._lock = lock or threading.Lock()
         self._labels = (spec.pod, str(spec.rank))
+        self._where = (spec.pod, spec.model, spec.rank)  # the sink's first arguments
         self._last: int | None = None  # last seq applied (or consumed)
         self._recent: dict[int, int] = {}  # seq -> hash(payload) of batches a live message may repeat
         self._catch_up_on_connect = True  # replay once the SUB is connected, so nothing published meanwhile is missed
@@ -494,25 +495,26 @@ class Subscriber:
         with self._lock:
             if self.stopped:
                 return 0
-            r = self._run(self.spec.pod, self.spec.model, self.spec.rank, messages, start, last + 1, _RUN_BATCHES,
-                          self._opt.apply_chunk, _PROC_BOUNDS_D, self._proc_n)
-        n = r.batches + (r.error is not None)  # a batch that failed was taken (and its state dropped)
-        if not n:
+            n, stored, removed, seconds, error = self._run(*self._where, messages, start, last + 1, _RUN_BATCHES,
+                                                           self._opt.apply_chunk, _PROC_BOUNDS_D, self._proc_n)
+        if error is not None:
+            n += 1  # the batch that failed was taken (and its state is dropped below)
+        elif not n:
             return 0
         seq, payload = messages[start + n - 1]
         self._n_live += n
         counts = self.counts
         counts["batches"] += n
-        counts["events"] += r.stored + r.removed
+        counts["events"] += stored + removed
         self._last = seq
         self._recent = {seq: hash(payload)}
         ne = self._n_events
-        ne[0] += r.stored
-        ne[1] += r.removed
-        self._proc_sum += r.seconds
-        if r.error is not None:
+        ne[0] += stored
+        ne[1] += removed
+        self._proc_sum += seconds
+        if error is not None:
             try:
-                raise r.error
+                raise error
             except Exception:
                 self._error("sink", f"sink.apply_run failed on batch {seq}; its state is no longer trusted",
                             exc_info=True)
@@ -897,7 +899,7 @@ class SubscriberManager:
                 except OSError:
                     alive = False
                 if alive:
-                    sub.last_rx = time.monotonic()
+                    sub.last_rx = now = time.monotonic()
                     out: list = []
                     try:
                         ready = conn.messages(out, 1 << 30)
@@ -908,7 +910,7 @@ class SubscriberManager:
                         if alive and not ready and not sub.pending and sub.worker is None:
                             # The common case: the batches continue the stream in order. Whole runs of
                             # them in one native call each, within the tick budget; the rest one by one.
-                            deadline = time.monotonic() + budget
+                            deadline = now + budget
                             i, n = 0, len(out)
                             while i < n:
                                 k = sub.take_run(out, i)
@@ -934,8 +936,8 @@ class SubscriberManager:
             if sub.pending and sub.worker is None:
                 if handle(sub, deadline or time.monotonic() + budget) and sub not in backlog:
                     backlog.append(sub)
-            if sub.conn is not None:
-                watch(sub)
+            if sub.conn is not None and (sub.registered != READ or sub.pending or sub.conn.wants_write):
+                watch(sub)  # (what it waits on changed: registered for reading alone is the common case)
 
         def timers(now: float) -> float:
             """Reconnections, pings, dead peers, metrics; when to come back."""
@@ -988,8 +990,8 @@ class SubscriberManager:
                     # Batches keep coming: sleep, then take what queued meanwhile. One context switch per
                     # round instead of two (a wait that wakes at the first batch, then the sleep). Timers
                     # that fall due meanwhile run right after it, at most `coalesce` late: waiting for them
-                    # instead would wake at every batch until they are due (a tenth of the time at the
-                    # metrics' flush interval: a third more wake-ups).
+                    # instead would wake at every batch until they are due (the last interval before
+                    # every flush of the metrics: with a flush every 0.1 s, a third more wake-ups).
                     time.sleep(coalesce)
                     ready = ep.poll(0)
                 else:
@@ -1044,7 +1046,7 @@ class SubscriberManager:
                         except Exception:
                             failed(sub)
                 # Endpoints with messages still pending take turns, one tick budget each.
-                for sub in backlog[:]:
+                for sub in backlog[:] if backlog else ():
                     backlog.remove(sub)
                     if sub.stopped or sub.worker is not None or sub not in running:
                         continue
