@@ -169,3 +169,51 @@ def test_split_survives_random_and_mutated_bytes():
         for item in got:
             assert type(item) in (tuple, list)
             assert b"\xff" * 16 not in (item[1] if type(item) is tuple else b"".join(item))
+
+
+
+def _raw_pub() -> tuple[socket.socket, Connection, socket.socket]:
+    """A Connection to a raw ZMTP PUB peer (a plain socket that sends the greeting and READY), handshake done."""
+    from kvcache.zmtp import GREETING, _command
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    conn = Connection(server.getsockname(), socket.AF_INET)
+    peer, _ = server.accept()
+    peer.sendall(GREETING + _command(b"READY", b"\x0bSocket-Type" + (3).to_bytes(4, "big") + b"PUB"))
+    deadline = time.monotonic() + 5
+    while conn.state != "ready":
+        assert time.monotonic() < deadline, conn.state
+        if conn.state == "connecting":
+            if select.select([], [conn], [], 0.05)[1]:
+                conn.on_writable()
+        elif select.select([conn], [], [], 0.05)[0]:
+            assert conn.recv()
+            conn.messages([], 100)
+    peer.settimeout(5)
+    assert peer.recv(64)  # our greeting, READY and subscription
+    return server, conn, peer
+
+
+def test_a_read_ending_inside_a_message_waits_for_the_rest():
+    """A read that ends after a message's first frame but before its end is no protocol error: the
+    message is taken once the rest has come (it dropped the connection: "message before READY")."""
+    server, conn, peer = _raw_pub()
+    try:
+        message = live(1, b"a" * 300)
+        out: list = []
+        for piece in (message[:5], message[5:]):
+            peer.sendall(piece)
+            got = conn.bytes_in + len(piece)
+            deadline = time.monotonic() + 5
+            while conn.bytes_in < got:
+                assert time.monotonic() < deadline
+                if select.select([conn], [], [], 0.05)[0]:
+                    assert conn.recv()
+                    conn.messages(out, 100)
+        assert out == [(1, b"a" * 300)]
+    finally:
+        conn.close()
+        peer.close()
+        server.close()
