@@ -894,18 +894,19 @@ class SubscriberManager:
                     lost(sub)
                     return
             if mask & READ:
+                out: list = []
+                alive = True
                 try:
-                    alive = conn.recv()
+                    ready = conn.read(out)  # None: the peer closed the connection
                 except OSError:
+                    ready = None
+                except ProtocolError as e:
+                    sub._error("protocol", f"connection dropped: {e}")
+                    ready, alive = False, False  # what came before the bad frame is still handled
+                if ready is None:
                     alive = False
-                if alive:
+                else:
                     sub.last_rx = now = time.monotonic()
-                    out: list = []
-                    try:
-                        ready = conn.messages(out, 1 << 30)
-                    except ProtocolError as e:
-                        sub._error("protocol", f"connection dropped: {e}")
-                        ready, alive = False, False
                     if out:
                         if alive and not ready and not sub.pending and sub.worker is None:
                             # The common case: the batches continue the stream in order. Whole runs of

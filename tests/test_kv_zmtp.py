@@ -217,3 +217,30 @@ def test_a_read_ending_inside_a_message_waits_for_the_rest():
         conn.close()
         peer.close()
         server.close()
+
+
+def test_read_takes_messages_across_reads_answers_pings_and_reports_the_end():
+    """Connection.read (recv and parse in one call) against a raw ZMTP PUB peer that sends messages cut
+    at arbitrary points, a PING between two of them, then closes."""
+    server, conn, peer = _raw_pub()
+    out: list = []
+    try:
+        stream = live(1, b"a" * 300) + live(2, b"b") + frame(b"\x04PING\x00\x0aHI", command=True) + live(3, b"c")
+        for cut in (5, 310, len(stream)):  # the first two reads end inside a message
+            piece, stream = stream[:cut], stream[cut:]
+            peer.sendall(piece)
+            got = conn.bytes_in + len(piece)
+            deadline = time.monotonic() + 5
+            while conn.bytes_in < got:
+                assert time.monotonic() < deadline
+                if select.select([conn], [], [], 0.05)[0]:
+                    assert conn.read(out) is not None
+        assert out == [(1, b"a" * 300), (2, b"b"), (3, b"c")]
+        assert peer.recv(64).endswith(b"\x04PONGHI")  # the PING answered, its context echoed
+        peer.close()
+        deadline = time.monotonic() + 5
+        while not (select.select([conn], [], [], 0.05)[0] and conn.read(out) is None):
+            assert time.monotonic() < deadline, "the end of the connection was not reported"
+    finally:
+        conn.close()
+        server.close()
