@@ -1117,7 +1117,30 @@ typedef struct {
     PyObject *loras; /* scan: the set of LoRA keys of chain-starting stores (NULL in a run: see roots) */
     PyObject *roots; /* apply, and a run's scan: LoRA key -> root key */
     Py_ssize_t added, removed, unknown_parent, unknown_removed;
+    /* a run's one-pass apply of a one-event batch (apply_run): the medium (mid -2 until then) and
+     * the block size are checked at the event, before it changes anything; what the run cannot
+     * take (an unknown medium for stores, another block size, a LoRA key without a root) declines
+     * without an error; a batch of several events sets `several` and is left alone */
+    int one_pass, several;
+    PyObject *media;
+    int64_t expect_bs;
 } Batch;
+
+static int medium_in(PyObject *media, const char *s, uint32_t n, long *id);
+
+/* One pass: resolve the batch's medium at its only event; 0, or -1 to decline (an error set if any). */
+static int one_pass_medium(Batch *b, int stores) {
+    if (b->mid != -2) return 0;
+    long mid;
+    if (medium_in(b->media, b->medium ? b->medium : "GPU", b->medium ? b->medium_len : 3, &mid)) return -1;
+    if (stores && (mid < 0 || b->block_size != b->expect_bs)) return -1; /* Python learns them first */
+    if (mid < -1 || mid >= b->c->n_media || (mid >= 0 && !b->c->media[mid].used)) {
+        PyErr_SetString(PyExc_ValueError, "apply_run: bad medium id");
+        return -1;
+    }
+    b->mid = (int)mid;
+    return 0;
+}
 
 static const uint8_t NIL_BYTE[1] = {0xc0};
 
@@ -1232,7 +1255,7 @@ static int chain_root(Batch *b, const Stored *st, uint64_t *root) {
         PyObject *v = PyDict_GetItemWithError(b->roots, key);
         if (!v) {
             if (PyErr_Occurred()) rc = -2;
-            else if (!b->applying) rc = -1; /* a run's scan: a key the caller has no root for yet */
+            else if (!b->applying || b->one_pass) rc = -1; /* a run: a key the caller has no root for yet */
             else {
                 PyErr_SetObject(PyExc_KeyError, key);
                 rc = -2;
@@ -1260,6 +1283,7 @@ static int do_stored(Batch *b, Stored *st) {
     uint64_t k = 0;
     if (!st->has_parent && chain_root(b, st, &k)) return -1;
     if (!b->applying) return 0;
+    if (b->one_pass && one_pass_medium(b, 1)) return -1;
     if (b->mid < 0) {
         PyErr_SetString(PyExc_ValueError, "apply_batch: stores need a medium table");
         return -1;
@@ -1295,6 +1319,7 @@ static int do_removed(Batch *b, Reader hashes, uint32_t n) {
     b->removed_events++;
     b->removed_blocks += n;
     if (!b->applying) return 0;
+    if (b->one_pass && one_pass_medium(b, 0)) return -1;
     uint64_t h;
     for (uint32_t i = 0; i < n; i++) {
         rd_hash(&hashes, &h);
@@ -1490,6 +1515,10 @@ static int batch(const char *data, Py_ssize_t len, Batch *b) {
     }
     if (r.p != r.end) return -1; /* trailing bytes: msgpack's decoder rejects the batch */
     if (rd_array(&events, &n)) return -1;
+    if (b->one_pass && n != 1) { /* a later event could decline after an earlier one changed the tables */
+        b->several = 1;
+        return -1;
+    }
     for (uint32_t i = 0; i < n; i++)
         if (event(&events, b)) return -1;
     return 0;
@@ -2048,35 +2077,60 @@ static PyObject *core_apply_run(Core *c, PyObject *args) {
         if (s != seq + (unsigned long long)n) break;
         const char *data = PyBytes_AS_STRING(payload);
         Py_ssize_t len = PyBytes_GET_SIZE(payload);
-        Batch b;
-        memset(&b, 0, sizeof b);
-        b.roots = roots; /* loras NULL: a LoRA key without a root declines */
-        if (batch(data, len, &b)) {
-            PyErr_Clear(); /* a failed allocation while scanning only declines the batch */
-            break;
-        }
-        long mid;
-        if (medium_in(media, b.medium ? b.medium : "GPU", b.medium ? b.medium_len : 3, &mid)) {
-            error = fetch_error();
-            break;
-        }
-        if (b.stored_events && (mid < 0 || b.block_size != block_size)) break; /* Python learns them first */
-        if (mid < -1 || mid >= c->n_media || arg_medium(c, (int)mid, 1)) {
-            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "apply_run: bad medium id");
-            error = fetch_error();
-            break;
-        }
+        /* A batch of one event (vLLM's common case) in one pass: checked and applied as it is read. */
         Batch a;
         memset(&a, 0, sizeof a);
         a.applying = 1;
+        a.one_pass = 1;
         a.c = c;
         a.model = model;
-        a.mid = (int)mid;
+        a.mid = -2;
         a.slot = (uint32_t)slot;
         a.root = root;
         a.roots = roots;
-        if (batch(data, len, &a) || maintain(c)) {
-            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "apply_run: the batch changed between scan and apply");
+        a.media = media;
+        a.expect_bs = block_size;
+        Batch b; /* what the batch holds (the scan, or the one pass itself) */
+        if (!batch(data, len, &a)) {
+            b = a;
+        } else if (PyErr_Occurred()) {
+            error = fetch_error();
+            break;
+        } else if (!a.several) {
+            break; /* declined before changing anything */
+        } else { /* several events: checked whole first, then applied */
+            memset(&b, 0, sizeof b);
+            b.roots = roots; /* loras NULL: a LoRA key without a root declines */
+            if (batch(data, len, &b)) {
+                PyErr_Clear(); /* a failed allocation while scanning only declines the batch */
+                break;
+            }
+            long mid;
+            if (medium_in(media, b.medium ? b.medium : "GPU", b.medium ? b.medium_len : 3, &mid)) {
+                error = fetch_error();
+                break;
+            }
+            if (b.stored_events && (mid < 0 || b.block_size != block_size)) break; /* Python learns them first */
+            if (mid < -1 || mid >= c->n_media || arg_medium(c, (int)mid, 1)) {
+                if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "apply_run: bad medium id");
+                error = fetch_error();
+                break;
+            }
+            memset(&a, 0, sizeof a);
+            a.applying = 1;
+            a.c = c;
+            a.model = model;
+            a.mid = (int)mid;
+            a.slot = (uint32_t)slot;
+            a.root = root;
+            a.roots = roots;
+            if (batch(data, len, &a)) {
+                if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "apply_run: the batch changed between scan and apply");
+                error = fetch_error();
+                break;
+            }
+        }
+        if (maintain(c)) {
             error = fetch_error();
             break;
         }
