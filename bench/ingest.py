@@ -21,6 +21,7 @@ from pathlib import Path
 
 import httpx
 
+from plugin.config import Settings
 from plugin.stack import Stack, StackError, free_port
 
 MODEL = "bench-model"
@@ -34,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate", type=float, default=333.0, help="one-block batches per second per engine (default 333: ~1000/s in all)")
     p.add_argument("--seconds", type=float, default=10.0, help="seconds of publishing (default 10)")
     p.add_argument("--coalesce", type=float, default=None, metavar="S",
-                   help="kvgate's KVGATE_KV_EVENTS_COALESCE_S (default: kvgate's own, 0.005)")
+                   help=f"kvgate's KVGATE_KV_EVENTS_COALESCE_S (default: kvgate's own, {Settings.kv_events_coalesce_s:g})")
     p.add_argument("--publish", nargs=2, type=int, metavar=("PUB_PORT", "REPLAY_PORT"), help=argparse.SUPPRESS)
 
 

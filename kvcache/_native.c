@@ -14,6 +14,7 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 #define EMPTY UINT64_MAX
 #define TOMB (UINT64_MAX - 1) /* folded engine hashes stay below it (index.py's _fold) */
@@ -1198,10 +1199,33 @@ typedef struct {
     int model, mid; /* mid -1: removals in a medium without a table */
     uint32_t slot;
     uint64_t root;
-    PyObject *loras; /* scan: the set of LoRA keys of chain-starting stores */
-    PyObject *roots; /* apply: LoRA key -> root key */
+    PyObject *loras; /* scan: the set of LoRA keys of chain-starting stores (NULL in a run: see roots) */
+    PyObject *roots; /* apply, and a run's scan: LoRA key -> root key */
     Py_ssize_t added, removed, unknown_parent, unknown_removed;
+    /* a run's one-pass apply of a one-event batch (apply_run): the medium (mid -2 until then) and
+     * the block size are checked at the event, before it changes anything; what the run cannot
+     * take (an unknown medium for stores, another block size, a LoRA key without a root) declines
+     * without an error; a batch of several events sets `several` and is left alone */
+    int one_pass, several;
+    PyObject *media;
+    int64_t expect_bs;
 } Batch;
+
+static int medium_in(PyObject *media, const char *s, uint32_t n, long *id);
+
+/* One pass: resolve the batch's medium at its only event; 0, or -1 to decline (an error set if any). */
+static int one_pass_medium(Batch *b, int stores) {
+    if (b->mid != -2) return 0;
+    long mid;
+    if (medium_in(b->media, b->medium ? b->medium : "GPU", b->medium ? b->medium_len : 3, &mid)) return -1;
+    if (stores && (mid < 0 || b->block_size != b->expect_bs)) return -1; /* Python learns them first */
+    if (mid < -1 || mid >= b->c->n_media || (mid >= 0 && !b->c->media[mid].used)) {
+        PyErr_SetString(PyExc_ValueError, "apply_run: bad medium id");
+        return -1;
+    }
+    b->mid = (int)mid;
+    return 0;
+}
 
 static const uint8_t NIL_BYTE[1] = {0xc0};
 
@@ -1298,8 +1322,9 @@ static int rd_lora_id(Reader *r, Stored *st) {
 }
 
 /* The LoRA key of a chain-starting store, as index.py's _root names it: the adapter's name, else
- * "#lora_id=N" (vLLM before 0.14), else none (the base model). Scanning collects the keys;
- * applying looks up their root keys (computed in Python). -2: a Python error. */
+ * "#lora_id=N" (vLLM before 0.14), else none (the base model). Scanning collects the keys (a run's
+ * scan, without a set, declines a key missing from `roots`); applying looks up their root keys
+ * (computed in Python). -2: a Python error. */
 static int chain_root(Batch *b, const Stored *st, uint64_t *root) {
     if (!st->lora_name && !st->has_lora_id) {
         *root = b->root;
@@ -1309,13 +1334,17 @@ static int chain_root(Batch *b, const Stored *st, uint64_t *root) {
                                   : PyUnicode_FromFormat("#lora_id=%lld", (long long)st->lora_id);
     if (!key) return -2;
     int rc = 0;
-    if (!b->applying) {
+    if (!b->applying && b->loras) {
         rc = PySet_Add(b->loras, key) < 0 ? -2 : 0;
     } else {
         PyObject *v = PyDict_GetItemWithError(b->roots, key);
         if (!v) {
-            if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, key);
-            rc = -2;
+            if (PyErr_Occurred()) rc = -2;
+            else if (!b->applying || b->one_pass) rc = -1; /* a run: a key the caller has no root for yet */
+            else {
+                PyErr_SetObject(PyExc_KeyError, key);
+                rc = -2;
+            }
         } else {
             *root = PyLong_AsUnsignedLongLong(v);
             rc = PyErr_Occurred() ? -2 : 0;
@@ -1339,6 +1368,7 @@ static int do_stored(Batch *b, Stored *st) {
     uint64_t k = 0;
     if (!st->has_parent && chain_root(b, st, &k)) return -1;
     if (!b->applying) return 0;
+    if (b->one_pass && one_pass_medium(b, 1)) return -1;
     if (b->mid < 0) {
         PyErr_SetString(PyExc_ValueError, "apply_batch: stores need a medium table");
         return -1;
@@ -1374,6 +1404,7 @@ static int do_removed(Batch *b, Reader hashes, uint32_t n) {
     b->removed_events++;
     b->removed_blocks += n;
     if (!b->applying) return 0;
+    if (b->one_pass && one_pass_medium(b, 0)) return -1;
     uint64_t h;
     for (uint32_t i = 0; i < n; i++) {
         rd_hash(&hashes, &h);
@@ -1569,6 +1600,10 @@ static int batch(const char *data, Py_ssize_t len, Batch *b) {
     }
     if (r.p != r.end) return -1; /* trailing bytes: msgpack's decoder rejects the batch */
     if (rd_array(&events, &n)) return -1;
+    if (b->one_pass && n != 1) { /* a later event could decline after an earlier one changed the tables */
+        b->several = 1;
+        return -1;
+    }
     for (uint32_t i = 0; i < n; i++)
         if (event(&events, b)) return -1;
     return 0;
@@ -2040,9 +2075,8 @@ done:
 
 /* maintain(): evict down to the bound, then a bounded step of the background passes (dead slots'
  * marks, stamp ages, engine hashes nobody's key uses). Call after every batch. */
-static PyObject *core_maintain(Core *c, PyObject *Py_UNUSED(ignored)) {
-    CORE_ENTER(c);
-    if (evict(c) < 0) return NULL;
+static int maintain(Core *c) {
+    if (evict(c) < 0) return -1;
     Py_ssize_t cap = total_cap(c);
     Py_ssize_t budget = c->n_dead ? PASS_BUDGET
                                   : (Py_ssize_t)(((uint64_t)(uint32_t)(c->tick - c->maint_tick) * (uint64_t)cap) >> 22) + 16;
@@ -2059,7 +2093,180 @@ static PyObject *core_maintain(Core *c, PyObject *Py_UNUSED(ignored)) {
         }
     }
     if (c->h_active) orphan_step(c, ORPHAN_BUDGET);
+    return 0;
+}
+
+static PyObject *core_maintain(Core *c, PyObject *Py_UNUSED(ignored)) {
+    CORE_ENTER(c);
+    if (maintain(c)) return NULL;
     Py_RETURN_NONE;
+}
+
+/* The id of the medium named s[:n] in `media` (name -> id, index.py's _media); -1 if absent. */
+static int medium_in(PyObject *media, const char *s, uint32_t n, long *id) {
+    PyObject *k, *v;
+    Py_ssize_t pos = 0, kn;
+    *id = -1;
+    while (PyDict_Next(media, &pos, &k, &v)) {
+        if (!PyUnicode_Check(k)) continue;
+        const char *ks = PyUnicode_AsUTF8AndSize(k, &kn);
+        if (!ks) return -1;
+        if ((uint64_t)kn == n && !memcmp(ks, s, n)) {
+            *id = PyLong_AsLong(v);
+            return *id == -1 && PyErr_Occurred() ? -1 : 0;
+        }
+    }
+    return 0;
+}
+
+/* The pending exception as an object (a new reference), cleared. */
+static PyObject *fetch_error(void) {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (value && tb) PyException_SetTraceback(value, tb);
+    Py_XDECREF(type);
+    Py_XDECREF(tb);
+    return value ? value : Py_NewRef(PyExc_MemoryError);
+}
+
+static inline double now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+/* apply_run(messages, start, seq, model, slot, root, block_size, media, roots, max_batches, max_events,
+ *           bounds, counts)
+ *   -> (batches, stored events, removed events, unknown-parent blocks, unknown removed blocks, seconds,
+ *       error | None)
+ * A subscriber's live batches without a Python call each: applies messages[start:] (a list of
+ * (seq, payload) pairs, kvcache/zmtp.py's) one by one, each as scan_batch + apply_batch + maintain
+ * would, while the next one is the pair of seq `seq` + the batches applied so far and in the fast
+ * path's shape with nothing for Python to add: its stores in a medium of `media` (name -> id) and
+ * of `block_size`, their LoRA keys in `roots` (removals in another medium go to medium -1, as
+ * apply_payload does). Stops before the first other message, after max_batches batches (at least
+ * one) or once max_events events are applied. Each batch's decode-and-apply time (s) is counted
+ * into counts (int64 buffer, len(bounds) + 1) at bisect_left(bounds (doubles), time). A batch that
+ * fails (no memory while applying) ends the run: `error` is its exception, the batch is not counted
+ * in `batches`, and what it changed stays (as with apply_batch). */
+static PyObject *core_apply_run(Core *c, PyObject *args) {
+    CORE_ENTER(c);
+    PyObject *msgs, *media, *roots;
+    Py_ssize_t start, block_size, max_batches, max_events;
+    unsigned long long seq, root;
+    int model;
+    long slot;
+    Py_buffer bounds, counts;
+    if (!PyArg_ParseTuple(args, "O!nKilKnO!O!nny*w*", &PyList_Type, &msgs, &start, &seq, &model, &slot, &root,
+                          &block_size, &PyDict_Type, &media, &PyDict_Type, &roots, &max_batches, &max_events,
+                          &bounds, &counts))
+        return NULL;
+    PyObject *out = NULL, *error = NULL;
+    Py_ssize_t nb = (Py_ssize_t)(bounds.len / (Py_ssize_t)sizeof(double));
+    if (bounds.len % (Py_ssize_t)sizeof(double) || counts.len != (nb + 1) * (Py_ssize_t)sizeof(int64_t)) {
+        PyErr_SetString(PyExc_ValueError, "apply_run: counts must hold len(bounds) + 1 int64s");
+        goto done;
+    }
+    if (arg_model(c, model) || arg_slot(c, slot)) goto done;
+    const double *bound = bounds.buf;
+    int64_t *count = counts.buf;
+    Py_ssize_t n = 0, events = 0, stored = 0, removed = 0, unknown_parent = 0, unknown_removed = 0;
+    double seconds = 0.0, t = now_s();
+    for (Py_ssize_t i = start; i < PyList_GET_SIZE(msgs) && n < max_batches && (n == 0 || events < max_events); i++) {
+        PyObject *item = PyList_GET_ITEM(msgs, i);
+        if (!PyTuple_CheckExact(item) || PyTuple_GET_SIZE(item) != 2) break;
+        PyObject *so = PyTuple_GET_ITEM(item, 0), *payload = PyTuple_GET_ITEM(item, 1);
+        if (!PyLong_CheckExact(so) || !PyBytes_CheckExact(payload)) break;
+        unsigned long long s = PyLong_AsUnsignedLongLong(so);
+        if (s == (unsigned long long)-1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            break;
+        }
+        if (s != seq + (unsigned long long)n) break;
+        const char *data = PyBytes_AS_STRING(payload);
+        Py_ssize_t len = PyBytes_GET_SIZE(payload);
+        /* A batch of one event (vLLM's common case) in one pass: checked and applied as it is read. */
+        Batch a;
+        memset(&a, 0, sizeof a);
+        a.applying = 1;
+        a.one_pass = 1;
+        a.c = c;
+        a.model = model;
+        a.mid = -2;
+        a.slot = (uint32_t)slot;
+        a.root = root;
+        a.roots = roots;
+        a.media = media;
+        a.expect_bs = block_size;
+        Batch b; /* what the batch holds (the scan, or the one pass itself) */
+        if (!batch(data, len, &a)) {
+            b = a;
+        } else if (PyErr_Occurred()) {
+            error = fetch_error();
+            break;
+        } else if (!a.several) {
+            break; /* declined before changing anything */
+        } else { /* several events: checked whole first, then applied */
+            memset(&b, 0, sizeof b);
+            b.roots = roots; /* loras NULL: a LoRA key without a root declines */
+            if (batch(data, len, &b)) {
+                PyErr_Clear(); /* a failed allocation while scanning only declines the batch */
+                break;
+            }
+            long mid;
+            if (medium_in(media, b.medium ? b.medium : "GPU", b.medium ? b.medium_len : 3, &mid)) {
+                error = fetch_error();
+                break;
+            }
+            if (b.stored_events && (mid < 0 || b.block_size != block_size)) break; /* Python learns them first */
+            if (mid < -1 || mid >= c->n_media || arg_medium(c, (int)mid, 1)) {
+                if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "apply_run: bad medium id");
+                error = fetch_error();
+                break;
+            }
+            memset(&a, 0, sizeof a);
+            a.applying = 1;
+            a.c = c;
+            a.model = model;
+            a.mid = (int)mid;
+            a.slot = (uint32_t)slot;
+            a.root = root;
+            a.roots = roots;
+            if (batch(data, len, &a)) {
+                if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "apply_run: the batch changed between scan and apply");
+                error = fetch_error();
+                break;
+            }
+        }
+        if (maintain(c)) {
+            error = fetch_error();
+            break;
+        }
+        n++;
+        stored += b.stored_events;
+        removed += b.removed_events;
+        events += b.stored_events + b.removed_events;
+        unknown_parent += a.unknown_parent;
+        unknown_removed += a.unknown_removed;
+        double t1 = now_s(), dt = t1 - t;
+        t = t1;
+        Py_ssize_t lo = 0, hi = nb; /* bisect_left */
+        while (lo < hi) {
+            Py_ssize_t mid_b = (lo + hi) / 2;
+            if (bound[mid_b] < dt) lo = mid_b + 1;
+            else hi = mid_b;
+        }
+        count[lo]++;
+        seconds += dt;
+    }
+    out = Py_BuildValue("nnnnndO", n, stored, removed, unknown_parent, unknown_removed, seconds,
+                        error ? error : Py_None);
+done:
+    Py_XDECREF(error);
+    PyBuffer_Release(&bounds);
+    PyBuffer_Release(&counts);
+    return out;
 }
 
 /* out[slot] = run for each bit of `bits` (word w); -1 with an exception on failure. */
@@ -2374,6 +2581,9 @@ static PyMethodDef core_methods[] = {
     {"release", (PyCFunction)core_release, METH_VARARGS, "release(model, medium, slot, hashes) -> (removed, unknown)"},
     {"apply_batch", (PyCFunction)core_apply_batch, METH_VARARGS,
      "apply_batch(payload, model, medium, slot, root, roots) -> (added, removed, unknown parent, unknown removed)"},
+    {"apply_run", (PyCFunction)core_apply_run, METH_VARARGS,
+     "apply_run(messages, start, seq, model, slot, root, block_size, media, roots, max_batches, max_events, "
+     "bounds, counts) -> (batches, stored, removed, unknown parent, unknown removed, seconds, error)"},
     {"maintain", (PyCFunction)core_maintain, METH_NOARGS, "maintain(): evict to the bound, a step of the passes"},
     {"match", (PyCFunction)core_match, METH_VARARGS, "match(tokens, bs, root, cand, media) -> (runs, runs per medium)"},
     {"stats", (PyCFunction)core_stats, METH_NOARGS, "stats() -> (entries, evicted, hashes, bytes, keys per medium)"},

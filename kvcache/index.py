@@ -53,6 +53,21 @@ class BatchApplied(NamedTuple):
 _applied = tuple.__new__  # BatchApplied made without its __new__ (a Python-level call, once per live batch)
 
 
+class RunApplied(NamedTuple):
+    """What apply_run applied: `batches` in order from the first, their events by type and their
+    decode-and-apply time; `error`, when set, is the exception of the batch after them, which
+    failed part-way (its state is no longer trusted)."""
+    batches: int
+    stored: int
+    removed: int
+    seconds: float
+    error: BaseException | None
+
+
+_NO_ROOTS: dict[str, int] = {}
+_LORA_ROOTS_MAX = 4096  # LoRA keys whose root key a model keeps for apply_run (cleared past this)
+
+
 @dataclass(frozen=True, slots=True)
 class PrefixMatch:
     """One pod's hit: `blocks` consecutive leading blocks held in any medium by its best rank;
@@ -102,6 +117,7 @@ class PrefixIndex:
         self._pod_bits: dict[str, int] = {}  # pod -> OR of 1 << slot over its ranks
         self._cand: dict[tuple[str, ...], int] = {}  # candidate pods -> OR of their _pod_bits
         self._roots: dict[str, int] = {}  # model -> root_key(model, None)
+        self._lora_roots: dict[str, dict[str, int]] = {}  # model -> LoRA key -> root_key(model, key), as met
         self._applies = 0
         self._skipped: Counter[str] = Counter()
 
@@ -163,9 +179,17 @@ class PrefixIndex:
         root = self._roots.get(model)
         if root is None:
             root = self._roots[model] = root_key(model, None)
-        _, _, unknown_parent, unknown_removed = self._core.apply_batch(
-            payload, model_id, medium_id, slot, root,
-            {lora: root_key(model, lora) for lora in loras} if loras else {})
+        roots = {}
+        if loras:
+            known = self._lora_roots.get(model)
+            if known is None or len(known) >= _LORA_ROOTS_MAX:
+                known = self._lora_roots[model] = {}
+            for lora in loras:
+                r = known.get(lora)
+                if r is None:
+                    r = known[lora] = root_key(model, lora)
+                roots[lora] = r
+        _, _, unknown_parent, unknown_removed = self._core.apply_batch(payload, model_id, medium_id, slot, root, roots)
         if unknown_parent:
             if not self._skipped["unknown_parent_blocks"]:
                 log.info("prefix index: model %s: blocks under an unknown parent are kept out of chains", model)
@@ -177,6 +201,40 @@ class PrefixIndex:
         if not self._applies & 63:
             self._drop_empty_media()
         return _applied(BatchApplied, (stored_events, removed_events))
+
+    def apply_run(self, pod: str, model: str, rank: int, messages: list, start: int, seq: int, max_batches: int,
+                  max_events: int, bounds: array, counts: array) -> RunApplied:
+        """Apply messages[start:], live (seq, payload) pairs of one (pod, rank) as kvcache.zmtp reads
+        them, while they are the batches `seq`, `seq` + 1, ... in the shape apply_payload takes with
+        nothing new to learn (a new medium, block size or LoRA adapter): each as apply_payload would,
+        in one native call (kvcache/_native.c apply_run). Stops before any other message (the caller
+        takes it the usual way), after `max_batches` batches or once `max_events` events are applied
+        (at least one batch). Each batch's decode-and-apply time is counted into `counts` (int64,
+        len(bounds) + 1) at bisect_left(bounds (doubles), seconds)."""
+        slot = self._slot.get((pod, rank))
+        if slot is None:
+            slot = self._new_slot(pod, rank)
+        model_id = self._models.get(model)
+        if model_id is None:
+            model_id = self._model_id(model)
+        root = self._roots.get(model)
+        if root is None:
+            root = self._roots[model] = root_key(model, None)
+        n, stored, removed, unknown_parent, unknown_removed, seconds, error = self._core.apply_run(
+            messages, start, seq, model_id, slot, root, self._block_size.get(model, 0), self._media,
+            self._lora_roots.get(model) or _NO_ROOTS, max_batches, max_events, bounds, counts)
+        if unknown_parent:
+            if not self._skipped["unknown_parent_blocks"]:
+                log.info("prefix index: model %s: blocks under an unknown parent are kept out of chains", model)
+            self._skipped["unknown_parent_blocks"] += unknown_parent
+        if unknown_removed:
+            self._skipped["unknown_removed_blocks"] += unknown_removed
+        if n:
+            before = self._applies
+            self._applies = before + n
+            if before >> 6 != self._applies >> 6:  # apply_payload's every 64 batches
+                self._drop_empty_media()
+        return _applied(RunApplied, (n, stored, removed, seconds, error))
 
     def _after_batch(self, cleared: bool) -> None:
         self._core.maintain()  # eviction down to the bound, a bounded step of the background passes

@@ -18,17 +18,21 @@ serves requests: it waits on every endpoint's socket with epoll (the GIL release
 with one recv per wake-up, handles each endpoint's batches in order, and calls the sink under
 the manager's lock, which the request path takes too (`LockedIndex`) since the index is not
 thread-safe. While batches keep coming it wakes every `coalesce` seconds and takes all that
-queued meanwhile. An endpoint that has work queued gets `tick_budget` seconds before the others
-have their turn. A replay runs on a worker thread of its endpoint: meanwhile that endpoint's
+queued meanwhile; the batches of one read that continue the stream in order are applied in runs,
+one native call each (the sink's apply_run), the others one by one. An endpoint that has work
+queued gets `tick_budget` seconds before the others have their turn. A replay runs on a worker thread of its endpoint: meanwhile that endpoint's
 live batches wait, in order, in its socket (TCP flow control bounds them, then the engine's
 send queue), and the other endpoints go on.
 
 Measured (kvgate bench ingest, 3 engines x 333 one-block batches/s, loaded 2-core VM, CPU per
 batch): on asyncio with zmq.asyncio 160-180 us; on a thread with libzmq SUB sockets 68-78 us
 (libzmq's I/O thread 19-23, woken per message; zmq_poll, recv and getsockopt per frame); read
-here, 36-39 us. The processing itself (sequencing, apply_payload, metrics counted locally) is
-~5 us per batch on a warm cache, ~15 on the cold one of a thread that wakes 200 times a second;
-the rest is per wake-up (sleep, epoll, recv per engine).
+here, 36-39 us; with runs and one wake-up per `coalesce` (10 ms) even when timers are due,
+21-24 us (main's code 31-35 in the same interleaved runs). Where a wake-up's ~200 us go (perf,
+thread-local timers): the sleep's context switch ~40, epoll ~5-20, recv ~15-18 per engine (half of
+it sending the TCP ACK through loopback), Python ~100 (loop, read, sequencing, bookkeeping: cold
+caches make each step several times its warm cost), C decode-and-apply ~2.5 per batch (1.3
+warm). So it is mostly per wake-up: with KVGATE_KV_EVENTS_COALESCE_S=0.02, 14-17 us per batch.
 """
 from __future__ import annotations
 
@@ -39,9 +43,11 @@ import select
 import socket
 import threading
 import time
+from array import array
 from bisect import bisect_left
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from itertools import islice
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -65,6 +71,9 @@ class EventSink(Protocol):
     # Optional: `apply_payload(pod, model, rank, payload) -> BatchApplied | None` ((stored, removed) events) decodes and applies
     # raw batch bytes in one pass (kvcache.index.PrefixIndex); None sends the batch down the general
     # path (decode_batch, then apply).
+    # Optional, with apply_payload: `apply_run(pod, model, rank, messages, start, seq, max_batches, max_events,
+    # bounds, counts) -> RunApplied` applies a run of in-order live (seq, payload) messages in one call
+    # (kvcache.index.PrefixIndex.apply_run); the messages it stops before take the per-batch path.
 
 
 class IndexLock:
@@ -245,7 +254,9 @@ class _ReplayFailed(Exception):
 _HOLE_RETRIES = 3  # replays in a row that may stop at a hole without progress
 _ERROR_LOG_EVERY = 10.0  # s between two log lines for the same kind of error
 _PROC_BOUNDS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5)  # KVEventMetrics.processing's
-_FLUSH_EVERY = 0.1  # s between two writes of the locally counted metrics
+_PROC_BOUNDS_D = array("d", _PROC_BOUNDS)
+_RUN_BATCHES = 64  # live batches one apply_run call (one hold of the lock) takes at most
+_FLUSH_EVERY = 0.5  # s between two writes of the locally counted metrics (a scrape sees them this late at most)
 _HANDSHAKE_TIMEOUT = 30.0  # s for a connection to complete its handshake (libzmq's default)
 
 
@@ -260,11 +271,13 @@ class Subscriber:
         self.spec = spec
         self._sink = sink
         self._fast = getattr(sink, "apply_payload", None)
+        self._run = getattr(sink, "apply_run", None) if self._fast is not None else None
         self._ctx = ctx
         self._opt = options
         self._m = metrics
         self._lock = lock or threading.Lock()
         self._labels = (spec.pod, str(spec.rank))
+        self._where = (spec.pod, spec.model, spec.rank)  # the sink's first arguments
         self._last: int | None = None  # last seq applied (or consumed)
         self._recent: dict[int, int] = {}  # seq -> hash(payload) of batches a live message may repeat
         self._catch_up_on_connect = True  # replay once the SUB is connected, so nothing published meanwhile is missed
@@ -292,7 +305,7 @@ class Subscriber:
         # about what applying a one-block batch does).
         self._n_live = 0
         self._n_events = [0, 0]  # BlockStored, BlockRemoved (fast path)
-        self._proc_n = [0] * (len(_PROC_BOUNDS) + 1)
+        self._proc_n = array("q", bytes(8 * (len(_PROC_BOUNDS) + 1)))  # apply_run counts into it too
         self._proc_sum = 0.0
         self._connected_g = metrics.connected.labels(*self._labels)
         self._last_seq_g = metrics.last_seq.labels(*self._labels)
@@ -326,8 +339,8 @@ class Subscriber:
                 received.inc(k)
                 applied.inc(k)
         if self._proc_sum or any(self._proc_n):
-            counts, total = self._proc_n, self._proc_sum
-            self._proc_n, self._proc_sum = [0] * len(counts), 0.0
+            counts, total = self._proc_n.tolist(), self._proc_sum
+            self._proc_n, self._proc_sum = array("q", bytes(8 * len(counts))), 0.0
             hist = self._m.processing
             buckets, hist_sum = getattr(hist, "_buckets", None), getattr(hist, "_sum", None)
             if buckets is not None and hist_sum is not None and len(buckets) == len(counts):
@@ -559,6 +572,43 @@ class Subscriber:
         more = f"; {suppressed} more since the last report" if suppressed else ""
         log.warning("kv events %s rank %d: %s (%s%s)", self.spec.pod, self.spec.rank, what, kind, more,
                     exc_info=exc_info)
+
+    def take_run(self, messages: list, start: int) -> int:
+        """Apply live messages[start:] while they continue the stream in order (the common case of
+        on_live: no gap, nothing to verify) with the sink's apply_run, one call (one hold of the lock)
+        per up to _RUN_BATCHES batches or apply_chunk events; what each batch counts is counted as
+        on_live would. Returns how many messages were taken: the caller handles the rest one by one."""
+        last = self._last
+        if self._run is None or last is None or self._unverified:
+            return 0
+        with self._lock:
+            if self.stopped:
+                return 0
+            n, stored, removed, seconds, error = self._run(*self._where, messages, start, last + 1, _RUN_BATCHES,
+                                                           self._opt.apply_chunk, _PROC_BOUNDS_D, self._proc_n)
+        if error is not None:
+            n += 1  # the batch that failed was taken (and its state is dropped below)
+        elif not n:
+            return 0
+        seq, payload = messages[start + n - 1]
+        self._n_live += n
+        counts = self.counts
+        counts["batches"] += n
+        counts["events"] += stored + removed
+        self._last = seq
+        self._recent = {seq: hash(payload)}
+        ne = self._n_events
+        ne[0] += stored
+        ne[1] += removed
+        self._proc_sum += seconds
+        if error is not None:
+            try:
+                raise error
+            except Exception:
+                self._error("sink", f"sink.apply_run failed on batch {seq}; its state is no longer trusted",
+                            exc_info=True)
+            self._drop("sink_error")
+        return n
 
     def _apply(self, seq: int, payload: bytes) -> None:
         started = time.perf_counter()
@@ -919,6 +969,17 @@ class SubscriberManager:
             pending = sub.pending
             counts = sub.counts
             while pending:
+                msg = pending[0]
+                if (sub._run is not None and type(msg) is tuple and sub._last is not None
+                        and msg[0] == sub._last + 1 and not sub._unverified):
+                    # a run of in-order batches (queued during a replay, or past a tick budget): one call
+                    k = sub.take_run(list(islice(pending, _RUN_BATCHES)), 0)
+                    if k:
+                        for _ in range(k):
+                            pending.popleft()
+                        if time.monotonic() >= deadline:
+                            return bool(pending)
+                        continue
                 msg = pending.popleft()
                 if type(msg) is not tuple:
                     sub.live_message(msg)  # counted and logged
@@ -942,6 +1003,7 @@ class SubscriberManager:
             return False
 
         def on_event(sub: Subscriber, mask: int) -> None:
+            deadline = 0.0  # the end of sub's tick budget, once its turn started
             conn = sub.conn
             if conn is None:
                 return
@@ -952,19 +1014,35 @@ class SubscriberManager:
                     lost(sub)
                     return
             if mask & READ:
+                out: list = []
+                alive = True
                 try:
-                    alive = conn.recv()
+                    ready = conn.read(out)  # None: the peer closed the connection
                 except OSError:
+                    ready = None
+                except ProtocolError as e:
+                    sub._error("protocol", f"connection dropped: {e}")
+                    ready, alive = False, False  # what came before the bad frame is still handled
+                if ready is None:
                     alive = False
-                if alive:
-                    sub.last_rx = time.monotonic()
-                    out: list = []
-                    try:
-                        ready = conn.messages(out, 1 << 30)
-                    except ProtocolError as e:
-                        sub._error("protocol", f"connection dropped: {e}")
-                        ready, alive = False, False
-                    sub.pending.extend(out)
+                else:
+                    sub.last_rx = now = time.monotonic()
+                    if out:
+                        if alive and not ready and not sub.pending and sub.worker is None:
+                            # The common case: the batches continue the stream in order. Whole runs of
+                            # them in one native call each, within the tick budget; the rest one by one.
+                            deadline = now + budget
+                            i, n = 0, len(out)
+                            while i < n:
+                                k = sub.take_run(out, i)
+                                if not k:
+                                    break
+                                i += k
+                                if time.monotonic() >= deadline:
+                                    break
+                            if i:
+                                del out[:i]
+                        sub.pending.extend(out)
                     if ready:
                         sub.on_connected()
                         sub.ping_at = sub.last_rx + hb_ivl
@@ -977,10 +1055,10 @@ class SubscriberManager:
                         backlog.append(sub)  # what came before the end is still handled
                     return
             if sub.pending and sub.worker is None:
-                if handle(sub, time.monotonic() + budget) and sub not in backlog:
+                if handle(sub, deadline or time.monotonic() + budget) and sub not in backlog:
                     backlog.append(sub)
-            if sub.conn is not None:
-                watch(sub)
+            if sub.conn is not None and (sub.registered != READ or sub.pending or sub.conn.wants_write):
+                watch(sub)  # (what it waits on changed: registered for reading alone is the common case)
 
         def timers(now: float) -> float:
             """Reconnections, pings, dead peers, metrics; when to come back."""
@@ -1029,16 +1107,18 @@ class SubscriberManager:
             while True:
                 if backlog:
                     ready = ep.poll(0)
-                elif streaming and coalesce > 0 and next_timers - time.monotonic() > coalesce:
+                elif streaming and coalesce > 0:
                     # Batches keep coming: sleep, then take what queued meanwhile. One context switch per
-                    # round instead of two (a wait that wakes at the first batch, then the sleep).
+                    # round instead of two (a wait that wakes at the first batch, then the sleep). Timers
+                    # that fall due meanwhile run right after it, at most `coalesce` late: waiting for them
+                    # instead would wake at every batch until they are due (the last interval before
+                    # every flush of the metrics: with a flush every 0.1 s, a third more wake-ups).
                     time.sleep(coalesce)
                     ready = ep.poll(0)
                 else:
-                    timeout = max(0.0, next_timers - time.monotonic())
-                    ready = ep.poll(timeout)
-                    if coalesce > 0 and timeout > coalesce and ready:
-                        # Woken from idle: let a few more batches queue before handling any, so that one
+                    ready = ep.poll(max(0.0, next_timers - time.monotonic()))
+                    if coalesce > 0 and ready and (len(ready) > 1 or ready[0][0] != wake_fd):
+                        # Woken from idle by a batch: let a few more queue before handling any, so that one
                         # wake-up (and one recv per engine) serves several; the index lags by at most this long.
                         time.sleep(coalesce)
                         ready = ep.poll(0)
@@ -1095,7 +1175,7 @@ class SubscriberManager:
                         except Exception:
                             failed(sub)
                 # Endpoints with messages still pending take turns, one tick budget each.
-                for sub in backlog[:]:
+                for sub in backlog[:] if backlog else ():
                     backlog.remove(sub)
                     if sub.stopped or sub.worker is not None or sub not in running:
                         continue

@@ -143,6 +143,32 @@ class Connection:
         self._end = end + got
         return True
 
+    def read(self, out: list) -> bool | None:
+        """recv() then messages(out, no limit) in one call (the ingest thread's per wake-up read):
+        None when the peer closed the connection (OSError on a reset, ProtocolError on a bad peer),
+        else whether the handshake completed."""
+        if self.state == "ready" and self._pos == self._end:  # the common case: everything read was parsed
+            try:
+                got = self.sock.recv_into(self._view)
+            except (BlockingIOError, InterruptedError):
+                return False
+            if not got:
+                return None
+            self.bytes_in += got
+            self._pos, self._end = 0, got
+            try:
+                msgs, pos = zmtp_split(self._buf, 0, got, 1 << 30, MAX_FRAME)
+            except ValueError as e:
+                raise ProtocolError(str(e)) from None
+            out += msgs
+            self._pos = pos
+            if pos == got:
+                return False
+            # a command (a PING) or the start of a message still incomplete: the general way
+        elif not self.recv():
+            return None
+        return self.messages(out, 1 << 30)
+
     def messages(self, out: list, limit: int) -> bool:
         """Append up to `limit` complete messages from the buffer to `out`: a live batch (three frames,
         an 8-byte second) as (seq, payload), any other as the list of its frames. True when the
@@ -189,7 +215,9 @@ class Connection:
             if end - pos < head + size:
                 break
             if not flags & 0x04:
-                raise ProtocolError("message before READY")  # zmtp_split takes every message once ready
+                if self.state == "ready":  # zmtp_split stopped before it: the rest of this message is still to come
+                    break
+                raise ProtocolError("message before READY")
             body = self._view[pos + head:pos + head + size].tobytes()
             pos += head + size
             if self._command(body):

@@ -40,3 +40,16 @@ def test_publisher_reports_the_batches_sent_and_the_last_seq_a_subscriber_saw() 
         ctx.term()
         proc.stdin.close()
         proc.wait(10)
+
+
+def test_coalesce_help_states_kvgates_own_default() -> None:
+    import argparse
+
+    from bench.ingest import add_arguments
+    from plugin.config import VARIABLES
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    (action,) = [a for a in parser._actions if "--coalesce" in a.option_strings]
+    (var,) = [v for v in VARIABLES if v.env == "KVGATE_KV_EVENTS_COALESCE_S"]
+    assert action.help.endswith(f"kvgate's own, {var.default:g})")

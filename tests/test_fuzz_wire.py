@@ -254,3 +254,53 @@ def test_native_batch_path_agrees_with_decoder_on_30k_mutated_payloads():
     assert _logical(native.stats()) == _logical(general.stats())
     print(f"\nNATIVE-FUZZ {dict(taken)}")
     assert taken["intact_native"] > 5 * taken["intact_declined"] and taken["declined"] > 10_000, taken
+
+
+def test_native_runs_agree_with_batch_by_batch_on_mutated_payloads():
+    """apply_run over bursts of intact and mutated payloads takes only batches apply_payload would
+    take, stops before the others (applied one by one here), and leaves the index exactly as applying
+    every batch one by one does: same stats, same matches."""
+    from array import array
+
+    from kvcache.native import native as _native
+
+    rng = random.Random(SEED + 2)
+    seen: list = []
+    corpus = [encode_batch(_fast_shape_batch(rng, seen), g) for g in GENERATIONS for _ in range(80)]
+    runs, single = PrefixIndex(max_entries=2_000), PrefixIndex(max_entries=2_000)
+    bounds, counts = array("d", (1e-4,)), array("q", bytes(16))
+    prompts = [[rng.randrange(3) for _ in range(rng.randrange(4, 40))] for _ in range(20)]
+    taken = Counter()
+
+    def one(ix: PrefixIndex, pod: str, payload: bytes) -> None:
+        if ix.apply_payload(pod, "m", 0, payload) is None:
+            try:
+                ix.apply(pod, "m", 0, decode_batch(payload).batch.events)
+            except WireError:
+                pass
+
+    for burst in range(3_000):
+        pod = f"p{burst % 3}"
+        messages = [(1000 + j, corpus[rng.randrange(len(corpus))] if rng.random() < 0.7
+                     else _mutate(corpus[rng.randrange(len(corpus))], corpus, rng)[1]) for j in range(rng.randint(1, 8))]
+        i = 0
+        while i < len(messages):
+            r = runs.apply_run(pod, "m", 0, messages, i, messages[i][0], 4, 16, bounds, counts)
+            assert r.error is None
+            for seq, payload in messages[i:i + r.batches]:
+                assert _native.scan_batch(payload) is not None, payload
+            taken["run"] += r.batches
+            i += r.batches
+            if not r.batches:
+                one(runs, pod, messages[i][1])
+                taken["single"] += 1
+                i += 1
+        for _, payload in messages:
+            one(single, pod, payload)
+        if burst % 300 == 299:
+            assert _logical(runs.stats()) == _logical(single.stats()), burst
+            for p in prompts:
+                for lora in (None, "adapter", "#lora_id=3"):
+                    assert runs.match("m", lora, p, ["p0", "p1", "p2"]) == single.match("m", lora, p, ["p0", "p1", "p2"])
+    assert _logical(runs.stats()) == _logical(single.stats())
+    assert sum(counts) == taken["run"] and taken["run"] > taken["single"] > 1000, taken

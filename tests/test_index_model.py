@@ -324,3 +324,79 @@ def test_bounded_index_only_forgets_never_invents(seed):
         evicted_some = evicted_some or ix.stats()["evicted_entries"] > 0
     assert evicted_some
     assert ix.stats()["entries"] <= fleet.entries()
+
+
+def _apply_messages(ix: PrefixIndex, pod: str, model: str, rank: int, messages: list, counts) -> tuple[int, int]:
+    """The subscriber's path for a burst of (seq, payload) messages: runs through apply_run, each message
+    it stops before through apply_payload, or decoded and applied. (batches in runs, batches one by one)"""
+    from array import array
+
+    from kvcache.wire import decode_batch
+
+    bounds = array("d", (1e-5, 1e-3))
+    i = in_runs = single = 0
+    while i < len(messages):
+        r = ix.apply_run(pod, model, rank, messages, i, messages[i][0], 5, 7, bounds, counts)
+        assert r.error is None
+        if r.batches:
+            i += r.batches
+            in_runs += r.batches
+            continue
+        payload = messages[i][1]
+        if ix.apply_payload(pod, model, rank, payload) is None:
+            ix.apply(pod, model, rank, decode_batch(payload).batch.events)
+        i += 1
+        single += 1
+    return in_runs, single
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("shape", ["one-medium", "general"])
+def test_runs_of_raw_batches_equal_brute_force_model(seed, shape):
+    """Bursts of one engine's batches applied as the subscriber applies a recv's worth: runs in one
+    native call (apply_run, at most 5 batches or 7 events each), the batches it stops before one by
+    one; the index equals the model throughout, and each batch in a run is timed once."""
+    from array import array
+
+    from kvcache.events import EventBatch
+    from kvcache.wire import GENERATIONS, encode_batch
+
+    rng = random.Random(2000 + seed)
+    fleet = (Fleet(rng, media=("GPU",), loras=(None, "a", "#lora_id=7")) if shape == "one-medium"
+             else Fleet(rng, loras=LORAS + ("#lora_id=7",)))
+    ix = PrefixIndex(max_entries=10**9)
+    counts = array("q", bytes(8 * 3))
+    done = [0, 0]  # batches applied in runs, one by one
+    burst: list = []
+    key: list = [None]
+
+    def flush() -> None:
+        if burst:
+            a, b = _apply_messages(ix, *key[0], burst, counts)
+            done[0] += a
+            done[1] += b
+            burst.clear()
+
+    class Flushing:  # restarts and departures reach the index after the batches sent before them
+        def drop(self, pod, rank):
+            flush()
+            ix.drop(pod, rank)
+
+        def remove_pod(self, pod):
+            flush()
+            ix.remove_pod(pod)
+
+    for step, (pod, rank, events) in enumerate(event_stream(fleet, Flushing(), rng, 2500)):
+        if key[0] != (pod, fleet.model(pod), rank) or rng.random() < 0.2:  # another engine, or the recv ended
+            flush()
+            key[0] = (pod, fleet.model(pod), rank)
+        burst.append((rng.randrange(1 << 40) if not burst else burst[-1][0] + 1,
+                      encode_batch(EventBatch(1.0, tuple(events), rank), rng.choice(GENERATIONS))))
+        if step % 100 == 99:
+            flush()
+            check(ix, fleet, 20)
+    flush()
+    check(ix, fleet, 200)
+    in_runs, single = done
+    assert sum(counts) == in_runs
+    assert in_runs > 2 * single if shape == "one-medium" else in_runs > 0 and single > 0, (in_runs, single)

@@ -12,6 +12,7 @@ import pytest
 import zmq
 
 from kvcache.events import BlockRemoved, BlockStored
+from kvcache.index import PrefixIndex, RunApplied
 from kvcache.metrics import KVEventMetrics
 from kvcache.publisher import END_SEQ, EventPublisher
 from kvcache.subscriber import EndpointSpec, SubscriberManager, SubscriberOptions
@@ -750,3 +751,95 @@ async def test_a_hanging_name_lookup_holds_back_no_other_engine(harness, monkeyp
     probes = len(sink.hashes("named"))
     named.publish(5)
     await until(lambda: sink.hashes("named")[probes:] == [5])
+
+
+def _chain_batch(i: int) -> list[BlockStored]:
+    """Batch i of one chain of blocks of 2 tokens (the probes' block size): block 10_000 + i."""
+    return [BlockStored((10_000 + i,), 10_000 + i - 1 if i else None, (2 * i, 2 * i + 1), 2, None, "GPU", None)]
+
+
+class CountingIndex(PrefixIndex):
+    """A PrefixIndex that records how many batches each apply_run call took."""
+
+    def __init__(self) -> None:
+        super().__init__(max_entries=100_000)
+        self.runs: list[int] = []
+
+    def apply_run(self, *args):
+        r = super().apply_run(*args)
+        self.runs.append(r.batches)
+        return r
+
+
+async def test_in_order_batches_are_applied_in_runs_and_each_one_counted(harness):
+    """Live batches that continue the stream are applied many per native call (apply_run); those it
+    declines (a new medium, a new LoRA adapter) take the per-batch path in their place; every batch is
+    applied once, in order, and counted once in the status, the batch, event and processing metrics."""
+    make, engine = harness
+    e = engine(generation="0.33", hwm=1_000_000)
+    index = CountingIndex()
+    _, manager = make(sink=index)
+    manager.sync([e.spec])
+    await until(lambda: status(manager)["connected"])
+    first = await subscribed(e, manager)
+    n = 300
+    extra = {100: BlockStored((1,), None, (7, 7), 2, None, "CPU", None),  # a medium the index learns then
+             200: BlockStored((2,), None, (8, 8), 2, None, "GPU", "a"),  # a LoRA adapter met for the first time
+             250: BlockStored((3,), None, (9, 9), 2, None, "GPU", "a")}  # ... and again: a run takes it
+
+    def publish() -> None:
+        for i in range(n):
+            e.pub.publish(_chain_batch(i) + ([extra[i]] if i in extra else []))
+
+    await asyncio.to_thread(publish)
+    await until(lambda: status(manager)["last_seq"] == first + n - 1)
+    reg = manager.metrics.registry
+    live = {"pod": "p", "rank": "0", "source": "live"}
+    batches = status(manager)["batches"]
+    assert index.match("m", None, [t for i in range(n) for t in (2 * i, 2 * i + 1)], ["p"])["p"].blocks == n
+    assert index.match("m", None, [7, 7], ["p"])["p"].by_medium == {"CPU": 1}
+    assert index.match("m", "a", [8, 8], ["p"])["p"].blocks == 1 and index.match("m", "a", [9, 9], ["p"])["p"].blocks == 1
+    assert status(manager)["events"] == batches + len(extra) and status(manager)["drops"] == 0
+    await until(lambda: reg.get_sample_value("kvgate_kvevents_processing_seconds_count") == batches)
+    assert reg.get_sample_value("kvgate_kvevents_batches_received_total", live) == batches
+    assert reg.get_sample_value("kvgate_kvevents_events_applied_total", {"type": "BlockStored"}) == batches + len(extra)
+    assert sum(index.runs) >= n - 10 and max(index.runs) > 1, index.runs
+
+
+async def test_a_batch_failing_inside_a_run_is_counted_and_state_dropped(harness):
+    make, engine = harness
+    e = engine(generation="0.33", hwm=1_000_000)
+    index = CountingIndex()
+    fail = {"seq": -1}
+    real = index.apply_run
+
+    def apply_run(pod, model, rank, messages, start, seq, max_batches, *rest):
+        f = fail["seq"]
+        if seq == f:
+            fail["seq"] = -1
+            return RunApplied(0, 0, 0, 0.0, RuntimeError("index full"))
+        if seq < f < seq + max_batches:
+            max_batches = f - seq  # the run stops right before the failing batch
+        return real(pod, model, rank, messages, start, seq, max_batches, *rest)
+
+    index.apply_run = apply_run
+    _, manager = make(sink=index)
+    manager.sync([e.spec])
+    await until(lambda: status(manager)["connected"])
+    first = await subscribed(e, manager)
+    fail["seq"] = first + 20
+
+    def publish() -> None:
+        for i in range(60):
+            e.pub.publish(_chain_batch(i))
+
+    await asyncio.to_thread(publish)
+    await until(lambda: status(manager)["last_seq"] == first + 59)
+    s = status(manager)
+    assert fail["seq"] == -1 and s["drops"] == 1 and s["errors"] == 1
+    assert manager.metrics.registry.get_sample_value("kvgate_kvevents_state_drops_total",
+                                                     {"pod": "p", "rank": "0", "reason": "sink_error"}) == 1
+    # the failed batch counts as received, not as applied; what followed it is applied
+    assert s["batches"] == first + 60 and s["events"] == first + 59
+    tokens = [t for i in range(60) for t in (2 * i, 2 * i + 1)]
+    assert index.match("m", None, tokens, ["p"])["p"].blocks == 0  # the chain's start went with the drop

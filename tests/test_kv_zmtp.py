@@ -169,3 +169,78 @@ def test_split_survives_random_and_mutated_bytes():
         for item in got:
             assert type(item) in (tuple, list)
             assert b"\xff" * 16 not in (item[1] if type(item) is tuple else b"".join(item))
+
+
+
+def _raw_pub() -> tuple[socket.socket, Connection, socket.socket]:
+    """A Connection to a raw ZMTP PUB peer (a plain socket that sends the greeting and READY), handshake done."""
+    from kvcache.zmtp import GREETING, _command
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    conn = Connection(server.getsockname(), socket.AF_INET)
+    peer, _ = server.accept()
+    peer.sendall(GREETING + _command(b"READY", b"\x0bSocket-Type" + (3).to_bytes(4, "big") + b"PUB"))
+    deadline = time.monotonic() + 5
+    while conn.state != "ready":
+        assert time.monotonic() < deadline, conn.state
+        if conn.state == "connecting":
+            if select.select([], [conn], [], 0.05)[1]:
+                conn.on_writable()
+        elif select.select([conn], [], [], 0.05)[0]:
+            assert conn.recv()
+            conn.messages([], 100)
+    peer.settimeout(5)
+    assert peer.recv(64)  # our greeting, READY and subscription
+    return server, conn, peer
+
+
+def test_a_read_ending_inside_a_message_waits_for_the_rest():
+    """A read that ends after a message's first frame but before its end is no protocol error: the
+    message is taken once the rest has come (it dropped the connection: "message before READY")."""
+    server, conn, peer = _raw_pub()
+    try:
+        message = live(1, b"a" * 300)
+        out: list = []
+        for piece in (message[:5], message[5:]):
+            peer.sendall(piece)
+            got = conn.bytes_in + len(piece)
+            deadline = time.monotonic() + 5
+            while conn.bytes_in < got:
+                assert time.monotonic() < deadline
+                if select.select([conn], [], [], 0.05)[0]:
+                    assert conn.recv()
+                    conn.messages(out, 100)
+        assert out == [(1, b"a" * 300)]
+    finally:
+        conn.close()
+        peer.close()
+        server.close()
+
+
+def test_read_takes_messages_across_reads_answers_pings_and_reports_the_end():
+    """Connection.read (recv and parse in one call) against a raw ZMTP PUB peer that sends messages cut
+    at arbitrary points, a PING between two of them, then closes."""
+    server, conn, peer = _raw_pub()
+    out: list = []
+    try:
+        stream = live(1, b"a" * 300) + live(2, b"b") + frame(b"\x04PING\x00\x0aHI", command=True) + live(3, b"c")
+        for cut in (5, 310, len(stream)):  # the first two reads end inside a message
+            piece, stream = stream[:cut], stream[cut:]
+            peer.sendall(piece)
+            got = conn.bytes_in + len(piece)
+            deadline = time.monotonic() + 5
+            while conn.bytes_in < got:
+                assert time.monotonic() < deadline
+                if select.select([conn], [], [], 0.05)[0]:
+                    assert conn.read(out) is not None
+        assert out == [(1, b"a" * 300), (2, b"b"), (3, b"c")]
+        assert peer.recv(64).endswith(b"\x04PONGHI")  # the PING answered, its context echoed
+        peer.close()
+        deadline = time.monotonic() + 5
+        while not (select.select([conn], [], [], 0.05)[0] and conn.read(out) is None):
+            assert time.monotonic() < deadline, "the end of the connection was not reported"
+    finally:
+        conn.close()
+        server.close()
