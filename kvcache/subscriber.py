@@ -127,10 +127,9 @@ class LockedIndex:
         self._wait_s = wait_s
         self._on_busy = on_busy
 
-    def _acquire(self) -> bool:
+    def _wait(self) -> bool:
+        """The lock, after the uncontended try failed: at most `wait_s` (False: busy, counted)."""
         lock = self._lock
-        if lock.acquire(False):
-            return True
         counted = hasattr(lock, "waiting")  # an IndexLock: the ingest thread lets waiting readers first
         if counted:
             lock.waiting += 1
@@ -145,7 +144,7 @@ class LockedIndex:
         return False
 
     def match(self, model, lora, token_ids, pods):
-        if not self._acquire():
+        if not (self._lock.acquire(False) or self._wait()):
             return {}
         try:
             return self._index.match(model, lora, token_ids, pods)
@@ -153,7 +152,7 @@ class LockedIndex:
             self._lock.release()
 
     def match_ranks(self, model, lora, token_ids, targets):
-        if not self._acquire():
+        if not (self._lock.acquire(False) or self._wait()):
             return {}
         try:
             return self._index.match_ranks(model, lora, token_ids, targets)
@@ -164,7 +163,7 @@ class LockedIndex:
         return self._index.block_size(model)  # a dict the ingest thread changes under the GIL
 
     def stats(self) -> dict:
-        if not self._acquire():
+        if not (self._lock.acquire(False) or self._wait()):
             raise IndexBusy("the prefix index is busy (a growing table being rehashed); ask again")
         try:
             return self._index.stats()
