@@ -125,12 +125,7 @@ class PrefixIndex:
 
     def apply(self, pod: str, model: str, rank: int, events: Sequence[KVEvent]) -> None:
         """Apply one (pod, rank)'s events in order. Bad events are logged, counted and skipped."""
-        slot = self._slot.get((pod, rank))
-        if slot is None:
-            slot = self._new_slot(pod, rank)
-        model_id = self._models.get(model)
-        if model_id is None:
-            model_id = self._model_id(model)
+        slot, model_id = self._ids(pod, rank, model)
         cleared = False
         for ev in events:
             t = type(ev)
@@ -164,21 +159,14 @@ class PrefixIndex:
         if scan is None:
             return None
         stored_events, _, removed_events, _, bs, medium, loras = scan
-        slot = self._slot.get((pod, rank))
-        if slot is None:
-            slot = self._new_slot(pod, rank)
-        model_id = self._models.get(model)
-        if model_id is None:
-            model_id = self._model_id(model)
+        slot, model_id = self._ids(pod, rank, model)
         medium_id = self._media.get(medium or DEFAULT_MEDIUM, -1)
         if stored_events:
             if medium_id < 0:
                 medium_id = self._medium_id(medium or DEFAULT_MEDIUM)
             if self._block_size.get(model) != bs:
                 self._learn_block_size(model, bs)
-        root = self._roots.get(model)
-        if root is None:
-            root = self._roots[model] = root_key(model, None)
+        root = self._base_root(model)
         roots = {}
         if loras:
             known = self._lora_roots.get(model)
@@ -190,12 +178,7 @@ class PrefixIndex:
                     r = known[lora] = root_key(model, lora)
                 roots[lora] = r
         _, _, unknown_parent, unknown_removed = self._core.apply_batch(payload, model_id, medium_id, slot, root, roots)
-        if unknown_parent:
-            if not self._skipped["unknown_parent_blocks"]:
-                log.info("prefix index: model %s: blocks under an unknown parent are kept out of chains", model)
-            self._skipped["unknown_parent_blocks"] += unknown_parent
-        if unknown_removed:
-            self._skipped["unknown_removed_blocks"] += unknown_removed
+        self._count_unknown(model, unknown_parent, unknown_removed)
         self._core.maintain()  # _after_batch, inline: once per live batch
         self._applies += 1
         if not self._applies & 63:
@@ -211,24 +194,12 @@ class PrefixIndex:
         takes it the usual way), after `max_batches` batches or once `max_events` events are applied
         (at least one batch). Each batch's decode-and-apply time is counted into `counts` (int64,
         len(bounds) + 1) at bisect_left(bounds (doubles), seconds)."""
-        slot = self._slot.get((pod, rank))
-        if slot is None:
-            slot = self._new_slot(pod, rank)
-        model_id = self._models.get(model)
-        if model_id is None:
-            model_id = self._model_id(model)
-        root = self._roots.get(model)
-        if root is None:
-            root = self._roots[model] = root_key(model, None)
+        slot, model_id = self._ids(pod, rank, model)
+        root = self._base_root(model)
         n, stored, removed, unknown_parent, unknown_removed, seconds, error = self._core.apply_run(
             messages, start, seq, model_id, slot, root, self._block_size.get(model, 0), self._media,
             self._lora_roots.get(model) or _NO_ROOTS, max_batches, max_events, bounds, counts)
-        if unknown_parent:
-            if not self._skipped["unknown_parent_blocks"]:
-                log.info("prefix index: model %s: blocks under an unknown parent are kept out of chains", model)
-            self._skipped["unknown_parent_blocks"] += unknown_parent
-        if unknown_removed:
-            self._skipped["unknown_removed_blocks"] += unknown_removed
+        self._count_unknown(model, unknown_parent, unknown_removed)
         if n:
             before = self._applies
             self._applies = before + n
@@ -364,6 +335,32 @@ class PrefixIndex:
         self._core.kill_slot(s)
         return self._new_slot(pod, rank)
 
+    def _ids(self, pod: str, rank: int, model: str) -> tuple[int, int]:
+        """(slot, model id) of a batch of (pod, rank) for `model`, made when first met."""
+        slot = self._slot.get((pod, rank))
+        if slot is None:
+            slot = self._new_slot(pod, rank)
+        model_id = self._models.get(model)
+        if model_id is None:
+            model_id = self._model_id(model)
+        return slot, model_id
+
+    def _base_root(self, model: str) -> int:
+        root = self._roots.get(model)
+        if root is None:
+            root = self._roots[model] = root_key(model, None)
+        return root
+
+    def _count_unknown(self, model: str, unknown_parent: int, unknown_removed: int) -> None:
+        """Blocks stored under a parent the index does not know (kept out of chains: logged once) and
+        removals of blocks it does not hold, counted."""
+        if unknown_parent:
+            if not self._skipped["unknown_parent_blocks"]:
+                log.info("prefix index: model %s: blocks under an unknown parent are kept out of chains", model)
+            self._skipped["unknown_parent_blocks"] += unknown_parent
+        if unknown_removed:
+            self._skipped["unknown_removed_blocks"] += unknown_removed
+
     def _model_id(self, model: str) -> int:
         m = self._models[model] = self._core.new_model()
         return m
@@ -397,9 +394,7 @@ class PrefixIndex:
         else:
             k = self._core.key_of(model_id, _fold(parent))
             if k is None:  # its chain is unknown: never guess a chain start
-                if not self._skipped["unknown_parent_blocks"]:
-                    log.info("prefix index: model %s: blocks under an unknown parent are kept out of chains", model)
-                self._skipped["unknown_parent_blocks"] += n
+                self._count_unknown(model, n, 0)
                 return
         keys = native.chain_keys(k, tokens, bs)  # an unhashable token id raises before any change
         folded = _folded(hashes)
