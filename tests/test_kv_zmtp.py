@@ -196,6 +196,18 @@ def _raw_pub() -> tuple[socket.socket, Connection, socket.socket]:
     return server, conn, peer
 
 
+def _deliver(peer, conn, piece: bytes, take) -> None:
+    """Send `piece` from the raw peer, calling `take` whenever the connection is readable until it
+    has read all of it (5 s at most)."""
+    peer.sendall(piece)
+    got = conn.bytes_in + len(piece)
+    deadline = time.monotonic() + 5
+    while conn.bytes_in < got:
+        assert time.monotonic() < deadline
+        if select.select([conn], [], [], 0.05)[0]:
+            take()
+
+
 def test_a_read_ending_inside_a_message_waits_for_the_rest():
     """A read that ends after a message's first frame but before its end is no protocol error: the
     message is taken once the rest has come (it dropped the connection: "message before READY")."""
@@ -204,14 +216,12 @@ def test_a_read_ending_inside_a_message_waits_for_the_rest():
         message = live(1, b"a" * 300)
         out: list = []
         for piece in (message[:5], message[5:]):
-            peer.sendall(piece)
-            got = conn.bytes_in + len(piece)
-            deadline = time.monotonic() + 5
-            while conn.bytes_in < got:
-                assert time.monotonic() < deadline
-                if select.select([conn], [], [], 0.05)[0]:
-                    assert conn.recv()
-                    conn.messages(out, 100)
+
+            def take() -> None:
+                assert conn.recv()
+                conn.messages(out, 100)
+
+            _deliver(peer, conn, piece, take)
         assert out == [(1, b"a" * 300)]
     finally:
         conn.close()
@@ -228,13 +238,11 @@ def test_read_takes_messages_across_reads_answers_pings_and_reports_the_end():
         stream = live(1, b"a" * 300) + live(2, b"b") + frame(b"\x04PING\x00\x0aHI", command=True) + live(3, b"c")
         for cut in (5, 310, len(stream)):  # the first two reads end inside a message
             piece, stream = stream[:cut], stream[cut:]
-            peer.sendall(piece)
-            got = conn.bytes_in + len(piece)
-            deadline = time.monotonic() + 5
-            while conn.bytes_in < got:
-                assert time.monotonic() < deadline
-                if select.select([conn], [], [], 0.05)[0]:
-                    assert conn.read(out) is not None
+
+            def take() -> None:
+                assert conn.read(out) is not None
+
+            _deliver(peer, conn, piece, take)
         assert out == [(1, b"a" * 300), (2, b"b"), (3, b"c")]
         assert peer.recv(64).endswith(b"\x04PONGHI")  # the PING answered, its context echoed
         peer.close()
