@@ -391,6 +391,19 @@ static inline Py_ssize_t grown_cap(Py_ssize_t live) {
  * turns a call that bypasses it into an error instead of a read of half-built tables. */
 #define NOGIL_REHASH_CAP 65536
 
+/* The GIL released for a large rehash (NULL: kept); rehash_end takes it back. */
+static PyThreadState *rehash_begin(Core *c, int nogil) {
+    if (!nogil) return NULL;
+    c->rehashing = 1;
+    return PyEval_SaveThread();
+}
+
+static void rehash_end(Core *c, PyThreadState *ts) {
+    if (!ts) return;
+    PyEval_RestoreThread(ts);
+    c->rehashing = 0;
+}
+
 /* Room for `more` keys without passing the maximum load: a rehash into a larger table. */
 static int kt_reserve(Core *c, KTable *t, Py_ssize_t more) {
     if ((t->live + more) * MAX_LOAD_DEN <= t->cap * MAX_LOAD_NUM) return 0;
@@ -401,12 +414,8 @@ static int kt_reserve(Core *c, KTable *t, Py_ssize_t more) {
         return -1;
     }
     t->used = old.used;
-    PyThreadState *ts = NULL;
-    if (nogil) {
-        c->rehashing = 1;
-        ts = PyEval_SaveThread();
-        kt_empty(t);
-    }
+    PyThreadState *ts = rehash_begin(c, nogil);
+    if (nogil) kt_empty(t);
     for (Py_ssize_t i = 0; i < old.cap; i++) {
         uint64_t k = old.s[i].key;
         if (k == EMPTY) continue;
@@ -419,10 +428,7 @@ static int kt_reserve(Core *c, KTable *t, Py_ssize_t more) {
     t->live = old.live;
     PyMem_RawFree(old.s); /* the raw domain needs no GIL */
     PyMem_RawFree(old.stamp);
-    if (nogil) {
-        PyEval_RestoreThread(ts);
-        c->rehashing = 0;
-    }
+    rehash_end(c, ts);
     return 0;
 }
 
@@ -434,12 +440,8 @@ static int ht_reserve(Core *c, HTable *t, Py_ssize_t more) {
         *t = old;
         return -1;
     }
-    PyThreadState *ts = NULL;
-    if (nogil) {
-        c->rehashing = 1;
-        ts = PyEval_SaveThread();
-        ht_empty(t);
-    }
+    PyThreadState *ts = rehash_begin(c, nogil);
+    if (nogil) ht_empty(t);
     for (Py_ssize_t i = 0; i < old.cap; i++) {
         uint64_t h = old.s[i].h;
         if (h == EMPTY) continue;
@@ -450,10 +452,7 @@ static int ht_reserve(Core *c, HTable *t, Py_ssize_t more) {
     }
     t->live = old.live;
     PyMem_RawFree(old.s);
-    if (nogil) {
-        PyEval_RestoreThread(ts);
-        c->rehashing = 0;
-    }
+    rehash_end(c, ts);
     return 0;
 }
 
