@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +27,13 @@ class Pod:
     # the router scores and counts each rank of a DP pod as a target of its own.
     rank: int | None = None
     parent: str = ""
+    # `ip:port` as Envoy's ORIGINAL_DST cluster expects it ([v6]:port for IPv6): derived from address
+    # and port once, at construction (every routed request reads it several times).
+    endpoint: str = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        host = f"[{self.address}]" if ":" in self.address else self.address
+        object.__setattr__(self, "endpoint", f"{host}:{self.port}")
 
     @property
     def dp_size(self) -> int:
@@ -43,12 +50,6 @@ class Pod:
         engine serves a request on the rank its `x-data-parallel-rank` header names."""
         return tuple(dataclasses.replace(self, name=f"{self.name}#{r}", rank=r, parent=self.name)
                      for r in range(self.dp_size))
-
-    @property
-    def endpoint(self) -> str:
-        """`ip:port` as Envoy's ORIGINAL_DST cluster expects it ([v6]:port for IPv6)."""
-        host = f"[{self.address}]" if ":" in self.address else self.address
-        return f"{host}:{self.port}"
 
     @property
     def base_url(self) -> str:

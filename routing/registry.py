@@ -27,6 +27,7 @@ class PodRegistry:
 
     def __init__(self, pods: Iterable[Pod] = ()) -> None:
         self._pods: dict[str, Pod] = {}
+        self._by_model: dict[str, tuple[tuple[Pod, ...], tuple[Pod, ...]]] = {}  # see candidates()
         self._listeners: list[PodListener] = []
         self.replace(pods)
 
@@ -51,6 +52,7 @@ class PodRegistry:
                 added.append(cur)
         added.extend(p for n, p in new.items() if n not in self._pods)
         self._pods = new
+        self._by_model = {}
         if added or removed:
             log.info("pods changed: +%s -%s", [p.name for p in added], [p.name for p in removed])
             for fn in list(self._listeners):
@@ -69,6 +71,17 @@ class PodRegistry:
     def serving(self, model: str) -> list[Pod]:
         """Every pod serving `model` (base model or adapter), ready or not."""
         return [p for p in self._pods.values() if p.serves(model)]
+
+    def candidates(self, model: str) -> tuple[tuple[Pod, ...], tuple[Pod, ...]]:
+        """(every pod serving `model`, those of them ready), kept until the pods change: asked for on
+        every routed request."""
+        found = self._by_model.get(model)
+        if found is None:
+            serving = tuple(p for p in self._pods.values() if p.serves(model))
+            if len(self._by_model) >= 1024:  # model names come from requests: keep the memo bounded
+                self._by_model.clear()
+            found = self._by_model[model] = (serving, tuple(p for p in serving if p.ready))
+        return found
 
     def ready_pods(self, model: str) -> list[Pod]:
         return [p for p in self._pods.values() if p.ready and p.serves(model)]

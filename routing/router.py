@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import logging
 import random
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from routing.counts import LocalCounts, RunningCounts
 from routing.engine_metrics import EngineMetrics, Saturation
@@ -95,13 +95,13 @@ class Router:
             return self._strategy(strategy).needs_tokens  # raises UnknownStrategyError
         return found
 
-    def _candidates(self, model: str, subset: frozenset[str] | None = None) -> list[Pod]:
-        serving = self._registry.serving(model)
+    def _candidates(self, model: str, subset: frozenset[str] | None = None) -> Sequence[Pod]:
+        serving, ready = self._registry.candidates(model)
         if not serving:
             raise UnknownModelError(model)
         if subset is not None:  # the data plane's subset hint: only these endpoints may be picked
             serving = [p for p in serving if p.endpoint in subset]
-        ready = [p for p in serving if p.ready]
+            ready = [p for p in serving if p.ready]
         if not ready:
             if subset is not None:
                 raise NoEligibleEndpointError(model, subset)
@@ -156,7 +156,7 @@ class Router:
                         rank=target.rank, fallbacks=self._fallbacks(pod, target.rank, pods, scores, ctx.running),
                         running=ctx.running.get(target.name, 0) + 1)
 
-    def _all_saturated(self, pods: list[Pod]) -> bool:
+    def _all_saturated(self, pods: Sequence[Pod]) -> bool:
         """Every pod saturated by its engine's own numbers (a data-parallel pod: every rank's)."""
         if self._engines is None:
             return False
@@ -167,7 +167,7 @@ class Router:
                 return False
         return True
 
-    def _fallbacks(self, pod: Pod, rank: int | None, targets: list[Pod], scores: Mapping[str, float],
+    def _fallbacks(self, pod: Pod, rank: int | None, targets: Sequence[Pod], scores: Mapping[str, float],
                    running: Mapping[str, int]) -> tuple[str, ...]:
         """The next-best endpoints after `pod`'s, by the same pick: highest combined score first, then
         the candidates a filter set aside, each group least running first. A rank-pinned request only
@@ -190,13 +190,13 @@ class Router:
                 break
         return tuple(out)
 
-    def _rank_targets(self, pods: list[Pod]) -> list[Pod] | None:
+    def _rank_targets(self, pods: Sequence[Pod]) -> list[Pod] | None:
         """`pods` with each data-parallel pod replaced by its rank targets; None if there is none."""
         out = None
         for i, p in enumerate(pods):
             if p.dp_size > 1:
                 if out is None:
-                    out = pods[:i]
+                    out = list(pods[:i])
                 made = self._targets.get(p.name)
                 if made is None or made[0] is not p:  # the registry replaces a pod whose readiness flips
                     made = self._targets[p.name] = (p, p.rank_targets())

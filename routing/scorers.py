@@ -53,7 +53,7 @@ class LoadScorer(Scorer):
 
     def score(self, ctx: PickContext, pods: Sequence[Pod]) -> dict[str, float]:
         running = ctx.running.get
-        return _relative({p.name: float(running(p.name, 0)) for p in pods}, self._scale)
+        return _relative({p.name: running(p.name, 0) for p in pods}, self._scale)
 
 
 class PrefillBacklog:
@@ -155,6 +155,9 @@ class PrecisePrefixScorer(Scorer):
             if m is None:
                 continue
             blocks = matched[name] = m.blocks
+            if not blocks:  # holds none of it (most pods, most of the time)
+                uncached[name] = n
+                continue
             left = n - self.weighted_blocks(blocks, m.by_medium or {}) * bs
             uncached[name] = left if left > 0.0 else 0.0  # max(0.0, left)
         if total > ctx.total_blocks:

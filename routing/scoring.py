@@ -180,12 +180,20 @@ class LoadGuard:
         loads = [running(p.name, 0) for p in pods]
         if len(loads) < 2:
             return list(pods)
-        total, others_n, least = sum(loads), len(loads) - 1, min(loads)
+        least = min(loads)
+        if max(loads) - least < self.abs_slack and self.far >= 1.0:  # within a slack of each other: none set aside
+            return list(pods)
+        total, others_n = sum(loads), len(loads) - 1
+        # _slack inlined in the loop (a method call per pod was most of this filter's cost)
+        abs_slack, rel = self.abs_slack, self.rel_slack
         far = least + self.far * self._slack(least)
         kept = []
         for p, load in zip(pods, loads):
+            if load >= far:
+                continue
             others = (total - load) / others_n
-            if load - others < self._slack(others) and load < far:
+            slack = rel * others
+            if load - others < (slack if slack > abs_slack else abs_slack):
                 kept.append(p)
         return kept
 
@@ -199,6 +207,13 @@ class Strategy:
     scorers: tuple[tuple[Scorer, float], ...] = ()
     filters: tuple[Filter, ...] = ()
 
+    def __post_init__(self) -> None:
+        # Fixed once built: the scorers that weigh (weight > 0), and those of them that learn from a pick
+        # (override Scorer.picked): the per-request loops skip the rest.
+        weighing = tuple((s, w) for s, w in self.scorers if w > 0)
+        object.__setattr__(self, "_weighing", weighing)
+        object.__setattr__(self, "_learners", tuple(s for s, _ in weighing if getattr(type(s), "picked", None) is not Scorer.picked))
+
     @property
     def needs_tokens(self) -> bool:
         return any(s.needs_tokens for s, w in self.scorers if w > 0)
@@ -206,17 +221,15 @@ class Strategy:
     def choose(self, ctx: PickContext, pods: Sequence[Pod],
                on_error=None, on_filtered=None) -> tuple[Pod, dict[str, float]]:
         """The chosen pod and the combined scores; `pods` must not be empty."""
-        candidates = list(pods)
+        candidates = pods
         for f in self.filters:
             kept = f.filter(ctx, candidates)
             if kept and len(kept) < len(candidates):
                 if on_filtered:
                     on_filtered(len(candidates) - len(kept))
                 candidates = kept
-        total = {p.name: 0.0 for p in candidates}
-        for scorer, weight in self.scorers:
-            if weight <= 0:
-                continue
+        total = dict.fromkeys([p.name for p in candidates], 0.0)
+        for scorer, weight in self._weighing:
             try:
                 part = scorer.score(ctx, candidates)
             except Exception:
@@ -225,18 +238,15 @@ class Strategy:
                 if on_error:
                     on_error(scorer.name)
                 continue
-            if not part:  # nothing to add (e.g. affinity while the index shows a holder)
-                continue
-            get = part.get
-            for name in total:
-                v = get(name, 0.0)
-                # clamped to 0..1, NaN counting 0
-                total[name] += weight * (v if 0.0 <= v <= 1.0 else 1.0 if v > 1.0 else 0.0)
+            # names outside the candidates are ignored, missing ones count 0; values clamped to 0..1,
+            # NaN counting 0
+            for name, v in part.items():
+                if name in total:
+                    total[name] += weight * (v if 0.0 <= v <= 1.0 else 1.0 if v > 1.0 else 0.0)
         pod = self.picker.pick(ctx, candidates, total)
-        for scorer, weight in self.scorers:
-            if weight > 0:
-                try:
-                    scorer.picked(ctx, pod)
-                except Exception:
-                    log.exception("scorer %s failed to record a pick", scorer.name)
+        for scorer in self._learners:
+            try:
+                scorer.picked(ctx, pod)
+            except Exception:
+                log.exception("scorer %s failed to record a pick", scorer.name)
         return pod, total

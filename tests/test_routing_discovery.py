@@ -88,6 +88,20 @@ def test_registry_diffs_and_listeners():
     assert reg.models() == {"m"}
 
 
+
+def test_registry_candidates_follow_every_replace():
+    """candidates() is kept between requests; every replace (a readiness flip too, which notifies no
+    listener) gives the new answer."""
+    a, b = Pod("a", "10.0.0.1", 80, "m"), Pod("b", "10.0.0.2", 80, "m", lora=("l",))
+    reg = PodRegistry([a, b])
+    assert reg.candidates("m") == ((a, b), (a, b)) and reg.candidates("l") == ((b,), (b,))
+    assert reg.candidates("nope") == ((), ())
+    b_down = Pod("b", "10.0.0.2", 80, "m", lora=("l",), ready=False)
+    reg.replace([a, b_down])
+    assert reg.candidates("m") == ((a, b_down), (a,)) and reg.candidates("l") == ((b_down,), ())
+    reg.replace([b])
+    assert reg.candidates("m") == ((b,), (b,))
+
 async def test_static_file_reload(tmp_path):
     path = tmp_path / "pods.yaml"
     path.write_text(YAML)

@@ -239,6 +239,35 @@ def test_load_guard_table(case, running, kept):
     assert {p.name for p in got} == kept, case
 
 
+
+def _guard_rule(guard: LoadGuard, running: dict[str, int]) -> set[str]:
+    """The guard's rule as its docstring states it, pod by pod (no shortcut)."""
+    if len(running) < 2:
+        return set(running)
+    slack = lambda x: max(guard.abs_slack, guard.rel_slack * x)  # noqa: E731
+    least = min(running.values())
+    kept = set()
+    for name, load in running.items():
+        others = (sum(running.values()) - load) / (len(running) - 1)
+        if load - others < slack(others) and load < least + guard.far * slack(least):
+            kept.add(name)
+    return kept
+
+
+@pytest.mark.parametrize("abs_slack, rel_slack", [(16, 0.7), (2, 0.5), (0, 0.7), (30, 0.1)])
+def test_load_guard_matches_its_rule_on_random_loads(abs_slack, rel_slack):
+    """The filter's shortcuts (no pod within one slack of the least is set aside) keep exactly the
+    pods the rule keeps, on loads near and far apart."""
+    import random
+    rng = random.Random(abs_slack)
+    guard = LoadGuard(abs_slack, rel_slack)
+    for _ in range(2000):
+        n = rng.randint(1, 6)
+        spread = rng.choice((3, 20, 100))
+        running = {f"p{i}": rng.randint(0, spread) for i in range(n)}
+        ctx = PickContext(request=RouteRequest("m"), base_model="m", lora=None, running=running)
+        assert {p.name for p in guard.filter(ctx, pods(*running))} == _guard_rule(guard, running), running
+
 def test_prefill_backlog_drains_at_its_rate():
     now = [0.0]
     b = PrefillBacklog(10_000, clock=lambda: now[0])
