@@ -70,6 +70,11 @@ KVGATE_NAMESPACE = "kvgate"  # Envoy copies these into the client's x-kvgate-pod
 RESERVED_HEADERS = frozenset({DESTINATION_HEADER, TARGET_POD_HEADER, DP_RANK_HEADER})
 RESERVED_PREFIX = "x-kvgate-"
 
+# The request headers kvgate reads (a header's key -> what it is); every other one is passed over.
+_PATH, _METHOD, _STRATEGY, _REQUEST_ID, _OBJECTIVE, _SLO = range(6)
+_READ_HEADERS = {":path": _PATH, ":method": _METHOD, STRATEGY_HEADER: _STRATEGY, "x-request-id": _REQUEST_ID,
+                 OBJECTIVE_HEADER: _OBJECTIVE, SLO_TTFT_HEADER: _SLO, SLO_TPOT_HEADER: _SLO}
+
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 # The answer to headers that carry nothing to remove: built once, never mutated, shared by streams.
 _HEADERS_CONTINUE = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
@@ -310,29 +315,32 @@ class _Stream:
         remove: list[str] | None = None
         for h in msg.headers.headers:
             key = h.key.lower()
-            if key[:1] == ":":
-                if key == ":path":
-                    self.path = _header_value(h).split("?", 1)[0]
-                elif key == ":method":
-                    self.method = _header_value(h)
-            elif key == STRATEGY_HEADER:
-                self.strategy = _header_value(h).strip() or None
-            elif key == "x-request-id":
-                self.request_id = _header_value(h)
-            elif key == OBJECTIVE_HEADER:
-                self.objective = _header_value(h).strip()
-            elif key == SLO_TTFT_HEADER or key == SLO_TPOT_HEADER:
-                ms = observe.milliseconds(_header_value(h))
+            which = _READ_HEADERS.get(key)
+            if which is None:  # most headers: only whether a client set one of kvgate's own
+                if key in RESERVED_HEADERS or key.startswith(RESERVED_PREFIX):
+                    if remove is None:
+                        remove = []
+                    remove.append(h.key)
+                continue
+            value = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
+            if which == _PATH:
+                self.path = value.split("?", 1)[0]
+            elif which == _METHOD:
+                self.method = value
+            elif which == _STRATEGY:
+                self.strategy = value.strip() or None
+            elif which == _REQUEST_ID:
+                self.request_id = value
+            elif which == _OBJECTIVE:
+                self.objective = value.strip()
+            else:  # an SLO target
+                ms = observe.milliseconds(value)
                 if ms is None:
                     return self._error(bad_request(f"{key}: expected a positive number of milliseconds",
                                                    code="invalid_slo", param=key))
                 if self.slo is None:
                     self.slo = {}
                 self.slo[key] = ms / 1000.0
-            elif key in RESERVED_HEADERS or key.startswith(RESERVED_PREFIX):
-                if remove is None:
-                    remove = []
-                remove.append(h.key)
         if not self.request_id:
             self.request_id = uuid.uuid4().hex
         if self.method == "POST" and self.path in ROUTED_POST_PATHS:
