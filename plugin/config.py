@@ -250,8 +250,10 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("KVGATE_ADMISSION_MAX_RUNNING", "admission_max_running", _int_range(0, 1_000_000), 0,
              "Most requests running on one pod over every replica, checked and counted atomically (Redis with "
              "KVGATE_REDIS_URL); a request finding every eligible pod full waits (0: no limit)..."),
-    Variable("KVGATE_ADMISSION_MAX_WAIT_S", "admission_max_wait_s", _float_min(0.0), 5.0,
-             "...in its model's queue (models take turns) for up to this long, then gets 429..."),
+    Variable("KVGATE_ADMISSION_MAX_WAIT_S", "admission_max_wait_s", _float_min(0.0), 3.0,
+             "...in its model's queue (models take turns) for up to this long, then gets 429... Keep it plus "
+             "KVGATE_TOKENIZER_TIMEOUT_S under Envoy's ext_proc `message_timeout` (5 s in the shipped configs): "
+             "past that, Envoy answers 504 before kvgate's 429."),
     Variable("KVGATE_ADMISSION_RETRY_AFTER_S", "admission_retry_after_s", _int_range(0, 3600), 1,
              "...with this `Retry-After`."),
     Variable("KVGATE_ADMISSION_DELETED_KEEP_S", "admission_deleted_keep_s", _float_min(0.0), 30.0,
@@ -320,7 +322,7 @@ class Settings:
     predict_max_output: int = 4096
     slo_targets: str = "*=1000/100"
     admission_max_running: int = 0
-    admission_max_wait_s: float = 5.0
+    admission_max_wait_s: float = 3.0
     admission_retry_after_s: int = 1
     admission_deleted_keep_s: float = 30.0
     log_level: str = "info"

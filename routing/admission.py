@@ -137,7 +137,7 @@ class RedisLimiter(BackgroundLoop):
 
 
 class Admission:
-    def __init__(self, limiter: Limiter, *, max_running: int, max_wait_s: float = 5.0, retry_after_s: int = 1,
+    def __init__(self, limiter: Limiter, *, max_running: int, max_wait_s: float = 3.0, retry_after_s: int = 1,
                  deleted_keep_s: float = 30.0, poll_s: float = 0.05,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.limiter = limiter

@@ -178,3 +178,34 @@ def test_compose_file_validates_with_docker_compose():
     proc = subprocess.run(["docker-compose", "-f", str(REPO / "docker-compose.yml"), "config", "-q"],
                           capture_output=True, text=True, timeout=60, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
+
+
+def _seconds(text: str) -> float:
+    assert text.endswith("s"), text
+    return float(text[:-1])
+
+
+def test_default_waits_end_before_envoys_message_timeout_in_every_shipped_config():
+    """A request's body answer comes after its tokenization (at most KVGATE_TOKENIZER_TIMEOUT_S) and its
+    admission wait (KVGATE_ADMISSION_MAX_WAIT_S): with the defaults both fit in every shipped config's
+    ext_proc message timeout, so a request that waits its whole turn gets kvgate's 429 with
+    Retry-After, not Envoy's 504."""
+    s = Settings()
+    budget = s.tokenizer_timeout_s + s.admission_max_wait_s
+    timeouts = []
+    for path in [REPO / "envoy" / "envoy.yaml", *sorted((REPO / "envoy" / "gateway").glob("*.yaml"))]:
+        for doc in yaml.safe_load_all(path.read_text()):
+            stack = [doc]
+            while stack:
+                node = stack.pop()
+                if isinstance(node, dict):
+                    for k, v in node.items():
+                        if k in ("message_timeout", "messageTimeout"):
+                            timeouts.append((path.name, _seconds(v)))
+                        else:
+                            stack.append(v)
+                elif isinstance(node, list):
+                    stack.extend(node)
+    assert timeouts, "no ext_proc message timeout found in the shipped configs"
+    for name, t in timeouts:
+        assert budget < t, (name, t, budget)
