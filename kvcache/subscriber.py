@@ -47,6 +47,7 @@ from array import array
 from bisect import bisect_left
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from functools import partial
 from itertools import islice
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -169,14 +170,6 @@ class LockedIndex:
             return self._index.stats()
         finally:
             self._lock.release()
-
-    def remove_pod(self, pod: str) -> None:
-        with self._lock:
-            self._index.remove_pod(pod)
-
-    def drop(self, pod: str, rank: int) -> None:
-        with self._lock:
-            self._index.drop(pod, rank)
 
     @property
     def unlocked(self) -> Any:
@@ -733,7 +726,8 @@ class SubscriberManager:
         self.lock = lock or IndexLock()
         self._ctx = zmq.Context()  # replay DEALERs only: live batches are read without libzmq
         self._subs: dict[tuple[str, int], Subscriber] = {}
-        self._commands: list[tuple[str, Subscriber | None]] = []  # (start|stop|done|resolved|exit, subscriber), under _cmd_lock
+        # (start|stop|done|resolved|exit, subscriber) or ("call", (fn, what)), under _cmd_lock
+        self._commands: list[tuple[str, Any]] = []
         self._cmd_lock = threading.Lock()
         self._wake_rx, self._wake_tx = os.pipe()
         os.set_blocking(self._wake_rx, False)
@@ -746,7 +740,7 @@ class SubscriberManager:
         if self._closed:
             raise RuntimeError("SubscriberManager is closed")
         wanted = {(s.pod, s.rank): s for s in specs}
-        commands: list[tuple[str, Subscriber | None]] = []
+        commands: list[tuple[str, Any]] = []
         for key, sub in list(self._subs.items()):
             if wanted.get(key) != sub.spec:
                 del self._subs[key]
@@ -764,7 +758,7 @@ class SubscriberManager:
             self._thread = threading.Thread(target=self._loop, name="kvgate-ingest", daemon=True)
             self._thread.start()
 
-    def _post(self, commands: list[tuple[str, Subscriber | None]]) -> None:
+    def _post(self, commands: list[tuple[str, Any]]) -> None:
         with self._cmd_lock:
             self._commands.extend(commands)
         try:
@@ -772,14 +766,32 @@ class SubscriberManager:
         except BlockingIOError:  # the pipe is full: the ingest thread has wake-ups pending anyway
             pass
 
+    def run_locked(self, fn: Callable[[], object], what: str) -> None:
+        """Run `fn` under the index lock on the ingest thread, in order with the subscribers' starts and
+        stops posted before and after it (a pod's removal lands before its successor's first batch).
+        The caller (the event loop) never waits for the lock, which the ingest thread holds up to
+        ~140 ms while a growing table is rehashed. Without a running ingest thread it runs here, now.
+        A failure is logged (`what` names the operation)."""
+        if self._thread is None or self._closed:
+            self._locked_call(fn, what)
+        else:
+            self._post([("call", (fn, what))])
+
+    def _locked_call(self, fn: Callable[[], object], what: str) -> None:
+        try:
+            with self.lock:
+                fn()
+        except Exception:
+            log.exception("%s failed", what)
+
     def _forget(self, sub: Subscriber) -> None:
-        with self.lock:
-            sub.stopped = True  # before the drop: no batch of this subscriber lands after it
-            try:
-                self._sink.drop(sub.spec.pod, sub.spec.rank)  # nobody keeps that state current any more
-            except Exception:
-                log.exception("sink.drop failed for %s rank %d", sub.spec.pod, sub.spec.rank)
-        self.metrics.forget(sub.spec.pod, sub.spec.rank)
+        # Read under the lock by whatever applies sub's batches: none lands after the drop, which
+        # runs under the lock after the batch being applied now, if any.
+        sub.stopped = True
+        pod, rank = sub.spec.pod, sub.spec.rank
+        # nobody keeps that state current any more
+        self.run_locked(partial(self._sink.drop, pod, rank), f"sink.drop for {pod} rank {rank}")
+        self.metrics.forget(pod, rank)
 
     def status(self) -> list[dict]:
         return [sub.status() for sub in list(self._subs.values())]
@@ -1136,6 +1148,8 @@ class SubscriberManager:
                                 return
                             if what == "start":
                                 start(sub)
+                            elif what == "call":
+                                self._locked_call(*sub)
                             elif what == "resolved":
                                 result, sub.resolved, sub.resolving = sub.resolved, None, False
                                 if sub not in running or sub.stopped or sub.conn is not None:

@@ -250,8 +250,9 @@ class App:
     def _on_pods(self, added: list[Pod], removed: list[Pod]) -> None:
         # Subscriptions and index entries follow pods in and out of discovery.
         for pod in removed:
-            if self.pods.get(pod.name) is None:
-                self.shared_index.remove_pod(pod.name)
+            if self.pods.get(pod.name) is None:  # on the ingest thread, before the subscriptions below change
+                self.subscriptions.run_locked(partial(self.index.remove_pod, pod.name),
+                                              f"removing pod {pod.name} from the index")
         if self.admission is not None:
             self.admission.pods_removed([p.name for p in removed if self.pods.get(p.name) is None])
             self.admission.pods_added([p.name for p in added])

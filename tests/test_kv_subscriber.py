@@ -385,7 +385,7 @@ async def test_sync_starts_and_stops_exactly_the_given_specs(harness):
     assert sorted(s["pod"] for s in manager.status()) == ["a", "b"]
     manager.sync([b.spec])
     assert [s["pod"] for s in manager.status()] == ["b"]
-    assert ("drop", "a", 0) in sink.log  # nobody keeps a's state current any more
+    await until(lambda: ("drop", "a", 0) in sink.log)  # nobody keeps a's state current any more
     manager.sync([b.spec])  # unchanged: keeps running
     await until(lambda: status(manager)["connected"])
     await subscribed(b, manager, pod="b")  # a lone batch sent before the subscription took hold is lost
@@ -393,6 +393,42 @@ async def test_sync_starts_and_stops_exactly_the_given_specs(harness):
     b.publish(1)
     await until(lambda: sink.hashes("b")[probes:] == [1])
 
+
+
+async def test_changes_wait_for_the_index_lock_on_the_ingest_thread_not_on_the_caller(harness):
+    """A removed endpoint's drop, and any run_locked change, never make the caller (the event loop)
+    wait for the index lock, which the ingest thread holds up to ~140 ms while a growing table is
+    rehashed; they run once the lock is free, in the order posted, before a later-started subscriber's
+    first batch."""
+    make, engine = harness
+    a = engine(pod="a")
+    sink, manager = make()
+    manager.sync([a.spec])
+    await until(lambda: status(manager, pod="a")["connected"])
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with manager.lock:
+            held.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(5)
+        started = time.monotonic()
+        manager.run_locked(lambda: sink.log.append(("call", "first")), "first")
+        manager.sync([])  # a's drop
+        manager.run_locked(lambda: sink.log.append(("call", "last")), "last")
+        assert time.monotonic() - started < 0.05  # none of them waited for the lock
+        await asyncio.sleep(0.2)
+        assert ("call", "first") not in sink.log  # the lock still held: nothing ran around it
+    finally:
+        release.set()
+        holder.join(5)
+    await until(lambda: ("call", "last") in sink.log)
+    # in the order posted, and no batch of a's after its drop
+    assert sink.log[-3:] == [("call", "first"), ("drop", "a", 0), ("call", "last")], sink.log[-5:]
 
 async def test_failing_sink_is_counted_and_state_dropped(harness):
     make, engine = harness
