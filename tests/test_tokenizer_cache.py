@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy as copy_module
 import json
 
 import pytest
@@ -169,6 +170,45 @@ def test_request_keys_tell_apart_whatever_a_template_could_render_differently(it
         hash(a)
     copies = [_request_key(item_of(json.loads(json.dumps(v)))) for v in JSON_VALUES]
     assert copies == keys  # the same JSON parsed again gives the same key
+
+
+def _same_to_a_template(a, b) -> bool:
+    """Equal in value, type (lists and tuples alike: both are JSON arrays), key order and float digits."""
+    kind = lambda v: list if type(v) is tuple else type(v)  # noqa: E731
+    if kind(a) is not kind(b):
+        return False
+    if type(a) is dict:
+        return len(a) == len(b) and all(ka == kb and type(ka) is type(kb) and _same_to_a_template(va, vb)
+                                        for (ka, va), (kb, vb) in zip(a.items(), b.items()))
+    if kind(a) is list:
+        return len(a) == len(b) and all(_same_to_a_template(x, y) for x, y in zip(a, b))
+    return repr(a) == repr(b) if type(a) is float else a == b
+
+
+_scalars = st.one_of(st.none(), st.booleans(), st.integers(-2, 2), st.sampled_from([0.0, -0.0, 1.0, 1e300]),
+                     st.sampled_from(["", "1", "a", "role", "content"]))
+_json = st.recursive(_scalars, lambda inner: st.lists(inner, max_size=3) | st.tuples(inner) | st.dictionaries(
+    st.sampled_from(["role", "content", "a", "1"]), inner, max_size=3), max_leaves=8)
+_message = st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "system"]), "content": st.sampled_from(["", "x", "1"])}),
+    st.dictionaries(st.sampled_from(["role", "content", "name", "tool_calls"]), _json, max_size=3), _json)
+_chat = st.builds(lambda messages, tools, kwargs: ChatInput(messages=tuple(messages), tools=tools,
+                                                            chat_template_kwargs=kwargs),
+                  st.lists(_message, min_size=1, max_size=3), st.none() | st.tuples(_json).map(tuple),
+                  st.none() | st.dictionaries(st.sampled_from(["a", "b"]), _json, max_size=2))
+
+
+@settings(max_examples=1000, deadline=None)
+@given(a=_chat, b=_chat)
+def test_request_keys_are_equal_exactly_for_inputs_a_template_cannot_tell_apart(a, b) -> None:
+    """Whatever the inputs' shapes (messages of strings, which are keyed without a call per message, or
+    anything else), keys meet only for inputs equal in every way a template could see."""
+    same = all(_same_to_a_template(getattr(a, f), getattr(b, f)) for f in ("messages", "tools", "chat_template_kwargs"))
+    assert (_request_key(a) == _request_key(b)) == same
+    copy = ChatInput(messages=copy_module.deepcopy(a.messages), tools=copy_module.deepcopy(a.tools),
+                     chat_template_kwargs=copy_module.deepcopy(a.chat_template_kwargs))
+    assert _request_key(copy) == _request_key(a)  # the same input built again (other objects): the same key
+    hash(_request_key(a))
 
 
 def test_request_keys_of_prompts_and_chats_never_meet() -> None:

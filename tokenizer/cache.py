@@ -236,10 +236,16 @@ class CachedTokenizer:
         if isinstance(item, PromptInput) and item.token_ids is not None:
             return None
         try:
-            hit = self._hit(("req", model, _request_key(item)))
+            key = ("req", model, _request_key(item))
         except TokenizerError:  # `tokenize` will raise it
             return None
-        return None if hit is None else memoryview(hit).toreadonly()
+        hit = self._lru.get(key)
+        if hit is None:
+            return None
+        m = self._metrics  # counted as _hit counts
+        m.request_hit += 1
+        m.tokens_cache += len(hit)
+        return memoryview(hit).toreadonly()
 
     def _hit(self, key: tuple) -> array | None:
         hit = self._lru.get(key)
@@ -360,9 +366,10 @@ def _request_key(item: TokenizeInput) -> tuple:
     Raises TokenizerError for input nested deeper than even repr can walk."""
     if not isinstance(item, ChatInput):
         return ("prompt", item.text, item.add_special_tokens)
+    tools, kwargs = item.tools, item.chat_template_kwargs
     try:
-        return ("chat", _frozen(item.messages), _frozen(item.tools), item.chat_template,
-                _frozen(item.chat_template_kwargs), item.add_generation_prompt, item.continue_final_message)
+        return ("chat", _frozen(item.messages), _NULL if tools is None else _frozen(tools), item.chat_template,
+                _NULL if kwargs is None else _frozen(kwargs), item.add_generation_prompt, item.continue_final_message)
     except _TooDeep:  # nested tuples that deep would make every key comparison recurse as deep
         pass
     try:
@@ -390,11 +397,39 @@ def _frozen(value: object, depth: int = 0) -> object:
         if depth >= _MAX_DEPTH:
             raise _TooDeep
         if t is dict:
-            return (dict, tuple([(k, _frozen(v, depth + 1)) for k, v in value.items()]))
-        return (list, tuple([_frozen(v, depth + 1) for v in value]))
+            return _frozen_object(value, depth)
+        frozen = []
+        for v in value:  # a chat's messages: objects whose values are strings, frozen here without a call each
+            if type(v) is dict and depth + 1 < _MAX_DEPTH:
+                items = tuple(v.items())
+                for _, x in items:
+                    if type(x) is not str:
+                        frozen.append(_frozen_object(v, depth + 1, items))
+                        break
+                else:
+                    frozen.append((dict, items))
+            else:
+                frozen.append(_frozen(v, depth + 1))
+        return (list, tuple(frozen))
     if t is float:
         return (float, repr(value))
     return (t, value)
+
+
+def _frozen_object(value: dict, depth: int, items: tuple | None = None) -> tuple:
+    """_frozen of a dict at `depth` (below _MAX_DEPTH). An object whose values are all strings is its
+    own items: (key, value) pairs are what freezing each pair would build."""
+    if items is None:
+        items = tuple(value.items())
+        for _, v in items:
+            if type(v) is not str:
+                break
+        else:
+            return (dict, items)
+    return (dict, tuple([(k, _frozen(v, depth + 1)) for k, v in items]))
+
+
+_NULL = _frozen(None)
 
 
 def _key_bytes(key: object) -> int:
