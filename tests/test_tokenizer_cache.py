@@ -152,7 +152,8 @@ def test_cached_probe_is_a_read_only_view_counted_like_a_hit(local) -> None:
 
 
 JSON_VALUES = [1, 1.0, True, "1", None, "None", 0.0, -0.0, 0, False, "", [], {}, [1], {"a": 1}, [["a", 1]],
-               {"a": [1]}, {"a": {"b": 1}}, [1, 2], [2, 1], {"a": 1, "b": 2}, {"b": 2, "a": 1}, 1e300, 10**30]
+               {"a": [1]}, {"a": {"b": 1}}, [1, 2], [2, 1], {"a": 1, "b": 2}, {"b": 2, "a": 1}, 1e300, 10**30,
+               float("inf"), float("-inf"), 1e16, 10**16, "é", "\\u00e9", '"', "\\", "\n", "\\n", "\ud800", {"é": 1}]
 
 
 @pytest.mark.parametrize("item_of", [
@@ -216,6 +217,14 @@ def test_request_keys_of_prompts_and_chats_never_meet() -> None:
     chat = ChatInput(messages=({"role": "user", "content": "x"},))
     assert _request_key(chat) != _request_key(ChatInput(messages=chat.messages, add_generation_prompt=False))
     assert _request_key(chat) != _request_key(PromptInput(text="x"))
+
+
+def test_values_json_has_no_form_for_are_keyed_by_type() -> None:
+    """Bytes (no JSON form) are keyed by their _frozen form: apart from the text they spell, equal to themselves."""
+    of = lambda v: _request_key(ChatInput(messages=({"role": "user", "content": "x", "extra": v},),  # noqa: E731
+                                          tools=({"type": "function", "x": v},), chat_template_kwargs={"k": v}))
+    assert of(b"x") == of(b"x") and of(b"x") != of("x") and of(b"x") != of(b"y")
+    hash(of(b"x"))
 
 
 def test_key_order_and_types_are_not_confused(local) -> None:

@@ -22,6 +22,7 @@ difference turns the piece level off for that model (counted, logged).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import sys
 import time
@@ -362,14 +363,29 @@ def _split_at(ids: Sequence[int], sep: int) -> list[list[int]]:
 def _request_key(item: TokenizeInput) -> tuple:
     """A hashable copy of everything the engine's tokenization depends on, equal only for equal
     inputs as a template sees them: key order kept, and 1, 1.0, true, "1", 0.0 and -0.0 apart.
-    Built from the parsed request without copying its strings (repr would copy them all).
+    A message whose values are all strings is keyed by its (key, value) pairs, its strings not copied
+    (a chat's text is mostly such messages); any other message, the tools and the template kwargs by
+    their JSON text, which holds exactly that information for JSON's values (the engine reads the
+    request as JSON) and is made in C, where freezing them value by value took Python's time per value.
     Raises TokenizerError for input nested deeper than even repr can walk."""
     if not isinstance(item, ChatInput):
         return ("prompt", item.text, item.add_special_tokens)
     tools, kwargs = item.tools, item.chat_template_kwargs
     try:
-        return ("chat", _frozen(item.messages), _NULL if tools is None else _frozen(tools), item.chat_template,
-                _NULL if kwargs is None else _frozen(kwargs), item.add_generation_prompt, item.continue_final_message)
+        messages = []
+        for m in item.messages:
+            if type(m) is dict:
+                pairs = tuple(m.items())
+                for _, v in pairs:
+                    if type(v) is not str:
+                        messages.append(_json_key(m))
+                        break
+                else:
+                    messages.append(pairs)  # a tuple of pairs: never a JSON text (str) or a _frozen form
+            else:
+                messages.append(_json_key(m))
+        return ("chat", tuple(messages), None if tools is None else _json_key(tools), item.chat_template,
+                None if kwargs is None else _json_key(kwargs), item.add_generation_prompt, item.continue_final_message)
     except _TooDeep:  # nested tuples that deep would make every key comparison recurse as deep
         pass
     try:
@@ -377,6 +393,22 @@ def _request_key(item: TokenizeInput) -> tuple:
                                    item.add_generation_prompt, item.continue_final_message)))
     except RecursionError:
         raise TokenizerError("the request is nested too deeply to tokenize") from None
+
+
+# JSON text as json.dumps makes it (floats by repr: -0.0 and every digit kept; NaN and Infinity as such;
+# lists and tuples alike, as JSON arrays; key order kept), without escaping non-ASCII text.
+_json_text = json.JSONEncoder(ensure_ascii=False, check_circular=False).encode
+
+
+def _json_key(value: object) -> object:
+    """`value`'s JSON text; for a value the encoder refuses (an object JSON has no form for) or that is
+    too deep for it, its _frozen form instead (a tuple: never equal to a text). A ChatInput holds the
+    JSON values of a request body, and what the engine is sent of it is this same text (json.dumps; see
+    tokenizer.remote): inputs with equal texts are one request to the engine."""
+    try:
+        return _json_text(value)
+    except (TypeError, ValueError, RecursionError):
+        return _frozen(value)
 
 
 _MAX_DEPTH = 32  # JSON nested deeper than this (rare: tool schemas nest a few levels) is keyed by its repr
@@ -397,39 +429,11 @@ def _frozen(value: object, depth: int = 0) -> object:
         if depth >= _MAX_DEPTH:
             raise _TooDeep
         if t is dict:
-            return _frozen_object(value, depth)
-        frozen = []
-        for v in value:  # a chat's messages: objects whose values are strings, frozen here without a call each
-            if type(v) is dict and depth + 1 < _MAX_DEPTH:
-                items = tuple(v.items())
-                for _, x in items:
-                    if type(x) is not str:
-                        frozen.append(_frozen_object(v, depth + 1, items))
-                        break
-                else:
-                    frozen.append((dict, items))
-            else:
-                frozen.append(_frozen(v, depth + 1))
-        return (list, tuple(frozen))
+            return (dict, tuple([(k, _frozen(v, depth + 1)) for k, v in value.items()]))
+        return (list, tuple([_frozen(v, depth + 1) for v in value]))
     if t is float:
         return (float, repr(value))
     return (t, value)
-
-
-def _frozen_object(value: dict, depth: int, items: tuple | None = None) -> tuple:
-    """_frozen of a dict at `depth` (below _MAX_DEPTH). An object whose values are all strings is its
-    own items: (key, value) pairs are what freezing each pair would build."""
-    if items is None:
-        items = tuple(value.items())
-        for _, v in items:
-            if type(v) is not str:
-                break
-        else:
-            return (dict, items)
-    return (dict, tuple([(k, _frozen(v, depth + 1)) for k, v in items]))
-
-
-_NULL = _frozen(None)
 
 
 def _key_bytes(key: object) -> int:
