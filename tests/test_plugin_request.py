@@ -81,9 +81,10 @@ def test_prompt_shapes():
 def test_chat_fields():
     body = {"model": "m", "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}],
             "tools": [{"type": "function", "function": {"name": "f"}}], "chat_template_kwargs": {"x": 1},
-            "continue_final_message": True, "add_generation_prompt": False, "stream": None}
+            "continue_final_message": True, "add_generation_prompt": False, "stream": None, "chat_template": "t"}
     r = parse_body(CHAT, _j(body), LIMIT)
     assert isinstance(r.item, ChatInput)
+    assert (r.path, r.model, r.item.chat_template) == (CHAT, "m", "t")
     assert r.item.messages[1] == {"role": "user", "content": "u"}
     assert r.item.tools == ({"type": "function", "function": {"name": "f"}},)
     assert r.item.continue_final_message is True and r.item.add_generation_prompt is False
