@@ -1,8 +1,9 @@
 """A cache in front of any Tokenizer that never returns tokens the engine would not.
 
 Two levels, one byte-bounded LRU:
-- whole requests: (model, the input's fields as nested tuples) -> ids. Exact because
-  tokenization is a deterministic function of the model's tokenizer and the input.
+- whole requests: (model, the input's fields: text, messages as (key, value) pairs or JSON
+  text, tools and options as JSON text) -> ids. Exact because tokenization is a deterministic
+  function of the model's tokenizer and the input.
 - pieces: for models with a local copy of the engine's tokenizer files, the input
   is rendered locally (chat template) and cut at added tokens such as the ChatML
   turn markers (see tokenizer.segments for why the tokenizer never merges across
@@ -411,7 +412,7 @@ def _json_key(value: object) -> object:
         return _frozen(value)
 
 
-_MAX_DEPTH = 32  # JSON nested deeper than this (rare: tool schemas nest a few levels) is keyed by its repr
+_MAX_DEPTH = 32  # a value JSON cannot encode that nests deeper than this is keyed by the request's repr
 
 
 class _TooDeep(Exception):
