@@ -130,7 +130,7 @@ def _outcome(decode, body: bytes):
         return "error", e.status, e.message, e.code, e.param
 
 
-@settings(max_examples=1500, deadline=None)
+@settings(max_examples=800, deadline=None)
 @given(body=_bodies, tail=st.sampled_from([b"", b" ", b"\r\n", b"x", b"}", b" {}"]))
 def test_decoding_shortcut_gives_json_loads_value_or_defers(body: bytes, tail: bytes) -> None:
     """_decode_object answers only bodies json.loads reads as an object within the nesting bound, with

@@ -199,7 +199,7 @@ _chat = st.builds(lambda messages, tools, kwargs: ChatInput(messages=tuple(messa
                   st.none() | st.dictionaries(st.sampled_from(["a", "b"]), _json, max_size=2))
 
 
-@settings(max_examples=1000, deadline=None)
+@settings(max_examples=400, deadline=None)
 @given(a=_chat, b=_chat)
 def test_request_keys_are_equal_exactly_for_inputs_a_template_cannot_tell_apart(a, b) -> None:
     """Whatever the inputs' shapes (messages of strings, which are keyed without a call per message, or
