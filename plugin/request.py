@@ -59,8 +59,8 @@ class InferenceRequest:
 
 def nests_deeper_than(body: bytes, limit: int) -> bool:
     """Whether the arrays and objects of a JSON text nest deeper than `limit` (exact for valid JSON).
-    Only a body holding more than `limit` opening brackets is scanned: counting them is one C pass."""
-    if body.count(b"[") + body.count(b"{") <= limit:
+    Only a body holding more than `limit` opening brackets is scanned."""
+    if _opening_brackets_at_most(body, limit):
         return False
     depth = 0
     for m in _JSON_TOKENS.finditer(body):
@@ -74,18 +74,58 @@ def nests_deeper_than(body: bytes, limit: int) -> bool:
     return False
 
 
-def parse_body(path: str, body: bytes, max_bytes: int) -> InferenceRequest:
-    """Parse and check a /v1/completions or /v1/chat/completions body."""
-    if len(body) > max_bytes:
-        raise ClientError(413, f"request body is {len(body)} bytes; the limit is {max_bytes}",
-                          code="request_too_large")
-    if not body:
-        raise bad_request("request body is empty; expected a JSON object", code="invalid_json")
+def _opening_brackets_at_most(body: bytes, limit: int) -> bool:
+    """Whether `body` holds at most `limit` bytes `[` and `{` (an upper bound on its nesting).
+    Brackets sparser than one in 256 bytes (a chat's messages: one `{` each) are found one by one
+    (memchr), which skips the text between them; denser ones are counted, a plain pass over every byte
+    (about 1 us per 3 kB and per bracket kind), which is then the cheaper."""
+    if len(body) <= limit:
+        return True
+    find = body.find
+    seen = 0
+    for bracket in (0x5B, 0x7B):  # [ {
+        found = 0
+        i = find(bracket)
+        while i >= 0:
+            found += 1
+            if seen + found > limit:
+                return False
+            if found > 4 and i < found << 8:
+                return body.count(b"[") + body.count(b"{") <= limit
+            i = find(bracket, i + 1)
+        seen += found
+    return True
+
+
+# The scanner json.loads itself uses (a decoder with every option at its default), called directly.
+_scan_json = json.JSONDecoder().scan_once
+_JSON_WHITESPACE_END = json.decoder.WHITESPACE.match
+
+
+def _decode_object(body: bytes) -> Any:
+    """json.loads(body) for a body that starts with `{`, within the nesting bound and valid: the same
+    value, without the steps that cannot change it for such a body (detecting UTF-16 or UTF-32, the
+    leading whitespace). None for any other body (an error included): `_decode` then takes it from the
+    start, with its exact error."""
+    if body[0] != 0x7B or len(body) < 2 or not body[1] or not _opening_brackets_at_most(body, MAX_JSON_DEPTH):
+        return None  # not `{`, or `{` then a zero byte (json.loads reads that as UTF-16 or UTF-32)
+    try:
+        text = body.decode("utf-8", "surrogatepass")  # json.loads' decoding of a body it detects as UTF-8
+        data, end = _scan_json(text, 0)
+    except (ValueError, StopIteration, RecursionError):
+        return None
+    if end != len(text) and _JSON_WHITESPACE_END(text, end).end() != len(text):
+        return None  # something after the object: json.loads' "Extra data"
+    return data
+
+
+def _decode(body: bytes) -> Any:
+    """json.loads(body), bounded in nesting, its failures as client errors."""
     if nests_deeper_than(body, MAX_JSON_DEPTH):
         raise bad_request(f"request body nests arrays or objects deeper than {MAX_JSON_DEPTH} levels",
                           code="invalid_json")
     try:
-        data = json.loads(body)
+        return json.loads(body)
     except UnicodeDecodeError:
         raise bad_request("request body is not valid UTF-8", code="invalid_json") from None
     except RecursionError:  # not valid JSON either (the bound above is exact for valid JSON)
@@ -93,20 +133,33 @@ def parse_body(path: str, body: bytes, max_bytes: int) -> InferenceRequest:
                           code="invalid_json") from None
     except ValueError as e:
         raise bad_request(f"request body is not valid JSON: {e}", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise bad_request("request body must be a JSON object", code="invalid_json")
+
+
+def parse_body(path: str, body: bytes, max_bytes: int) -> InferenceRequest:
+    """Parse and check a /v1/completions or /v1/chat/completions body."""
+    size = len(body)
+    if size > max_bytes:
+        raise ClientError(413, f"request body is {size} bytes; the limit is {max_bytes}",
+                          code="request_too_large")
+    if not size:
+        raise bad_request("request body is empty; expected a JSON object", code="invalid_json")
+    data = _decode_object(body)
+    if data is None:
+        data = _decode(body)
+        if type(data) is not dict:
+            raise bad_request("request body must be a JSON object", code="invalid_json")
     model = data.get("model")
     if model is None:
         raise bad_request("`model` is required", param="model", code="missing_model")
-    if not isinstance(model, str) or not model.strip():
+    if type(model) is not str or not model.strip():
         raise bad_request("`model` must be a non-empty string", param="model")
     stream = data.get("stream", False)
     if stream is None:
         stream = False
-    if not isinstance(stream, bool):
+    elif stream is not False and stream is not True:
         raise bad_request("`stream` must be true or false", param="stream")
     item = _completion_item(data) if path == COMPLETIONS else _chat_item(data)
-    return InferenceRequest(path=path, model=model, stream=stream, item=item)
+    return InferenceRequest(path, model, stream, item)  # positional: the fields' order
 
 
 def _token_ids(value: list[Any], param: str) -> tuple[int, ...]:
@@ -146,31 +199,45 @@ def _completion_item(data: dict[str, Any]) -> PromptInput:
 
 
 def _chat_item(data: dict[str, Any]) -> ChatInput:
+    # The values come from json.loads: exact dicts, lists, strs, ints, floats and bools, so `type(x) is`
+    # tells what isinstance would (bool apart, which is tested as True or False).
     messages = data.get("messages")
     if messages is None:
         raise bad_request("`messages` is required", param="messages")
-    if not isinstance(messages, list) or not messages:
+    if type(messages) is not list or not messages:
         raise bad_request("`messages` must be a non-empty list", param="messages")
+    for m in messages:
+        if type(m) is not dict or type(m.get("role")) is not str:
+            _check_messages(messages)
+        content = m.get("content")
+        if content is not None and type(content) is not str and type(content) is not list:
+            _check_messages(messages)
+    tools = data.get("tools")
+    if tools is not None and not (type(tools) is list and all(type(t) is dict for t in tools)):
+        raise bad_request("`tools` must be a list of objects", param="tools")
+    template = data.get("chat_template")
+    if template is not None and type(template) is not str:
+        raise bad_request("`chat_template` must be a string", param="chat_template")
+    kwargs = data.get("chat_template_kwargs")
+    if kwargs is not None and type(kwargs) is not dict:
+        raise bad_request("`chat_template_kwargs` must be an object", param="chat_template_kwargs")
+    generation = data.get("add_generation_prompt", True)
+    if generation is not True and generation is not False:
+        raise bad_request("`add_generation_prompt` must be true or false", param="add_generation_prompt")
+    final = data.get("continue_final_message", False)
+    if final is not True and final is not False:
+        raise bad_request("`continue_final_message` must be true or false", param="continue_final_message")
+    # Positional, in the fields' order (keywords cost a dataclass __init__ a third more; test_chat_fields
+    # checks every field).
+    return ChatInput(tuple(messages), tuple(tools) if tools else None, template, kwargs, generation, final)
+
+
+def _check_messages(messages: list[Any]) -> None:
+    """Raise the error of the first message that is not an object with a string `role` and a string,
+    list or null `content` (the check above, again, to name the message)."""
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise bad_request(f"`messages[{i}]` must be an object with a string `role`", param="messages")
         content = m.get("content")
         if content is not None and not isinstance(content, (str, list)):
             raise bad_request(f"`messages[{i}].content` must be a string or a list of parts", param="messages")
-    tools = data.get("tools")
-    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
-        raise bad_request("`tools` must be a list of objects", param="tools")
-    template = data.get("chat_template")
-    if template is not None and not isinstance(template, str):
-        raise bad_request("`chat_template` must be a string", param="chat_template")
-    kwargs = data.get("chat_template_kwargs")
-    if kwargs is not None and not isinstance(kwargs, dict):
-        raise bad_request("`chat_template_kwargs` must be an object", param="chat_template_kwargs")
-    flags = {}
-    for name, default in (("add_generation_prompt", True), ("continue_final_message", False)):
-        value = data.get(name, default)
-        if not isinstance(value, bool):
-            raise bad_request(f"`{name}` must be true or false", param=name)
-        flags[name] = value
-    return ChatInput(messages=tuple(messages), tools=tuple(tools) if tools else None, chat_template=template,
-                     chat_template_kwargs=kwargs, **flags)

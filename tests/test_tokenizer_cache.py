@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy as copy_module
 import json
 
 import pytest
@@ -151,7 +152,8 @@ def test_cached_probe_is_a_read_only_view_counted_like_a_hit(local) -> None:
 
 
 JSON_VALUES = [1, 1.0, True, "1", None, "None", 0.0, -0.0, 0, False, "", [], {}, [1], {"a": 1}, [["a", 1]],
-               {"a": [1]}, {"a": {"b": 1}}, [1, 2], [2, 1], {"a": 1, "b": 2}, {"b": 2, "a": 1}, 1e300, 10**30]
+               {"a": [1]}, {"a": {"b": 1}}, [1, 2], [2, 1], {"a": 1, "b": 2}, {"b": 2, "a": 1}, 1e300, 10**30,
+               float("inf"), float("-inf"), 1e16, 10**16, "é", "\\u00e9", '"', "\\", "\n", "\\n", "\ud800", {"é": 1}]
 
 
 @pytest.mark.parametrize("item_of", [
@@ -171,11 +173,58 @@ def test_request_keys_tell_apart_whatever_a_template_could_render_differently(it
     assert copies == keys  # the same JSON parsed again gives the same key
 
 
+def _same_to_a_template(a, b) -> bool:
+    """Equal in value, type (lists and tuples alike: both are JSON arrays), key order and float digits."""
+    kind = lambda v: list if type(v) is tuple else type(v)  # noqa: E731
+    if kind(a) is not kind(b):
+        return False
+    if type(a) is dict:
+        return len(a) == len(b) and all(ka == kb and type(ka) is type(kb) and _same_to_a_template(va, vb)
+                                        for (ka, va), (kb, vb) in zip(a.items(), b.items()))
+    if kind(a) is list:
+        return len(a) == len(b) and all(_same_to_a_template(x, y) for x, y in zip(a, b))
+    return repr(a) == repr(b) if type(a) is float else a == b
+
+
+_scalars = st.one_of(st.none(), st.booleans(), st.integers(-2, 2), st.sampled_from([0.0, -0.0, 1.0, 1e300]),
+                     st.sampled_from(["", "1", "a", "role", "content"]))
+_json = st.recursive(_scalars, lambda inner: st.lists(inner, max_size=3) | st.tuples(inner) | st.dictionaries(
+    st.sampled_from(["role", "content", "a", "1"]), inner, max_size=3), max_leaves=8)
+_message = st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "system"]), "content": st.sampled_from(["", "x", "1"])}),
+    st.dictionaries(st.sampled_from(["role", "content", "name", "tool_calls"]), _json, max_size=3), _json)
+_chat = st.builds(lambda messages, tools, kwargs: ChatInput(messages=tuple(messages), tools=tools,
+                                                            chat_template_kwargs=kwargs),
+                  st.lists(_message, min_size=1, max_size=3), st.none() | st.tuples(_json).map(tuple),
+                  st.none() | st.dictionaries(st.sampled_from(["a", "b"]), _json, max_size=2))
+
+
+@settings(max_examples=400, deadline=None)
+@given(a=_chat, b=_chat)
+def test_request_keys_are_equal_exactly_for_inputs_a_template_cannot_tell_apart(a, b) -> None:
+    """Whatever the inputs' shapes (messages of strings, which are keyed without a call per message, or
+    anything else), keys meet only for inputs equal in every way a template could see."""
+    same = all(_same_to_a_template(getattr(a, f), getattr(b, f)) for f in ("messages", "tools", "chat_template_kwargs"))
+    assert (_request_key(a) == _request_key(b)) == same
+    copy = ChatInput(messages=copy_module.deepcopy(a.messages), tools=copy_module.deepcopy(a.tools),
+                     chat_template_kwargs=copy_module.deepcopy(a.chat_template_kwargs))
+    assert _request_key(copy) == _request_key(a)  # the same input built again (other objects): the same key
+    hash(_request_key(a))
+
+
 def test_request_keys_of_prompts_and_chats_never_meet() -> None:
     assert _request_key(PromptInput(text="x")) != _request_key(PromptInput(text="x", add_special_tokens=False))
     chat = ChatInput(messages=({"role": "user", "content": "x"},))
     assert _request_key(chat) != _request_key(ChatInput(messages=chat.messages, add_generation_prompt=False))
     assert _request_key(chat) != _request_key(PromptInput(text="x"))
+
+
+def test_values_json_has_no_form_for_are_keyed_by_type() -> None:
+    """Bytes (no JSON form) are keyed by their _frozen form: apart from the text they spell, equal to themselves."""
+    of = lambda v: _request_key(ChatInput(messages=({"role": "user", "content": "x", "extra": v},),  # noqa: E731
+                                          tools=({"type": "function", "x": v},), chat_template_kwargs={"k": v}))
+    assert of(b"x") == of(b"x") and of(b"x") != of("x") and of(b"x") != of(b"y")
+    hash(of(b"x"))
 
 
 def test_key_order_and_types_are_not_confused(local) -> None:

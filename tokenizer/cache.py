@@ -1,8 +1,9 @@
 """A cache in front of any Tokenizer that never returns tokens the engine would not.
 
 Two levels, one byte-bounded LRU:
-- whole requests: (model, the input's fields as nested tuples) -> ids. Exact because
-  tokenization is a deterministic function of the model's tokenizer and the input.
+- whole requests: (model, the input's fields: text, messages as (key, value) pairs or JSON
+  text, tools and options as JSON text) -> ids. Exact because tokenization is a deterministic
+  function of the model's tokenizer and the input.
 - pieces: for models with a local copy of the engine's tokenizer files, the input
   is rendered locally (chat template) and cut at added tokens such as the ChatML
   turn markers (see tokenizer.segments for why the tokenizer never merges across
@@ -22,6 +23,7 @@ difference turns the piece level off for that model (counted, logged).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import sys
 import time
@@ -236,10 +238,16 @@ class CachedTokenizer:
         if isinstance(item, PromptInput) and item.token_ids is not None:
             return None
         try:
-            hit = self._hit(("req", model, _request_key(item)))
+            key = ("req", model, _request_key(item))
         except TokenizerError:  # `tokenize` will raise it
             return None
-        return None if hit is None else memoryview(hit).toreadonly()
+        hit = self._lru.get(key)
+        if hit is None:
+            return None
+        m = self._metrics  # counted as _hit counts
+        m.request_hit += 1
+        m.tokens_cache += len(hit)
+        return memoryview(hit).toreadonly()
 
     def _hit(self, key: tuple) -> array | None:
         hit = self._lru.get(key)
@@ -356,13 +364,29 @@ def _split_at(ids: Sequence[int], sep: int) -> list[list[int]]:
 def _request_key(item: TokenizeInput) -> tuple:
     """A hashable copy of everything the engine's tokenization depends on, equal only for equal
     inputs as a template sees them: key order kept, and 1, 1.0, true, "1", 0.0 and -0.0 apart.
-    Built from the parsed request without copying its strings (repr would copy them all).
+    A message whose values are all strings is keyed by its (key, value) pairs, its strings not copied
+    (a chat's text is mostly such messages); any other message, the tools and the template kwargs by
+    their JSON text, which holds exactly that information for JSON's values (the engine reads the
+    request as JSON) and is made in C, where freezing them value by value took Python's time per value.
     Raises TokenizerError for input nested deeper than even repr can walk."""
     if not isinstance(item, ChatInput):
         return ("prompt", item.text, item.add_special_tokens)
+    tools, kwargs = item.tools, item.chat_template_kwargs
     try:
-        return ("chat", _frozen(item.messages), _frozen(item.tools), item.chat_template,
-                _frozen(item.chat_template_kwargs), item.add_generation_prompt, item.continue_final_message)
+        messages = []
+        for m in item.messages:
+            if type(m) is dict:
+                pairs = tuple(m.items())
+                for _, v in pairs:
+                    if type(v) is not str:
+                        messages.append(_json_key(m))
+                        break
+                else:
+                    messages.append(pairs)  # a tuple of pairs: never a JSON text (str) or a _frozen form
+            else:
+                messages.append(_json_key(m))
+        return ("chat", tuple(messages), None if tools is None else _json_key(tools), item.chat_template,
+                None if kwargs is None else _json_key(kwargs), item.add_generation_prompt, item.continue_final_message)
     except _TooDeep:  # nested tuples that deep would make every key comparison recurse as deep
         pass
     try:
@@ -372,7 +396,23 @@ def _request_key(item: TokenizeInput) -> tuple:
         raise TokenizerError("the request is nested too deeply to tokenize") from None
 
 
-_MAX_DEPTH = 32  # JSON nested deeper than this (rare: tool schemas nest a few levels) is keyed by its repr
+# JSON text as json.dumps makes it (floats by repr: -0.0 and every digit kept; NaN and Infinity as such;
+# lists and tuples alike, as JSON arrays; key order kept), without escaping non-ASCII text.
+_json_text = json.JSONEncoder(ensure_ascii=False, check_circular=False).encode
+
+
+def _json_key(value: object) -> object:
+    """`value`'s JSON text; for a value the encoder refuses (an object JSON has no form for) or that is
+    too deep for it, its _frozen form instead (a tuple: never equal to a text). A ChatInput holds the
+    JSON values of a request body, and what the engine is sent of it is this same text (json.dumps; see
+    tokenizer.remote): inputs with equal texts are one request to the engine."""
+    try:
+        return _json_text(value)
+    except (TypeError, ValueError, RecursionError):
+        return _frozen(value)
+
+
+_MAX_DEPTH = 32  # a value JSON cannot encode that nests deeper than this is keyed by the request's repr
 
 
 class _TooDeep(Exception):
