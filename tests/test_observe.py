@@ -61,7 +61,7 @@ def run_stream(obs, clock, tokens=5, usage=True, step=0.02):
     else:
         w.on_chunk(b"data: [DONE]\n\n")
     w.close()
-    return w.obs
+    return w
 
 
 @pytest.mark.parametrize("usage", [True, False])
@@ -89,7 +89,7 @@ def test_json_response_gives_tokens_but_no_ttft():
     for i in range(0, len(raw), 700):  # usage split over the last chunks
         w.on_chunk(raw[i:i + 700])
     w.close()
-    assert (w.obs.prompt_tokens, w.obs.completion_tokens, w.obs.ttft, w.obs.tpot) == (9, 3, None, None)
+    assert (w.prompt_tokens, w.completion_tokens, w.ttft, w.tpot) == (9, 3, None, None)
     assert value(reg, "kvgate_request_prompt_tokens_total", model="m", pod="p1") == 9
     assert value(reg, "kvgate_request_ttft_seconds_count", model="m", pod="p1") == 0
 
@@ -238,3 +238,25 @@ def test_first_token_hook_fires_at_the_first_chunk_and_again_at_the_end_for_cut_
 def test_observe_cost_bench_drives_a_real_server_and_reports_cpu_per_request():
     from bench import observe_cost
     assert observe_cost.measure(40, 2, True) > 0  # the child server's CPU over 40 requests of 2 chunks
+
+
+def test_an_unwatched_request_is_done_without_usage_and_a_stray_chunk_only_fires_the_first_token_hook():
+    """Not sampled: its end tells the trackers done (without usage, whatever a response said) and counts
+    it unsampled; should Envoy send a chunk all the same, only the first-token hook sees it (once)."""
+    reg, calls, seen = CollectorRegistry(), [], []
+    obs = Observer(reg, TrackerRegistry((Recorder("a", calls),)), clock=Clock(), on_first_token=seen.append)
+    w = obs.start("r", "m", "p0", tokens=list(range(40)), watched=False)
+    assert w.on_headers(200, "text/event-stream")  # the answer to response headers is the watched one's
+    w.on_chunk(b"")
+    assert seen == []
+    w.on_chunk(chat_chunk("", first=True) + chat_chunk("a"))
+    w.on_chunk(sse({"choices": [], "usage": {"prompt_tokens": 42, "completion_tokens": 2, "total_tokens": 44}}))
+    assert seen == ["r"]
+    w.close()
+    w.close()
+    assert seen == ["r", "r"]  # the end tells it again (idempotent there), as for a watched request
+    assert calls == [("a", "add", "r"), ("a", "done", "r", 7)]
+    assert not w.watched and not w.usage and w.ttft is None
+    assert value(reg, "kvgate_requests_observed_total", source="unsampled") == 1
+    assert value(reg, "kvgate_request_completion_tokens_total", model="m", pod="p0") == 0
+    assert value(reg, "kvgate_request_prompt_tokens_total", model="m", pod="p0") == 0
