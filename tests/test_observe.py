@@ -8,7 +8,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from plugin.observe import Observer
-from routing.tracking import TraceWindows, TrackerRegistry, trace_bucket
+from routing.tracking import TraceWindows, Tracker, TrackerRegistry, trace_bucket
 
 
 class Clock:
@@ -182,6 +182,27 @@ def test_registry_calls_trackers_in_order_idempotent_start_and_survives_a_failin
     assert calls == [("a", "add", "r"), ("b", "add", "r"), ("a", "trace", "r", 10, 20, 7),
                      ("x", "trace", "r", 10, 20, 7), ("b", "trace", "r", 10, 20, 7)]
     assert reg.in_flight == 0
+
+
+def test_registry_calls_what_a_tracker_overrides_of_tracker_on_its_class_or_instance():
+    """A Tracker subclass acts on what it overrides (on its class, or on the instance before it is
+    registered); the rest are Tracker's no-ops (term 0)."""
+    calls = []
+
+    class Traces(Tracker):
+        def done_request_trace(self, ctx, request_id, model, i, o, term):
+            calls.append(("trace", request_id, i, o, term))
+
+    counted = Traces()
+    counted.done_request_count = lambda ctx, request_id, model, term: calls.append(("done", request_id, term))
+    reg = TrackerRegistry((Traces(), counted, Tracker()))
+    reg.register(Recorder("a", calls))
+    assert reg.add_request_count(None, "r", "m") == 7  # the first non-zero term: the Recorder's
+    reg.done_request_trace(None, "r", "m", 3, 4, 7)
+    assert reg.add_request_count(None, "s", "m") == 7
+    reg.done_request_count(None, "s", "m", 7)
+    assert calls == [("a", "add", "r"), ("trace", "r", 3, 4, 7), ("trace", "r", 3, 4, 7), ("a", "trace", "r", 3, 4, 7),
+                     ("a", "add", "s"), ("done", "s", 7), ("a", "done", "s", 7)]
 
 
 def test_trace_window_is_aibrix_format_and_rotates_with_terms():
