@@ -255,36 +255,33 @@ class Observer:
                                        m.prompt_tokens.labels(model, pod), m.completion_tokens.labels(model, pod))
         return s
 
-    def _count(self, source: str) -> None:
+    def finish(self, o: Watch) -> None:
+        if not o.watched:  # not sampled: done, without usage
+            source = "unsampled"
+        elif o.status != 200 or not (o.usage or o.completion_tokens > 0):
+            source = "none"  # failed or cut: done, without usage
+        else:
+            source = "usage" if o.usage else "counted"
         c = self._observed.get(source)
         if c is None:
             c = self._observed[source] = self.metrics.observed.labels(source)
         c.inc()
-
-    def finish(self, o: Watch) -> None:
-        if not o.watched:  # not sampled: done, without usage
-            self._count("unsampled")
+        if source == "unsampled" or source == "none":
             self.trackers.done_request_count(o, o.request_id, o.model, o.term)
             return
-        if o.status != 200 or not (o.usage or o.completion_tokens > 0):
-            self._count("none")
-            self.trackers.done_request_count(o, o.request_id, o.model, o.term)
-            return
-        self._count("usage" if o.usage else "counted")
         ttft_h, tpot_h, prompt_c, completion_c = self._series(o.model, o.pod)
-        if o.streamed and o.first_at:
+        ttft = tpot = None
+        if o.streamed and o.first_at:  # else no first token timed: no TTFT, no TPOT
             ttft = o.first_at - o.routed_at
             ttft_h.observe(ttft)
             tpot = o.tpot
             if tpot is not None:
                 tpot_h.observe(tpot)
-            prompt_c.inc(o.prompt_tokens)
-            if self.slo_targets is not None:
-                t_ttft, t_tpot = self.slo_targets(o.model, o.slo_ttft_s, o.slo_tpot_s)
-                met = ttft <= t_ttft and (tpot is None or tpot <= t_tpot)
-                self.metrics.slo.labels(o.model, "true" if met else "false").inc()
-        else:  # no first token timed: no TTFT, no TPOT
-            prompt_c.inc(o.prompt_tokens)
+        prompt_c.inc(o.prompt_tokens)
+        if ttft is not None and self.slo_targets is not None:
+            t_ttft, t_tpot = self.slo_targets(o.model, o.slo_ttft_s, o.slo_tpot_s)
+            met = ttft <= t_ttft and (tpot is None or tpot <= t_tpot)
+            self.metrics.slo.labels(o.model, "true" if met else "false").inc()
         completion_c.inc(o.completion_tokens)
         self.trackers.done_request_trace(o, o.request_id, o.model, o.prompt_tokens, o.completion_tokens, o.term)
 

@@ -144,7 +144,6 @@ class _Window:
     term: int
     counts: dict[str, int] = field(default_factory=dict)
     total: int = 0  # requests started in this window
-    completed: int = 0
 
 
 class TraceWindows(Tracker):
@@ -174,20 +173,16 @@ class TraceWindows(Tracker):
         pending[model] = pending.get(model, 0) + 1
         return w.term
 
-    def _done(self, model: str, term: int) -> _Window:
+    def done_request_count(self, ctx: Any, request_id: str, model: str, term: int) -> _Window:
+        """(Returns the model's current window, made if a rotation left none: the model is still
+        reported for this interval; done_request_trace counts the request's tokens there.)"""
         pending = self._pending
         left = pending.get(model, 0) - 1
         if left > 0:
             pending[model] = left
         else:
             pending.pop(model, None)
-        w = self._windows.get(model) or self._window(model)
-        if term == w.term:
-            w.completed += 1
-        return w
-
-    def done_request_count(self, ctx: Any, request_id: str, model: str, term: int) -> None:
-        self._done(model, term)
+        return self._windows.get(model) or self._window(model)
 
     def _bucket(self, tokens: int) -> int:
         b = self._buckets.get(tokens)
@@ -199,7 +194,7 @@ class TraceWindows(Tracker):
 
     def done_request_trace(self, ctx: Any, request_id: str, model: str, input_tokens: int, output_tokens: int,
                            term: int) -> None:
-        w = self._done(model, term)
+        w = self.done_request_count(ctx, request_id, model, term)
         memo = self._buckets
         i, o = memo.get(input_tokens), memo.get(output_tokens)
         key = f"{self._bucket(input_tokens) if i is None else i}:{self._bucket(output_tokens) if o is None else o}"
@@ -222,7 +217,8 @@ class TraceWindows(Tracker):
 
     def rotate(self) -> tuple[int, dict[str, dict[str, int]]]:
         """Close every model's window: (the interval's start, Unix seconds; each model's trace). New
-        windows get a new term, so requests started before count as done only in their own window."""
+        windows get a new term (a request's term names the window it started in); a request started
+        before ends in the new window: its trace is counted there, and it is no longer pending."""
         now = self._clock()
         step = max(1, int(round(self.interval_s)))
         t = int(now) - int(now) % step

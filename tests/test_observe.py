@@ -217,7 +217,7 @@ def test_trace_window_is_aibrix_format_and_rotates_with_terms():
     assert t == 1_700_000_010
     assert traces["m"] == {"100:66": 1, "meta_v": 4, "meta_interval_sec": 10, "meta_precision": 10,
                            "meta_total_reqs": 2, "meta_pending_reqs": 1, "meta_queueing_reqs": 2}
-    # b finishes in the next window: its trace is counted there, but not as completed (older term)
+    # b finishes in the next window: its trace is counted there (its term an older one)
     w.done_request_trace(None, "b", "m", 16, 16, t2)
     _, traces = w.rotate()
     assert traces["m"]["40:40"] == 1 and traces["m"]["meta_total_reqs"] == 0 and traces["m"]["meta_pending_reqs"] == 0
