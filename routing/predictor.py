@@ -134,8 +134,9 @@ class OutputPredictor(Tracker):
         w = self._models.get(model) or self._window(model)
         memo = self._buckets
         i, o = memo.get(input_tokens), memo.get(output_tokens)
-        w.add(self._step(now), (self._bucket(input_tokens) if i is None else i,
-                                self._bucket(output_tokens) if o is None else o))
+        step_s = self.step_s
+        w.add(int(now // step_s * step_s), (self._bucket(input_tokens) if i is None else i,
+                                             self._bucket(output_tokens) if o is None else o))
 
     def has_history(self, model: str, input_tokens: int) -> bool:
         self.advance()
