@@ -60,8 +60,8 @@ class ObserveMetrics:
 
 
 class Observation:
-    """One routed request, as the trackers see it (their `ctx`). Its fields; every one is set by `Watch`
-    (the one kind made: a request's Watch is its Observation, filled in as its response comes)."""
+    """One routed request, as the trackers see it (their `ctx`): its fields, every one set by `Watch`
+    (a request's Watch is its Observation, filled in as its response comes)."""
 
     __slots__ = ("request_id", "model", "pod", "routed_at", "prompt_tokens", "uncached_tokens", "running_at_start",
                  "completion_tokens", "usage", "status", "streamed", "first_at", "last_at", "events", "term",
