@@ -1,13 +1,16 @@
 """Where kvgate's own CPU goes in one warm routed request, gRPC left out.
 
-    python -m bench.request_cost [--requests 3000] [--runs 5]
+    python -m bench.request_cost [--requests 3000] [--runs 5] [--watched | --unwatched]
 
 kvgate's processor (plugin.app's App: kv-sync, the local test tokenizer with its cache, responses
-watched, 4 pods, the prompt's blocks in the index on pod0) is driven in this process with the four
+observed, 4 pods, the prompt's blocks in the index on pod0) is driven in this process with the four
 messages Envoy sends for a JSON answer (request headers, request body, response headers, response
 body), parsed from bytes as gRPC would. Reported: CPU per request (the least of `--runs` runs, the
 machine's other load only ever adds) and its split by phase (cProfile's cumulative times in one run,
-scaled to that least). What gRPC and the event loop cost per message is not here: `kvgate bench
+scaled to that least). By default KVGATE_OBSERVE_SAMPLE's default share of the responses is watched
+(one in ten; the others still get their two response messages, which Envoy would not send);
+`--watched` watches every one; `--unwatched` none, with only the two messages Envoy then sends
+(request headers and body). What gRPC and the event loop cost per message is not here: `kvgate bench
 gateway` measures the whole path through Envoy, beside a no-op processor answering the same messages.
 """
 from __future__ import annotations
@@ -63,7 +66,7 @@ def messages(body: bytes, served: str) -> list[bytes]:
         pb.ProcessingRequest(response_body=pb.HttpBody(body=answer, end_of_stream=True), metadata_context=meta))]
 
 
-async def _build(workdir: Path):
+async def _build(workdir: Path, sample: float | None = None):
     from bench.gateway import BODY, MODEL
     from kvcache.events import BlockStored
     from plugin.app import App
@@ -77,7 +80,8 @@ async def _build(workdir: Path):
     app = App(Settings.from_env({
         "KVGATE_PODS_FILE": str(workdir / "pods.json"), "KVGATE_ROUTING_STRATEGY": "kv-sync",
         "KVGATE_TOKENIZER": "local", "KVGATE_TOKENIZER_PATH": str(testdata.path()),
-        "KVGATE_OBSERVE_RESPONSES": "true"}))
+        "KVGATE_OBSERVE_RESPONSES": "true",
+        **({} if sample is None else {"KVGATE_OBSERVE_SAMPLE": str(sample)})}))
     app.pods.replace([Pod(p["name"], p["address"], p["port"], MODEL) for p in pods])
     body = json.dumps(BODY).encode()
     request = parse_body("/v1/chat/completions", body, 1 << 20)
@@ -112,9 +116,12 @@ def _phase_split(stats: pstats.Stats, requests: int, scale: float) -> dict[str, 
     return {k: round(v / requests * 1e6 * scale, 1) for k, v in out.items()}
 
 
-async def measure(requests: int, runs: int) -> dict:
+async def measure(requests: int, runs: int, watched: bool | None = None) -> dict:
+    """`watched` None: the default sample; True: every response; False: none (two messages per request)."""
     with tempfile.TemporaryDirectory() as tmp:
-        app, raw = await _build(Path(tmp))
+        app, raw = await _build(Path(tmp), None if watched is None else float(watched))
+        if watched is False:
+            raw = raw[:2]
         try:
             return await _measure(app, raw, requests, runs)
         finally:
@@ -150,8 +157,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--requests", type=int, default=3000)
     p.add_argument("--runs", type=int, default=5)
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--watched", action="store_true", help="watch every response (KVGATE_OBSERVE_SAMPLE=1)")
+    which.add_argument("--unwatched", action="store_true",
+                       help="watch none: Envoy's two messages per request (KVGATE_OBSERVE_SAMPLE=0)")
     args = p.parse_args(argv)
-    print(json.dumps(asyncio.run(measure(args.requests, args.runs))))
+    watched = True if args.watched else False if args.unwatched else None
+    print(json.dumps(asyncio.run(measure(args.requests, args.runs, watched))))
     return 0
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import re
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 from prometheus_client import CollectorRegistry
@@ -60,28 +59,31 @@ class ObserveMetrics:
                                "(x-slo-ttft-ms / x-slo-tpot-ms, else KVGATE_SLO_TARGETS)", ["model", "met"], registry)
 
 
-@dataclass(slots=True)
 class Observation:
-    """One routed request, as the trackers see it (their `ctx`)."""
+    """One routed request, as the trackers see it (their `ctx`): its fields, every one set by `Watch`
+    (a request's Watch is its Observation, filled in as its response comes)."""
 
+    __slots__ = ("request_id", "model", "pod", "routed_at", "prompt_tokens", "uncached_tokens", "running_at_start",
+                 "completion_tokens", "usage", "status", "streamed", "first_at", "last_at", "events", "term",
+                 "slo_ttft_s", "slo_tpot_s", "watched")
     request_id: str
     model: str
     pod: str  # the serving pod's name (the picked one until the data plane names another)
-    routed_at: float  # the observer's clock at the routing answer
-    prompt_tokens: int = 0  # usage's, else the tokenized prompt's length (0: unknown)
-    uncached_tokens: int = 0  # prompt tokens the pod did not hold at routing (index), 0 when unknown
-    running_at_start: int = 0  # requests running on the pod when this one was routed (this one included)
-    completion_tokens: int = 0
-    usage: bool = False  # token counts from the engine's usage
-    status: int = 0
-    streamed: bool = False
-    first_at: float = 0.0  # first response chunk (streamed)
-    last_at: float = 0.0
-    events: int = 0  # SSE events carrying choices
-    term: int = 0
-    slo_ttft_s: float | None = None  # the request's own targets (headers), None: the model's defaults
-    slo_tpot_s: float | None = None
-    watched: bool = True  # False: Envoy sends nothing of the response (not sampled); only its end is seen
+    routed_at: float  # the observer's clock at the routing answer (0.0: not watched, not read)
+    prompt_tokens: int  # usage's, else the tokenized prompt's length (0: unknown, or not watched)
+    uncached_tokens: int  # prompt tokens the pod did not hold at routing (index), 0 when unknown
+    running_at_start: int  # requests running on the pod when this one was routed (this one included)
+    completion_tokens: int
+    usage: bool  # token counts from the engine's usage
+    status: int
+    streamed: bool
+    first_at: float  # first response chunk (streamed)
+    last_at: float
+    events: int  # SSE events carrying choices
+    term: int
+    slo_ttft_s: float | None  # the request's own targets (headers), None: the model's defaults
+    slo_tpot_s: float | None
+    watched: bool  # False: Envoy sends nothing of the response (not sampled); only its end is seen
 
     @property
     def ttft(self) -> float | None:
@@ -93,74 +95,122 @@ class Observation:
             return None
         return (self.last_at - self.first_at) / (self.completion_tokens - 1)
 
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(f'{k}={getattr(self, k)!r}' for k in Observation.__slots__)})"
 
-class Watch:
-    """One routed response being watched (see the module doc)."""
 
-    __slots__ = ("obs", "_observer", "_tail", "_done")
+class Watch(Observation):
+    """One routed response being watched (see the module doc); itself the request's Observation."""
 
-    def __init__(self, observer: "Observer", obs: Observation) -> None:
-        self.obs = obs
+    __slots__ = ("_observer", "_tail", "_done")
+
+    def __init__(self, observer: "Observer", request_id: str, model: str, pod: str, routed_at: float = 0.0,
+                 prompt_tokens: int = 0, uncached_tokens: int = 0, running_at_start: int = 0,
+                 slo_ttft_s: float | None = None, slo_tpot_s: float | None = None, watched: bool = True) -> None:
         self._observer = observer
         self._tail = b""
         self._done = False
+        self.request_id = request_id
+        self.model = model
+        self.pod = pod
+        self.routed_at = routed_at
+        self.prompt_tokens = prompt_tokens
+        self.uncached_tokens = uncached_tokens
+        self.running_at_start = running_at_start
+        self.completion_tokens = 0
+        self.usage = False
+        self.status = 0
+        self.streamed = False
+        self.first_at = 0.0
+        self.last_at = 0.0
+        self.events = 0
+        self.term = 0
+        self.slo_ttft_s = slo_ttft_s
+        self.slo_tpot_s = slo_tpot_s
+        self.watched = watched
 
     def served_by(self, pod: str) -> None:
         """The data plane named another pod (a retry on a fallback)."""
-        self.obs.pod = pod
+        self.pod = pod
 
     def on_headers(self, status: int, content_type: str) -> bool:
         """The response's status and type; True when its body should be watched."""
-        o = self.obs
-        o.status = status
-        o.streamed = content_type.startswith("text/event-stream")
+        self.status = status
+        self.streamed = content_type.startswith("text/event-stream")
         return status == 200
 
     def on_chunk(self, body: bytes) -> None:
-        o = self.obs
-        now = self._observer.clock()
         if not body:
             return
-        if not o.first_at and not o.last_at and self._observer.on_first_token is not None:
-            self._observer.on_first_token(o.request_id)
-        if o.streamed:
-            if not o.first_at:
-                o.first_at = now
-            o.last_at = now
+        observer = self._observer
+        now = observer.clock()
+        if not self.last_at and observer.on_first_token is not None:  # the first chunk (first_at only with last_at)
+            observer.on_first_token(self.request_id)
+        if self.streamed:
+            if not self.first_at:
+                self.first_at = now
+            self.last_at = now
             events = body.count(_EVENT)
-            if not o.events and _ROLE_ONLY in body:
+            if not self.events and _ROLE_ONLY in body:
                 events -= 1
             if _USAGE in body:
-                usage_only = body.count(_USAGE_ONLY)
-                events -= usage_only
+                events -= body.count(_USAGE_ONLY)
                 self._read_usage(body)
-            o.events += events
+            self.events += events
         else:
-            tail = self._tail + body
-            self._tail = tail[-_TAIL:]
-            o.last_at = now
+            tail = self._tail
+            self._tail = (tail + body)[-_TAIL:] if tail else body[-_TAIL:]
+            self.last_at = now
 
     def _read_usage(self, text: bytes) -> None:
-        prompt = list(_PROMPT.finditer(text))
-        completion = list(_COMPLETION.finditer(text))
-        if prompt and completion:
-            self.obs.prompt_tokens = int(prompt[-1].group(1))
-            self.obs.completion_tokens = int(completion[-1].group(1))
-            self.obs.usage = True
+        prompt = _PROMPT.findall(text)
+        if prompt:
+            completion = _COMPLETION.findall(text)
+            if completion:
+                self.prompt_tokens = int(prompt[-1])
+                self.completion_tokens = int(completion[-1])
+                self.usage = True
 
     def close(self) -> None:
         """The HTTP stream ended: record what was seen and tell the trackers (once)."""
         if self._done:
             return
         self._done = True
-        o = self.obs
-        if self._observer.on_first_token is not None:
-            self._observer.on_first_token(o.request_id)  # idempotent: a request cut before its first token
-        if not o.streamed and self._tail and _USAGE in self._tail:
-            self._read_usage(self._tail)
-        if not o.usage and o.streamed and o.status == 200 and o.events:
-            o.completion_tokens = o.events
-        self._observer.finish(self)
+        observer = self._observer
+        if observer.on_first_token is not None:
+            observer.on_first_token(self.request_id)  # idempotent: a request cut before its first token
+        if not self.streamed:
+            if self._tail and _USAGE in self._tail:
+                self._read_usage(self._tail)
+        elif not self.usage and self.status == 200 and self.events:
+            self.completion_tokens = self.events
+        observer.finish(self)
+
+
+class _Unwatched(Watch):
+    """A routed request whose response is not watched (not sampled): Envoy sends none of it, and
+    should a chunk come all the same only its arrival counts (the first-token hook, at the first one);
+    its end tells the trackers it is done, without usage. Its prompt size and clock reading, read only
+    with a watched response's, are not taken (0)."""
+
+    __slots__ = ()
+
+    def on_chunk(self, body: bytes) -> None:
+        if body and not self.last_at:
+            observer = self._observer
+            now = observer.clock()
+            if observer.on_first_token is not None:
+                observer.on_first_token(self.request_id)
+            self.last_at = now
+
+    def close(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        observer = self._observer
+        if observer.on_first_token is not None:
+            observer.on_first_token(self.request_id)
+        observer.finish(self)
 
 
 class Observer:
@@ -177,20 +227,22 @@ class Observer:
         self.trackers = trackers if trackers is not None else TrackerRegistry()
         self.clock = clock
         self._children: dict = {}
+        self._observed: dict = {}  # source -> its kvgate_requests_observed child (made at its first use)
 
     def start(self, request_id: str, model: str, pod: str, *, tokens=None, decision=None, running: int = 0,
               slo_ttft_s: float | None = None, slo_tpot_s: float | None = None, watched: bool = True) -> Watch:
         """A routed request: `tokens` its prompt's ids if tokenized, `decision` the Router's (how many
         of the prompt's blocks the pod held)."""
-        prompt = len(tokens) if tokens else 0
-        uncached = prompt
-        if prompt and decision is not None and decision.total_blocks:
-            uncached = prompt - prompt * decision.matched_blocks // decision.total_blocks
-        obs = Observation(request_id, model, pod, self.clock(), prompt_tokens=prompt, uncached_tokens=uncached,
-                          running_at_start=running, slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s,
-                          watched=watched)
-        obs.term = self.trackers.add_request_count(obs, request_id, model)
-        return Watch(self, obs)
+        if watched:
+            prompt = len(tokens) if tokens else 0
+            uncached = prompt
+            if prompt and decision is not None and decision.total_blocks:
+                uncached = prompt - prompt * decision.matched_blocks // decision.total_blocks
+            w = Watch(self, request_id, model, pod, self.clock(), prompt, uncached, running, slo_ttft_s, slo_tpot_s)
+        else:
+            w = _Unwatched(self, request_id, model, pod, 0.0, 0, 0, running, slo_ttft_s, slo_tpot_s, False)
+        w.term = self.trackers.add_request_count(w, request_id, model)
+        return w
 
     def _series(self, model: str, pod: str):
         key = (model, pod)
@@ -203,26 +255,30 @@ class Observer:
                                        m.prompt_tokens.labels(model, pod), m.completion_tokens.labels(model, pod))
         return s
 
-    def finish(self, watch: Watch) -> None:
-        o = watch.obs
+    def finish(self, o: Watch) -> None:
         if not o.watched:  # not sampled: done, without usage
-            self.metrics.observed.labels("unsampled").inc()
+            source = "unsampled"
+        elif o.status != 200 or not (o.usage or o.completion_tokens > 0):
+            source = "none"  # failed or cut: done, without usage
+        else:
+            source = "usage" if o.usage else "counted"
+        c = self._observed.get(source)
+        if c is None:
+            c = self._observed[source] = self.metrics.observed.labels(source)
+        c.inc()
+        if source == "unsampled" or source == "none":
             self.trackers.done_request_count(o, o.request_id, o.model, o.term)
             return
-        ok = o.status == 200 and (o.usage or o.completion_tokens > 0)
-        if not ok:
-            self.metrics.observed.labels("none").inc()
-            self.trackers.done_request_count(o, o.request_id, o.model, o.term)
-            return
-        self.metrics.observed.labels("usage" if o.usage else "counted").inc()
         ttft_h, tpot_h, prompt_c, completion_c = self._series(o.model, o.pod)
-        ttft, tpot = o.ttft, o.tpot
-        if ttft is not None:
+        ttft = tpot = None
+        if o.streamed and o.first_at:  # else no first token timed: no TTFT, no TPOT
+            ttft = o.first_at - o.routed_at
             ttft_h.observe(ttft)
-        if tpot is not None:
-            tpot_h.observe(tpot)
+            tpot = o.tpot
+            if tpot is not None:
+                tpot_h.observe(tpot)
         prompt_c.inc(o.prompt_tokens)
-        if self.slo_targets is not None and ttft is not None:
+        if ttft is not None and self.slo_targets is not None:
             t_ttft, t_tpot = self.slo_targets(o.model, o.slo_ttft_s, o.slo_tpot_s)
             met = ttft <= t_ttft and (tpot is None or tpot <= t_tpot)
             self.metrics.slo.labels(o.model, "true" if met else "false").inc()
@@ -277,12 +333,14 @@ def response_headers(watch: Watch, msg: pb.ProcessingRequest, answer: pb.Process
     for h in msg.response_headers.headers.headers:
         key = h.key.lower()
         if key == ":status":
-            status = int((h.raw_value or h.value.encode()) or 0)
+            raw = h.raw_value
+            status = int((raw or h.value.encode()) or 0)
         elif key == "content-type":
-            ctype = (h.raw_value.decode("latin-1") if h.raw_value else h.value).lower()
+            raw = h.raw_value
+            ctype = (raw.decode("latin-1") if raw else h.value).lower()
     if not watch.on_headers(status, ctype) or body_sent:
         return answer
-    turn_on = body_on(watch.obs.streamed)
+    turn_on = _CONTINUE_STREAMED if watch.streamed else _CONTINUE_WHOLE
     if not answer.response_headers.HasField("response"):
         return turn_on
     out = pb.ProcessingResponse()

@@ -22,6 +22,7 @@ import time
 from typing import Any, Callable
 
 from routing.background import BackgroundLoop
+from routing.tracking import Tracker
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,9 @@ class _ModelWindow:
         self.shared: dict[tuple[int, int], int] = {}  # counts read from Redis (other replicas included)
 
     def add(self, step: int, key: tuple[int, int], n: int = 1) -> None:
-        counts = self.steps.setdefault(step, {})
+        counts = self.steps.get(step)
+        if counts is None:
+            counts = self.steps[step] = {}
         counts[key] = counts.get(key, 0) + n
         self.totals[key] = self.totals.get(key, 0) + n
         self.by_input[key[0]] += n
@@ -74,7 +77,7 @@ class _ModelWindow:
             self.by_input[i] += n
 
 
-class OutputPredictor:
+class OutputPredictor(Tracker):
     """Per model sliding windows of (input, output) token buckets; also a RequestTracker (learns on done)."""
 
     def __init__(self, *, window_s: float = 240.0, step_s: float = 10.0, max_tokens: int = MAX_TOKENS,
@@ -90,6 +93,7 @@ class OutputPredictor:
         self._models: dict[str, _ModelWindow] = {}
         self.shared = False  # True once PredictorSync manages the totals
         self._next_advance = 0.0
+        self._buckets: dict[int, int] = {}  # tokens -> bucket(tokens, self.buckets), as met (bounded)
 
     def _step(self, now: float) -> int:
         return int(now // self.step_s * self.step_s)
@@ -115,11 +119,24 @@ class OutputPredictor:
                 else:
                     w.expire(oldest)
 
+    def _bucket(self, tokens: int) -> int:
+        b = self._buckets.get(tokens)
+        if b is None:
+            if len(self._buckets) >= 1 << 16:
+                self._buckets.clear()
+            b = self._buckets[tokens] = bucket(tokens, self.buckets)
+        return b
+
     def add(self, model: str, input_tokens: int, output_tokens: int, now: float | None = None) -> None:
         now = self._clock() if now is None else now
-        self.advance(now)
-        self._window(model).add(self._step(now), (bucket(input_tokens, self.buckets),
-                                                  bucket(output_tokens, self.buckets)))
+        if now >= self._next_advance:
+            self.advance(now)
+        w = self._models.get(model) or self._window(model)
+        memo = self._buckets
+        i, o = memo.get(input_tokens), memo.get(output_tokens)
+        step_s = self.step_s
+        w.add(int(now // step_s * step_s), (self._bucket(input_tokens) if i is None else i,
+                                             self._bucket(output_tokens) if o is None else o))
 
     def has_history(self, model: str, input_tokens: int) -> bool:
         self.advance()
@@ -151,13 +168,7 @@ class OutputPredictor:
             return self.max_output
         return 1
 
-    # --- RequestTracker: completed requests feed the window ------------------------------
-    def add_request_count(self, ctx: Any, request_id: str, model: str) -> int:
-        return 0
-
-    def done_request_count(self, ctx: Any, request_id: str, model: str, term: int) -> None:
-        return None
-
+    # --- RequestTracker: completed requests feed the window (starts and ends without usage: nothing) ----
     def done_request_trace(self, ctx: Any, request_id: str, model: str, input_tokens: int, output_tokens: int,
                            term: int) -> None:
         if output_tokens > 0:

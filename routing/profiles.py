@@ -33,6 +33,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from routing.tracking import Tracker
+
 log = logging.getLogger(__name__)
 
 PROFILE_KEY = "aibrix:profile_{model}_{deployment}"
@@ -106,7 +108,7 @@ class _Line:
         return max(floor, my + b * (x - mx))
 
 
-class EngineProfiles:
+class EngineProfiles(Tracker):
     def __init__(self, *, prefill_tokens_per_s: float = 10_000.0, decode_base_s: float = 0.01,
                  decode_per_request_s: float = 0.0005, min_prefill_tokens: int = 256,
                  decay: float = 0.995, ttft_overhead_s: float = 0.0) -> None:
@@ -253,10 +255,7 @@ class EngineProfiles:
         self._gpu = found
         return len(found)
 
-    # --- RequestTracker ----------------------------------------------------------------------
-    def add_request_count(self, ctx: Any, request_id: str, model: str) -> int:
-        return 0
-
+    # --- RequestTracker (a start: nothing) -----------------------------------------------------
     def done_request_count(self, ctx: Any, request_id: str, model: str, term: int) -> None:
         self._expected.pop(request_id, None)  # ended without a response to learn from
 

@@ -43,19 +43,53 @@ class RequestTracker(Protocol):
                            term: int) -> None: ...
 
 
+class Tracker:
+    """A RequestTracker that does nothing: a tracker subclassing it overrides what it acts on, and a
+    TrackerRegistry does not call the methods it leaves as they are (they would do nothing)."""
+
+    def add_request_count(self, ctx: Any, request_id: str, model: str) -> int:
+        return 0
+
+    def done_request_count(self, ctx: Any, request_id: str, model: str, term: int) -> None:
+        return None
+
+    def done_request_trace(self, ctx: Any, request_id: str, model: str, input_tokens: int, output_tokens: int,
+                           term: int) -> None:
+        return None
+
+
+def _acts(tracker: RequestTracker, method: str) -> bool:
+    """False when `tracker` has `method` from Tracker, unchanged: calling it does nothing."""
+    return getattr(type(tracker), method, None) is not getattr(Tracker, method) or method in getattr(
+        tracker, "__dict__", ())
+
+
 class TrackerRegistry:
     """Several trackers, called in the order they were registered; one failing does not stop the others.
 
     `add_request_count` is idempotent per request id (a second call returns the first term and calls
     no tracker); a `done_*` for a request never started, or already done, calls no tracker either, so
-    each tracker sees one start and one end per request whatever the caller repeats."""
+    each tracker sees one start and one end per request whatever the caller repeats. A method a
+    tracker inherits unchanged from `Tracker` (a no-op) is not called."""
 
     def __init__(self, trackers: tuple[RequestTracker, ...] = ()) -> None:
-        self._trackers: list[RequestTracker] = list(trackers)
+        self._trackers: list[RequestTracker] = []
         self._open: dict[str, int] = {}  # request id -> term of requests started and not done
+        # per method, the trackers that act on it, in registration order
+        self._adds: tuple[RequestTracker, ...] = ()
+        self._counts: tuple[RequestTracker, ...] = ()
+        self._traces: tuple[RequestTracker, ...] = ()
+        for t in trackers:
+            self.register(t)
 
     def register(self, tracker: RequestTracker) -> None:
         self._trackers.append(tracker)
+        if _acts(tracker, "add_request_count"):
+            self._adds += (tracker,)
+        if _acts(tracker, "done_request_count"):
+            self._counts += (tracker,)
+        if _acts(tracker, "done_request_trace"):
+            self._traces += (tracker,)
 
     @property
     def trackers(self) -> tuple[RequestTracker, ...]:
@@ -70,22 +104,20 @@ class TrackerRegistry:
         if term is not None:
             return term
         term = 0
-        for t in self._trackers:
+        for t in self._adds:
             try:
                 got = t.add_request_count(ctx, request_id, model)
-                term = got if term == 0 and got else term
+                if got and term == 0:
+                    term = got
             except Exception:
                 log.exception("request tracker %s failed to count request %s", type(t).__name__, request_id)
         self._open[request_id] = term
         return term
 
-    def _close(self, request_id: str) -> bool:
-        return self._open.pop(request_id, None) is not None
-
     def done_request_count(self, ctx: Any, request_id: str, model: str, term: int) -> None:
-        if not self._close(request_id):
+        if self._open.pop(request_id, None) is None:
             return
-        for t in self._trackers:
+        for t in self._counts:
             try:
                 t.done_request_count(ctx, request_id, model, term)
             except Exception:
@@ -93,9 +125,9 @@ class TrackerRegistry:
 
     def done_request_trace(self, ctx: Any, request_id: str, model: str, input_tokens: int, output_tokens: int,
                            term: int) -> None:
-        if not self._close(request_id):
+        if self._open.pop(request_id, None) is None:
             return
-        for t in self._trackers:
+        for t in self._traces:
             try:
                 t.done_request_trace(ctx, request_id, model, input_tokens, output_tokens, term)
             except Exception:
@@ -107,15 +139,14 @@ def trace_bucket(tokens: int) -> int:
     return int(round(math.log2(tokens) * TRACE_PRECISION)) if tokens > 0 else 0
 
 
-@dataclass
+@dataclass(slots=True)
 class _Window:
     term: int
     counts: dict[str, int] = field(default_factory=dict)
     total: int = 0  # requests started in this window
-    completed: int = 0
 
 
-class TraceWindows:
+class TraceWindows(Tracker):
     """A RequestTracker keeping per-model trace windows (AIBrix's format) and writing them to Redis."""
 
     def __init__(self, interval_s: float = 10.0, *, clock: Callable[[], float] = time.time,
@@ -126,6 +157,7 @@ class TraceWindows:
         self._windows: dict[str, _Window] = {}
         self._pending: dict[str, int] = {}  # model -> requests started, not done (whatever the window)
         self._term = 1
+        self._buckets: dict[int, int] = {}  # tokens -> trace_bucket(tokens), as met (bounded)
 
     def _window(self, model: str) -> _Window:
         w = self._windows.get(model)
@@ -135,29 +167,37 @@ class TraceWindows:
 
     # --- RequestTracker ------------------------------------------------------------------
     def add_request_count(self, ctx: Any, request_id: str, model: str) -> int:
-        w = self._window(model)
+        w = self._windows.get(model) or self._window(model)
         w.total += 1
-        self._pending[model] = self._pending.get(model, 0) + 1
+        pending = self._pending
+        pending[model] = pending.get(model, 0) + 1
         return w.term
 
-    def _done(self, model: str, term: int) -> _Window:
-        left = self._pending.get(model, 0) - 1
+    def done_request_count(self, ctx: Any, request_id: str, model: str, term: int) -> _Window:
+        """(Returns the model's current window, made if a rotation left none: the model is still
+        reported for this interval; done_request_trace counts the request's tokens there.)"""
+        pending = self._pending
+        left = pending.get(model, 0) - 1
         if left > 0:
-            self._pending[model] = left
+            pending[model] = left
         else:
-            self._pending.pop(model, None)
-        w = self._window(model)
-        if term == w.term:
-            w.completed += 1
-        return w
+            pending.pop(model, None)
+        return self._windows.get(model) or self._window(model)
 
-    def done_request_count(self, ctx: Any, request_id: str, model: str, term: int) -> None:
-        self._done(model, term)
+    def _bucket(self, tokens: int) -> int:
+        b = self._buckets.get(tokens)
+        if b is None:
+            if len(self._buckets) >= 1 << 16:
+                self._buckets.clear()
+            b = self._buckets[tokens] = trace_bucket(tokens)
+        return b
 
     def done_request_trace(self, ctx: Any, request_id: str, model: str, input_tokens: int, output_tokens: int,
                            term: int) -> None:
-        w = self._done(model, term)
-        key = f"{trace_bucket(input_tokens)}:{trace_bucket(output_tokens)}"
+        w = self.done_request_count(ctx, request_id, model, term)
+        memo = self._buckets
+        i, o = memo.get(input_tokens), memo.get(output_tokens)
+        key = f"{self._bucket(input_tokens) if i is None else i}:{self._bucket(output_tokens) if o is None else o}"
         w.counts[key] = w.counts.get(key, 0) + 1
 
     # --- windows -------------------------------------------------------------------------
@@ -177,7 +217,8 @@ class TraceWindows:
 
     def rotate(self) -> tuple[int, dict[str, dict[str, int]]]:
         """Close every model's window: (the interval's start, Unix seconds; each model's trace). New
-        windows get a new term, so requests started before count as done only in their own window."""
+        windows get a new term (a request's term names the window it started in); a request started
+        before ends in the new window: its trace is counted there, and it is no longer pending."""
         now = self._clock()
         step = max(1, int(round(self.interval_s)))
         t = int(now) - int(now) % step

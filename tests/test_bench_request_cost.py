@@ -14,3 +14,11 @@ async def test_request_cost_routes_the_warm_prompt_to_its_holder_and_splits_its_
     assert phases["pick"] > 0 and phases["parse_body"] > 0
     # the phases are disjoint: together they are the whole request (rounding apart)
     assert abs(sum(phases.values()) - r["cpu_us_per_request"]) <= 0.02 * r["cpu_us_per_request"] + 1.0
+
+
+async def test_request_cost_unwatched_drives_envoys_two_messages_and_still_closes_the_observation():
+    r = await measure(requests=60, runs=2, watched=False)
+    assert r["routed_to"] == "pod0" and r["messages"] == 2
+    phases = r["phases_us"]
+    assert phases["response_headers"] == 0 and phases["response_body"] == 0
+    assert phases["observation_close"] > 0 and phases["release"] > 0

@@ -8,7 +8,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from plugin.observe import Observer
-from routing.tracking import TraceWindows, TrackerRegistry, trace_bucket
+from routing.tracking import TraceWindows, Tracker, TrackerRegistry, trace_bucket
 
 
 class Clock:
@@ -61,7 +61,7 @@ def run_stream(obs, clock, tokens=5, usage=True, step=0.02):
     else:
         w.on_chunk(b"data: [DONE]\n\n")
     w.close()
-    return w.obs
+    return w
 
 
 @pytest.mark.parametrize("usage", [True, False])
@@ -89,7 +89,7 @@ def test_json_response_gives_tokens_but_no_ttft():
     for i in range(0, len(raw), 700):  # usage split over the last chunks
         w.on_chunk(raw[i:i + 700])
     w.close()
-    assert (w.obs.prompt_tokens, w.obs.completion_tokens, w.obs.ttft, w.obs.tpot) == (9, 3, None, None)
+    assert (w.prompt_tokens, w.completion_tokens, w.ttft, w.tpot) == (9, 3, None, None)
     assert value(reg, "kvgate_request_prompt_tokens_total", model="m", pod="p1") == 9
     assert value(reg, "kvgate_request_ttft_seconds_count", model="m", pod="p1") == 0
 
@@ -184,6 +184,27 @@ def test_registry_calls_trackers_in_order_idempotent_start_and_survives_a_failin
     assert reg.in_flight == 0
 
 
+def test_registry_calls_what_a_tracker_overrides_of_tracker_on_its_class_or_instance():
+    """A Tracker subclass acts on what it overrides (on its class, or on the instance before it is
+    registered); the rest are Tracker's no-ops (term 0)."""
+    calls = []
+
+    class Traces(Tracker):
+        def done_request_trace(self, ctx, request_id, model, i, o, term):
+            calls.append(("trace", request_id, i, o, term))
+
+    counted = Traces()
+    counted.done_request_count = lambda ctx, request_id, model, term: calls.append(("done", request_id, term))
+    reg = TrackerRegistry((Traces(), counted, Tracker()))
+    reg.register(Recorder("a", calls))
+    assert reg.add_request_count(None, "r", "m") == 7  # the first non-zero term: the Recorder's
+    reg.done_request_trace(None, "r", "m", 3, 4, 7)
+    assert reg.add_request_count(None, "s", "m") == 7
+    reg.done_request_count(None, "s", "m", 7)
+    assert calls == [("a", "add", "r"), ("trace", "r", 3, 4, 7), ("trace", "r", 3, 4, 7), ("a", "trace", "r", 3, 4, 7),
+                     ("a", "add", "s"), ("done", "s", 7), ("a", "done", "s", 7)]
+
+
 def test_trace_window_is_aibrix_format_and_rotates_with_terms():
     clock = Clock()
     clock.t = 1_700_000_017.3
@@ -196,7 +217,7 @@ def test_trace_window_is_aibrix_format_and_rotates_with_terms():
     assert t == 1_700_000_010
     assert traces["m"] == {"100:66": 1, "meta_v": 4, "meta_interval_sec": 10, "meta_precision": 10,
                            "meta_total_reqs": 2, "meta_pending_reqs": 1, "meta_queueing_reqs": 2}
-    # b finishes in the next window: its trace is counted there, but not as completed (older term)
+    # b finishes in the next window: its trace is counted there (its term an older one)
     w.done_request_trace(None, "b", "m", 16, 16, t2)
     _, traces = w.rotate()
     assert traces["m"]["40:40"] == 1 and traces["m"]["meta_total_reqs"] == 0 and traces["m"]["meta_pending_reqs"] == 0
@@ -238,3 +259,25 @@ def test_first_token_hook_fires_at_the_first_chunk_and_again_at_the_end_for_cut_
 def test_observe_cost_bench_drives_a_real_server_and_reports_cpu_per_request():
     from bench import observe_cost
     assert observe_cost.measure(40, 2, True) > 0  # the child server's CPU over 40 requests of 2 chunks
+
+
+def test_an_unwatched_request_is_done_without_usage_and_a_stray_chunk_only_fires_the_first_token_hook():
+    """Not sampled: its end tells the trackers done (without usage, whatever a response said) and counts
+    it unsampled; should Envoy send a chunk all the same, only the first-token hook sees it (once)."""
+    reg, calls, seen = CollectorRegistry(), [], []
+    obs = Observer(reg, TrackerRegistry((Recorder("a", calls),)), clock=Clock(), on_first_token=seen.append)
+    w = obs.start("r", "m", "p0", tokens=list(range(40)), watched=False)
+    assert w.on_headers(200, "text/event-stream")  # the answer to response headers is the watched one's
+    w.on_chunk(b"")
+    assert seen == []
+    w.on_chunk(chat_chunk("", first=True) + chat_chunk("a"))
+    w.on_chunk(sse({"choices": [], "usage": {"prompt_tokens": 42, "completion_tokens": 2, "total_tokens": 44}}))
+    assert seen == ["r"]
+    w.close()
+    w.close()
+    assert seen == ["r", "r"]  # the end tells it again (idempotent there), as for a watched request
+    assert calls == [("a", "add", "r"), ("a", "done", "r", 7)]
+    assert not w.watched and not w.usage and w.ttft is None
+    assert value(reg, "kvgate_requests_observed_total", source="unsampled") == 1
+    assert value(reg, "kvgate_request_completion_tokens_total", model="m", pod="p0") == 0
+    assert value(reg, "kvgate_request_prompt_tokens_total", model="m", pod="p0") == 0
