@@ -217,7 +217,8 @@ class App:
                                        max_wait_s=s.admission_max_wait_s, retry_after_s=s.admission_retry_after_s,
                                        deleted_keep_s=s.admission_deleted_keep_s)
         self.trace_windows = TraceWindows(s.trace_write_interval_s)
-        self.trackers = TrackerRegistry((self.trace_windows, self.predictor, self.profiles))
+        # The trace windows have one reader, the TraceWriter (to Redis): without Redis they are not kept.
+        self.trackers = TrackerRegistry(((self.trace_windows,) if s.redis_url else ()) + (self.predictor, self.profiles))
         self.predictor_sync: PredictorSync | None = None
         self.profile_loader: asyncio.Task | None = None
         self.observer = (Observer(self.registry, self.trackers, slo_targets=self.capacity.targets_for,
