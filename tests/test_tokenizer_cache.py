@@ -151,6 +151,23 @@ def test_cached_probe_is_a_read_only_view_counted_like_a_hit(local) -> None:
     assert run(cached.tokenize(MODEL, item)) == expected and len(inner.calls) == 1
 
 
+
+def test_a_miss_key_serves_only_the_same_item_and_model(local) -> None:
+    """tokenize() takes the key cached() built for the item it just missed, and only for that very
+    object and model: another item or model right after a miss is keyed (and answered) as its own."""
+    cached = CachedTokenizer(CountingBackend({MODEL: local, "other-model": local}))
+    a = ChatInput(messages=({"role": "user", "content": "hello there"},))
+    b = ChatInput(messages=({"role": "user", "content": "something else entirely"},))
+    assert cached.cached(MODEL, a) is None
+    assert run(cached.tokenize(MODEL, b)) == local.encode_chat(b)  # not a's key
+    assert cached.cached(MODEL, a) is None and list(cached.cached(MODEL, b)) == local.encode_chat(b)
+    assert cached.cached(MODEL, a) is None
+    assert run(cached.tokenize("other-model", a)) == local.encode_chat(a)  # not MODEL's key
+    assert cached.cached(MODEL, a) is None and list(cached.cached("other-model", a)) == local.encode_chat(a)
+    assert cached.cached(MODEL, a) is None
+    assert run(cached.tokenize(MODEL, a)) == local.encode_chat(a)
+    assert list(cached.cached(MODEL, a)) == local.encode_chat(a)
+
 JSON_VALUES = [1, 1.0, True, "1", None, "None", 0.0, -0.0, 0, False, "", [], {}, [1], {"a": 1}, [["a", 1]],
                {"a": [1]}, {"a": {"b": 1}}, [1, 2], [2, 1], {"a": 1, "b": 2}, {"b": 2, "a": 1}, 1e300, 10**30,
                float("inf"), float("-inf"), 1e16, 10**16, "é", "\\u00e9", '"', "\\", "\n", "\\n", "\ud800", {"é": 1}]

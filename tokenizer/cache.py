@@ -173,6 +173,9 @@ class CachedTokenizer:
         self._segmenters = dict(segmenters or {})
         self._default_segmenter = default_segmenter
         self._lru = ByteLRU(options.max_bytes, options.max_entry_bytes)
+        # The key `cached` built for the item it last missed: `tokenize` of that same object (the request
+        # path's next call) takes it instead of building it again. (item, key) or None.
+        self._missed: tuple[TokenizeInput, tuple] | None = None
         self._inflight: dict[tuple[str, str], asyncio.Future[list[int]]] = {}
         self._verify_requests = options.verify_requests
         self._verified: dict[str, int] = {}
@@ -205,7 +208,9 @@ class CachedTokenizer:
     async def tokenize(self, model: str, item: TokenizeInput, *, base_url: str | None = None) -> list[int]:
         if isinstance(item, PromptInput) and item.token_ids is not None:
             return list(item.token_ids)
-        key = ("req", model, _request_key(item))
+        missed, self._missed = self._missed, None
+        key = missed[1] if missed is not None and missed[0] is item and missed[1][1] == model else (
+            "req", model, _request_key(item))
         hit = self._hit(key)
         if hit is not None:
             return hit.tolist()
@@ -243,6 +248,7 @@ class CachedTokenizer:
             return None
         hit = self._lru.get(key)
         if hit is None:
+            self._missed = (item, key)
             return None
         m = self._metrics  # counted as _hit counts
         m.request_hit += 1
