@@ -177,21 +177,21 @@ class WordCachedEncoder:
         if not ascii_ and (self._backend is None or self._added_pattern is None
                            or self._added_pattern.search(text) is None):
             return None
-        out: list[int] = list(self._affixes.prefix) if add_special_tokens else []
         plain = self._plain if ascii_ else self._any
-        if self._added_pattern is None:
-            plain(text, out)
+        if self._added_pattern is None or (ascii_ and self._added_pattern.search(text) is None):
+            out = plain(text)  # a new list: returned as it is
         else:
+            out = []
             pos = 0
             for m in self._added_pattern.finditer(text):
                 if m.start() > pos:
-                    plain(text[pos:m.start()], out)
+                    out += plain(text[pos:m.start()])
                 out.append(self._added[m.group()])
                 pos = m.end()
             if pos < len(text):
-                plain(text[pos:], out)
+                out += plain(text[pos:])
         if add_special_tokens:
-            out.extend(self._affixes.suffix)
+            return [*self._affixes.prefix, *out, *self._affixes.suffix]
         return out
 
     def _split(self, text: str) -> list[str]:
@@ -205,35 +205,31 @@ class WordCachedEncoder:
                 return _split_isolated(self._stages, text)
         return words
 
-    def _any(self, text: str, out: list[int]) -> None:
+    def _any(self, text: str) -> list[int]:
         if text.isascii():
-            self._plain(text, out)
-        else:
-            out += self._backend.encode(text, add_special_tokens=False).ids
+            return self._plain(text)
+        return self._backend.encode(text, add_special_tokens=False).ids
 
-    def _plain(self, text: str, out: list[int]) -> None:
-        """`text`'s ids added to `out` (ASCII, no added tokens in it). With the C scanner's regexes, text with
+    def _plain(self, text: str) -> list[int]:
+        """`text`'s ids, a new list (ASCII, no added tokens in it). With the C scanner's regexes, text with
         sentences is cut before the space of every ". " and each sentence between two cuts is looked up whole
         (see _SENTENCE_CUT for why the cuts change no token); everything else word by word."""
         if self._native_kind is None:
-            out += self._word_ids(text)
-            return
+            return self._word_ids(text)
         # Sentences are looked up when one of them (the one after the first cut past the middle) is kept, and
         # kept from its second sight on (hashes of those seen once are remembered): splitting a text into
         # sentences and keeping them costs more than encoding it whole, when its sentences are new.
         cache = self._sentences
         sample = _sample_sentence(text)
         if sample is None:
-            out += self._word_ids(text)
-            return
+            return self._word_ids(text)
         if sample not in cache:
             key = hash(sample)
             if key not in self._seen:
                 if len(self._seen) >= _MAX_SEEN:
                     self._seen.clear()
                 self._seen.add(key)
-                out += self._word_ids(text)
-                return
+                return self._word_ids(text)
         parts = text.split(_SENTENCE_CUT)
         middle = parts[1:-1]  # sentence i is " " + middle[i] + "."
         found = _native.concat_cached(middle, cache)
@@ -250,9 +246,9 @@ class WordCachedEncoder:
             found = _native.concat_cached(middle, cache)
             if type(found) is tuple:  # sentences too long to keep, or the cache started over: one at a time
                 found = [i for p in middle for i in (cache.get(p) or self._word_ids(" " + p + "."))]
-        out += self._word_ids(parts[0] + ".")
-        out += found
-        out += self._word_ids(" " + parts[-1])
+        found[0:0] = self._word_ids(parts[0] + ".")  # `found` is a new list: its ids moved, not copied
+        found += self._word_ids(" " + parts[-1])
+        return found
 
     def _word_ids(self, text: str) -> list[int]:
         """`text`'s ids word by word (ASCII, no added tokens in it): a new list."""
