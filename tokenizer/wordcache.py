@@ -12,6 +12,9 @@ done here: by a C scanner for the GPT-2, Llama 3 and Qwen 2 regexes (kvcache/_na
 section), else with Python's `re` on the pattern translated to those sets; and bpe(bytelevel(w)) is asked
 of the tokenizer's own BPE model (`Model.tokenize`) once per distinct word, then kept. Added tokens are cut out
 first, as the tokenizer does (leftmost-longest, raw text; segments.Segmenter checks their flags allow it).
+With the C scanner's regexes, a text's sentences (cut before the space of each ". ", where no pre-token
+crosses) are also kept whole once seen twice, so a new text made of known sentences (a shared system prompt
+behind a new first line) is joined from them instead of split word by word.
 
 Only configurations where this identity is known to hold are taken (`WordCachedEncoder.from_local` says
 why not otherwise): normalizer none or Unicode normal forms; pre-tokenizer ByteLevel (with or without its
