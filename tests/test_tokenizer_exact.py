@@ -215,6 +215,11 @@ PLAIN: list[tuple[str, ChatInput]] = [
     ("kwargs apply_chat_template takes itself", _chat({"role": "user", "content": "x"},
                                                       chat_template_kwargs={"documents": "d", "padding": True})),
     ("nested kwargs", _chat({"role": "user", "content": "x"}, chat_template_kwargs={"extra": {"k": [1, 2]}})),
+    # The sandbox still refuses, also when its answer for (type, attribute) is remembered from a first time.
+    *[(f"unsafe {i}, {n} time", _chat({"role": "user", "content": "x"}, chat_template=t))
+      for n in ("first", "second") for i, t in enumerate(("{{ messages[0].content.__class__ }}{{ 'ok' }}",
+                                    "{{ messages.append(1) }}{% for m in messages %}{{ m.update(a=1) }}{% endfor %}",
+                                    "{{ messages[0].content.format.__self__ }}{{ namespace.mro() }}"))],
 ]
 
 
@@ -249,8 +254,10 @@ def test_direct_render_equals_apply_chat_template(name) -> None:
              "markers inside text", "empty content", "custom template", "cold bench", "names",
              "assistant last, generation prompt", "scalar kwargs", "template uses globals",
              "extra fields are dropped", "text parts", "kwargs do not override the request",
-             "empty tool calls"} | {label for label, _ in demo_requests()}
+             "empty tool calls", "unsafe 0, first time", "unsafe 0, second time"} | {label for label, _ in demo_requests()}
     assert set(served) == plain
+    compiled, _ = direct._compiled(fast.template(None))
+    assert type(compiled.environment).__name__ == "RememberingSandbox"
 
 
 @pytest.mark.parametrize("name", TOKENIZERS)
