@@ -189,7 +189,7 @@ class DirectRender:
     template (`_compile_jinja_template`, the same object used here) with messages, tools=None,
     documents=None, add_generation_prompt and the special tokens map updated by the keyword arguments.
     jinja's Template.render merges the template's globals (a ChainMap, read key by key in Python) into that
-    dict; here the globals are flattened once per template and the same context is built with `shared`.
+    dict; here the globals are flattened once per template and the same context is built from the merged dict.
     `render` returns None for any other input, and on any error (apply_chat_template then gives the text or
     the error as it always did). At load, the tokenizer's own template is rendered both ways on a few plain
     chats; a difference and this is not used."""
@@ -252,7 +252,11 @@ class DirectRender:
             variables.update(messages=messages, tools=None, documents=None, add_generation_prompt=generation)
             variables.update(self._hf.special_tokens_map)
             variables.update(extra)
-            text = compiled.environment.concat(compiled.root_render_func(compiled.new_context(variables, shared=True)))
+            # Template.new_context(variables, shared=True), with the flattened globals standing for the ChainMap
+            # (Context only takes the set of their names from it, iterated in Python for a ChainMap).
+            env = compiled.environment
+            context = env.context_class(env, variables, compiled.name, compiled.blocks, globals=flat_globals)
+            text = env.concat(compiled.root_render_func(context))
         except Exception:  # apply_chat_template raises its own error for it
             return None
         return text if isinstance(text, str) else None
