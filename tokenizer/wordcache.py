@@ -226,7 +226,8 @@ class WordCachedEncoder:
         sample = _sample_sentence(text)
         if sample is None:
             return self._word_ids(text)
-        if sample not in cache:
+        known = sample in cache
+        if not known:
             key = hash(sample)
             if key not in self._seen:
                 if len(self._seen) >= _MAX_SEEN:
@@ -237,6 +238,8 @@ class WordCachedEncoder:
         middle = parts[1:-1]  # sentence i is " " + middle[i] + "."
         found = _native.concat_cached(middle, cache)
         if type(found) is tuple:
+            if known and 2 * len(found) > len(middle):  # mostly new sentences around a kept one: whole, none kept
+                return self._word_ids(text)
             for p in found:
                 if p not in cache:  # a sentence may be missing more than once
                     ids = self._word_ids(" " + p + ".")
