@@ -253,3 +253,21 @@ def test_the_sentence_cache_is_bounded_and_stays_exact(monkeypatch) -> None:
         assert all(len(s) <= 30 for s in enc._sentences) and len(enc._seen) <= 20
         kept = max(kept, len(enc._sentences))
     assert kept > 5, "the sentence path was not reached"
+
+
+def test_new_sentences_around_a_kept_one_are_not_kept() -> None:
+    hf = _local("test").hf
+    enc = WordCachedEncoder.from_local(hf)
+    rng = random.Random(8)
+    shared = "The same sentence every time"
+    for text in [f"Start. {shared}. {shared}. {shared}. End"] * 2:  # kept from its second sight on
+        enc.encode(text)
+    assert shared in enc._sentences
+    kept = len(enc._sentences)
+    for _ in range(100):
+        sentences = [" ".join(rng.choice(("route", "Cache", "x1", "42", "'s", "a-b", "\n")) for _ in range(8))
+                     for _ in range(9)]
+        sentences[5] = shared  # the sentence sampled from the middle
+        text = ". ".join(sentences)
+        assert enc.encode(text) == hf.backend_tokenizer.encode(text, add_special_tokens=False).ids, repr(text)
+    assert len(enc._sentences) == kept, "new sentences around a kept one were kept"
