@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry
 import realtok
 from chat_reference import Reference
 from plugin.workload import ChatWorkload, WorkloadShape
-from tokenizer import testdata
+from tokenizer import testdata, vllm_chat
 from tokenizer.local import LocalTokenizer
 from tokenizer.remote import RemoteOptions, RemoteTokenizer
 from tokenizer.types import ChatInput, PromptInput
@@ -194,6 +194,70 @@ async def test_every_request_tokenizes_identically_three_ways(engines, name) -> 
         assert not differ, "\n".join(differ)
     finally:
         await remote.aclose()
+
+
+# Plain chats (what tokenizer.local.DirectRender renders without apply_chat_template), beside the corpus.
+PLAIN: list[tuple[str, ChatInput]] = [
+    ("cold bench", _chat({"role": "system", "content": "3f2a9c " + "You are careful. " * 40},
+                         {"role": "user", "content": "How does prefix caching reduce time to first token?"})),
+    ("names", _chat({"role": "system", "content": "s", "name": "ops"}, {"role": "user", "content": "u", "name": "ann"})),
+    ("assistant last, generation prompt", _chat(SYSTEM, {"role": "user", "content": "x"},
+                                                {"role": "assistant", "content": "y"})),
+    ("scalar kwargs", _chat({"role": "user", "content": "q"},
+                            chat_template_kwargs={"enable_thinking": True, "date_string": "1 Jan 2026", "n": 2,
+                                                  "x": 0.5, "bos_token": "<s>", "unused": "auto"})),
+    ("template raises", _chat({"role": "user", "content": "x"}, chat_template="{{ raise_exception('no') }}")),
+    ("template missing variable", _chat({"role": "user", "content": "x"}, chat_template="{{ messages[3].content }}")),
+    ("template uses globals", _chat({"role": "user", "content": "x"}, chat_template=(
+        "{% set ns = namespace(n=0) %}{% for i in range(3) %}{% set ns.n = ns.n + i %}{% endfor %}{{ ns.n }}"
+        "{{ dict(a=1) | tojson }}{% for m in messages %}{{ m | tojson }}{% generation %}g{% endgeneration %}"
+        "{% endfor %}{{ bos_token is defined }}{{ eos_token | default('-') }}{{ tools is none }}{{ documents is none }}"))),
+    ("kwargs apply_chat_template takes itself", _chat({"role": "user", "content": "x"},
+                                                      chat_template_kwargs={"documents": "d", "padding": True})),
+    ("nested kwargs", _chat({"role": "user", "content": "x"}, chat_template_kwargs={"extra": {"k": [1, 2]}})),
+    # The sandbox still refuses, also when its answer for (type, attribute) is remembered from a first time.
+    *[(f"unsafe {i}, {n} time", _chat({"role": "user", "content": "x"}, chat_template=t))
+      for n in ("first", "second") for i, t in enumerate(("{{ messages[0].content.__class__ }}{{ 'ok' }}",
+                                    "{{ messages.append(1) }}{% for m in messages %}{{ m.update(a=1) }}{% endfor %}",
+                                    "{{ messages[0].content.format.__self__ }}{{ namespace.mro() }}"))],
+]
+
+
+def _render_or_error(local: LocalTokenizer, item: ChatInput) -> str:
+    try:
+        return local.render_chat(item)
+    except ValueError as e:
+        return f"error: {e}"
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+def test_direct_render_equals_apply_chat_template(name) -> None:
+    """The gateway's plain-chat render (tokenizer.local.DirectRender) gives apply_chat_template's text, or its
+    error, on every chat of the corpus, the demo and PLAIN; and it serves every plain chat there (a render
+    that quietly fell back each time would pass the first check and save nothing)."""
+    directory = _directory(name)
+    fast, slow = LocalTokenizer.from_path(directory), LocalTokenizer.from_path(directory, fast=False)
+    assert fast.renders_directly and not slow.renders_directly
+    chats = [(label, item) for label, item in CORPUS + demo_requests() + PLAIN if isinstance(item, ChatInput)]
+    differ = [label for label, item in chats if _render_or_error(fast, item) != _render_or_error(slow, item)]
+    assert not differ, differ
+    direct = fast._direct
+    served = []
+    for label, item in chats:
+        template = fast.template(item.chat_template)
+        kwargs = vllm_chat.template_kwargs(None, item.chat_template_kwargs, item.add_generation_prompt,
+                                           item.continue_final_message)
+        messages = vllm_chat.conversation(item.messages, vllm_chat.content_format(template))
+        if item.tools is None and direct.render(template, messages, kwargs) is not None:
+            served.append(label)
+    plain = {"user only", "system", "multi-turn", "no generation prompt", "thinking off", "unicode and whitespace",
+             "markers inside text", "empty content", "custom template", "cold bench", "names",
+             "assistant last, generation prompt", "scalar kwargs", "template uses globals",
+             "extra fields are dropped", "text parts", "kwargs do not override the request",
+             "empty tool calls", "unsafe 0, first time", "unsafe 0, second time"} | {label for label, _ in demo_requests()}
+    assert set(served) == plain
+    compiled, _ = direct._compiled(fast.template(None))
+    assert type(compiled.environment).__name__ == "RememberingSandbox"
 
 
 @pytest.mark.parametrize("name", TOKENIZERS)

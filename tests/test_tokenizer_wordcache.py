@@ -208,3 +208,66 @@ def test_a_scanner_of_another_regex_is_caught_at_load(monkeypatch) -> None:
     monkeypatch.setattr(wordcache, "NATIVE_KINDS", {gpt2: 1})  # the test tokenizer's regex split as Llama 3's
     with pytest.raises(NotFast, match="otherwise than the tokenizer"):
         WordCachedEncoder.from_local(_local("test").hf)
+
+
+def _sentence_texts(rng: random.Random, n: int) -> list[str]:
+    """Texts cut at ". " (tokenizer.wordcache._SENTENCE_CUT) into sentences drawn from a small pool, so most
+    come back in other texts and orders; sentences, starts and ends built to reach the pre-tokenizers'
+    branches next to the cut (empty sentences, ". . ", digits, contractions, whitespace, newlines)."""
+    pool = [_random_ascii(rng) for _ in range(40)] + ["", ".", " ", "'S", "'s", "12345", "x\n", "\n", "  y  ", "a'",
+                                                      "You are a careful assistant", "...", "\t"]
+    out = []
+    for _ in range(n):
+        sentences = [rng.choice(pool) for _ in range(rng.randint(2, 12))]
+        out.append(rng.choice(["", "a", " ", "\n", "nonce 3f2a"]) + ". ".join(sentences) + rng.choice(["", ".", ". ", " "]))
+    return out
+
+
+@pytest.mark.parametrize("name", ["test", "qwen3", "llama3_1"])
+def test_texts_cut_into_kept_sentences_give_the_tokenizers_tokens(name) -> None:
+    hf = _local(name).hf
+    enc = WordCachedEncoder.from_local(hf)
+    backend = hf.backend_tokenizer
+    rng = random.Random(21)
+    texts = _sentence_texts(rng, 600)
+    differ = []
+    for text in texts + texts[::-1]:  # each text twice: its sentences seen once, then kept and looked up
+        if enc.encode(text) != backend.encode(text, add_special_tokens=False).ids:
+            differ.append(repr(text))
+    assert not differ, f"{len(differ)} texts differ, e.g. {differ[:5]}"
+    assert len(enc._sentences) > 20, "the sentence path was not reached"
+
+
+def test_the_sentence_cache_is_bounded_and_stays_exact(monkeypatch) -> None:
+    monkeypatch.setattr(wordcache, "_MAX_SENTENCE_BYTES", 3000)
+    monkeypatch.setattr(wordcache, "_MAX_SENTENCE_CHARS", 30)
+    monkeypatch.setattr(wordcache, "_MAX_SEEN", 20)
+    hf = _local("test").hf
+    enc = WordCachedEncoder.from_local(hf)
+    rng = random.Random(4)
+    texts = _sentence_texts(rng, 300)
+    kept = 0
+    for text in texts + texts:
+        assert enc.encode(text) == hf.backend_tokenizer.encode(text, add_special_tokens=False).ids, repr(text)
+        assert enc._sentence_bytes <= 3000 + 30 + 8 * 60 + wordcache._SENTENCE_OVERHEAD
+        assert all(len(s) <= 30 for s in enc._sentences) and len(enc._seen) <= 20
+        kept = max(kept, len(enc._sentences))
+    assert kept > 5, "the sentence path was not reached"
+
+
+def test_new_sentences_around_a_kept_one_are_not_kept() -> None:
+    hf = _local("test").hf
+    enc = WordCachedEncoder.from_local(hf)
+    rng = random.Random(8)
+    shared = "The same sentence every time"
+    for text in [f"Start. {shared}. {shared}. {shared}. End"] * 2:  # kept from its second sight on
+        enc.encode(text)
+    assert shared in enc._sentences
+    kept = len(enc._sentences)
+    for _ in range(100):
+        sentences = [" ".join(rng.choice(("route", "Cache", "x1", "42", "'s", "a-b", "\n")) for _ in range(8))
+                     for _ in range(9)]
+        sentences[5] = shared  # the sentence sampled from the middle
+        text = ". ".join(sentences)
+        assert enc.encode(text) == hf.backend_tokenizer.encode(text, add_special_tokens=False).ids, repr(text)
+    assert len(enc._sentences) == kept, "new sentences around a kept one were kept"

@@ -5,14 +5,22 @@ conversation, tools and keyword arguments vLLM builds (tokenizer.vllm_chat), and
 that text is tokenized without added special tokens, the way vLLM's chat and
 /tokenize endpoints do it. The simulated engine's /tokenize uses this class, so
 the gateway and the engine agree token for token.
+
+Plain chats (string contents, no tools, no continued final message, scalar template
+keyword arguments) are rendered by `DirectRender`: transformers' own compiled template
+run with exactly the variables `apply_chat_template` gives it, without the copies and
+checks that change nothing for such input (about half of the render's time). Anything
+else, and any error, goes through `apply_chat_template` itself.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
+import inspect
 import json
 import logging
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,11 +47,13 @@ class LocalTokenizer:
         # Fast tokenizers may mutate their Rust state while encoding (truncation/padding), so calls are serialised.
         self._lock = threading.Lock()
         self._fast: WordCachedEncoder | None = None
+        self._direct: DirectRender | None = None
         if fast:
             try:
                 self._fast = WordCachedEncoder.from_local(hf_tokenizer)
             except NotFast as e:
                 log.info("tokenizer %s: every text through the tokenizer itself (no word cache: %s)", source or "", e)
+            self._direct = DirectRender.for_tokenizer(self, source)
 
     @property
     def word_cached(self) -> bool:
@@ -89,6 +99,11 @@ class LocalTokenizer:
         except Exception as e:  # e.g. lone surrogates, which the Rust tokenizer cannot take
             raise ValueError(f"cannot encode the text: {type(e).__name__}: {e}") from e
 
+    @property
+    def renders_directly(self) -> bool:
+        """Whether plain chats are rendered by DirectRender (else every chat through apply_chat_template)."""
+        return self._direct is not None
+
     def render_chat(self, item: ChatInput) -> str:
         """The chat template applied to `item` as vLLM applies it: the text vLLM would tokenize (see
         tokenizer.vllm_chat for the conversation, tools and keyword arguments it builds). Raises ValueError
@@ -98,6 +113,14 @@ class LocalTokenizer:
                                            item.continue_final_message)
         template = self.template(item.chat_template, tools)
         messages = vllm_chat.conversation(item.messages, vllm_chat.content_format(template))
+        if self._direct is not None:
+            text = self._direct.render(template, messages, kwargs)
+            if text is not None:
+                return text
+        return self.apply_template(template, messages, kwargs)
+
+    def apply_template(self, template: str, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> str:
+        """`template` rendered by transformers' apply_chat_template (tokenize=False); ValueError when it fails."""
         try:
             with self._lock:
                 text = self._tok.apply_chat_template(messages, chat_template=template, tokenize=False, **kwargs)
@@ -145,6 +168,155 @@ class LocalTokenizer:
     def token_strs(self, ids: Sequence[int]) -> list[str]:
         with self._lock:
             return list(self._tok.convert_ids_to_tokens(list(ids)))
+
+
+# Message keys whose values apply_chat_template copies under other names (its reasoning aliases).
+_REASONING_KEYS = frozenset(("reasoning_content", "thinking", "reasoning"))
+_SCALARS = (str, int, float, bool)
+_MAX_TEMPLATES = 32  # compiled templates (with their flattened globals) kept per tokenizer
+_MAX_SAFE_ANSWERS = 4096  # (type, attribute) pairs whose sandbox check is remembered
+
+
+class DirectRender:
+    """A plain chat rendered as transformers' `apply_chat_template(..., tokenize=False)` renders it, without
+    its per-call work that changes nothing for plain input.
+
+    What apply_chat_template does (transformers 5, read from its source), and why each step is the identity
+    here: it resolves the template again (get_chat_template, called here too); converts message objects to
+    dicts and drops None values (the messages are vllm_chat's fresh dicts of strings); rebuilds everything
+    the template sees from plain JSON types (already plain: strings and scalars only); copies reasoning under
+    its aliases (no reasoning keys); marks a continued final message (not set); then renders its compiled
+    template (`_compile_jinja_template`, the same object used here) with messages, tools=None,
+    documents=None, add_generation_prompt and the special tokens map updated by the keyword arguments.
+    jinja's Template.render merges the template's globals (a ChainMap, read key by key in Python) into that
+    dict; here the globals are flattened once per template and the same context is built from the merged dict.
+    `render` returns None for any other input, and on any error (apply_chat_template then gives the text or
+    the error as it always did). At load, the tokenizer's own template is rendered both ways on a few plain
+    chats; a difference and this is not used."""
+
+    def __init__(self, hf: Any, compile_template: Callable[[str], Any], consumed: frozenset[str]) -> None:
+        self._hf = hf
+        self._compile = compile_template
+        self._consumed = consumed  # keyword names apply_chat_template takes itself (never template variables)
+        self._templates: dict[str, tuple[Any, dict[str, Any]]] = {}
+
+    @classmethod
+    def for_tokenizer(cls, local: LocalTokenizer, source: str = "") -> DirectRender | None:
+        """None when transformers has no compiled-template function as read, or the self-check differs."""
+        try:
+            from transformers.utils import chat_template_utils as ctu
+
+            compile_template = ctu._compile_jinja_template
+            consumed = {"messages", "self"}
+            for fn in (type(local.hf).apply_chat_template, ctu.render_jinja_template):
+                consumed.update(inspect.signature(fn).parameters)
+        except (ImportError, AttributeError, TypeError, ValueError) as e:
+            log.info("tokenizer %s: every chat through apply_chat_template (%s)", source, e)
+            return None
+        direct = cls(local.hf, compile_template, frozenset(consumed))
+        try:
+            template = local.template(None)
+        except ValueError:
+            return direct  # no template of its own: requests' templates, checked by nothing but the tests
+        for messages, kwargs in _self_check_chats():
+            mine = direct.render(template, [dict(m) for m in messages], dict(kwargs))
+            if mine is None:
+                continue
+            try:
+                theirs = local.apply_template(template, [dict(m) for m in messages], dict(kwargs))
+            except ValueError:
+                theirs = None
+            if mine != theirs:
+                log.warning("tokenizer %s: its chat template renders otherwise than apply_chat_template when "
+                            "rendered directly; every chat through apply_chat_template", source)
+                return None
+        return direct
+
+    def render(self, template: str, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> str | None:
+        """The text, or None: not a plain chat, or the template failed."""
+        if not messages or kwargs.get("continue_final_message") is not False or "tools" in kwargs:
+            return None
+        for message in messages:
+            for key, value in message.items():
+                if type(value) is not str or key in _REASONING_KEYS:
+                    return None
+        generation = kwargs["add_generation_prompt"]
+        extra = {k: v for k, v in kwargs.items() if k != "add_generation_prompt" and k != "continue_final_message"}
+        for key, value in extra.items():
+            if type(value) not in _SCALARS or key in self._consumed:
+                return None
+        try:
+            template = self._hf.get_chat_template(template, None)
+            compiled, flat_globals = self._compiled(template)
+            variables = dict(flat_globals)
+            variables.update(messages=messages, tools=None, documents=None, add_generation_prompt=generation)
+            variables.update(self._hf.special_tokens_map)
+            variables.update(extra)
+            # Template.new_context(variables, shared=True), with the flattened globals standing for the ChainMap
+            # (Context only takes the set of their names from it, iterated in Python for a ChainMap).
+            env = compiled.environment
+            context = env.context_class(env, variables, compiled.name, compiled.blocks, globals=flat_globals)
+            text = env.concat(compiled.root_render_func(context))
+        except Exception:  # apply_chat_template raises its own error for it
+            return None
+        return text if isinstance(text, str) else None
+
+    def _compiled(self, template: str) -> tuple[Any, dict[str, Any]]:
+        hit = self._templates.get(template)
+        if hit is None:
+            compiled = _with_remembered_checks(self._compile(template), template)
+            if len(self._templates) >= _MAX_TEMPLATES:
+                self._templates.clear()
+            hit = self._templates[template] = (compiled, dict(compiled.globals))
+        return hit
+
+
+def _with_remembered_checks(compiled: Any, template: str) -> Any:
+    """`compiled` (transformers' template) compiled again in an overlay of its environment (jinja's copy of
+    its configuration: options, filters, globals, extensions) whose sandbox remembers which attributes are
+    safe per (type, name); `compiled` itself when its environment is not jinja's ImmutableSandboxedEnvironment
+    as it ships. jinja's answer depends on nothing else: underscores, a type's internal attributes
+    (is_internal_attribute) and the mutating methods of list, dict, set and deque (modifies_known_mutable), all
+    read from the name and isinstance checks of the object's type. Reading them costs a third of the render of
+    Qwen3's template, asked a dozen times per chat."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = compiled.environment
+    if type(env) is not ImmutableSandboxedEnvironment or "is_safe_attribute" in vars(env):
+        return compiled
+    overlay = env.overlay()
+    overlay.__class__ = _rememberer()
+    return overlay.from_string(template)
+
+
+@functools.lru_cache(maxsize=None)
+def _rememberer() -> type:
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    safe: dict[tuple[type, str], bool] = {}
+
+    def is_safe_attribute(self: Any, obj: Any, attr: str, value: Any) -> bool:
+        key = (type(obj), attr)
+        answer = safe.get(key)
+        if answer is None:
+            answer = ImmutableSandboxedEnvironment.is_safe_attribute(self, obj, attr, value)
+            if len(safe) >= _MAX_SAFE_ANSWERS:
+                safe.clear()
+            safe[key] = answer
+        return answer
+
+    return type("RememberingSandbox", (ImmutableSandboxedEnvironment,), {"is_safe_attribute": is_safe_attribute})
+
+
+def _self_check_chats() -> list[tuple[list[dict[str, str]], dict[str, Any]]]:
+    system = {"role": "system", "content": "You are a helpful assistant."}
+    user = {"role": "user", "content": "What is 2+2? Answer briefly.\n\nThanks!"}
+    answer = {"role": "assistant", "content": "4."}
+    again = {"role": "user", "content": "  And 3+3?  "}
+    plain = {"add_generation_prompt": True, "continue_final_message": False}
+    return [([user], plain), ([system, user], plain), ([system, user, answer, again], plain),
+            ([system, user, answer], {**plain, "add_generation_prompt": False}),
+            ([user], {"enable_thinking": False, **plain}), ([{**user, "name": "ann"}], plain)]
 
 
 def _size_and_ascii(item: TokenizeInput) -> tuple[int, bool]:

@@ -12,6 +12,9 @@ done here: by a C scanner for the GPT-2, Llama 3 and Qwen 2 regexes (kvcache/_na
 section), else with Python's `re` on the pattern translated to those sets; and bpe(bytelevel(w)) is asked
 of the tokenizer's own BPE model (`Model.tokenize`) once per distinct word, then kept. Added tokens are cut out
 first, as the tokenizer does (leftmost-longest, raw text; segments.Segmenter checks their flags allow it).
+With the C scanner's regexes, a text's sentences (cut before the space of each ". ", where no pre-token
+crosses) are also kept whole once seen twice, so a new text made of known sentences (a shared system prompt
+behind a new first line) is joined from them instead of split word by word.
 
 Only configurations where this identity is known to hold are taken (`WordCachedEncoder.from_local` says
 why not otherwise): normalizer none or Unicode normal forms; pre-tokenizer ByteLevel (with or without its
@@ -42,6 +45,19 @@ _IN_CLASS = {"\\p{L}": "A-Za-z", "\\p{N}": "0-9", "\\s": _SPACE}
 _ALONE = {"\\p{L}": "[A-Za-z]", "\\p{N}": "[0-9]", "\\s": f"[{_SPACE}]", "\\S": f"[^{_SPACE}]"}
 _PASS_ESCAPES = set("rntfv\\'\"-.?*+()[]{}|^$/ ")
 _MAX_WORDS = 200_000  # distinct words kept (then the cache starts over)
+# Where a text is cut into sentences looked up whole (the C scanner's regexes only): before the space of
+# every ". ". No pre-token of those regexes crosses such a cut, and the pre-tokens on either side are the
+# same as when the text is split whole: the match covering the "." (a run of characters that are not
+# letters, digits or whitespace, possibly after one space) cannot take a space after it, so a match ends
+# at the cut, and the next starts there (no regex looks behind); and no alternative tried before the cut
+# reads the space differently from the text's end: a letter run, a digit run, a run of other characters,
+# [\r\n]* and the contractions all stop at either, a "non-letter then letters" alternative fails at
+# either, and a whitespace run cannot reach over the ".". The BPE then runs on each pre-token alone.
+_SENTENCE_CUT = ". "
+_MAX_SENTENCE_CHARS = 8192  # longer sentences are encoded, not kept
+_MAX_SENTENCE_BYTES = 16 * 1024 * 1024  # about what the kept sentences and their ids hold (then start over)
+_SENTENCE_OVERHEAD = 150  # dict slot, str and list headers
+_MAX_SEEN = 200_000  # hashes of sentences seen once remembered (then forgotten all at once)
 
 
 class NotFast(ValueError):
@@ -112,6 +128,9 @@ class WordCachedEncoder:
         self._affixes = affixes
         self._to_bytelevel = str.maketrans(_byte_map())
         self._words: dict[str, list[int]] = {}
+        self._sentences: dict[str, list[int]] = {}  # sentence s cut out of a text -> ids of " " + s + "."
+        self._sentence_bytes = 0
+        self._seen: set[int] = set()  # hashes of sentences seen once and not kept
 
     @classmethod
     def from_local(cls, hf: Any) -> WordCachedEncoder:
@@ -161,21 +180,21 @@ class WordCachedEncoder:
         if not ascii_ and (self._backend is None or self._added_pattern is None
                            or self._added_pattern.search(text) is None):
             return None
-        out: list[int] = list(self._affixes.prefix) if add_special_tokens else []
         plain = self._plain if ascii_ else self._any
-        if self._added_pattern is None:
-            plain(text, out)
+        if self._added_pattern is None or (ascii_ and self._added_pattern.search(text) is None):
+            out = plain(text)  # a new list: returned as it is
         else:
+            out = []
             pos = 0
             for m in self._added_pattern.finditer(text):
                 if m.start() > pos:
-                    plain(text[pos:m.start()], out)
+                    out += plain(text[pos:m.start()])
                 out.append(self._added[m.group()])
                 pos = m.end()
             if pos < len(text):
-                plain(text[pos:], out)
+                out += plain(text[pos:])
         if add_special_tokens:
-            out.extend(self._affixes.suffix)
+            return [*self._affixes.prefix, *out, *self._affixes.suffix]
         return out
 
     def _split(self, text: str) -> list[str]:
@@ -189,13 +208,56 @@ class WordCachedEncoder:
                 return _split_isolated(self._stages, text)
         return words
 
-    def _any(self, text: str, out: list[int]) -> None:
+    def _any(self, text: str) -> list[int]:
         if text.isascii():
-            self._plain(text, out)
-        else:
-            out += self._backend.encode(text, add_special_tokens=False).ids
+            return self._plain(text)
+        return self._backend.encode(text, add_special_tokens=False).ids
 
-    def _plain(self, text: str, out: list[int]) -> None:
+    def _plain(self, text: str) -> list[int]:
+        """`text`'s ids, a new list (ASCII, no added tokens in it). With the C scanner's regexes, text with
+        sentences is cut before the space of every ". " and each sentence between two cuts is looked up whole
+        (see _SENTENCE_CUT for why the cuts change no token); everything else word by word."""
+        if self._native_kind is None:
+            return self._word_ids(text)
+        # Sentences are looked up when one of them (the one after the first cut past the middle) is kept, and
+        # kept from its second sight on (hashes of those seen once are remembered): splitting a text into
+        # sentences and keeping them costs more than encoding it whole, when its sentences are new.
+        cache = self._sentences
+        sample = _sample_sentence(text)
+        if sample is None:
+            return self._word_ids(text)
+        known = sample in cache
+        if not known:
+            key = hash(sample)
+            if key not in self._seen:
+                if len(self._seen) >= _MAX_SEEN:
+                    self._seen.clear()
+                self._seen.add(key)
+                return self._word_ids(text)
+        parts = text.split(_SENTENCE_CUT)
+        middle = parts[1:-1]  # sentence i is " " + middle[i] + "."
+        found = _native.concat_cached(middle, cache)
+        if type(found) is tuple:
+            if known and 2 * len(found) > len(middle):  # mostly new sentences around a kept one: whole, none kept
+                return self._word_ids(text)
+            for p in found:
+                if p not in cache:  # a sentence may be missing more than once
+                    ids = self._word_ids(" " + p + ".")
+                    if len(p) <= _MAX_SENTENCE_CHARS:
+                        if self._sentence_bytes > _MAX_SENTENCE_BYTES:
+                            cache.clear()
+                            self._sentence_bytes = 0
+                        cache[p] = ids
+                        self._sentence_bytes += len(p) + 8 * len(ids) + _SENTENCE_OVERHEAD
+            found = _native.concat_cached(middle, cache)
+            if type(found) is tuple:  # sentences too long to keep, or the cache started over: one at a time
+                found = [i for p in middle for i in (cache.get(p) or self._word_ids(" " + p + "."))]
+        found[0:0] = self._word_ids(parts[0] + ".")  # `found` is a new list: its ids moved, not copied
+        found += self._word_ids(" " + parts[-1])
+        return found
+
+    def _word_ids(self, text: str) -> list[int]:
+        """`text`'s ids word by word (ASCII, no added tokens in it): a new list."""
         words = self._split(text)
         found = _native.concat_cached(words, self._words)  # the ids, or a tuple of the words not cached yet
         if type(found) is tuple:
@@ -209,7 +271,7 @@ class WordCachedEncoder:
             if type(found) is tuple:  # more new words than the cache holds: one at a time
                 found = [i for w in words for i in
                          (cache.get(w) or [t.id for t in self._model.tokenize(w.translate(self._to_bytelevel))])]
-        out += found
+        return found
 
     def _self_check(self, backend: Any) -> None:
         """The tokenizer's own pre-tokens and ids on _check_corpus(), or NotFast (ids alone can hide a wrong
@@ -222,7 +284,7 @@ class WordCachedEncoder:
                 theirs = [w for w, _ in backend.pre_tokenizer.pre_tokenize_str(piece)]
                 if mine != theirs:
                     raise NotFast(f"splits {piece[:60]!r} otherwise than the tokenizer")
-        for special in (False, True):
+        for special in (False, False, True):  # twice without: the second pass keeps and reuses sentences
             if special and self._affixes is None:
                 continue
             for text in texts:
@@ -230,7 +292,28 @@ class WordCachedEncoder:
                 theirs = backend.encode(text, add_special_tokens=special).ids
                 if mine != theirs:
                     raise NotFast(f"differs from the tokenizer on {text[:60]!r} (add_special_tokens={special})")
-        self._words.clear()  # the check's words are not the traffic's
+        self._words.clear()  # the check's words and sentences are not the traffic's
+        self._sentences.clear()
+        self._sentence_bytes = 0
+        self._seen.clear()
+
+
+def _sample_sentence(text: str) -> str | None:
+    """The text between the first two cuts (_SENTENCE_CUT) from the middle of `text` on, or the last two
+    before; None with fewer than two cuts."""
+    cut = _SENTENCE_CUT
+    a = text.find(cut, len(text) // 2)
+    if a >= 0:
+        b = text.find(cut, a + 2)
+        if b >= 0:
+            return text[a + 2:b]
+        b = a
+    else:
+        b = text.rfind(cut)
+        if b < 0:
+            return None
+    a = text.rfind(cut, 0, b)
+    return None if a < 0 else text[a + 2:b]
 
 
 def _split_isolated(stages: list[re.Pattern[str]], text: str) -> list[str]:
@@ -295,5 +378,7 @@ def _check_corpus() -> list[str]:
             '{"key": [1, 22, 333, 4444], "b": null}\r\n\r\nline2 \r\n  ',
             "a  b   c    d\n \n  \n\t \t", "numbers 1 12 123 1234 12345 123456 1.5e-10",
             "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nhi<|im_end|>",
-            "@@@ --- ... !!! ??? ;;; ::: ___ ~~~ ``` |||"]
+            "@@@ --- ... !!! ??? ;;; ::: ___ ~~~ ``` |||",
+            ". Starts. Twice. Twice. . 'S. 's. 12. x.\n. y.  z. \t. a.b. c. ",
+            "No one. Knows. How. It ends. "]
     return out
