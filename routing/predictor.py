@@ -19,6 +19,7 @@ import logging
 import math
 import random
 import time
+from functools import lru_cache
 from typing import Any, Callable
 
 from routing.background import BackgroundLoop
@@ -31,6 +32,7 @@ MAX_TOKENS = 1 << 20
 KEY = "kvgate:outlen:{model}:{t}"
 
 
+@lru_cache(maxsize=1 << 16)  # every completed request asks again for the same few token counts
 def bucket(tokens: int, buckets: int) -> int:
     b = int(round(math.log2(tokens))) if tokens > 1 else 0
     return b if b < buckets else buckets - 1
@@ -93,7 +95,6 @@ class OutputPredictor(Tracker):
         self._models: dict[str, _ModelWindow] = {}
         self.shared = False  # True once PredictorSync manages the totals
         self._next_advance = 0.0
-        self._buckets: dict[int, int] = {}  # tokens -> bucket(tokens, self.buckets), as met (bounded)
 
     def _step(self, now: float) -> int:
         return int(now // self.step_s * self.step_s)
@@ -119,24 +120,12 @@ class OutputPredictor(Tracker):
                 else:
                     w.expire(oldest)
 
-    def _bucket(self, tokens: int) -> int:
-        b = self._buckets.get(tokens)
-        if b is None:
-            if len(self._buckets) >= 1 << 16:
-                self._buckets.clear()
-            b = self._buckets[tokens] = bucket(tokens, self.buckets)
-        return b
-
     def add(self, model: str, input_tokens: int, output_tokens: int, now: float | None = None) -> None:
         now = self._clock() if now is None else now
         if now >= self._next_advance:
             self.advance(now)
         w = self._models.get(model) or self._window(model)
-        memo = self._buckets
-        i, o = memo.get(input_tokens), memo.get(output_tokens)
-        step_s = self.step_s
-        w.add(int(now // step_s * step_s), (self._bucket(input_tokens) if i is None else i,
-                                             self._bucket(output_tokens) if o is None else o))
+        w.add(self._step(now), (bucket(input_tokens, self.buckets), bucket(output_tokens, self.buckets)))
 
     def has_history(self, model: str, input_tokens: int) -> bool:
         self.advance()

@@ -22,6 +22,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any, Callable, Protocol
 
 from routing.background import BackgroundLoop
@@ -134,6 +135,7 @@ class TrackerRegistry:
                 log.exception("request tracker %s failed to trace request %s", type(t).__name__, request_id)
 
 
+@lru_cache(maxsize=1 << 16)  # every request's ends ask again for the same few token counts
 def trace_bucket(tokens: int) -> int:
     """AIBrix's trace bucket index: log2(tokens) rounded to 0.1, times 10; 0 for no tokens."""
     return int(round(math.log2(tokens) * TRACE_PRECISION)) if tokens > 0 else 0
@@ -157,7 +159,6 @@ class TraceWindows(Tracker):
         self._windows: dict[str, _Window] = {}
         self._pending: dict[str, int] = {}  # model -> requests started, not done (whatever the window)
         self._term = 1
-        self._buckets: dict[int, int] = {}  # tokens -> trace_bucket(tokens), as met (bounded)
 
     def _window(self, model: str) -> _Window:
         w = self._windows.get(model)
@@ -184,20 +185,10 @@ class TraceWindows(Tracker):
             pending.pop(model, None)
         return self._windows.get(model) or self._window(model)
 
-    def _bucket(self, tokens: int) -> int:
-        b = self._buckets.get(tokens)
-        if b is None:
-            if len(self._buckets) >= 1 << 16:
-                self._buckets.clear()
-            b = self._buckets[tokens] = trace_bucket(tokens)
-        return b
-
     def done_request_trace(self, ctx: Any, request_id: str, model: str, input_tokens: int, output_tokens: int,
                            term: int) -> None:
         w = self.done_request_count(ctx, request_id, model, term)
-        memo = self._buckets
-        i, o = memo.get(input_tokens), memo.get(output_tokens)
-        key = f"{self._bucket(input_tokens) if i is None else i}:{self._bucket(output_tokens) if o is None else o}"
+        key = f"{trace_bucket(input_tokens)}:{trace_bucket(output_tokens)}"
         w.counts[key] = w.counts.get(key, 0) + 1
 
     # --- windows -------------------------------------------------------------------------
