@@ -263,13 +263,11 @@ class Observer:
             self.trackers.done_request_count(o, o.request_id, o.model, o.term)
             return
         ttft_h, tpot_h, prompt_c, completion_c = self._series(o.model, o.pod)
-        ttft = tpot = None
-        if o.streamed and o.first_at:  # else no first token timed: no TTFT, no TPOT
-            ttft = o.first_at - o.routed_at
+        ttft, tpot = o.ttft, o.tpot  # None without a timed first token (tpot: nor without 2 tokens)
+        if ttft is not None:
             ttft_h.observe(ttft)
-            tpot = o.tpot
-            if tpot is not None:
-                tpot_h.observe(tpot)
+        if tpot is not None:
+            tpot_h.observe(tpot)
         prompt_c.inc(o.prompt_tokens)
         if ttft is not None and self.slo_targets is not None:
             t_ttft, t_tpot = self.slo_targets(o.model, o.slo_ttft_s, o.slo_tpot_s)
