@@ -246,20 +246,18 @@ class CachedTokenizer:
             key = ("req", model, _request_key(item))
         except TokenizerError:  # `tokenize` will raise it
             return None
-        hit = self._lru.get(key)
+        hit = self._hit(key)
         if hit is None:
             self._missed = (item, key)
             return None
-        m = self._metrics  # counted as _hit counts
-        m.request_hit += 1
-        m.tokens_cache += len(hit)
         return memoryview(hit).toreadonly()
 
     def _hit(self, key: tuple) -> array | None:
         hit = self._lru.get(key)
         if hit is not None:
-            self._metrics.request_hit += 1
-            self._count(len(hit), len(hit))
+            m = self._metrics  # _count(n, n), inline: every warm request comes here
+            m.request_hit += 1
+            m.tokens_cache += len(hit)
         return hit
 
     async def _verify(self, model: str, item: TokenizeInput, base_url: str | None, assembled: list[int]) -> list[int]:
