@@ -1559,7 +1559,9 @@ static int event(Reader *r, Batch *b) {
 }
 
 /* [ts, events(, rank, ...)] or {"ts": ..., "events": ..., "data_parallel_rank": ...} */
-static int batch(const char *data, Py_ssize_t len, Batch *b) {
+/* The envelope of a batch (vLLM's EventBatch, map or array form): `events` left at its events array's
+ * header. -1: not a batch in the fast path's envelope. */
+static int envelope(const char *data, Py_ssize_t len, Reader *out) {
     Reader r = {(const uint8_t *)data, (const uint8_t *)data + len};
     Reader events = {NULL, NULL};
     uint32_t n;
@@ -1598,6 +1600,14 @@ static int batch(const char *data, Py_ssize_t len, Batch *b) {
             if (skip(&r, 0)) return -1;
     }
     if (r.p != r.end) return -1; /* trailing bytes: msgpack's decoder rejects the batch */
+    *out = events;
+    return 0;
+}
+
+static int batch(const char *data, Py_ssize_t len, Batch *b) {
+    Reader events;
+    uint32_t n;
+    if (envelope(data, len, &events)) return -1;
     if (rd_array(&events, &n)) return -1;
     if (b->one_pass && n != 1) { /* a later event could decline after an earlier one changed the tables */
         b->several = 1;
@@ -1635,6 +1645,106 @@ static PyObject *py_scan_batch(PyObject *Py_UNUSED(self), PyObject *arg) {
                      : NULL;
     }
     Py_DECREF(b.loras);
+    PyBuffer_Release(&view);
+    return out;
+}
+
+/* split_batch(payload, max_blocks) -> None | [payload, ...]
+ * A batch scan_batch accepts, cut between events into batches of at most `max_blocks` blocks stored
+ * and removed (at least one event each: an event is never cut), each the same envelope (timestamp,
+ * rank) around its events, in order; None when it is not in the fast path's shape or already within
+ * the bound. Applying the parts in order is applying the batch; the subscriber applies them one hold
+ * of the index lock each, so that one large batch does not hold the request path. */
+static PyObject *py_split_batch(PyObject *Py_UNUSED(self), PyObject *args) {
+    Py_buffer view;
+    Py_ssize_t max_blocks;
+    if (!PyArg_ParseTuple(args, "y*n", &view, &max_blocks)) return NULL;
+    PyObject *out = NULL, *part = NULL;
+    const uint8_t **start = NULL; /* each event's first byte; start[n]: the events array's end */
+    Py_ssize_t *blocks = NULL;
+    Batch b;
+    memset(&b, 0, sizeof b);
+    b.loras = PySet_New(NULL);
+    if (!b.loras) goto done;
+    Reader events;
+    uint32_t n = 0;
+    const uint8_t *data = view.buf, *end = data + view.len, *head = NULL;
+    int whole = max_blocks < 1 || batch(view.buf, view.len, &b) || b.stored_blocks + b.removed_blocks <= max_blocks
+                || envelope(view.buf, view.len, &events);
+    if (!whole) {
+        head = events.p;
+        whole = rd_array(&events, &n) || n < 2;
+    }
+    if (!whole) {
+        start = PyMem_RawMalloc(sizeof *start * ((size_t)n + 1));
+        blocks = PyMem_RawMalloc(sizeof *blocks * n);
+        if (!start || !blocks) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        for (uint32_t i = 0; i < n && !whole; i++) { /* scanned whole above: cannot fail */
+            Batch one;
+            memset(&one, 0, sizeof one);
+            one.loras = b.loras;
+            Reader probe = events;
+            start[i] = events.p;
+            whole = event(&probe, &one) || skip(&events, 0);
+            blocks[i] = one.stored_blocks + one.removed_blocks;
+        }
+        start[n] = events.p;
+    }
+    if (whole) { /* declined (a failed allocation while scanning too): the caller applies it whole */
+        PyErr_Clear();
+        out = Py_NewRef(Py_None);
+        goto done;
+    }
+    out = PyList_New(0);
+    if (!out) goto done;
+    Py_ssize_t before = head - data, after = end - start[n];
+    for (uint32_t i = 0, j; i < n; i = j) {
+        Py_ssize_t sum = blocks[i];
+        for (j = i + 1; j < n && sum + blocks[j] <= max_blocks; j++) sum += blocks[j];
+        uint32_t k = j - i;
+        uint8_t hdr[5];
+        Py_ssize_t hn;
+        if (k < 16) {
+            hdr[0] = (uint8_t)(0x90 | k);
+            hn = 1;
+        } else if (k <= 0xFFFF) {
+            hdr[0] = 0xdc;
+            hdr[1] = (uint8_t)(k >> 8);
+            hdr[2] = (uint8_t)k;
+            hn = 3;
+        } else {
+            hdr[0] = 0xdd;
+            hdr[1] = (uint8_t)(k >> 24);
+            hdr[2] = (uint8_t)(k >> 16);
+            hdr[3] = (uint8_t)(k >> 8);
+            hdr[4] = (uint8_t)k;
+            hn = 5;
+        }
+        Py_ssize_t body = start[j] - start[i];
+        part = PyBytes_FromStringAndSize(NULL, before + hn + body + after);
+        if (!part) {
+            Py_CLEAR(out);
+            goto done;
+        }
+        char *w = PyBytes_AS_STRING(part);
+        memcpy(w, data, (size_t)before);
+        memcpy(w + before, hdr, (size_t)hn);
+        memcpy(w + before + hn, start[i], (size_t)body);
+        memcpy(w + before + hn + body, start[n], (size_t)after);
+        int failed = PyList_Append(out, part) < 0;
+        Py_CLEAR(part);
+        if (failed) {
+            Py_CLEAR(out);
+            goto done;
+        }
+    }
+done:
+    PyMem_RawFree(start);
+    PyMem_RawFree(blocks);
+    Py_XDECREF(b.loras);
     PyBuffer_Release(&view);
     return out;
 }
@@ -2152,14 +2262,14 @@ static inline double now_s(void) {
 static PyObject *core_apply_run(Core *c, PyObject *args) {
     CORE_ENTER(c);
     PyObject *msgs, *media, *roots;
-    Py_ssize_t start, block_size, max_batches, max_events;
+    Py_ssize_t start, block_size, max_batches, max_events, max_blocks = 0;
     unsigned long long seq, root;
     int model;
     long slot;
     Py_buffer bounds, counts;
-    if (!PyArg_ParseTuple(args, "O!nKilKnO!O!nny*w*", &PyList_Type, &msgs, &start, &seq, &model, &slot, &root,
+    if (!PyArg_ParseTuple(args, "O!nKilKnO!O!nny*w*|n", &PyList_Type, &msgs, &start, &seq, &model, &slot, &root,
                           &block_size, &PyDict_Type, &media, &PyDict_Type, &roots, &max_batches, &max_events,
-                          &bounds, &counts))
+                          &bounds, &counts, &max_blocks))
         return NULL;
     PyObject *out = NULL, *error = NULL;
     Py_ssize_t nb = (Py_ssize_t)(bounds.len / (Py_ssize_t)sizeof(double));
@@ -2219,6 +2329,7 @@ static PyObject *core_apply_run(Core *c, PyObject *args) {
                 break;
             }
             if (b.stored_events && (mid < 0 || b.block_size != block_size)) break; /* Python learns them first */
+            if (max_blocks > 0 && b.stored_blocks + b.removed_blocks > max_blocks) break; /* split, one hold a part */
             if (mid < -1 || mid >= c->n_media || arg_medium(c, (int)mid, 1)) {
                 if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "apply_run: bad medium id");
                 error = fetch_error();
@@ -2786,6 +2897,7 @@ fail:
 static PyMethodDef methods[] = {
     {"chain_keys", py_chain_keys, METH_VARARGS, "chain_keys(parent, token_ids, block_size) -> bytes of uint64 keys"},
     {"scan_batch", py_scan_batch, METH_O, "scan_batch(payload) -> summary tuple, or None for the general path"},
+    {"split_batch", py_split_batch, METH_VARARGS, "split_batch(payload, max_blocks) -> [payload, ...], or None"},
     {"zmtp_split", py_zmtp_split, METH_VARARGS, "zmtp_split(buffer, pos, end, limit, max_frame) -> (messages, pos)"},
     {"split_bytelevel", py_split_bytelevel, METH_VARARGS,
      "split_bytelevel(ascii_text, kind) -> pre-tokens (kind 0 GPT-2, 1 Llama 3, 2 Qwen 2; tokenizer/wordcache.py)"},

@@ -185,20 +185,29 @@ class PrefixIndex:
             self._drop_empty_media()
         return _applied(BatchApplied, (stored_events, removed_events))
 
+    def split_payload(self, payload: bytes, max_blocks: int) -> list[bytes] | None:
+        """`payload` (a batch apply_payload takes) cut between events into batches of at most `max_blocks`
+        blocks stored and removed (an event is never cut), to apply in order, one at a time; None when it
+        is within the bound or not in apply_payload's shape (apply it whole)."""
+        if len(payload) <= max_blocks:  # a block takes a byte at least (a small int hash): within the bound
+            return None
+        return native.split_batch(payload, max_blocks)
+
     def apply_run(self, pod: str, model: str, rank: int, messages: list, start: int, seq: int, max_batches: int,
-                  max_events: int, bounds: array, counts: array) -> RunApplied:
+                  max_events: int, bounds: array, counts: array, max_blocks: int = 0) -> RunApplied:
         """Apply messages[start:], live (seq, payload) pairs of one (pod, rank) as kvcache.zmtp reads
         them, while they are the batches `seq`, `seq` + 1, ... in the shape apply_payload takes with
         nothing new to learn (a new medium, block size or LoRA adapter): each as apply_payload would,
         in one native call (kvcache/_native.c apply_run). Stops before any other message (the caller
         takes it the usual way), after `max_batches` batches or once `max_events` events are applied
-        (at least one batch). Each batch's decode-and-apply time is counted into `counts` (int64,
-        len(bounds) + 1) at bisect_left(bounds (doubles), seconds)."""
+        (at least one batch), and before a batch of several events holding more than `max_blocks` blocks
+        (0: no bound; the caller splits it, split_payload). Each batch's decode-and-apply time is counted
+        into `counts` (int64, len(bounds) + 1) at bisect_left(bounds (doubles), seconds)."""
         slot, model_id = self._ids(pod, rank, model)
         root = self._base_root(model)
         n, stored, removed, unknown_parent, unknown_removed, seconds, error = self._core.apply_run(
             messages, start, seq, model_id, slot, root, self._block_size.get(model, 0), self._media,
-            self._lora_roots.get(model) or _NO_ROOTS, max_batches, max_events, bounds, counts)
+            self._lora_roots.get(model) or _NO_ROOTS, max_batches, max_events, bounds, counts, max_blocks)
         self._count_unknown(model, unknown_parent, unknown_removed)
         if n:
             before = self._applies

@@ -73,8 +73,10 @@ class EventSink(Protocol):
     # raw batch bytes in one pass (kvcache.index.PrefixIndex); None sends the batch down the general
     # path (decode_batch, then apply).
     # Optional, with apply_payload: `apply_run(pod, model, rank, messages, start, seq, max_batches, max_events,
-    # bounds, counts) -> RunApplied` applies a run of in-order live (seq, payload) messages in one call
+    # bounds, counts, max_blocks) -> RunApplied` applies a run of in-order live (seq, payload) messages in one call
     # (kvcache.index.PrefixIndex.apply_run); the messages it stops before take the per-batch path.
+    # Optional, with apply_payload: `split_payload(payload, max_blocks) -> list[bytes] | None` cuts a large
+    # batch into parts apply_payload takes one by one (one hold of the lock each); None: apply it whole.
 
 
 class IndexLock:
@@ -233,6 +235,7 @@ class SubscriberOptions:
     heartbeat_timeout: float = 15.0  # s without traffic before the connection counts as dead
     rcv_hwm: int = 10_000  # batches a replay DEALER queues at most (live ones wait in the TCP socket buffer)
     apply_chunk: int = 512  # events per sink.apply call (the lock is released between two)
+    apply_blocks: int = 256  # a batch holding more blocks is applied in parts of at most this many (sink.split_payload)
     tick_budget: float = 0.002  # s of one endpoint's live batches before the other endpoints' turn
     coalesce: float = 0.01  # s between two wake-ups of the ingest thread while batches keep coming
 
@@ -244,8 +247,8 @@ class SubscriberOptions:
             raise ValueError("SubscriberOptions.reconnect_max must be >= reconnect_initial")
         if not 0 <= self.coalesce <= 0.1:
             raise ValueError("SubscriberOptions.coalesce must be between 0 and 0.1 s")
-        if self.rcv_hwm < 1 or self.apply_chunk < 1:
-            raise ValueError("SubscriberOptions.rcv_hwm and apply_chunk must be >= 1")
+        if self.rcv_hwm < 1 or self.apply_chunk < 1 or self.apply_blocks < 1:
+            raise ValueError("SubscriberOptions.rcv_hwm, apply_chunk and apply_blocks must be >= 1")
 
 
 class _ReplayFailed(Exception):
@@ -275,6 +278,7 @@ class Subscriber:
         self._sink = sink
         self._fast = getattr(sink, "apply_payload", None)
         self._run = getattr(sink, "apply_run", None) if self._fast is not None else None
+        self._split = getattr(sink, "split_payload", None) if self._fast is not None else None
         self._ctx = ctx
         self._opt = options
         self._m = metrics
@@ -588,7 +592,8 @@ class Subscriber:
             if self.stopped:
                 return 0
             n, stored, removed, seconds, error = self._run(*self._where, messages, start, last + 1, _RUN_BATCHES,
-                                                           self._opt.apply_chunk, _PROC_BOUNDS_D, self._proc_n)
+                                                           self._opt.apply_chunk, _PROC_BOUNDS_D, self._proc_n,
+                                                           self._opt.apply_blocks if self._split else 0)
         if error is not None:
             n += 1  # the batch that failed was taken (and its state is dropped below)
         elif not n:
@@ -616,18 +621,27 @@ class Subscriber:
     def _apply(self, seq: int, payload: bytes) -> None:
         started = time.perf_counter()
         if self._fast is not None:
+            # A large batch in parts, one hold of the lock each: the request path's matches interleave.
+            parts = self._split(payload, self._opt.apply_blocks) if self._split is not None else None
+            stored = removed = 0
             try:
-                with self._lock:
-                    if self.stopped:
-                        return
-                    done = self._fast(self.spec.pod, self.spec.model, self.spec.rank, payload)
+                for part in parts or (payload,):
+                    with self._lock:
+                        if self.stopped:
+                            return
+                        done = self._fast(self.spec.pod, self.spec.model, self.spec.rank, part)
+                    if done is None:
+                        if parts:  # a part of a batch the sink took whole: it changed its mind midway
+                            raise RuntimeError("sink.apply_payload declined a part of a batch it accepted")
+                        break
+                    stored += done[0]
+                    removed += done[1]
             except Exception:
                 self._error("sink", f"sink.apply_payload failed on batch {seq}; its state is no longer trusted",
                             exc_info=True)
                 self._drop("sink_error")
                 return
             if done is not None:
-                stored, removed = done
                 self.counts["events"] += stored + removed
                 n = self._n_events
                 n[0] += stored

@@ -304,3 +304,28 @@ def test_native_runs_agree_with_batch_by_batch_on_mutated_payloads():
                     assert runs.match("m", lora, p, ["p0", "p1", "p2"]) == single.match("m", lora, p, ["p0", "p1", "p2"])
     assert _logical(runs.stats()) == _logical(single.stats())
     assert sum(counts) == taken["run"] and taken["run"] > taken["single"] > 1000, taken
+
+
+def test_split_batch_cuts_only_what_the_decoder_reads_the_same_on_20k_mutated_payloads():
+    """split_batch on mangled bytes: declines, or gives parts the native path takes whose events, in
+    order, are the ones the decoder reads from the whole (same timestamp and rank in each part)."""
+    from kvcache.native import native as _native
+
+    rng = random.Random(SEED + 3)
+    seen: list = []
+    corpus = [encode_batch(_fast_shape_batch(rng, seen), g) for g in GENERATIONS for _ in range(80)]
+    taken: Counter[str] = Counter()
+    for i in range(20_000):
+        payload = corpus[i % len(corpus)] if i % 3 == 0 else _mutate(corpus[i % len(corpus)], corpus, rng)[1]
+        parts = _native.split_batch(payload, rng.choice((1, 2, 5)))
+        if parts is None:
+            taken["declined"] += 1
+            continue
+        taken["split"] += 1
+        whole = decode_batch(payload).batch  # never splits what the decoder rejects
+        decoded = [decode_batch(p).batch for p in parts]
+        assert [e for d in decoded for e in d.events] == list(whole.events), payload
+        same = {(repr(d.ts), d.data_parallel_rank) for d in decoded}  # repr: a NaN timestamp is one too
+        assert same == {(repr(whole.ts), whole.data_parallel_rank)}
+        assert all(_native.scan_batch(p) is not None for p in parts)
+    assert taken["split"] > 2_000 and taken["declined"] > 2_000, taken

@@ -13,6 +13,7 @@ import zmq
 
 from kvcache.events import BlockRemoved, BlockStored
 from kvcache.index import PrefixIndex, RunApplied
+from kvcache.native import native
 from kvcache.metrics import KVEventMetrics
 from kvcache.publisher import END_SEQ, EventPublisher
 from kvcache.subscriber import EndpointSpec, SubscriberManager, SubscriberOptions
@@ -849,6 +850,44 @@ async def test_in_order_batches_are_applied_in_runs_and_each_one_counted(harness
     assert batches - batches0 == n and received("live") - live0 == n  # each run batch applied and counted once
     assert reg.get_sample_value("kvgate_kvevents_events_applied_total", {"type": "BlockStored"}) == batches + len(extra)
     assert sum(index.runs) >= n - 10 and max(index.runs) > 1, index.runs
+
+
+class PartsIndex(PrefixIndex):
+    """A PrefixIndex that records the blocks of each apply_payload call and whether the lock was held."""
+
+    def __init__(self, lock_of) -> None:
+        super().__init__(max_entries=100_000)
+        self.lock_of = lock_of
+        self.calls: list[tuple[int, bool]] = []
+
+    def apply_payload(self, pod, model, rank, payload):
+        scan = native.scan_batch(payload)
+        self.calls.append((scan[1] + scan[3] if scan else -1, self.lock_of().locked()))
+        return super().apply_payload(pod, model, rank, payload)
+
+
+async def test_a_large_live_batch_is_applied_in_parts_one_hold_of_the_lock_each(harness):
+    """A batch above SubscriberOptions.apply_blocks leaves the run (apply_run stops before it) and is cut
+    between its events (split_payload): each part one apply_payload under the lock, released between
+    two so the request path's matches interleave; the index ends up holding the whole batch."""
+    make, engine = harness
+    e = engine(generation="0.33", hwm=1_000_000)
+    manager_box: list = []
+    index = PartsIndex(lambda: manager_box[0].lock._lock)
+    _, manager = make(sink=index, options=dataclasses.replace(FAST, apply_blocks=50))
+    manager_box.append(manager)
+    manager.sync([e.spec])
+    await until(lambda: status(manager)["connected"])
+    first = await subscribed(e, manager)
+    index.calls.clear()
+    # one batch of 30 stores of 10 blocks each, one chain: 300 blocks
+    big = [BlockStored(tuple(range(20_000 + 10 * i, 20_010 + 10 * i)), 20_000 + 10 * i - 1 if i else None,
+                       tuple(range(20 * i, 20 * i + 20)), 2, None, "GPU", None) for i in range(30)]
+    await asyncio.to_thread(e.pub.publish, big)
+    await until(lambda: status(manager)["last_seq"] == first)
+    assert [b for b, _ in index.calls] == [50] * 6 and all(held for _, held in index.calls), index.calls
+    assert index.match("m", None, list(range(600)), ["p"])["p"].blocks == 300
+    assert status(manager)["events"] >= 30 and status(manager)["drops"] == 0
 
 
 async def test_a_batch_failing_inside_a_run_is_counted_and_state_dropped(harness):
