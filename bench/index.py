@@ -282,11 +282,11 @@ def _fill(ix: PrefixIndex, pods: list[str], entries: int, rng: random.Random) ->
     does, while this thread matches through a LockedIndex as the event loop does. Returns the longest
     apply and the longest match (seconds), and the matches answered busy: growing a table while the index fills is one rehash,
     which must not hold the matching thread. Matches are timed only while batches are applied (not
-    while the filler makes the next 64, a bench's own work), at `kvgate serve`'s GIL switch interval."""
-    import sys
+    while the filler makes the next 64, a bench's own work), each run of them inside a GilHandOver as
+    kvgate's ingest thread applies."""
     import threading
 
-    from kvcache.subscriber import GIL_SWITCH_INTERVAL_S, IndexLock, LockedIndex
+    from kvcache.subscriber import GilHandOver, IndexLock, LockedIndex
     from kvcache.wire import decode_batch, encode_batch
 
     lock = IndexLock()
@@ -309,13 +309,14 @@ def _fill(ix: PrefixIndex, pods: list[str], entries: int, rng: random.Random) ->
                     payloads.append(encode_batch(EventBatch(0.0, (BlockStored(hashes, None, tokens, BLOCK, None,
                                                                               "GPU", None),), 0), "0.33"))
                 applying.set()
-                for payload in payloads:
-                    w = time.perf_counter()
-                    with lock:
-                        if ix.apply_payload(pods[n % len(pods)], MODEL, 0, payload) is None:
-                            ix.apply(pods[n % len(pods)], MODEL, 0, decode_batch(payload).batch.events)
-                    longest[0] = max(longest[0], time.perf_counter() - w)
-                    n += 1
+                with hand_over:  # as kvgate's ingest thread applies
+                    for payload in payloads:
+                        w = time.perf_counter()
+                        with lock:
+                            if ix.apply_payload(pods[n % len(pods)], MODEL, 0, payload) is None:
+                                ix.apply(pods[n % len(pods)], MODEL, 0, decode_batch(payload).batch.events)
+                        longest[0] = max(longest[0], time.perf_counter() - w)
+                        n += 1
                 applying.clear()
         except BaseException as e:  # noqa: BLE001 - re-raised on the calling thread
             failed.append(e)
@@ -324,10 +325,9 @@ def _fill(ix: PrefixIndex, pods: list[str], entries: int, rng: random.Random) ->
             done.set()
 
     prompt = array("H", rng.randbytes(2 * 64 * BLOCK)).tolist()
-    switch = sys.getswitchinterval()
+    hand_over = GilHandOver()
     filler = threading.Thread(target=fill, name="bench-fill")
     longest_match = 0.0
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # as `kvgate serve` runs
     try:
         filler.start()
         while not done.is_set():
@@ -339,7 +339,6 @@ def _fill(ix: PrefixIndex, pods: list[str], entries: int, rng: random.Random) ->
             time.sleep(0.0005)
     finally:
         filler.join()
-        sys.setswitchinterval(switch)
     if failed:
         raise failed[0]
     return longest[0], longest_match, busy[0]
@@ -436,15 +435,14 @@ def _loop_lag(ix: PrefixIndex, pods: list[str], order: list[tuple[int, bytes]], 
     and again, and matches through a LockedIndex at each tick, while another thread applies more of the
     churn (`order`: as many blocks, streams of their own) flat out (a burst, the worst case: `kvgate
     serve` wakes every 10 ms), a batch (or a part of a large one) per hold of an IndexLock, as kvgate's
-    ingest thread does; at `kvgate serve`'s GIL switch interval, its heap settled as serve settles it. A
+    ingest thread does, inside its GilHandOver; the heap settled as `kvgate serve` settles it. A
     timer's lag is how late it fired. The baseline (`churn_loop_baseline_*`): the same loop as long beside
-    a thread running plain Python (no index): what the GIL's hand-over, epoll's 1 ms timeout granularity
-    and this machine's scheduling cost any loop."""
+    a thread running plain Python (no index), also inside a GilHandOver: what the GIL's hand-over, epoll's
+    1 ms timeout granularity and this machine's scheduling cost any loop."""
     import asyncio
-    import sys
     import threading
 
-    from kvcache.subscriber import GIL_SWITCH_INTERVAL_S, IndexLock, LockedIndex
+    from kvcache.subscriber import GilHandOver, IndexLock, LockedIndex
     from kvcache.wire import decode_batch
 
     lock = IndexLock()
@@ -481,9 +479,15 @@ def _loop_lag(ix: PrefixIndex, pods: list[str], order: list[tuple[int, bytes]], 
             i += 1
         return lags
 
+    hand_over = GilHandOver()
+
+    def handing_over(work, *args) -> None:
+        with hand_over:  # as kvgate's ingest thread works
+            work(*args)
+
     def beside(work, *args, match: bool) -> tuple[list[float], float]:
         done = threading.Event()
-        thread = threading.Thread(target=work, args=(*args, done), name="bench-churn-busy")
+        thread = threading.Thread(target=handing_over, args=(work, *args, done), name="bench-churn-busy")
         t0 = time.perf_counter()
         try:
             thread.start()
@@ -492,8 +496,6 @@ def _loop_lag(ix: PrefixIndex, pods: list[str], order: list[tuple[int, bytes]], 
             thread.join()
         return sorted(lags), time.perf_counter() - t0
 
-    switch = sys.getswitchinterval()
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     gc.collect()
     gc.freeze()  # as `kvgate serve` settles its heap: what lives on stays out of the collector's passes
     try:
@@ -502,7 +504,6 @@ def _loop_lag(ix: PrefixIndex, pods: list[str], order: list[tuple[int, bytes]], 
             raise failed[0]
         base, _ = beside(spin, seconds, match=False)
     finally:
-        sys.setswitchinterval(switch)
         gc.unfreeze()
     out = {"churn_loop_s": seconds, "churn_loop_ticks": len(lags), "churn_loop_busy_matches": busy[0]}
     for name, got in (("churn_loop", lags), ("churn_loop_baseline", base)):

@@ -41,6 +41,7 @@ import logging
 import os
 import select
 import socket
+import sys
 import threading
 import time
 from array import array
@@ -107,16 +108,44 @@ class IndexLock:
 
 _YIELD_S = 0.0001
 
-# The interval after which the interpreter makes the thread holding the GIL hand it to one waiting for it
-# (CPython's default: 5 ms). A process running the ingest thread sets it (sys.setswitchinterval; `kvgate
-# serve` does at start): the event loop needs the GIL each time it wakes, and while the ingest thread
-# applies batches back to back (a burst, a replay) the loop waited out the whole interval every time.
+# While a thread of the manager applies batches, the interpreter makes the thread holding the GIL hand it to
+# one waiting for it after this long, not after the process's own interval (CPython's default: 5 ms): the
+# event loop needs the GIL each time it wakes, and while the ingest thread applied batches back to back (a
+# burst, a replay) the loop waited out the whole interval every time. Only meanwhile (GilHandOver): set for
+# the whole process, the shorter interval also made grpc.aio's poller thread and the event loop trade the
+# GIL more often, and cost the request path ~8% of its throughput through Envoy.
 # Measured (an asyncio loop ticking every 0.5 ms beside a thread applying live batches flat out into a
 # 500k-entry index, 8 s each, 2 runs): loop lag p50 5.9 ms at 5 ms, 1.3 at 0.5, 0.9 at 0.1 (epoll's 1 ms
 # timeout granularity included); p99 7.5-11.1, 2.2-2.4, 1.3-1.8 ms; batches applied meanwhile within noise.
-# Through Envoy (wrk, 16 connections, 2 runs each) requests/s and CPU per request did not move (5 ms:
-# 1185-1323 req/s, 0.1 ms: 1269-1328).
+# For the whole process, through Envoy (/tmp/prof/gw.py 6, wrk -c16, 5-7 alternations): CPU per request
+# median 751 us at 5 ms, 825 at 0.1 ms; requests/s 1,238 vs 1,136.
 GIL_SWITCH_INTERVAL_S = 0.0001
+
+
+class GilHandOver:
+    """`with hand_over:` around a stretch of applying batches: the GIL switch interval is
+    GIL_SWITCH_INTERVAL_S while any thread is inside, the process's own otherwise. Threads nest."""
+
+    __slots__ = ("_lock", "_inside", "_saved")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._inside = 0
+        self._saved = 0.0
+
+    def __enter__(self) -> GilHandOver:
+        with self._lock:
+            if not self._inside:
+                self._saved = sys.getswitchinterval()
+                sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+            self._inside += 1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            self._inside -= 1
+            if not self._inside:
+                sys.setswitchinterval(self._saved)
 
 
 class IndexBusy(RuntimeError):
@@ -749,6 +778,7 @@ class SubscriberManager:
         self._opt = options or SubscriberOptions()
         self.metrics = metrics or KVEventMetrics()
         self.lock = lock or IndexLock()
+        self.hand_over = GilHandOver()  # around each wake-up's work and each replay
         self._ctx = zmq.Context()  # replay DEALERs only: live batches are read without libzmq
         self._subs: dict[tuple[str, int], Subscriber] = {}
         # (start|stop|done|resolved|exit, subscriber) or ("call", (fn, what)), under _cmd_lock
@@ -987,7 +1017,8 @@ class SubscriberManager:
             def run() -> None:
                 error = None
                 try:
-                    job(*args)
+                    with self.hand_over:
+                        job(*args)
                 except Exception as e:  # reported to the ingest thread, which restarts the stream
                     error = e
                 sub.worker_error = error
@@ -1138,9 +1169,13 @@ class SubscriberManager:
                     nxt = min(nxt, sub.ping_at, sub.last_rx + hb_timeout)
             return nxt
 
+        handing = False  # inside self.hand_over: from a wake-up with work until the next wait
         try:
             streaming = False  # the last wake-up found batches: the next one is a sleep, not a wait
             while True:
+                if handing:
+                    self.hand_over.__exit__(None, None, None)
+                    handing = False
                 if backlog:
                     ready = ep.poll(0)
                 elif streaming and coalesce > 0:
@@ -1159,6 +1194,9 @@ class SubscriberManager:
                         time.sleep(coalesce)
                         ready = ep.poll(0)
                 streaming = bool(ready)
+                if ready or backlog:
+                    self.hand_over.__enter__()
+                    handing = True
                 for fd, ev in ready:
                     if fd == wake_fd:  # commands
                         try:
@@ -1234,6 +1272,8 @@ class SubscriberManager:
             log.exception("kv events: the ingest thread failed; KV events are no longer followed")
             self.metrics.errors.labels("subscriber").inc()
         finally:
+            if handing:
+                self.hand_over.__exit__(None, None, None)
             for sub in list(running):
                 stop(sub)
             for sub in list(workers):  # bounded: a replay stops at its timeout or as soon as it sees `stopped`

@@ -70,14 +70,4 @@ def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per scrape and tokenize call is noise
-    share_the_gil()
     return asyncio.run(_serve(settings))
-
-
-def share_the_gil() -> float:
-    """The event loop gets the GIL from the ingest thread within GIL_SWITCH_INTERVAL_S, not CPython's
-    5 ms (kvcache.subscriber says why). Returns the interval."""
-    from kvcache.subscriber import GIL_SWITCH_INTERVAL_S
-
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    return sys.getswitchinterval()

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import socket
+import sys
 import threading
 import time
 
@@ -16,7 +17,7 @@ from kvcache.index import PrefixIndex, RunApplied
 from kvcache.native import native
 from kvcache.metrics import KVEventMetrics
 from kvcache.publisher import END_SEQ, EventPublisher
-from kvcache.subscriber import EndpointSpec, SubscriberManager, SubscriberOptions
+from kvcache.subscriber import GIL_SWITCH_INTERVAL_S, EndpointSpec, GilHandOver, SubscriberManager, SubscriberOptions
 
 GENERATIONS = ["0.23", "0.25", "0.33"]
 FAST = SubscriberOptions(replay_timeout=0.3, reconnect_initial=0.05, reconnect_max=0.2,
@@ -859,10 +860,12 @@ class PartsIndex(PrefixIndex):
         super().__init__(max_entries=100_000)
         self.lock_of = lock_of
         self.calls: list[tuple[int, bool]] = []
+        self.intervals: list[float] = []
 
     def apply_payload(self, pod, model, rank, payload):
         scan = native.scan_batch(payload)
         self.calls.append((scan[1] + scan[3] if scan else -1, self.lock_of().locked()))
+        self.intervals.append(sys.getswitchinterval())
         return super().apply_payload(pod, model, rank, payload)
 
 
@@ -871,6 +874,7 @@ async def test_a_large_live_batch_is_applied_in_parts_one_hold_of_the_lock_each(
     between its events (split_payload): each part one apply_payload under the lock, released between
     two so the request path's matches interleave; the index ends up holding the whole batch."""
     make, engine = harness
+    before = sys.getswitchinterval()
     e = engine(generation="0.33", hwm=1_000_000)
     manager_box: list = []
     index = PartsIndex(lambda: manager_box[0].lock._lock)
@@ -888,6 +892,30 @@ async def test_a_large_live_batch_is_applied_in_parts_one_hold_of_the_lock_each(
     assert [b for b, _ in index.calls] == [50] * 6 and all(held for _, held in index.calls), index.calls
     assert index.match("m", None, list(range(600)), ["p"])["p"].blocks == 300
     assert status(manager)["events"] >= 30 and status(manager)["drops"] == 0
+    # applied with the GIL handed over quickly (GilHandOver); the process's own interval back once idle
+    assert all(abs(i - GIL_SWITCH_INTERVAL_S) < 1e-9 for i in index.intervals), index.intervals
+    await until(lambda: sys.getswitchinterval() == before)
+
+
+def test_gil_hand_over_holds_the_short_interval_while_any_thread_is_inside():
+    before = sys.getswitchinterval()
+    hand_over = GilHandOver()
+    entered, leave = threading.Event(), threading.Event()
+
+    def other() -> None:
+        with hand_over:
+            entered.set()
+            leave.wait(5)
+
+    with hand_over:
+        assert abs(sys.getswitchinterval() - GIL_SWITCH_INTERVAL_S) < 1e-9 < before
+        thread = threading.Thread(target=other)
+        thread.start()
+        assert entered.wait(5)
+    assert abs(sys.getswitchinterval() - GIL_SWITCH_INTERVAL_S) < 1e-9  # the other thread is still inside
+    leave.set()
+    thread.join()
+    assert sys.getswitchinterval() == before
 
 
 async def test_a_batch_failing_inside_a_run_is_counted_and_state_dropped(harness):

@@ -1,12 +1,10 @@
-"""`kvgate serve`'s start-up: what it leaves for the garbage collector, the GIL's hand-over."""
+"""`kvgate serve`'s start-up: what it leaves for the garbage collector."""
 from __future__ import annotations
 
 import gc
-import sys
 import weakref
 
-from kvcache.subscriber import GIL_SWITCH_INTERVAL_S
-from plugin.serve import settle_heap, share_the_gil
+from plugin.serve import settle_heap
 
 
 class _Node:
@@ -27,16 +25,6 @@ def test_settle_heap_collects_garbage_then_freezes_what_lives() -> None:
     finally:
         gc.unfreeze()
     assert any(obj is kept for obj in gc.get_objects())
-
-
-def test_serve_shortens_the_gil_switch_interval_for_the_event_loop() -> None:
-    before = sys.getswitchinterval()
-    try:
-        got = share_the_gil()
-        assert got == sys.getswitchinterval() and abs(got - GIL_SWITCH_INTERVAL_S) < 1e-9  # kept in whole us
-        assert got < before
-    finally:
-        sys.setswitchinterval(before)
 
 
 def test_sigterm_drains_and_a_second_signal_stops_at_once() -> None:
