@@ -124,28 +124,30 @@ GIL_SWITCH_INTERVAL_S = 0.0001
 
 class GilHandOver:
     """`with hand_over:` around a stretch of applying batches: the GIL switch interval is
-    GIL_SWITCH_INTERVAL_S while any thread is inside, the process's own otherwise. Threads nest."""
+    GIL_SWITCH_INTERVAL_S while any thread is inside any GilHandOver, the process's own otherwise. The
+    interval is one per process, so the count of threads inside is too (shared by every instance: with a
+    count per instance, two managers overlapping would leave the short interval set for good)."""
 
-    __slots__ = ("_lock", "_inside", "_saved")
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._inside = 0
-        self._saved = 0.0
+    __slots__ = ()
+    _lock = threading.Lock()
+    _inside = 0
+    _saved = 0.0
 
     def __enter__(self) -> GilHandOver:
-        with self._lock:
-            if not self._inside:
-                self._saved = sys.getswitchinterval()
+        cls = GilHandOver
+        with cls._lock:
+            if not cls._inside:
+                cls._saved = sys.getswitchinterval()
                 sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-            self._inside += 1
+            cls._inside += 1
         return self
 
     def __exit__(self, *exc: object) -> None:
-        with self._lock:
-            self._inside -= 1
-            if not self._inside:
-                sys.setswitchinterval(self._saved)
+        cls = GilHandOver
+        with cls._lock:
+            cls._inside -= 1
+            if not cls._inside:
+                sys.setswitchinterval(cls._saved)
 
 
 class IndexBusy(RuntimeError):

@@ -898,12 +898,14 @@ async def test_a_large_live_batch_is_applied_in_parts_one_hold_of_the_lock_each(
 
 
 def test_gil_hand_over_holds_the_short_interval_while_any_thread_is_inside():
+    """Two threads, each with its own GilHandOver (two managers in one process), overlapping: the short
+    interval holds until the last one leaves, then the process's own is back."""
     before = sys.getswitchinterval()
     hand_over = GilHandOver()
     entered, leave = threading.Event(), threading.Event()
 
     def other() -> None:
-        with hand_over:
+        with GilHandOver():
             entered.set()
             leave.wait(5)
 
