@@ -23,8 +23,9 @@
   one pod removed along the way. `churn_longest_stall_ms` is the longest single call of any of
   them: how long the event loop can be held by the index (GC off while timing); `_cpu_ms` the
   same in this thread's CPU time (on a shared machine the wall clock also counts preemption).
-  `churn_loop_lag_*_ms`: the same stream again, applied on a thread of its own beside an asyncio loop
-  (the stall as the event loop sees it, the GIL's hand-over included; see _loop_lag).
+  `churn_loop_lag_*_ms`: as many blocks more (streams of their own), applied on a thread of its own
+  beside an asyncio loop (the stall as the event loop sees it, the GIL's hand-over included), and a
+  baseline loop beside plain Python (`churn_loop_baseline_*`); see _loop_lag.
   `churn_fill_longest_apply_ms`: the longest apply while filling (a table growing is one rehash, run
   with the GIL released); `churn_fill_longest_match_ms`: the longest match meanwhile on another thread,
   through the LockedIndex the request path uses (it waits for the filler's lock at most 1 ms, then
@@ -43,6 +44,7 @@ import random
 import time
 import tracemalloc
 from array import array
+from collections.abc import Sequence
 
 from kvcache.events import BlockRemoved, BlockStored, EventBatch
 from kvcache.index import PrefixIndex
@@ -151,8 +153,7 @@ def bench_ingest(n_blocks: int, seed: int, n_pods: int = 1) -> dict:
 
     def both() -> None:  # the subscriber's path: the native one-pass apply, the decoder when it declines
         for p in payloads:
-            if ix.apply_payload("pod-0", MODEL, 0, p) is None:
-                ix.apply("pod-0", MODEL, 0, decode_batch(p).batch.events)
+            _apply(ix, "pod-0", p)
 
     def general() -> None:  # every batch decoded to typed events, then applied
         for p in payloads:
@@ -287,7 +288,7 @@ def _fill(ix: PrefixIndex, pods: list[str], entries: int, rng: random.Random) ->
     import threading
 
     from kvcache.subscriber import GilHandOver, IndexLock, LockedIndex
-    from kvcache.wire import decode_batch, encode_batch
+    from kvcache.wire import encode_batch
 
     lock = IndexLock()
     busy = [0]
@@ -313,8 +314,7 @@ def _fill(ix: PrefixIndex, pods: list[str], entries: int, rng: random.Random) ->
                     for payload in payloads:
                         w = time.perf_counter()
                         with lock:
-                            if ix.apply_payload(pods[n % len(pods)], MODEL, 0, payload) is None:
-                                ix.apply(pods[n % len(pods)], MODEL, 0, decode_batch(payload).batch.events)
+                            _apply(ix, pods[n % len(pods)], payload)
                         longest[0] = max(longest[0], time.perf_counter() - w)
                         n += 1
                 applying.clear()
@@ -346,8 +346,6 @@ def _fill(ix: PrefixIndex, pods: list[str], entries: int, rng: random.Random) ->
 
 def bench_churn(entries: int, n_blocks: int, seed: int) -> dict:
     """The longest single index call while an index at its bound keeps taking batches."""
-    from kvcache.wire import decode_batch
-
     rng = random.Random(seed)
     pods = [f"churn-{i}" for i in range(64)]
     ix = PrefixIndex(max_entries=entries)
@@ -374,10 +372,9 @@ def bench_churn(entries: int, n_blocks: int, seed: int) -> dict:
     try:
         c0 = time.process_time()
         for i, (e, payload) in enumerate(order):
-            for part in ix.split_payload(payload, APPLY_BLOCKS) or (payload,):  # as the subscriber applies it
+            for part in _parts(ix, payload):
                 w, c = time.perf_counter(), time.thread_time()
-                if ix.apply_payload(pods[e], MODEL, 0, part) is None:
-                    ix.apply(pods[e], MODEL, 0, decode_batch(part).batch.events)
+                _apply(ix, pods[e], part)
                 longest_cpu["apply"] = max(longest_cpu["apply"], time.thread_time() - c)
                 applies.append(time.perf_counter() - w)
             if i % 200 == 199:
@@ -417,6 +414,19 @@ def bench_churn(entries: int, n_blocks: int, seed: int) -> dict:
     return out
 
 
+def _apply(ix: PrefixIndex, pod: str, payload: bytes) -> None:
+    """One batch as the subscriber applies it: the native one-pass path, the decoder when it declines."""
+    if ix.apply_payload(pod, MODEL, 0, payload) is None:
+        from kvcache.wire import decode_batch
+
+        ix.apply(pod, MODEL, 0, decode_batch(payload).batch.events)
+
+
+def _parts(ix: PrefixIndex, payload: bytes) -> Sequence[bytes]:
+    """`payload` as the subscriber takes it: a batch of more than its apply_blocks in parts, in order."""
+    return ix.split_payload(payload, APPLY_BLOCKS) or (payload,)
+
+
 def _churn_order(n_blocks: int, seed: int) -> tuple[list[tuple[int, bytes]], int]:
     """8 engines, each its own stream (its removals are of its own blocks), interleaved: (engine,
     payload) in order, and the blocks they store and remove."""
@@ -443,7 +453,6 @@ def _loop_lag(ix: PrefixIndex, pods: list[str], order: list[tuple[int, bytes]], 
     import threading
 
     from kvcache.subscriber import GilHandOver, IndexLock, LockedIndex
-    from kvcache.wire import decode_batch
 
     lock = IndexLock()
     busy = [0]
@@ -453,10 +462,9 @@ def _loop_lag(ix: PrefixIndex, pods: list[str], order: list[tuple[int, bytes]], 
     def ingest(done: threading.Event) -> None:
         try:
             for e, payload in order:
-                for part in ix.split_payload(payload, APPLY_BLOCKS) or (payload,):
+                for part in _parts(ix, payload):
                     with lock:
-                        if ix.apply_payload(pods[e], MODEL, 0, part) is None:
-                            ix.apply(pods[e], MODEL, 0, decode_batch(part).batch.events)
+                        _apply(ix, pods[e], part)
         except BaseException as exc:  # noqa: BLE001 - re-raised on this thread
             failed.append(exc)
         finally:
