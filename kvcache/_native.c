@@ -297,8 +297,10 @@ typedef struct {
     int e_table, e_valid;
     Py_ssize_t e_pos, e_seen, e_cycle;
     int64_t e_progress;
-    uint32_t e_age;
-    int e_exact;
+    uint32_t e_age, e_tick;   /* this cycle's candidates: keys at least e_age old at tick e_tick */
+    int64_t e_take, e_cand;   /* evict about e_take of every e_cand candidates met, evenly */
+    int64_t e_acc, e_met;
+    int e_exact, e_counted;   /* read every stamp next cycle; this cycle's e_cand is exact */
     uint64_t rng;
     /* orphaned engine hashes */
     int h_active, h_model;
@@ -916,9 +918,14 @@ static inline uint64_t next_rand(Core *c) {
     return c->rng >> 17;
 }
 
-/* The age from which keys are evicted this cycle: the need-th oldest key's on small tables
- * (strictly older ones first while there are any), else a quantile of sampled ages aiming at
- * about 1/32 of the keys per sweep of the tables. */
+/* This cycle's candidates and how many of them to evict. Candidates are the keys at least e_age old
+ * now (e_tick); keys stored or matched later never are, so the set only shrinks as the cursor
+ * sweeps. The age is the take-th oldest key's, take = max(need, 1/32 of the keys): exact on small
+ * tables (strictly older keys first while there are any), else read off sampled stamps. Many keys
+ * can share that age (a long prefill is one event, one tick), so the sweep evicts take of every
+ * e_cand candidates it meets, spread evenly: its deletions then spread over the table as the stores
+ * spread theirs. (Dropping every candidate at the cursor made it crawl while the stores filled the
+ * rest of the table into probe runs of tens of thousands of keys.) */
 static int evict_threshold(Core *c, int64_t need) {
     int64_t keys = total_keys(c);
     Py_ssize_t cap = total_cap(c);
@@ -950,14 +957,18 @@ static int evict_threshold(Core *c, int64_t need) {
             }
         }
     }
+    c->e_tick = c->tick;
+    c->e_acc = c->e_met = 0;
+    c->e_counted = exact;
     if (!n) {
         PyMem_RawFree(ages);
         c->e_age = 0;
+        c->e_take = c->e_cand = 1;
         return 0;
     }
     Py_ssize_t take;
     if (exact) {
-        take = need < n ? (Py_ssize_t)need : n;
+        take = need > n / 32 ? (need < n ? (Py_ssize_t)need : n) : n / 32;
     } else {
         double q = (double)need / (double)(keys ? keys : 1);
         if (q < 1.0 / 32) q = 1.0 / 32;
@@ -966,13 +977,18 @@ static int evict_threshold(Core *c, int64_t need) {
     }
     if (take < 1) take = 1;
     uint32_t age = select_nth(ages, n, n - take); /* the take-th largest */
-    if (exact && age < UINT32_MAX) {
-        Py_ssize_t older = 0;
-        for (Py_ssize_t i = 0; i < n; i++) older += ages[i] > age;
-        if (older) age++;
+    Py_ssize_t older = 0, cand = 0;
+    for (Py_ssize_t i = 0; i < n; i++) older += ages[i] > age;
+    if (exact && older && age < UINT32_MAX) {
+        age++;
+        cand = older;
+    } else {
+        for (Py_ssize_t i = 0; i < n; i++) cand += ages[i] >= age;
     }
     PyMem_RawFree(ages);
     c->e_age = age;
+    c->e_take = take < cand ? take : cand;
+    c->e_cand = cand;
     return 0;
 }
 
@@ -1003,11 +1019,17 @@ static int evict(Core *c) {
         }
         c->e_seen++;
         Py_ssize_t s = c->e_pos;
-        if (t->s[s].key != EMPTY && (uint32_t)(c->tick - t->stamp[s]) >= c->e_age) {
-            int64_t gone = key_drop_at(c, c->e_table, s);
-            c->evicted += gone;
-            c->e_progress += 1;
-            continue; /* a later key may have moved into s */
+        uint64_t since = (uint32_t)(c->tick - c->e_tick);
+        if (t->s[s].key != EMPTY && (uint32_t)(c->tick - t->stamp[s]) >= since + c->e_age) {
+            int drop = (c->e_acc += c->e_take) >= c->e_cand;
+            if (drop) c->e_acc -= c->e_cand;
+            if (c->e_counted && ++c->e_met >= c->e_cand) c->e_seen = c->e_cycle; /* every candidate met */
+            if (drop) {
+                int64_t gone = key_drop_at(c, c->e_table, s);
+                c->evicted += gone;
+                c->e_progress += 1;
+                continue; /* a later key may have moved into s */
+            }
         }
         c->e_pos++;
     }
@@ -2562,6 +2584,49 @@ static PyObject *core_stats(Core *c, PyObject *Py_UNUSED(ignored)) {
     return Py_BuildValue("LLLnN", (long long)c->entries, (long long)c->evicted, (long long)hashes, bytes, keys);
 }
 
+/* The displacement of the entry at position s from its home position, in a table of cap slots. */
+static inline Py_ssize_t displaced(Py_ssize_t s, Py_ssize_t home, Py_ssize_t cap) { return s >= home ? s - home : s + cap - home; }
+
+/* probes() -> [(cap, live, total displacement, longest displacement) per used medium, then per model]:
+ * how far entries sit from their home positions (a lookup probes one more than that). Tests read it
+ * to hold probe lengths down under churn. */
+static PyObject *core_probes(Core *c, PyObject *Py_UNUSED(ignored)) {
+    CORE_ENTER(c);
+    PyObject *out = PyList_New(0);
+    if (!out) return NULL;
+    for (int i = 0; i < c->n_media + c->n_models; i++) {
+        Py_ssize_t cap, live, total = 0, longest = 0;
+        if (i < c->n_media) {
+            const KTable *t = &c->media[i];
+            if (!t->used) continue;
+            cap = t->cap, live = t->live;
+            for (Py_ssize_t s = 0; s < cap; s++) {
+                if (t->s[s].key == EMPTY) continue;
+                Py_ssize_t d = displaced(s, kt_home(cap, t->s[s].key), cap);
+                total += d;
+                if (d > longest) longest = d;
+            }
+        } else {
+            const HTable *t = &c->models[i - c->n_media];
+            cap = t->cap, live = t->live;
+            for (Py_ssize_t s = 0; s < cap; s++) {
+                if (t->s[s].h == EMPTY) continue;
+                Py_ssize_t d = displaced(s, ht_home(cap, t->s[s].h), cap);
+                total += d;
+                if (d > longest) longest = d;
+            }
+        }
+        PyObject *row = Py_BuildValue("(nnnn)", cap, live, total, longest);
+        if (!row || PyList_Append(out, row) < 0) {
+            Py_XDECREF(row);
+            Py_DECREF(out);
+            return NULL;
+        }
+        Py_DECREF(row);
+    }
+    return out;
+}
+
 /* group_blocks(id) -> distinct blocks the group's slots hold over every medium */
 static PyObject *core_group_blocks(Core *c, PyObject *arg) {
     CORE_ENTER(c);
@@ -2698,6 +2763,7 @@ static PyMethodDef core_methods[] = {
     {"match", (PyCFunction)core_match, METH_VARARGS, "match(tokens, bs, root, cand, media) -> (runs, runs per medium)"},
     {"stats", (PyCFunction)core_stats, METH_NOARGS, "stats() -> (entries, evicted, hashes, bytes, keys per medium)"},
     {"group_blocks", (PyCFunction)core_group_blocks, METH_O, "group_blocks(id) -> distinct blocks held"},
+    {"probes", (PyCFunction)core_probes, METH_NOARGS, "probes() -> [(cap, live, total, longest displacement)]"},
     {"check", (PyCFunction)core_check, METH_NOARGS, "check(): recompute every count and invariant (tests)"},
     {NULL, NULL, 0, NULL},
 };

@@ -222,3 +222,33 @@ def test_core_refuses_ids_it_never_gave_and_ragged_buffers():
     core.free_medium(medium)
     core.check()
     assert core.stats()[:3] == (0, 0, 1)  # no entry, none evicted; the engine hash waits for the sweep
+
+
+
+def test_eviction_spreads_over_the_table_when_many_keys_are_equally_old():
+    """At the bound every store evicts, and the sweep must spread its deletions over the table as the
+    stores spread theirs, even when a third of the keys share one age (a 500-block prefill is one
+    event, one tick). A sweep that dropped every such key near its cursor crawled while the stores
+    filled the rest of the table into one probe run of ~10k keys: every lookup walked it."""
+    rng = random.Random(5)
+    bound, bs, h = 20_000, 2, 0
+    ix = PrefixIndex(max_entries=bound)
+
+    def store(i: int, n: int) -> None:
+        nonlocal h
+        tokens = tuple(rng.randrange(50_000) for _ in range(n * bs))
+        ix.apply(f"p{i % 8}", "m", 0, [BlockStored(tuple(range(h, h + n)), None, tokens, bs)])
+        h += n
+
+    for i in range(bound // 500):
+        store(i, 500)
+    worst = (0.0, 0)
+    for i in range(2 * bound // 8):  # the bound twice over, 8 blocks an event
+        store(i, 8)
+        if i % 100 == 0:
+            for cap, live, total, longest in ix._core.probes():
+                assert live <= 0.75 * cap
+                worst = max(worst[0], total / live), max(worst[1], longest)
+    assert ix.stats()["entries"] == bound
+    assert worst[0] < 2 and worst[1] < 200, worst  # fresh tables at this load: ~0.8 and ~50
+    ix._core.check()
