@@ -15,6 +15,9 @@
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
+#ifdef __linux__
+#include <sys/mman.h>
+#endif
 
 #define EMPTY UINT64_MAX
 #define TOMB (UINT64_MAX - 1) /* folded engine hashes stay below it (index.py's _fold) */
@@ -346,6 +349,20 @@ static void ht_empty(HTable *t) {
     for (Py_ssize_t i = 0; i < t->cap; i++) t->s[i].h = EMPTY, t->s[i].key = 0;
 }
 
+/* Tables are probed at random, far beyond the caches: on 4 KiB pages nearly every probe of a large
+ * table also misses the TLB, and a page walk under a hypervisor's nested paging costs about as much
+ * as the miss itself. Large tables ask for transparent huge pages; kernels set to `madvise` (a
+ * common default) use them only where asked. Before the first touch, so the faults take them. */
+#define HUGE_PAGE ((uintptr_t)2 << 20)
+static void advise_huge(void *p, size_t n) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    uintptr_t a = ((uintptr_t)p + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1), b = ((uintptr_t)p + n) & ~(HUGE_PAGE - 1);
+    if (n >= 2 * HUGE_PAGE && b > a) (void)madvise((void *)a, b - a, MADV_HUGEPAGE); /* advice: failure is harmless */
+#else
+    (void)p, (void)n;
+#endif
+}
+
 /* A table of `cap` slots; emptied unless `empty` is 0 (the caller empties it, e.g. without the GIL:
  * writing a large table's every page takes tens of ms). */
 static int kt_alloc_as(KTable *t, Py_ssize_t cap, int empty) {
@@ -357,6 +374,8 @@ static int kt_alloc_as(KTable *t, Py_ssize_t cap, int empty) {
         PyErr_NoMemory();
         return -1;
     }
+    advise_huge(s, sizeof(KSlot) * cap);
+    advise_huge(st, sizeof(uint32_t) * cap);
     t->s = s;
     t->stamp = st;
     t->cap = cap;
@@ -373,6 +392,7 @@ static int ht_alloc_as(HTable *t, Py_ssize_t cap, int empty) {
         PyErr_NoMemory();
         return -1;
     }
+    advise_huge(s, sizeof(HSlot) * cap);
     t->s = s;
     t->cap = cap;
     t->live = 0;

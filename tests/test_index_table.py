@@ -4,6 +4,7 @@ bitmasks and back), fleets of more than 64 pod-ranks match exactly, and recency 
 uint32 clock wrapping."""
 from __future__ import annotations
 
+import os
 import random
 
 import msgpack
@@ -252,3 +253,26 @@ def test_eviction_spreads_over_the_table_when_many_keys_are_equally_old():
     assert ix.stats()["entries"] == bound
     assert worst[0] < 2 and worst[1] < 200, worst  # fresh tables at this load: ~0.8 and ~50
     ix._core.check()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="Linux's /proc/self/smaps reports the advice")
+def test_large_tables_ask_for_transparent_huge_pages():
+    """Probes of a large table are random: on 4 KiB pages nearly every one also misses the TLB. Tables
+    of 4 MiB and more are advised MADV_HUGEPAGE (smaps shows the flag as `hg`), which kernels set to
+    `madvise` (a common default) need before they use huge pages there."""
+    def advised_mib() -> float:
+        total, size = 0, 0
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                if line.startswith("Size:"):
+                    size = int(line.split()[1])
+                elif line.startswith("VmFlags:") and " hg" in f" {line.split(':', 1)[1]}":
+                    total += size
+        return total / 1024
+
+    ix = PrefixIndex(max_entries=1_000_000)
+    for i in range(500):  # 200k keys: a key table of ~4.8 MB (300k slots)
+        tokens = tuple(range(i * 1600, i * 1600 + 1600))
+        ix.apply("a", "m", 0, [BlockStored(tuple(range(i * 400, i * 400 + 400)), None, tokens, 4)])
+    assert sum(ix.stats()["keys_by_medium"].values()) == 200_000
+    assert advised_mib() >= 4
