@@ -231,9 +231,10 @@ static PyObject *py_chain_keys(PyObject *Py_UNUSED(self), PyObject *args) {
  * candidate) and its holder marks are removed by the maintenance pass, a bounded amount of work
  * per call; its number is reused only after a pass started after its death has finished.
  * Recency stamps are uint32 ticks compared by age (tick - stamp, modulo 2**32); the maintenance
- * pass clamps ages at 2**30 so they never wrap. Eviction sweeps from a cursor, dropping the keys
- * older than a threshold read off the stamps (exact on small tables, sampled on large ones).
- * Every allocation goes through PyMem_Raw* (tracemalloc counts it). The GIL is held throughout. */
+ * pass clamps ages at 2**30 so they never wrap. Eviction sweeps from a cursor, dropping keys
+ * among those older than a threshold read off the stamps (exact on small tables, sampled on large
+ * ones), spread evenly over the sweep (see evict_threshold). Every allocation goes through
+ * PyMem_Raw* (tracemalloc counts it). The GIL is held throughout (a large rehash aside). */
 
 #define HOLD_OVF 0xFFFFu                /* first field of an overflow holder word */
 #define MAX_SLOTS 0xFFF0                /* slot numbers fit the 16-bit fields (stored + 1) */
