@@ -198,7 +198,8 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("KVGATE_TARGET_POD_HEADER", "target_pod_header", _bool, True,
              "Also set AIBrix's `target-pod` header on routed requests."),
     Variable("KVGATE_INDEX_MAX_ENTRIES", "index_max_entries", _int_range(1, 1 << 40), 4_000_000,
-             "Most (block, pod) entries the prefix index holds; least recently used go first."),
+             "Most (block, pod) entries the prefix index holds; least recently used go first (approximately: from "
+             "the oldest 1/32)."),
     Variable("KVGATE_KV_EVENTS_BACKOFF_MIN_S", "kv_events_backoff_min_s", _positive_float, 1.0,
              "First reconnect delay of a KV event subscription."),
     Variable("KVGATE_KV_EVENTS_BACKOFF_MAX_S", "kv_events_backoff_max_s", _positive_float, 30.0,
