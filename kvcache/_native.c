@@ -2605,37 +2605,39 @@ static PyObject *core_stats(Core *c, PyObject *Py_UNUSED(ignored)) {
     return Py_BuildValue("LLLnN", (long long)c->entries, (long long)c->evicted, (long long)hashes, bytes, keys);
 }
 
-/* The displacement of the entry at position s from its home position, in a table of cap slots. */
-static inline Py_ssize_t displaced(Py_ssize_t s, Py_ssize_t home, Py_ssize_t cap) { return s >= home ? s - home : s + cap - home; }
+/* How far the entries of a table sit from their home positions (a lookup probes one more): their
+ * total and the longest. Both kinds of slot are 16 bytes with the hashed word first (KSlot's key,
+ * HSlot's engine hash); `keyed` picks the key table's home function. */
+static void displacement(const uint64_t *slots, Py_ssize_t cap, int keyed, Py_ssize_t *total, Py_ssize_t *longest) {
+    *total = *longest = 0;
+    for (Py_ssize_t s = 0; s < cap; s++) {
+        uint64_t x = slots[2 * s];
+        if (x == EMPTY) continue;
+        Py_ssize_t home = keyed ? kt_home(cap, x) : ht_home(cap, x);
+        Py_ssize_t d = s >= home ? s - home : s + cap - home;
+        *total += d;
+        if (d > *longest) *longest = d;
+    }
+}
 
 /* probes() -> [(cap, live, total displacement, longest displacement) per used medium, then per model]:
- * how far entries sit from their home positions (a lookup probes one more than that). Tests read it
- * to hold probe lengths down under churn. */
+ * tests read it to hold probe lengths down under churn. */
 static PyObject *core_probes(Core *c, PyObject *Py_UNUSED(ignored)) {
+    _Static_assert(sizeof(KSlot) == 16 && sizeof(HSlot) == 16, "displacement() reads slots as 2 words");
     CORE_ENTER(c);
     PyObject *out = PyList_New(0);
     if (!out) return NULL;
     for (int i = 0; i < c->n_media + c->n_models; i++) {
-        Py_ssize_t cap, live, total = 0, longest = 0;
+        Py_ssize_t cap, live, total, longest;
         if (i < c->n_media) {
             const KTable *t = &c->media[i];
             if (!t->used) continue;
             cap = t->cap, live = t->live;
-            for (Py_ssize_t s = 0; s < cap; s++) {
-                if (t->s[s].key == EMPTY) continue;
-                Py_ssize_t d = displaced(s, kt_home(cap, t->s[s].key), cap);
-                total += d;
-                if (d > longest) longest = d;
-            }
+            displacement(&t->s[0].key, cap, 1, &total, &longest);
         } else {
             const HTable *t = &c->models[i - c->n_media];
             cap = t->cap, live = t->live;
-            for (Py_ssize_t s = 0; s < cap; s++) {
-                if (t->s[s].h == EMPTY) continue;
-                Py_ssize_t d = displaced(s, ht_home(cap, t->s[s].h), cap);
-                total += d;
-                if (d > longest) longest = d;
-            }
+            displacement(&t->s[0].h, cap, 0, &total, &longest);
         }
         PyObject *row = Py_BuildValue("(nnnn)", cap, live, total, longest);
         if (!row || PyList_Append(out, row) < 0) {
