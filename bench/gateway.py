@@ -6,9 +6,11 @@ Five ways to the same upstream in one run, measured in alternating rounds:
 - `noop`: Envoy -> a no-op Python ext_proc that names a fixed upstream (bench.noop_processor), with
   Envoy's processing mode as shipped (request headers and body, response headers): the minimum a
   router needs, the targets' reference;
-- `noop_bodies`: the same no-op also asking for a successful response's body as kvgate does when it
-  watches responses (--observe on, the default): Envoy sends it the same messages it sends kvgate
-  (counted from Envoy's ext_proc stats), so kvgate's CPU beyond it is what kvgate does with them;
+- `noop_bodies`: the same no-op also watching responses as kvgate does (--observe on, the default): the
+  same share of requests (KVGATE_OBSERVE_SAMPLE's default, kvgate's Sampler) has its successful
+  response's body asked for, the others are told to send nothing of the response: Envoy sends it the
+  same messages it sends kvgate (counted from Envoy's ext_proc stats, `extproc_msgs_per_request`), so
+  kvgate's CPU beyond it is what kvgate does with them;
 - `kvsync`: Envoy -> one `kvgate serve` with the kv-sync strategy (local tokenizer, the prefix
   index holding the warm prompt's blocks from a simulated engine's events);
 - `kvsync_2rep`: Envoy -> two `kvgate serve` replicas on this node (issue 14 item 6).

@@ -1,12 +1,14 @@
 """A no-op ext_proc server for `kvgate bench gateway`: the cheapest Python processor that
 still routes (it names one fixed upstream), so the benchmark isolates kvgate's own cost.
 
-    python -m bench.noop_processor PORT UPSTREAM_IP:PORT [--bodies]
+    python -m bench.noop_processor PORT UPSTREAM_IP:PORT [--bodies [SHARE]]
 
-With `--bodies` it asks for a successful response's body as kvgate does when it watches responses (the
-same mode override: STREAMED for an event stream, BUFFERED_PARTIAL for anything else) and answers each
-body message with an empty one: Envoy then sends it exactly the messages it sends kvgate, and the
-difference in CPU is what kvgate does with them.
+With `--bodies` it watches responses as kvgate does: a share of the requests (SHARE, by default
+kvgate's own KVGATE_OBSERVE_SAMPLE default, taken evenly by kvgate's Sampler) has its successful
+response's body asked for with the same mode override (STREAMED for an event stream, BUFFERED_PARTIAL
+for anything else), each body message answered with an empty one; the others are told in their
+headers answer to send nothing of the response (the same override as kvgate's). Envoy then sends it
+the messages it sends kvgate, and the difference in CPU is what kvgate does with them.
 """
 from __future__ import annotations
 
@@ -20,16 +22,20 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf import struct_pb2
 
-from plugin.observe import body_on
+from plugin.config import Settings
+from plugin.extproc import Sampler
+from plugin.observe import UNWATCHED, body_on
 
 
 class NoopProcessor(pb_grpc.ExternalProcessorServicer):
-    def __init__(self, upstream: str, bodies: bool = False) -> None:
+    def __init__(self, upstream: str, bodies: bool = False, share: float = Settings.observe_sample) -> None:
         header = base_pb2.HeaderValueOption(
             header=base_pb2.HeaderValue(key="x-gateway-destination-endpoint", raw_value=upstream.encode()),
             append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
         routed = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=[header]))
         self._headers = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+        self._headers_unwatched = pb.ProcessingResponse(request_headers=pb.HeadersResponse(), mode_override=UNWATCHED)
+        self._sampler = Sampler(share)
         self._headers_routed = pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=routed))
         # override_host reads the endpoint from envoy.lb metadata
         lb = struct_pb2.Struct()
@@ -55,7 +61,12 @@ class NoopProcessor(pb_grpc.ExternalProcessorServicer):
         async for msg in request_iterator:
             which = msg.WhichOneof("request")
             if which == "request_headers":
-                yield self._headers_routed if msg.request_headers.end_of_stream else self._headers
+                if msg.request_headers.end_of_stream:
+                    yield self._headers_routed
+                elif self._bodies and not self._sampler.take():
+                    yield self._headers_unwatched  # as kvgate answers a request it does not watch
+                else:
+                    yield self._headers
             elif which == "request_body":
                 yield self._body
             elif which == "response_headers":
@@ -64,9 +75,9 @@ class NoopProcessor(pb_grpc.ExternalProcessorServicer):
                 yield self._response_body
 
 
-async def _main(port: int, upstream: str, bodies: bool) -> None:
+async def _main(port: int, upstream: str, bodies: bool, share: float) -> None:
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    pb_grpc.add_ExternalProcessorServicer_to_server(NoopProcessor(upstream, bodies), server)
+    pb_grpc.add_ExternalProcessorServicer_to_server(NoopProcessor(upstream, bodies, share), server)
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     stop = asyncio.Event()
@@ -77,4 +88,6 @@ async def _main(port: int, upstream: str, bodies: bool) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(_main(int(sys.argv[1]), sys.argv[2], "--bodies" in sys.argv[3:]))
+    rest = sys.argv[3:]
+    share = float(rest[1]) if rest[:1] == ["--bodies"] and len(rest) > 1 else Settings.observe_sample
+    asyncio.run(_main(int(sys.argv[1]), sys.argv[2], "--bodies" in rest, share))

@@ -70,3 +70,34 @@ def test_summary_adds_each_replicas_event_share_to_its_cpu_per_request() -> None
     assert r["kvsync_added_p50_ms_vs_direct"] == 0.9 and r["kvsync_cold_added_p50_ms_vs_direct"] == 1.4
     assert r["targets"] == {"added_p50_warm_le_1ms": True, "added_p50_cold_le_1ms": False,
                             "cpu_per_request_le_1.2x_noop": True, "throughput_ge_0.9_noop": True}
+
+
+def test_noop_with_bodies_watches_the_share_of_requests_kvgate_watches() -> None:
+    """The no-op compared with kvgate must get the messages kvgate gets: kvgate watches a sample of
+    responses (KVGATE_OBSERVE_SAMPLE) and tells Envoy to send nothing of the others, so the no-op does
+    the same, with kvgate's own Sampler and override; without --bodies it never overrides."""
+    import asyncio
+
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+    from bench.noop_processor import NoopProcessor
+    from plugin.config import Settings
+    from plugin.observe import UNWATCHED
+
+    headers = pb.ProcessingRequest(request_headers=pb.HttpHeaders(end_of_stream=False))
+
+    async def answers(proc: NoopProcessor, streams: int) -> list:
+        out = []
+        for _ in range(streams):
+            async def one():
+                yield headers
+            async for r in proc.Process(one(), None):
+                out.append(r)
+        return out
+
+    got = asyncio.run(answers(NoopProcessor("127.0.0.1:1", bodies=True), 50))
+    unwatched = [r for r in got if r.HasField("mode_override")]
+    assert Settings.observe_sample == 0.1 and len(got) == 50 and len(unwatched) == 45
+    assert all(r.mode_override == UNWATCHED for r in unwatched)
+    plain = asyncio.run(answers(NoopProcessor("127.0.0.1:1"), 10))
+    assert len(plain) == 10 and not any(r.HasField("mode_override") for r in plain)
