@@ -998,13 +998,12 @@ static int evict_threshold(Core *c, int64_t need) {
     }
     if (take < 1) take = 1;
     uint32_t age = select_nth(ages, n, n - take); /* the take-th largest */
-    Py_ssize_t older = 0, cand = 0;
-    for (Py_ssize_t i = 0; i < n; i++) older += ages[i] > age;
+    Py_ssize_t older = 0, ties = 0;
+    for (Py_ssize_t i = 0; i < n; i++) older += ages[i] > age, ties += ages[i] == age;
+    Py_ssize_t cand = older + ties;
     if (exact && older && age < UINT32_MAX) {
         age++;
         cand = older;
-    } else {
-        for (Py_ssize_t i = 0; i < n; i++) cand += ages[i] >= age;
     }
     PyMem_RawFree(ages);
     c->e_age = age;
