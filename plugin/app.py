@@ -231,6 +231,7 @@ class App:
             tokenizer_timeout_s=s.tokenizer_timeout_s, tokenizer_url=s.tokenizer_url or None,
             target_pod_header=s.target_pod_header, reachable=lambda name: not self.engines.unreachable(name),
             cached_tokens=self.tokenizer.cached if isinstance(self.tokenizer, CachedTokenizer) else None,
+            tokenize_ids=self.tokenizer.tokenize_ids if isinstance(self.tokenizer, CachedTokenizer) else None,
             sheddable_objectives=frozenset(o.strip() for o in s.sheddable_objectives.split(",") if o.strip()),
             observer=self.observer, sampler=Sampler(s.observe_sample), admission=self.admission))
         self.pods.add_listener(self._on_pods)

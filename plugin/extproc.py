@@ -25,7 +25,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from types import CoroutineType
-from typing import AsyncIterator, Callable, Sequence
+from typing import AsyncIterator, Awaitable, Callable, Sequence
 
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
@@ -124,6 +124,9 @@ class Gateway:
     reachable: Callable[[str], bool] | None = None
     # The tokenizer cache's whole-request probe (CachedTokenizer.cached): ids without a copy or an await.
     cached_tokens: Callable[[str, TokenizeInput], Sequence[int] | None] | None = None
+    # The tokenizer cache's tokenize for readers of the ids (CachedTokenizer.tokenize_ids: an array, not a list
+    # of Python ints); None: `tokenizer.tokenize`.
+    tokenize_ids: Callable[..., Awaitable[Sequence[int]]] | None = None
     # Objectives (the x-gateway-inference-objective header) whose requests may be shed (429) under saturation.
     sheddable_objectives: frozenset[str] = frozenset()
     # Watches routed responses (TTFT, TPOT, tokens; the request trackers); None: responses not read.
@@ -450,7 +453,7 @@ class _Stream:
         try:
             # Run the call up to its first wait: a cached answer comes back without one and needs no timer
             # (a timeout only fires where the call waits). Otherwise the rest runs under the same deadline.
-            call = self.gw.tokenizer.tokenize(request.model, item, base_url=base_url)
+            call = (self.gw.tokenize_ids or self.gw.tokenizer.tokenize)(request.model, item, base_url=base_url)
             if type(call) is not CoroutineType:  # some other awaitable: awaited whole, under the deadline
                 async with asyncio.timeout_at(deadline):
                     ids = await call

@@ -152,6 +152,41 @@ def test_cached_probe_is_a_read_only_view_counted_like_a_hit(local) -> None:
 
 
 
+def test_tokenize_ids_gives_tokenizes_ids_without_a_list_of_ints(local) -> None:
+    """The request path's form: an assembled request's ids as a 32-bit array of its own, a cached one's
+    as a read-only view of the cache's array; the same ids as `tokenize` either way."""
+    from array import array
+
+    cached, inner = make_cached(local)
+    item = ChatInput(messages=({"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi there"}))
+    expected = local.encode_chat(item)
+    first = run(cached.tokenize_ids(MODEL, item))
+    assert type(first) is array and first.typecode == "I" and first.tolist() == expected
+    first[0] = 0  # its own copy: what later requests get does not change
+    again = run(cached.tokenize_ids(MODEL, item))
+    assert type(again) is memoryview and again.readonly and again.tolist() == expected
+    assert run(cached.tokenize(MODEL, item)) == expected and type(run(cached.tokenize(MODEL, item))) is list
+    assert len(inner.calls) == 1
+    assert run(cached.tokenize_ids(MODEL, PromptInput(token_ids=(5, 6)))) == [5, 6]
+
+
+def test_pieces_with_ids_past_32_bits_are_joined_as_a_list_and_not_cached(local) -> None:
+    """A backend answering ids that do not fit 32 bits (no real vocabulary has them) gets them passed on as
+    they are, uncached, instead of a failed request."""
+    class Odd(CountingBackend):
+        async def tokenize(self, model, item, *, base_url=None):
+            ids = await super().tokenize(model, item, base_url=base_url)
+            return [i + (1 << 40) for i in ids]
+
+    inner = Odd({MODEL: local})
+    cached = CachedTokenizer(inner, segmenters={MODEL: Segmenter.from_local(local)},
+                             options=CacheOptions(verify_requests=0))
+    item = ChatInput(messages=({"role": "user", "content": "hello"},))
+    got = run(cached.tokenize_ids(MODEL, item))
+    assert type(got) is list and any(i >= 1 << 40 for i in got)
+    assert run(cached.tokenize(MODEL, item)) == got and cached.cached(MODEL, item) is None
+
+
 def test_a_miss_key_serves_only_the_same_item_and_model(local) -> None:
     """tokenize() takes the key cached() built for the item it just missed, and only for that very
     object and model: another item or model right after a miss is keyed (and answered) as its own."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import re
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -130,15 +131,29 @@ class Segmenter:
         return self.split(item.text), self._affixes
 
 
-def join_pieces(pieces: Sequence[Piece], tokens: dict[str, Sequence[int]], affixes: SpecialAffixes) -> list[int]:
-    out: list[int] = list(affixes.prefix)
-    for p in pieces:
-        if isinstance(p, int):
-            out.append(p)
-        else:
-            out.extend(tokens[p])
-    out.extend(affixes.suffix)
-    return out
+def join_pieces(pieces: Sequence[Piece], tokens: dict[str, Sequence[int]], affixes: SpecialAffixes) -> Sequence[int]:
+    """The ids of `pieces` inside the affixes: an array of 32-bit ids, into which a piece's ids held
+    as such an array (the tokenizer cache keeps them so) are copied as bytes, without a Python int
+    per id; a list if some id does not fit 32 bits (a backend's odd answer, passed on as it is)."""
+    try:
+        out = array("I", affixes.prefix)
+        append, extend = out.append, out.extend
+        for p in pieces:
+            if type(p) is int:
+                append(p)
+            else:
+                extend(tokens[p])
+        extend(affixes.suffix)
+        return out
+    except (OverflowError, TypeError):
+        ids: list[int] = list(affixes.prefix)
+        for p in pieces:
+            if type(p) is int:
+                ids.append(p)
+            else:
+                ids.extend(tokens[p])
+        ids.extend(affixes.suffix)
+        return ids
 
 
 def _check_pre_tokenizer(pre: Any) -> None:
