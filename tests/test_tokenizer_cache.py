@@ -93,6 +93,33 @@ def test_segmenter_cuts_at_every_added_token(local) -> None:
     assert seg.pieces(PromptInput(text="x", add_special_tokens=True)) == (["x"], SpecialAffixes())
 
 
+def _reference_split(text: str, added: dict[str, int]) -> list:
+    """Leftmost-longest cutting, spelled out: at each position the longest added token starting there."""
+    out, plain, i = [], "", 0
+    while i < len(text):
+        hit = max((t for t in added if text.startswith(t, i)), key=len, default=None)
+        if hit is None:
+            plain += text[i]
+            i += 1
+            continue
+        if plain:
+            out.append(plain)
+            plain = ""
+        out.append(added[hit])
+        i += len(hit)
+    return out + ([plain] if plain else [])
+
+
+@settings(max_examples=400, deadline=None)
+@given(tokens=st.lists(st.text(alphabet="<|ab>\\.*", min_size=1, max_size=6), min_size=1, max_size=12, unique=True),
+       text=st.text(alphabet="<|ab>\\.*x", max_size=60))
+def test_split_is_leftmost_longest_for_any_added_tokens(tokens, text) -> None:
+    """Overlapping tokens (one a prefix of another, one inside another), regex metacharacters, one or
+    several first characters: the cut is the reference's."""
+    added = {t: 1000 + i for i, t in enumerate(tokens)}
+    assert Segmenter(None, added, SpecialAffixes()).split(text) == _reference_split(text, added)
+
+
 def test_shared_system_prompt_is_tokenized_once(local) -> None:
     cached, inner = make_cached(local)
     system = {"role": "system", "content": "You are a careful assistant. " * 50}

@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import re
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -65,9 +65,14 @@ class Segmenter:
         self._local = local
         self._added = added
         self._affixes = affixes
-        # Longest first: Python's alternation takes the first alternative that matches, giving leftmost-longest.
-        alternatives = sorted(added, key=len, reverse=True)
-        self._pattern = re.compile("|".join(re.escape(a) for a in alternatives)) if alternatives else None
+        # Leftmost-longest: the search finds the leftmost position where some added token starts, and the
+        # pattern (a trie of the tokens, longer continuations tried first) takes the longest one there.
+        self._pattern = re.compile(_trie_pattern(added)) if added else None
+        # When every added token starts with one character (ChatML's and Llama's `<`), candidates are found by
+        # str.find and the pattern only tried there: Llama 3.1's 256 added tokens made re's own scan of a
+        # 3,300-character chat 10-14 us, the find and a match at each `<` 5 us.
+        firsts = {a[0] for a in added}
+        self._first = firsts.pop() if len(firsts) == 1 else None
         # Any added token separates pieces batched into one backend call.
         self.separator: tuple[str, int] | None = min(added.items(), key=lambda kv: kv[1]) if added else None
 
@@ -105,12 +110,29 @@ class Segmenter:
         if self._pattern is None:
             return [text] if text else []
         pieces: list[Piece] = []
+        added = self._added
         pos = 0
-        for m in self._pattern.finditer(text):
-            if m.start() > pos:
-                pieces.append(text[pos:m.start()])
-            pieces.append(self._added[m.group()])
-            pos = m.end()
+        first = self._first
+        if first is not None:
+            find, match = text.find, self._pattern.match
+            at = find(first)
+            while at >= 0:
+                m = match(text, at)
+                if m is None:
+                    at = find(first, at + 1)
+                    continue
+                if at > pos:
+                    pieces.append(text[pos:at])
+                token = m.group()
+                pieces.append(added[token])
+                pos = at + len(token)
+                at = find(first, pos)
+        else:
+            for m in self._pattern.finditer(text):
+                if m.start() > pos:
+                    pieces.append(text[pos:m.start()])
+                pieces.append(added[m.group()])
+                pos = m.end()
         if pos < len(text):
             pieces.append(text[pos:])
         return pieces
@@ -129,6 +151,39 @@ class Segmenter:
         if self._affixes is None:
             return None
         return self.split(item.text), self._affixes
+
+
+def _trie_pattern(tokens: Iterable[str]) -> str:
+    """A regular expression matching exactly `tokens`, the longest of them where several match at one
+    position: their trie, each node's continuations tried before ending there (a greedy `?`). re tries
+    a plain alternation's branches one after another at every candidate position; down the trie only
+    the branches for the next character are."""
+    trie: dict = {}
+    for token in tokens:
+        node = trie
+        for ch in token:
+            node = node.setdefault(ch, {})
+        node[""] = None  # a token ends here
+
+    # Built bottom-up without recursion (an added token may be long): a node's pattern after its children's.
+    done: dict[int, str] = {}
+    todo = [trie]
+    while todo:
+        node = todo[-1]
+        waiting = [child for ch, child in node.items() if ch and id(child) not in done]
+        if waiting:
+            todo.extend(waiting)
+            continue
+        todo.pop()
+        branches = [re.escape(ch) + done[id(child)] for ch, child in sorted(node.items()) if ch]
+        if not branches:
+            done[id(node)] = ""
+            continue
+        body = branches[0] if len(branches) == 1 else "(?:" + "|".join(branches) + ")"
+        if "" in node:  # a token ends here too: the longer ones first
+            body = (body if len(branches) > 1 else "(?:" + body + ")") + "?"
+        done[id(node)] = body
+    return done[id(trie)]
 
 
 def join_pieces(pieces: Sequence[Piece], tokens: dict[str, Sequence[int]], affixes: SpecialAffixes) -> Sequence[int]:
