@@ -43,6 +43,8 @@ BENCHES: tuple[tuple[str, list[str], str], ...] = (
                     "replicas on this node (issue 14 item 6)"),
     ("ingest", [], "live ingestion <= 30 us of CPU per one-block batch in kvgate serve (3 engines, ~1000 "
                    "batches/s in all)"),
+    ("request", [], "none of its own: kvgate's own CPU per warm and cold request in process, gRPC left out (the "
+                    "part of the gateway's CPU rows that is kvgate's code)"),
 )
 
 
@@ -108,6 +110,15 @@ def render(name: str, data: dict) -> str:
         rest = {k: v for k, v in data.items() if k not in ("workloads", "targets")}
         if rest:
             out.append(render("_", rest))
+        return "\n".join(out)
+    if name == "request" and isinstance(data.get("warm"), dict) and isinstance(data.get("cold"), dict):
+        warm, cold = data["warm"], data["cold"]
+        out = ["| measure | warm | cold |", "|---|---|---|"]
+        for k in ("cpu_us_per_request", "messages_per_request", "tokens_from_cache_share", "cpu_us_per_request_runs"):
+            out.append(f"| {k} | {_fmt(warm.get(k))} | {_fmt(cold.get(k))} |")
+        for phase, v in (warm.get("phases_us") or {}).items():
+            out.append(f"| phase: {phase} (us) | {_fmt(v)} | {_fmt((cold.get('phases_us') or {}).get(phase))} |")
+        out.append(f"| observed responses | {data.get('observe')} | |")
         return "\n".join(out)
     rows = ["| measure | value |", "|---|---|"]
     for k, v in data.items():

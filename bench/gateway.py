@@ -387,6 +387,11 @@ def summarize(med: dict, samples: dict, ingest_us: float | None, cached: float, 
         if same.get("cpu_us"):
             out["kvsync_cpu_over_noop_bodies"] = round(with_events / same["cpu_us"], 2)
         out["kvsync_cold_cpu_over_noop"] = round((kv["cold_cpu_us"] + ingest_us) / noop["cpu_us"], 2)
+        if same.get("cpu_us"):
+            # kvgate's own work here (beyond the no-op answering the same messages), and what the CPU target
+            # leaves it: 1.2x the no-op's, less what the protocol costs on kvgate's messages and the event share
+            out["kvsync_own_cpu_us_per_request"] = round(kv["cpu_us"] - same["cpu_us"], 1)
+            out["kvsync_own_cpu_us_allowed_by_target"] = round(1.2 * noop["cpu_us"] - same["cpu_us"] - ingest_us, 1)
     if kv["rps"] and kv2["rps"] and kv["cpu_us"] and kv2["cpu_us"]:
         share = f"{ingest_us:.0f} us per batch per replica" if ingest_us is not None else "not measured"
         out["replicas_note"] = (
@@ -442,7 +447,9 @@ def table(r: dict) -> str:
             f"{f(r.get('kvsync_2rep_cpu_us_per_request_with_events'), '.0f')} us (both replicas follow every engine)",
             f"ext_proc messages per request: {r.get('extproc_msgs_per_request')}; against the no-op answering "
             f"the same messages: CPU {f(r.get('kvsync_cpu_over_noop_bodies'))}x, throughput "
-            f"{f(r.get('kvsync_over_noop_bodies_rps'))}",
+            f"{f(r.get('kvsync_over_noop_bodies_rps'))}; kvgate's own work costs {f(r.get('kvsync_own_cpu_us_per_request'), '.0f')}"
+            f" us per request here, the CPU target leaves it {f(r.get('kvsync_own_cpu_us_allowed_by_target'), '.0f')}"
+            f" us (`kvgate bench request`: the same code in process)",
             f"prompt blocks found cached: {r['prefix_blocks_cached_fraction']:.0%}; errors {r['errors']}"]
     if r.get("replicas_note"):
         rows.append(r["replicas_note"])

@@ -1,39 +1,48 @@
-"""Where kvgate's own CPU goes in one warm routed request, gRPC left out.
+"""`kvgate bench request`: kvgate's own CPU per routed request, in process, gRPC left out.
 
-    python -m bench.request_cost [--requests 3000] [--runs 5] [--watched | --unwatched]
+    kvgate bench request [--json] [--requests 2000] [--runs 5] [--watched | --unwatched]
+    python -m bench.request_cost (the same)
 
 kvgate's processor (plugin.app's App: kv-sync, the local test tokenizer with its cache, responses
-observed, 4 pods, the prompt's blocks in the index on pod0) is driven in this process with the four
-messages Envoy sends for a JSON answer (request headers, request body, response headers, response
-body), parsed from bytes as gRPC would. Reported: CPU per request (the least of `--runs` runs, the
-machine's other load only ever adds) and its split by phase (cProfile's cumulative times in one run,
-scaled to that least). By default KVGATE_OBSERVE_SAMPLE's default share of the responses is watched
-(one in ten; the others still get their two response messages, which Envoy would not send);
-`--watched` watches every one; `--unwatched` none, with only the two messages Envoy then sends
-(request headers and body). What gRPC and the event loop cost per message is not here: `kvgate bench
-gateway` measures the whole path through Envoy, beside a no-op processor answering the same messages.
+observed, 4 pods, the warm prompt's blocks in the index on pod0) is driven in this process with the
+messages Envoy sends, parsed from bytes as gRPC would: request headers and body, then, for a request
+whose response is watched, the response headers and body (Envoy sends nothing of the others: the
+answer to their headers says so). Two kinds of request, as in `kvgate bench gateway`: warm (the same
+prompt every time: the tokenizer cache and the index hold it) and cold (every prompt new: a fresh
+nonce at its start, so neither holds any of it). Reported for each: CPU per request (the least of
+`--runs` runs: the machine's other load only ever adds) and its split by phase (cProfile's cumulative
+times in one more run, scaled to that least). By default KVGATE_OBSERVE_SAMPLE's default share of the
+responses is watched (one in ten); `--watched` watches every one, `--unwatched` none. No target of its
+own: this is the part of `kvgate bench gateway`'s CPU rows that is kvgate's code, measured without
+gRPC, Envoy and the other processes on the cores (there the same code costs 2.5-3x as much: caches
+left cold between requests).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import cProfile
+import itertools
 import json
 import pstats
 import sys
 import tempfile
 import time
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
 
+from plugin.observe import UNWATCHED
+
 # phase -> (file suffix, function name) whose cumulative time is the phase's (nested ones apart)
 PHASES = {
     "request_headers": ("plugin/extproc.py", "on_headers"),
     "parse_body": ("plugin/request.py", "parse_body"),
-    "tokens_from_cache": ("plugin/extproc.py", "_tokens"),
+    "tokens": ("plugin/extproc.py", "_tokens"),
     "pick": ("routing/router.py", "pick"),
     "response_headers": ("plugin/extproc.py", "on_response_headers"),
     "response_body": ("plugin/extproc.py", "on_response_body"),
@@ -41,7 +50,9 @@ PHASES = {
     "release": ("plugin/extproc.py", "_release"),
     "message_parse": ("~", "<built-in method FromString>"),
 }
-_NESTED = {"decide_rest": (("plugin/extproc.py", "_decide"), ("parse_body", "tokens_from_cache", "pick"))}
+_NESTED = {"decide_rest": (("plugin/extproc.py", "_decide"), ("parse_body", "tokens", "pick"))}
+
+_SKIP = UNWATCHED.response_header_mode
 
 
 def _headers(pairs: list[tuple[str, str]]) -> base_pb2.HeaderMap:
@@ -92,11 +103,31 @@ async def _build(workdir: Path, sample: float | None = None):
     return app, messages(body, "127.0.0.1:9000")
 
 
+def _cold_messages() -> Callable[[], list[bytes]]:
+    """A new prompt's four messages at each call (the gateway bench's cold body, a fresh nonce at its start)."""
+    from bench.gateway import COLD_BODY, NONCE
+
+    head, tail = json.dumps(COLD_BODY).split(NONCE)
+    run = uuid.uuid4().hex[:12]
+    count = itertools.count()
+    return lambda: messages(f"{head}{run}-{next(count)}{tail}".encode(), "127.0.0.1:9000")
+
+
 async def _one(processor, raw: list[bytes]) -> list[pb.ProcessingResponse]:
+    """One stream as Envoy drives it: the response's messages only if the answer to the headers asked for them."""
+    out: list[pb.ProcessingResponse] = []
+
     async def incoming():
-        for r in raw:
+        yield pb.ProcessingRequest.FromString(raw[0])
+        yield pb.ProcessingRequest.FromString(raw[1])
+        if out and out[0].mode_override.response_header_mode == _SKIP:
+            return
+        for r in raw[2:]:
             yield pb.ProcessingRequest.FromString(r)
-    return [r async for r in processor.Process(incoming(), None)]
+
+    async for r in processor.Process(incoming(), None):  # each answer is in `out` before the next message is read
+        out.append(r)
+    return out
 
 
 def _phase_split(stats: pstats.Stats, per_request_us: float) -> dict[str, float]:
@@ -120,53 +151,89 @@ def _phase_split(stats: pstats.Stats, per_request_us: float) -> dict[str, float]
     return {k: round(v * scale, 1) for k, v in out.items()}
 
 
-async def measure(requests: int, runs: int, watched: bool | None = None) -> dict:
-    """`watched` None: the default sample; True: every response; False: none (two messages per request)."""
+async def measure(requests: int, runs: int, watched: bool | None = None, cold: bool = False) -> dict:
+    """`watched` None: the default sample; True: every response; False: none. `cold`: every prompt new."""
     with tempfile.TemporaryDirectory() as tmp:
         app, raw = await _build(Path(tmp), None if watched is None else float(watched))
-        if watched is False:
-            raw = raw[:2]
         try:
-            return await _measure(app, raw, requests, runs)
+            return await _measure(app, _cold_messages() if cold else (lambda: raw), requests, runs)
         finally:
             await app.subscriptions.aclose()  # its ZMQ context: never started, but open
 
 
-async def _measure(app, raw: list[bytes], requests: int, runs: int) -> dict:
+async def _measure(app, source: Callable[[], list[bytes]], requests: int, runs: int) -> dict:
     processor = app.processor
-    first = await _one(processor, raw)
+    first = await _one(processor, source())
     routed = first[1].dynamic_metadata.fields["kvgate"].struct_value.fields["pod"].string_value
     for _ in range(200):
-        await _one(processor, raw)
-    per_run = []
+        await _one(processor, source())
+    cache = app.tokenizer
+    cached0, total0 = cache.tokens_cached, cache.tokens_total
+    per_run, answers = [], 0
     for _ in range(runs):
+        batch = [source() for _ in range(requests)]  # built before the clock starts
         started = time.process_time()
-        for _ in range(requests):
-            await _one(processor, raw)
+        for raw in batch:
+            answers += len(await _one(processor, raw))
         per_run.append((time.process_time() - started) / requests * 1e6)
+    batch = [source() for _ in range(requests)]
     profile = cProfile.Profile(time.process_time)  # CPU, not wall: the machine's other load stays out
     profile.enable()
-    for _ in range(requests):
+    for raw in batch:
         await _one(processor, raw)
     profile.disable()
     best = min(per_run)
     split = _phase_split(pstats.Stats(profile), best)
     return {"cpu_us_per_request": round(best, 1), "cpu_us_per_request_runs": [round(v, 1) for v in per_run],
-            "phases_us": split, "messages": len(first), "routed_to": routed, "requests": requests}
+            "phases_us": split, "messages_per_request": round(answers / (runs * requests), 2),
+            # the share of the prompts' tokens the tokenizer cache gave (warm: all; cold: the shared question's)
+            "tokens_from_cache_share": round((cache.tokens_cached - cached0) / max(1, cache.tokens_total - total0), 3),
+            "routed_to": routed, "requests": requests}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--requests", type=int, default=3000)
-    p.add_argument("--runs", type=int, default=5)
+async def measure_both(requests: int, runs: int, watched: bool | None = None) -> dict:
+    return {"warm": await measure(requests, runs, watched), "cold": await measure(requests, runs, watched, cold=True),
+            "requests": requests, "runs": runs,
+            "observe": "every response" if watched else "none" if watched is False else "default sample"}
+
+
+def table(r: dict) -> str:
+    warm, cold = r["warm"], r["cold"]
+    lines = [f"kvgate's own CPU per routed request, in process ({r['observe']} of responses watched; "
+             f"least of {r['runs']} runs of {r['requests']})",
+             f"{'':<22} {'warm':>8} {'cold':>8}",
+             f"{'us per request':<22} {warm['cpu_us_per_request']:>8.1f} {cold['cpu_us_per_request']:>8.1f}",
+             f"{'messages per request':<22} {warm['messages_per_request']:>8.2f} {cold['messages_per_request']:>8.2f}",
+             f"{'tokens from the cache':<22} {warm['tokens_from_cache_share']:>8.0%} {cold['tokens_from_cache_share']:>8.0%}",
+             "by phase, us:"]
+    for phase in warm["phases_us"]:
+        lines.append(f"  {phase:<20} {warm['phases_us'][phase]:>8.1f} {cold['phases_us'][phase]:>8.1f}")
+    return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--requests", type=int, default=2000, help="requests per timed run (default 2000)")
+    p.add_argument("--runs", type=int, default=5, help="timed runs; the least is reported (default 5)")
     which = p.add_mutually_exclusive_group()
     which.add_argument("--watched", action="store_true", help="watch every response (KVGATE_OBSERVE_SAMPLE=1)")
     which.add_argument("--unwatched", action="store_true",
                        help="watch none: Envoy's two messages per request (KVGATE_OBSERVE_SAMPLE=0)")
-    args = p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     watched = True if args.watched else False if args.unwatched else None
-    print(json.dumps(asyncio.run(measure(args.requests, args.runs, watched))))
+    r = asyncio.run(measure_both(args.requests, args.runs, watched))
+    print(json.dumps(r) if args.json else table(r))
     return 0
+
+
+def main(args: argparse.Namespace | list[str] | None = None) -> int:
+    if not isinstance(args, argparse.Namespace):
+        p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+        add_arguments(p)
+        args = p.parse_args(args)
+    return run(args)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "routing": ("bench.routing", "routing policies on simulated engines, virtual clock"),
     "gateway": ("bench.gateway", "the full path through a real Envoy"),
     "ingest": ("bench.ingest", "live KV event ingestion: kvgate serve's CPU per batch"),
+    "request": ("bench.request_cost", "kvgate's own CPU per routed request, in process, by phase"),
     "soak": ("bench.soak", "mixed traffic through Envoy for a long run"),
     "all": ("bench.all", "every benchmark, written to docs/BENCHMARKS.md"),
 }

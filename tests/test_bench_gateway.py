@@ -70,6 +70,22 @@ def test_summary_adds_each_replicas_event_share_to_its_cpu_per_request() -> None
     assert r["kvsync_added_p50_ms_vs_direct"] == 0.9 and r["kvsync_cold_added_p50_ms_vs_direct"] == 1.4
     assert r["targets"] == {"added_p50_warm_le_1ms": True, "added_p50_cold_le_1ms": False,
                             "cpu_per_request_le_1.2x_noop": True, "throughput_ge_0.9_noop": True}
+    assert "kvsync_own_cpu_us_per_request" not in r  # no no-op answering kvgate's messages: nothing to subtract
+
+
+def test_summary_says_what_kvgates_own_work_costs_and_what_the_cpu_target_leaves_it() -> None:
+    from bench.gateway import summarize
+
+    def gw(rps, p50, cpu):
+        return {"rps": rps, "p50_ms": p50, "p99_ms": p50 * 2, "cpu_us": cpu, "cold_rps": rps, "cold_p50_ms": p50,
+                "cold_p99_ms": p50, "cold_cpu_us": cpu, "errors": 0}
+
+    med = {"direct": gw(4000, 0.2, None), "envoy_only": gw(2000, 0.5, None), "noop": gw(1000, 1.0, 600),
+           "noop_bodies": gw(1000, 1.0, 650), "kvsync": gw(900, 1.3, 900), "kvsync_2rep": gw(800, 1.4, 1200)}
+    r = summarize(med, {"kvsync": {"rps": [900]}, "noop": {"rps": [1000]}}, 40.0, 9, 10, rounds=1)
+    assert r["kvsync_own_cpu_us_per_request"] == 250.0  # 900 - 650: beyond the same messages
+    assert r["kvsync_own_cpu_us_allowed_by_target"] == 30.0  # 1.2 * 600 - 650 - 40
+    assert r["kvsync_cpu_over_noop"] == round(940 / 600, 2) and not r["targets"]["cpu_per_request_le_1.2x_noop"]
 
 
 def test_noop_with_bodies_watches_the_share_of_requests_kvgate_watches() -> None:
