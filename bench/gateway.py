@@ -384,10 +384,9 @@ def summarize(med: dict, samples: dict, ingest_us: float | None, cached: float, 
         out["kvsync_cold_cpu_us_per_request_with_events"] = round(kv["cold_cpu_us"] + ingest_us, 1)
         out["kvsync_2rep_cpu_us_per_request_with_events"] = round(kv2["cpu_us"] + 2 * ingest_us, 1)
         out["kvsync_cpu_over_noop"] = round(with_events / noop["cpu_us"], 2)
-        if same.get("cpu_us"):
-            out["kvsync_cpu_over_noop_bodies"] = round(with_events / same["cpu_us"], 2)
         out["kvsync_cold_cpu_over_noop"] = round((kv["cold_cpu_us"] + ingest_us) / noop["cpu_us"], 2)
         if same.get("cpu_us"):
+            out["kvsync_cpu_over_noop_bodies"] = round(with_events / same["cpu_us"], 2)
             # kvgate's own work here (beyond the no-op answering the same messages), and what the CPU target
             # leaves it: 1.2x the no-op's, less what the protocol costs on kvgate's messages and the event share
             out["kvsync_own_cpu_us_per_request"] = round(kv["cpu_us"] - same["cpu_us"], 1)

@@ -221,19 +221,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                        help="watch none: Envoy's two messages per request (KVGATE_OBSERVE_SAMPLE=0)")
 
 
-def run(args: argparse.Namespace) -> int:
-    watched = True if args.watched else False if args.unwatched else None
-    r = asyncio.run(measure_both(args.requests, args.runs, watched))
-    print(json.dumps(r) if args.json else table(r))
-    return 0
-
-
 def main(args: argparse.Namespace | list[str] | None = None) -> int:
+    """`kvgate bench request` passes its parsed arguments; `python -m bench.request_cost` the command line."""
     if not isinstance(args, argparse.Namespace):
         p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
         add_arguments(p)
         args = p.parse_args(args)
-    return run(args)
+    watched = True if args.watched else False if args.unwatched else None
+    r = asyncio.run(measure_both(args.requests, args.runs, watched))
+    print(json.dumps(r) if args.json else table(r))
+    return 0
 
 
 if __name__ == "__main__":

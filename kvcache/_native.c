@@ -12,6 +12,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
@@ -2622,7 +2623,8 @@ static void displacement(const uint64_t *slots, Py_ssize_t cap, int keyed, Py_ss
 /* probes() -> [(cap, live, total displacement, longest displacement) per used medium, then per model]:
  * tests read it to hold probe lengths down under churn. */
 static PyObject *core_probes(Core *c, PyObject *Py_UNUSED(ignored)) {
-    _Static_assert(sizeof(KSlot) == 16 && sizeof(HSlot) == 16, "displacement() reads slots as 2 words");
+    _Static_assert(sizeof(KSlot) == 16 && sizeof(HSlot) == 16 && offsetof(KSlot, key) == 0 && offsetof(HSlot, h) == 0,
+                   "displacement() reads slots as 2 words, the hashed one first");
     CORE_ENTER(c);
     PyObject *out = PyList_New(0);
     if (!out) return NULL;

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from bench.request_cost import PHASES, measure, run
+from bench.request_cost import PHASES, main, measure
 
 
 async def test_request_cost_routes_the_warm_prompt_to_its_holder_and_splits_its_cpu_without_overlap():
@@ -39,7 +39,7 @@ async def test_request_cost_cold_prompts_are_new_to_the_tokenizer_cache_and_the_
 
 
 def test_bench_request_prints_warm_and_cold(capsys):
-    assert run(argparse.Namespace(requests=30, runs=1, watched=False, unwatched=True, json=False)) == 0
+    assert main(argparse.Namespace(requests=30, runs=1, watched=False, unwatched=True, json=False)) == 0
     out = capsys.readouterr().out
     assert "warm" in out and "cold" in out and "us per request" in out and "pick" in out
 

@@ -191,24 +191,20 @@ def join_pieces(pieces: Sequence[Piece], tokens: dict[str, Sequence[int]], affix
     as such an array (the tokenizer cache keeps them so) are copied as bytes, without a Python int
     per id; a list if some id does not fit 32 bits (a backend's odd answer, passed on as it is)."""
     try:
-        out = array("I", affixes.prefix)
-        append, extend = out.append, out.extend
-        for p in pieces:
-            if type(p) is int:
-                append(p)
-            else:
-                extend(tokens[p])
-        extend(affixes.suffix)
-        return out
+        return _join_into(array("I", affixes.prefix), pieces, tokens, affixes.suffix)
     except (OverflowError, TypeError):
-        ids: list[int] = list(affixes.prefix)
-        for p in pieces:
-            if type(p) is int:
-                ids.append(p)
-            else:
-                ids.extend(tokens[p])
-        ids.extend(affixes.suffix)
-        return ids
+        return _join_into(list(affixes.prefix), pieces, tokens, affixes.suffix)
+
+
+def _join_into(out: Any, pieces: Sequence[Piece], tokens: dict[str, Sequence[int]], suffix: Sequence[int]) -> Any:
+    append, extend = out.append, out.extend
+    for p in pieces:
+        if type(p) is int:
+            append(p)
+        else:
+            extend(tokens[p])
+    extend(suffix)
+    return out
 
 
 def _check_pre_tokenizer(pre: Any) -> None:
