@@ -17,12 +17,13 @@
   clock and this process's CPU time (the machine is shared). Throughputs are per CPU second.
 - stats_cpu_ms: one stats() call on the fleet; remove_pod_ms: one pod leaving.
 - churn (--churn-entries N, 0 skips it): an index at its bound of N entries (64 pods) keeps taking
-  live batches (8 engines' streams through apply_payload: prefill, decode, their own evictions; a batch
-  of more than the subscriber's apply_blocks in parts, one call each, as the subscriber applies it),
-  so every batch also evicts; stats() and a match every 200 batches, and one rank dropped and
-  one pod removed along the way. `churn_longest_stall_ms` is the longest single call of any of
-  them: how long the event loop can be held by the index (GC off while timing); `_cpu_ms` the
-  same in this thread's CPU time (on a shared machine the wall clock also counts preemption).
+  live batches (8 engines' streams: prefill, decode, their own evictions), applied as kvgate's ingest
+  thread applies them, one call per hold of its index lock (see _apply_as_served: runs of up to 64
+  batches and the subscriber's apply_blocks blocks, a larger batch in parts), so every call also
+  evicts; stats() and a match every 200 batches, and one rank dropped and one pod removed along
+  the way. `churn_longest_stall_ms` is the longest single call of any of them: how long the event
+  loop can be held by the index (GC off while timing); `_cpu_ms` the same in this thread's CPU time
+  (on a shared machine the wall clock also counts preemption).
   `churn_loop_lag_*_ms`: as many blocks more (streams of their own), applied on a thread of its own
   beside an asyncio loop (the stall as the event loop sees it, the GIL's hand-over included), and a
   baseline loop beside plain Python (`churn_loop_baseline_*`); see _loop_lag.
@@ -48,11 +49,12 @@ from collections.abc import Sequence
 
 from kvcache.events import BlockRemoved, BlockStored, EventBatch
 from kvcache.index import PrefixIndex
-from kvcache.subscriber import SubscriberOptions
+from kvcache.subscriber import _PROC_BOUNDS_D, _RUN_BATCHES, SubscriberOptions
 
 BLOCK = 16
 MODEL = "bench-model"
-APPLY_BLOCKS = SubscriberOptions().apply_blocks  # the subscriber applies a larger batch in parts of this many
+APPLY_BLOCKS = SubscriberOptions().apply_blocks  # blocks one hold of the index lock applies at most (one batch aside)
+APPLY_CHUNK = SubscriberOptions().apply_chunk  # events one run of live batches applies at most
 M64 = (1 << 64) - 1
 
 
@@ -376,24 +378,31 @@ def bench_churn(entries: int, n_blocks: int, seed: int) -> dict:
         call()
         longest_cpu[name] = max(longest_cpu[name], time.thread_time() - c)
         longest[name] = max(longest[name], time.perf_counter() - w)
+
+    def hold(call):  # one hold of the index lock in kvgate serve: one call
+        w, c = time.perf_counter(), time.thread_time()
+        got = call()
+        longest_cpu["apply"] = max(longest_cpu["apply"], time.thread_time() - c)
+        applies.append(time.perf_counter() - w)
+        return got
+
+    done = [0]
+
+    def after(batches: int) -> None:  # batches applied so far
+        before, done[0] = done[0], batches
+        if batches // 200 > before // 200:
+            timed("stats", ix.stats)
+            timed("match", lambda: ix.match(MODEL, None, prompts[batches % 4], pods))
+        if before < len(order) // 3 <= batches:  # an engine restarted: its rank's blocks are forgotten
+            timed("drop", lambda: ix.drop(pods[20], 0))
+        if before < 2 * len(order) // 3 <= batches:  # a pod left discovery
+            timed("remove_pod", lambda: ix.remove_pod(pods[21]))
     evicted0 = ix.stats()["evicted_entries"]
     gc.collect()
     gc.disable()
     try:
         c0 = time.process_time()
-        for i, (e, payload) in enumerate(order):
-            for part in _parts(ix, payload):
-                w, c = time.perf_counter(), time.thread_time()
-                _apply(ix, pods[e], part)
-                longest_cpu["apply"] = max(longest_cpu["apply"], time.thread_time() - c)
-                applies.append(time.perf_counter() - w)
-            if i % 200 == 199:
-                timed("stats", ix.stats)
-                timed("match", lambda: ix.match(MODEL, None, prompts[i % 4], pods))
-            if i == len(order) // 3:  # an engine restarted: its rank's blocks are forgotten
-                timed("drop", lambda: ix.drop(pods[20], 0))
-            if i == 2 * len(order) // 3:  # a pod left discovery
-                timed("remove_pod", lambda: ix.remove_pod(pods[21]))
+        _apply_as_served(ix, pods, order, hold, after)
         cpu = time.process_time() - c0
     finally:
         gc.enable()
@@ -409,6 +418,7 @@ def bench_churn(entries: int, n_blocks: int, seed: int) -> dict:
         "churn_fill_busy_matches": fill_busy,  # of those, answered without the index
         "churn_entries": stats["entries"],
         "churn_batches": len(order),
+        "churn_holds": len(applies),  # calls, one hold of the index lock each
         "churn_blocks": blocks,
         "churn_evicted": stats["evicted_entries"] - evicted0,
         "churn_apply_p50_us": srt[len(srt) // 2] * 1e6,
@@ -435,6 +445,35 @@ def _apply(ix: PrefixIndex, pod: str, payload: bytes) -> None:
 def _parts(ix: PrefixIndex, payload: bytes) -> Sequence[bytes]:
     """`payload` as the subscriber takes it: a batch of more than its apply_blocks in parts, in order."""
     return ix.split_payload(payload, APPLY_BLOCKS) or (payload,)
+
+
+def _apply_as_served(ix: PrefixIndex, pods: list[str], order: list[tuple[int, bytes]], hold, after=None) -> None:
+    """Apply `order` (engine, payload) as kvgate's ingest thread does, every call one hold of its index
+    lock made through `hold(call)`: each engine's next _RUN_BATCHES batches in turn (one socket drained,
+    then the next), in runs (apply_run: at most _RUN_BATCHES batches, apply_chunk events, apply_blocks
+    blocks a call), a batch a run stops before in parts of at most apply_blocks blocks (split_payload),
+    one call each. `after(batches applied)` between two holds."""
+    streams: dict[int, list[tuple[int, bytes]]] = {}
+    for e, payload in order:
+        msgs = streams.setdefault(e, [])
+        msgs.append((len(msgs) + 1, payload))
+    counts = array("q", bytes(8 * (len(_PROC_BOUNDS_D) + 1)))
+    done = 0
+    for start in range(0, max(map(len, streams.values()), default=0), _RUN_BATCHES):
+        for e, msgs in streams.items():
+            burst, j = msgs[start:start + _RUN_BATCHES], 0
+            while j < len(burst):
+                run = hold(lambda: ix.apply_run(pods[e], MODEL, 0, burst, j, burst[j][0], _RUN_BATCHES, APPLY_CHUNK,
+                                                _PROC_BOUNDS_D, counts, APPLY_BLOCKS))
+                if run.error is not None:
+                    raise run.error
+                if not run.batches:  # the batch the run stopped before: alone, in parts
+                    for part in _parts(ix, burst[j][1]):
+                        hold(lambda: _apply(ix, pods[e], part))
+                j += run.batches or 1
+                done += run.batches or 1
+                if after is not None:
+                    after(done)
 
 
 def _churn_order(n_blocks: int, seed: int) -> tuple[list[tuple[int, bytes]], int]:
@@ -469,12 +508,13 @@ def _loop_lag(ix: PrefixIndex, pods: list[str], order: list[tuple[int, bytes]], 
     shared = LockedIndex(ix, lock, on_busy=lambda: busy.__setitem__(0, busy[0] + 1))
     failed: list[BaseException] = []
 
+    def locked(call):
+        with lock:
+            return call()
+
     def ingest(done: threading.Event) -> None:
         try:
-            for e, payload in order:
-                for part in _parts(ix, payload):
-                    with lock:
-                        _apply(ix, pods[e], part)
+            _apply_as_served(ix, pods, order, locked)
         except BaseException as exc:  # noqa: BLE001 - re-raised on this thread
             failed.append(exc)
         finally:

@@ -2225,10 +2225,9 @@ done:
     return out;
 }
 
-/* maintain(): evict down to the bound, then a bounded step of the background passes (dead slots'
- * marks, stamp ages, engine hashes nobody's key uses). Call after every batch. */
-static int maintain(Core *c) {
-    if (evict(c) < 0) return -1;
+/* A bounded step of the background passes (dead slots' marks, stamp ages, engine hashes nobody's
+ * key uses): once per hold of the caller's lock, since its budgets are per call. */
+static void passes(Core *c) {
     Py_ssize_t cap = total_cap(c);
     Py_ssize_t budget = c->n_dead ? PASS_BUDGET
                                   : (Py_ssize_t)(((uint64_t)(uint32_t)(c->tick - c->maint_tick) * (uint64_t)cap) >> 22) + 16;
@@ -2245,6 +2244,12 @@ static int maintain(Core *c) {
         }
     }
     if (c->h_active) orphan_step(c, ORPHAN_BUDGET);
+}
+
+/* maintain(): evict down to the bound, then a step of the passes. Call after every batch. */
+static int maintain(Core *c) {
+    if (evict(c) < 0) return -1;
+    passes(c);
     return 0;
 }
 
@@ -2288,20 +2293,48 @@ static inline double now_s(void) {
     return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
 }
 
+/* The blocks a batch of one event in vLLM's array envelope ([ts, [event], ...]) stores or removes,
+ * read off the event's headers (an array event's, or a map event's up to its block_hashes: vLLM
+ * writes it second); -1 in another shape (the caller then learns the count once the batch is
+ * applied). Nothing is validated: the apply that follows does. */
+static Py_ssize_t peek_blocks(const char *data, Py_ssize_t len) {
+    Reader r = {(const uint8_t *)data, (const uint8_t *)data + len};
+    uint32_t n, fields;
+    uint64_t v;
+    const char *s;
+    if (rd_array(&r, &n) || n < 2 || (rd_float(&r) && rd_int(&r, &v)) || rd_array(&r, &n) || n != 1) return -1;
+    if (!need(&r, 1) && ((*r.p & 0xf0) == 0x80 || *r.p == 0xde || *r.p == 0xdf)) {
+        if (rd_map(&r, &fields)) return -1;
+        for (uint32_t i = 0; i < fields; i++) {
+            if (rd_str(&r, &s, &n)) return -1;
+            if (str_is(s, n, "block_hashes")) return rd_array(&r, &n) ? -1 : (Py_ssize_t)n;
+            if (skip(&r, 0)) return -1;
+        }
+        return -1;
+    }
+    if (rd_array(&r, &fields) || fields < 2 || rd_str(&r, &s, &n)) return -1;
+    if (!str_is(s, n, "BlockStored") && !str_is(s, n, "BlockRemoved")) return -1;
+    return rd_array(&r, &n) ? -1 : (Py_ssize_t)n;
+}
+
 /* apply_run(messages, start, seq, model, slot, root, block_size, media, roots, max_batches, max_events,
- *           bounds, counts)
+ *           bounds, counts, max_blocks=0)
  *   -> (batches, stored events, removed events, unknown-parent blocks, unknown removed blocks, seconds,
  *       error | None)
  * A subscriber's live batches without a Python call each: applies messages[start:] (a list of
- * (seq, payload) pairs, kvcache/zmtp.py's) one by one, each as scan_batch + apply_batch + maintain
- * would, while the next one is the pair of seq `seq` + the batches applied so far and in the fast
- * path's shape with nothing for Python to add: its stores in a medium of `media` (name -> id) and
- * of `block_size`, their LoRA keys in `roots` (removals in another medium go to medium -1, as
- * apply_payload does). Stops before the first other message, after max_batches batches (at least
- * one) or once max_events events are applied. Each batch's decode-and-apply time (s) is counted
- * into counts (int64 buffer, len(bounds) + 1) at bisect_left(bounds (doubles), time). A batch that
- * fails (no memory while applying) ends the run: `error` is its exception, the batch is not counted
- * in `batches`, and what it changed stays (as with apply_batch). */
+ * (seq, payload) pairs, kvcache/zmtp.py's) one by one, each as scan_batch + apply_batch + evict
+ * would (the background passes once, after the last), while the next one is the pair of seq `seq`
+ * + the batches applied so far and in the fast path's shape with nothing for Python to add: its
+ * stores in a medium of `media` (name -> id) and of `block_size`, their LoRA keys in `roots`
+ * (removals in another medium go to medium -1, as apply_payload does). Stops before the first
+ * other message, after max_batches batches (at least one), once max_events events are applied, and
+ * (max_blocks > 0) before a batch of several events holding more than max_blocks blocks (the caller
+ * splits it) or one that would take the blocks stored and removed in this call past max_blocks:
+ * one call is one hold of the caller's lock, and this bounds it (a one-event batch outside vLLM's
+ * array envelope is counted once applied). Each batch's decode-and-apply time (s) is counted into
+ * counts (int64 buffer, len(bounds) + 1) at bisect_left(bounds (doubles), time). A batch that fails
+ * (no memory while applying) ends the run: `error` is its exception, the batch is not counted in
+ * `batches`, and what it changed stays (as with apply_batch). */
 static PyObject *core_apply_run(Core *c, PyObject *args) {
     CORE_ENTER(c);
     PyObject *msgs, *media, *roots;
@@ -2325,7 +2358,9 @@ static PyObject *core_apply_run(Core *c, PyObject *args) {
     int64_t *count = counts.buf;
     Py_ssize_t n = 0, events = 0, stored = 0, removed = 0, unknown_parent = 0, unknown_removed = 0;
     double seconds = 0.0, t = now_s();
-    for (Py_ssize_t i = start; i < PyList_GET_SIZE(msgs) && n < max_batches && (n == 0 || events < max_events); i++) {
+    Py_ssize_t blocks = 0; /* stored and removed in this call: max_blocks bounds them (a hold of the lock) */
+    for (Py_ssize_t i = start; i < PyList_GET_SIZE(msgs) && n < max_batches
+                               && (n == 0 || (events < max_events && (max_blocks <= 0 || blocks < max_blocks))); i++) {
         PyObject *item = PyList_GET_ITEM(msgs, i);
         if (!PyTuple_CheckExact(item) || PyTuple_GET_SIZE(item) != 2) break;
         PyObject *so = PyTuple_GET_ITEM(item, 0), *payload = PyTuple_GET_ITEM(item, 1);
@@ -2338,6 +2373,10 @@ static PyObject *core_apply_run(Core *c, PyObject *args) {
         if (s != seq + (unsigned long long)n) break;
         const char *data = PyBytes_AS_STRING(payload);
         Py_ssize_t len = PyBytes_GET_SIZE(payload);
+        if (n && max_blocks > 0) { /* a batch that would take this call past max_blocks waits for the next */
+            Py_ssize_t more = peek_blocks(data, len);
+            if (more > 0 && blocks + more > max_blocks) break;
+        }
         /* A batch of one event (vLLM's common case) in one pass: checked and applied as it is read. */
         Batch a;
         memset(&a, 0, sizeof a);
@@ -2373,6 +2412,7 @@ static PyObject *core_apply_run(Core *c, PyObject *args) {
             }
             if (b.stored_events && (mid < 0 || b.block_size != block_size)) break; /* Python learns them first */
             if (max_blocks > 0 && b.stored_blocks + b.removed_blocks > max_blocks) break; /* split, one hold a part */
+            if (n && max_blocks > 0 && blocks + b.stored_blocks + b.removed_blocks > max_blocks) break; /* next call */
             if (mid < -1 || mid >= c->n_media || arg_medium(c, (int)mid, 1)) {
                 if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "apply_run: bad medium id");
                 error = fetch_error();
@@ -2392,7 +2432,7 @@ static PyObject *core_apply_run(Core *c, PyObject *args) {
                 break;
             }
         }
-        if (maintain(c)) {
+        if (evict(c) < 0) { /* to the bound after every batch, as apply_payload does */
             error = fetch_error();
             break;
         }
@@ -2400,6 +2440,7 @@ static PyObject *core_apply_run(Core *c, PyObject *args) {
         stored += b.stored_events;
         removed += b.removed_events;
         events += b.stored_events + b.removed_events;
+        blocks += b.stored_blocks + b.removed_blocks;
         unknown_parent += a.unknown_parent;
         unknown_removed += a.unknown_removed;
         double t1 = now_s(), dt = t1 - t;
@@ -2413,6 +2454,10 @@ static PyObject *core_apply_run(Core *c, PyObject *args) {
         count[lo]++;
         seconds += dt;
     }
+    /* The background passes once per call, not per batch: their budgets are per hold of the lock,
+     * and a run of small batches would multiply them. */
+    if (n) passes(c);
+    seconds += now_s() - t;
     out = Py_BuildValue("nnnnndO", n, stored, removed, unknown_parent, unknown_removed, seconds,
                         error ? error : Py_None);
 done:

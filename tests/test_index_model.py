@@ -400,3 +400,45 @@ def test_runs_of_raw_batches_equal_brute_force_model(seed, shape):
     in_runs, single = done
     assert sum(counts) == in_runs
     assert in_runs > 2 * single if shape == "one-medium" else in_runs > 0 and single > 0, (in_runs, single)
+
+
+@pytest.mark.parametrize("generation", ["0.23", "0.33"])
+def test_a_run_stops_before_a_batch_that_would_take_it_past_max_blocks(generation):
+    """apply_run is one hold of the subscriber's lock: with max_blocks it applies at most that many
+    blocks per call (whole batches, at least one), whatever max_batches and max_events allow; one-event
+    batches (counted from their headers) and several-event ones alike. The index ends as if each batch
+    were applied alone."""
+    from array import array
+
+    from kvcache.events import EventBatch
+    from kvcache.wire import encode_batch
+
+    def stored(first: int, n: int) -> BlockStored:
+        return BlockStored(tuple(range(first, first + n)), first - 1 if first > 1 else None,
+                           tuple(range(2 * first, 2 * first + 2 * n)), 2, None, "GPU", None)
+
+    sizes = [[1], [10], [10], [10], [4, 4], [20], [3], [3, 3, 3], [40], [1], [1]]  # events' blocks, batch by batch
+    messages, first = [], 1
+    for seq, batch in enumerate(sizes, start=7):
+        events = []
+        for n in batch:
+            events.append(stored(first, n))
+            first += n
+        messages.append((seq, encode_batch(EventBatch(1.0, tuple(events), 0), generation)))
+    ix, ref = PrefixIndex(max_entries=10**6), PrefixIndex(max_entries=10**6)
+    for seq, payload in messages:
+        assert ref.apply_payload("p", "m", 0, payload) is not None
+    counts = array("q", bytes(8 * 3))
+    assert ix.apply_payload("p", "m", 0, messages[0][1]) is not None  # the first teaches the index the medium
+    runs, i = [], 1
+    while i < len(messages):
+        r = ix.apply_run("p", "m", 0, messages, i, messages[i][0], 64, 512, array("d", (1e-5, 1e-3)), counts,
+                         max_blocks=25)
+        assert r.error is None and r.batches >= 1
+        runs.append([sum(b) for b in sizes[i:i + r.batches]])
+        i += r.batches
+    # 10+10 (a third 10 would pass 25), 10+8 (20 would), 20+3 (9 would), 9, 40 alone (a batch is never cut), 1+1
+    assert runs == [[10, 10], [10, 8], [20, 3], [9], [40], [1, 1]], runs
+    tokens = list(range(2, 2 * first))
+    assert ix.match("m", None, tokens, ["p"])["p"].blocks == ref.match("m", None, tokens, ["p"])["p"].blocks == first - 1
+    assert ix.stats()["entries"] == ref.stats()["entries"] == first - 1
