@@ -21,7 +21,9 @@
   thread applies them, one call per hold of its index lock (see _apply_as_served: runs of up to 64
   batches and the subscriber's apply_blocks blocks, a larger batch in parts), so every call also
   evicts; stats() and a match every 200 batches, and one rank dropped and one pod removed along
-  the way. `churn_longest_stall_ms` is the longest single call of any of them: how long the event
+  the way; then one 4,096-block prefill in one event, cut into parts as kvgate serve cuts it
+  (`churn_long_event_*`: its parts, all of them in ms, and a second one applied whole in one call, for
+  reference). `churn_longest_stall_ms` is the longest single call of any of them: how long the event
   loop can be held by the index (GC off while timing); `_cpu_ms` the same in this thread's CPU time
   (on a shared machine the wall clock also counts preemption).
   `churn_loop_lag_*_ms`: as many blocks more (streams of their own), applied on a thread of its own
@@ -404,6 +406,7 @@ def bench_churn(entries: int, n_blocks: int, seed: int) -> dict:
         c0 = time.process_time()
         _apply_as_served(ix, pods, order, hold, after)
         cpu = time.process_time() - c0
+        long_event = _long_event(ix, pods[0], rng, hold)
     finally:
         gc.enable()
     lag = _loop_lag(ix, pods, _churn_order(n_blocks, seed + 1)[0], prompts)
@@ -425,6 +428,7 @@ def bench_churn(entries: int, n_blocks: int, seed: int) -> dict:
         "churn_apply_p99_us": srt[int(len(srt) * 0.99)] * 1e6,
         "churn_apply_p999_us": srt[int(len(srt) * 0.999)] * 1e6,
     }
+    out.update(long_event)
     out.update({f"churn_longest_{k}_ms": v * 1e3 for k, v in longest.items()})
     out.update({f"churn_longest_{k}_cpu_ms": v * 1e3 for k, v in longest_cpu.items()})
     out["churn_longest_stall_ms"] = max(longest.values()) * 1e3
@@ -487,6 +491,28 @@ def _churn_order(n_blocks: int, seed: int) -> tuple[list[tuple[int, bytes]], int
         streams.append([encode_batch(b, "0.33") for b in batches])
         blocks += total
     return [(e, s[i]) for i in range(max(map(len, streams))) for e, s in enumerate(streams) if i < len(s)], blocks
+
+
+def _long_event(ix: PrefixIndex, pod: str, rng: random.Random, hold, blocks: int = 4096) -> dict:
+    """One prefill of `blocks` blocks in one event (a 64k-token prompt in one step: vLLM's chunked
+    prefill with a large --max-num-batched-tokens), at the bound, as kvgate serve applies it: cut into
+    parts of apply_blocks, one hold each through `hold` (so its parts count in the longest call); and,
+    for reference, a second such event applied whole (one call, what a hold was before the cut)."""
+    from kvcache.wire import encode_batch
+
+    payloads = []
+    for _ in range(2):
+        event, _last = _stored(None, _tokens(rng, blocks * BLOCK))
+        payloads.append(encode_batch(EventBatch(time.time(), (event,), 0), "0.33"))
+    parts = _parts(ix, payloads[0])
+    w = time.perf_counter()
+    for part in parts:
+        hold(lambda: _apply(ix, pod, part))
+    served = time.perf_counter() - w
+    w = time.perf_counter()
+    _apply(ix, pod, payloads[1])
+    return {"churn_long_event_blocks": blocks, "churn_long_event_parts": len(parts),
+            "churn_long_event_ms": served * 1e3, "churn_long_event_whole_ms": (time.perf_counter() - w) * 1e3}
 
 
 def _loop_lag(ix: PrefixIndex, pods: list[str], order: list[tuple[int, bytes]], prompts: list) -> dict:

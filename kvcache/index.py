@@ -186,9 +186,11 @@ class PrefixIndex:
         return _applied(BatchApplied, (stored_events, removed_events))
 
     def split_payload(self, payload: bytes, max_blocks: int) -> list[bytes] | None:
-        """`payload` (a batch apply_payload takes) cut between events into batches of at most `max_blocks`
-        blocks stored and removed (an event is never cut), to apply in order, one at a time; None when it
-        is within the bound or not in apply_payload's shape (apply it whole)."""
+        """`payload` (a batch apply_payload takes) cut into batches of at most `max_blocks` blocks stored
+        and removed, to apply in order, one at a time: between events, and an event of more blocks into
+        pieces (a store's blocks and their tokens, each piece chained to the block before it; one with
+        extra_keys or lookahead tokens stays whole, a part of its own). None when it is within the bound
+        or not in apply_payload's shape (apply it whole)."""
         if len(payload) <= max_blocks:  # a block takes a byte at least (a small int hash): within the bound
             return None
         return native.split_batch(payload, max_blocks)

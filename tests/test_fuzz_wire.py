@@ -24,6 +24,8 @@ from kvcache.subscriber import EndpointSpec, SubscriberManager, SubscriberOption
 from kvcache.wire import GENERATIONS, WireError, decode_batch, encode_batch
 from plugin.stack import free_port
 
+from eventcut import merged
+
 TOTAL = 100_000
 SEED = 20261129
 
@@ -308,7 +310,8 @@ def test_native_runs_agree_with_batch_by_batch_on_mutated_payloads():
 
 def test_split_batch_cuts_only_what_the_decoder_reads_the_same_on_20k_mutated_payloads():
     """split_batch on mangled bytes: declines, or gives parts the native path takes whose events, in
-    order, are the ones the decoder reads from the whole (same timestamp and rank in each part)."""
+    order (a cut event's pieces joined back), are the ones the decoder reads from the whole (same
+    timestamp and rank in each part)."""
     from kvcache.native import native as _native
 
     rng = random.Random(SEED + 3)
@@ -324,7 +327,7 @@ def test_split_batch_cuts_only_what_the_decoder_reads_the_same_on_20k_mutated_pa
         taken["split"] += 1
         whole = decode_batch(payload).batch  # never splits what the decoder rejects
         decoded = [decode_batch(p).batch for p in parts]
-        assert [e for d in decoded for e in d.events] == list(whole.events), payload
+        assert merged([e for d in decoded for e in d.events]) == merged(whole.events), payload
         same = {(repr(d.ts), d.data_parallel_rank) for d in decoded}  # repr: a NaN timestamp is one too
         assert same == {(repr(whole.ts), whole.data_parallel_rank)}
         assert all(_native.scan_batch(p) is not None for p in parts)

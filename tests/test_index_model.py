@@ -405,12 +405,14 @@ def test_runs_of_raw_batches_equal_brute_force_model(seed, shape):
 @pytest.mark.parametrize("generation", ["0.23", "0.33"])
 def test_a_run_stops_before_a_batch_that_would_take_it_past_max_blocks(generation):
     """apply_run is one hold of the subscriber's lock: with max_blocks it applies at most that many
-    blocks per call (whole batches, at least one), whatever max_batches and max_events allow; one-event
-    batches (counted from their headers) and several-event ones alike. The index ends as if each batch
-    were applied alone."""
+    blocks per call (whole batches), whatever max_batches and max_events allow; one-event batches
+    (counted from their headers) and several-event ones alike. A batch of more blocks stops it even
+    first: the subscriber cuts it (split_payload) and applies the parts one by one. The index ends as if
+    each batch were applied alone."""
     from array import array
 
     from kvcache.events import EventBatch
+    from kvcache.native import native
     from kvcache.wire import encode_batch
 
     def stored(first: int, n: int) -> BlockStored:
@@ -434,11 +436,18 @@ def test_a_run_stops_before_a_batch_that_would_take_it_past_max_blocks(generatio
     while i < len(messages):
         r = ix.apply_run("p", "m", 0, messages, i, messages[i][0], 64, 512, array("d", (1e-5, 1e-3)), counts,
                          max_blocks=25)
-        assert r.error is None and r.batches >= 1
-        runs.append([sum(b) for b in sizes[i:i + r.batches]])
-        i += r.batches
-    # 10+10 (a third 10 would pass 25), 10+8 (20 would), 20+3 (9 would), 9, 40 alone (a batch is never cut), 1+1
-    assert runs == [[10, 10], [10, 8], [20, 3], [9], [40], [1, 1]], runs
+        assert r.error is None
+        if r.batches:
+            runs.append([sum(b) for b in sizes[i:i + r.batches]])
+            i += r.batches
+            continue
+        parts = ix.split_payload(messages[i][1], 25)
+        runs.append(("parts", [sum(native.scan_batch(p)[1:4:2]) for p in parts]))
+        for p in parts:
+            assert ix.apply_payload("p", "m", 0, p) is not None
+        i += 1
+    # 10+10 (a third 10 would pass 25), 10+8 (20 would), 20+3 (9 would), 9, 40 in parts (25 + 15), 1+1
+    assert runs == [[10, 10], [10, 8], [20, 3], [9], ("parts", [25, 15]), [1, 1]], runs
     tokens = list(range(2, 2 * first))
     assert ix.match("m", None, tokens, ["p"])["p"].blocks == ref.match("m", None, tokens, ["p"])["p"].blocks == first - 1
     assert ix.stats()["entries"] == ref.stats()["entries"] == first - 1
