@@ -2503,9 +2503,9 @@ static Py_ssize_t peek_blocks(const char *data, Py_ssize_t len) {
  * + the batches applied so far and in the fast path's shape with nothing for Python to add: its
  * stores in a medium of `media` (name -> id) and of `block_size`, their LoRA keys in `roots`
  * (removals in another medium go to medium -1, as apply_payload does). Stops before the first
- * other message, after max_batches batches (at least one), once max_events events are applied, and
- * (max_blocks > 0) before a batch holding more than max_blocks blocks (the caller splits it) or one
- * that would take the blocks stored and removed in this call past max_blocks:
+ * other message, after max_batches batches, once max_events events are applied, and (max_blocks
+ * > 0) before a batch holding more than max_blocks blocks, even the first (the caller cuts it,
+ * split_batch), or one that would take the blocks stored and removed in this call past max_blocks:
  * one call is one hold of the caller's lock, and this bounds it (a one-event batch outside vLLM's
  * array envelope is counted once applied). Each batch's decode-and-apply time (s) is counted into
  * counts (int64 buffer, len(bounds) + 1) at bisect_left(bounds (doubles), time). A batch that fails

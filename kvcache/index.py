@@ -202,11 +202,10 @@ class PrefixIndex:
         nothing new to learn (a new medium, block size or LoRA adapter): each as apply_payload would (the
         background passes once, after the last), in one native call (kvcache/_native.c apply_run). Stops
         before any other message (the caller takes it the usual way), after `max_batches` batches or once
-        `max_events` events are applied (at least one batch), before a batch of several events holding
-        more than `max_blocks` blocks (0: no bound; the caller splits it, split_payload), and before a
-        batch that would take the blocks stored and removed in this call past `max_blocks` (one call is
-        one hold of the caller's lock: this bounds it; a one-event batch outside vLLM's array envelope
-        counts once applied). Each batch's decode-and-apply time is counted into `counts` (int64,
+        `max_events` events are applied, before a batch holding more than `max_blocks` blocks (0: no
+        bound), even the first (the caller cuts it, split_payload), and before one that would take the
+        blocks stored and removed in this call past `max_blocks` (one call is one hold of the caller's
+        lock: this bounds it; a one-event batch outside vLLM's array envelope counts once applied). Each batch's decode-and-apply time is counted into `counts` (int64,
         len(bounds) + 1) at bisect_left(bounds (doubles), seconds)."""
         slot, model_id = self._ids(pod, rank, model)
         root = self._base_root(model)

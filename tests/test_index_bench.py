@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import json
 
+import pytest
+
 from bench import index as bench_index
 
 
@@ -34,7 +36,13 @@ def test_bench_index_two_fleet_sizes_and_churn(capsys):
         assert out[f"pods{n}_fleet_pods"] == n and out[f"pods{n}_match_blocks"] == 512
         assert f"pods{n}_match_p99_us<=200" in out["targets_met"]
     assert out["churn_evicted"] > 0 and out["churn_entries"] <= 30000
-    assert 0 < out["churn_longest_apply_ms"] <= out["churn_longest_stall_ms"]
+    by_pass = out["churn_longest_stall_by_pass_ms"]
+    assert len(by_pass) == out["churn_passes"] == 3
+    assert out["churn_longest_stall_ms"] == pytest.approx(sorted(by_pass)[1], abs=1e-3)  # the median pass's
+    kinds = ("apply", "stats", "match", "drop", "remove_pod")
+    assert 0 < out["churn_longest_apply_ms"] <= out["churn_longest_stall_max_ms"] == pytest.approx(
+        max(out[f"churn_longest_{k}_ms"] for k in kinds)) == pytest.approx(max(by_pass), abs=1e-3)
+    assert 0 < out["churn_repeat_match_p50_us"] <= out["churn_repeat_match_max_ms"] * 1e3
     assert "churn_longest_stall_ms<=2" in out["targets_met"] and "churn_loop_lag_p99_ms<=2" in out["targets_met"]
     # the loop beside the ingesting thread ticked, matched through the lock, and its lags are ordered
     assert out["churn_loop_ticks"] > 0 and 0 <= out["churn_loop_busy_matches"] <= out["churn_loop_ticks"]
