@@ -562,7 +562,7 @@ def _loop_lag(ix: PrefixIndex, pods: list[str], order: list[tuple[int, bytes]], 
     """The stall as the event loop sees it: an asyncio loop on this thread asks for a 1 ms timer again
     and again, and matches through a LockedIndex at each tick, while another thread applies more of the
     churn (`order`: as many blocks, streams of their own) flat out (a burst, the worst case: `kvgate
-    serve` wakes every 10 ms), a batch (or a part of a large one) per hold of an IndexLock, as kvgate's
+    serve` wakes every 25 ms), a batch (or a part of a large one) per hold of an IndexLock, as kvgate's
     ingest thread does, inside its GilHandOver; the heap settled as `kvgate serve` settles it. A
     timer's lag is how late it fired. The baseline (`churn_loop_baseline_*`): the same loop as long beside
     a thread running plain Python (no index), also inside a GilHandOver: what the GIL's hand-over, epoll's

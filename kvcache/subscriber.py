@@ -27,12 +27,16 @@ send queue), and the other endpoints go on.
 Measured (kvgate bench ingest, 3 engines x 333 one-block batches/s, loaded 2-core VM, CPU per
 batch): on asyncio with zmq.asyncio 160-180 us; on a thread with libzmq SUB sockets 68-78 us
 (libzmq's I/O thread 19-23, woken per message; zmq_poll, recv and getsockopt per frame); read
-here, 36-39 us; with runs and one wake-up per `coalesce` (10 ms) even when timers are due,
+here, 36-39 us; with runs and one wake-up per `coalesce` (then 10 ms) even when timers are due,
 21-24 us (main's code 31-35 in the same interleaved runs). Where a wake-up's ~200 us go (perf,
 thread-local timers): the sleep's context switch ~40, epoll ~5-20, recv ~15-18 per engine (half of
 it sending the TCP ACK through loopback), Python ~100 (loop, read, sequencing, bookkeeping: cold
 caches make each step several times its warm cost), C decode-and-apply ~2.5 per batch (1.3
 warm). So it is mostly per wake-up: with KVGATE_KV_EVENTS_COALESCE_S=0.02, 14-17 us per batch.
+The default is 25 ms: `kvgate bench ingest --coalesce C`, twice each, alternated: 0.01 25.0 / 26.0 us
+per batch, 0.025 13.0 / 14.0, 0.05 3.9 / 5.9. The index's answers lag by that much more at most, which
+`kvgate bench routing` shows costs nothing: kv-sync with every batch 50 ms late routes as well as
+without (W1 hit rate 0.9175 both, W2 0.8762 against 0.8756).
 """
 from __future__ import annotations
 
@@ -268,7 +272,7 @@ class SubscriberOptions:
     apply_chunk: int = 512  # events per sink.apply call (the lock is released between two)
     apply_blocks: int = 128  # blocks one hold of the lock applies at most (a batch of more in parts, sink.split_payload)
     tick_budget: float = 0.002  # s of one endpoint's live batches before the other endpoints' turn
-    coalesce: float = 0.01  # s between two wake-ups of the ingest thread while batches keep coming
+    coalesce: float = 0.025  # s between two wake-ups of the ingest thread while batches keep coming
 
     def __post_init__(self) -> None:
         for name in ("replay_timeout", "reconnect_initial", "reconnect_max", "tick_budget"):

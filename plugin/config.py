@@ -214,7 +214,7 @@ VARIABLES: tuple[Variable, ...] = (
              "Most batches a replay answer queues (live batches wait in the connection's socket buffer)."),
     Variable("KVGATE_KV_EVENTS_TICK_BUDGET_S", "kv_events_tick_budget_s", _positive_float, 0.002,
              "Time the KV event ingest thread spends on one engine's queued batches before the other engines' turn."),
-    Variable("KVGATE_KV_EVENTS_COALESCE_S", "kv_events_coalesce_s", _float_range(0.0, 0.1), 0.01,
+    Variable("KVGATE_KV_EVENTS_COALESCE_S", "kv_events_coalesce_s", _float_range(0.0, 0.1), 0.025,
              "While KV event batches keep coming, the ingest thread wakes this often and takes every batch queued "
              "meanwhile: the index lags by at most this long; a longer interval costs less CPU per batch."),
     Variable("KVGATE_DRAIN_DELAY_S", "drain_delay_s", _float_min(0.0), 3.0,
@@ -311,7 +311,7 @@ class Settings:
     kv_events_heartbeat_timeout_s: float = 15.0
     kv_events_rcv_hwm: int = 10_000
     kv_events_tick_budget_s: float = 0.002
-    kv_events_coalesce_s: float = 0.01
+    kv_events_coalesce_s: float = 0.025
     drain_delay_s: float = 3.0
     drain_timeout_s: float = 25.0
     observe_responses: bool = True
