@@ -246,7 +246,7 @@ static PyObject *py_chain_keys(PyObject *Py_UNUSED(self), PyObject *args) {
 #define AGE_CLAMP (UINT32_C(1) << 30)
 #define EXACT_KEYS 65536                /* up to this many keys the eviction threshold is exact */
 #define SAMPLES 4096
-#define PASS_BUDGET 32768               /* key positions one maintenance call sweeps while dead slots wait */
+#define PASS_BUDGET 8192                /* key positions one maintenance call sweeps while dead slots wait */
 #define ORPHAN_BUDGET 2048              /* engine-hash positions one call sweeps (each a probe: a cache miss) */
 
 typedef struct { uint64_t key, hold; } KSlot;
