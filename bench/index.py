@@ -395,8 +395,7 @@ def bench_churn(entries: int, n_blocks: int, seed: int) -> dict:
             _apply_as_served(ix, pods, order, *_churn_hooks(ix, pods, prompts, order, p, longest, longest_cpu, applies))
             cpu += time.process_time() - c0
             batches, blocks = batches + len(order), blocks + n
-        long_event = _long_event(ix, pods[0], rng, _churn_hooks(ix, pods, prompts, [], 0, longest, longest_cpu,
-                                                                  applies)[0])
+        long_event = _long_event(ix, pods[0], rng, _timed_hold(_timer(longest, longest_cpu), applies))  # last pass's
         repeat = _repeat_match(ix, pods, prompts[0])
     finally:
         gc.enable()
@@ -436,26 +435,35 @@ def bench_churn(entries: int, n_blocks: int, seed: int) -> dict:
     return out
 
 
+def _timer(longest: dict, longest_cpu: dict):
+    """timed(kind, call) -> (call's result, its wall seconds), the longest of each kind kept in wall
+    and in this thread's CPU time."""
+    def timed(name: str, call):
+        w, c = time.perf_counter(), time.thread_time()
+        got = call()
+        wall = time.perf_counter() - w
+        longest_cpu[name] = max(longest_cpu[name], time.thread_time() - c)
+        longest[name] = max(longest[name], wall)
+        return got, wall
+    return timed
+
+
+def _timed_hold(timed, applies: list[float]):
+    """hold(call) for _apply_as_served: one hold of the index lock in kvgate serve, one call, timed as
+    an apply and into `applies`."""
+    def hold(call):
+        got, wall = timed("apply", call)
+        applies.append(wall)
+        return got
+    return hold
+
+
 def _churn_hooks(ix: PrefixIndex, pods: list[str], prompts: list, order: list, p: int, longest: dict,
                  longest_cpu: dict, applies: list[float]):
     """(hold, after) for _apply_as_served in churn pass `p`: every hold timed into `applies` and the
     pass's longest apply; stats() and a match every 200 batches; a third of the way one engine's rank
     dropped (it restarted), two thirds a pod removed (it left discovery), other pods in each pass."""
-    def timed(name: str, call) -> None:
-        w, c = time.perf_counter(), time.thread_time()
-        call()
-        longest_cpu[name] = max(longest_cpu[name], time.thread_time() - c)
-        longest[name] = max(longest[name], time.perf_counter() - w)
-
-    def hold(call):  # one hold of the index lock in kvgate serve: one call
-        w, c = time.perf_counter(), time.thread_time()
-        got = call()
-        wall, cpu = time.perf_counter() - w, time.thread_time() - c
-        longest_cpu["apply"] = max(longest_cpu["apply"], cpu)
-        longest["apply"] = max(longest["apply"], wall)
-        applies.append(wall)
-        return got
-
+    timed = _timer(longest, longest_cpu)
     done = [0]
 
     def after(batches: int) -> None:  # batches applied so far
@@ -467,7 +475,7 @@ def _churn_hooks(ix: PrefixIndex, pods: list[str], prompts: list, order: list, p
             timed("drop", lambda: ix.drop(pods[20 + 2 * p], 0))
         if before < 2 * len(order) // 3 <= batches:
             timed("remove_pod", lambda: ix.remove_pod(pods[21 + 2 * p]))
-    return hold, after
+    return _timed_hold(timed, applies), after
 
 
 def _repeat_match(ix: PrefixIndex, pods: list[str], prompt, n: int = 4000) -> dict:
@@ -519,8 +527,9 @@ def _apply_as_served(ix: PrefixIndex, pods: list[str], order: list[tuple[int, by
                 if not run.batches:  # the batch the run stopped before: alone, in parts
                     for part in _parts(ix, burst[j][1]):
                         hold(lambda: _apply(ix, pods[e], part))
-                j += run.batches or 1
-                done += run.batches or 1
+                taken = run.batches or 1
+                j += taken
+                done += taken
                 if after is not None:
                     after(done)
 
@@ -564,8 +573,8 @@ def _loop_lag(ix: PrefixIndex, pods: list[str], order: list[tuple[int, bytes]], 
     """The stall as the event loop sees it: an asyncio loop on this thread asks for a 1 ms timer again
     and again, and matches through a LockedIndex at each tick, while another thread applies more of the
     churn (`order`: as many blocks, streams of their own) flat out (a burst, the worst case: `kvgate
-    serve` wakes every 25 ms), a batch (or a part of a large one) per hold of an IndexLock, as kvgate's
-    ingest thread does, inside its GilHandOver; the heap settled as `kvgate serve` settles it. A
+    serve` wakes every 25 ms), one hold of an IndexLock per call as _apply_as_served makes them, as
+    kvgate's ingest thread does, inside its GilHandOver; the heap settled as `kvgate serve` settles it. A
     timer's lag is how late it fired. The baseline (`churn_loop_baseline_*`): the same loop as long beside
     a thread running plain Python (no index), also inside a GilHandOver: what the GIL's hand-over, epoll's
     1 ms timeout granularity and this machine's scheduling cost any loop."""

@@ -1109,6 +1109,13 @@ static inline int is_nil(Reader *r) {
     return 0;
 }
 
+/* The next value is a map (fixmap, map 16 or map 32); nothing read. */
+static inline int at_map(const Reader *r) {
+    if (r->p >= r->end) return 0;
+    uint8_t b = *r->p;
+    return (b & 0xf0) == 0x80 || b == 0xde || b == 0xdf;
+}
+
 /* An array or map header: fix form (high nibble `fix`) or the 16/32-bit forms m16, m16 + 1. */
 static int rd_header(Reader *r, uint32_t *n, uint8_t fix, uint8_t m16) {
     if (need(r, 1)) return -1;
@@ -1188,7 +1195,7 @@ static int skip(Reader *r, int depth) {
             if (skip(r, depth + 1)) return -1;
         return 0;
     }
-    if ((b & 0xf0) == 0x80 || b == 0xde || b == 0xdf) {
+    if (at_map(r)) {
         if (rd_map(r, &n)) return -1;
         for (uint32_t i = 0; i < 2 * n; i++)
             if (skip(r, depth + 1)) return -1;
@@ -1586,9 +1593,7 @@ static int map_event(Reader *r, Batch *b, uint32_t pairs) {
 
 static int event(Reader *r, Batch *b) {
     uint32_t n;
-    if (need(r, 1)) return -1;
-    uint8_t c = *r->p;
-    if ((c & 0xf0) == 0x80 || c == 0xde || c == 0xdf) {
+    if (at_map(r)) {
         if (rd_map(r, &n)) return -1;
         return map_event(r, b, n);
     }
@@ -1608,7 +1613,7 @@ static int envelope(const char *data, Py_ssize_t len, Reader *out) {
     Reader r = {(const uint8_t *)data, (const uint8_t *)data + len};
     Reader events = {NULL, NULL};
     uint32_t n;
-    if (!need(&r, 1) && ((*r.p & 0xf0) == 0x80 || *r.p == 0xde || *r.p == 0xdf)) {
+    if (at_map(&r)) {
         if (rd_map(&r, &n)) return -1;
         int seen = 0;
         for (uint32_t i = 0; i < n; i++) {
@@ -1788,7 +1793,7 @@ static int cut_event(const uint8_t *p, const uint8_t *end, Py_ssize_t max_blocks
     uint64_t bs = 0;
     uint32_t n, fields;
     const char *s;
-    if ((*r.p & 0xf0) == 0x80 || *r.p == 0xde || *r.p == 0xdf) {
+    if (at_map(&r)) {
         if (rd_map(&r, &fields)) return 1;
         for (uint32_t i = 0; i < fields; i++) {
             if (rd_str(&r, &s, &n)) return 1;
@@ -2479,7 +2484,7 @@ static Py_ssize_t peek_blocks(const char *data, Py_ssize_t len) {
     uint64_t v;
     const char *s;
     if (rd_array(&r, &n) || n < 2 || (rd_float(&r) && rd_int(&r, &v)) || rd_array(&r, &n) || n != 1) return -1;
-    if (!need(&r, 1) && ((*r.p & 0xf0) == 0x80 || *r.p == 0xde || *r.p == 0xdf)) {
+    if (at_map(&r)) {
         if (rd_map(&r, &fields)) return -1;
         for (uint32_t i = 0; i < fields; i++) {
             if (rd_str(&r, &s, &n)) return -1;
@@ -2549,10 +2554,9 @@ static PyObject *core_apply_run(Core *c, PyObject *args) {
         if (s != seq + (unsigned long long)n) break;
         const char *data = PyBytes_AS_STRING(payload);
         Py_ssize_t len = PyBytes_GET_SIZE(payload);
-        if (max_blocks > 0) { /* one larger than max_blocks is the caller's to cut; one that would take */
-            Py_ssize_t more = peek_blocks(data, len); /* this call past max_blocks waits for the next */
-            if (more > max_blocks || (n && more > 0 && blocks + more > max_blocks)) break;
-        }
+        /* A batch that would take this call past max_blocks waits for the next (blocks is 0 before the
+         * first batch: one larger than max_blocks alone is the caller's to cut). */
+        if (max_blocks > 0 && blocks + peek_blocks(data, len) > max_blocks) break;
         /* A batch of one event (vLLM's common case) in one pass: checked and applied as it is read. */
         Batch a;
         memset(&a, 0, sizeof a);
@@ -2587,8 +2591,7 @@ static PyObject *core_apply_run(Core *c, PyObject *args) {
                 break;
             }
             if (b.stored_events && (mid < 0 || b.block_size != block_size)) break; /* Python learns them first */
-            if (max_blocks > 0 && b.stored_blocks + b.removed_blocks > max_blocks) break; /* split, one hold a part */
-            if (n && max_blocks > 0 && blocks + b.stored_blocks + b.removed_blocks > max_blocks) break; /* next call */
+            if (max_blocks > 0 && blocks + b.stored_blocks + b.removed_blocks > max_blocks) break; /* as above */
             if (mid < -1 || mid >= c->n_media || arg_medium(c, (int)mid, 1)) {
                 if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "apply_run: bad medium id");
                 error = fetch_error();

@@ -205,8 +205,9 @@ class PrefixIndex:
         `max_events` events are applied, before a batch holding more than `max_blocks` blocks (0: no
         bound), even the first (the caller cuts it, split_payload), and before one that would take the
         blocks stored and removed in this call past `max_blocks` (one call is one hold of the caller's
-        lock: this bounds it; a one-event batch outside vLLM's array envelope counts once applied). Each batch's decode-and-apply time is counted into `counts` (int64,
-        len(bounds) + 1) at bisect_left(bounds (doubles), seconds)."""
+        lock: this bounds it; a one-event batch outside vLLM's array envelope counts once applied).
+        Each batch's decode-and-apply time is counted into `counts` (int64, len(bounds) + 1) at
+        bisect_left(bounds (doubles), seconds)."""
         slot, model_id = self._ids(pod, rank, model)
         root = self._base_root(model)
         n, stored, removed, unknown_parent, unknown_removed, seconds, error = self._core.apply_run(

@@ -270,7 +270,7 @@ class SubscriberOptions:
     heartbeat_timeout: float = 15.0  # s without traffic before the connection counts as dead
     rcv_hwm: int = 10_000  # batches a replay DEALER queues at most (live ones wait in the TCP socket buffer)
     apply_chunk: int = 512  # events per sink.apply call (the lock is released between two)
-    apply_blocks: int = 128  # blocks one hold of the lock applies at most (a batch of more in parts, sink.split_payload)
+    apply_blocks: int = 128  # blocks one hold of the lock applies at most (a larger batch: sink.split_payload)
     tick_budget: float = 0.002  # s of one endpoint's live batches before the other endpoints' turn
     coalesce: float = 0.025  # s between two wake-ups of the ingest thread while batches keep coming
 
