@@ -14,6 +14,7 @@ COPY routing routing
 COPY kvcache kvcache
 COPY tokenizer tokenizer
 COPY sim sim
+COPY devkit devkit
 COPY bench bench
 RUN pip wheel --no-cache-dir --wheel-dir /wheels .
 

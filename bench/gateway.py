@@ -40,7 +40,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from plugin.stack import Stack, StackError, find_envoy, free_port, render_envoy_config
+from devkit.stack import Stack, StackError, find_envoy, free_port, render_envoy_config
 from tokenizer import testdata
 
 MODEL = "bench-model"

@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 
 from plugin.config import Settings
-from plugin.stack import Stack, StackError, free_port
+from devkit.stack import Stack, StackError, free_port
 
 MODEL = "bench-model"
 BLOCK_SIZE = 16

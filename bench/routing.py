@@ -102,7 +102,7 @@ from bench import routing_workloads as workloads
 import numpy as np
 
 from bench.routing_sim import ORACLE, Policy, RunResult, run, ttft_floor
-from routing.strategies import StrategyConfig, parse_weights
+from routing.scheduling.strategies import StrategyConfig, parse_weights
 
 METRICS = ("hit_rate", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "ttft_mean_s", "throughput_tok_s",
            "max_over_mean_running", "repeat_miss_share", "evicted_blocks", "flushed_blocks")

@@ -82,16 +82,16 @@ from bench.routing_workloads import BLOCK_SIZE, Workload, prefix_keys
 from kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kvcache.index import PrefixIndex
 from kvcache.wire import WireError, decode_batch, encode_batch
-from routing.counts import LocalCounts
-from routing.engine_metrics import EngineLoad
+from routing.state.counts import LocalCounts
+from routing.state.engine_metrics import EngineLoad
 from routing.pods import KVEventsEndpoint, Pod
 from routing.registry import PodRegistry
 from routing.router import Router
-from routing.predictor import OutputPredictor, bucket as _predict_bucket
-from routing.profiles import EngineProfiles
-from routing.scoring import RouteRequest
-from routing.slo import Capacity
-from routing.strategies import StrategyConfig
+from routing.learning.predictor import OutputPredictor, bucket as _predict_bucket
+from routing.learning.profiles import EngineProfiles
+from routing.scheduling.scoring import RouteRequest
+from routing.scheduling.slo import Capacity
+from routing.scheduling.strategies import StrategyConfig
 from sim.engine import Completion, EngineConfig, EngineModel
 
 MODEL = "sim-model"
@@ -278,7 +278,7 @@ class _Oracle:
 
 
 class _EngineLoads:
-    """What routing.engine_metrics.EngineMetrics gives the `queue` and `kv-util` scorers, read from
+    """What routing.state.engine_metrics.EngineMetrics gives the `queue` and `kv-util` scorers, read from
     the simulated engines at pick time: a scrape without delay, the best case for those scorers.
     They score only when a strategy's weights include them (`--weights`)."""
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from plugin.stack import Stack, StackError, free_port, wait_for_port
+from devkit.stack import Stack, StackError, free_port, wait_for_port
 
 MODEL = "soak-model"
 _WORDS = ("cache block prefix token engine router request stream latency replica gateway event index memory "

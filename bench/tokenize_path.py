@@ -17,8 +17,8 @@ import time
 
 import httpx
 
-from plugin.stack import Stack, free_port
-from plugin.workload import ChatWorkload, WorkloadShape
+from devkit.stack import Stack, free_port
+from devkit.workload import ChatWorkload, WorkloadShape
 from tokenizer import testdata
 
 MODEL = "m"

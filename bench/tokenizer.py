@@ -2,7 +2,7 @@
 
 Workload: multi-turn chats sharing one system prompt; request k of a conversation
 carries its whole history. The remote side is a real HTTP server on loopback in
-its own process (tokenizer.stub_server: vLLM's /tokenize shapes, LocalTokenizer
+its own process (devkit.tokenizer_stub: vLLM's /tokenize shapes, LocalTokenizer
 inside; or, by default, the simulated engine `kvgate sim`), reached through
 RemoteTokenizer. "Cold" is no cache ("local plain": the local tokenizer without its word-cached
 encoder, tokenizer.wordcache); "cached" is
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry
 
 from tokenizer import testdata
-from tokenizer.build_testdata import corpus
+from devkit.build_testdata import corpus
 from tokenizer.cache import CachedTokenizer
 from tokenizer.local import LocalBackend, LocalTokenizer
 from tokenizer.remote import RemoteOptions, RemoteTokenizer
@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--message-lines", type=int, default=4, help="lines per user or assistant message")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--server", choices=("sim", "stub"), default="sim",
-                        help="the /tokenize server: the simulated engine (default) or tokenizer.stub_server")
+                        help="the /tokenize server: the simulated engine (default) or devkit.tokenizer_stub")
     parser.add_argument("--repeat", type=int, default=5, help="passes per path; the median pass is reported")
     parser.add_argument("--concurrency", type=int, default=16, help="requests in flight for the throughput pass")
 
@@ -112,7 +112,7 @@ def _start_server(port: int, kind: str = "stub") -> subprocess.Popen:
         cmd = [sys.executable, "-m", "plugin.cli", "sim", "--port", str(port), "--model", MODEL, "--no-kv-events",
                "--tokenizer", str(testdata.path())]
     else:
-        cmd = [sys.executable, "-m", "tokenizer.stub_server", "--port", str(port), "--model", MODEL]
+        cmd = [sys.executable, "-m", "devkit.tokenizer_stub", "--port", str(port), "--model", MODEL]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:

@@ -1,4 +1,4 @@
-"""The request path's side of admission (routing.admission): after the pick, the picked pod or, when
+"""The request path's side of admission (routing.state.admission): after the pick, the picked pod or, when
 it is full, the next of its ranked fallbacks with room; when none has room, the request waits in its
 model's queue, then gets 429 with `Retry-After`. The admitted pod is released when the stream ends."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from plugin.request import ClientError
-from routing.admission import Admission
+from routing.state.admission import Admission
 from routing.registry import PodRegistry
 from routing.router import Decision, Router
 

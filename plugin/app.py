@@ -22,22 +22,22 @@ from plugin.extproc import ExternalProcessor, Gateway, Sampler
 from plugin.http import build_http_app
 from plugin.metrics import GatewayMetrics
 from plugin.observe import Observer
-from routing.admission import Admission, LocalLimiter, RedisLimiter
-from routing.counts import LocalCounts, RedisCounts, RunningCounts, build_counts
-from routing.discovery import StaticSource
-from routing.engine_metrics import EngineMetrics, Saturation
-from routing.inferencepool import InferencePoolConfig, InferencePoolSource
-from routing.k8s import KubernetesConfig, KubernetesSource
-from routing.kube import ApiConfig
+from routing.state.admission import Admission, LocalLimiter, RedisLimiter
+from routing.state.counts import LocalCounts, RedisCounts, RunningCounts, build_counts
+from routing.discovery.static import StaticSource
+from routing.state.engine_metrics import EngineMetrics, Saturation
+from routing.discovery.inferencepool import InferencePoolConfig, InferencePoolSource
+from routing.discovery.k8s import KubernetesConfig, KubernetesSource
+from routing.discovery.kube import ApiConfig
 from routing.metrics import RoutingMetrics
 from routing.pods import Pod
 from routing.registry import PodRegistry
 from routing.router import Router
-from routing.strategies import StrategyConfig, parse_weights
-from routing.profiles import EngineProfiles
-from routing.slo import Capacity, parse_targets
-from routing.predictor import OutputPredictor, PredictorSync
-from routing.tracking import TraceWindows, TraceWriter, TrackerRegistry
+from routing.scheduling.strategies import StrategyConfig, parse_weights
+from routing.learning.profiles import EngineProfiles
+from routing.scheduling.slo import Capacity, parse_targets
+from routing.learning.predictor import OutputPredictor, PredictorSync
+from routing.learning.tracking import TraceWindows, TraceWriter, TrackerRegistry
 from tokenizer.cache import CachedTokenizer, CacheOptions
 from tokenizer.hub import HubOptions
 from tokenizer.hub import fetch as hub_fetch

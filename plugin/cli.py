@@ -12,7 +12,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("plugin.serve", "run the ext_proc server (configured by KVGATE_* variables)"),
     "sim": ("sim.cli", "run a simulated vLLM engine"),
-    "demo": ("plugin.demo", "start the whole stack on loopback and compare strategies"),
+    "demo": ("devkit.demo", "start the whole stack on loopback and compare strategies"),
     "events": ("plugin.events_cmd", "tail one engine's KV events"),
 }
 BENCHES: dict[str, tuple[str, str]] = {

@@ -10,8 +10,8 @@ import sys
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping
 
-from routing.counts import redact_url
-from routing.strategies import SCORERS, STRATEGIES, markdown_tables, parse_weights
+from routing.state.counts import redact_url
+from routing.scheduling.strategies import SCORERS, STRATEGIES, markdown_tables, parse_weights
 
 
 class ConfigError(ValueError):
@@ -93,7 +93,7 @@ def _redis_url(raw: str) -> str:
 
 
 def _slo_targets(raw: str) -> str:
-    from routing.slo import parse_targets
+    from routing.scheduling.slo import parse_targets
     parse_targets(raw, "value")
     return raw.strip()
 

@@ -41,11 +41,11 @@ from plugin.request import (CHAT, MODELS, ROUTED_POST_PATHS, ClientError, Infere
                             bad_request, parse_body)
 from routing.errors import (NoEligibleEndpointError, NoReadyPodError, RoutingError, SaturatedError,
                             UnknownModelError, UnknownStrategyError)
-from routing.admission import Admission
+from routing.state.admission import Admission
 from routing.pods import Pod
 from routing.registry import PodRegistry
 from routing.router import Decision, RouteRequest, Router
-from tokenizer.throttle import LogThrottle
+from plugin.throttle import LogThrottle
 from tokenizer.types import PromptInput, TokenizeInput, Tokenizer, TokenizerError
 
 log = logging.getLogger("kvgate.extproc")

@@ -25,7 +25,7 @@ from typing import Callable
 from prometheus_client import CollectorRegistry
 
 from plugin.metrics import LoopCounter, LoopHistogram
-from routing.tracking import TrackerRegistry
+from routing.learning.tracking import TrackerRegistry
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS = (0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)

@@ -13,7 +13,7 @@ from routing.errors import (DiscoveryError, NoReadyPodError, RoutingError, Unkno
                             UnknownStrategyError)
 from routing.pods import KVEventsEndpoint, Pod
 from routing.registry import PodRegistry
-from routing.scoring import Decision, RouteRequest
+from routing.scheduling.scoring import Decision, RouteRequest
 
 __all__ = ["DiscoveryError", "NoReadyPodError", "RoutingError", "UnknownModelError", "UnknownStrategyError",
            "KVEventsEndpoint", "Pod", "PodRegistry", "Decision", "RouteRequest"]

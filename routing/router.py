@@ -8,17 +8,17 @@ import logging
 import random
 from typing import Any, Mapping, Sequence
 
-from routing.counts import LocalCounts, RunningCounts
-from routing.engine_metrics import EngineMetrics, Saturation
+from routing.state.counts import LocalCounts, RunningCounts
+from routing.state.engine_metrics import EngineMetrics, Saturation
 from routing.errors import (NoEligibleEndpointError, NoReadyPodError, SaturatedError, UnknownModelError,
                             UnknownStrategyError)
 from routing.metrics import RoutingMetrics
 from routing.pods import Pod
 from routing.registry import PodRegistry
-from routing.scorers import PrefixSource
-from routing.scoring import Decision, PickContext, RouteRequest, Scorer, Strategy
-from routing.slo import default_capacity
-from routing.strategies import StrategyConfig, build_strategies
+from routing.scheduling.scorers import PrefixSource
+from routing.scheduling.scoring import Decision, PickContext, RouteRequest, Scorer, Strategy
+from routing.scheduling.slo import default_capacity
+from routing.scheduling.strategies import StrategyConfig, build_strategies
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from stackutil import RedisServer
+from helpers import RedisServer
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ request bodies and routing/ consumes the token ids.
 
 Modules: types (inputs, the Tokenizer protocol, TokenizerError), remote
 (RemoteTokenizer), local (LocalTokenizer, LocalBackend), segments (exact cutting
-at added tokens), cache (CachedTokenizer), throttle (LogThrottle), stub_server (a
-loopback /tokenize for tests and benchmarks), build_testdata and testdata (the
-project's small test tokenizer).
+at added tokens), wordcache (the word-cached encoder and its C scanner), cache
+(CachedTokenizer), hub (files by model name), vllm_chat (vLLM's chat rendering) and
+testdata (the project's small test tokenizer, built by devkit.build_testdata).
 """

@@ -1,4 +1,4 @@
-"""The project's small test tokenizer (built by `python -m tokenizer.build_testdata`)."""
+"""The project's small test tokenizer (built by `python -m devkit.build_testdata`)."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,0 +1,267 @@
+"""Engine profiles: per pod, how fast it prefills and how long a decode step takes with n requests
+running, learned from observed requests; optionally a deployment's profile written to Redis by an
+external optimizer (AIBrix's `ModelGPUProfile`), which takes precedence where present.
+
+Learned (a RequestTracker: fed by every completed request, its ctx an `Observation`; and from each
+scrape of the engine's own inter-token histogram, `observe_engine`):
+- prefill tokens/s: a slowly decaying maximum of uncached prompt tokens / TTFT over requests with at
+  least `min_prefill_tokens` uncached. Queueing only ever makes that ratio smaller, so the maximum
+  tracks the engine's own speed, not its queue.
+- decode step seconds = a + b * running: a least-squares line over (running requests at routing,
+  TPOT) samples with exponential forgetting (each sample's weight decays by `decay` per sample).
+- TTFT overhead seconds = c + d * running: the part of a request's TTFT that neither its queue nor its
+  own prefill explain (the engine's fixed cost per request, its scheduler, its process's load, the
+  network), the same kind of line over (running at routing, observed TTFT - predicted queue wait - own
+  prefill time). The slo scorer tells `expect` what it predicted for each request it routed; a request
+  routed without that prediction (another strategy) teaches it nothing. `ttft_error` keeps, per pod,
+  the decayed mean of observed - predicted TTFT (overhead included) and of its absolute value: how far
+  the model is off, for /debug and the demo.
+Before any sample, the configured priors answer (overhead: `ttft_overhead_s`, 0 by default).
+
+AIBrix's profile (JSON under `aibrix:profile_<model>_<deployment>`): `gpu` (the deployment), `indexes`
+([output token counts, input token counts]), `ttft` and `tpot` ([output index][input index], seconds),
+`tputs`, `e2e`, `cost`, `created`, `slos`. A request's signature is the nearest index in log2 on each
+axis (halfway between two counts goes up, as AIBrix's tolerance 0.5 does). A pod uses the profile of
+the deployment whose name, followed by `-`, starts the pod's name (Kubernetes names a deployment's pods
+`<deployment>-<hash>-<hash>`).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from routing.learning.tracking import Tracker
+
+log = logging.getLogger(__name__)
+
+PROFILE_KEY = "aibrix:profile_{model}_{deployment}"
+
+
+@dataclass
+class GPUProfile:
+    deployment: str
+    outputs: list[float]  # log2 of the index's output token counts
+    inputs: list[float]  # log2 of the input token counts
+    ttft: list[list[float]]
+    tpot: list[list[float]]
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> "GPUProfile":
+        d = json.loads(raw)
+        idx = d.get("indexes") or []
+        if len(idx) != 2 or not idx[0] or not idx[1]:
+            raise ValueError("profile: `indexes` must be [output counts, input counts], both non-empty")
+        outs = [math.log2(float(v)) for v in idx[0]]
+        ins = [math.log2(float(v)) for v in idx[1]]
+        ttft, tpot = d.get("ttft") or [], d.get("tpot") or []
+        for name, table in (("ttft", ttft), ("tpot", tpot)):
+            if len(table) != len(outs) or any(len(row) != len(ins) for row in table):
+                raise ValueError(f"profile: `{name}` must be {len(outs)} x {len(ins)}")
+        return cls(str(d.get("gpu", "")), outs, ins, [[float(v) for v in r] for r in ttft],
+                   [[float(v) for v in r] for r in tpot])
+
+    @staticmethod
+    def _nearest(axis: list[float], tokens: float) -> int:
+        v = math.log2(max(tokens, 1.0))
+        best = 0
+        for i, a in enumerate(axis):
+            if a <= v:
+                best = i
+        if best + 1 < len(axis) and v >= (axis[best] + axis[best + 1]) / 2:
+            best += 1
+        return best
+
+    def lookup(self, input_tokens: float, output_tokens: float) -> tuple[float, float]:
+        """(TTFT s, TPOT s) for a request of this shape."""
+        o, i = self._nearest(self.outputs, output_tokens), self._nearest(self.inputs, input_tokens)
+        return self.ttft[o][i], self.tpot[o][i]
+
+
+class _Line:
+    """y = a + b x, least squares with exponential forgetting."""
+
+    __slots__ = ("w", "sx", "sy", "sxx", "sxy", "decay")
+
+    def __init__(self, decay: float) -> None:
+        self.w = self.sx = self.sy = self.sxx = self.sxy = 0.0
+        self.decay = decay
+
+    def add(self, x: float, y: float) -> None:
+        d = self.decay
+        self.w = self.w * d + 1
+        self.sx = self.sx * d + x
+        self.sy = self.sy * d + y
+        self.sxx = self.sxx * d + x * x
+        self.sxy = self.sxy * d + x * y
+
+    def at(self, x: float, floor: float = 1e-6) -> float | None:
+        if self.w < 1:
+            return None
+        mx, my = self.sx / self.w, self.sy / self.w
+        var = self.sxx / self.w - mx * mx
+        if var <= 1e-9:
+            return max(floor, my)
+        b = max(0.0, (self.sxy / self.w - mx * my) / var)
+        return max(floor, my + b * (x - mx))
+
+
+class EngineProfiles(Tracker):
+    def __init__(self, *, prefill_tokens_per_s: float = 10_000.0, decode_base_s: float = 0.01,
+                 decode_per_request_s: float = 0.0005, min_prefill_tokens: int = 256,
+                 decay: float = 0.995, ttft_overhead_s: float = 0.0) -> None:
+        self.prior_rate = prefill_tokens_per_s
+        self.prior_overhead = ttft_overhead_s
+        self.prior_base, self.prior_per = decode_base_s, decode_per_request_s
+        self.min_prefill_tokens = min_prefill_tokens
+        self.decay = decay
+        self._rate: dict[str, float] = {}
+        self._decode: dict[str, _Line] = {}
+        self._gpu: dict[tuple[str, str], GPUProfile] = {}  # (model, deployment)
+        self._scrapes: dict[str, Any] = {}  # pod -> last EngineLoad seen
+        self._overhead: dict[str, _Line] = {}
+        # request id -> (pod, target, predicted queue wait + own prefill s, predicted overhead s), by `expect`
+        self._expected: dict[str, tuple[str, str, float, float]] = {}
+        self._error: dict[str, list[float]] = {}  # pod -> [weight, sum of errors, sum of |errors|] (decayed)
+
+    # --- answers ---------------------------------------------------------------------------
+    def gpu_profile(self, model: str, pod: str) -> GPUProfile | None:
+        if not self._gpu:
+            return None
+        for (m, dep), prof in self._gpu.items():
+            if m == model and pod.startswith(dep + "-"):
+                return prof
+        return None
+
+    def prefill_rate(self, pod: str, model: str = "", input_tokens: float = 0.0, output_tokens: float = 1.0) -> float:
+        prof = self.gpu_profile(model, pod) if model else None
+        if prof is not None and input_tokens > 0:
+            ttft, _ = prof.lookup(input_tokens, output_tokens)
+            if ttft > 0:
+                return input_tokens / ttft
+        return self._rate.get(pod, self.prior_rate)
+
+    def step_time(self, pod: str, running: float, model: str = "", input_tokens: float = 0.0,
+                  output_tokens: float = 1.0) -> float:
+        prof = self.gpu_profile(model, pod) if model else None
+        if prof is not None and input_tokens > 0:
+            _, tpot = prof.lookup(input_tokens, output_tokens)
+            if tpot > 0:
+                return tpot
+        line = self._decode.get(pod)
+        got = line.at(running) if line is not None else None
+        return got if got is not None else self.prior_base + self.prior_per * running
+
+    def ttft_overhead(self, pod: str, running: float) -> float:
+        """Seconds a request's first token takes beyond its queue and its own prefill, with `running`
+        requests on the pod (this one included)."""
+        line = self._overhead.get(pod)
+        got = line.at(running, floor=0.0) if line is not None else None
+        return got if got is not None else self.prior_overhead
+
+    def ttft_error(self, pod: str) -> tuple[float, float, float] | None:
+        """(mean observed - predicted TTFT s, mean |that| s, decayed sample weight), None before any."""
+        e = self._error.get(pod)
+        if e is None or e[0] <= 0:
+            return None
+        return e[1] / e[0], e[2] / e[0], e[0]
+
+    def learned(self, pod: str) -> dict[str, Any]:
+        line, over = self._decode.get(pod), self._overhead.get(pod)
+        err = self.ttft_error(pod)
+        return {"prefill_tokens_per_s": self._rate.get(pod), "samples": 0 if line is None else round(line.w, 1),
+                "ttft_overhead_ms": {n: round(self.ttft_overhead(pod, n) * 1000, 2) for n in (1, 8)},
+                "ttft_samples": 0 if over is None else round(over.w, 1),
+                "ttft_error_ms": None if err is None else {"mean": round(err[0] * 1000, 2),
+                                                          "mean_abs": round(err[1] * 1000, 2)}}
+
+    def pods(self) -> list[str]:
+        return sorted(set(self._rate) | set(self._decode) | set(self._overhead))
+
+    # --- learning ----------------------------------------------------------------------------
+    def expect(self, request_id: str, pod: str, work_s: float, overhead_s: float, target: str = "") -> None:
+        """The slo scorer routed `request_id` to `pod` (its data-parallel rank `target`, `<pod>#<rank>`, if
+        any) predicting its TTFT as `work_s` (queue wait and own prefill) + `overhead_s`; its observed TTFT
+        (`observe` with the same id, by the pod or the rank's name) teaches the pod's overhead."""
+        if not request_id:
+            return
+        if len(self._expected) > 100_000:  # requests never completed (a bug elsewhere): do not grow
+            self._expected.clear()
+        self._expected[request_id] = (pod, target or pod, work_s, overhead_s)
+
+    def observe(self, pod: str, *, uncached_tokens: int = 0, ttft: float | None = None, tpot: float | None = None,
+                running: int = 0, request_id: str = "") -> None:
+        expected = self._expected.pop(request_id, None) if request_id else None
+        if expected is not None and ttft is not None and ttft > 0 and pod in expected[:2]:
+            key, _, work, over = expected  # served where routed (not by a fallback): learned under the pod's name
+            line = self._overhead.get(key)
+            if line is None:
+                line = self._overhead[key] = _Line(self.decay)
+            line.add(float(max(running, 1)), ttft - work)
+            err = ttft - work - over
+            e = self._error.setdefault(key, [0.0, 0.0, 0.0])
+            d = self.decay
+            e[0], e[1], e[2] = e[0] * d + 1, e[1] * d + err, e[2] * d + abs(err)
+        if ttft is not None and ttft > 0 and uncached_tokens >= self.min_prefill_tokens:
+            sample = uncached_tokens / ttft
+            old = self._rate.get(pod)
+            self._rate[pod] = sample if old is None else max(sample, old * self.decay)
+        if tpot is not None and tpot > 0:
+            line = self._decode.get(pod)
+            if line is None:
+                line = self._decode[pod] = _Line(self.decay)
+            line.add(float(max(running, 1)), tpot)
+
+    def observe_engine(self, pod: str, load: Any) -> None:
+        """A fresh scrape of the pod's /metrics (routing.state.engine_metrics.EngineLoad): vLLM's own
+        inter-token histogram, its mean over the scrape interval at the batch the engine reported."""
+        prev = self._scrapes.get(pod)
+        self._scrapes[pod] = load
+        if prev is None or load.tpot is None or prev.tpot is None:
+            return
+        ds, dn = load.tpot[0] - prev.tpot[0], load.tpot[1] - prev.tpot[1]
+        if dn <= 0 or ds <= 0:  # nothing decoded meanwhile, or the engine restarted (counters reset)
+            return
+        running = max(1.0, (load.running + prev.running) / 2)
+        line = self._decode.get(pod)
+        if line is None:
+            line = self._decode[pod] = _Line(self.decay)
+        line.add(running, ds / dn)
+
+    def set_gpu_profile(self, model: str, deployment: str, profile: GPUProfile) -> None:
+        self._gpu[(model, deployment)] = profile
+
+    async def load_gpu_profiles(self, redis_client: Any) -> int:
+        """Read every `aibrix:profile_*` key: (model, deployment) from the key, checked against the value's
+        `gpu`. Returns how many loaded; a bad one is logged and skipped."""
+        found: dict[tuple[str, str], GPUProfile] = {}
+        async for raw in redis_client.scan_iter(match="aibrix:profile_*", count=1000):
+            key = raw.decode() if isinstance(raw, bytes) else raw
+            value = await redis_client.get(key)
+            if value is None:
+                continue
+            try:
+                prof = GPUProfile.from_json(value)
+            except (ValueError, TypeError, KeyError) as e:
+                log.warning("skipping GPU profile %s: %s", key, e)
+                continue
+            rest = key[len("aibrix:profile_"):]
+            if not prof.deployment or not rest.endswith("_" + prof.deployment):
+                log.warning("skipping GPU profile %s: its `gpu` %r does not end the key", key, prof.deployment)
+                continue
+            found[(rest[:-len(prof.deployment) - 1], prof.deployment)] = prof
+        self._gpu = found
+        return len(found)
+
+    # --- RequestTracker (a start: nothing) -----------------------------------------------------
+    def done_request_count(self, ctx: Any, request_id: str, model: str, term: int) -> None:
+        self._expected.pop(request_id, None)  # ended without a response to learn from
+
+    def done_request_trace(self, ctx: Any, request_id: str, model: str, input_tokens: int, output_tokens: int,
+                           term: int) -> None:
+        if ctx is None:
+            return
+        self.observe(ctx.pod, uncached_tokens=ctx.uncached_tokens, ttft=ctx.ttft, tpot=ctx.tpot,
+                     running=ctx.running_at_start, request_id=request_id)

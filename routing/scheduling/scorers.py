@@ -1,0 +1,323 @@
+"""The scorers: each gives every candidate pod 0..1, higher is better."""
+from __future__ import annotations
+
+import time
+from collections import Counter, OrderedDict
+from typing import Callable, Mapping, Protocol, Sequence
+
+from kvcache.blockkeys import block_keys
+from routing.scheduling.approx import ApproxPrefixTable
+from routing.state.engine_metrics import EngineMetrics
+from routing.pods import Pod
+from routing.scheduling.scoring import PickContext, Scorer, rendezvous
+
+
+class PrefixMatchLike(Protocol):
+    blocks: int
+    by_medium: Mapping[str, int]
+    total_blocks: int
+
+
+class PrefixSource(Protocol):
+    """What `kv-sync` needs of kvcache.index.PrefixIndex."""
+
+    def match(self, model: str, lora: str | None, token_ids: Sequence[int],
+              pods: Sequence[str]) -> Mapping[str, PrefixMatchLike]: ...
+
+    def match_ranks(self, model: str, lora: str | None, token_ids: Sequence[int],
+                    targets: Sequence[tuple[str, int]]) -> Mapping[tuple[str, int], PrefixMatchLike]: ...
+
+    def stats(self) -> dict: ...
+
+
+def _relative(values: Mapping[str, float], scale: float) -> dict[str, float]:
+    """1 for the smallest value, falling linearly with the gap; a gap of `scale` or the
+    spread (whichever is larger) gives 0, so small differences weigh little."""
+    if not values:
+        return {}
+    least = min(values.values())
+    span = max(values.values()) - least
+    if scale > span:  # max(span, scale)
+        span = scale
+    return {k: 1.0 - (v - least) / span for k, v in values.items()}
+
+
+class LoadScorer(Scorer):
+    """Fewer running requests (over every gateway, picks not yet finished included) is better."""
+
+    name = "load"
+    needs_tokens = False
+
+    def __init__(self, scale: float = 8.0) -> None:
+        self._scale = scale
+
+    def score(self, ctx: PickContext, pods: Sequence[Pod]) -> dict[str, float]:
+        running = ctx.running.get
+        return _relative({p.name: running(p.name, 0) for p in pods}, self._scale)
+
+
+class PrefillBacklog:
+    """Per pod, the prefill work (prompt tokens not served from cache) this gateway sent and the
+    engine has probably not done yet: each pick adds its uncached tokens, and the pile drains at
+    `tokens_per_s` (an engine prefills one prompt after another). An estimate: it knows only this
+    gateway's picks and a nominal prefill speed."""
+
+    def __init__(self, tokens_per_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        if not tokens_per_s > 0:
+            raise ValueError("tokens_per_s must be positive")
+        self._rate = tokens_per_s
+        self._clock = clock
+        self._piles: dict[str, tuple[float, float]] = {}  # pod -> (tokens, as of time)
+
+    def now(self) -> float:
+        return self._clock()
+
+    def get(self, pod: str, now: float | None = None) -> float:
+        entry = self._piles.get(pod)
+        if entry is None:
+            return 0.0
+        tokens, at = entry
+        now = self._clock() if now is None else now
+        left = tokens - (now - at) * self._rate
+        return left if left > 0.0 else 0.0  # max(0.0, left)
+
+    def add(self, pod: str, tokens: float) -> None:
+        now = self._clock()
+        left = self.get(pod, now)
+        if left + tokens > 0:
+            self._piles[pod] = (left + tokens, now)
+        else:
+            self._piles.pop(pod, None)
+
+
+class PrecisePrefixScorer(Scorer):
+    """Estimated time to first token, in prompt tokens to prefill: this request's tokens the pod
+    does not hold per the event-fed index (blocks on slower media count partly uncached: GPU 1.0,
+    CPU 0.8 by default) plus the pod's prefill backlog (PrefillBacklog, when given). Uncached tokens
+    count `uncached_weight` (2) times: this request waits for them, and so does whatever queues
+    behind them on that pod. The cheapest pod scores 1; the others fall linearly with their extra
+    cost, a whole prompt's worth (or the spread, if larger) giving 0. Without a backlog this is
+    the matched share of the prompt."""
+
+    name = "prefix"
+    needs_tokens = True
+
+    def __init__(self, index: PrefixSource, medium_weights: Mapping[str, float] | None = None,
+                 other_medium_weight: float = 0.8, backlog: PrefillBacklog | None = None,
+                 uncached_weight: float = 2.0) -> None:
+        self._index = index
+        weights = {m.upper(): w for m, w in (medium_weights or {"GPU": 1.0, "CPU": 0.8}).items()}
+        self._ranked = sorted(weights.items(), key=lambda kv: -kv[1])
+        self._floor = min([other_medium_weight, *weights.values()])
+        self.backlog = backlog
+        self._uncached_weight = uncached_weight
+        size = getattr(index, "block_size", None)  # optional in PrefixSource
+        self._index_block_size = size if callable(size) else None
+
+    def weighted_blocks(self, blocks: int, by_medium: Mapping[str, int]) -> float:
+        # Credit blocks to the best medium holding them first; what is left counts at the lowest weight.
+        if blocks <= 0:
+            return 0.0
+        score = 0.0
+        covered = 0
+        for medium, w in self._ranked:
+            n = min(by_medium.get(medium, 0), blocks - covered)
+            if n > 0:
+                score += n * w
+                covered += n
+        return score + (blocks - covered) * self._floor
+
+    def _block_size(self, model: str, n_tokens: int, total_blocks: int) -> int:
+        size = self._index_block_size
+        bs = size(model) if size is not None else None
+        return bs if bs else max(1, n_tokens // max(total_blocks, 1))
+
+    def score(self, ctx: PickContext, pods: Sequence[Pod]) -> dict[str, float]:
+        tokens = ctx.request.token_ids
+        if not tokens:
+            return {}
+        names = [p.name for p in pods]
+        if ctx.ranks:  # data-parallel rank targets among the candidates: what each rank holds
+            by_rank = self._index.match_ranks(ctx.base_model, ctx.lora, tokens,
+                                              [(p.pod_name, p.rank or 0) for p in pods])
+            matches = {p.name: m for p in pods if (m := by_rank.get((p.pod_name, p.rank or 0))) is not None}
+        else:
+            matches = self._index.match(ctx.base_model, ctx.lora, tokens, names)
+        total = max([m.total_blocks for m in matches.values()], default=0)
+        if total <= 0:
+            return {}
+        n = len(tokens)
+        bs = self._block_size(ctx.base_model, n, total)
+        uncached: dict[str, float] = {}
+        matched = ctx.matched
+        for name in names:
+            m = matches.get(name)
+            if m is None:
+                continue
+            blocks = matched[name] = m.blocks
+            if not blocks:  # holds none of it (most pods, most of the time)
+                uncached[name] = n
+                continue
+            left = n - self.weighted_blocks(blocks, m.by_medium or {}) * bs
+            uncached[name] = left if left > 0.0 else 0.0  # max(0.0, left)
+        if total > ctx.total_blocks:
+            ctx.total_blocks = total
+        ctx.state[self.name] = uncached  # for picked(): the chosen pod's uncached tokens join its backlog
+        if self.backlog is None:
+            return {name: 1.0 - u / n for name, u in uncached.items()}
+        backlog = self.backlog.get
+        now = self.backlog.now()
+        k = self._uncached_weight
+        return _relative({name: k * u + backlog(name, now) for name, u in uncached.items()}, k * n)
+
+    def picked(self, ctx: PickContext, pod: Pod) -> None:
+        uncached = ctx.state.get(self.name)
+        if self.backlog is not None and uncached is not None:
+            self.backlog.add(pod.name, uncached.get(pod.name, 0.0))
+
+
+class FamilyAffinityScorer(Scorer):
+    """Where a prompt's family (the prompts sharing its first block) goes while no pod holds any of
+    the prompt per the index: the pod this gateway last sent the family to, else the family's
+    pod among those this gateway has given the fewest families (rendezvous order breaks the tie).
+    That pod scores 1, the others 0; when some pod holds a block the index decides alone. Reads the index's answer from ctx.matched and ctx.total_blocks, which the
+    `prefix` scorer fills (weigh this one after it); without that answer it gives nothing.
+
+    Why: a family nobody holds (never seen, evicted everywhere, its engine flushed) left to load
+    alone scatters over the engines, and each one it lands on misses its shared prefix; kept on one
+    pod, one miss re-warms it. A new family goes where the fewest families live: each family brings
+    its prefix's cache demand and its future requests, so homes placed by rendezvous alone (a
+    binomial spread: with 150 families on 8 pods, 18 on one and 26 on another) overfill some caches
+    and some decode batches, and load then moves requests off their prefix (bench routing W1, one
+    replica: evictions 13.7k against 9.8k for a router that places new text on its emptiest pod).
+    Gateway replicas agree without talking: their last decisions followed the same shared index,
+    each replica records every family it routes (so their counts follow the same decisions), and
+    the rendezvous order is the same in every process. Also sets
+    `ctx.family`, so the picker breaks ties the same way. Per replica, at most `capacity` families
+    (least recently picked dropped first)."""
+
+    name = "affinity"
+    needs_tokens = True
+
+    def __init__(self, block_size: Callable[[str], int | None] | None = None, default_block_size: int = 16,
+                 capacity: int = 100_000) -> None:
+        if default_block_size < 1 or capacity < 1:
+            raise ValueError("default_block_size and capacity must be positive")
+        self._block_size = block_size
+        self._default_block_size = default_block_size
+        self._capacity = capacity
+        self._homes: OrderedDict[int, str] = OrderedDict()  # family key -> pod last sent to
+        self._families: Counter[str] = Counter()  # pod -> families whose home it is
+
+    def score(self, ctx: PickContext, pods: Sequence[Pod]) -> dict[str, float]:
+        tokens = ctx.request.token_ids
+        bs = (self._block_size(ctx.base_model) if self._block_size is not None else None) or self._default_block_size
+        if not tokens or len(tokens) < bs:
+            return {}
+        key = ctx.family = block_keys(ctx.base_model, ctx.lora, tokens[:bs], bs)[0]
+        if not ctx.total_blocks or max(ctx.matched.values(), default=0) > 0:
+            return {}  # the index did not answer (no prefix scorer, or it failed), or someone holds a block
+        home = self._homes.get(key)
+        if home is not None and any(p.name == home for p in pods):
+            return {home: 1.0}
+        # never sent (or its home set aside by a filter): a placement, not a home to keep, so half
+        # as strong, below a load gap the load scorer counts in full (an idle newcomer wins)
+        families = self._families
+        fewest = min(families[p.name] for p in pods)
+        return {max((p for p in pods if families[p.name] == fewest), key=lambda p: rendezvous(key, p.name)).name: 0.5}
+
+    def picked(self, ctx: PickContext, pod: Pod) -> None:
+        key = ctx.family
+        if key is None:
+            return
+        homes, families = self._homes, self._families
+        before = homes.get(key)
+        if before != pod.name:
+            if before is not None:
+                families[before] -= 1
+            families[pod.name] += 1
+        homes[key] = pod.name
+        homes.move_to_end(key)
+        if len(homes) > self._capacity:
+            families[homes.popitem(last=False)[1]] -= 1
+
+    def pods_changed(self, added: Sequence[Pod], removed: Sequence[Pod]) -> None:
+        gone = {p.name for p in removed}
+        if gone:
+            for key in [k for k, pod in self._homes.items() if pod in gone]:
+                del self._homes[key]
+            for name in gone:
+                self._families.pop(name, None)
+
+    def __len__(self) -> int:
+        return len(self._homes)
+
+
+class ApproxPrefixScorer(Scorer):
+    """Leading prompt blocks this gateway already sent to a pod, over the prompt's blocks."""
+
+    name = "approx-prefix"
+    needs_tokens = True
+
+    def __init__(self, table: ApproxPrefixTable) -> None:
+        self.table = table
+
+    def score(self, ctx: PickContext, pods: Sequence[Pod]) -> dict[str, float]:
+        tokens = ctx.request.token_ids
+        if not tokens:
+            return {}
+        keys = self.table.block_keys(ctx.base_model, ctx.lora, tokens)
+        ctx.state[self.name] = keys  # for picked(): what to record against the chosen pod
+        if not keys:
+            return {}
+        matched = self.table.match(keys, [p.name for p in pods])
+        ctx.total_blocks = len(keys)
+        ctx.matched.update(matched)
+        return {name: n / len(keys) for name, n in matched.items()}
+
+    def picked(self, ctx: PickContext, pod: Pod) -> None:
+        keys = ctx.state.get(self.name)
+        if keys:
+            self.table.record(keys, pod.name)
+
+    def pods_changed(self, added: Sequence[Pod], removed: Sequence[Pod]) -> None:
+        for p in removed:
+            self.table.forget_pod(p.name)
+
+
+class QueueScorer(Scorer):
+    """Fewer requests waiting in the engine's queue (scraped) is better; unknown pods score 0.5."""
+
+    name = "queue"
+    needs_tokens = False
+
+    def __init__(self, engines: EngineMetrics, scale: float = 4.0) -> None:
+        self._engines = engines
+        self._scale = scale
+
+    def score(self, ctx: PickContext, pods: Sequence[Pod]) -> dict[str, float]:
+        known = {}
+        for p in pods:
+            load = self._engines.get(p.pod_name, p.rank)  # a data-parallel rank's own queue
+            if load is not None:
+                known[p.name] = load.waiting
+        out = dict.fromkeys((p.name for p in pods), 0.5)
+        out.update(_relative(known, self._scale))
+        return out
+
+
+class KVUtilizationScorer(Scorer):
+    """More free KV cache in the engine (scraped) is better: 1 - usage; unknown pods score 0.5."""
+
+    name = "kv-util"
+    needs_tokens = False
+
+    def __init__(self, engines: EngineMetrics) -> None:
+        self._engines = engines
+
+    def score(self, ctx: PickContext, pods: Sequence[Pod]) -> dict[str, float]:
+        out = {}
+        for p in pods:
+            load = self._engines.get(p.pod_name, p.rank)  # a data-parallel rank's own usage
+            out[p.name] = 0.5 if load is None or load.kv_usage is None else 1.0 - load.kv_usage
+        return out

@@ -1,0 +1,148 @@
+"""Admission through the whole request path: a real Envoy spreading its ext_proc streams over two
+`kvgate serve` replicas that share a real redis-server, in front of two simulated engines serving a
+base model and a LoRA adapter of it (two models competing for the same pods). Each engine reports
+the most requests it ever held at once (`sim:requests_live_peak`), so a limit broken by the two
+replicas together shows on the engine itself."""
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+
+import httpx
+import pytest
+
+from devkit.stack import Stack, free_port, wait_for_port
+from helpers import GatewayEnv, stack_fixture, wait_until
+
+pytestmark = [pytest.mark.integration,
+              pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")]
+
+BIG, SMALL = "big", "small"  # the base model and its adapter, on both engines
+LIMIT = 2  # running requests per pod (KVGATE_ADMISSION_MAX_RUNNING): capacity 2 pods x 2 = 4
+WAIT_S = 4.0  # KVGATE_ADMISSION_MAX_WAIT_S: 2x the burst's ~2 s drain (a loaded machine), under Envoy's 5 s message_timeout
+TPOT_MS = 20
+
+
+class Env(GatewayEnv):
+    def __init__(self, stack: Stack):
+        super().__init__(stack)
+        pods = stack.engines(2, model=BIG, extra=["--lora", SMALL, "--tpot-ms", str(TPOT_MS),
+                                                  "--ttft-overhead-ms", "1"])
+        for p in pods:
+            p["lora"] = [SMALL]
+        self.sims = {p["name"]: p["port"] for p in pods}
+        _, redis_url = stack.redis()
+        pods_file = stack.pods_file(pods)
+        replicas, grpc_ports = [], []
+        for g in range(2):
+            grpc_port = free_port()
+            env = {"KVGATE_PODS_FILE": str(pods_file), "KVGATE_GRPC_PORT": str(grpc_port),
+                   "KVGATE_HTTP_PORT": str(free_port()), "KVGATE_REDIS_URL": redis_url,
+                   "KVGATE_GATEWAY_ID": f"kvgate{g}", "KVGATE_ROUTING_STRATEGY": "least-request",
+                   "KVGATE_ADMISSION_MAX_RUNNING": str(LIMIT), "KVGATE_ADMISSION_MAX_WAIT_S": str(WAIT_S),
+                   "KVGATE_ADMISSION_RETRY_AFTER_S": "1"}
+            replicas.append(stack.kvgate(env=env, grpc_port=grpc_port, name=f"kvgate{g}", wait=False))
+            grpc_ports.append(grpc_port)
+        for proc, port in zip(replicas, grpc_ports):
+            stack.ready(proc, ("127.0.0.1", port))
+        self.kvgate = replicas[0]
+        listen = free_port()
+        self.envoy = stack.envoy(listen_port=listen, extproc_port=grpc_ports[0], more_extproc_ports=grpc_ports[1:],
+                                 pool=[(p["address"], p["port"]) for p in pods])
+        wait_for_port("127.0.0.1", listen, timeout=10)
+        self.url = f"http://127.0.0.1:{listen}"
+
+    def peaks(self) -> dict[str, float]:
+        """Per engine, the most requests it held at once since it started."""
+        out = {}
+        for name, port in self.sims.items():
+            text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+            out[name] = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                            if line.startswith("sim:requests_live_peak{"))
+        return out
+
+    def running(self) -> float:
+        total = 0.0
+        for port in self.sims.values():
+            text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+            total += sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                         if line.startswith("vllm:num_requests_running{"))
+        return total
+
+
+env = stack_fixture(Env)
+
+
+def _send(url: str, model: str, max_tokens: int, out: list, i: int) -> None:
+    """One streamed completion: (model, status, Retry-After, sent at, first byte at, body), monotonic times."""
+    sent = time.monotonic()
+    first = None
+    try:
+        with httpx.Client(base_url=url, timeout=30) as client, client.stream(
+                "POST", "/v1/completions", json={"model": model, "prompt": f"request {i} of {model}",
+                                                 "max_tokens": max_tokens, "stream": True}) as r:
+            chunks = []
+            for chunk in r.iter_bytes():
+                if first is None:
+                    first = time.monotonic()
+                chunks.append(chunk)
+            out[i] = (model, r.status_code, r.headers.get("retry-after"), sent, first, b"".join(chunks))
+    except httpx.HTTPError as e:  # lost: the assertions name it
+        out[i] = (model, f"lost: {e!r}", None, sent, None, b"")
+
+
+def _burst(url: str, requests: list[tuple[str, int]], out: list, offset: int = 0) -> list[threading.Thread]:
+    threads = [threading.Thread(target=_send, args=(url, model, n, out, offset + i), daemon=True)
+               for i, (model, n) in enumerate(requests)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def test_burst_of_3x_capacity_never_puts_a_pod_past_its_limit_loses_nothing_and_takes_models_in_turn(env):
+    """12 requests (3x the 4 the pods may run): 4 of the base model that fill the pods (100 tokens, ~2 s),
+    then 4 more of it (40 tokens, ~0.8 s) that wait, then 4 of the adapter (5 tokens) behind them. First
+    come, first served would start the adapter's 4 after every base request; the per-model queues take
+    them in turn. The holders' 2 s leave the adapter's requests time to reach the queues on a loaded
+    machine (behind holders of 0.8 s they once arrived after the room had gone to the base model)."""
+    out: list = [None] * 12
+    big = _burst(env.url, [(BIG, 100)] * 4, out)
+    assert wait_until(lambda: env.running() >= 4, timeout=10)  # the pods are full: the rest wait
+    big += _burst(env.url, [(BIG, 40)] * 4, out, offset=4)
+    time.sleep(0.3)  # the base model's waiters queue first
+    small = _burst(env.url, [(SMALL, 5)] * 4, out, offset=8)
+    for t in big + small:
+        t.join(30)
+    assert all(o is not None for o in out), out
+    statuses = [o[1] for o in out]
+    assert all(s in (200, 429) for s in statuses), statuses  # served or told to come back: none lost
+    for model, status, retry_after, _, _, body in out:
+        if status == 429:
+            assert retry_after == "1" and b"rate_limit_exceeded" in body
+    assert max(env.peaks().values()) <= LIMIT, env.peaks()  # counted over both replicas
+    assert statuses.count(200) >= 8, statuses  # the waiters start after ~2 s: under the 4 s allowed
+    # Turns: the last base request to start started after at least 2 of the adapter's (first come,
+    # first served: after none of them). Start ~ first byte: its wait, then a 1 ms prefill.
+    started = {i: o[4] for i, o in enumerate(out) if o[1] == 200}
+    last_big = max(started[i] for i in range(8) if i in started)
+    t0 = min(o[3] for o in out)
+    timeline = sorted((round(o[4] - t0, 3), o[0], round(o[3] - t0, 3)) for o in out if o[4] is not None)
+    assert sum(1 for i in range(8, 12) if i in started and started[i] < last_big) >= 2, timeline
+
+
+def test_full_pods_answer_429_with_retry_after_once_the_wait_is_over(env):
+    out: list = [None] * 6
+    holders = _burst(env.url, [(BIG, int((WAIT_S + 1) * 1000 / TPOT_MS))] * 4, out)  # 4 s each
+    assert wait_until(lambda: env.running() >= 4, timeout=10)
+    extra = _burst(env.url, [(SMALL, 4), (BIG, 4)], out, offset=4)
+    for t in extra:
+        t.join(30)
+    for model, status, retry_after, sent, first, body in out[4:]:
+        assert status == 429 and retry_after == "1", (status, body)
+        assert first - sent >= WAIT_S * 0.9  # answered after the wait, not at once
+        assert b'"code": "admission_timeout"' in body or b'"code":"admission_timeout"' in body
+    for t in holders:
+        t.join(30)
+    assert [o[1] for o in out[:4]] == [200] * 4
+    assert max(env.peaks().values()) <= LIMIT

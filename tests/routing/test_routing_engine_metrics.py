@@ -1,0 +1,65 @@
+"""Engine metrics scraped from a real HTTP /metrics on loopback feed the queue and kv-util scorers."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+from aiohttp import web
+
+from routing.state.engine_metrics import EngineMetrics
+from routing.metrics import RoutingMetrics
+from routing.pods import Pod
+from routing.registry import PodRegistry
+from routing.router import Router
+from routing.scheduling.scoring import RouteRequest
+from routing.scheduling.strategies import StrategyConfig
+
+
+def vllm_text(waiting: int, usage: float) -> str:
+    return ("# TYPE vllm:num_requests_waiting gauge\n"
+            f'vllm:num_requests_waiting{{model_name="m"}} {waiting}\n'
+            "# TYPE vllm:num_requests_running gauge\n"
+            'vllm:num_requests_running{model_name="m"} 2\n'
+            "# TYPE vllm:kv_cache_usage_perc gauge\n"
+            f'vllm:kv_cache_usage_perc{{model_name="m"}} {usage}\n')
+
+
+async def serve(text: str):
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(text=text)
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, site._server.sockets[0].getsockname()[1]
+
+
+async def test_scrape_and_route_on_engine_load():
+    busy, busy_port = await serve(vllm_text(12, 0.9))
+    idle, idle_port = await serve(vllm_text(0, 0.1))
+    dead_port = 1  # nothing listens: a counted scrape error, neutral scores
+    reg = PodRegistry([Pod("busy", "127.0.0.1", busy_port, "m"), Pod("idle", "127.0.0.1", idle_port, "m"),
+                       Pod("dead", "127.0.0.1", dead_port, "m")])
+    metrics = RoutingMetrics()
+    engines = EngineMetrics(reg, interval_s=0.05, timeout_s=2, metrics=metrics)
+    cfg = StrategyConfig(weights={"least-request": {"load": 0, "queue": 1, "kv-util": 1}})
+    r = Router(reg, default_strategy="least-request", engines=engines, config=cfg, metrics=metrics, seed=0)
+    await r.start()
+    try:
+        deadline = time.monotonic() + 10
+        while (engines.get("busy") is None or engines.get("idle") is None) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert engines.get("busy").waiting == 12 and engines.get("idle").kv_usage == 0.1
+        assert engines.get("dead") is None
+        assert metrics.registry.get_sample_value("kvgate_engine_metrics_scrape_errors_total") >= 1
+        picks = {(await r.pick(RouteRequest("m"))).pod.name for _ in range(5)}
+        assert picks == {"idle"}
+        by_name = {p["name"]: p for p in r.debug_snapshot()["pods"]}
+        assert by_name["busy"]["engine"]["waiting"] == 12 and by_name["dead"]["engine"] == {"unreachable": True}
+    finally:
+        await r.close()
+        await busy.cleanup()
+        await idle.cleanup()

@@ -1,0 +1,207 @@
+"""kv-sync's policy per scenario, on the real PrefixIndex fed with KV events: a flushed family
+re-warms one engine, eviction is followed exactly, a new engine is used when load warrants, new
+families are dealt evenly over the pods, and
+gateway replicas (each its own Router and state, sharing the index and the counts) agree on a
+family nobody holds."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvcache.index import PrefixIndex
+from routing.state.counts import LocalCounts
+from routing.pods import Pod
+from routing.registry import PodRegistry
+from routing.router import Router
+from routing.scheduling.scoring import RouteRequest
+from routing.scheduling.strategies import StrategyConfig
+
+BS = 16
+MODEL = "m"
+
+
+class Engines:
+    """Publishes what simulated engines would: one engine hash per distinct prefix block, shared
+    by every pod of the model (as vLLM's engines agree on hashes)."""
+
+    def __init__(self, index: PrefixIndex) -> None:
+        self.index = index
+        self._hash: dict[tuple[int, ...], int] = {}
+
+    def _hashes(self, tokens: list[int]) -> tuple[int, ...]:
+        return tuple(self._hash.setdefault(tuple(tokens[:(i + 1) * BS]), len(self._hash) + 1)
+                     for i in range(len(tokens) // BS))
+
+    def store(self, pod: str, tokens: list[int]) -> None:
+        hs = self._hashes(tokens)
+        self.index.apply(pod, MODEL, 0, [BlockStored(hs, None, tuple(tokens[:len(hs) * BS]), BS)])
+
+    def evict(self, pod: str, tokens: list[int], keep_blocks: int) -> None:
+        self.index.apply(pod, MODEL, 0, [BlockRemoved(self._hashes(tokens)[keep_blocks:])])
+
+    def flush(self, pod: str) -> None:
+        self.index.apply(pod, MODEL, 0, [AllBlocksCleared()])
+
+
+def family(seed: int, context_blocks: int = 40) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1000, 60000) for _ in range(context_blocks * BS)]
+
+
+def prompt(context: list[int], question: int) -> list[int]:
+    rng = random.Random(f"q{question}")
+    return context + [rng.randrange(1000, 60000) for _ in range(3 * BS)]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def fleet(names=("a", "b", "c"), replicas: int = 1):
+    """Routers (one per gateway replica) sharing one index, one pod registry and one count."""
+    index = PrefixIndex()
+    clock = Clock()
+    registry = PodRegistry([Pod(n, f"10.0.0.{i + 1}", 8000, MODEL) for i, n in enumerate(names)])
+    counts = LocalCounts()
+    routers = [Router(registry, default_strategy="kv-sync", counts=counts, index=index, seed=g,
+                      config=StrategyConfig(clock=clock)) for g in range(replicas)]
+    return routers, Engines(index), clock, registry
+
+
+async def pick(router: Router, tokens: list[int], release: bool = True) -> str:
+    d = await router.pick(RouteRequest(MODEL, tokens))
+    if release:
+        await router.release(d)
+    return d.pod.name
+
+
+async def hold(router: Router, counts: dict[str, int]) -> None:
+    for pod, n in counts.items():
+        router._counts.add(pod, n)
+
+
+async def test_flushed_family_rewarms_one_engine_instead_of_scattering():
+    """The family lived on `a`; `a` is flushed. Until the index shows where its prefix is again,
+    every conversation of the family goes back to `a` (one miss re-warms it), though `a` runs a
+    couple more requests than the others and the ties of load alone would scatter them."""
+    (r,), engines, clock, _ = fleet()
+    ctx = family(1)
+    engines.store("a", prompt(ctx, 0))
+    assert await pick(r, prompt(ctx, 1)) == "a"
+    engines.flush("a")
+    await hold(r, {"a": 2})
+    got = []
+    for q in range(2, 8):
+        clock.now += 1.0  # earlier prefills done; their events not seen yet
+        got.append(await pick(r, prompt(ctx, q)))
+    assert got == ["a"] * 6
+    # once the index shows the prefix elsewhere (say another gateway's pick warmed b), it decides
+    engines.store("b", prompt(ctx, 9))
+    assert await pick(r, prompt(ctx, 10)) == "b"
+
+
+async def test_eviction_is_followed_exactly_and_a_family_evicted_everywhere_stays_together():
+    (r,), engines, clock, _ = fleet()
+    ctx = family(2)
+    engines.store("a", prompt(ctx, 0))
+    assert await pick(r, prompt(ctx, 1)) == "a"
+    # a evicts most of the family's blocks while c holds them all: c, though a was its last pod
+    engines.store("c", prompt(ctx, 2))
+    engines.evict("a", prompt(ctx, 0), keep_blocks=3)
+    assert await pick(r, prompt(ctx, 3)) == "c"
+    # evicted everywhere: back to the pod it was last sent to, every time
+    engines.evict("a", prompt(ctx, 0), keep_blocks=0)
+    engines.evict("c", prompt(ctx, 2), keep_blocks=0)
+    got = set()
+    for q in range(4, 10):
+        clock.now += 1.0
+        got.add(await pick(r, prompt(ctx, q)))
+    assert got == {"c"}
+
+
+async def test_a_new_engine_is_used_when_load_warrants():
+    (r,), engines, clock, registry = fleet()
+    held = {name: family(10 + i) for i, name in enumerate("abc")}
+    for name, ctx in held.items():
+        engines.store(name, prompt(ctx, 0))
+    await hold(r, {"a": 12, "b": 12, "c": 12})
+    registry.replace(registry.pods() + [Pod("d", "10.0.0.9", 8000, MODEL)])
+    # families nobody holds go to the idle newcomer, whatever their rendezvous order says, until
+    # its load nears the others'
+    new = []
+    for i in range(6):
+        clock.now += 1.0  # the newcomer's earlier prefills are done: its running requests decode
+        new.append(await pick(r, prompt(family(100 + i), 0), release=False))
+    assert new == ["d"] * 6
+    # a family held by a busy-but-not-overloaded engine stays there: its cache is worth more
+    assert await pick(r, prompt(held["b"], 1)) == "b"
+    # a family whose pod is overloaded (the load guard) goes to the newcomer, not to another warm pod
+    await hold(r, {"c": StrategyConfig().guard_abs_slack})
+    clock.now += 1.0
+    assert await pick(r, prompt(held["c"], 1)) == "d"
+
+
+async def test_new_families_are_placed_where_the_fewest_families_live():
+    """Families nobody holds, arriving one at a time at equal loads, are dealt evenly over the pods
+    (rendezvous order alone would give some pods several more than others: their caches and batches
+    overfill and load then moves requests off their prefix). Each family then stays where it was
+    placed."""
+    (r,), engines, clock, _ = fleet(("a", "b", "c", "d"))
+    engines.store("a", family(999))  # the engines have published: the index knows their block size
+    placed = {}
+    for f in range(40):
+        clock.now += 1.0  # the earlier prefills are done
+        placed[f] = await pick(r, prompt(family(2000 + f), 0))
+    per_pod = {p: list(placed.values()).count(p) for p in "abcd"}
+    assert per_pod == {"a": 10, "b": 10, "c": 10, "d": 10}, per_pod
+    for f in range(0, 40, 7):  # not held yet (no events): each family goes back to its pod
+        clock.now += 1.0
+        assert await pick(r, prompt(family(2000 + f), 1)) == placed[f]
+
+
+async def test_gateway_replicas_agree_on_families_nobody_holds():
+    """Two replicas, each with its own scorers' state, share the index and the running counts.
+    Requests dealt to them in turn: each family nobody holds lands on one pod, whichever replica
+    picks, before any event shows where it went (two at once, then two more once the first
+    prefills are done)."""
+    routers, engines, clock, _ = fleet(("a", "b", "c", "d"), replicas=2)
+    engines.store("a", family(999))  # the engines have published: the index knows their block size
+    placed = {}
+    for f in range(40):
+        ctx = family(1000 + f)
+        pods = set()
+        for turn in range(4):
+            clock.now += turn % 2 == 0  # turns 0 and 2: the earlier prefills are done
+            pods.add(await pick(routers[turn % 2], prompt(ctx, turn), release=False))
+        assert len(pods) == 1, (f, pods)
+        placed[f] = pods.pop()
+        for router in routers:  # those requests finish; the next family starts from equal loads
+            for name, n in router._counts.local().items():
+                router._counts.add(name, -n)
+    # the families still spread over the pods (rendezvous order, not one favourite)
+    assert len(set(placed.values())) == 4
+    # and after a flush of the pod holding one, both replicas send it back there
+    ctx = family(1000)
+    engines.store(placed[0], prompt(ctx, 0))
+    engines.flush(placed[0])
+    clock.now += 1.0
+    assert {await pick(router, prompt(ctx, 9)) for router in routers} == {placed[0]}
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+async def test_hot_family_still_spreads(replicas):
+    """A burst of one family nobody holds: affinity keeps it together only while the pod is not
+    much busier than the rest; the load guard's bound holds (the peers' hot-spot failure)."""
+    routers, engines, clock, _ = fleet(("a", "b", "c", "d"), replicas=replicas)
+    engines.store("a", family(999))
+    ctx = family(7)
+    got = [await pick(routers[i % replicas], prompt(ctx, i), release=False) for i in range(80)]
+    per_pod = {p: got.count(p) for p in "abcd"}
+    assert min(per_pod.values()) > 0, per_pod
+    assert max(per_pod.values()) - min(per_pod.values()) <= 2 * 16, per_pod

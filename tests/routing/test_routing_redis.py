@@ -1,0 +1,401 @@
+"""Running counts through a real redis-server on loopback: two gateways agree, a dead gateway's
+counts expire, Redis killed and restarted under load loses no pick and reconverges, AUTH."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import socket
+import subprocess
+import time
+
+import pytest
+
+from devkit.stack import free_port
+from routing.state.counts import LocalCounts, RedisCounts, build_counts, redact_url
+from routing.pods import KVEventsEndpoint, Pod
+from routing.registry import PodRegistry
+from routing.router import Router
+from routing.scheduling.scoring import RouteRequest
+from helpers import RedisServer, make_tls_certs
+
+pytestmark = [pytest.mark.integration,
+              pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")]
+
+# Short heartbeats and back-offs; the key TTL and the op timeout leave room for a loaded machine (a
+# gateway paused past its TTL vanishes from the others' view; an op past its timeout backs off).
+FAST = dict(ttl_s=5.0, heartbeat_s=0.2, read_max_age_s=0.0, op_timeout_s=2.0, backoff_min_s=0.05,
+            backoff_max_s=0.3)
+
+
+def pods(n=4):
+    return [Pod(f"p{i}", f"10.0.0.{i}", 8000, "m") for i in range(n)]
+
+
+async def until(predicate, timeout=10.0):
+    """Poll until predicate() is true (bounded); returns its last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        await asyncio.sleep(0.02)
+
+
+async def gateway(url: str, gid: str, seed: int = 0, pod_list=None, **options) -> tuple[Router, RedisCounts]:
+    counts = RedisCounts(url, gid, **{**FAST, **options})
+    router = Router(PodRegistry(pod_list or pods()), default_strategy="least-request", counts=counts, seed=seed)
+    await router.start()
+    return router, counts
+
+
+async def converged(a: RedisCounts, b: RedisCounts) -> bool:
+    """Both views read fresh from Redis (after this call began: not a cached or backed-off view) and equal."""
+    started = time.monotonic()
+    await a.refresh()
+    await b.refresh()
+    fresh = all(c.others_read_at is not None and c.others_read_at >= started for c in (a, b))
+    return fresh and a.totals() == b.totals()
+
+
+async def test_two_gateways_share_counts(redis_server):
+    ra, ca = await gateway(redis_server.url, "gw-a", 1)
+    rb, cb = await gateway(redis_server.url, "gw-b", 2)
+    try:
+        held_a = [await ra.pick(RouteRequest("m")) for _ in range(6)]
+        assert await ca.flush()
+        held_b = [await rb.pick(RouteRequest("m")) for _ in range(6)]  # B sees A's 6 and fills the rest
+        assert await cb.flush()
+        assert await converged(ca, cb)
+        assert ca.totals() == cb.totals() == {f"p{i}": 3 for i in range(4)}
+        assert cb.snapshot()["other_gateways"] == 1
+        for d in held_a:
+            await ra.release(d)
+        for d in held_b:
+            await rb.release(d)
+        await ca.flush(), await cb.flush()
+        assert await converged(ca, cb) and ca.totals() == {}
+    finally:
+        await ra.close()
+        await rb.close()
+
+
+async def test_two_gateways_share_counts_per_data_parallel_rank(redis_server):
+    fleet = [Pod("a", "10.0.0.1", 8000, "m", kv_events=KVEventsEndpoint(dp_size=2)), Pod("b", "10.0.0.2", 8000, "m")]
+    ra, ca = await gateway(redis_server.url, "gw-a", 1, fleet)
+    rb, cb = await gateway(redis_server.url, "gw-b", 2, fleet)
+    try:
+        held_a = [await ra.pick(RouteRequest("m")) for _ in range(4)]
+        assert await ca.flush()
+        held_b = [await rb.pick(RouteRequest("m")) for _ in range(2)]  # B sees A's picks per rank
+        assert await cb.flush()
+        assert await converged(ca, cb)
+        # three targets: rank 0 and rank 1 of a (hash fields `a#0`, `a#1`) and b, 2 each
+        assert ca.totals() == cb.totals() == {"a#0": 2, "a#1": 2, "b": 2}
+        assert sorted((d.pod.name, d.rank) for d in held_a + held_b) == [
+            ("a", 0), ("a", 0), ("a", 1), ("a", 1), ("b", None), ("b", None)]
+        for d in held_a:
+            await ra.release(d)
+        for d in held_b:
+            await rb.release(d)
+        await ca.flush(), await cb.flush()
+        assert await converged(ca, cb) and ca.totals() == {}
+    finally:
+        await ra.close()
+        await rb.close()
+
+
+async def test_concurrent_picks_on_two_gateways_stay_balanced(redis_server):
+    ra, ca = await gateway(redis_server.url, "gw-a", 1)
+    rb, cb = await gateway(redis_server.url, "gw-b", 2)
+    try:
+        async def burst(r):
+            out = []
+            for _ in range(20):
+                out.append(await r.pick(RouteRequest("m")))
+                await asyncio.sleep(0.005)
+            return out
+        da, db = await asyncio.gather(burst(ra), burst(rb))
+        await ca.flush(), await cb.flush()
+        assert await converged(ca, cb)
+        totals = ca.totals()
+        assert sum(totals.values()) == 40
+        assert max(totals.values()) - min(totals.values()) <= 4, totals
+    finally:
+        await ra.close()
+        await rb.close()
+
+
+async def test_dead_gateway_counts_expire(redis_server):
+    ra, ca = await gateway(redis_server.url, "gw-dead", ttl_s=1.0)
+    rb, cb = await gateway(redis_server.url, "gw-alive")
+    try:
+        for _ in range(5):
+            await ra.pick(RouteRequest("m"))
+        await ca.flush()
+        await cb.refresh()
+        assert sum(cb.totals().values()) == 5
+        await ca.close(unregister=False)  # stops heartbeating, like a crashed gateway
+
+        async def gone():
+            await cb.refresh()
+            return cb.totals() == {}
+        deadline = time.monotonic() + 10
+        while not await gone() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert cb.totals() == {}
+        assert cb.snapshot()["other_gateways"] == 0
+    finally:
+        await rb.close()
+
+
+async def test_redis_killed_and_restarted_under_load(redis_server):
+    ra, ca = await gateway(redis_server.url, "gw-a", 1)
+    rb, cb = await gateway(redis_server.url, "gw-b", 2)
+    stop = asyncio.Event()
+    picks = {"ok": 0}
+
+    async def traffic(r):
+        held = []
+        while not stop.is_set():
+            held.append(await r.pick(RouteRequest("m")))  # an exception here fails the test
+            picks["ok"] += 1
+            if len(held) > 3:
+                await r.release(held.pop(0))
+            await asyncio.sleep(0.002)
+        return held
+
+    try:
+        tasks = [asyncio.create_task(traffic(ra)), asyncio.create_task(traffic(rb))]
+        await until(lambda: picks["ok"] > 50)
+        redis_server.kill()
+        before = picks["ok"]
+        await until(lambda: not ca.up and not cb.up)
+        await until(lambda: picks["ok"] > before + 100)
+        assert not ca.up and not cb.up, (ca.snapshot(), cb.snapshot())
+        redis_server.start()  # empty: every gateway must republish its counts
+        assert await until(lambda: ca.up and cb.up), (ca.snapshot(), cb.snapshot())
+        stop.set()
+        held_a, held_b = await asyncio.gather(*tasks)
+        assert picks["ok"] > before + 100
+
+        async def agreed():
+            await ca.flush(), await cb.flush()
+            return await converged(ca, cb)
+        deadline = time.monotonic() + 10
+        while not await agreed() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        expected = {}
+        for d in held_a + held_b:
+            expected[d.pod.name] = expected.get(d.pod.name, 0) + 1
+        assert ca.totals() == cb.totals() == expected, (ca.snapshot(), cb.snapshot(), expected)
+        for d in held_a:
+            await ra.release(d)
+        for d in held_b:
+            await rb.release(d)
+        # Reads are cached for a few ms and a write may still be in its backoff: poll, bounded.
+        deadline = time.monotonic() + 10
+        while not (await agreed() and ca.totals() == {}) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert ca.totals() == cb.totals() == {}, (ca.snapshot(), cb.snapshot())
+    finally:
+        stop.set()
+        await ra.close()
+        await rb.close()
+
+
+async def test_redis_down_from_the_start_means_local_counts():
+    counts = RedisCounts(f"redis://127.0.0.1:{free_port()}/0", "gw-x", **FAST)
+    r = Router(PodRegistry(pods(2)), default_strategy="least-request", counts=counts, seed=0)
+    await r.start()
+    try:
+        ds = [await r.pick(RouteRequest("m")) for _ in range(4)]
+        assert r.running() == {"p0": 2, "p1": 2}
+        assert counts.up is False and counts.failures >= 1
+        for d in ds:
+            await r.release(d)
+        assert r.running() == {}
+    finally:
+        await r.close()
+
+
+async def test_auth_url_works_and_password_is_never_logged(caplog):
+    server = RedisServer(password="s3cret-pw")
+    server.start()
+    try:
+        caplog.set_level(logging.DEBUG)
+        good = RedisCounts(server.url, "gw-auth", **FAST)
+        good.add("p0", 1)
+        assert await good.flush() and good.up
+        bad = RedisCounts(server.url.replace("s3cret-pw", "wrong-pw"), "gw-bad", **FAST)
+        assert not await bad.flush()
+        assert "s3cret-pw" not in str(good.snapshot()) and "wrong-pw" not in str(bad.snapshot())
+        await good.close()
+        await bad.close()
+        assert "s3cret-pw" not in caplog.text and "wrong-pw" not in caplog.text
+        assert "***" in caplog.text  # the failure was logged, redacted
+    finally:
+        server.kill()
+
+
+def test_url_handling():
+    assert redact_url("rediss://user:pw@redis.example:6380/1") == "rediss://user:***@redis.example:6380/1"
+    assert redact_url("redis://:pw@[::1]:6379") == "redis://:***@[::1]:6379"
+    assert redact_url("redis://127.0.0.1:6379") == "redis://127.0.0.1:6379"
+    assert isinstance(build_counts(""), LocalCounts)
+    assert isinstance(build_counts("rediss://:pw@127.0.0.1:6380/0", "g"), RedisCounts)
+    with pytest.raises(ValueError, match="KVGATE_REDIS_URL") as e:
+        RedisCounts("http://:topsecret@127.0.0.1:1")
+    assert "topsecret" not in str(e.value)
+
+
+def _tls_server(certs: dict) -> tuple[subprocess.Popen, int]:
+    port = free_port()
+    proc = subprocess.Popen(["redis-server", "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
+                             "--tls-cert-file", str(certs["cert"]), "--tls-key-file", str(certs["key"]),
+                             "--tls-ca-cert-file", str(certs["ca"]), "--tls-auth-clients", "no", "--save", "",
+                             "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.skip("this redis-server has no TLS support")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return proc, port
+        except OSError:
+            time.sleep(0.02)
+    proc.kill()
+    raise RuntimeError("redis-server (TLS) did not start")
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl not installed")
+async def test_tls_url(tmp_path):
+    """rediss:// with the server's CA given in the URL (redis-py's ssl_ca_certs query option); the
+    certificates pass strict X.509 verification (Python 3.13's default)."""
+    certs = make_tls_certs(tmp_path)
+    proc, port = _tls_server(certs)
+    try:
+        url = f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={certs['ca']}"
+        a, b = RedisCounts(url, "tls-a", **FAST), RedisCounts(url, "tls-b", **FAST)
+        a.add("p0", 2)
+        assert await a.flush(), "no TLS connection with certificates that should pass"
+        await b.refresh()
+        assert b.totals() == {"p0": 2}
+        await a.close()
+        await b.close()
+    finally:
+        proc.kill()
+        proc.wait(5)
+
+
+async def test_stale_view_is_reread_in_the_background_without_holding_the_pick(redis_server):
+    a = RedisCounts(redis_server.url, "gw-a", **FAST)
+    b = RedisCounts(redis_server.url, "gw-b", **{**FAST, "stale_ok_s": 5.0})
+    try:
+        await b.refresh()  # no view yet: this one waits for the read
+        assert b.totals() == {} and b.snapshot()["others_age_s"] is not None
+        a.add("p0", 3)
+        assert await a.flush()
+        # The view is stale (read_max_age_s 0) but usable: refresh returns at once, without awaiting Redis ...
+        call = b.refresh()
+        with pytest.raises(StopIteration):
+            call.send(None)
+        assert b.totals() == {}
+        # ... and the read it started brings A's count for the next picks.
+        assert await until(lambda: b.totals() == {"p0": 3}, timeout=5)
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_a_burst_of_changes_goes_out_as_one_write(redis_server):
+    a = RedisCounts(redis_server.url, "gw-a", **{**FAST, "write_interval_s": 1.0})
+    b = RedisCounts(redis_server.url, "gw-b", **FAST)
+    writes: list[dict] = []
+    real_flush = a.flush
+
+    async def counting_flush() -> bool:
+        writes.append(a.local())
+        return await real_flush()
+
+    a.flush = counting_flush
+    try:
+        await a.start()
+        assert await until(lambda: len(writes) == 1)  # the start-up write
+        for _ in range(10):  # picks spread over 50 ms, all inside one write interval
+            a.add("p0", 1)
+            await asyncio.sleep(0.005)
+        assert await until(lambda: len(writes) == 2, timeout=5)
+        assert writes[1] == {"p0": 10} and len(writes) == 2
+        await b.refresh()
+        assert b.totals() == {"p0": 10}
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_a_flush_is_never_overtaken_by_an_older_write_in_flight(redis_server):
+    """The background writer's write may be on its way when flush() is called: the two go one after the
+    other (a whole-state rewrite landing out of order would leave the older state in Redis)."""
+    a = RedisCounts(redis_server.url, "gw-a", **FAST)
+    b = RedisCounts(redis_server.url, "gw-b", **FAST)
+    real_sync = a._sync
+    first_taken, release = asyncio.Event(), asyncio.Event()
+    in_flight = {"now": 0, "max": 0}
+
+    async def held_first_write(keys, args):
+        in_flight["now"] += 1
+        in_flight["max"] = max(in_flight["max"], in_flight["now"])
+        try:
+            if not first_taken.is_set():
+                first_taken.set()
+                await release.wait()  # the older write, held on its way to Redis
+            return await real_sync(keys=keys, args=args)
+        finally:
+            in_flight["now"] -= 1
+
+    a._sync = held_first_write
+    try:
+        a.add("p0", 1)
+        older = asyncio.create_task(a.flush())
+        await first_taken.wait()
+        a.add("p0", 1)
+        newer = asyncio.create_task(a.flush())
+        for _ in range(10):  # loop turns enough for the newer write to reach Redis if nothing holds it
+            await asyncio.sleep(0)
+        release.set()
+        assert await older and await newer
+        assert in_flight["max"] == 1
+        await b.refresh()
+        assert b.totals() == {"p0": 2}
+    finally:
+        release.set()
+        await a.close()
+        await b.close()
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl not installed")
+async def test_certificate_that_fails_verification_is_named_in_one_clear_error(tmp_path, caplog):
+    """The server's certificate is not from the CA the URL gives: local counts, and one ERROR line
+    saying what failed (verification of which Redis) and why (OpenSSL's own words), not a bare
+    ConnectionError."""
+    certs = make_tls_certs(tmp_path, "server")
+    other = make_tls_certs(tmp_path, "other")
+    proc, port = _tls_server(certs)
+    caplog.set_level(logging.INFO, logger="routing.state.counts")
+    try:
+        c = RedisCounts(f"rediss://:pw@127.0.0.1:{port}/0?ssl_ca_certs={other['ca']}", "tls-bad", **FAST)
+        c.add("p0", 1)
+        assert not await c.flush() and not await c.flush()
+        assert c.totals() == {"p0": 1} and not c.up
+        errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+        assert len(errors) == 1, caplog.text
+        assert "TLS certificate verification of Redis rediss://:***@127.0.0.1" in errors[0]
+        # OpenSSL's reason (the server sends its CA along, which the given CA does not vouch for).
+        assert ("self-signed certificate in certificate chain (OpenSSL verify code 19)" in errors[0]
+                or "unable to get local issuer certificate (OpenSSL verify code 20)" in errors[0]), errors[0]
+        assert "ssl_ca_certs" in errors[0]
+        await c.close()
+    finally:
+        proc.kill()
+        proc.wait(5)
