@@ -4,10 +4,11 @@ running-request counts shared through Redis.
 It may import kvcache/ (the prefix index) and tokenizer/ types, never plugin/;
 plugin/ wires a Router together and calls it per request.
 
-Modules: pods (Pod), registry (PodRegistry), discovery (static source), k8s (Kubernetes
-source), counts (running counts, local or Redis), scoring (the filter/scorer/picker
-framework, RouteRequest, Decision), scorers, strategies (the named configurations),
-engine_metrics (/metrics scraping), router (Router), errors, metrics.
+Its rooms: the core at the top (pods: Pod; registry: PodRegistry; router: Router; errors; metrics;
+background), and four sub-packages by concern: discovery/ (where pods come from: static, k8s, kube,
+inferencepool), state/ (what replicas share or read from engines: counts, admission, engine_metrics),
+learning/ (what past requests teach: tracking, predictor, profiles) and scheduling/ (the
+filter/scorer/picker framework and the named strategies: scoring, scorers, approx, slo, strategies).
 """
 from routing.errors import (DiscoveryError, NoReadyPodError, RoutingError, UnknownModelError,
                             UnknownStrategyError)
