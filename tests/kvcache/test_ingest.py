@@ -8,7 +8,6 @@ import asyncio
 import dataclasses
 import socket
 import threading
-import time
 
 from kvcache.events import BlockStored
 from kvcache.stream import EndpointSpec, SubscriberOptions
@@ -43,21 +42,23 @@ async def test_changes_wait_for_the_index_lock_on_the_ingest_thread_not_on_the_c
     manager.sync([a.spec])
     await until(lambda: status(manager, pod="a")["connected"])
     held, release = threading.Event(), threading.Event()
+    holding = [False]  # the holder has the lock (cleared before it lets go)
 
     def hold() -> None:
         with manager.lock:
+            holding[0] = True
             held.set()
             release.wait(10)
+            holding[0] = False
 
     holder = threading.Thread(target=hold)
     holder.start()
     try:
         assert held.wait(5)
-        started = time.monotonic()
         manager.run_locked(lambda: sink.log.append(("call", "first")), "first")
         manager.sync([])  # a's drop
         manager.run_locked(lambda: sink.log.append(("call", "last")), "last")
-        assert time.monotonic() - started < 0.05  # none of them waited for the lock
+        assert holding[0]  # none of them waited for the lock: it was never free meanwhile
         await asyncio.sleep(0.2)
         assert ("call", "first") not in sink.log  # the lock still held: nothing ran around it
     finally:
@@ -68,22 +69,25 @@ async def test_changes_wait_for_the_index_lock_on_the_ingest_thread_not_on_the_c
     assert sink.log[-3:] == [("call", "first"), ("drop", "a", 0), ("call", "last")], sink.log[-5:]
 
 
-async def test_flood_keeps_order_and_leaves_the_loop_responsive(harness):
-    """Completeness and order under a flood, while a coroutine measures its own loop lag."""
+async def test_a_flood_is_applied_complete_and_in_order_while_the_event_loop_runs(harness):
+    """Completeness and order under a flood (1,500 batches of 8 events, 3 events per hold of the lock),
+    while the event loop keeps running beside the ingest thread: a coroutine ticking every millisecond
+    sees the flood part-applied. (How late such ticks come beside ingestion is a timing figure, not a
+    test's: `kvgate bench index`'s churn_loop_lag_* rows.)"""
     make, engine = harness
     e = engine(generation="0.33", hwm=1_000_000)
     sink, manager = make(options=SubscriberOptions(replay_timeout=0.3, apply_chunk=3))
     manager.sync([e.spec])
     await until(lambda: status(manager)["connected"])
     n_batches, per_batch = 1500, 8
-    lags: list[float] = []
+    total = n_batches * per_batch
+    seen: list[int] = []  # events the sink held at each tick of the event loop
     stop = asyncio.Event()
 
     async def probe():
         while not stop.is_set():
-            t = time.perf_counter()
             await asyncio.sleep(0.001)
-            lags.append(time.perf_counter() - t - 0.001)
+            seen.append(len(sink.log))
 
     def flood():
         for b in range(n_batches):
@@ -91,13 +95,12 @@ async def test_flood_keeps_order_and_leaves_the_loop_responsive(harness):
 
     probe_task = asyncio.create_task(probe())
     await asyncio.to_thread(flood)
-    await until(lambda: len(sink.hashes()) == n_batches * per_batch, timeout=30)
+    await until(lambda: len(sink.hashes()) == total, timeout=30)
     stop.set()
     await probe_task
-    assert sink.hashes() == list(range(n_batches * per_batch))
-    assert sink.drops() == 0 and len(lags) > 10
-    print(f"\nflood: {n_batches * per_batch} events, loop lag max {max(lags) * 1e3:.1f} ms, "
-          f"median {sorted(lags)[len(lags) // 2] * 1e3:.2f} ms over {len(lags)} probes")
+    assert sink.hashes() == list(range(total))
+    assert sink.drops() == 0 and len(seen) > 10
+    assert any(0 < n < total for n in seen), seen[::50]  # the loop ran while the flood was being applied
 
 
 async def test_subscriber_bug_restarts_the_stream_from_replay(harness, monkeypatch):
