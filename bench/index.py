@@ -54,7 +54,7 @@ from collections.abc import Sequence
 
 from kvcache.events import BlockRemoved, BlockStored, EventBatch
 from kvcache.index import PrefixIndex
-from kvcache.subscriber import _PROC_BOUNDS_D, _RUN_BATCHES, SubscriberOptions
+from kvcache.stream import PROC_BOUNDS_D, RUN_BATCHES, SubscriberOptions
 
 BLOCK = 16
 MODEL = "bench-model"
@@ -304,7 +304,7 @@ def _fill(ix: PrefixIndex, pods: list[str], entries: int, rng: random.Random) ->
     kvgate's ingest thread applies."""
     import threading
 
-    from kvcache.subscriber import GilHandOver, IndexLock, LockedIndex
+    from kvcache.locking import GilHandOver, IndexLock, LockedIndex
     from kvcache.wire import encode_batch
 
     lock = IndexLock()
@@ -506,22 +506,22 @@ def _parts(ix: PrefixIndex, payload: bytes) -> Sequence[bytes]:
 
 def _apply_as_served(ix: PrefixIndex, pods: list[str], order: list[tuple[int, bytes]], hold, after=None) -> None:
     """Apply `order` (engine, payload) as kvgate's ingest thread does, every call one hold of its index
-    lock made through `hold(call)`: each engine's next _RUN_BATCHES batches in turn (one socket drained,
-    then the next), in runs (apply_run: at most _RUN_BATCHES batches, apply_chunk events, apply_blocks
+    lock made through `hold(call)`: each engine's next RUN_BATCHES batches in turn (one socket drained,
+    then the next), in runs (apply_run: at most RUN_BATCHES batches, apply_chunk events, apply_blocks
     blocks a call), a batch a run stops before in parts of at most apply_blocks blocks (split_payload),
     one call each. `after(batches applied)` between two holds."""
     streams: dict[int, list[tuple[int, bytes]]] = {}
     for e, payload in order:
         msgs = streams.setdefault(e, [])
         msgs.append((len(msgs) + 1, payload))
-    counts = array("q", bytes(8 * (len(_PROC_BOUNDS_D) + 1)))
+    counts = array("q", bytes(8 * (len(PROC_BOUNDS_D) + 1)))
     done = 0
-    for start in range(0, max(map(len, streams.values()), default=0), _RUN_BATCHES):
+    for start in range(0, max(map(len, streams.values()), default=0), RUN_BATCHES):
         for e, msgs in streams.items():
-            burst, j = msgs[start:start + _RUN_BATCHES], 0
+            burst, j = msgs[start:start + RUN_BATCHES], 0
             while j < len(burst):
-                run = hold(lambda: ix.apply_run(pods[e], MODEL, 0, burst, j, burst[j][0], _RUN_BATCHES, APPLY_CHUNK,
-                                                _PROC_BOUNDS_D, counts, APPLY_BLOCKS))
+                run = hold(lambda: ix.apply_run(pods[e], MODEL, 0, burst, j, burst[j][0], RUN_BATCHES, APPLY_CHUNK,
+                                                PROC_BOUNDS_D, counts, APPLY_BLOCKS))
                 if run.error is not None:
                     raise run.error
                 if not run.batches:  # the batch the run stopped before: alone, in parts
@@ -581,7 +581,7 @@ def _loop_lag(ix: PrefixIndex, pods: list[str], order: list[tuple[int, bytes]], 
     import asyncio
     import threading
 
-    from kvcache.subscriber import GilHandOver, IndexLock, LockedIndex
+    from kvcache.locking import GilHandOver, IndexLock, LockedIndex
 
     lock = IndexLock()
     busy = [0]

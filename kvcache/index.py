@@ -1,8 +1,8 @@
 """The prefix index: which pod holds which prefix block, exactly, in bounded memory.
 
 It answers one question per request: for each candidate pod, how many leading blocks of the
-prompt does that pod already hold (in any medium, and per medium). It is the EventSink the
-subscribers feed: events of one (pod, rank) arrive in order, from one thread.
+prompt does that pod already hold (in any medium, and per medium). It implements the whole
+kvcache.sink.EventSink the streams feed: events of one (pod, rank) arrive in order, from one thread.
 
 The tables live in C (kvcache/_native.c, `Core`), one implementation for every fleet shape:
 - a block is identified by kvgate's own key (kvcache.blockkeys), never by the engine's hash;
@@ -30,11 +30,12 @@ import logging
 from array import array
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterable, NamedTuple, Sequence
+from typing import Iterable, Sequence
 
 from kvcache.blockkeys import root_key
 from kvcache.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEvent
 from kvcache.native import native
+from kvcache.sink import BatchApplied, RunApplied
 
 log = logging.getLogger(__name__)
 
@@ -44,24 +45,7 @@ _MIX = 0x9E3779B97F4A7C15  # odd: multiplying spreads small or sequential engine
 _TOMB = _M64 - 1  # folded hashes stay below the tables' reserved values (kvcache/_native.c)
 
 
-class BatchApplied(NamedTuple):
-    """What apply_payload applied: events by type."""
-    stored: int
-    removed: int
-
-
 _applied = tuple.__new__  # BatchApplied made without its __new__ (a Python-level call, once per live batch)
-
-
-class RunApplied(NamedTuple):
-    """What apply_run applied: `batches` in order from the first, their events by type and their
-    decode-and-apply time; `error`, when set, is the exception of the batch after them, which
-    failed part-way (its state is no longer trusted)."""
-    batches: int
-    stored: int
-    removed: int
-    seconds: float
-    error: BaseException | None
 
 
 _NO_ROOTS: dict[str, int] = {}
@@ -121,7 +105,7 @@ class PrefixIndex:
         self._applies = 0
         self._skipped: Counter[str] = Counter()
 
-    # --- EventSink -------------------------------------------------------------------------
+    # --- EventSink (kvcache.sink) ---------------------------------------------------------
 
     def apply(self, pod: str, model: str, rank: int, events: Sequence[KVEvent]) -> None:
         """Apply one (pod, rank)'s events in order. Bad events are logged, counted and skipped."""

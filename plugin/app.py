@@ -16,7 +16,9 @@ from prometheus_client import CollectorRegistry
 
 from kvcache.index import PrefixIndex
 from kvcache.metrics import KVEventMetrics
-from kvcache.subscriber import EndpointSpec, LockedIndex, SubscriberManager, SubscriberOptions
+from kvcache.ingest import SubscriberManager
+from kvcache.locking import LockedIndex
+from kvcache.stream import EndpointSpec, SubscriberOptions
 from plugin.config import Settings
 from plugin.extproc import ExternalProcessor, Gateway, Sampler
 from plugin.http import build_http_app

@@ -327,7 +327,7 @@ def test_lost_event_messages_are_replayed_and_the_index_equals_the_engine(env):
 
 def test_gap_beyond_the_replay_buffer_drops_the_pods_entries(env):
     """ghost replays only its last 8 batches: losing 20 cannot be repaired, so what it held is dropped.
-    (kvcache-level twin: tests/kvcache/test_kv_subscriber.py::test_gap_larger_than_replay_buffer_drops_then_rebuilds.)"""
+    (kvcache-level twin: tests/kvcache/test_stream.py::test_gap_larger_than_replay_buffer_drops_then_rebuilds.)"""
     sims_entries = env.truth()[0]
     stale = BlockStored(tuple(range(9000, 9004)), None, tuple(range(64)), 16, None, "GPU", None)
     env.ghost.publish([stale])

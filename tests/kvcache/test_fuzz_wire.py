@@ -20,7 +20,8 @@ from kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBat
 from kvcache.index import PrefixIndex
 from kvcache.metrics import KVEventMetrics
 from kvcache.publisher import EventPublisher
-from kvcache.subscriber import EndpointSpec, SubscriberManager, SubscriberOptions
+from kvcache.ingest import SubscriberManager
+from kvcache.stream import EndpointSpec, SubscriberOptions
 from kvcache.wire import GENERATIONS, WireError, decode_batch, encode_batch
 from devkit.stack import free_port
 

@@ -5,8 +5,9 @@ import msgpack
 from prometheus_client import CollectorRegistry
 
 from kvcache.metrics import KVEventMetrics
-from kvcache.subscriber import EndpointSpec, SubscriberManager
-from test_kv_subscriber import FAST, Engine, RecordingSink, until
+from kvcache.ingest import SubscriberManager
+from kvcache.stream import EndpointSpec
+from kv_engines import FAST, Engine, RecordingSink, until
 
 EXPECTED = {
     "connections", "disconnections", "reconnect_attempts", "batches_received", "events_received", "events_applied",

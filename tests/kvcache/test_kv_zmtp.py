@@ -10,9 +10,10 @@ import pytest
 import zmq
 
 from kvcache.native import native
-from kvcache.subscriber import EndpointSpec, SubscriberManager
+from kvcache.ingest import SubscriberManager
+from kvcache.stream import EndpointSpec
 from kvcache.zmtp import MAX_FRAME, Connection, ping
-from test_kv_subscriber import FAST, RecordingSink, free_port, until
+from kv_engines import FAST, RecordingSink, free_port, until
 
 
 def frame(body: bytes, more: bool = False, command: bool = False) -> bytes:

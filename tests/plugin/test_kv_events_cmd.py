@@ -13,7 +13,7 @@ import pytest
 from kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvcache.publisher import EventPublisher
 from plugin import events_cmd
-from test_kv_subscriber import free_port
+from devkit.stack import free_port
 
 KEYS = {"seq", "ts", "dp_rank", "type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_name",
         "medium", "replayed"}

@@ -144,7 +144,7 @@ async def test_an_index_held_past_the_wait_routes_as_if_nobody_held_the_prompt()
     index decides again."""
     import threading
 
-    from kvcache.subscriber import IndexBusy, LockedIndex
+    from kvcache.locking import IndexBusy, LockedIndex
 
     busy = []
     index = PrefixIndex(max_entries=10_000)
