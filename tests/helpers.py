@@ -1,8 +1,8 @@
 """The one helper module of the tests: polling with a deadline (wait_until, wait_until_async), a
-manual clock (Clock), free
-loopback ports, servers on a port of their own (serve_app), load from worker threads (Load,
-start_threads), and the integration stacks (kvgate and Envoy on loopback: start_kvgate,
-GatewayEnv, stack_fixture, RedisServer). Test files import from here; none keeps a copy."""
+manual clock (Clock), free loopback ports (free_port, free_ports, free_port_run), aiohttp servers on
+a port of their own (serve_app), load from worker threads (Load, start_threads), and the integration
+stacks on loopback (start_kvgate, GatewayEnv, stack_fixture, RedisServer). Test files import these
+from here; none keeps a copy. Support modules beside it (kube_api, hubstub, ...) may import it too."""
 from __future__ import annotations
 
 import asyncio
@@ -22,8 +22,8 @@ from aiohttp import web
 
 from devkit.stack import Proc, Stack, free_port, free_port_run, wait_for_port
 
-__all__ = ["QUICK_STOP", "wait_until", "wait_until_async", "Clock", "free_port", "free_ports", "free_port_run", "serve_app",
-           "Load", "start_threads", "join_all", "Kvgate", "start_kvgate", "envoy_pool", "make_tls_certs",
+__all__ = ["QUICK_STOP", "wait_until", "wait_until_async", "Clock", "free_port", "free_ports", "free_port_run",
+           "serve_app", "Load", "start_threads", "join_all", "Kvgate", "start_kvgate", "envoy_pool", "make_tls_certs",
            "start_canary", "canary_hits", "refused_port", "GatewayEnv", "stack_fixture", "RedisServer"]
 
 
@@ -82,6 +82,8 @@ async def wait_until_async(predicate: Callable[[], Any], timeout: float = 15.0, 
         await asyncio.sleep(interval)
 
 
+# --- time ------------------------------------------------------------------------------------
+
 class Clock:
     """A clock that moves only when the test moves it (`clock.t += 1.0`); calling it gives the time."""
 
@@ -130,6 +132,7 @@ def start_threads(target: Callable[..., object], args: Iterable[tuple], daemon: 
 
 
 def join_all(threads: Iterable[threading.Thread], timeout: float = 30.0) -> None:
+    """Join each thread, waiting at most `timeout` s for each."""
     for t in threads:
         t.join(timeout)
 
