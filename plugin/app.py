@@ -279,6 +279,8 @@ class App:
         snapshot["profiles"] = {pod: self.profiles.learned(pod) for pod in self.profiles.pods()}
         snapshot["tokenizer"] = {"mode": self.settings.tokenizer,
                                  "models": self.verified_tokenizer.status() if self.verified_tokenizer else {}}
+        if self.admission is not None:  # requests waiting for room on a pod, now
+            snapshot["admission"] = {"waiting": self.admission.waiting}
         return snapshot
 
     async def set_ready(self, ready: bool) -> None:

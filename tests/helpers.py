@@ -1,18 +1,30 @@
-"""Helpers shared by the integration tests (real processes on loopback)."""
+"""The one helper module of the tests: polling with a deadline (wait_until, wait_until_async), a
+manual clock (Clock), free loopback ports (free_port, free_ports, free_port_run), aiohttp servers on
+a port of their own (serve_app), load from worker threads (Load, start_threads), and the integration
+stacks on loopback (start_kvgate, GatewayEnv, stack_fixture, RedisServer). Test files import these
+from here; none keeps a copy. Support modules beside it (kube_api, hubstub, ...) may import it too."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import socket
 import subprocess
 import sys
+import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Iterable
 
 import httpx
 import pytest
+from aiohttp import web
 
-from devkit.stack import Proc, Stack, free_port, wait_for_port
+from devkit.stack import Proc, Stack, free_port, free_port_run, wait_for_port
+
+__all__ = ["QUICK_STOP", "wait_until", "wait_until_async", "Clock", "free_port", "free_ports", "free_port_run",
+           "serve_app", "Load", "start_threads", "join_all", "Kvgate", "start_kvgate", "envoy_pool", "make_tls_certs",
+           "start_canary", "canary_hits", "refused_port", "GatewayEnv", "stack_fixture", "RedisServer"]
 
 
 # kvgate's environment in the test stacks: SIGTERM stops it at once. The drain delay (3 s by default) is
@@ -21,26 +33,199 @@ from devkit.stack import Proc, Stack, free_port, wait_for_port
 QUICK_STOP = {"KVGATE_DRAIN_DELAY_S": "0"}
 
 
-def wait_until(predicate, timeout: float = 15.0, interval: float = 0.05):
-    """Poll `predicate` until it returns something true, at most `timeout` s; returns its last value."""
+# --- polling ---------------------------------------------------------------------------------
+
+def _describe(predicate: Callable) -> str:
+    """What a predicate waits for, for a timeout's message: its source line, or its name."""
+    try:
+        return " ".join(inspect.getsource(predicate).split())[:300]
+    except (OSError, TypeError):
+        return getattr(predicate, "__qualname__", repr(predicate))
+
+
+def _timed_out(predicate: Callable, timeout: float, what: str | None, value: object,
+               detail: Callable[[], object] | None) -> AssertionError:
+    message = f"waited {timeout:g} s for {what or _describe(predicate)}; last value {value!r}"
+    if detail is not None:
+        message += f"\n{detail()}"
+    return AssertionError(message)
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float = 15.0, interval: float = 0.05, *,
+               what: str | None = None, detail: Callable[[], object] | None = None) -> Any:
+    """Poll `predicate` until it returns something true, and return that. After `timeout` s raises
+    AssertionError saying what was awaited (`what`, else the predicate's source), its last value and
+    `detail()` (a log tail, a snapshot: whatever explains the failure)."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while True:
         value = predicate()
         if value:
             return value
+        if time.monotonic() >= deadline:
+            raise _timed_out(predicate, timeout, what, value, detail)
         time.sleep(interval)
-    return predicate()
 
 
-async def wait_until_async(predicate, timeout: float = 15.0, interval: float = 0.02):
-    """wait_until for a test on the event loop: polls with asyncio.sleep, so the loop's tasks run."""
+async def wait_until_async(predicate: Callable[[], Any], timeout: float = 15.0, interval: float = 0.02, *,
+                           what: str | None = None, detail: Callable[[], object] | None = None) -> Any:
+    """wait_until for a test on the event loop: polls with asyncio.sleep, so the loop's tasks run; the
+    predicate may be a coroutine function (or return an awaitable), awaited at each poll."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while True:
         value = predicate()
+        if inspect.isawaitable(value):
+            value = await value
         if value:
             return value
+        if time.monotonic() >= deadline:
+            raise _timed_out(predicate, timeout, what, value, detail)
         await asyncio.sleep(interval)
-    return predicate()
+
+
+# --- time ------------------------------------------------------------------------------------
+
+class Clock:
+    """A clock that moves only when the test moves it (`clock.t += 1.0`); calling it gives the time."""
+
+    def __init__(self, t: float = 0.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+# --- ports and servers -----------------------------------------------------------------------
+# free_port(host) and free_port_run(n, host) (the first of n consecutive ports) are devkit.stack's,
+# re-exported here so that tests take every port from one place.
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """`n` different free ports: all bound at once, then released (two free_port() calls may repeat one)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    socks = [socket.socket(family, socket.SOCK_STREAM) for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+async def serve_app(app: web.Application, host: str = "127.0.0.1", port: int = 0,
+                    **runner_options: Any) -> tuple[web.AppRunner, int]:
+    """`app` served on `host` (a free port unless `port`); returns its runner (`await runner.cleanup()`
+    stops it) and the port it listens on."""
+    runner = web.AppRunner(app, **runner_options)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    return runner, runner.addresses[-1][1]
+
+
+# --- load ------------------------------------------------------------------------------------
+
+def start_threads(target: Callable[..., object], args: Iterable[tuple], daemon: bool = True) -> list[threading.Thread]:
+    """One started thread per argument tuple in `args`, each running `target(*a)`."""
+    threads = [threading.Thread(target=target, args=a, daemon=daemon) for a in args]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def join_all(threads: Iterable[threading.Thread], timeout: float = 30.0) -> None:
+    """Join each thread, waiting at most `timeout` s for each."""
+    for t in threads:
+        t.join(timeout)
+
+
+@dataclass
+class Load:
+    """Requests from `workers` threads, back to back, until the `with` block ends. `send(client, worker,
+    n)` makes the worker's n-th request (from 1) with its own httpx.Client on `url` and returns the
+    outcome (a status code, or text saying what went wrong); an httpx error is recorded as its type and
+    message. Every result is (started, ended, outcome), in time.monotonic()."""
+
+    url: str
+    send: Callable[[httpx.Client, int, int], object]
+    workers: int = 3
+    timeout: float = 30.0
+    results: list[tuple[float, float, object]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def __enter__(self) -> "Load":
+        self._threads = start_threads(self._run, [(w,) for w in range(self.workers)])
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        join_all(self._threads, self.timeout)
+
+    def _run(self, worker: int) -> None:
+        n = 0
+        with httpx.Client(base_url=self.url, timeout=self.timeout) as client:
+            while not self._stop.is_set():
+                n += 1
+                started = time.monotonic()
+                try:
+                    outcome = self.send(client, worker, n)
+                except httpx.HTTPError as e:
+                    outcome = f"{type(e).__name__}: {e}"
+                self.results.append((started, time.monotonic(), outcome))
+
+    def outcomes(self, started_after: float = 0.0, ended_before: float = float("inf")) -> list:
+        """The outcomes of the requests started at or after `started_after` that ended before `ended_before`."""
+        return [o for t0, t1, o in list(self.results) if t0 >= started_after and t1 < ended_before]
+
+    def done(self, started_after: float = 0.0) -> int:
+        """Requests started at or after `started_after` (monotonic) that have ended."""
+        return len(self.outcomes(started_after))
+
+    def wait_done(self, n: int, started_after: float = 0.0, timeout: float = 20.0) -> None:
+        """Wait until `n` requests started at or after `started_after` have ended."""
+        wait_until(lambda: self.done(started_after) >= n, timeout=timeout,
+                   what=f"{n} requests started after {started_after:.3f}", detail=lambda: self.results[-5:])
+
+    def failures(self, started_after: float = 0.0, ended_before: float = float("inf")) -> list:
+        return [o for o in self.outcomes(started_after, ended_before) if o != 200]
+
+
+# --- stacks ----------------------------------------------------------------------------------
+
+@dataclass
+class Kvgate:
+    """A `kvgate serve` of a test stack: its process and ports."""
+
+    proc: Proc
+    grpc_port: int
+    http_port: int
+    env: dict[str, str]
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}/metrics"
+
+    def metrics(self) -> str:
+        return httpx.get(self.metrics_url, timeout=5).text
+
+    def debug(self) -> dict:
+        return httpx.get(f"http://127.0.0.1:{self.http_port}/debug", timeout=5).json()
+
+
+def start_kvgate(stack: Stack, pods_file: Path, env: dict[str, str] | None = None, *, name: str = "kvgate",
+                 wait: bool = True) -> Kvgate:
+    """`kvgate serve` over `pods_file` on free ports, quick to stop (QUICK_STOP), with `env` on top;
+    returned once ready (wait=False: started; `stack.ready(k.proc, ("127.0.0.1", k.grpc_port))`)."""
+    grpc_port, http_port = free_ports(2)
+    full = {"KVGATE_PODS_FILE": str(pods_file), "KVGATE_GRPC_PORT": str(grpc_port),
+            "KVGATE_HTTP_PORT": str(http_port), **QUICK_STOP, **(env or {})}
+    return Kvgate(stack.kvgate(env=full, grpc_port=grpc_port, name=name, wait=wait), grpc_port, http_port, full)
+
+
+def envoy_pool(pods: Iterable[dict]) -> list[tuple[str, int]]:
+    """Envoy's pool (the endpoints override_host may pick) for pods as in a pods file."""
+    return [(p["address"], p["port"]) for p in pods]
 
 
 def make_tls_certs(workdir: Path, name: str = "test", ca: tuple[Path, Path] | None = None) -> dict[str, Path]:
@@ -109,14 +294,12 @@ class GatewayEnv:
         self.pods = pods
         self.pods_file = self.stack.pods_file(pods)
         self.canary, self.canary_port = start_canary(self.stack)
-        self.grpc_port, self.http_port = free_port(), free_port()
-        self.kvgate_env = {"KVGATE_PODS_FILE": str(self.pods_file), "KVGATE_GRPC_PORT": str(self.grpc_port),
-                           "KVGATE_HTTP_PORT": str(self.http_port), **QUICK_STOP, **env}
-        self.kvgate = self.stack.kvgate(env=self.kvgate_env, grpc_port=self.grpc_port)
+        gate = start_kvgate(self.stack, self.pods_file, env)
+        self.kvgate, self.kvgate_env = gate.proc, gate.env
+        self.grpc_port, self.http_port = gate.grpc_port, gate.http_port
         wait_for_port("127.0.0.1", self.http_port, timeout=10)
         self.listen = free_port()
-        self.envoy = self.stack.envoy(listen_port=self.listen, extproc_port=self.grpc_port,
-                                      pool=[(p["address"], p["port"]) for p in pods])
+        self.envoy = self.stack.envoy(listen_port=self.listen, extproc_port=self.grpc_port, pool=envoy_pool(pods))
         self.url = f"http://127.0.0.1:{self.listen}"
         self.client = httpx.Client(base_url=self.url, timeout=client_timeout)
         self.on_close(self.client.close)
@@ -190,14 +373,7 @@ class RedisServer:
         if self.password:
             args += ["--requirepass", self.password]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return
-            except OSError:
-                time.sleep(0.02)
-        raise RuntimeError("redis-server did not start")
+        wait_for_port("127.0.0.1", self.port, timeout=10, proc=self.proc, name="redis-server")
 
     def kill(self) -> None:
         if self.proc is not None:

@@ -20,6 +20,8 @@ from pathlib import Path
 
 from aiohttp import web
 
+from helpers import serve_app
+
 CDN_HOST = "127.0.0.2"  # loopback too, but another host: huggingface_hub treats it as a CDN
 
 
@@ -74,13 +76,8 @@ class HubStub:
         app = web.Application()
         app.router.add_route("*", "/cdn/{sha}", self._cdn_file)
         app.router.add_route("*", "/{org}/{name}/resolve/{revision}/{filename}", self._resolve)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        hub = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await hub.start()
-        port = hub._server.sockets[0].getsockname()[1]
-        cdn = web.TCPSite(self._runner, CDN_HOST, port)
-        await cdn.start()
+        self._runner, port = await serve_app(app, access_log=None)
+        await web.TCPSite(self._runner, CDN_HOST, port).start()  # the CDN: another host name, the same port
         self.url = f"http://127.0.0.1:{port}"
         self._cdn_url = f"http://{CDN_HOST}:{port}"
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from helpers import serve_app
+
 POOLS = "/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools"
 PODS = "/api/v1/namespaces/{ns}/pods"
 
@@ -153,11 +155,8 @@ class KubeAPI:
 
         app.router.add_get(PODS.format(ns=self.ns), pods)
         app.router.add_get(POOLS.format(ns=self.ns), pools)
-        self._runner = web.AppRunner(app, shutdown_timeout=0.1)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        return f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        self._runner, port = await serve_app(app, shutdown_timeout=0.1)
+        return f"http://127.0.0.1:{port}"
 
     async def stop(self) -> None:
         self.end_watches()

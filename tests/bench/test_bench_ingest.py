@@ -7,13 +7,13 @@ from pathlib import Path
 
 import zmq
 
-from devkit.stack import free_port
+from helpers import free_ports
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_publisher_reports_the_batches_sent_and_the_last_seq_a_subscriber_saw() -> None:
-    pub_port, replay_port = free_port(), free_port()
+    pub_port, replay_port = free_ports(2)
     proc = subprocess.Popen([sys.executable, "-m", "bench.ingest", "--publish", str(pub_port), str(replay_port)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO)
     ctx = zmq.Context()
@@ -48,8 +48,17 @@ def test_coalesce_help_states_kvgates_own_default() -> None:
     from bench.ingest import add_arguments
     from plugin.config import VARIABLES
 
-    parser = argparse.ArgumentParser()
+    class Recording(argparse.ArgumentParser):
+        """Keeps the actions add_argument returns (argparse's public way to a declared argument)."""
+        actions: list[argparse.Action] = []
+
+        def add_argument(self, *args, **kwargs) -> argparse.Action:
+            action = super().add_argument(*args, **kwargs)
+            self.actions.append(action)
+            return action
+
+    parser = Recording()
     add_arguments(parser)
-    (action,) = [a for a in parser._actions if "--coalesce" in a.option_strings]
+    (action,) = [a for a in parser.actions if "--coalesce" in a.option_strings]
     (var,) = [v for v in VARIABLES if v.env == "KVGATE_KV_EVENTS_COALESCE_S"]
     assert action.help.endswith(f"kvgate's own, {var.default:g})")

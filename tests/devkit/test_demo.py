@@ -146,10 +146,10 @@ def test_sigint_stops_a_demo_started_as_a_background_job(tmp_path):
     middle of its traffic, and a second SIGINT while it stops only hurries that."""
     demo = Demo(tmp_path, "--duration", "60", "--sims", "1", "--gateways", "1", "--strategies", "round-robin",
                 background_job=True)
-    assert wait_until(lambda: "round-robin" in demo.stderr() and "requests" in demo.stderr(), timeout=60), \
-        demo.stderr()
+    assert wait_until(lambda: "round-robin" in demo.stderr() and "requests" in demo.stderr(), timeout=60,
+                      detail=demo.stderr)
     demo.send(signal.SIGINT)
-    assert wait_until(lambda: "SIGINT: stopping" in demo.stderr(), timeout=10), demo.stderr()
+    assert wait_until(lambda: "SIGINT: stopping" in demo.stderr(), timeout=10, detail=demo.stderr)
     demo.send(signal.SIGINT)
     assert demo.finish() == 130
 
@@ -159,7 +159,7 @@ def test_an_engine_exit_is_reported_and_the_others_keep_serving(tmp_path):
     demo = Demo(tmp_path, "--no-traffic", "--sims", "2", "--gateways", "2")
     info = demo.info()
     subprocess.run(["kill", "-9", str(demo.child("--name sim0"))], check=True)
-    assert wait_until(lambda: "engine sim0 exited" in demo.stderr(), timeout=10), demo.stderr()
+    assert wait_until(lambda: "engine sim0 exited" in demo.stderr(), timeout=10, detail=demo.stderr)
     assert "keeps serving on sim1" in demo.stderr()
 
     def served_by_sim1() -> bool:

@@ -13,7 +13,6 @@ import json
 import sys
 import threading
 import time
-from collections import Counter
 
 import httpx
 import pytest
@@ -24,8 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvcache.publisher import END_SEQ, EventPublisher
 from kvcache.wire import decode_batch
-from helpers import GatewayEnv, stack_fixture, wait_until
-from devkit.stack import Stack, free_port
+from helpers import GatewayEnv, Load, free_port, free_ports, join_all, stack_fixture, start_threads, wait_until
+from devkit.stack import Stack
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -183,7 +182,7 @@ class Env(GatewayEnv):
         self.redis_port = int(self.redis_url.rsplit(":", 1)[1].split("/")[0])
         pods = []
         for name in ("sim0", "sim1"):
-            port, pub, replay = free_port(), free_port(), free_port()
+            port, pub, replay = free_ports(3)
             proc = stack.sim(name=name, port=port, model=MODEL, kv_events_port=pub, replay_port=replay,
                              extra=["--tpot-ms", "10", "--ttft-overhead-ms", "2"])
             self.sims[name] = {"port": port, "pub": pub, "replay": replay, "proc": proc}
@@ -195,13 +194,13 @@ class Env(GatewayEnv):
         self.on_close(self.proxy.close)
         pods[1]["kv_events"]["pub_port"] = self.proxy_port
         # "ghost": a publisher in this process with an 8-batch replay buffer, behind a pod never ready.
-        gpub, greplay = free_port(), free_port()
+        gpub, greplay = free_ports(2)
         self.ghost = EventPublisher(f"tcp://127.0.0.1:{gpub}", f"tcp://127.0.0.1:{greplay}", buffer_steps=8)
         self.on_close(self.ghost.close)
         pods.append({"name": "ghost", "address": "127.0.0.1", "port": free_port(), "model": MODEL, "ready": False,
                      "kv_events": {"pub_port": gpub, "replay_port": greplay}})
         # "flood": an event firehose started by the flood test, behind a pod never ready.
-        self.flood_ports = (free_port(), free_port())
+        self.flood_ports = tuple(free_ports(2))
         pods.append({"name": "flood", "address": "127.0.0.1", "port": free_port(), "model": MODEL, "ready": False,
                      "kv_events": {"pub_port": self.flood_ports[0], "replay_port": self.flood_ports[1]}})
         self.start_gateway(pods, {
@@ -232,7 +231,8 @@ class Env(GatewayEnv):
             last["index"] = self.index_view()
             return last["truth"] == last["index"]
 
-        wait_until(same, timeout=timeout, interval=0.2)
+        wait_until(same, timeout=timeout, interval=0.2, what=f"kvgate's index of {names} to equal the engines' truth",
+                   detail=lambda: f"index {last['index']} != engines {last['truth']}")
         return last["index"], last["truth"]
 
     def complete_direct(self, sim: str, text: str, max_tokens: int = 1) -> dict:
@@ -245,60 +245,25 @@ class Env(GatewayEnv):
 env = stack_fixture(Env)
 
 
-class Load:
+def mixed_load(url: str, workers: int = 3, headers: dict | None = None, max_tokens: int = 4) -> Load:
     """Requests through Envoy from worker threads until stopped: non-streaming completions and
-    streaming chats, alternately. Records (start, end, status or error text) per request."""
+    streaming chats, alternately."""
+    headers = headers or {}
 
-    def __init__(self, url: str, workers: int = 3, headers: dict | None = None, max_tokens: int = 4) -> None:
-        self.url, self.headers, self.max_tokens = url, headers or {}, max_tokens
-        self.results: list[tuple[float, float, object]] = []
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(workers)]
+    def send(c: httpx.Client, worker: int, n: int) -> object:
+        if n % 2:
+            r = c.post("/v1/completions", headers=headers, json={
+                "model": MODEL, "prompt": prompt(worker * 100_000 + n, 60), "max_tokens": max_tokens})
+            return r.status_code
+        body = {"model": MODEL, "stream": True, "max_tokens": max_tokens,
+                "messages": [{"role": "user", "content": prompt(worker, 40)}]}
+        with c.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
+            lines = [line for line in r.iter_lines() if line]
+        if r.status_code == 200 and lines[-1] != "data: [DONE]":
+            return "stream ended without [DONE]"
+        return r.status_code
 
-    def __enter__(self) -> "Load":
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(30)
-
-    def _run(self, worker: int) -> None:
-        n = 0
-        with httpx.Client(base_url=self.url, timeout=30) as c:
-            while not self._stop.is_set():
-                n += 1
-                t0 = time.monotonic()
-                try:
-                    if n % 2:
-                        r = c.post("/v1/completions", headers=self.headers,
-                                   json={"model": MODEL, "prompt": prompt(worker * 100_000 + n, 60),
-                                         "max_tokens": self.max_tokens})
-                        outcome: object = r.status_code
-                    else:
-                        body = {"model": MODEL, "stream": True, "max_tokens": self.max_tokens,
-                                "messages": [{"role": "user", "content": prompt(worker, 40)}]}
-                        with c.stream("POST", "/v1/chat/completions", json=body, headers=self.headers) as r:
-                            lines = [line for line in r.iter_lines() if line]
-                        outcome = r.status_code
-                        if r.status_code == 200 and lines[-1] != "data: [DONE]":
-                            outcome = "stream ended without [DONE]"
-                except httpx.HTTPError as e:
-                    outcome = f"{type(e).__name__}: {e}"
-                self.results.append((t0, time.monotonic(), outcome))
-
-    def done(self, started_after: float = 0.0) -> int:
-        """Requests started at or after `started_after` (monotonic) that have ended."""
-        return sum(1 for t0, _, _ in list(self.results) if t0 >= started_after)
-
-    def wait_done(self, n: int, started_after: float = 0.0, timeout: float = 20.0) -> None:
-        """Wait until `n` requests started at or after `started_after` have ended."""
-        assert wait_until(lambda: self.done(started_after) >= n, timeout=timeout), (n, self.results[-5:])
-
-    def failures(self, started_after: float = 0.0, ended_before: float = float("inf")) -> list:
-        return [o for t0, t1, o in self.results if t0 >= started_after and t1 < ended_before and o != 200]
+    return Load(url, send, workers=workers)
 
 
 # --- the faults -----------------------------------------------------------------------------
@@ -331,7 +296,7 @@ def test_gap_beyond_the_replay_buffer_drops_the_pods_entries(env):
     sims_entries = env.truth()[0]
     stale = BlockStored(tuple(range(9000, 9004)), None, tuple(range(64)), 16, None, "GPU", None)
     env.ghost.publish([stale])
-    assert wait_until(lambda: env.index_view()[0] == sims_entries + 4), env.debug()["index"]
+    assert wait_until(lambda: env.index_view()[0] == sims_entries + 4, detail=lambda: env.debug()["index"])
     env.ghost.drop_next(20)
     env.ghost.publish([BlockRemoved(tuple(range(9000, 9004)), "GPU")])  # lost for good: stale must not stay
     for i in range(19):
@@ -341,9 +306,9 @@ def test_gap_beyond_the_replay_buffer_drops_the_pods_entries(env):
 
     def dropped():
         return metric(env.metrics(), "kvgate_kvevents_state_drops", pod="ghost", reason="gap") >= 1
-    assert wait_until(dropped), env.kvgate.log_tail()
+    assert wait_until(dropped, detail=env.kvgate.log_tail)
     # After the drop only what the engine can still prove: the 7 replayable batches and the live one.
-    assert wait_until(lambda: env.index_view()[0] == sims_entries + 8), env.debug()["index"]
+    assert wait_until(lambda: env.index_view()[0] == sims_entries + 8, detail=lambda: env.debug()["index"])
     assert metric(env.metrics(), "kvgate_kvevents_missed_batches", pod="ghost") >= 13
     env.ghost.publish([AllBlocksCleared()])
     assert wait_until(lambda: env.index_view()[0] == sims_entries)
@@ -364,7 +329,7 @@ def test_engine_killed_and_restarted_drops_stale_blocks_then_rebuilds(env):
 
     def restart_noticed():
         return metric(env.metrics(), "kvgate_kvevents_state_drops", pod="sim0", reason="restart") >= 1
-    assert wait_until(restart_noticed), env.kvgate.log_tail()
+    assert wait_until(restart_noticed, detail=env.kvgate.log_tail)
     index, truth = env.index_matches_truth()
     assert index == truth, f"index {index} != engines {truth} after sim0 restarted"
     before = env.cached_blocks_counter()
@@ -417,7 +382,7 @@ def test_restart_hidden_behind_a_proxy_is_noticed_at_its_first_batch(env):
 
     def noticed():
         return metric(env.metrics(), "kvgate_kvevents_state_drops", pod="sim1", reason="restart") > drops
-    assert wait_until(noticed), env.kvgate.log_tail()
+    assert wait_until(noticed, detail=env.kvgate.log_tail)
     index, truth = env.index_matches_truth()
     assert index == truth
 
@@ -427,7 +392,7 @@ def test_redis_killed_under_load_no_request_fails_and_counts_reconverge(env):
     r = redis_py.Redis(host="127.0.0.1", port=env.redis_port, socket_timeout=2)
     key = f"kvgate:{{running}}:gw:{GATEWAY_ID}"
     assert wait_until(lambda: env.debug()["counts"]["redis_up"])
-    with Load(env.url, workers=3) as load:
+    with mixed_load(env.url, workers=3) as load:
         load.wait_done(10)
         env.redis.kill()
         killed_at = time.monotonic()
@@ -441,16 +406,17 @@ def test_redis_killed_under_load_no_request_fails_and_counts_reconverge(env):
         load.wait_done(10, started_after=time.monotonic())
     assert load.done(started_after=killed_at) >= 20
     assert load.failures() == [], load.failures()[:5]
-    assert wait_until(env.counts_are_zero), env.debug()["counts"]
+    assert wait_until(env.counts_are_zero, detail=lambda: env.debug()["counts"])
     # Redis itself agrees: this gateway's hash holds no running request.
-    assert wait_until(lambda: {k: v for k, v in r.hgetall(key).items() if k != b"~"} == {}, timeout=5), r.hgetall(key)
+    assert wait_until(lambda: {k: v for k, v in r.hgetall(key).items() if k != b"~"} == {}, timeout=5,
+                      detail=lambda: r.hgetall(key))
     r.close()
 
 
 def test_kvgate_killed_under_load_fails_closed_then_recovers_its_index(env, record_property):
     evil = {"x-gateway-destination-endpoint": f"127.0.0.1:{env.canary_port}", "target-pod": f"127.0.0.1:{env.canary_port}"}
     canary_before = env.canary_hits()
-    with Load(env.url, workers=3, headers=evil) as load:
+    with mixed_load(env.url, workers=3, headers=evil) as load:
         load.wait_done(10)
         killed_at = time.monotonic()
         env.kvgate.kill()
@@ -473,7 +439,6 @@ def test_kvgate_killed_under_load_fails_closed_then_recovers_its_index(env, reco
     assert len(window) >= 5, window  # the requests sent while kvgate was down, at least, failed
     assert all((isinstance(o, int) and o >= 500) or "RemoteProtocolError" in str(o) for o in window), window
     record_property("kvgate_kill_failed_in_window", len(window))
-    print(f"\nKVGATE-KILL window failures: {Counter(str(o)[:40] for o in window)}")
     # The new process rebuilt the index from the engines' replay.
     index, truth = env.index_matches_truth()
     assert index == truth and truth[0] > 0
@@ -500,19 +465,16 @@ def test_pod_removed_while_its_responses_stream(env):
         except (httpx.HTTPError, threading.BrokenBarrierError) as e:
             out["error"] = f"{type(e).__name__}: {e}"
 
-    threads = [threading.Thread(target=stream, args=(i,)) for i in range(6)]
-    for t in threads:
-        t.start()
+    threads = start_threads(stream, [(i,) for i in range(6)], daemon=False)
     started.wait()
     env.pods_file.write_text(yaml.safe_dump([p for p in env.pods if p["name"] != "sim1"]))
     try:
         assert wait_until(lambda: all(p["name"] != "sim1" for p in env.debug()["pods"]), timeout=10)
-        for t in threads:
-            t.join(30)
+        join_all(threads)
         assert {r["pod"] for r in results.values()} == {"sim0", "sim1"}, results
         # Every stream either finished or ended cleanly: no transport error.
         assert all(r["error"] is None and r["status"] == 200 and r["done"] for r in results.values()), results
-        assert wait_until(env.counts_are_zero), env.debug()
+        assert wait_until(env.counts_are_zero, detail=env.debug)
         index, truth = env.index_matches_truth(names=("sim0",))
         assert index == truth, "sim1's blocks outlived its removal"
     finally:
@@ -522,8 +484,8 @@ def test_pod_removed_while_its_responses_stream(env):
     assert index == truth
 
 
-def _route_latencies(env: Env, n: int, offset: int) -> list[float]:
-    """kvgate's routing latency: one ext_proc stream (headers, body -> answer), timed from here."""
+def _route(env: Env, n: int, offset: int) -> None:
+    """`n` routing decisions straight from kvgate: one ext_proc stream each (headers, body -> answer)."""
     import grpc
     from envoy.config.core.v3 import base_pb2
     from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -537,34 +499,23 @@ def _route_latencies(env: Env, n: int, offset: int) -> list[float]:
         yield pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=headers))
         yield pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True))
 
-    out = []
     with grpc.insecure_channel(f"127.0.0.1:{env.grpc_port}") as channel:
         stub = pb_grpc.ExternalProcessorStub(channel)
         for i in range(n):
             body = json.dumps({"model": MODEL, "prompt": prompt(offset + i, 120), "max_tokens": 1}).encode()
-            t0 = time.perf_counter()
             answers = list(stub.Process(messages(body), timeout=10))
-            out.append(time.perf_counter() - t0)
             assert answers[-1].WhichOneof("response") == "request_body", answers[-1]
-    return out
 
 
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
-
-
-def test_event_flood_while_serving_keeps_routing_responsive(env, record_property):
-    """Routing latency p50/p99, quiet vs. under a 10x event flood, recorded; asserted: the flood is
-    ingested while the whole probe runs, every request meanwhile succeeds, and routing stays responsive
-    within bounds loose enough for a shared 2-core machine: measured there, flood p50 6-7 ms vs. quiet
-    6-7.5 ms and a p99 ratio of 0.7-2.3; an ingestion that blocked the event loop 0.6 ms per batch made
-    the flood p50 34 ms (the p50 bound fails), one blocking 3 ms per batch never caught up with the flood
-    (the AllBlocksCleared wait fails). The p99 bound only catches stalls of 50 ms and more: 200 samples
-    make p99 their second worst. Speed targets live in `kvgate bench`, not here."""
+def test_event_flood_while_serving_is_ingested_during_the_probe_and_fails_no_request(env):
+    """A 10x event flood while kvgate serves: 200 routing decisions straight from kvgate, and requests
+    through Envoy meanwhile, all succeed; the flood is ingested while the whole probe runs, and kvgate
+    catches up with it (an ingestion that blocked the event loop 3 ms per batch never did: the
+    AllBlocksCleared wait fails). How long routing takes under ingestion is a benchmark's, not a test's:
+    `kvgate bench index` reports the event loop's lag beside event churn (churn_loop_lag_*_ms)."""
     m0, t0 = env.metrics(), time.monotonic()
-    with Load(env.url, workers=2) as quiet_load:
-        quiet = _route_latencies(env, 200, offset=10_000)
+    with mixed_load(env.url, workers=2) as quiet_load:
+        _route(env, 200, offset=10_000)
     quiet_s = time.monotonic() - t0
     m1 = env.metrics()
     normal_blocks_s = (metric(m1, "kvgate_kvevents_events_received", type="BlockStored")
@@ -580,8 +531,8 @@ def test_event_flood_while_serving_keeps_routing_responsive(env, record_property
     m2 = env.metrics()
     before = metric(m2, "kvgate_kvevents_batches_received", pod="flood")
     cleared_before = metric(m2, "kvgate_kvevents_events_applied", type="AllBlocksCleared")
-    with Load(env.url, workers=2) as flood_load:
-        flooded = _route_latencies(env, 200, offset=20_000)
+    with mixed_load(env.url, workers=2) as flood_load:
+        _route(env, 200, offset=20_000)
     m3 = env.metrics()
     ingested = metric(m3, "kvgate_kvevents_batches_received", pod="flood") - before
     # The flood's last event (AllBlocksCleared) had not come yet: the whole probe ran under the flood.
@@ -593,15 +544,3 @@ def test_event_flood_while_serving_keeps_routing_responsive(env, record_property
     env.stack.procs.remove(flood)
     assert quiet_load.failures() == [] and flood_load.failures() == [], flood_load.failures()[:5]
     assert ingested > 100, "the flood never reached kvgate"
-    numbers = {
-        "normal_blocks_per_s": round(normal_blocks_s, 1), "flood_blocks_per_s": round(flood_rate, 1),
-        "flood_batches_ingested_during_probe": int(ingested),
-        "quiet_p50_ms": round(_pct(quiet, 0.5) * 1e3, 2), "quiet_p99_ms": round(_pct(quiet, 0.99) * 1e3, 2),
-        "flood_p50_ms": round(_pct(flooded, 0.5) * 1e3, 2), "flood_p99_ms": round(_pct(flooded, 0.99) * 1e3, 2),
-    }
-    numbers["p99_ratio"] = round(numbers["flood_p99_ms"] / numbers["quiet_p99_ms"], 2)
-    for k, v in numbers.items():
-        record_property(k, v)
-    print("\nFLOOD " + json.dumps(numbers))
-    assert numbers["flood_p50_ms"] <= 2 * numbers["quiet_p50_ms"] + 5, numbers
-    assert numbers["flood_p99_ms"] <= 4 * numbers["quiet_p99_ms"] + 50, numbers

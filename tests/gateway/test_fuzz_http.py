@@ -15,8 +15,8 @@ import random
 import httpx
 import pytest
 
-from devkit.stack import Stack, free_port
-from helpers import QUICK_STOP
+from devkit.stack import Stack
+from helpers import envoy_pool, free_port, start_kvgate
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -28,16 +28,12 @@ LIMIT = 65536
 def gw():
     with Stack() as stack:
         pods = stack.engines(1, model=MODEL, extra=["--tpot-ms", "2", "--ttft-overhead-ms", "1"])
-        pods_file = stack.pods_file(pods)
-        grpc_port, http_port = free_port(), free_port()
-        kvgate = stack.kvgate(env={"KVGATE_PODS_FILE": str(pods_file), "KVGATE_GRPC_PORT": str(grpc_port),
-                                   "KVGATE_HTTP_PORT": str(http_port), "KVGATE_MAX_BODY_BYTES": str(LIMIT), **QUICK_STOP},
-                              grpc_port=grpc_port)
+        kvgate = start_kvgate(stack, stack.pods_file(pods), {"KVGATE_MAX_BODY_BYTES": str(LIMIT)})
         listen = free_port()
-        stack.envoy(listen_port=listen, extproc_port=grpc_port, pool=[("127.0.0.1", p["port"]) for p in pods])
+        stack.envoy(listen_port=listen, extproc_port=kvgate.grpc_port, pool=envoy_pool(pods))
         with httpx.Client(base_url=f"http://127.0.0.1:{listen}", timeout=30) as client:
-            client.kvgate_log = kvgate.log_path
-            client.metrics_url = f"http://127.0.0.1:{http_port}/metrics"
+            client.kvgate_log = kvgate.proc.log_path
+            client.metrics_url = kvgate.metrics_url
             yield client
 
 

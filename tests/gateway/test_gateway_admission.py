@@ -12,8 +12,9 @@ import time
 import httpx
 import pytest
 
-from devkit.stack import Stack, free_port, wait_for_port
-from helpers import GatewayEnv, stack_fixture, wait_until
+from devkit.stack import Stack, wait_for_port
+from helpers import (GatewayEnv, envoy_pool, free_port, join_all, stack_fixture, start_kvgate, start_threads,
+                     wait_until)
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")]
@@ -34,22 +35,18 @@ class Env(GatewayEnv):
         self.sims = {p["name"]: p["port"] for p in pods}
         _, redis_url = stack.redis()
         pods_file = stack.pods_file(pods)
-        replicas, grpc_ports = [], []
-        for g in range(2):
-            grpc_port = free_port()
-            env = {"KVGATE_PODS_FILE": str(pods_file), "KVGATE_GRPC_PORT": str(grpc_port),
-                   "KVGATE_HTTP_PORT": str(free_port()), "KVGATE_REDIS_URL": redis_url,
-                   "KVGATE_GATEWAY_ID": f"kvgate{g}", "KVGATE_ROUTING_STRATEGY": "least-request",
-                   "KVGATE_ADMISSION_MAX_RUNNING": str(LIMIT), "KVGATE_ADMISSION_MAX_WAIT_S": str(WAIT_S),
-                   "KVGATE_ADMISSION_RETRY_AFTER_S": "1"}
-            replicas.append(stack.kvgate(env=env, grpc_port=grpc_port, name=f"kvgate{g}", wait=False))
-            grpc_ports.append(grpc_port)
-        for proc, port in zip(replicas, grpc_ports):
-            stack.ready(proc, ("127.0.0.1", port))
-        self.kvgate = replicas[0]
+        self.replicas = [start_kvgate(stack, pods_file, {
+            "KVGATE_REDIS_URL": redis_url, "KVGATE_GATEWAY_ID": f"kvgate{g}",
+            "KVGATE_ROUTING_STRATEGY": "least-request", "KVGATE_ADMISSION_MAX_RUNNING": str(LIMIT),
+            "KVGATE_ADMISSION_MAX_WAIT_S": str(WAIT_S), "KVGATE_ADMISSION_RETRY_AFTER_S": "1"},
+            name=f"kvgate{g}", wait=False) for g in range(2)]
+        for r in self.replicas:
+            stack.ready(r.proc, ("127.0.0.1", r.grpc_port))
+            wait_for_port("127.0.0.1", r.http_port, timeout=10)
+        self.kvgate = self.replicas[0].proc
         listen = free_port()
-        self.envoy = stack.envoy(listen_port=listen, extproc_port=grpc_ports[0], more_extproc_ports=grpc_ports[1:],
-                                 pool=[(p["address"], p["port"]) for p in pods])
+        self.envoy = stack.envoy(listen_port=listen, extproc_port=self.replicas[0].grpc_port,
+                                 more_extproc_ports=[r.grpc_port for r in self.replicas[1:]], pool=envoy_pool(pods))
         wait_for_port("127.0.0.1", listen, timeout=10)
         self.url = f"http://127.0.0.1:{listen}"
 
@@ -61,6 +58,10 @@ class Env(GatewayEnv):
             out[name] = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                             if line.startswith("sim:requests_live_peak{"))
         return out
+
+    def waiting(self) -> int:
+        """Requests waiting in the replicas' admission queues for room on a pod, now."""
+        return sum(r.debug()["admission"]["waiting"] for r in self.replicas)
 
     def running(self) -> float:
         total = 0.0
@@ -93,11 +94,7 @@ def _send(url: str, model: str, max_tokens: int, out: list, i: int) -> None:
 
 
 def _burst(url: str, requests: list[tuple[str, int]], out: list, offset: int = 0) -> list[threading.Thread]:
-    threads = [threading.Thread(target=_send, args=(url, model, n, out, offset + i), daemon=True)
-               for i, (model, n) in enumerate(requests)]
-    for t in threads:
-        t.start()
-    return threads
+    return start_threads(_send, [(url, model, n, out, offset + i) for i, (model, n) in enumerate(requests)])
 
 
 def test_burst_of_3x_capacity_never_puts_a_pod_past_its_limit_loses_nothing_and_takes_models_in_turn(env):
@@ -110,10 +107,9 @@ def test_burst_of_3x_capacity_never_puts_a_pod_past_its_limit_loses_nothing_and_
     big = _burst(env.url, [(BIG, 100)] * 4, out)
     assert wait_until(lambda: env.running() >= 4, timeout=10)  # the pods are full: the rest wait
     big += _burst(env.url, [(BIG, 40)] * 4, out, offset=4)
-    time.sleep(0.3)  # the base model's waiters queue first
+    assert wait_until(lambda: env.waiting() >= 4, timeout=10)  # the base model's waiters queue first
     small = _burst(env.url, [(SMALL, 5)] * 4, out, offset=8)
-    for t in big + small:
-        t.join(30)
+    join_all(big + small)
     assert all(o is not None for o in out), out
     statuses = [o[1] for o in out]
     assert all(s in (200, 429) for s in statuses), statuses  # served or told to come back: none lost
@@ -136,13 +132,11 @@ def test_full_pods_answer_429_with_retry_after_once_the_wait_is_over(env):
     holders = _burst(env.url, [(BIG, int((WAIT_S + 1) * 1000 / TPOT_MS))] * 4, out)  # 4 s each
     assert wait_until(lambda: env.running() >= 4, timeout=10)
     extra = _burst(env.url, [(SMALL, 4), (BIG, 4)], out, offset=4)
-    for t in extra:
-        t.join(30)
+    join_all(extra)
     for model, status, retry_after, sent, first, body in out[4:]:
         assert status == 429 and retry_after == "1", (status, body)
         assert first - sent >= WAIT_S * 0.9  # answered after the wait, not at once
         assert b'"code": "admission_timeout"' in body or b'"code":"admission_timeout"' in body
-    for t in holders:
-        t.join(30)
+    join_all(holders)
     assert [o[1] for o in out[:4]] == [200] * 4
     assert max(env.peaks().values()) <= LIMIT

@@ -153,7 +153,7 @@ def test_data_parallel_engine_serves_on_the_rank_kvgate_pins(env):
     warm = httpx.post(f"http://127.0.0.1:{env.sims['sim1']}/v1/completions", headers={"X-data-parallel-rank": "1"},
                       json={"model": MODEL, "prompt": prompt, "max_tokens": 1}, timeout=10)
     assert warm.headers["x-sim-rank"] == "1"  # warmed directly, not through the gateway
-    assert wait_until(lambda: env.debug_pod("sim1").get("blocks", 0) > 0), env.debug_pod("sim1")
+    assert wait_until(lambda: env.debug_pod("sim1").get("blocks", 0) > 0, detail=lambda: env.debug_pod("sim1"))
     for client_rank in ({"x-data-parallel-rank": "0"}, {}):
         r = env.client.post("/v1/completions", headers=client_rank,
                             json={"model": MODEL, "prompt": prompt + "and more", "max_tokens": 1})
@@ -193,7 +193,7 @@ def test_counts_return_to_zero_after_finished_cancelled_and_failed(env):
         payload = json.dumps({"model": MODEL, "prompt": "bye", "max_tokens": 100, "stream": True}).encode()
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
-    assert wait_until(env.counts_are_zero), env.debug()
+    assert wait_until(env.counts_are_zero, detail=env.debug)
 
 
 def test_pods_file_change_is_picked_up_without_restart(env):
@@ -333,7 +333,7 @@ def test_an_unwatched_response_holds_its_count_until_it_ends_and_reaches_kvgate_
         assert env.debug_pod(pod)["running"] == 1  # mid-stream: still counted
         rest = [line for line in lines if line.startswith("data: ")]
     assert rest[-1] == "data: [DONE]"
-    assert wait_until(env.counts_are_zero), env.debug()
+    assert wait_until(env.counts_are_zero, detail=env.debug)
     after = wait_until(lambda: (s := _samples(env)) and _sample(s, "kvgate_requests_observed_total",
                                                                  source="unsampled") > _sample(
         before, "kvgate_requests_observed_total", source="unsampled") and s, timeout=5)

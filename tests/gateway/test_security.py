@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import GatewayEnv, make_tls_certs, stack_fixture, wait_until
-from devkit.stack import Stack, StackError, free_port
+from helpers import GatewayEnv, free_port, make_tls_certs, stack_fixture, wait_until
+from devkit.stack import Stack, StackError
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -222,7 +222,7 @@ def test_rediss_url_with_auth_over_tls(env):
     except (FileNotFoundError, subprocess.CalledProcessError, StackError) as e:
         pytest.skip(f"no openssl or no TLS in redis-server: {e}")
     env.kvgate_with(KVGATE_REDIS_URL=f"rediss://:{REDIS_PASSWORD}@127.0.0.1:{port}/0?ssl_ca_certs={ca}")
-    assert wait_until(lambda: '"redis_up": true' in env.debug_text(), timeout=10), env.kvgate.log_tail()
+    assert wait_until(lambda: '"redis_up": true' in env.debug_text(), timeout=10, detail=env.kvgate.log_tail)
     assert env.ok()
     assert "rediss://" in env.debug_text() and "***@127.0.0.1" in env.debug_text()
     _no_secret(env, REDIS_PASSWORD)

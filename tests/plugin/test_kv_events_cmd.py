@@ -13,7 +13,7 @@ import pytest
 from kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvcache.publisher import EventPublisher
 from plugin import events_cmd
-from devkit.stack import free_port
+from helpers import free_ports
 
 KEYS = {"seq", "ts", "dp_rank", "type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_name",
         "medium", "replayed"}
@@ -29,7 +29,7 @@ def run(*argv: str) -> tuple[int, list[str]]:
 
 @pytest.fixture(params=["0.23", "0.33"])
 def engine(request):
-    pub_port, replay_port = free_port(), free_port()
+    pub_port, replay_port = free_ports(2)
     pub = EventPublisher(f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{replay_port}",
                          generation=request.param, data_parallel_rank=2)
     yield pub, f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{replay_port}"

@@ -9,14 +9,8 @@ from prometheus_client import CollectorRegistry
 
 from plugin.observe import Observer
 from routing.learning.tracking import TraceWindows, Tracker, TrackerRegistry, trace_bucket
+from helpers import Clock
 
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 class Recorder:
@@ -66,7 +60,7 @@ def run_stream(obs, clock, tokens=5, usage=True, step=0.02):
 
 @pytest.mark.parametrize("usage", [True, False])
 def test_stream_gives_ttft_tpot_and_tokens_from_usage_or_counted(usage):
-    reg, clock, calls = CollectorRegistry(), Clock(), []
+    reg, clock, calls = CollectorRegistry(), Clock(100.0), []
     obs = Observer(reg, TrackerRegistry((Recorder("a", calls),)), clock=clock)
     o = run_stream(obs, clock, tokens=5, usage=usage)
     assert o.ttft == pytest.approx(0.3)
@@ -80,7 +74,7 @@ def test_stream_gives_ttft_tpot_and_tokens_from_usage_or_counted(usage):
 
 
 def test_json_response_gives_tokens_but_no_ttft():
-    reg, clock = CollectorRegistry(), Clock()
+    reg, clock = CollectorRegistry(), Clock(100.0)
     obs = Observer(reg, clock=clock)
     w = obs.start("r", "m", "p1")
     w.on_headers(200, "application/json")
@@ -114,7 +108,7 @@ def test_the_answer_to_response_headers_asks_for_a_json_body_whole_and_an_event_
     from plugin import observe
     Mode = pm.ProcessingMode
     cont = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
-    obs = Observer(CollectorRegistry(), clock=Clock())
+    obs = Observer(CollectorRegistry(), clock=Clock(100.0))
     modes = {}
     for ctype in ("application/json", "text/event-stream; charset=utf-8", ""):
         out = observe.response_headers(obs.start("r", "m", "p"), _response_headers_msg(200, ctype), cont, False)
@@ -142,7 +136,7 @@ def test_the_answer_to_response_headers_asks_for_a_json_body_whole_and_an_event_
 
 def test_failed_or_cut_response_is_done_without_usage_once():
     calls = []
-    obs = Observer(CollectorRegistry(), TrackerRegistry((Recorder("a", calls),)), clock=Clock())
+    obs = Observer(CollectorRegistry(), TrackerRegistry((Recorder("a", calls),)), clock=Clock(100.0))
     w = obs.start("r", "m", "p")
     w.on_headers(503, "application/json")
     w.close()
@@ -153,7 +147,7 @@ def test_failed_or_cut_response_is_done_without_usage_once():
 
 
 def test_served_by_a_fallback_is_counted_on_that_pod():
-    reg, clock = CollectorRegistry(), Clock()
+    reg, clock = CollectorRegistry(), Clock(100.0)
     obs = Observer(reg, clock=clock)
     w = obs.start("r", "m", "p0")
     w.served_by("p2")
@@ -206,7 +200,7 @@ def test_registry_calls_what_a_tracker_overrides_of_tracker_on_its_class_or_inst
 
 
 def test_trace_window_is_aibrix_format_and_rotates_with_terms():
-    clock = Clock()
+    clock = Clock(100.0)
     clock.t = 1_700_000_017.3
     w = TraceWindows(10.0, clock=clock, queueing=lambda m: 2)
     t1 = w.add_request_count(None, "a", "m")
@@ -229,7 +223,7 @@ async def test_trace_writer_puts_aibrix_keys_in_redis_with_expiry(redis_server):
     from routing.learning.tracking import TraceWriter
     client = Redis.from_url(redis_server.url)
     try:
-        clock = Clock()
+        clock = Clock(100.0)
         clock.t = 1_700_000_123.0
         windows = TraceWindows(10.0, clock=clock)
         term = windows.add_request_count(None, "a", "llama-3")
@@ -245,7 +239,7 @@ async def test_trace_writer_puts_aibrix_keys_in_redis_with_expiry(redis_server):
 
 def test_first_token_hook_fires_at_the_first_chunk_and_again_at_the_end_for_cut_requests():
     seen = []
-    obs = Observer(CollectorRegistry(), clock=Clock(), on_first_token=seen.append)
+    obs = Observer(CollectorRegistry(), clock=Clock(100.0), on_first_token=seen.append)
     w = obs.start("r1", "m", "p")
     w.on_headers(200, "text/event-stream")
     w.on_chunk(chat_chunk("", first=True))
@@ -265,7 +259,7 @@ def test_an_unwatched_request_is_done_without_usage_and_a_stray_chunk_only_fires
     """Not sampled: its end tells the trackers done (without usage, whatever a response said) and counts
     it unsampled; should Envoy send a chunk all the same, only the first-token hook sees it (once)."""
     reg, calls, seen = CollectorRegistry(), [], []
-    obs = Observer(reg, TrackerRegistry((Recorder("a", calls),)), clock=Clock(), on_first_token=seen.append)
+    obs = Observer(reg, TrackerRegistry((Recorder("a", calls),)), clock=Clock(100.0), on_first_token=seen.append)
     w = obs.start("r", "m", "p0", tokens=list(range(40)), watched=False)
     assert w.on_headers(200, "text/event-stream")  # the answer to response headers is the watched one's
     w.on_chunk(b"")

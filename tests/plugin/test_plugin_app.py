@@ -6,14 +6,15 @@ import redis as redis_py
 
 from plugin.app import App
 from plugin.config import Settings
-from devkit.stack import Stack, free_port
+from devkit.stack import Stack
 from routing.router import RouteRequest
-from helpers import wait_until_async
+from helpers import free_ports, wait_until_async
 
 
 def settings(**env: str) -> Settings:
+    grpc_port, http_port = free_ports(2)
     return Settings.from_env({"KVGATE_PODS": "a=127.0.0.1:9001/m,b=127.0.0.1:9002/m",
-                              "KVGATE_GRPC_PORT": str(free_port()), "KVGATE_HTTP_PORT": str(free_port()),
+                              "KVGATE_GRPC_PORT": str(grpc_port), "KVGATE_HTTP_PORT": str(http_port),
                               "KVGATE_ROUTING_STRATEGY": "least-request", **env})
 
 
@@ -29,10 +30,12 @@ async def test_app_routes_on_the_configured_pods_with_counts_shared_through_redi
             d = await app.router.pick(RouteRequest("m"))
             assert d.pod.name in {"a", "b"}
             # The pick is this gateway's count in Redis, under the configured gateway id and TTL.
-            assert await wait_until_async(lambda: r.hget(key, d.pod.name) == "1", timeout=5), r.hgetall(key)
+            assert await wait_until_async(lambda: r.hget(key, d.pod.name) == "1", timeout=5,
+                                          detail=lambda: r.hgetall(key))
             assert 0 < r.pttl(key) <= 2000
             await app.router.release(d)
-            assert await wait_until_async(lambda: r.hget(key, d.pod.name) is None, timeout=5), r.hgetall(key)
+            assert await wait_until_async(lambda: r.hget(key, d.pod.name) is None, timeout=5,
+                                          detail=lambda: r.hgetall(key))
         finally:
             r.close()
             await app.stop(0)

@@ -29,16 +29,16 @@ def test_settle_heap_collects_garbage_then_freezes_what_lives() -> None:
 
 def test_sigterm_drains_and_a_second_signal_stops_at_once() -> None:
     import signal
-    import time
 
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from devkit.stack import Stack, free_port
+    from devkit.stack import Stack
+    from helpers import free_ports, wait_until
 
     with Stack() as stack:
-        grpc_port, http_port = free_port(), free_port()
-        env = {"KVGATE_PODS": f"p0=127.0.0.1:{free_port()}/m", "KVGATE_GRPC_PORT": str(grpc_port),
+        grpc_port, http_port, engine_port = free_ports(3)
+        env = {"KVGATE_PODS": f"p0=127.0.0.1:{engine_port}/m", "KVGATE_GRPC_PORT": str(grpc_port),
                "KVGATE_HTTP_PORT": str(http_port), "KVGATE_DRAIN_DELAY_S": "60", "KVGATE_DRAIN_TIMEOUT_S": "60"}
         proc = stack.kvgate(env=env, grpc_port=grpc_port)  # returns once readiness is SERVING
         proc.popen.send_signal(signal.SIGTERM)
@@ -48,9 +48,7 @@ def test_sigterm_drains_and_a_second_signal_stops_at_once() -> None:
             def status(service: str) -> int:
                 return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2).status
 
-            deadline = time.monotonic() + 10
-            while status("readiness") != health_pb2.HealthCheckResponse.NOT_SERVING and time.monotonic() < deadline:
-                time.sleep(0.05)
+            wait_until(lambda: status("readiness") == health_pb2.HealthCheckResponse.NOT_SERVING, timeout=10)
             # draining: no longer ready, still alive and still running (the drain delay is a minute)
             assert status("readiness") == health_pb2.HealthCheckResponse.NOT_SERVING
             assert status("liveness") == health_pb2.HealthCheckResponse.SERVING

@@ -7,15 +7,8 @@ import asyncio
 import pytest
 
 from routing.state.admission import Admission, LocalLimiter, RedisLimiter
-from helpers import wait_until_async
+from helpers import Clock, wait_until_async
 
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 async def test_limit_holds_a_waiter_gets_the_released_room_and_a_late_one_gets_none():
@@ -44,9 +37,9 @@ async def test_waiting_models_take_turns_whatever_their_queue_lengths():
         await adm.release(pod)
 
     tasks = [asyncio.create_task(one("big")) for _ in range(5)]
-    await asyncio.sleep(0)
+    await wait_until_async(lambda: adm.waiting == 5)  # big's five queue first
     tasks.append(asyncio.create_task(one("small")))
-    await asyncio.sleep(0)
+    await wait_until_async(lambda: adm.waiting == 6)
     await adm.release("p")
     await asyncio.wait_for(asyncio.gather(*tasks), 5.0)
     assert order.index("small") <= 1  # served first or second, not after big's five
@@ -82,20 +75,14 @@ async def test_two_gateways_never_admit_past_the_limit_in_redis(redis_server):
         assert await b.try_acquire("p", 5) and not await a.try_acquire("p", 5)
         # b's counts expire with its key: a may fill the pod up to the limit, and no further
         held_by_a = a.running().get("p", 0)
-        assert await asyncio.wait_for(_until_acquired(a, 5), 5.0)
+        # b's key expires about 1 s after its last write: until then a finds the pod full
+        assert await wait_until_async(lambda: a.try_acquire("p", 5), timeout=5.0, interval=0.05)
         extra = [await a.try_acquire("p", 5) for _ in range(5)]
         assert a.running()["p"] == 5 and sum(extra) == 5 - held_by_a - 1
         await a.aclose()
     finally:
         await ca.aclose()
         await cb.aclose()
-
-
-async def _until_acquired(lim, limit):
-    """b's key expires about 1 s after its last write: until then a finds the pod full."""
-    while not await lim.try_acquire("p", limit):
-        await asyncio.sleep(0.05)
-    return True
 
 
 @pytest.mark.integration
@@ -121,7 +108,8 @@ async def test_burst_of_3x_capacity_over_two_gateways_never_exceeds_limits_loses
 
         async def all_arrived() -> None:
             assert await wait_until_async(lambda: len(admitted) + sum(g.waiting for g in gws) == len(models),
-                                          timeout=20, interval=0.005), (admitted, [g.waiting for g in gws])
+                                          timeout=20, interval=0.005,
+                                          detail=lambda: (admitted, [g.waiting for g in gws]))
             arrived.set()
 
         async def request(i: int, model: str) -> None:

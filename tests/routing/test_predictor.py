@@ -8,14 +8,8 @@ from collections import Counter
 import pytest
 
 from routing.learning.predictor import OutputPredictor, PredictorSync, bucket
+from helpers import Clock
 
-
-class Clock:
-    def __init__(self, t=1000.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def test_buckets_are_rounded_log2_capped_at_1m_tokens():
@@ -25,7 +19,7 @@ def test_buckets_are_rounded_log2_capped_at_1m_tokens():
 
 
 def test_predict_draws_within_the_input_bucket_weighted_by_frequency():
-    clock = Clock()
+    clock = Clock(1000.0)
     p = OutputPredictor(rng=random.Random(1), clock=clock)
     for _ in range(300):
         p.add("m", 1000, 64)

@@ -1,9 +1,6 @@
 """Engine metrics scraped from a real HTTP /metrics on loopback feed the queue and kv-util scorers."""
 from __future__ import annotations
 
-import asyncio
-import time
-
 from aiohttp import web
 
 from routing.state.engine_metrics import EngineMetrics
@@ -13,6 +10,7 @@ from routing.registry import PodRegistry
 from routing.router import Router
 from routing.scheduling.scoring import RouteRequest
 from routing.scheduling.strategies import StrategyConfig
+from helpers import serve_app, wait_until_async
 
 
 def vllm_text(waiting: int, usage: float) -> str:
@@ -30,11 +28,7 @@ async def serve(text: str):
 
     app = web.Application()
     app.router.add_get("/metrics", metrics)
-    runner = web.AppRunner(app, shutdown_timeout=0.1)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return runner, site._server.sockets[0].getsockname()[1]
+    return await serve_app(app, shutdown_timeout=0.1)
 
 
 async def test_scrape_and_route_on_engine_load():
@@ -49,9 +43,8 @@ async def test_scrape_and_route_on_engine_load():
     r = Router(reg, default_strategy="least-request", engines=engines, config=cfg, metrics=metrics, seed=0)
     await r.start()
     try:
-        deadline = time.monotonic() + 10
-        while (engines.get("busy") is None or engines.get("idle") is None) and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
+        await wait_until_async(lambda: engines.get("busy") is not None and engines.get("idle") is not None,
+                               timeout=10)
         assert engines.get("busy").waiting == 12 and engines.get("idle").kv_usage == 0.1
         assert engines.get("dead") is None
         assert metrics.registry.get_sample_value("kvgate_engine_metrics_scrape_errors_total") >= 1

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import sys
-import time
 
 import pytest
 
 from kube_api import KubeAPI, pod, pool
-from devkit.stack import Stack, free_port, wait_for_port
+from devkit.stack import Stack, wait_for_port
+from helpers import free_port, wait_until_async
 from routing.errors import DiscoveryError
 from routing.discovery.inferencepool import InferencePoolConfig, InferencePoolSource, parse_models, pool_spec
 from routing.discovery.kube import ApiConfig
@@ -43,13 +43,6 @@ async def api():
     await fake.stop()
 
 
-async def until(predicate, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not predicate() and time.monotonic() < deadline:
-        await asyncio.sleep(0.01)
-    return predicate()
-
-
 def make_source(api, **kw) -> InferencePoolSource:
     cfg = InferencePoolConfig(name="pool", namespace=NS, models_refresh_s=kw.pop("refresh", 30.0),
                               api=ApiConfig(api_url=api.url, token_file="/nonexistent", ca_file="/nonexistent",
@@ -73,19 +66,19 @@ async def test_pool_pods_and_their_models_follow_joins_unready_and_leaves(api, e
         # synced when start returns: the pod, with the models its engine lists (base and adapter)
         assert view(registry) == {"a": (f"{IPS[0]}:{port}", "base", ("ad1",), True)}
         api.put("pods", pod("b", IPS[1], SEL, ready=False))  # joins, not ready yet
-        assert await until(lambda: "b" in view(registry))
+        assert await wait_until_async(lambda: "b" in view(registry))
         assert view(registry)["b"] == (f"{IPS[1]}:{port}", "base", (), False)
         api.put("pods", pod("b", IPS[1], SEL))  # turns ready
-        assert await until(lambda: view(registry)["b"][3])
+        assert await wait_until_async(lambda: view(registry)["b"][3])
         api.put("pods", pod("a", IPS[0], SEL, ready=False))  # turns unready
-        assert await until(lambda: not view(registry)["a"][3])
+        assert await wait_until_async(lambda: not view(registry)["a"][3])
         api.delete("pods", "a")  # leaves
-        assert await until(lambda: "a" not in view(registry))
+        assert await wait_until_async(lambda: "a" not in view(registry))
         api.put("pods", pod("b", IPS[1], {"app": "moved"}))  # relabelled out of the selector: leaves too
-        assert await until(lambda: view(registry) == {})
+        assert await wait_until_async(lambda: view(registry) == {})
         api.put("pods", pod("c", IPS[2], SEL, phase="Pending"))  # not running: not an endpoint
         api.put("pods", pod("d", IPS[0], SEL))
-        assert await until(lambda: set(view(registry)) == {"d"})
+        assert await wait_until_async(lambda: set(view(registry)) == {"d"})
     finally:
         await src.stop()
 
@@ -98,15 +91,15 @@ async def test_an_expired_watch_lists_again_and_misses_nothing(api, engines):
     src = make_source(api)
     await src.start(registry)
     try:
-        assert await until(lambda: api.count("pods", watch=True) == 1 and len(api.watches) == 2)
+        assert await wait_until_async(lambda: api.count("pods", watch=True) == 1 and len(api.watches) == 2)
         lists = api.count("pods", watch=False)
         # bookmarks move the client's resourceVersion on: the next watch starts from there
         api.put("pods", pod("noise", IPS[2], {"app": "web"}))
         api.bookmark()
-        assert await until(lambda: src._pods.resource_version == str(api.rv))
+        assert await wait_until_async(lambda: src._pods.resource_version == str(api.rv))
         bookmarked = src._pods.resource_version
         api.end_watches()  # the server ends watches (timeoutSeconds): watched again, no list
-        assert await until(lambda: api.count("pods", watch=True) == 2)
+        assert await wait_until_async(lambda: api.count("pods", watch=True) == 2)
         assert [q["resourceVersion"] for r, q in api.requests if r == "pods" and q.get("watch")][-1] == bookmarked
         assert api.count("pods", watch=False) == lists
         # the history is compacted and the open watch told it expired; a change made meanwhile is found by listing again
@@ -114,15 +107,15 @@ async def test_an_expired_watch_lists_again_and_misses_nothing(api, engines):
         api.put("pods", pod("b", IPS[1], SEL))
         api.compact()
         api.expire_watches()
-        assert await until(lambda: "b" in view(registry))
+        assert await wait_until_async(lambda: "b" in view(registry))
         assert api.count("pods", watch=False) == lists + 1
         # a watch asked for from a version already compacted: 410 as an HTTP status, listed again too
-        assert await until(lambda: len(api.watches) == 2)
+        assert await wait_until_async(lambda: len(api.watches) == 2)
         lists = api.count("pods", watch=False)
         api.put("pods", pod("a", IPS[0], SEL, ready=False), unseen=True)  # the open watch lags behind it
         api.compact()
         api.end_watches()
-        assert await until(lambda: not view(registry)["a"][3])
+        assert await wait_until_async(lambda: not view(registry)["a"][3])
         assert api.gone >= 1 and api.count("pods", watch=False) == lists + 1
     finally:
         await src.stop()
@@ -136,16 +129,17 @@ async def test_pool_changes_rewatch_pods_and_start_waits_for_the_pool(api, engin
     src = make_source(api)
     starting = asyncio.create_task(src.start(registry))
     try:
-        await asyncio.sleep(0.3)
+        # the pool's list came back empty and its watch is open: start waits for the pool
+        await wait_until_async(lambda: api.count("inferencepools", watch=True) >= 1)
         assert not starting.done()  # no pool yet: discovery is not synced
         api.put("inferencepools", pool("pool", SEL, [port]))
         await asyncio.wait_for(starting, 10)
         assert set(view(registry)) == {"a"}
         api.put("inferencepools", pool("pool", {"app": "next"}, [port]))  # the selector changes
-        assert await until(lambda: set(view(registry)) == {"b"})
+        assert await wait_until_async(lambda: set(view(registry)) == {"b"})
         api.put("inferencepools", pool("pool", {"app": "next"}, [port, free_port()]))  # a second target port
         # nothing answers /v1/models on the second port: only the first port's endpoint is routable
-        assert await until(lambda: set(view(registry)) == {f"b:{port}"})
+        assert await wait_until_async(lambda: set(view(registry)) == {f"b:{port}"})
     finally:
         starting.cancel()
         await asyncio.gather(starting, return_exceptions=True)
@@ -180,7 +174,7 @@ async def test_kvgate_is_ready_only_once_its_inferencepool_is_found_and_listed(a
     app = App(settings)
     starting = asyncio.create_task(app.start())
     try:
-        assert await until(lambda: app.grpc_port is not None)
+        assert await wait_until_async(lambda: app.grpc_port is not None)
         async with grpc.aio.insecure_channel(f"127.0.0.1:{app.grpc_port}") as ch:
             stub = health_pb2_grpc.HealthStub(ch)
 
@@ -188,7 +182,7 @@ async def test_kvgate_is_ready_only_once_its_inferencepool_is_found_and_listed(a
                 return (await stub.Check(health_pb2.HealthCheckRequest(service=service))).status
 
             S, N = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
-            assert await until(lambda: api.count("inferencepools", watch=True) >= 1)
+            assert await wait_until_async(lambda: api.count("inferencepools", watch=True) >= 1)
             assert (await status("liveness"), await status("readiness")) == (S, N)  # no pool yet
             api.put("inferencepools", pool("pool", SEL, [port]))
             await asyncio.wait_for(starting, 10)

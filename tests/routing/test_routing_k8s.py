@@ -4,7 +4,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
-import time
 
 import pytest
 from aiohttp import web
@@ -15,6 +14,7 @@ from routing.discovery.kube import ApiConfig
 from routing.metrics import RoutingMetrics
 from routing.pods import KVEventsEndpoint
 from routing.registry import PodRegistry
+from helpers import serve_app, wait_until_async
 
 NS = "llm"
 
@@ -100,22 +100,11 @@ async def api():
     fake = FakeAPI()
     app = web.Application()
     app.router.add_get(f"/api/v1/namespaces/{NS}/pods", fake.handle)
-    runner = web.AppRunner(app, shutdown_timeout=0.1)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
+    runner, port = await serve_app(app, shutdown_timeout=0.1)
     fake.url = f"http://127.0.0.1:{port}"
     yield fake
     fake.end_watches()
     await runner.cleanup()
-
-
-async def until(predicate, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not predicate() and time.monotonic() < deadline:
-        await asyncio.sleep(0.01)
-    return predicate()
 
 
 def source(api, tmp_path, **kw) -> tuple[KubernetesSource, RoutingMetrics]:
@@ -183,25 +172,25 @@ async def test_list_then_watch(api, tmp_path):
         assert [p.name for p in reg.ready_pods("llama")] == ["a"]
         assert reg.get("a").kv_events == KVEventsEndpoint(dp_size=2)
         assert api.auth[0] == "Bearer tok-1" and api.selectors[0] == "model.aibrix.ai/name"
-        assert await until(lambda: api.watchers)
+        assert await wait_until_async(lambda: api.watchers)
 
         api.put(k8s_pod("b", ip="10.1.0.2"))  # scheduled, running, ready
-        assert await until(lambda: reg.get("b") is not None and reg.get("b").ready)
+        assert await wait_until_async(lambda: reg.get("b") is not None and reg.get("b").ready)
         api.put(k8s_pod("c", ip="10.1.0.3", ready=True))  # readiness only: no listener call
-        assert await until(lambda: reg.get("c").ready)
+        assert await wait_until_async(lambda: reg.get("c").ready)
         api.delete("a")
-        assert await until(lambda: reg.get("a") is None)
+        assert await wait_until_async(lambda: reg.get("a") is None)
         assert changes == [(["a", "c"], []), (["b"], []), ([], ["a"])]
 
         rv_before = src.resource_version
         api.send({"type": "BOOKMARK", "object": {"kind": "Pod", "metadata": {"resourceVersion": "999"}}})
-        assert await until(lambda: src.resource_version == "999")
+        assert await wait_until_async(lambda: src.resource_version == "999")
         assert rv_before != "999"
 
         api.put(k8s_pod("d", annotations={"kvgate.io/dp-size": "zero"},
                         labels={"model.aibrix.ai/kv-events-enabled": "true"}))  # bad: skipped, counted
         api.put(k8s_pod("e", ip="10.1.0.5"))
-        assert await until(lambda: reg.get("e") is not None)
+        assert await wait_until_async(lambda: reg.get("e") is not None)
         assert reg.get("d") is None and src.skipped == 1
         assert metrics.registry.get_sample_value("kvgate_discovery_errors_total", {"source": "kubernetes"}) == 1
     finally:
@@ -214,21 +203,21 @@ async def test_gone_means_list_again_and_missed_events_are_repaired(api, tmp_pat
     reg = PodRegistry()
     await src.start(reg)
     try:
-        assert await until(lambda: api.watchers)
+        assert await wait_until_async(lambda: api.watchers)
         api.put(k8s_pod("z", ip="10.1.0.26"), announce=False)  # an event the watch never delivered
         api.send({"type": "ERROR", "object": {"kind": "Status", "code": 410, "reason": "Expired"}})
-        assert await until(lambda: reg.get("z") is not None)
+        assert await wait_until_async(lambda: reg.get("z") is not None)
         assert api.lists == 2
 
         api.gone_on_next_watch = True  # 410 as the HTTP status of the watch request itself
         api.pods.pop("a")
         api.end_watches()  # the server ends the watch (its timeoutSeconds)
-        assert await until(lambda: reg.get("a") is None)
+        assert await wait_until_async(lambda: reg.get("a") is None)
         assert api.lists == 3 and api.watches >= 3
 
         watches = api.watches
         api.end_watches()  # a normal end: watch again from the same resourceVersion, no list
-        assert await until(lambda: api.watches > watches and api.watchers)
+        assert await wait_until_async(lambda: api.watches > watches and api.watchers)
         assert api.lists == 3
     finally:
         await src.stop()

@@ -17,6 +17,7 @@ from routing.registry import PodRegistry
 from routing.router import Router
 from routing.scheduling.scoring import RouteRequest
 from routing.scheduling.strategies import StrategyConfig
+from helpers import Clock
 
 BS = 16
 MODEL = "m"
@@ -55,13 +56,6 @@ def prompt(context: list[int], question: int) -> list[int]:
     return context + [rng.randrange(1000, 60000) for _ in range(3 * BS)]
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
 
 def fleet(names=("a", "b", "c"), replicas: int = 1):
     """Routers (one per gateway replica) sharing one index, one pod registry and one count."""
@@ -98,7 +92,7 @@ async def test_flushed_family_rewarms_one_engine_instead_of_scattering():
     await hold(r, {"a": 2})
     got = []
     for q in range(2, 8):
-        clock.now += 1.0  # earlier prefills done; their events not seen yet
+        clock.t += 1.0  # earlier prefills done; their events not seen yet
         got.append(await pick(r, prompt(ctx, q)))
     assert got == ["a"] * 6
     # once the index shows the prefix elsewhere (say another gateway's pick warmed b), it decides
@@ -120,7 +114,7 @@ async def test_eviction_is_followed_exactly_and_a_family_evicted_everywhere_stay
     engines.evict("c", prompt(ctx, 2), keep_blocks=0)
     got = set()
     for q in range(4, 10):
-        clock.now += 1.0
+        clock.t += 1.0
         got.add(await pick(r, prompt(ctx, q)))
     assert got == {"c"}
 
@@ -136,14 +130,14 @@ async def test_a_new_engine_is_used_when_load_warrants():
     # its load nears the others'
     new = []
     for i in range(6):
-        clock.now += 1.0  # the newcomer's earlier prefills are done: its running requests decode
+        clock.t += 1.0  # the newcomer's earlier prefills are done: its running requests decode
         new.append(await pick(r, prompt(family(100 + i), 0), release=False))
     assert new == ["d"] * 6
     # a family held by a busy-but-not-overloaded engine stays there: its cache is worth more
     assert await pick(r, prompt(held["b"], 1)) == "b"
     # a family whose pod is overloaded (the load guard) goes to the newcomer, not to another warm pod
     await hold(r, {"c": StrategyConfig().guard_abs_slack})
-    clock.now += 1.0
+    clock.t += 1.0
     assert await pick(r, prompt(held["c"], 1)) == "d"
 
 
@@ -156,12 +150,12 @@ async def test_new_families_are_placed_where_the_fewest_families_live():
     engines.store("a", family(999))  # the engines have published: the index knows their block size
     placed = {}
     for f in range(40):
-        clock.now += 1.0  # the earlier prefills are done
+        clock.t += 1.0  # the earlier prefills are done
         placed[f] = await pick(r, prompt(family(2000 + f), 0))
     per_pod = {p: list(placed.values()).count(p) for p in "abcd"}
     assert per_pod == {"a": 10, "b": 10, "c": 10, "d": 10}, per_pod
     for f in range(0, 40, 7):  # not held yet (no events): each family goes back to its pod
-        clock.now += 1.0
+        clock.t += 1.0
         assert await pick(r, prompt(family(2000 + f), 1)) == placed[f]
 
 
@@ -177,7 +171,7 @@ async def test_gateway_replicas_agree_on_families_nobody_holds():
         ctx = family(1000 + f)
         pods = set()
         for turn in range(4):
-            clock.now += turn % 2 == 0  # turns 0 and 2: the earlier prefills are done
+            clock.t += turn % 2 == 0  # turns 0 and 2: the earlier prefills are done
             pods.add(await pick(routers[turn % 2], prompt(ctx, turn), release=False))
         assert len(pods) == 1, (f, pods)
         placed[f] = pods.pop()
@@ -190,7 +184,7 @@ async def test_gateway_replicas_agree_on_families_nobody_holds():
     ctx = family(1000)
     engines.store(placed[0], prompt(ctx, 0))
     engines.flush(placed[0])
-    clock.now += 1.0
+    clock.t += 1.0
     assert {await pick(router, prompt(ctx, 9)) for router in routers} == {placed[0]}
 
 

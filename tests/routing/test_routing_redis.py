@@ -5,19 +5,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
-import socket
 import subprocess
 import time
 
 import pytest
 
-from devkit.stack import free_port
+from devkit.stack import StackError, wait_for_port
 from routing.state.counts import LocalCounts, RedisCounts, build_counts, redact_url
 from routing.pods import KVEventsEndpoint, Pod
 from routing.registry import PodRegistry
 from routing.router import Router
 from routing.scheduling.scoring import RouteRequest
-from helpers import RedisServer, make_tls_certs
+from helpers import RedisServer, free_port, make_tls_certs, wait_until_async
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")]
@@ -30,16 +29,6 @@ FAST = dict(ttl_s=5.0, heartbeat_s=0.2, read_max_age_s=0.0, op_timeout_s=2.0, ba
 
 def pods(n=4):
     return [Pod(f"p{i}", f"10.0.0.{i}", 8000, "m") for i in range(n)]
-
-
-async def until(predicate, timeout=10.0):
-    """Poll until predicate() is true (bounded); returns its last value."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value or time.monotonic() > deadline:
-            return value
-        await asyncio.sleep(0.02)
 
 
 async def gateway(url: str, gid: str, seed: int = 0, pod_list=None, **options) -> tuple[Router, RedisCounts]:
@@ -58,6 +47,28 @@ async def converged(a: RedisCounts, b: RedisCounts) -> bool:
     return fresh and a.totals() == b.totals()
 
 
+async def release_all(*gateways: tuple[Router, RedisCounts, list]) -> bool:
+    """Each gateway releases what it held and flushes; true once both views agree on nothing running."""
+    for router, _, held in gateways:
+        for d in held:
+            await router.release(d)
+    for _, counts, _ in gateways:
+        await counts.flush()
+    (_, a, _), (_, b, _) = gateways
+    return await converged(a, b) and a.totals() == {}
+
+
+def test_url_handling():
+    assert redact_url("rediss://user:pw@redis.example:6380/1") == "rediss://user:***@redis.example:6380/1"
+    assert redact_url("redis://:pw@[::1]:6379") == "redis://:***@[::1]:6379"
+    assert redact_url("redis://127.0.0.1:6379") == "redis://127.0.0.1:6379"
+    assert isinstance(build_counts(""), LocalCounts)
+    assert isinstance(build_counts("rediss://:pw@127.0.0.1:6380/0", "g"), RedisCounts)
+    with pytest.raises(ValueError, match="KVGATE_REDIS_URL") as e:
+        RedisCounts("http://:topsecret@127.0.0.1:1")
+    assert "topsecret" not in str(e.value)
+
+
 async def test_two_gateways_share_counts(redis_server):
     ra, ca = await gateway(redis_server.url, "gw-a", 1)
     rb, cb = await gateway(redis_server.url, "gw-b", 2)
@@ -69,12 +80,7 @@ async def test_two_gateways_share_counts(redis_server):
         assert await converged(ca, cb)
         assert ca.totals() == cb.totals() == {f"p{i}": 3 for i in range(4)}
         assert cb.snapshot()["other_gateways"] == 1
-        for d in held_a:
-            await ra.release(d)
-        for d in held_b:
-            await rb.release(d)
-        await ca.flush(), await cb.flush()
-        assert await converged(ca, cb) and ca.totals() == {}
+        assert await release_all((ra, ca, held_a), (rb, cb, held_b))
     finally:
         await ra.close()
         await rb.close()
@@ -94,12 +100,7 @@ async def test_two_gateways_share_counts_per_data_parallel_rank(redis_server):
         assert ca.totals() == cb.totals() == {"a#0": 2, "a#1": 2, "b": 2}
         assert sorted((d.pod.name, d.rank) for d in held_a + held_b) == [
             ("a", 0), ("a", 0), ("a", 1), ("a", 1), ("b", None), ("b", None)]
-        for d in held_a:
-            await ra.release(d)
-        for d in held_b:
-            await rb.release(d)
-        await ca.flush(), await cb.flush()
-        assert await converged(ca, cb) and ca.totals() == {}
+        assert await release_all((ra, ca, held_a), (rb, cb, held_b))
     finally:
         await ra.close()
         await rb.close()
@@ -140,9 +141,7 @@ async def test_dead_gateway_counts_expire(redis_server):
         async def gone():
             await cb.refresh()
             return cb.totals() == {}
-        deadline = time.monotonic() + 10
-        while not await gone() and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        await wait_until_async(gone, timeout=10, interval=0.05, detail=cb.snapshot)
         assert cb.totals() == {}
         assert cb.snapshot()["other_gateways"] == 0
     finally:
@@ -167,14 +166,14 @@ async def test_redis_killed_and_restarted_under_load(redis_server):
 
     try:
         tasks = [asyncio.create_task(traffic(ra)), asyncio.create_task(traffic(rb))]
-        await until(lambda: picks["ok"] > 50)
+        await wait_until_async(lambda: picks["ok"] > 50)
         redis_server.kill()
         before = picks["ok"]
-        await until(lambda: not ca.up and not cb.up)
-        await until(lambda: picks["ok"] > before + 100)
+        await wait_until_async(lambda: not ca.up and not cb.up)
+        await wait_until_async(lambda: picks["ok"] > before + 100)
         assert not ca.up and not cb.up, (ca.snapshot(), cb.snapshot())
         redis_server.start()  # empty: every gateway must republish its counts
-        assert await until(lambda: ca.up and cb.up), (ca.snapshot(), cb.snapshot())
+        assert await wait_until_async(lambda: ca.up and cb.up, detail=lambda: (ca.snapshot(), cb.snapshot()))
         stop.set()
         held_a, held_b = await asyncio.gather(*tasks)
         assert picks["ok"] > before + 100
@@ -182,9 +181,7 @@ async def test_redis_killed_and_restarted_under_load(redis_server):
         async def agreed():
             await ca.flush(), await cb.flush()
             return await converged(ca, cb)
-        deadline = time.monotonic() + 10
-        while not await agreed() and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        await wait_until_async(agreed, timeout=10, interval=0.05, detail=lambda: (ca.snapshot(), cb.snapshot()))
         expected = {}
         for d in held_a + held_b:
             expected[d.pod.name] = expected.get(d.pod.name, 0) + 1
@@ -194,9 +191,10 @@ async def test_redis_killed_and_restarted_under_load(redis_server):
         for d in held_b:
             await rb.release(d)
         # Reads are cached for a few ms and a write may still be in its backoff: poll, bounded.
-        deadline = time.monotonic() + 10
-        while not (await agreed() and ca.totals() == {}) and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        async def agreed_on_none() -> bool:
+            return await agreed() and ca.totals() == {}
+        await wait_until_async(agreed_on_none, timeout=10, interval=0.05,
+                               detail=lambda: (ca.snapshot(), cb.snapshot()))
         assert ca.totals() == cb.totals() == {}, (ca.snapshot(), cb.snapshot())
     finally:
         stop.set()
@@ -238,15 +236,6 @@ async def test_auth_url_works_and_password_is_never_logged(caplog):
         server.kill()
 
 
-def test_url_handling():
-    assert redact_url("rediss://user:pw@redis.example:6380/1") == "rediss://user:***@redis.example:6380/1"
-    assert redact_url("redis://:pw@[::1]:6379") == "redis://:***@[::1]:6379"
-    assert redact_url("redis://127.0.0.1:6379") == "redis://127.0.0.1:6379"
-    assert isinstance(build_counts(""), LocalCounts)
-    assert isinstance(build_counts("rediss://:pw@127.0.0.1:6380/0", "g"), RedisCounts)
-    with pytest.raises(ValueError, match="KVGATE_REDIS_URL") as e:
-        RedisCounts("http://:topsecret@127.0.0.1:1")
-    assert "topsecret" not in str(e.value)
 
 
 def _tls_server(certs: dict) -> tuple[subprocess.Popen, int]:
@@ -255,17 +244,14 @@ def _tls_server(certs: dict) -> tuple[subprocess.Popen, int]:
                              "--tls-cert-file", str(certs["cert"]), "--tls-key-file", str(certs["key"]),
                              "--tls-ca-cert-file", str(certs["ca"]), "--tls-auth-clients", "no", "--save", "",
                              "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
+    try:
+        wait_for_port("127.0.0.1", port, timeout=10, proc=proc, name="redis-server (TLS)")
+    except StackError:
         if proc.poll() is not None:
             pytest.skip("this redis-server has no TLS support")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return proc, port
-        except OSError:
-            time.sleep(0.02)
-    proc.kill()
-    raise RuntimeError("redis-server (TLS) did not start")
+        proc.kill()
+        raise
+    return proc, port
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl not installed")
@@ -302,7 +288,7 @@ async def test_stale_view_is_reread_in_the_background_without_holding_the_pick(r
             call.send(None)
         assert b.totals() == {}
         # ... and the read it started brings A's count for the next picks.
-        assert await until(lambda: b.totals() == {"p0": 3}, timeout=5)
+        assert await wait_until_async(lambda: b.totals() == {"p0": 3}, timeout=5)
     finally:
         await a.close()
         await b.close()
@@ -321,11 +307,11 @@ async def test_a_burst_of_changes_goes_out_as_one_write(redis_server):
     a.flush = counting_flush
     try:
         await a.start()
-        assert await until(lambda: len(writes) == 1)  # the start-up write
+        assert await wait_until_async(lambda: len(writes) == 1)  # the start-up write
         for _ in range(10):  # picks spread over 50 ms, all inside one write interval
             a.add("p0", 1)
             await asyncio.sleep(0.005)
-        assert await until(lambda: len(writes) == 2, timeout=5)
+        assert await wait_until_async(lambda: len(writes) == 2, timeout=5)
         assert writes[1] == {"p0": 10} and len(writes) == 2
         await b.refresh()
         assert b.totals() == {"p0": 10}

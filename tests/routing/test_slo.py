@@ -4,7 +4,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import time
 
 import pytest
 
@@ -16,14 +15,8 @@ from routing.registry import PodRegistry
 from routing.router import Router
 from routing.scheduling.scoring import RouteRequest
 from routing.scheduling.slo import Capacity, parse_targets
+from helpers import Clock, wait_until_async
 
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 50.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def test_prefill_rate_is_learned_from_the_fastest_requests_queueing_cannot_lower_it():
@@ -97,7 +90,7 @@ PODS = [Pod("a", "10.0.0.1", 8000, "m"), Pod("b", "10.0.0.2", 8000, "m")]
 
 
 async def test_slo_avoids_the_pod_with_queued_prefill_for_a_tight_ttft():
-    clock = Clock()
+    clock = Clock(50.0)
     r, _ = slo_router(PODS, clock)
     first = await r.pick(RouteRequest("m", token_ids=list(range(8000))))  # 0.8 s of prefill queued there
     d = await r.pick(RouteRequest("m", token_ids=list(range(3000)), slo_ttft_s=0.5))
@@ -105,7 +98,7 @@ async def test_slo_avoids_the_pod_with_queued_prefill_for_a_tight_ttft():
 
 
 async def test_a_long_prompt_leaves_the_fastest_lane_to_tight_requests_when_another_pod_meets_its_targets():
-    clock = Clock()
+    clock = Clock(50.0)
     r, _ = slo_router(PODS, clock)
     doc = list(range(100_000, 105_000))  # 0.5 s of prefill at 10k tokens/s
     # no tighter target seen yet: the document takes the most headroom (either idle pod)
@@ -126,7 +119,7 @@ async def test_a_long_prompt_leaves_the_fastest_lane_to_tight_requests_when_anot
 
 
 async def test_without_tighter_traffic_a_long_prompt_takes_the_most_headroom():
-    clock = Clock()
+    clock = Clock(50.0)
     r, _ = slo_router(PODS, clock)
     first = await r.pick(RouteRequest("m", token_ids=list(range(1000)), request_id="a1", slo_ttft_s=2.0))
     d = await r.pick(RouteRequest("m", token_ids=list(range(100_000, 105_000)), request_id="d", slo_ttft_s=2.0))
@@ -134,7 +127,7 @@ async def test_without_tighter_traffic_a_long_prompt_takes_the_most_headroom():
 
 
 async def test_slo_meets_tpot_by_batch_size_with_most_headroom_else_least_violation():
-    clock = Clock()
+    clock = Clock(50.0)
     r, counts = slo_router(PODS, clock)
     counts.add("a", 30)  # step 0.01 + 0.001 x 31 = 41 ms on a; b runs 5: 16 ms
     counts.add("b", 5)
@@ -146,7 +139,7 @@ async def test_slo_meets_tpot_by_batch_size_with_most_headroom_else_least_violat
 
 
 async def test_model_default_targets_apply_without_headers_and_headers_take_precedence():
-    clock = Clock()
+    clock = Clock(50.0)
     r, counts = slo_router(PODS, clock, targets={"m": (1.0, 0.015), "*": (1.0, 1.0)})
     counts.add("a", 3)  # a: 14 ms per step with this request; b (10 running) 21 ms
     counts.add("b", 10)
@@ -162,7 +155,7 @@ async def test_model_default_targets_apply_without_headers_and_headers_take_prec
 
 
 async def test_prefill_queue_is_shared_by_replicas_and_leaves_at_the_first_token():
-    clock = Clock()
+    clock = Clock(50.0)
     shared = LocalCounts()  # the prefill counts (Redis between replicas in a deployment)
     base = Capacity(EngineProfiles(prefill_tokens_per_s=10_000.0), OutputPredictor(cold="input"), {"*": (0.5, 1.0)},
                     clock=clock, prefill=shared)
@@ -191,7 +184,7 @@ async def test_prefill_queue_reaches_the_other_replica_through_redis(redis_serve
     try:
         for c in counts:
             await c.start()
-        clock = Clock()
+        clock = Clock(50.0)
         profiles = EngineProfiles(prefill_tokens_per_s=10_000.0)
         caps = [Capacity(profiles, OutputPredictor(cold="input"), {"*": (0.5, 1.0)}, clock=clock, prefill=c)
                 for c in counts]
@@ -199,12 +192,14 @@ async def test_prefill_queue_reaches_the_other_replica_through_redis(redis_serve
         doc = await ra.pick(RouteRequest("m", token_ids=list(range(8000)), request_id="doc"))
 
         # each pick of b's starts a read of the others' shares in the background, for the next pick
-        deadline = time.monotonic() + 5.0
-        while counts[1].totals().get(doc.pod.name, 0) != 8000:
-            assert time.monotonic() < deadline, "replica b never saw the document's queued tokens"
+        async def b_saw_the_document() -> bool:
+            if counts[1].totals().get(doc.pod.name, 0) == 8000:
+                return True
             await rb.pick(RouteRequest("m", token_ids=[1], request_id="probe"))
             caps[1].first_token("probe")
-            await asyncio.sleep(0.01)
+            return False
+        await wait_until_async(b_saw_the_document, timeout=5.0, interval=0.01,
+                               what="replica b to see the document's queued tokens")
         chat = await rb.pick(RouteRequest("m", token_ids=list(range(300)), request_id="chat"))
         assert chat.pod.name != doc.pod.name  # b keeps its chat off the 0.8 s queue a put there
     finally:
@@ -214,7 +209,7 @@ async def test_prefill_queue_reaches_the_other_replica_through_redis(redis_serve
 
 def test_decision_carries_the_running_count_on_its_target_this_request_included():
     async def go():
-        r, counts = slo_router(PODS, Clock())
+        r, counts = slo_router(PODS, Clock(50.0))
         counts.add("a", 3)
         counts.add("b", 30)  # b's decode step misses the 50 ms target: a is picked
         return await r.pick(RouteRequest("m", token_ids=[1, 2, 3]))
@@ -223,7 +218,7 @@ def test_decision_carries_the_running_count_on_its_target_this_request_included(
 
 
 def test_head_of_the_queue_progress_counts_from_when_the_lane_moved():
-    clock = Clock()
+    clock = Clock(50.0)
     shared = LocalCounts()
     cap = Capacity(EngineProfiles(), OutputPredictor(), clock=clock, prefill=shared)
     cap.queue("a", 5000, "r1")
@@ -300,7 +295,7 @@ def test_ttft_overhead_learns_only_from_slo_predictions_served_where_routed():
 
 
 async def test_slo_adds_the_learned_ttft_overhead_and_tells_the_profiles_what_it_predicted():
-    clock = Clock()
+    clock = Clock(50.0)
     cap_profiles = EngineProfiles(prefill_tokens_per_s=10_000.0)
     cap = Capacity(cap_profiles, OutputPredictor(cold="input", rng=random.Random(0)), {"*": (1.0, 0.05)}, clock=clock)
     r = Router(PodRegistry(PODS), default_strategy="slo", capacity=cap, counts=LocalCounts(), seed=0)

@@ -5,8 +5,6 @@ import asyncio
 import json
 import os
 import signal
-import random
-import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -25,6 +23,7 @@ from sim.server import SimOptions, SimServer
 from tokenizer.local import LocalTokenizer
 from tokenizer import testdata
 from tokenizer.types import ChatInput
+from helpers import free_port_run, free_ports, wait_until_async
 
 REPO = Path(__file__).resolve().parents[2]
 END = b"\xff" * 8
@@ -33,42 +32,9 @@ ENGINE = EngineConfig(block_size=16, num_blocks=256, ttft_overhead_s=0.002, pref
 LONG_PROMPT = " ".join(f"word{i} and more text" for i in range(40))
 
 
-def free_ports(n: int) -> list[int]:
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 @pytest.fixture(scope="module")
 def tok() -> LocalTokenizer:
     return LocalTokenizer.from_path(testdata.path())
-
-
-def free_port_run(n: int) -> int:
-    """The first of `n` consecutive free loopback ports (a data-parallel engine binds base + rank),
-    drawn below Linux's ephemeral range so outgoing connections do not take them meanwhile."""
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(20000, 32000 - n)
-        socks = []
-        try:
-            for port in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no run of {n} free ports found")
 
 
 async def start_sim(**kw) -> SimServer:
@@ -220,11 +186,7 @@ async def test_client_disconnect_aborts_the_request(sim: SimServer) -> None:
                 if line:
                     break
     engine = sim.ranks[0].engine
-    for _ in range(200):
-        if engine.metrics().running == 0:
-            break
-        await asyncio.sleep(0.02)
-    assert engine.metrics().running == 0
+    assert await wait_until_async(lambda: engine.metrics().running == 0, timeout=4)
     assert engine.metrics().kv_usage == 0.0
 
 

@@ -83,20 +83,20 @@ def test_kvgate_serve_fetches_from_the_hub_verifies_then_tokenizes_locally(hub, 
     HF_ENDPOINT, verifies them against the sim's /tokenize, then stops asking it."""
     import httpx
 
-    from devkit.stack import Stack, free_port
-    from helpers import QUICK_STOP, wait_until
+    from devkit.stack import Stack
+    from helpers import free_port, start_kvgate, wait_until
 
     model = "org/tiny"  # the hub repository of the sim's (test) tokenizer
     with Stack() as stack:
         pods = stack.engines(1, model=model)
-        grpc_port, http_port, listen = free_port(), free_port(), free_port()
-        stack.kvgate(env={"KVGATE_PODS_FILE": str(stack.pods_file(pods)), "KVGATE_GRPC_PORT": str(grpc_port),
-                          "KVGATE_HTTP_PORT": str(http_port), "KVGATE_TOKENIZER_HUB": "true",
-                          "KVGATE_TOKENIZER_CACHE_DIR": str(tmp_path / "cache"),
-                          "KVGATE_TOKENIZER_VERIFY_REQUESTS": "2", "KVGATE_TOKENIZER_SAMPLE_RATE": "0",
-                          "HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf"), **QUICK_STOP}, grpc_port=grpc_port)
-        stack.envoy(listen_port=listen, extproc_port=grpc_port, pool=[("127.0.0.1", pods[0]["port"])])
-        debug, metrics = f"http://127.0.0.1:{http_port}/debug", f"http://127.0.0.1:{http_port}/metrics"
+        kvgate = start_kvgate(stack, stack.pods_file(pods), {
+            "KVGATE_TOKENIZER_HUB": "true", "KVGATE_TOKENIZER_CACHE_DIR": str(tmp_path / "cache"),
+            "KVGATE_TOKENIZER_VERIFY_REQUESTS": "2", "KVGATE_TOKENIZER_SAMPLE_RATE": "0",
+            "HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf")})
+        listen = free_port()
+        stack.envoy(listen_port=listen, extproc_port=kvgate.grpc_port, pool=[("127.0.0.1", pods[0]["port"])])
+        debug = f"http://127.0.0.1:{kvgate.http_port}/debug"
+        metrics = kvgate.metrics_url
 
         def chat(i: int) -> None:
             r = httpx.post(f"http://127.0.0.1:{listen}/v1/chat/completions", timeout=30, json={

@@ -17,6 +17,7 @@ from tokenizer.remote import (
 )
 from devkit.tokenizer_stub import make_app
 from tokenizer.types import ChatInput, PromptInput, TokenizerError
+from helpers import serve_app
 
 MODEL = "test-model"
 FAST = RemoteOptions(total_timeout_s=2.0, attempt_timeout_s=1.0, max_retries=3, backoff_base_s=0.001, backoff_max_s=0.005)
@@ -28,11 +29,7 @@ def local() -> LocalTokenizer:
 
 
 async def serve(app: web.Application) -> tuple[web.AppRunner, str]:
-    runner = web.AppRunner(app, shutdown_timeout=0.2)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
+    runner, port = await serve_app(app, shutdown_timeout=0.2)
     return runner, f"http://127.0.0.1:{port}"
 
 
