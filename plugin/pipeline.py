@@ -115,7 +115,7 @@ class RequestContext:
         self.subset: frozenset[str] | None = None  # the data plane's subset hint (None: any pod of the pool)
         self.watched = True  # the response will be watched (if there is an observer)
         self.body = b""
-        # From the steps:
+        # From the steps (the body, request and token ids only while the pipeline runs):
         self.started = 0.0  # perf_counter() when the pipeline started (the decision's time is from there)
         self.request: InferenceRequest | None = None
         self.token_ids: Sequence[int] | None = None
@@ -168,12 +168,16 @@ class Pipeline:
         self._steps.insert(at, step)
 
     async def run(self, ctx: RequestContext) -> Decision | None:
-        """Run every step on `ctx`; its decision (None only in a pipeline without `pick`)."""
+        """Run every step on `ctx`; its decision (None only in a pipeline without `pick`). The body, the parsed
+        request and the token ids are dropped afterwards: the context lives as long as the response."""
         ctx.started = time.perf_counter()
-        for run in self._runs:
-            waiting = run(ctx)
-            if waiting is not None:
-                await waiting
+        try:
+            for run in self._runs:
+                waiting = run(ctx)
+                if waiting is not None:
+                    await waiting
+        finally:
+            ctx.body, ctx.request, ctx.token_ids = b"", None, None
         return ctx.decision
 
 
