@@ -23,7 +23,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf import struct_pb2
 
 from plugin.config import Settings
-from plugin.extproc import Sampler
+from plugin.pipeline import Sampler
 from plugin.observe import UNWATCHED, body_on
 
 

@@ -24,7 +24,8 @@ import asyncio, sys
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from prometheus_client import CollectorRegistry
-from plugin.extproc import ExternalProcessor, Gateway
+from plugin.extproc import ExternalProcessor
+from plugin.pipeline import Gateway
 from plugin.metrics import GatewayMetrics
 from plugin.observe import Observer
 from routing.pods import Pod

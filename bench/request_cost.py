@@ -38,19 +38,21 @@ from google.protobuf import struct_pb2
 
 from plugin.observe import UNWATCHED
 
-# phase -> (file suffix, function name) whose cumulative time is the phase's (nested ones apart)
+# phase -> the (file suffix, function name) pairs whose cumulative times are the phase's (nested ones apart)
 PHASES = {
-    "request_headers": ("plugin/extproc.py", "on_headers"),
-    "parse_body": ("plugin/request.py", "parse_body"),
-    "tokens": ("plugin/extproc.py", "_tokens"),
-    "pick": ("routing/router.py", "pick"),
-    "response_headers": ("plugin/extproc.py", "on_response_headers"),
-    "response_body": ("plugin/extproc.py", "on_response_body"),
-    "observation_close": ("plugin/observe.py", "close"),
-    "release": ("plugin/extproc.py", "_release"),
-    "message_parse": ("~", "<built-in method FromString>"),
+    "request_headers": (("plugin/extproc.py", "on_headers"),),
+    "parse_body": (("plugin/request.py", "parse_body"),),
+    # the pipeline's tokenize step: its answer without a wait, and the call it awaits when it must wait
+    "tokens": (("plugin/pipeline.py", "tokenize"), ("plugin/pipeline.py", "_tokenize_wait")),
+    "pick": (("routing/router.py", "pick"),),
+    "response_headers": (("plugin/extproc.py", "on_response_headers"),),
+    "response_body": (("plugin/extproc.py", "on_response_body"),),
+    "observation_close": (("plugin/observe.py", "close"),),
+    "release": (("plugin/extproc.py", "_release"),),
+    "message_parse": (("~", "<built-in method FromString>"),),
 }
-_NESTED = {"decide_rest": (("plugin/extproc.py", "_decide"), ("parse_body", "tokens", "pick"))}
+# the request pipeline's run, less the phases above nested in it: admit, record, observe and the steps' loop
+_NESTED = {"decide_rest": (("plugin/pipeline.py", "run"), ("parse_body", "tokens", "pick"))}
 
 _SKIP = UNWATCHED.response_header_mode
 
@@ -135,14 +137,12 @@ def _phase_split(stats: pstats.Stats, per_request_us: float) -> dict[str, float]
     own cost, which it leaves out of its function times, varies from run to run. A phase counted twice
     (nested in another) shows as a sum over that whole."""
     cum: dict[tuple[str, str], float] = {}
+    wanted = {pair for pairs in PHASES.values() for pair in pairs} | {_NESTED["decide_rest"][0]}
     for (file, _line, func), (_cc, _nc, _tt, ct, _callers) in stats.stats.items():  # type: ignore[attr-defined]
-        for phase, (suffix, name) in PHASES.items():
+        for suffix, name in wanted:
             if func == name and file.endswith(suffix):
                 cum[(suffix, name)] = cum.get((suffix, name), 0.0) + ct
-        suffix, name = _NESTED["decide_rest"][0]
-        if func == name and file.endswith(suffix):
-            cum[(suffix, name)] = cum.get((suffix, name), 0.0) + ct
-    out = {phase: cum.get(key, 0.0) for phase, key in PHASES.items()}
+    out = {phase: sum(cum.get(pair, 0.0) for pair in pairs) for phase, pairs in PHASES.items()}
     key, inner = _NESTED["decide_rest"]
     out["decide_rest"] = max(0.0, cum.get(key, 0.0) - sum(out[p] for p in inner))
     total = sum(tt for (_cc, _nc, tt, _ct, _c) in stats.stats.values())  # type: ignore[attr-defined]

@@ -1,5 +1,20 @@
-"""The ext_proc server, the `kvgate` command line and the configuration: the
+"""The ext_proc server, its request pipeline, the `kvgate` command line and the configuration: the
 layer that wires kvcache/, tokenizer/ and routing/ together behind Envoy.
 
 It may import every other kvgate package; nothing imports it.
+
+    extproc     the ext_proc protocol alone: message dispatch, body modes, EPP clauses, ProcessingResponses
+    pipeline    the request pipeline: a request's context and its named steps (parse, tokenize, pick, admit,
+                record, observe); `Gateway`, what the processor and the pipeline need
+    request     OpenAI request bodies -> typed inference requests, and the client errors they raise
+    admit       the request path's side of admission: the admitted pod, or 429 after the wait
+    observe     watching routed responses: TTFT, TPOT, tokens; fed to Prometheus and the request trackers
+    metrics     the gateway's own Prometheus metrics
+    throttle    a recurring failure logged at most once per interval
+    app         wiring: Settings -> discovery, index, subscriptions, tokenizer, router, gRPC and HTTP servers
+    config      every KVGATE_* variable, read once at start-up
+    http        the HTTP port: /metrics, /healthz, /debug
+    serve       `kvgate serve`
+    events_cmd  `kvgate events`: tail one engine's KV events
+    cli         the `kvgate` command and its subcommands
 """

@@ -20,7 +20,8 @@ from kvcache.ingest import SubscriberManager
 from kvcache.locking import LockedIndex
 from kvcache.stream import EndpointSpec, SubscriberOptions
 from plugin.config import Settings
-from plugin.extproc import ExternalProcessor, Gateway, Sampler
+from plugin.extproc import ExternalProcessor
+from plugin.pipeline import Gateway, Sampler
 from plugin.http import build_http_app
 from plugin.metrics import GatewayMetrics
 from plugin.observe import Observer
@@ -234,6 +235,7 @@ class App:
             target_pod_header=s.target_pod_header, reachable=lambda name: not self.engines.unreachable(name),
             cached_tokens=self.tokenizer.cached if isinstance(self.tokenizer, CachedTokenizer) else None,
             tokenize_ids=self.tokenizer.tokenize_ids if isinstance(self.tokenizer, CachedTokenizer) else None,
+            tokenize_now=getattr(self.tokenizer, "tokenize_now", None),  # the cache's, else the local tokenizer's
             sheddable_objectives=frozenset(o.strip() for o in s.sheddable_objectives.split(",") if o.strip()),
             observer=self.observer, sampler=Sampler(s.observe_sample), admission=self.admission))
         self.pods.add_listener(self._on_pods)

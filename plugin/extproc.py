@@ -16,16 +16,18 @@ saturated; the endpoint that served the request (`envoy.lb` `x-gateway-destinati
 metadata on the response headers) takes the request's running count; with FULL_DUPLEX_STREAMED
 bodies the request body is gathered, the pick answered on the headers and the body sent back whole,
 and response body chunks are sent back as they come.
+
+This module is the protocol alone: message dispatch, the body modes, the clauses above and the
+ProcessingResponses. What is done with a routed request (parse, tokenize, pick, admit, record,
+observe) is plugin.pipeline's; a stream fills in its RequestContext from the headers and runs the
+pipeline on the body.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import uuid
-from dataclasses import dataclass, field
-from types import CoroutineType
-from typing import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator
 
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
@@ -35,18 +37,13 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from plugin import observe
-from plugin.admit import admit
-from plugin.metrics import GatewayMetrics
-from plugin.request import (CHAT, MODELS, ROUTED_POST_PATHS, ClientError, InferenceRequest,
-                            bad_request, parse_body)
+from plugin.pipeline import SLO_TPOT_HEADER, SLO_TTFT_HEADER, Gateway, Pipeline, RequestContext, build
+from plugin.request import CHAT, MODELS, ROUTED_POST_PATHS, ClientError, bad_request, parse_body
 from routing.errors import (NoEligibleEndpointError, NoReadyPodError, RoutingError, SaturatedError,
                             UnknownModelError, UnknownStrategyError)
-from routing.state.admission import Admission
 from routing.pods import Pod
-from routing.registry import PodRegistry
-from routing.router import Decision, RouteRequest, Router
-from plugin.throttle import LogThrottle
-from tokenizer.types import PromptInput, TokenizeInput, Tokenizer, TokenizerError
+from routing.router import Decision
+from routing.state.admission import LocalLimiter
 
 log = logging.getLogger("kvgate.extproc")
 
@@ -62,7 +59,6 @@ SUBSET_NAMESPACE = "envoy.lb.subset_hint"  # the data plane's subset hint (reque
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 SERVED_KEY = "x-gateway-destination-endpoint-served"  # in LB_NAMESPACE on the response path
 OBJECTIVE_HEADER = "x-gateway-inference-objective"
-SLO_TTFT_HEADER, SLO_TPOT_HEADER = "x-slo-ttft-ms", "x-slo-tpot-ms"  # the request's latency targets
 POD_RESPONSE_HEADER = "x-kvgate-pod"
 KVGATE_NAMESPACE = "kvgate"  # Envoy copies these into the client's x-kvgate-pod / -strategy / -rank
 # Headers only kvgate may set: whatever a client sends under these names is dropped (a client
@@ -83,58 +79,6 @@ _BODY_CONTINUE = pb.ProcessingResponse(request_body=pb.BodyResponse())
 _RESPONSE_HEADERS_CONTINUE = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
 _RESPONSE_BODY_CONTINUE = pb.ProcessingResponse(response_body=pb.BodyResponse())
 FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
-
-
-class Sampler:
-    """Takes `share` of the calls, evenly spaced (share 0.25: every fourth), deterministically."""
-
-    __slots__ = ("share", "_credit")
-
-    def __init__(self, share: float) -> None:
-        self.share = share
-        self._credit = 1.0  # the first call is taken
-
-    def take(self) -> bool:
-        if self.share >= 1.0:
-            return True
-        if self.share <= 0.0:
-            return False
-        if self._credit >= 1.0 - 1e-9:
-            self._credit -= 1.0
-            self._credit += self.share
-            return True
-        self._credit += self.share
-        return False
-
-
-@dataclass
-class Gateway:
-    """What the processor needs, built once by plugin.app."""
-
-    router: Router
-    registry: PodRegistry
-    tokenizer: Tokenizer | None
-    metrics: GatewayMetrics
-    default_strategy: str
-    max_body_bytes: int
-    tokenizer_timeout_s: float
-    tokenizer_url: str | None = None
-    target_pod_header: bool = True
-    # False for a pod whose engine refused the last /metrics scrape; None: no such knowledge.
-    reachable: Callable[[str], bool] | None = None
-    # The tokenizer cache's whole-request probe (CachedTokenizer.cached): ids without a copy or an await.
-    cached_tokens: Callable[[str, TokenizeInput], Sequence[int] | None] | None = None
-    # The tokenizer cache's tokenize for readers of the ids (CachedTokenizer.tokenize_ids: an array, not a list
-    # of Python ints); None: `tokenizer.tokenize`.
-    tokenize_ids: Callable[..., Awaitable[Sequence[int]]] | None = None
-    # Objectives (the x-gateway-inference-objective header) whose requests may be shed (429) under saturation.
-    sheddable_objectives: frozenset[str] = frozenset()
-    # Watches routed responses (TTFT, TPOT, tokens; the request trackers); None: responses not read.
-    observer: observe.Observer | None = None
-    # Which routed responses the observer watches (besides the slo strategy's and SLO-targeted ones, always).
-    sampler: Sampler = field(default_factory=lambda: Sampler(1.0))
-    # A per-pod running limit, checked and counted atomically after the pick; None: no limit.
-    admission: Admission | None = None
 
 
 def _header_value(h: base_pb2.HeaderValue) -> str:
@@ -159,80 +103,26 @@ def _immediate(err: ClientError, request_id: str) -> pb.ProcessingResponse:
         details=f"kvgate_{err.code or err.type}"))
 
 
-class _Resumed:
-    """Awaitable that continues a coroutine already run up to its first suspension (`pending` is
-    what it yielded there), exactly as `await coro` would have continued it.
-
-    Still pays (measured on this machine, a coroutine that answers without waiting): run-then-resume
-    1.4-2.2 us against 12.6-15.6 us for `async with asyncio.timeout_at(...)` around a plain await; that is
-    every cold request on the local tokenizer (it encodes short inputs synchronously) and every release
-    (the counts change synchronously), where the alternative is a timer or a task per request."""
-
-    __slots__ = ("_coro", "_pending")
-
-    def __init__(self, coro, pending) -> None:
-        self._coro, self._pending = coro, pending
-
-    def __await__(self):
-        coro, value = self._coro, self._pending
-        while True:
-            try:
-                sent = yield value
-            except GeneratorExit:
-                coro.close()
-                raise
-            except BaseException as e:  # e.g. the timeout's cancellation: delivered where the coroutine waits
-                try:
-                    value = coro.throw(e)
-                except StopIteration as done:
-                    return done.value
-                continue
-            try:
-                value = coro.send(sent)
-            except StopIteration as done:
-                return done.value
-
-
-async def _finish(coro, pending):
-    """The rest of a coroutine run up to its first suspension, as a task's coroutine."""
-    return await _Resumed(coro, pending)
-
-
 class _Stream:
-    """The state of one HTTP request's ext_proc stream."""
+    """The protocol state of one HTTP request's ext_proc stream; the request's own state is `ctx`."""
 
-    __slots__ = ("gw", "fallback_log", "answers", "metric_children", "path", "method", "strategy", "request_id",
-                 "decision", "kind", "subset", "objective", "streamed_request", "streamed_response", "chunks",
-                 "held_remove", "watch", "slo", "admitted", "watched", "sampler")
+    __slots__ = ("gw", "pipeline", "answers", "ctx", "method", "streamed_request", "streamed_response", "chunks",
+                 "held_remove")
 
-    def __init__(self, gw: Gateway, fallback_log: LogThrottle, answers: dict, metric_children: dict,
-                 sampler: "Sampler") -> None:
+    def __init__(self, gw: Gateway, pipeline: Pipeline, answers: dict) -> None:
         self.gw = gw
-        self.sampler = sampler
-        self.fallback_log = fallback_log
+        self.pipeline = pipeline
         # By (pod, endpoint, strategy, rank, fallbacks): the routed answer (built once, never mutated,
-        # shared by streams); by (strategy, pod): its metric children.
+        # shared by streams).
         self.answers = answers
-        self.metric_children = metric_children
-        self.path = ""
+        self.ctx = RequestContext()
         self.method = ""
-        self.strategy: str | None = None
-        self.request_id = ""
-        self.decision: Decision | None = None
-        self.kind = "other"
-        # EPP protocol state: the data plane's subset hint (None: any pod of the pool), the request's
-        # objective, the body modes (FULL_DUPLEX_STREAMED: gather the request body, echo the response's)
-        # and, while a streamed request body is gathered, its chunks and the header removals held back.
-        self.subset: frozenset[str] | None = None
-        self.objective = ""
+        # The body modes (FULL_DUPLEX_STREAMED: gather the request body, echo the response's) and, while a
+        # streamed request body is gathered, its chunks and the header removals held back.
         self.streamed_request = False
         self.streamed_response = False
         self.chunks: list[bytes] | None = None
         self.held_remove: list[str] | None = None
-        self.watch: observe.Watch | None = None
-        self.slo: dict[str, float] | None = None  # header -> seconds
-        self.admitted: str | None = None  # the pod admission counted this request on
-        self.watched = True  # the response will be watched (if there is an observer)
 
     # --- EPP protocol clauses ------------------------------------------------------------
     def read_context(self, msg: pb.ProcessingRequest) -> None:
@@ -242,22 +132,20 @@ class _Stream:
             self.streamed_request = pc.request_body_mode == FULL_DUPLEX
             self.streamed_response = pc.response_body_mode == FULL_DUPLEX
         if msg.HasField("metadata_context"):
-            self.subset = subset_hint(msg.metadata_context)
-
-    def sheddable(self) -> bool:
-        return bool(self.objective) and self.objective in self.gw.sheddable_objectives
+            self.ctx.subset = subset_hint(msg.metadata_context)
 
     def on_response_headers(self, msg: pb.ProcessingRequest) -> pb.ProcessingResponse:
         answer = self._served(msg)
-        if self.watch is None:
+        watch = self.ctx.watch
+        if watch is None:
             return answer
-        return observe.response_headers(self.watch, msg, answer, self.streamed_response)
+        return observe.response_headers(watch, msg, answer, self.streamed_response)
 
     def _served(self, msg: pb.ProcessingRequest) -> pb.ProcessingResponse:
         """Account the request to the endpoint that served it (a fallback, after a retry) and name
         that pod in x-kvgate-pod."""
         served = served_endpoint(msg)
-        d = self.decision
+        d = self.ctx.decision
         if not served or d is None:
             return _RESPONSE_HEADERS_CONTINUE
         m = self.gw.metrics
@@ -269,14 +157,14 @@ class _Stream:
             m.served.labels("unknown").inc()
             return _RESPONSE_HEADERS_CONTINUE
         m.served.labels("fallback").inc()
-        if self.watch is not None:
-            self.watch.served_by(pod.name)
+        if self.ctx.watch is not None:
+            self.ctx.watch.served_by(pod.name)
         return pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=pb.CommonResponse(
             header_mutation=pb.HeaderMutation(set_headers=[_set_header(POD_RESPONSE_HEADER, pod.name)]))))
 
     def on_response_body(self, msg: pb.HttpBody) -> pb.ProcessingResponse:
-        if self.watch is not None:
-            self.watch.on_chunk(msg.body)
+        if self.ctx.watch is not None:
+            self.ctx.watch.on_chunk(msg.body)
         if not self.streamed_response:
             return _RESPONSE_BODY_CONTINUE
         return pb.ProcessingResponse(response_body=_echo(msg))
@@ -290,7 +178,7 @@ class _Stream:
         self.chunks.append(msg.body)
         size = sum(len(c) for c in self.chunks)
         if size > self.gw.max_body_bytes:
-            parse_body(self.path, b"".join(self.chunks), self.gw.max_body_bytes)  # raises the 413
+            parse_body(self.ctx.path, b"".join(self.chunks), self.gw.max_body_bytes)  # raises the 413
         if not msg.end_of_stream:
             return None
         return await self._finish_streamed(end_of_stream=True)
@@ -315,6 +203,7 @@ class _Stream:
 
     # --- phases -----------------------------------------------------------------------
     def on_headers(self, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
+        ctx = self.ctx
         remove: list[str] | None = None
         for h in msg.headers.headers:
             key = h.key.lower()
@@ -327,27 +216,28 @@ class _Stream:
                 continue
             value = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
             if which == _PATH:
-                self.path = value.split("?", 1)[0]
+                ctx.path = value.split("?", 1)[0]
             elif which == _METHOD:
                 self.method = value
             elif which == _STRATEGY:
-                self.strategy = value.strip() or None
+                ctx.strategy = value.strip() or None
             elif which == _REQUEST_ID:
-                self.request_id = value
+                ctx.request_id = value
             elif which == _OBJECTIVE:
-                self.objective = value.strip()
+                ctx.objective = value.strip()
             else:  # an SLO target
                 ms = observe.milliseconds(value)
                 if ms is None:
                     return self._error(bad_request(f"{key}: expected a positive number of milliseconds",
                                                    code="invalid_slo", param=key))
-                if self.slo is None:
-                    self.slo = {}
-                self.slo[key] = ms / 1000.0
-        if not self.request_id:
-            self.request_id = uuid.uuid4().hex
-        if self.method == "POST" and self.path in ROUTED_POST_PATHS:
-            self.kind = "chat" if self.path == CHAT else "completion"
+                if ctx.slo is None:
+                    ctx.slo = {}
+                ctx.slo[key] = ms / 1000.0
+        if not ctx.request_id:
+            ctx.request_id = uuid.uuid4().hex
+        path = ctx.path
+        if self.method == "POST" and path in ROUTED_POST_PATHS:
+            ctx.kind = "chat" if path == CHAT else "completion"
             if msg.end_of_stream:  # no body will follow
                 return self._error(bad_request("request body is empty; expected a JSON object", code="invalid_json"))
             if self.streamed_request:  # the answer to the headers waits for the whole body
@@ -355,15 +245,15 @@ class _Stream:
                 return None
             if self.gw.observer is not None and not self._watch_response():
                 # Envoy sends nothing of this response (the override is honoured in this answer only)
-                self.watched = False
+                ctx.watched = False
                 if not remove:
                     return _HEADERS_UNWATCHED
                 answer = _continue_headers(remove)
                 answer.mode_override.CopyFrom(observe.UNWATCHED)
                 return answer
             return _continue_headers(remove)
-        if self.method == "GET" and self.path == MODELS:
-            self.kind = "models"
+        if self.method == "GET" and path == MODELS:
+            ctx.kind = "models"
             return self._route_any(remove or [])
         self.gw.metrics.requests.labels("other", "passthrough").inc()
         return _continue_headers(remove)
@@ -371,14 +261,14 @@ class _Stream:
     def _watch_response(self) -> bool:
         """Watch this response? Always for the slo strategy and requests with SLO targets (their
         attainment, the prefill queue); else a sample (KVGATE_OBSERVE_SAMPLE)."""
-        if self.slo is not None or (self.strategy or self.gw.default_strategy) == "slo":
+        if self.ctx.slo is not None or (self.ctx.strategy or self.gw.default_strategy) == "slo":
             return True
-        return self.sampler.take()
+        return self.gw.sampler.take()
 
     async def on_body(self, msg: pb.HttpBody) -> pb.ProcessingResponse | list[pb.ProcessingResponse] | None:
         if self.streamed_request:
             return await self.on_streamed_body(msg)
-        if self.kind not in ("chat", "completion"):  # a body on a pass-through path
+        if self.ctx.kind not in ("chat", "completion"):  # a body on a pass-through path
             return _BODY_CONTINUE
         d = await self._decide(msg.body)
         key = (d.pod.name, d.pod.endpoint, d.strategy, d.rank, d.fallbacks)
@@ -391,93 +281,16 @@ class _Stream:
         return response
 
     async def _decide(self, raw: bytes) -> Decision:
-        """Parse, tokenize and pick (within the subset hint; shedding a sheddable request under saturation)."""
-        started = time.perf_counter()
-        request = parse_body(self.path, raw, self.gw.max_body_bytes)
-        strategy = self.strategy or self.gw.default_strategy
-        token_ids = await self._tokens(request, strategy)
-        slo = self.slo or {}
-        self.decision = d = await self.gw.router.pick(RouteRequest(
-            model=request.model, token_ids=token_ids, strategy=strategy, request_id=self.request_id,
-            slo_ttft_s=slo.get(SLO_TTFT_HEADER), slo_tpot_s=slo.get(SLO_TPOT_HEADER)),
-            subset=self.subset, sheddable=self.sheddable())
-        if self.gw.admission is not None:
-            d, self.admitted = await admit(self.gw.admission, self.gw.router, self.gw.registry, d, request.model)
-            self.decision = d
-        children = self.metric_children.get((d.strategy, d.pod.name, self.kind))
-        if children is None:
-            if len(self.metric_children) > 4096:
-                self.metric_children.clear()
-            m = self.gw.metrics
-            children = self.metric_children[(d.strategy, d.pod.name, self.kind)] = (
-                m.decision_seconds.labels(d.strategy), m.decisions.labels(d.strategy, d.pod.name),
-                m.requests.labels(self.kind, "routed"), m.prefix_blocks.labels("total"),
-                m.prefix_blocks.labels("cached"))
-        seconds, decided, routed, total_blocks, cached_blocks = children
-        seconds.observe(time.perf_counter() - started)
-        decided.inc()
-        routed.inc()
-        if d.total_blocks:
-            total_blocks.inc(d.total_blocks)
-            cached_blocks.inc(d.matched_blocks)
-        if self.gw.observer is not None:
-            # running: the batch the engine profiles learn the decode step time at
-            self.watch = self.gw.observer.start(self.request_id, request.model, d.pod.name, tokens=token_ids,
-                                                decision=d, running=d.running,
-                                                slo_ttft_s=slo.get(SLO_TTFT_HEADER),
-                                                slo_tpot_s=slo.get(SLO_TPOT_HEADER), watched=self.watched)
-        return d
+        """The request pipeline on the body (plugin.pipeline): its decision."""
+        self.ctx.body = raw
+        return await self.pipeline.run(self.ctx)
 
     # --- helpers ----------------------------------------------------------------------
-    async def _tokens(self, request: InferenceRequest, strategy: str) -> Sequence[int] | None:
-        if not self.gw.router.needs_tokens(strategy):
-            return None
-        item = request.item
-        if isinstance(item, PromptInput) and item.token_ids is not None:
-            return list(item.token_ids)
-        if self.gw.tokenizer is None:
-            return None
-        started = time.perf_counter()
-        if self.gw.cached_tokens is not None:
-            ids = self.gw.cached_tokens(request.model, item)
-            if ids is not None:
-                self.gw.metrics.tokenize_seconds.observe(time.perf_counter() - started)
-                return ids
-        base_url = self.gw.tokenizer_url
-        if not base_url:
-            pods = self.gw.registry.ready_pods(request.model)
-            if not pods:
-                return None  # pick() answers 404 or 503
-            base_url = pods[hash(self.request_id) % len(pods)].base_url
-        deadline = asyncio.get_running_loop().time() + self.gw.tokenizer_timeout_s
-        try:
-            # Run the call up to its first wait: a cached answer comes back without one and needs no timer
-            # (a timeout only fires where the call waits). Otherwise the rest runs under the same deadline.
-            call = (self.gw.tokenize_ids or self.gw.tokenizer.tokenize)(request.model, item, base_url=base_url)
-            if type(call) is not CoroutineType:  # some other awaitable: awaited whole, under the deadline
-                async with asyncio.timeout_at(deadline):
-                    ids = await call
-            else:
-                try:
-                    pending = call.send(None)
-                except StopIteration as done:
-                    ids = done.value
-                else:
-                    async with asyncio.timeout_at(deadline):  # no extra task, unlike wait_for
-                        ids = await _Resumed(call, pending)
-        except (TokenizerError, asyncio.TimeoutError) as e:
-            reason = "timeout" if isinstance(e, asyncio.TimeoutError) else "error"
-            self.gw.metrics.tokenizer_fallbacks.labels(reason).inc()
-            self.fallback_log.log(log, logging.WARNING, "tokenizer", "tokenization failed (%s: %s); routing on load alone",
-                                  reason, e)
-            return None
-        self.gw.metrics.tokenize_seconds.observe(time.perf_counter() - started)
-        return ids
-
     def _route_any(self, remove: list[str]) -> pb.ProcessingResponse:
         pods = [p for p in self.gw.registry.pods() if p.ready]
-        if self.subset is not None:
-            pods = [p for p in pods if p.endpoint in self.subset]
+        subset = self.ctx.subset
+        if subset is not None:
+            pods = [p for p in pods if p.endpoint in subset]
             if not pods:
                 return self._error(ClientError(503, "no ready pod among the endpoints the gateway allowed",
                                                type_="service_unavailable", code="no_eligible_endpoint"))
@@ -486,7 +299,7 @@ class _Stream:
             pods = [p for p in pods if self.gw.reachable(p.name)] or pods
         if not pods:
             return self._error(ClientError(503, "no ready pod", type_="service_unavailable", code="no_ready_pod"))
-        first = hash(self.request_id) % len(pods)
+        first = hash(self.ctx.request_id) % len(pods)
         pod = pods[first]
         rest = tuple(pods[(first + i) % len(pods)].endpoint for i in range(1, min(len(pods), 4)))
         self.gw.metrics.requests.labels("models", "routed").inc()
@@ -512,8 +325,8 @@ class _Stream:
 
     def _error(self, err: ClientError) -> pb.ProcessingResponse:
         self.gw.metrics.errors.labels(str(err.status), err.code or err.type).inc()
-        self.gw.metrics.requests.labels(self.kind, "rejected").inc()
-        return _immediate(err, self.request_id)
+        self.gw.metrics.requests.labels(self.ctx.kind, "rejected").inc()
+        return _immediate(err, self.ctx.request_id)
 
     def error_for(self, exc: BaseException) -> pb.ProcessingResponse:
         if isinstance(exc, ClientError):
@@ -530,23 +343,28 @@ class _Stream:
             return self._error(ClientError(429, str(exc), type_="rate_limit_exceeded", code="saturated"))
         if isinstance(exc, RoutingError):
             return self._error(ClientError(503, str(exc), type_="service_unavailable", code="routing_failed"))
-        log.error("request %s: internal error", self.request_id, exc_info=exc)
-        return self._error(ClientError(500, f"internal error in kvgate (request id {self.request_id})",
+        request_id = self.ctx.request_id
+        log.error("request %s: internal error", request_id, exc_info=exc)
+        return self._error(ClientError(500, f"internal error in kvgate (request id {request_id})",
                                        type_="internal_error", code="internal_error"))
 
 
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     def __init__(self, gw: Gateway) -> None:
         self.gw = gw
-        self._fallback_log = LogThrottle(10.0)  # one warning per 10 s, with a count of the rest
+        self.pipeline = build(gw)
         self._answers: dict = {}
-        self._metric_children: dict = {}
         self._releases: set[asyncio.Task] = set()
+        # Whether a release never waits: the router's counts and a local limiter's change in this process. A
+        # shared limiter's round trip runs in a task, which the stream's reset (Envoy's close) cannot cut.
+        self._releases_now = gw.admission is None or isinstance(gw.admission.limiter, LocalLimiter)
 
     async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest], context) -> AsyncIterator[pb.ProcessingResponse]:  # noqa: N802
-        stream = _Stream(self.gw, self._fallback_log, self._answers, self._metric_children, self.gw.sampler)
+        stream = _Stream(self.gw, self.pipeline, self._answers)
+        ctx = stream.ctx
         self.gw.metrics.active_streams.inc()
         how = "completed"
+        ended = False
         try:
             async for msg in request_iterator:
                 which = msg.WhichOneof("request")
@@ -571,6 +389,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                         yield r
                 elif response is not None:
                     yield response
+            ended = True
         except asyncio.CancelledError:
             how = "cancelled"
             raise
@@ -579,20 +398,18 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             raise
         finally:
             self.gw.metrics.active_streams.dec()
-            if stream.watch is not None:
-                stream.watch.close()
-            if stream.decision is not None:
-                # No await here (a cancelled stream must not wait): the release runs now if it needs no wait
-                # (the router's own counts), else it finishes in a task of its own.
-                release = self._release(stream.decision, how, stream.admitted)
-                try:
-                    pending = release.send(None)
-                except StopIteration:
-                    pass
-                else:
-                    task = asyncio.get_running_loop().create_task(_finish(release, pending))
-                    self._releases.add(task)
-                    task.add_done_callback(self._releases.discard)
+            if ctx.watch is not None:
+                ctx.watch.close()
+            # A stream cut short (cancelled, failed, closed) must not wait, nor a release that waits be cut:
+            # either runs in a task of its own.
+            later = ctx.decision is not None and (not ended or (ctx.admitted is not None and not self._releases_now))
+            if later:
+                task = asyncio.get_running_loop().create_task(self._release(ctx.decision, how, ctx.admitted))
+                self._releases.add(task)
+                task.add_done_callback(self._releases.discard)
+        if ctx.decision is not None and not later:
+            # Envoy ended the stream and the release needs no wait: it is done here, before the stream closes.
+            await self._release(ctx.decision, how, ctx.admitted)
 
     async def _release(self, decision: Decision, how: str, admitted: str | None = None) -> None:
         try:

@@ -155,6 +155,8 @@ class CachedTokenizer:
     trust(model, input) holds (tokenizer.verified: its shape was verified against the engine), and
     `observe(model, input, ids, base_url)` is told of every answer assembled from pieces (to sample it);
     then `inner.tokenize` must take `sample=False`, passed for the pieces themselves.
+    An `inner` with a `tokenize_now` (its answer when it needs no wait, else None; LocalBackend and
+    VerifiedTokenizer have one) lets this cache's `tokenize_now` answer misses too, not only hits.
     """
 
     def __init__(
@@ -176,9 +178,12 @@ class CachedTokenizer:
         self._segmenters = dict(segmenters or {})
         self._default_segmenter = default_segmenter
         self._lru = ByteLRU(options.max_bytes, options.max_entry_bytes)
-        # The key `cached` built for the item it last missed: `tokenize` of that same object (the request
-        # path's next call) takes it instead of building it again. (item, key) or None.
-        self._missed: tuple[TokenizeInput, tuple] | None = None
+        # The inner tokenizer's answer without a wait (its `tokenize_now`, None when it would wait), if it has one.
+        self._inner_now: Callable[..., Sequence[int] | None] | None = getattr(inner, "tokenize_now", None)
+        # The key `cached` or `tokenize_now` built for the item it last missed, and the plan (segmenter,
+        # pieces) `tokenize_now` made of it: `tokenize` of that same object (the request path's next call)
+        # takes them instead of making them again. (item, key, plan or None) or None.
+        self._missed: tuple[TokenizeInput, tuple, tuple | None] | None = None
         self._inflight: dict[tuple[str, str], asyncio.Future[list[int]]] = {}
         self._verify_requests = options.verify_requests
         self._verified: dict[str, int] = {}
@@ -219,20 +224,12 @@ class CachedTokenizer:
         per id (~21 us for a 1,700-token prompt, as much as the rest of assembling it)."""
         if isinstance(item, PromptInput) and item.token_ids is not None:
             return list(item.token_ids)
-        missed, self._missed = self._missed, None
-        key = missed[1] if missed is not None and missed[0] is item and missed[1][1] == model else (
-            "req", model, _request_key(item))
+        key, plan = self._take_missed(model, item)
         hit = self._hit(key)
         if hit is not None:
             return memoryview(hit).toreadonly()
         self._metrics.request_miss += 1
-        segmenter = None if model in self._mismatched else self._segmenters.get(model, self._default_segmenter)
-        if segmenter is not None and self._trust is not None and not self._trust(model, item):
-            segmenter = None
-        try:
-            planned = segmenter.pieces(item) if segmenter is not None else None
-        except ValueError as e:
-            raise TokenizerError(f"cannot tokenize for model {model!r}: {e}") from e
+        segmenter, planned = self._plan(model, item) if plan is None else plan
         if planned is None:
             ids = await self._inner.tokenize(model, item, base_url=base_url)
             self._count(0, len(ids))
@@ -243,9 +240,47 @@ class CachedTokenizer:
                 ids = await self._verify(model, item, base_url, ids)  # what is kept: the engine's answer
             elif self._observe is not None:
                 self._observe(model, item, ids, base_url)
-        self._lru.put(key, ids, _key_bytes(key))
-        self._update_size()
-        return ids
+        return self._keep(key, ids)
+
+    def tokenize_now(self, model: str, item: TokenizeInput, *, base_url: str | None = None) -> Sequence[int] | None:
+        """`tokenize_ids`' answer when it needs no wait: a cached request, or a miss the inner tokenizer's
+        own `tokenize_now` answers now (the whole request, or the pieces not cached; not while the model's
+        first requests are verified). None when it would wait, with nothing done or counted: `tokenize_ids`
+        of the same item then does all of it. Raises TokenizerError as `tokenize_ids` would."""
+        if isinstance(item, PromptInput) and item.token_ids is not None:
+            return list(item.token_ids)
+        key, _ = self._take_missed(model, item)
+        hit = self._hit(key)
+        if hit is not None:
+            return memoryview(hit).toreadonly()
+        self._missed = (item, key, None)  # taken by `tokenize_ids` of this item, if it is not answered here
+        now = self._inner_now
+        if now is None:
+            return None
+        try:
+            plan = segmenter, planned = self._plan(model, item)
+            self._missed = (item, key, plan)  # not made again by `tokenize_ids` (a chat's rendering)
+            if planned is None:
+                ids = now(model, item, base_url=base_url)
+                if ids is None:
+                    return None
+                self._count(0, len(ids))
+            else:
+                if self._verified.get(model, 0) < self._verify_requests:
+                    return None
+                pieces, affixes = planned
+                ids = self._from_pieces_now(model, segmenter, pieces, base_url, affixes, now)
+                if ids is None:
+                    return None
+                if self._observe is not None:
+                    self._observe(model, item, ids, base_url)
+        except BaseException:  # counted as `tokenize_ids` counts a miss that raises
+            self._missed = None
+            self._metrics.request_miss += 1
+            raise
+        self._missed = None
+        self._metrics.request_miss += 1
+        return self._keep(key, ids)
 
     def cached(self, model: str, item: TokenizeInput) -> memoryview | None:
         """`item`'s ids if the whole request is cached (counted as a hit, like `tokenize`), without a
@@ -259,9 +294,32 @@ class CachedTokenizer:
             return None
         hit = self._hit(key)
         if hit is None:
-            self._missed = (item, key)
+            self._missed = (item, key, None)
             return None
         return memoryview(hit).toreadonly()
+
+    def _take_missed(self, model: str, item: TokenizeInput) -> tuple[tuple, tuple | None]:
+        """(the whole request's key, its plan or None): as `cached` or `tokenize_now` left them for this same
+        item (its next call on the request path), else a new key and no plan."""
+        missed, self._missed = self._missed, None
+        if missed is not None and missed[0] is item and missed[1][1] == model:
+            return missed[1], missed[2]
+        return ("req", model, _request_key(item)), None
+
+    def _plan(self, model: str, item: TokenizeInput) -> tuple[Segmenter | None, tuple[list[Piece], SpecialAffixes] | None]:
+        """The model's segmenter and `item`'s pieces, (None, None) when the piece level does not serve it."""
+        segmenter = None if model in self._mismatched else self._segmenters.get(model, self._default_segmenter)
+        if segmenter is not None and self._trust is not None and not self._trust(model, item):
+            segmenter = None
+        try:
+            return segmenter, segmenter.pieces(item) if segmenter is not None else None
+        except ValueError as e:
+            raise TokenizerError(f"cannot tokenize for model {model!r}: {e}") from e
+
+    def _keep(self, key: tuple, ids: Sequence[int]) -> Sequence[int]:
+        self._lru.put(key, ids, _key_bytes(key))
+        self._update_size()
+        return ids
 
     def _hit(self, key: tuple) -> array | None:
         hit = self._lru.get(key)
@@ -287,6 +345,36 @@ class CachedTokenizer:
         self, model: str, segmenter: Segmenter, pieces: list[Piece], base_url: str | None, affixes: SpecialAffixes
     ) -> Sequence[int]:
         """The request's ids from its pieces' (see join_pieces for the form), fetching those not cached."""
+        tokens, missing = self._cached_pieces(model, pieces)
+        self._count_pieces(tokens, missing)
+        fetched = await self._fetch_once(model, segmenter, missing, base_url) if missing else {}
+        return self._join(pieces, tokens, fetched, affixes)
+
+    def _from_pieces_now(self, model: str, segmenter: Segmenter, pieces: list[Piece], base_url: str | None,
+                         affixes: SpecialAffixes, now: Callable[..., Sequence[int] | None]) -> Sequence[int] | None:
+        """`_from_pieces` when the pieces not cached are tokenized by `now` (the inner tokenizer's answer
+        without a wait); None, with nothing counted or kept, when one of them would wait (or is being
+        fetched for another request)."""
+        tokens, missing = self._cached_pieces(model, pieces)
+        fetched: dict[str, Sequence[int]] = {}
+        if missing:
+            if any((model, t) in self._inflight for t in missing):
+                return None
+            try:
+                got = self._fetch_now(model, segmenter, missing, base_url, now)
+            except BaseException:
+                self._count_pieces(tokens, missing)  # as `_from_pieces` counts them before its fetch fails
+                raise
+            if got is None:
+                return None
+            for text, ids in got.items():
+                kept = self._lru.put(("seg", model, text), ids, sys.getsizeof(text))
+                fetched[text] = ids if kept is None else kept  # the cache's array: joined into requests as bytes
+        self._count_pieces(tokens, missing)
+        return self._join(pieces, tokens, fetched, affixes)
+
+    def _cached_pieces(self, model: str, pieces: list[Piece]) -> tuple[dict[str, Sequence[int]], list[str]]:
+        """(each plain piece -> its cached ids, or () when not cached; the pieces not cached, in order)."""
         tokens: dict[str, Sequence[int]] = {}
         missing: list[str] = []
         get = self._lru.get
@@ -299,11 +387,16 @@ class CachedTokenizer:
                 missing.append(p)
             else:
                 tokens[p] = hit
+        return tokens, missing
+
+    def _count_pieces(self, tokens: dict[str, Sequence[int]], missing: list[str]) -> None:
         if missing:
             self._metrics.piece_miss += len(missing)
         if len(tokens) > len(missing):
             self._metrics.piece_hit += len(tokens) - len(missing)
-        fetched = await self._fetch_once(model, segmenter, missing, base_url) if missing else {}
+
+    def _join(self, pieces: list[Piece], tokens: dict[str, Sequence[int]], fetched: Mapping[str, Sequence[int]],
+              affixes: SpecialAffixes) -> Sequence[int]:
         tokens.update(fetched)
         out = join_pieces(pieces, tokens, affixes)
         new = sum(len(fetched[p]) for p in pieces if isinstance(p, str) and p in fetched)
@@ -340,9 +433,7 @@ class CachedTokenizer:
     async def _fetch(self, model: str, segmenter: Segmenter, texts: list[str], base_url: str | None) -> dict[str, list[int]]:
         sep = segmenter.separator
         if sep is not None and len(texts) > 1:
-            joined = await self._inner.tokenize(
-                model, PromptInput(text=sep[0].join(texts), add_special_tokens=False), base_url=base_url,
-                **self._piece_kwargs)
+            joined = await self._inner.tokenize(model, _joined(texts, sep[0]), base_url=base_url, **self._piece_kwargs)
             parts = _split_at(joined, sep[1])
             if len(parts) == len(texts):
                 return dict(zip(texts, parts))
@@ -350,6 +441,26 @@ class CachedTokenizer:
         for text in texts:  # sequential: one slow backend should not get a burst from one request
             out[text] = await self._inner.tokenize(model, PromptInput(text=text, add_special_tokens=False),
                                                    base_url=base_url, **self._piece_kwargs)
+        return out
+
+    def _fetch_now(self, model: str, segmenter: Segmenter, texts: list[str], base_url: str | None,
+                   now: Callable[..., Sequence[int] | None]) -> dict[str, Sequence[int]] | None:
+        """`_fetch` by `now`; None when it would wait. When the joined text is answered now, so is each
+        piece of it: a shorter input (and ASCII if the joined one is) stays on the calling thread."""
+        sep = segmenter.separator
+        if sep is not None and len(texts) > 1:
+            joined = now(model, _joined(texts, sep[0]), base_url=base_url, **self._piece_kwargs)
+            if joined is None:
+                return None
+            parts = _split_at(joined, sep[1])
+            if len(parts) == len(texts):
+                return dict(zip(texts, parts))
+        out = {}
+        for text in texts:
+            ids = now(model, PromptInput(text=text, add_special_tokens=False), base_url=base_url, **self._piece_kwargs)
+            if ids is None:
+                return None
+            out[text] = ids
         return out
 
     def _count(self, cached: int, total: int) -> None:
@@ -363,6 +474,11 @@ class CachedTokenizer:
 
     async def aclose(self) -> None:
         await self._inner.aclose()
+
+
+def _joined(texts: list[str], separator: str) -> PromptInput:
+    """Pieces tokenized in one call: joined by an added token, whose id splits the answer back."""
+    return PromptInput(text=separator.join(texts), add_special_tokens=False)
 
 
 def _split_at(ids: Sequence[int], sep: int) -> list[list[int]]:

@@ -361,15 +361,27 @@ class LocalBackend:
         return self._tokenizers.get(model, self._default)
 
     async def tokenize(self, model: str, item: TokenizeInput, *, base_url: str | None = None) -> list[int]:
+        ids = self.tokenize_now(model, item)
+        if ids is not None:
+            return ids
         tok = self.get(model)
         if tok is None:
             raise TokenizerError(f"no local tokenizer configured for model {model!r}")
+        try:
+            return await asyncio.to_thread(tok.encode, item)
+        except ValueError as e:
+            raise TokenizerError(f"cannot tokenize for model {model!r}: {e}") from e
+
+    def tokenize_now(self, model: str, item: TokenizeInput, *, base_url: str | None = None) -> list[int] | None:
+        """`tokenize`'s answer when it is encoded on the calling thread (an input below `offload_chars`);
+        None when `tokenize` would wait (a worker thread, or no tokenizer for the model: it raises)."""
+        tok = self.get(model)
+        if tok is None:
+            return None
         if isinstance(item, PromptInput) and item.token_ids is not None:
             return list(item.token_ids)
         try:
-            if tok.inline(item, self._offload_chars):
-                return tok.encode(item)
-            return await asyncio.to_thread(tok.encode, item)
+            return tok.encode(item) if tok.inline(item, self._offload_chars) else None
         except ValueError as e:
             raise TokenizerError(f"cannot tokenize for model {model!r}: {e}") from e
 

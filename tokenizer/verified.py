@@ -185,10 +185,7 @@ class VerifiedTokenizer:
             except ValueError as e:  # media, shapes the local renderer refuses: the engine decides
                 log.debug("tokenizer: model %r: local path refused a request (%s); asking the engine", model, e)
             else:
-                m.served["local"] += 1
-                m.count_local.inc()
-                if sample and self._options.sample_rate and self._rng() < self._options.sample_rate:
-                    self._check_later(m, shape, item, ids, None, base_url)
+                self._served_locally(m, shape, item, ids, sample, base_url)
                 return ids
         ids = await self._remote.tokenize(model, item, base_url=base_url)
         m.served["remote"] += 1
@@ -196,6 +193,32 @@ class VerifiedTokenizer:
         if shape not in m.verified:
             self._check_later(m, shape, item, None, ids, base_url)
         return ids
+
+    def tokenize_now(self, model: str, item: TokenizeInput, *, base_url: str | None = None,
+                     sample: bool = True) -> list[int] | None:
+        """`tokenize`'s answer when it is local and encoded on the calling thread (a verified shape, an input
+        below `offload_chars`); None, with nothing counted, when `tokenize` would wait or ask the engine."""
+        if isinstance(item, PromptInput) and item.token_ids is not None:
+            return list(item.token_ids)
+        m = self._models.get(model)
+        if m is None or m.local is None or m.disabled:
+            return None
+        shape = shape_of(item)
+        if shape not in m.verified or not m.local.inline(item, self._options.offload_chars):
+            return None
+        try:
+            ids = m.local.encode(item)
+        except ValueError:  # `tokenize` asks the engine, and logs why
+            return None
+        self._served_locally(m, shape, item, ids, sample, base_url)
+        return ids
+
+    def _served_locally(self, m: _Model, shape: str, item: TokenizeInput, ids: list[int], sample: bool,
+                        base_url: str | None) -> None:
+        m.served["local"] += 1
+        m.count_local.inc()
+        if sample and self._options.sample_rate and self._rng() < self._options.sample_rate:
+            self._check_later(m, shape, item, ids, None, base_url)
 
     def trusts(self, model: str, item: TokenizeInput) -> bool:
         """Whether local tokens of `item` may serve now (its shape is verified for `model`)."""

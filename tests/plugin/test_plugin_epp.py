@@ -17,7 +17,8 @@ from prometheus_client import CollectorRegistry
 
 from plugin.app import App
 from plugin.config import Settings
-from plugin.extproc import ExternalProcessor, Gateway
+from plugin.extproc import ExternalProcessor
+from plugin.pipeline import Gateway
 from plugin.metrics import GatewayMetrics
 from routing.discovery.static import StaticSource
 from routing.state.engine_metrics import EngineLoad, EngineMetrics

@@ -12,7 +12,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from prometheus_client import CollectorRegistry
 
-from plugin.extproc import ExternalProcessor, Gateway
+from plugin.extproc import ExternalProcessor
+from plugin.pipeline import Gateway
 from plugin.metrics import GatewayMetrics
 from routing.errors import NoReadyPodError, UnknownModelError, UnknownStrategyError
 from routing.pods import Pod
@@ -94,9 +95,9 @@ def body(obj):
     return pb.ProcessingRequest(request_body=pb.HttpBody(body=raw, end_of_stream=True))
 
 
-async def run_stream(gw, messages):
+async def run_stream(gw, messages, processor=None):
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    proc = ExternalProcessor(gw)
+    proc = processor or ExternalProcessor(gw)
     pb_grpc.add_ExternalProcessorServicer_to_server(proc, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
@@ -368,7 +369,7 @@ async def test_observed_request_carries_the_running_count_its_pick_saw():
 
 
 def test_sampler_takes_its_share_evenly_spaced():
-    from plugin.extproc import Sampler
+    from plugin.pipeline import Sampler
     tenth = Sampler(0.1)
     taken = [i for i in range(100) if tenth.take()]
     assert taken == list(range(0, 100, 10))
@@ -379,7 +380,7 @@ def test_sampler_takes_its_share_evenly_spaced():
 
 
 async def test_unsampled_response_asks_envoy_for_nothing_and_tells_trackers_done():
-    from plugin.extproc import Sampler
+    from plugin.pipeline import Sampler
     from plugin.observe import Observer
     done = []
 
@@ -411,3 +412,60 @@ async def test_unsampled_response_asks_envoy_for_nothing_and_tells_trackers_done
     assert not slo[0].HasField("mode_override")  # SLO targets: always watched
     assert done == [("count", True), ("count", False), ("count", True)]  # none saw a response here
     assert registry.get_sample_value("kvgate_requests_observed_total", {"source": "unsampled"}) == 1
+
+
+class SharedLimiter:
+    """An admission limiter shared over the network: its release waits for the round trip."""
+
+    def __init__(self):
+        self.counts = {}
+
+    async def try_acquire(self, pod, limit):
+        self.counts[pod] = self.counts.get(pod, 0) + 1
+        return True
+
+    async def release(self, pod):
+        await asyncio.sleep(0.01)
+        self.counts[pod] -= 1
+
+    def running(self):
+        return {p: n for p, n in self.counts.items() if n}
+
+    async def forget(self, pod):
+        self.counts.pop(pod, None)
+
+
+async def test_a_shared_limiters_release_that_waits_completes_after_the_stream():
+    from routing.state.admission import Admission
+    router, limiter = FakeRouter(), SharedLimiter()
+    gw = gateway(router, FakeTokenizer(), admission=Admission(limiter, max_running=4))
+    out = await run_stream(gw, [headers("POST", "/v1/completions"), body({"model": "m", "prompt": "x"})])
+    assert out[-1].HasField("request_body")
+    assert router.running == 0 and limiter.running() == {}  # run_stream drains the pending releases
+    assert gw.metrics.released.labels("completed").value == 1
+
+
+async def test_a_stream_cut_after_its_pick_is_released_once():
+    router = FakeRouter()
+    gw = gateway(router, FakeTokenizer())
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    proc = ExternalProcessor(gw)
+    pb_grpc.add_ExternalProcessorServicer_to_server(proc, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            call = pb_grpc.ExternalProcessorStub(ch).Process()
+            await call.write(headers("POST", "/v1/completions"))
+            await call.write(body({"model": "m", "prompt": "x"}))
+            assert (await call.read()).HasField("request_headers")
+            assert (await call.read()).HasField("request_body")
+            assert router.running == 1
+            call.cancel()  # the client goes away mid-request, without ending the stream
+            assert await wait_until_async(lambda: gw.metrics.active_streams.value == 0, timeout=5)
+            await proc.drain()
+        assert router.running == 0
+        # seen by the server as a cancellation or, when the reset lands between reads, as the stream's end
+        assert sum(gw.metrics.released.labels(how).value for how in ("cancelled", "completed", "stream_error")) == 1
+    finally:
+        await server.stop(0)

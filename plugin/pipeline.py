@@ -1,0 +1,343 @@
+"""The request pipeline: what kvgate does with a routed request, apart from the transport that brings it.
+
+A routed request's state is one `RequestContext`, filled in by the transport (plugin.extproc: the
+headers' request id, strategy, objective, SLO targets, the data plane's subset hint, the body) and then
+by the steps of a `Pipeline`, an ordered list of named steps run one after the other on that context:
+
+    parse     the body -> an InferenceRequest (plugin.request); the strategy's default filled in
+    tokenize  the prompt's token ids, when the strategy reads them (a fallback to none on failure or timeout)
+    pick      the Router's Decision (within the subset hint; shedding a sheddable request under saturation)
+    admit     the per-pod running limit (plugin.admit), when one is configured
+    record    the decision's metrics (time, pod, prefix blocks)
+    observe   the response's Watch (plugin.observe), when responses are observed
+
+A step is a name and a function of the context that returns None when done, or an awaitable when it
+must wait (the pipeline awaits it): a step that never waits costs no coroutine. A new stage (a
+prefill/decode handoff after `pick`, a second cost model) joins with `Pipeline.insert`; a stage that is
+not configured is not in the list, so it costs nothing per request. The transport only reads the
+context's decision, admitted pod and watch afterwards.
+
+It owns `Gateway` (what the pipeline and the transport need, built once by plugin.app) and `Sampler`.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from plugin import observe
+from plugin.admit import admit
+from plugin.metrics import GatewayMetrics
+from plugin.request import InferenceRequest, parse_body
+from plugin.throttle import LogThrottle
+from routing.registry import PodRegistry
+from routing.router import Decision, Router, RouteRequest
+from routing.state.admission import Admission
+from tokenizer.types import PromptInput, TokenizeInput, Tokenizer, TokenizerError
+
+log = logging.getLogger("kvgate.extproc")  # the name operators know these lines by
+
+SLO_TTFT_HEADER, SLO_TPOT_HEADER = "x-slo-ttft-ms", "x-slo-tpot-ms"  # the request's latency targets
+
+
+class Sampler:
+    """Takes `share` of the calls, evenly spaced (share 0.25: every fourth), deterministically."""
+
+    __slots__ = ("share", "_credit")
+
+    def __init__(self, share: float) -> None:
+        self.share = share
+        self._credit = 1.0  # the first call is taken
+
+    def take(self) -> bool:
+        if self.share >= 1.0:
+            return True
+        if self.share <= 0.0:
+            return False
+        if self._credit >= 1.0 - 1e-9:
+            self._credit -= 1.0
+            self._credit += self.share
+            return True
+        self._credit += self.share
+        return False
+
+
+@dataclass
+class Gateway:
+    """What the processor and its pipeline need, built once by plugin.app."""
+
+    router: Router
+    registry: PodRegistry
+    tokenizer: Tokenizer | None
+    metrics: GatewayMetrics
+    default_strategy: str
+    max_body_bytes: int
+    tokenizer_timeout_s: float
+    tokenizer_url: str | None = None
+    target_pod_header: bool = True
+    # False for a pod whose engine refused the last /metrics scrape; None: no such knowledge.
+    reachable: Callable[[str], bool] | None = None
+    # The tokenizer cache's whole-request probe (CachedTokenizer.cached): ids without a copy or an await.
+    cached_tokens: Callable[[str, TokenizeInput], Sequence[int] | None] | None = None
+    # The tokenizer cache's tokenize for readers of the ids (CachedTokenizer.tokenize_ids: an array, not a list
+    # of Python ints); None: `tokenizer.tokenize`.
+    tokenize_ids: Callable[..., Awaitable[Sequence[int]]] | None = None
+    # The tokenizer's answer when it needs no wait (CachedTokenizer.tokenize_now: a cached request, or one the
+    # local tokenizer encodes on the calling thread), None when it would wait; then the call above is awaited
+    # under the timeout. None: every miss is awaited.
+    tokenize_now: Callable[..., Sequence[int] | None] | None = None
+    # Objectives (the x-gateway-inference-objective header) whose requests may be shed (429) under saturation.
+    sheddable_objectives: frozenset[str] = frozenset()
+    # Watches routed responses (TTFT, TPOT, tokens; the request trackers); None: responses not read.
+    observer: observe.Observer | None = None
+    # Which routed responses the observer watches (besides the slo strategy's and SLO-targeted ones, always).
+    sampler: Sampler = field(default_factory=lambda: Sampler(1.0))
+    # A per-pod running limit, checked and counted atomically after the pick; None: no limit.
+    admission: Admission | None = None
+
+
+class RequestContext:
+    """One routed request's state, from its headers to its decision (the pipeline's steps read and fill it)."""
+
+    __slots__ = ("request_id", "path", "kind", "strategy", "objective", "slo", "subset", "watched", "body",
+                 "started", "request", "token_ids", "decision", "admitted", "watch")
+
+    def __init__(self) -> None:
+        # From the transport (the request's headers and the data plane's metadata):
+        self.request_id = ""
+        self.path = ""
+        self.kind = "other"  # chat, completion, models or other: the requests metric's label
+        self.strategy: str | None = None  # the routing-strategy header's; `parse` fills in the default
+        self.objective = ""  # x-gateway-inference-objective
+        self.slo: dict[str, float] | None = None  # latency target header -> seconds
+        self.subset: frozenset[str] | None = None  # the data plane's subset hint (None: any pod of the pool)
+        self.watched = True  # the response will be watched (if there is an observer)
+        self.body = b""
+        # From the steps (the body, request and token ids only while the pipeline runs):
+        self.started = 0.0  # perf_counter() when the pipeline started (the decision's time is from there)
+        self.request: InferenceRequest | None = None
+        self.token_ids: Sequence[int] | None = None
+        self.decision: Decision | None = None
+        self.admitted: str | None = None  # the pod admission counted this request on
+        self.watch: observe.Watch | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """A named stage: `run(ctx)` does its part and returns None, or an awaitable when it must wait."""
+
+    name: str
+    run: Callable[[RequestContext], Awaitable[None] | None]
+
+
+class Pipeline:
+    """The steps a routed request goes through, in order, each run once on the request's context."""
+
+    __slots__ = ("_steps", "_runs")
+
+    def __init__(self, steps: Iterable[Step]) -> None:
+        self._steps: list[Step] = []
+        for step in steps:
+            self._add(len(self._steps), step)
+        self._runs = tuple(s.run for s in self._steps)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self._steps)
+
+    def insert(self, step: Step, *, after: str | None = None, before: str | None = None) -> None:
+        """Add `step` right after (or before) the named one; at the end when neither is given."""
+        if after is not None and before is not None:
+            raise ValueError("insert: give `after` or `before`, not both")
+        anchor = after if after is not None else before
+        if anchor is None:
+            at = len(self._steps)
+        else:
+            names = self.names
+            if anchor not in names:
+                raise ValueError(f"insert: no step named {anchor!r} (steps: {', '.join(names)})")
+            at = names.index(anchor) + (after is not None)
+        self._add(at, step)
+        self._runs = tuple(s.run for s in self._steps)
+
+    def _add(self, at: int, step: Step) -> None:
+        if any(s.name == step.name for s in self._steps):
+            raise ValueError(f"a step named {step.name!r} is already in the pipeline")
+        self._steps.insert(at, step)
+
+    async def run(self, ctx: RequestContext) -> Decision | None:
+        """Run every step on `ctx`; its decision (None only in a pipeline without `pick`). The body, the parsed
+        request and the token ids are dropped afterwards: the context lives as long as the response."""
+        ctx.started = time.perf_counter()
+        try:
+            for run in self._runs:
+                waiting = run(ctx)
+                if waiting is not None:
+                    await waiting
+        finally:
+            ctx.body, ctx.request, ctx.token_ids = b"", None, None
+        return ctx.decision
+
+
+def build(gw: Gateway) -> Pipeline:
+    """The request pipeline `gw` configures: admit only with a running limit, observe only with an observer."""
+    steps = [Step("parse", _Parse(gw).parse), Step("tokenize", _Tokenize(gw).tokenize), Step("pick", _Pick(gw).pick)]
+    if gw.admission is not None:
+        steps.append(Step("admit", _Admit(gw, gw.admission).admit))
+    steps.append(Step("record", _Record(gw).record))
+    if gw.observer is not None:
+        steps.append(Step("observe", _Observe(gw.observer).observe))
+    return Pipeline(steps)
+
+
+# --- the steps (their functions are named after them: `kvgate bench request` profiles them by name) ---------
+
+class _Parse:
+    __slots__ = ("max_body_bytes", "default_strategy")
+
+    def __init__(self, gw: Gateway) -> None:
+        self.max_body_bytes, self.default_strategy = gw.max_body_bytes, gw.default_strategy
+
+    def parse(self, ctx: RequestContext) -> None:
+        ctx.request = parse_body(ctx.path, ctx.body, self.max_body_bytes)
+        ctx.strategy = ctx.strategy or self.default_strategy
+
+
+class _Tokenize:
+    """Token ids only for a strategy that reads them: a cached answer, or one the tokenizer gives without a
+    wait, needs no timer; a call that waits runs under the tokenizer timeout. A failure or a timeout routes
+    on load alone (counted, logged at most once per 10 s)."""
+
+    __slots__ = ("gw", "fallback_log")
+
+    def __init__(self, gw: Gateway) -> None:
+        self.gw = gw
+        self.fallback_log = LogThrottle(10.0)  # one warning per 10 s, with a count of the rest
+
+    def tokenize(self, ctx: RequestContext) -> Awaitable[None] | None:
+        gw = self.gw
+        if not gw.router.needs_tokens(ctx.strategy):
+            return None
+        request = ctx.request
+        item = request.item
+        if isinstance(item, PromptInput) and item.token_ids is not None:
+            ctx.token_ids = list(item.token_ids)
+            return None
+        if gw.tokenizer is None:
+            return None
+        started = time.perf_counter()
+        if gw.cached_tokens is not None:
+            ids = gw.cached_tokens(request.model, item)
+            if ids is not None:
+                gw.metrics.tokenize_seconds.observe(time.perf_counter() - started)
+                ctx.token_ids = ids
+                return None
+        base_url = gw.tokenizer_url
+        if not base_url:
+            pods = gw.registry.ready_pods(request.model)
+            if not pods:
+                return None  # pick answers 404 or 503
+            base_url = pods[hash(ctx.request_id) % len(pods)].base_url
+        if gw.tokenize_now is not None:
+            try:
+                ids = gw.tokenize_now(request.model, item, base_url=base_url)
+            except TokenizerError as e:
+                self._fallback("error", e)
+                return None
+            if ids is not None:
+                gw.metrics.tokenize_seconds.observe(time.perf_counter() - started)
+                ctx.token_ids = ids
+                return None
+        return self._tokenize_wait(ctx, item, base_url, started)
+
+    async def _tokenize_wait(self, ctx: RequestContext, item: TokenizeInput, base_url: str, started: float) -> None:
+        gw = self.gw
+        deadline = asyncio.get_running_loop().time() + gw.tokenizer_timeout_s
+        try:
+            async with asyncio.timeout_at(deadline):  # no extra task, unlike wait_for
+                ids = await (gw.tokenize_ids or gw.tokenizer.tokenize)(ctx.request.model, item, base_url=base_url)
+        except (TimeoutError, TokenizerError) as e:
+            self._fallback("timeout" if isinstance(e, asyncio.TimeoutError) else "error", e)
+            return
+        gw.metrics.tokenize_seconds.observe(time.perf_counter() - started)
+        ctx.token_ids = ids
+
+    def _fallback(self, reason: str, e: BaseException) -> None:
+        self.gw.metrics.tokenizer_fallbacks.labels(reason).inc()
+        self.fallback_log.log(log, logging.WARNING, "tokenizer", "tokenization failed (%s: %s); routing on load alone",
+                              reason, e)
+
+
+class _Pick:
+    __slots__ = ("router", "sheddable_objectives")
+
+    def __init__(self, gw: Gateway) -> None:
+        self.router, self.sheddable_objectives = gw.router, gw.sheddable_objectives
+
+    async def pick(self, ctx: RequestContext) -> None:
+        slo = ctx.slo or {}
+        objective = ctx.objective
+        ctx.decision = await self.router.pick(RouteRequest(
+            model=ctx.request.model, token_ids=ctx.token_ids, strategy=ctx.strategy, request_id=ctx.request_id,
+            slo_ttft_s=slo.get(SLO_TTFT_HEADER), slo_tpot_s=slo.get(SLO_TPOT_HEADER)),
+            subset=ctx.subset, sheddable=bool(objective) and objective in self.sheddable_objectives)
+
+
+class _Admit:
+    __slots__ = ("gw", "admission")
+
+    def __init__(self, gw: Gateway, admission: Admission) -> None:
+        self.gw, self.admission = gw, admission
+
+    async def admit(self, ctx: RequestContext) -> None:
+        # A 429 after the wait leaves ctx.decision the pick's: the stream's end releases the count it took.
+        gw = self.gw
+        ctx.decision, ctx.admitted = await admit(self.admission, gw.router, gw.registry, ctx.decision,
+                                                 ctx.request.model)
+
+
+class _Record:
+    """The decision's metrics, their label children memoized by (strategy, pod, kind)."""
+
+    __slots__ = ("metrics", "children")
+
+    def __init__(self, gw: Gateway) -> None:
+        self.metrics = gw.metrics
+        self.children: dict = {}
+
+    def record(self, ctx: RequestContext) -> None:
+        d = ctx.decision
+        key = (d.strategy, d.pod.name, ctx.kind)
+        children = self.children.get(key)
+        if children is None:
+            if len(self.children) > 4096:  # pods churn: keep the memo bounded
+                self.children.clear()
+            m = self.metrics
+            children = self.children[key] = (
+                m.decision_seconds.labels(d.strategy), m.decisions.labels(d.strategy, d.pod.name),
+                m.requests.labels(ctx.kind, "routed"), m.prefix_blocks.labels("total"),
+                m.prefix_blocks.labels("cached"))
+        seconds, decided, routed, total_blocks, cached_blocks = children
+        seconds.observe(time.perf_counter() - ctx.started)
+        decided.inc()
+        routed.inc()
+        if d.total_blocks:
+            total_blocks.inc(d.total_blocks)
+            cached_blocks.inc(d.matched_blocks)
+
+
+class _Observe:
+    __slots__ = ("observer",)
+
+    def __init__(self, observer: observe.Observer) -> None:
+        self.observer = observer
+
+    def observe(self, ctx: RequestContext) -> None:
+        d = ctx.decision
+        slo = ctx.slo or {}
+        # running: the batch the engine profiles learn the decode step time at
+        ctx.watch = self.observer.start(ctx.request_id, ctx.request.model, d.pod.name, tokens=ctx.token_ids,
+                                        decision=d, running=d.running, slo_ttft_s=slo.get(SLO_TTFT_HEADER),
+                                        slo_tpot_s=slo.get(SLO_TPOT_HEADER), watched=ctx.watched)
