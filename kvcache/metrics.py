@@ -4,10 +4,66 @@ Created on the registry passed in (a fresh one by default), never the global one
 """
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import threading
+from bisect import bisect_left
+import time
+from typing import Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client.metrics_core import HistogramMetricFamily, Metric
+from prometheus_client.samples import Sample
+from prometheus_client.utils import floatToGoString
 
 _P = "kvgate_kvevents_"
 _ENDPOINT = ("pod", "rank")
+PROCESSING_BOUNDS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5)  # s, per batch
+
+
+class BatchHistogram:
+    """An unlabelled histogram that takes observations counted elsewhere in bulk (`add`: per-bucket
+    counts and their sum, once per flush instead of once per batch), exposed through prometheus_client's
+    public collector interface with the samples its own Histogram would give (_bucket, _count, _sum,
+    _created)."""
+
+    def __init__(self, name: str, documentation: str, bounds: Sequence[float],
+                 registry: CollectorRegistry | None) -> None:
+        self._name, self._doc = name, documentation
+        self.bounds = tuple(float(b) for b in bounds)
+        self._counts = [0] * (len(self.bounds) + 1)  # the last: above every bound
+        self._sum = 0.0
+        self._created = time.time()
+        self._lock = threading.Lock()  # a scrape reads while the ingest thread adds
+        if registry is not None:
+            registry.register(self)
+
+    def add(self, counts: Sequence[int], total: float) -> None:
+        """Adds `counts[i]` observations to bucket i (as `bounds`, plus one above them) summing to `total`."""
+        if len(counts) != len(self._counts):
+            raise ValueError(f"{len(counts)} bucket counts for a histogram of {len(self._counts)} buckets")
+        with self._lock:
+            for i, c in enumerate(counts):
+                self._counts[i] += c
+            self._sum += total
+
+    def observe(self, seconds: float) -> None:
+        i = bisect_left(self.bounds, seconds)  # the first bucket whose bound is >= it, as prometheus_client's
+        with self._lock:
+            self._counts[i] += 1
+            self._sum += seconds
+
+    def describe(self) -> list[Metric]:
+        return [HistogramMetricFamily(self._name, self._doc)]
+
+    def collect(self) -> list[Metric]:
+        with self._lock:
+            counts, total = list(self._counts), self._sum
+        cumulative, buckets = 0, []
+        for bound, n in zip((*self.bounds, float("inf")), counts):
+            cumulative += n
+            buckets.append((floatToGoString(bound), cumulative))
+        family = HistogramMetricFamily(self._name, self._doc, buckets=buckets, sum_value=total)
+        family.samples.append(Sample(self._name + "_created", {}, self._created))
+        return [family]
 
 
 class KVEventMetrics:
@@ -28,8 +84,8 @@ class KVEventMetrics:
                                       ("reason",), registry=r)
         self.duplicates = Counter(_P + "duplicate_batches", "batches received twice (live after replay) and ignored",
                                   _ENDPOINT, registry=r)
-        self.processing = Histogram(_P + "processing_seconds", "decode and apply time per batch", registry=r,
-                                    buckets=(1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5))
+        self.processing = BatchHistogram(_P + "processing_seconds", "decode and apply time per batch",
+                                         PROCESSING_BOUNDS, r)
         self.missed = Counter(_P + "missed_batches",
                               "batches (sequence numbers) lost for good: neither received nor replayable",
                               _ENDPOINT, registry=r)

@@ -35,7 +35,7 @@ from typing import Any
 import zmq
 
 from kvcache.locking import IndexLock
-from kvcache.metrics import KVEventMetrics
+from kvcache.metrics import PROCESSING_BOUNDS, KVEventMetrics
 from kvcache.sink import EventSink
 from kvcache.wire import WireError, decode_batch
 from kvcache.zmtp import Connection
@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 END_SEQ = b"\xff" * 8  # the seq frame of a replay's end marker
 
 RUN_BATCHES = 64  # live batches one apply_run call (one hold of the lock) takes at most
-PROC_BOUNDS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5)  # KVEventMetrics.processing's
+PROC_BOUNDS = PROCESSING_BOUNDS  # KVEventMetrics.processing's
 PROC_BOUNDS_D = array("d", PROC_BOUNDS)  # the same as doubles, for the sink's apply_run
 _HOLE_RETRIES = 3  # replays in a row that may stop at a hole without progress
 _ERROR_LOG_EVERY = 10.0  # s between two log lines for the same kind of error
@@ -194,17 +194,7 @@ class Subscriber:
         if self._proc_sum or any(self._proc_n):
             counts, total = self._proc_n.tolist(), self._proc_sum
             self._proc_n, self._proc_sum = array("q", bytes(8 * len(counts))), 0.0
-            hist = self._m.processing
-            buckets, hist_sum = getattr(hist, "_buckets", None), getattr(hist, "_sum", None)
-            if buckets is not None and hist_sum is not None and len(buckets) == len(counts):
-                for i, c in enumerate(counts):  # what observe() does, once per bucket instead of per batch
-                    if c:
-                        buckets[i].inc(c)
-                hist_sum.inc(total)
-            else:  # pragma: no cover - another prometheus_client: one observation per batch at its mean
-                mean = total / max(1, sum(counts))
-                for _ in range(sum(counts)):
-                    hist.observe(mean)
+            self._m.processing.add(counts, total)
 
     def reset(self, reason: str) -> None:
         """Forget the stream position: the next open starts over with a replay from 0."""

@@ -1,6 +1,6 @@
 """What the ingest tests share: vLLM-faithful engines (kvcache.publisher) on free loopback ports,
 a sink that records what reaches it, a harness fixture that closes what a test made, and waits on
-state with a deadline."""
+state with a deadline (the waits and ports themselves come from tests/helpers.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -8,6 +8,7 @@ import socket
 import time
 
 import pytest
+from helpers import free_port, wait_until_async
 
 from kvcache.events import BlockStored
 from kvcache.ingest import SubscriberManager
@@ -19,13 +20,6 @@ from kvcache.stream import EndpointSpec, SubscriberOptions
 GENERATIONS = ["0.23", "0.25", "0.33"]
 FAST = SubscriberOptions(replay_timeout=0.3, reconnect_initial=0.05, reconnect_max=0.2,
                          heartbeat_interval=0.5, heartbeat_timeout=1.5)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class RecordingSink(DecodedSink):
@@ -55,14 +49,6 @@ class RecordingSink(DecodedSink):
 
 def ev(n: int) -> BlockStored:
     return BlockStored((n,), None, (n, n + 1), 2, None, "GPU", None)
-
-
-async def until(cond, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.01)
 
 
 class Engine:
@@ -109,6 +95,11 @@ def status(manager, rank=0, pod=None):
     return next(s for s in manager.status() if s["rank"] == rank and (pod is None or s["pod"] == pod))
 
 
+def counter(manager, name: str, **labels: str) -> float:
+    """The value of kvgate_kvevents_<name>_total{labels} (0 before the series exists)."""
+    return manager.metrics.registry.get_sample_value(f"kvgate_kvevents_{name}_total", labels) or 0.0
+
+
 def connections(manager, kind: str, pod: str = "p", rank: int = 0) -> float:
     """kvgate_kvevents_{connections,disconnections}_total of one endpoint."""
     return manager.metrics.registry.get_sample_value(f"kvgate_kvevents_{kind}_total",
@@ -131,6 +122,6 @@ async def subscribed(e: Engine, manager, pod="p", rank=0, timeout: float = 10.0)
         while not live() and time.monotonic() < probe_deadline:
             await asyncio.sleep(0.01)
         if live():
-            await until(lambda: status(manager, rank, pod)["last_seq"] == seq - 1)
+            await wait_until_async(lambda: status(manager, rank, pod)["last_seq"] == seq - 1)
             return seq
         assert time.monotonic() < deadline, "no batch ever arrived live"

@@ -23,7 +23,7 @@ from kvcache.publisher import EventPublisher
 from kvcache.ingest import SubscriberManager
 from kvcache.stream import EndpointSpec, SubscriberOptions
 from kvcache.wire import GENERATIONS, WireError, decode_batch, encode_batch
-from devkit.stack import free_port
+from helpers import free_port
 
 from eventcut import merged
 

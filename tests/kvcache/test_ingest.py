@@ -11,7 +11,8 @@ import threading
 
 from kvcache.events import BlockStored
 from kvcache.stream import EndpointSpec, SubscriberOptions
-from kv_engines import free_port, status, subscribed, until
+from helpers import free_port, wait_until_async
+from kv_engines import counter, status, subscribed
 
 
 async def test_sync_starts_and_stops_exactly_the_given_specs(harness):
@@ -22,13 +23,13 @@ async def test_sync_starts_and_stops_exactly_the_given_specs(harness):
     assert sorted(s["pod"] for s in manager.status()) == ["a", "b"]
     manager.sync([b.spec])
     assert [s["pod"] for s in manager.status()] == ["b"]
-    await until(lambda: ("drop", "a", 0) in sink.log)  # nobody keeps a's state current any more
+    await wait_until_async(lambda: ("drop", "a", 0) in sink.log)  # nobody keeps a's state current any more
     manager.sync([b.spec])  # unchanged: keeps running
-    await until(lambda: status(manager)["connected"])
+    await wait_until_async(lambda: status(manager)["connected"])
     await subscribed(b, manager, pod="b")  # a lone batch sent before the subscription took hold is lost
     probes = len(sink.hashes("b"))
     b.publish(1)
-    await until(lambda: sink.hashes("b")[probes:] == [1])
+    await wait_until_async(lambda: sink.hashes("b")[probes:] == [1])
 
 
 async def test_changes_wait_for_the_index_lock_on_the_ingest_thread_not_on_the_caller(harness):
@@ -40,7 +41,7 @@ async def test_changes_wait_for_the_index_lock_on_the_ingest_thread_not_on_the_c
     a = engine(pod="a")
     sink, manager = make()
     manager.sync([a.spec])
-    await until(lambda: status(manager, pod="a")["connected"])
+    await wait_until_async(lambda: status(manager, pod="a")["connected"])
     held, release = threading.Event(), threading.Event()
     holding = [False]  # the holder has the lock (cleared before it lets go)
 
@@ -64,7 +65,7 @@ async def test_changes_wait_for_the_index_lock_on_the_ingest_thread_not_on_the_c
     finally:
         release.set()
         holder.join(5)
-    await until(lambda: ("call", "last") in sink.log)
+    await wait_until_async(lambda: ("call", "last") in sink.log)
     # in the order posted, and no batch of a's after its drop
     assert sink.log[-3:] == [("call", "first"), ("drop", "a", 0), ("call", "last")], sink.log[-5:]
 
@@ -78,7 +79,7 @@ async def test_a_flood_is_applied_complete_and_in_order_while_the_event_loop_run
     e = engine(generation="0.33", hwm=1_000_000)
     sink, manager = make(options=SubscriberOptions(replay_timeout=0.3, apply_chunk=3))
     manager.sync([e.spec])
-    await until(lambda: status(manager)["connected"])
+    await wait_until_async(lambda: status(manager)["connected"])
     n_batches, per_batch = 1500, 8
     total = n_batches * per_batch
     seen: list[int] = []  # events the sink held at each tick of the event loop
@@ -95,7 +96,7 @@ async def test_a_flood_is_applied_complete_and_in_order_while_the_event_loop_run
 
     probe_task = asyncio.create_task(probe())
     await asyncio.to_thread(flood)
-    await until(lambda: len(sink.hashes()) == total, timeout=30)
+    await wait_until_async(lambda: len(sink.hashes()) == total, timeout=30)
     stop.set()
     await probe_task
     assert sink.hashes() == list(range(total))
@@ -120,12 +121,12 @@ async def test_subscriber_bug_restarts_the_stream_from_replay(harness, monkeypat
     e = engine()
     sink, manager = make()
     manager.sync([e.spec])
-    await until(lambda: status(manager)["connected"])
+    await wait_until_async(lambda: status(manager)["connected"])
     e.publish(0, 1, 2)
-    await until(lambda: sink.drops() == 1 and sink.after_last_drop() == [0, 1, 2])
-    assert manager.metrics.errors.labels("subscriber")._value.get() == 1
+    await wait_until_async(lambda: sink.drops() == 1 and sink.after_last_drop() == [0, 1, 2])
+    assert counter(manager, "errors", type="subscriber") == 1
     e.publish(3)
-    await until(lambda: sink.after_last_drop() == [0, 1, 2, 3])
+    await wait_until_async(lambda: sink.after_last_drop() == [0, 1, 2, 3])
 
 
 async def test_an_unanswered_replay_does_not_hold_other_engines_batches(harness):
@@ -136,9 +137,9 @@ async def test_an_unanswered_replay_does_not_hold_other_engines_batches(harness)
     silent = EndpointSpec("a", "m", "127.0.0.1", a.pub_port, free_port(), 0)  # nothing answers there
     sink, manager = make(options=SubscriberOptions(replay_timeout=4.0, reconnect_initial=0.05, reconnect_max=0.2))
     manager.sync([silent, b.spec])
-    await until(lambda: all(s["connected"] for s in manager.status()))
+    await wait_until_async(lambda: all(s["connected"] for s in manager.status()))
     b.publish(1, 2)
-    await until(lambda: sink.hashes("b") == [1, 2])
+    await wait_until_async(lambda: sink.hashes("b") == [1, 2])
     a_status = next(s for s in manager.status() if s["pod"] == "a")
     assert a_status["replays"] == 1 and a_status["replay_failures"] == 0  # a's replay still under way
 
@@ -163,15 +164,15 @@ async def test_a_hanging_name_lookup_holds_back_no_other_engine(harness, monkeyp
     sink, manager = make()
     manager.sync([dataclasses.replace(named.spec, host="engine.kvgate.test"), plain.spec])  # the named one first
     try:
-        await until(lambda: sink.hashes("plain") == [0, 1])
+        await wait_until_async(lambda: sink.hashes("plain") == [0, 1])
         assert not status(manager, pod="named")["connected"]
     finally:
         release.set()
-    await until(lambda: status(manager, pod="named")["connected"])
+    await wait_until_async(lambda: status(manager, pod="named")["connected"])
     await subscribed(named, manager, pod="named")
     probes = len(sink.hashes("named"))
     named.publish(5)
-    await until(lambda: sink.hashes("named")[probes:] == [5])
+    await wait_until_async(lambda: sink.hashes("named")[probes:] == [5])
 
 
 class BlackholeProxy:
@@ -218,7 +219,7 @@ async def test_silent_dead_connection_is_detected_by_heartbeat_and_repaired(harn
     try:
         sink, manager = make()
         manager.sync([EndpointSpec("p", "m", "127.0.0.1", port, e.replay_port, 0)])
-        await until(lambda: status(manager)["connected"])
+        await wait_until_async(lambda: status(manager)["connected"])
         # Connected, the SUB's subscription still has to cross the proxy to the engine: publish until
         # events arrive live. (Those the engine published before it had the subscription are gone: the
         # replay at connection found nothing yet, and the first live batch is where the stream starts.)
@@ -228,14 +229,14 @@ async def test_silent_dead_connection_is_detected_by_heartbeat_and_repaired(harn
             e.publish(published)
             published += 1
             await asyncio.sleep(0.05)
-        await until(lambda: sink.hashes()[-1] == published - 1)
+        await wait_until_async(lambda: sink.hashes()[-1] == published - 1)
         live = sink.hashes()
         assert live == list(range(live[0], published))
         proxy.blackhole()  # no FIN, no RST: only missing heartbeats reveal it
         e.publish(published, published + 1)
-        await until(lambda: manager.metrics.disconnections.labels("p", "0")._value.get() >= 1)
+        await wait_until_async(lambda: counter(manager, "disconnections", pod="p", rank="0") >= 1)
         # reconnected through the proxy, the two sent into the black hole replayed
-        await until(lambda: sink.hashes() == live + [published, published + 1])
+        await wait_until_async(lambda: sink.hashes() == live + [published, published + 1])
         assert sink.drops() == 0
     finally:
         await proxy.close()

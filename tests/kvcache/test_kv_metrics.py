@@ -7,7 +7,8 @@ from prometheus_client import CollectorRegistry
 from kvcache.metrics import KVEventMetrics
 from kvcache.ingest import SubscriberManager
 from kvcache.stream import EndpointSpec
-from kv_engines import FAST, Engine, RecordingSink, until
+from helpers import wait_until_async
+from kv_engines import FAST, Engine, RecordingSink
 
 EXPECTED = {
     "connections", "disconnections", "reconnect_attempts", "batches_received", "events_received", "events_applied",
@@ -41,30 +42,30 @@ async def test_every_metric_is_updated():
     live_only = Engine(replay=False, pod="q")
     try:
         manager.sync([e.spec, live_only.spec])
-        await until(lambda: all(s["connected"] for s in manager.status()))
+        await wait_until_async(lambda: all(s["connected"] for s in manager.status()))
         assert value(registry, "connection_status", pod="p", rank="0") == 1
 
         e.publish(1, 2)
-        await until(lambda: sink.hashes() == [1, 2])
+        await wait_until_async(lambda: sink.hashes() == [1, 2])
         e.pub.resend(1)  # a duplicate
         e.pub.drop_next(1)
         e.publish(3, 4)  # gap repaired by replay
-        await until(lambda: sink.hashes() == [1, 2, 3, 4])
+        await wait_until_async(lambda: sink.hashes() == [1, 2, 3, 4])
         e.pub.publish_payload(msgpack.packb([1.0, [["Mystery"]], 0]))  # a skipped event
         e.pub.send_raw([b"garbage"])  # a bad frame: an error
-        await until(lambda: manager.status()[0]["last_seq"] == 4)
+        await wait_until_async(lambda: manager.status()[0]["last_seq"] == 4)
         e.pub.drop_next(5)
         e.publish(*range(5, 11))  # seqs 5..10, 5..9 lost live, the buffer holds 8..10 only
-        await until(lambda: sink.hashes()[-3:] == [8, 9, 10])
+        await wait_until_async(lambda: sink.hashes()[-3:] == [8, 9, 10])
         assert value(registry, "missed_batches_total", pod="p", rank="0") == 3
 
         e.pub.stop()  # disconnection, then reconnect attempts against a closed port
-        await until(lambda: value(registry, "reconnect_attempts_total", pod="p", rank="0") >= 1)
+        await wait_until_async(lambda: value(registry, "reconnect_attempts_total", pod="p", rank="0") >= 1)
         assert value(registry, "connection_status", pod="p", rank="0") == 0
         e.pub.start()
-        await until(lambda: value(registry, "connections_total", pod="p", rank="0") >= 2)
+        await wait_until_async(lambda: value(registry, "connections_total", pod="p", rank="0") >= 2)
         e.publish(20, 21)  # the restarted engine's seqs 0, 1
-        await until(lambda: sink.hashes()[-2:] == [20, 21])
+        await wait_until_async(lambda: sink.hashes()[-2:] == [20, 21])
         assert value(registry, "last_sequence", pod="p", rank="0") == 1
 
         values = sample_values(registry)

@@ -13,7 +13,8 @@ from kvcache.native import native
 from kvcache.ingest import SubscriberManager
 from kvcache.stream import EndpointSpec
 from kvcache.zmtp import MAX_FRAME, Connection, ping
-from kv_engines import FAST, RecordingSink, free_port, until
+from helpers import free_port, wait_until_async
+from kv_engines import counter, FAST, RecordingSink
 
 
 def frame(body: bytes, more: bool = False, command: bool = False) -> bytes:
@@ -104,7 +105,7 @@ async def test_a_peer_that_is_not_a_publisher_is_dropped_and_retried():
     manager = SubscriberManager(RecordingSink(), FAST)
     try:
         manager.sync([EndpointSpec("p", "m", "127.0.0.1", port, None, 0)])
-        await until(lambda: manager.status()[0]["reconnects"] >= 2)
+        await wait_until_async(lambda: manager.status()[0]["reconnects"] >= 2)
         assert not manager.status()[0]["connected"]
     finally:
         await manager.aclose()
@@ -134,8 +135,8 @@ async def test_a_peer_announcing_another_socket_type_is_a_counted_protocol_error
     manager = SubscriberManager(RecordingSink(), FAST)
     try:
         manager.sync([EndpointSpec("p", "m", "127.0.0.1", listener.getsockname()[1], None, 0)])
-        protocol_errors = lambda: manager.metrics.errors.labels("protocol")._value.get()  # noqa: E731
-        await until(lambda: protocol_errors() >= 2)  # dropped, reconnected, dropped again
+        protocol_errors = lambda: counter(manager, "errors", type="protocol")  # noqa: E731
+        await wait_until_async(lambda: protocol_errors() >= 2)  # dropped, reconnected, dropped again
         assert not manager.status()[0]["connected"] and manager.status()[0]["reconnects"] >= 1
     finally:
         server.cancel()

@@ -11,7 +11,8 @@ import time
 
 from kvcache.events import BlockStored
 from kvcache.locking import GIL_SWITCH_INTERVAL_S, GilHandOver
-from kv_engines import FAST, status, until
+from helpers import wait_until_async
+from kv_engines import FAST, status
 
 
 def test_gil_hand_over_holds_the_short_interval_while_any_thread_is_inside():
@@ -52,7 +53,7 @@ async def test_matches_through_locked_index_while_the_ingest_thread_applies(harn
     _, manager = make(sink=index, options=dataclasses.replace(FAST, heartbeat_interval=0))
     shared = LockedIndex(index, manager.lock)
     manager.sync([e.spec])
-    await until(lambda: status(manager)["connected"])
+    await wait_until_async(lambda: status(manager)["connected"])
     n, bs, chunk = 1500, 4, 100
     tokens = list(range(n * bs))
     # The chain goes out in chunks, each once the request path has seen the one before: matches then

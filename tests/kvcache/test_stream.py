@@ -19,7 +19,8 @@ from kvcache.locking import GIL_SWITCH_INTERVAL_S
 from kvcache.native import native
 from kvcache.publisher import END_SEQ
 from kvcache.stream import EndpointSpec, SubscriberOptions, tcp_endpoint
-from kv_engines import FAST, GENERATIONS, RecordingSink, connections, free_port, status, subscribed, until
+from helpers import free_port, wait_until_async
+from kv_engines import connections, counter, FAST, GENERATIONS, RecordingSink, status, subscribed
 
 
 @pytest.mark.parametrize("generation", GENERATIONS)
@@ -29,9 +30,9 @@ async def test_replays_history_then_follows_live(harness, generation):
     e.publish(0, 1, 2, 3)
     sink, manager = make()
     manager.sync([e.spec])
-    await until(lambda: sink.hashes() == [0, 1, 2, 3])
+    await wait_until_async(lambda: sink.hashes() == [0, 1, 2, 3])
     e.publish(4, 5, 6)
-    await until(lambda: len(sink.hashes()) == 7)
+    await wait_until_async(lambda: len(sink.hashes()) == 7)
     assert sink.hashes() == list(range(7))
     assert sink.drops() == 0
     st = status(manager)
@@ -45,13 +46,13 @@ async def test_dropped_messages_are_replayed_in_order(harness, generation):
     e.publish(0)
     sink, manager = make()
     manager.sync([e.spec])
-    await until(lambda: sink.hashes() == [0])  # the start replay is done: what follows is live
+    await wait_until_async(lambda: sink.hashes() == [0])  # the start replay is done: what follows is live
     e.publish(1)
     e.pub.drop_next(3)
     e.publish(2, 3, 4, 5, 6)
     e.pub.drop_next(1)
     e.publish(7, 8)
-    await until(lambda: len(sink.hashes()) == 9)
+    await wait_until_async(lambda: len(sink.hashes()) == 9)
     assert sink.hashes() == list(range(9))
     st = status(manager)
     assert sink.drops() == 0 and st["missed_batches"] == 0 and st["replays"] >= 2  # start + at least one repair
@@ -64,12 +65,12 @@ async def test_gap_larger_than_replay_buffer_drops_then_rebuilds(harness, genera
     e.publish(0)
     sink, manager = make()
     manager.sync([e.spec])
-    await until(lambda: sink.hashes() == [0])  # the start replay is done: what follows is live
+    await wait_until_async(lambda: sink.hashes() == [0])  # the start replay is done: what follows is live
     e.publish(1, 2)
-    await until(lambda: len(sink.hashes()) == 3)
+    await wait_until_async(lambda: len(sink.hashes()) == 3)
     e.pub.drop_next(5)
     e.publish(3, 4, 5, 6, 7, 8)  # 3..7 lost live; the buffer only holds 7, 8
-    await until(lambda: len(sink.hashes()) == 5)
+    await wait_until_async(lambda: len(sink.hashes()) == 5)
     assert sink.hashes() == [0, 1, 2, 7, 8]
     assert sink.drops() == 1 and sink.after_last_drop() == [7, 8]
     assert status(manager)["missed_batches"] == 4  # seqs 3..6
@@ -81,16 +82,16 @@ async def test_engine_restart_mid_stream(harness, generation):
     e = engine(generation=generation)
     sink, manager = make()
     manager.sync([e.spec])
-    await until(lambda: status(manager)["connected"])
+    await wait_until_async(lambda: status(manager)["connected"])
     e.publish(0, 1, 2)
-    await until(lambda: len(sink.hashes()) == 3)
+    await wait_until_async(lambda: len(sink.hashes()) == 3)
     e.pub.stop()
-    await until(lambda: not status(manager)["connected"])
+    await wait_until_async(lambda: not status(manager)["connected"])
     e.pub.start()
     e.publish(100, 101)  # the new process starts again at seq 0
-    await until(lambda: sink.drops() == 1 and sink.after_last_drop() == [100, 101])
+    await wait_until_async(lambda: sink.drops() == 1 and sink.after_last_drop() == [100, 101])
     e.publish(102)
-    await until(lambda: sink.after_last_drop() == [100, 101, 102])
+    await wait_until_async(lambda: sink.after_last_drop() == [100, 101, 102])
     assert sink.drops() == 1
     assert status(manager)["last_seq"] == 2
 
@@ -101,14 +102,14 @@ async def test_restart_whose_new_stream_passes_the_old_seq_is_still_noticed(harn
     e = engine(generation=generation)
     sink, manager = make()
     manager.sync([e.spec])
-    await until(lambda: status(manager)["connected"])
+    await wait_until_async(lambda: status(manager)["connected"])
     e.publish(0, 1)
-    await until(lambda: len(sink.hashes()) == 2)
+    await wait_until_async(lambda: len(sink.hashes()) == 2)
     e.pub.stop()
-    await until(lambda: not status(manager)["connected"])
+    await wait_until_async(lambda: not status(manager)["connected"])
     e.pub.start()
     e.publish(*range(100, 106))  # seqs 0..5 of the new process, past the old last seq 1
-    await until(lambda: sink.drops() >= 1 and len(sink.after_last_drop()) == 6)
+    await wait_until_async(lambda: sink.drops() >= 1 and len(sink.after_last_drop()) == 6)
     assert sink.after_last_drop() == list(range(100, 106))
     assert sink.drops() == 1
 
@@ -118,16 +119,16 @@ async def test_restart_without_replay_follows_new_stream(harness):
     e = engine(replay=False)
     sink, manager = make()
     manager.sync([e.spec])
-    await until(lambda: status(manager)["connected"])
+    await wait_until_async(lambda: status(manager)["connected"])
     # No replay: wait until batches arrive live (CI lost 0..2 when they were sent as soon as the socket
     # connected, before the engine's PUB had the subscription).
     await subscribed(e, manager)
     probes = len(sink.hashes())
     e.publish(0, 1, 2)
-    await until(lambda: sink.hashes()[probes:] == [0, 1, 2])
+    await wait_until_async(lambda: sink.hashes()[probes:] == [0, 1, 2])
     e.pub.restart()
     # The SUB saw the old publisher go and is connected to the new one: a second connection, after a loss.
-    await until(lambda: connections(manager, "disconnections") == 1 and connections(manager, "connections") == 2
+    await wait_until_async(lambda: connections(manager, "disconnections") == 1 and connections(manager, "connections") == 2
                 and status(manager)["connected"])
 
     async def keep_publishing():  # live-only: what is sent before the SUB reconnects is lost
@@ -148,15 +149,15 @@ async def test_no_replay_endpoint_starts_at_once(harness):
     e.publish(0)  # before anyone listens: gone, nothing can replay it
     sink, manager = make()
     manager.sync([e.spec])
-    await until(lambda: status(manager)["connected"])
+    await wait_until_async(lambda: status(manager)["connected"])
     # No replay here: what the engine sends before it has the subscription is lost for good, so wait
     # until batches arrive live (CI lost 1 and 2 when they were sent as soon as the socket connected).
     await subscribed(e, manager)
     probes = len(sink.hashes())
     e.publish(1, 2)
-    await until(lambda: sink.hashes()[probes:] == [1, 2])
+    await wait_until_async(lambda: sink.hashes()[probes:] == [1, 2])
     assert 0 not in sink.hashes()
-    assert manager.metrics.replay_failures.labels("p", "0", "no_endpoint")._value.get() >= 1
+    assert counter(manager, "replay_failures", pod="p", rank="0", reason="no_endpoint") >= 1
 
 
 async def test_silent_replay_endpoint_does_not_block_live_events(harness):
@@ -165,11 +166,11 @@ async def test_silent_replay_endpoint_does_not_block_live_events(harness):
     dead = EndpointSpec("p", "m", "127.0.0.1", e.pub_port, free_port(), 0)  # nothing answers there
     sink, manager = make()
     manager.sync([dead])
-    await until(lambda: status(manager)["replay_failures"] >= 1)
+    await wait_until_async(lambda: status(manager)["replay_failures"] >= 1)
     await subscribed(e, manager)  # the replay that never answers did not hold live batches back
     probes = len(sink.hashes())
     e.publish(1, 2)
-    await until(lambda: sink.hashes()[probes:] == [1, 2])
+    await wait_until_async(lambda: sink.hashes()[probes:] == [1, 2])
     assert status(manager)["connected"]
 
 
@@ -179,7 +180,7 @@ async def test_garbage_is_counted_and_skipped_connection_stays_up(harness, gener
     e = engine(generation=generation)
     sink, manager = make()
     manager.sync([e.spec])
-    await until(lambda: status(manager)["connected"])
+    await wait_until_async(lambda: status(manager)["connected"])
     first = await subscribed(e, manager)
     probes = len(sink.hashes())
     e.publish(0)
@@ -188,13 +189,13 @@ async def test_garbage_is_counted_and_skipped_connection_stays_up(harness, gener
     e.pub.publish_payload(b"\xc1 not msgpack")  # takes seq first + 1
     e.pub.publish_payload(msgpack.packb([1.0, [["Mystery", 1], ["BlockStored", [1], None, [1], 2]], 0]))
     e.publish(3)
-    await until(lambda: status(manager)["last_seq"] == first + 3 and len(sink.hashes()) == probes + 2)
+    await wait_until_async(lambda: status(manager)["last_seq"] == first + 3 and len(sink.hashes()) == probes + 2)
     assert sink.hashes()[probes:] == [0, 3]
     st = status(manager)
     assert st["connected"] and st["errors"] == 3 and st["missed_batches"] == 0 and sink.drops() == 0
-    assert manager.metrics.errors.labels("decode")._value.get() == 1
-    assert manager.metrics.events_skipped.labels("unknown_tag")._value.get() == 1
-    assert manager.metrics.events_skipped.labels("malformed_event")._value.get() == 1
+    assert counter(manager, "errors", type="decode") == 1
+    assert counter(manager, "events_skipped", reason="unknown_tag") == 1
+    assert counter(manager, "events_skipped", reason="malformed_event") == 1
     assert sum("(frame" in r.getMessage() for r in caplog.records) == 1  # two bad frames, one log line
 
 
@@ -222,7 +223,7 @@ async def test_garbage_replay_frames_are_skipped():
     manager = SubscriberManager(sink, FAST)
     try:
         manager.sync([EndpointSpec("p", "m", "127.0.0.1", pub_port, port, 0)])
-        await until(lambda: sink.hashes() == [5])
+        await wait_until_async(lambda: sink.hashes() == [5])
         assert status(manager)["errors"] == 2
     finally:
         await manager.aclose()
@@ -238,7 +239,7 @@ async def test_ipv6_endpoint(harness):
     e.publish(0, 1)
     sink, manager = make()
     manager.sync([e.spec])
-    await until(lambda: sink.hashes() == [0, 1])
+    await wait_until_async(lambda: sink.hashes() == [0, 1])
     assert status(manager)["endpoint"].startswith("tcp://[::1]:")
 
 
@@ -247,19 +248,19 @@ async def test_data_parallel_ranks_are_tracked_apart(harness):
     r0, r1 = engine(rank=0), engine(rank=1)
     sink, manager = make()
     manager.sync([r0.spec, r1.spec])
-    await until(lambda: all(s["connected"] for s in manager.status()))
+    await wait_until_async(lambda: all(s["connected"] for s in manager.status()))
     await subscribed(r0, manager, rank=0)
     await subscribed(r1, manager, rank=1)
     p0, p1 = len(sink.hashes(rank=0)), len(sink.hashes(rank=1))
     r0.publish(0, 1)
     r1.publish(10, 11)
-    await until(lambda: sink.hashes(rank=0)[p0:] == [0, 1] and sink.hashes(rank=1)[p1:] == [10, 11])
+    await wait_until_async(lambda: sink.hashes(rank=0)[p0:] == [0, 1] and sink.hashes(rank=1)[p1:] == [10, 11])
     r1.pub.stop()
-    await until(lambda: not status(manager, 1)["connected"])
+    await wait_until_async(lambda: not status(manager, 1)["connected"])
     r1.pub.start()
     r1.publish(20)
     r0.publish(2)
-    await until(lambda: sink.drops(rank=1) == 1 and sink.after_last_drop(rank=1) == [20]
+    await wait_until_async(lambda: sink.drops(rank=1) == 1 and sink.after_last_drop(rank=1) == [20]
                 and sink.hashes(rank=0)[p0:] == [0, 1, 2])
     assert sink.drops(rank=0) == 0 and sink.hashes(rank=0)[p0:] == [0, 1, 2]
 
@@ -276,11 +277,11 @@ async def test_failing_sink_is_counted_and_state_dropped(harness):
     e = engine()
     sink, manager = make(Flaky())
     manager.sync([e.spec])
-    await until(lambda: status(manager)["connected"])
+    await wait_until_async(lambda: status(manager)["connected"])
     await subscribed(e, manager)
     probes = len(sink.hashes())
     e.publish(0, 1, 2)
-    await until(lambda: sink.hashes()[probes:] == [0, 2])
+    await wait_until_async(lambda: sink.hashes()[probes:] == [0, 2])
     assert sink.drops() == 1 and status(manager)["errors"] == 1
 
 
@@ -315,7 +316,7 @@ async def test_live_batch_older_than_a_jumping_replay_is_stale_not_a_restart():
     manager = SubscriberManager(sink, SubscriberOptions(replay_timeout=2.0))
     try:
         manager.sync([EndpointSpec("p", "m", "127.0.0.1", pub_port, replay_port, 0)])
-        await until(lambda: sink.hashes() == [5, 6, 7])
+        await wait_until_async(lambda: sink.hashes() == [5, 6, 7])
         st = status(manager)
         assert sink.drops() == 1 and st["missed_batches"] == 5 and st["duplicates"] >= 1 and st["errors"] == 0
     finally:
@@ -357,7 +358,7 @@ async def test_a_hole_inside_a_replay_is_asked_again():
     manager = SubscriberManager(sink, SubscriberOptions(replay_timeout=2.0))
     try:
         manager.sync([EndpointSpec("p", "m", "127.0.0.1", pub_port, replay_port, 0)])
-        await until(lambda: status(manager)["last_seq"] == 9)
+        await wait_until_async(lambda: status(manager)["last_seq"] == 9)
         assert sink.hashes() == list(range(10))
         assert asked == [0, 4]
         st = status(manager)
@@ -382,7 +383,7 @@ async def test_a_3000_batch_replay_past_the_routers_queue_is_applied_complete_an
         e.pub.publish([BlockRemoved((i,))])
     sink, manager = make(options=SubscriberOptions(replay_timeout=2.0))
     manager.sync([e.spec])
-    await until(lambda: status(manager)["last_seq"] == n - 1, timeout=30)
+    await wait_until_async(lambda: status(manager)["last_seq"] == n - 1, timeout=30)
     assert [x[4].block_hashes[0] for x in sink.log] == list(range(n))
     st = status(manager)
     assert st["missed_batches"] == 0 and sink.drops() == 0
@@ -427,7 +428,7 @@ async def test_batches_published_before_the_subscription_took_hold_are_replayed(
     manager = SubscriberManager(sink, SubscriberOptions(replay_timeout=2.0))
     try:
         manager.sync([EndpointSpec("p", "m", "127.0.0.1", pub_port, replay_port, 0)])
-        await until(lambda: status(manager)["last_seq"] == 2)
+        await wait_until_async(lambda: status(manager)["last_seq"] == 2)
         assert sink.hashes() == [0, 1, 2]
         st = status(manager)
         assert st["missed_batches"] == 0 and sink.drops() == 0
@@ -466,7 +467,7 @@ async def test_in_order_batches_are_applied_in_runs_and_each_one_counted(harness
     index = CountingIndex()
     _, manager = make(sink=index)
     manager.sync([e.spec])
-    await until(lambda: status(manager)["connected"])
+    await wait_until_async(lambda: status(manager)["connected"])
     first = await subscribed(e, manager)
     reg = manager.metrics.registry
 
@@ -477,7 +478,7 @@ async def test_in_order_batches_are_applied_in_runs_and_each_one_counted(harness
     # The probes' counts flushed (with the processing histogram): the baseline for the run's batches. (A
     # probe may have come by replay, and a replay at connection may repeat an applied batch: the received
     # counts of the probes need not equal the applied ones; the run's batches all come live.)
-    await until(lambda: reg.get_sample_value("kvgate_kvevents_processing_seconds_count") == status(manager)["batches"])
+    await wait_until_async(lambda: reg.get_sample_value("kvgate_kvevents_processing_seconds_count") == status(manager)["batches"])
     live0, batches0 = received("live"), status(manager)["batches"]
     n = 300
     extra = {100: BlockStored((1,), None, (7, 7), 2, None, "CPU", None),  # a medium the index learns then
@@ -489,13 +490,13 @@ async def test_in_order_batches_are_applied_in_runs_and_each_one_counted(harness
             e.pub.publish(_chain_batch(i) + ([extra[i]] if i in extra else []))
 
     await asyncio.to_thread(publish)
-    await until(lambda: status(manager)["last_seq"] == first + n - 1)
+    await wait_until_async(lambda: status(manager)["last_seq"] == first + n - 1)
     batches = status(manager)["batches"]
     assert index.match("m", None, [t for i in range(n) for t in (2 * i, 2 * i + 1)], ["p"])["p"].blocks == n
     assert index.match("m", None, [7, 7], ["p"])["p"].by_medium == {"CPU": 1}
     assert index.match("m", "a", [8, 8], ["p"])["p"].blocks == 1 and index.match("m", "a", [9, 9], ["p"])["p"].blocks == 1
     assert status(manager)["events"] == batches + len(extra) and status(manager)["drops"] == 0
-    await until(lambda: reg.get_sample_value("kvgate_kvevents_processing_seconds_count") == batches)
+    await wait_until_async(lambda: reg.get_sample_value("kvgate_kvevents_processing_seconds_count") == batches)
     assert batches - batches0 == n and received("live") - live0 == n  # each run batch applied and counted once
     assert reg.get_sample_value("kvgate_kvevents_events_applied_total", {"type": "BlockStored"}) == batches + len(extra)
     assert sum(index.runs) >= n - 10 and max(index.runs) > 1, index.runs
@@ -529,7 +530,7 @@ async def test_a_large_live_batch_is_applied_in_parts_one_hold_of_the_lock_each(
     _, manager = make(sink=index, options=dataclasses.replace(FAST, apply_blocks=50))
     manager_box.append(manager)
     manager.sync([e.spec])
-    await until(lambda: status(manager)["connected"])
+    await wait_until_async(lambda: status(manager)["connected"])
     first = await subscribed(e, manager)
     index.calls.clear()
     events = status(manager)["events"]
@@ -538,13 +539,13 @@ async def test_a_large_live_batch_is_applied_in_parts_one_hold_of_the_lock_each(
                        tuple(range(20 * i, 20 * i + 20)), 2, None, "GPU", None) for i in range(30)]
     await asyncio.to_thread(e.pub.publish, big)
     # (last_seq moves when the batch is taken, its events count once its last part is applied)
-    await until(lambda: status(manager)["last_seq"] == first and status(manager)["events"] >= events + 30)
+    await wait_until_async(lambda: status(manager)["last_seq"] == first and status(manager)["events"] >= events + 30)
     assert [b for b, _ in index.calls] == [50] * 6 and all(held for _, held in index.calls), index.calls
     assert index.match("m", None, list(range(600)), ["p"])["p"].blocks == 300
     assert status(manager)["events"] >= 30 and status(manager)["drops"] == 0
     # applied with the GIL handed over quickly (GilHandOver); the process's own interval back once idle
     assert all(abs(i - GIL_SWITCH_INTERVAL_S) < 1e-9 for i in index.intervals), index.intervals
-    await until(lambda: sys.getswitchinterval() == before)
+    await wait_until_async(lambda: sys.getswitchinterval() == before)
 
 
 async def test_a_batch_failing_inside_a_run_is_counted_and_state_dropped(harness):
@@ -566,7 +567,7 @@ async def test_a_batch_failing_inside_a_run_is_counted_and_state_dropped(harness
     index.apply_run = apply_run
     _, manager = make(sink=index)
     manager.sync([e.spec])
-    await until(lambda: status(manager)["connected"])
+    await wait_until_async(lambda: status(manager)["connected"])
     first = await subscribed(e, manager)
     fail["seq"] = first + 20
 
@@ -575,7 +576,7 @@ async def test_a_batch_failing_inside_a_run_is_counted_and_state_dropped(harness
             e.pub.publish(_chain_batch(i))
 
     await asyncio.to_thread(publish)
-    await until(lambda: status(manager)["last_seq"] == first + 59)
+    await wait_until_async(lambda: status(manager)["last_seq"] == first + 59)
     s = status(manager)
     assert fail["seq"] == -1 and s["drops"] == 1 and s["errors"] == 1
     assert manager.metrics.registry.get_sample_value("kvgate_kvevents_state_drops_total",
