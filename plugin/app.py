@@ -309,9 +309,9 @@ class App:
         http_app = build_http_app(self.registry, healthy=self.healthy, debug=self.debug)
         self._http = web.AppRunner(http_app, access_log=None)
         await self._http.setup()
-        site = web.TCPSite(self._http, s.listen_host, s.http_port, reuse_port=False)
-        await site.start()
-        http_port = site._server.sockets[0].getsockname()[1] if site._server else s.http_port
+        await web.TCPSite(self._http, s.listen_host, s.http_port, reuse_port=False).start()
+        addresses = self._http.addresses  # (host, port, ...) of each listening socket; port 0 is resolved here
+        http_port = addresses[0][1] if addresses else s.http_port
         await self.source.start(self.pods)
         self.subscriptions.sync(endpoint_specs(self.pods.pods()))
         await self.router.start()
