@@ -22,7 +22,7 @@ from plugin.extproc import ExternalProcessor, Gateway, Sampler
 from plugin.http import build_http_app
 from plugin.metrics import GatewayMetrics
 from plugin.observe import Observer
-from routing.state.admission import Admission, LocalLimiter, RedisLimiter
+from routing.state.admission import Admission, Limiter, LocalLimiter, RedisLimiter
 from routing.state.counts import LocalCounts, RedisCounts, RunningCounts, build_counts
 from routing.discovery.static import StaticSource
 from routing.state.engine_metrics import EngineMetrics, Saturation
@@ -207,6 +207,7 @@ class App:
         self.admission: Admission | None = None
         self._admission_redis = None
         if s.admission_max_running > 0:
+            limiter: Limiter
             if s.redis_url:
                 from redis.asyncio import Redis
                 self._admission_redis = Redis.from_url(s.redis_url)

@@ -153,7 +153,7 @@ class OneWriteTransport(httpx.AsyncBaseTransport):
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         core_request = httpcore.Request(
             method=request.method, url=_core_url(request.url), headers=request.headers.raw,
-            content=request.stream,  # type: ignore[arg-type]  # httpx's request streams are async iterables
+            content=request.stream,
             extensions=request.extensions,  # "timeout" among them, read by httpcore as httpx's own transport has it
         )
         with _as_httpx_errors():
