@@ -31,9 +31,8 @@ def local() -> LocalTokenizer:
 async def serve(app: web.Application) -> tuple[web.AppRunner, str]:
     runner = web.AppRunner(app, shutdown_timeout=0.2)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    port = runner.addresses[0][1]
     return runner, f"http://127.0.0.1:{port}"
 
 
