@@ -130,7 +130,7 @@ class CharTree:
             self._evict()
 
     def _evict(self) -> None:
-        heap = []
+        heap: list[tuple[int, int, _Node]] = []
         stack = [self._root]
         while stack:
             node = stack.pop()
@@ -142,6 +142,7 @@ class CharTree:
         while self.size > self.max_chars and heap:
             _, _, leaf = heapq.heappop(heap)
             parent = leaf.parent
+            assert parent is not None  # a leaf, never the root
             del parent.children[leaf.label[0]]
             self.size -= len(leaf.label)
             if not parent.children and parent is not self._root:

@@ -36,6 +36,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import httpx
 import yaml
@@ -45,7 +46,7 @@ from tokenizer import testdata
 
 MODEL = "bench-model"
 _SYSTEM = " ".join(["You are a careful assistant that answers questions about caches and routing."] * 40)
-BODY = {"model": MODEL, "max_tokens": 8, "messages": [
+BODY: dict[str, Any] = {"model": MODEL, "max_tokens": 8, "messages": [
     {"role": "system", "content": _SYSTEM},
     {"role": "user", "content": "How does prefix caching reduce time to first token?"}]}
 NONCE = "@NONCE@"
@@ -177,6 +178,7 @@ def _ingest_us(stack: Stack, pids: list[int], http_ports: list[int], pod: str, p
     proc = subprocess.Popen([sys.executable, "-m", "bench.ingest", "--publish", str(pub_port), str(replay_port)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                             cwd=str(Path(__file__).resolve().parent.parent))
+    assert proc.stdin is not None and proc.stdout is not None
     try:
         if proc.stdout.readline().strip() != "ready":
             return None
@@ -237,7 +239,8 @@ def run(seconds: float, rounds: int, n_pods: int, log, ingest_rate: float = 500.
         # A simulated engine whose KV events stand for pod 0's cache: the index then holds the prompt.
         sim_port, pub, replay = free_port(), free_port(), free_port()
         stack.sim(name="events", port=sim_port, model=MODEL, kv_events_port=pub, replay_port=replay)
-        pods = [{"name": f"pod{i}", "address": "127.0.0.1", "port": p, "model": MODEL} for i, p in enumerate(up_ports)]
+        pods: list[dict[str, Any]] = [{"name": f"pod{i}", "address": "127.0.0.1", "port": p, "model": MODEL}
+                                      for i, p in enumerate(up_ports)]
         pods[0]["kv_events"] = {"pub_port": pub, "replay_port": replay}
         # pod 1's events come from a bench publisher: the live-ingestion share of each request
         live_pub, live_replay = free_port(), free_port()

@@ -94,6 +94,7 @@ async def _drive(port: int, requests: int, chunks: int, observe: bool) -> None:
 def measure(requests: int, chunks: int, observe: bool) -> float:
     proc = subprocess.Popen([sys.executable, "-c", _SERVER, "on" if observe else "off"], stdout=subprocess.PIPE,
                             text=True)
+    assert proc.stdout is not None
     try:
         port = int(proc.stdout.readline())
         asyncio.run(_drive(port, 40, chunks, observe))  # warm up

@@ -97,6 +97,7 @@ import time
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from typing import cast
 
 from bench import routing_workloads as workloads
 import numpy as np
@@ -241,7 +242,7 @@ def run_all(shapes: list, seeds: int, jobs: int, chosen: tuple[Policy, ...] | No
                 w["policies"][p.name]["joined_share"] = _mean(
                     [sum(r.routed.get(j, 0) for j in joined) / i["after_join"] for r, i in zip(mine, infos)])
             if mine and mine[0].slo_attainment is not None:
-                w["policies"][p.name]["slo_attainment"] = _mean([r.slo_attainment for r in mine])
+                w["policies"][p.name]["slo_attainment"] = _mean([cast(float, r.slo_attainment) for r in mine])  # set in every run when in the first
                 w["policies"][p.name]["slo_attainment_by_targets"] = {
                     k: _mean([r.slo_by_class.get(k, 0.0) for r in mine]) for k in mine[0].slo_by_class}
             errs = [r.predict_bucket_error_median for r in mine if r.predict_bucket_error_median is not None]

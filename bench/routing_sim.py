@@ -74,6 +74,7 @@ import math
 import random
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -261,6 +262,7 @@ class _Oracle:
             key = (cost, busy, pod)
             if best is None or key < best[0]:
                 best = (key, pod, start + c.prefill_s_per_token * (len(tokens) - hits[pod]))
+        assert best is not None  # there is at least one engine
         _, pod, lane_end = best
         self._lane_free[pod] = lane_end
         self._out_tokens[pod] += max_tokens
@@ -379,7 +381,8 @@ async def _run(workload: Workload, policy: Policy, seed: int, strategy_config: S
                             OutputPredictor(rng=random.Random(f"predict:{seed}"), clock=lambda: clock[0]),
                             clock=lambda: clock[0], prefill=LocalCounts())
         capacities = [capacity.replica() for _ in range(policy.gateways)]
-        routers = [Router(registry, default_strategy=policy.strategy, counts=counts, index=index, engines=loads,
+        routers = [Router(registry, default_strategy=policy.strategy, counts=counts, index=index,
+                          engines=loads,  # type: ignore[arg-type]  # EngineMetrics' reads, from the sim engines
                           config=config, seed=seed if g == 0 else seed * 1000 + g, capacity=capacities[g])
                    for g in range(policy.gateways)]
     started: dict[str, tuple[int, str]] = {}  # req_id -> (running on its engine at routing, engine)
@@ -406,7 +409,7 @@ async def _run(workload: Workload, policy: Policy, seed: int, strategy_config: S
     published = decoded = lost = evicted = flushed = 0
     skipped: Counter[str] = Counter()
     next_t = dict.fromkeys(names, math.inf)
-    inflight: dict[str, tuple[str, object]] = {}  # req_id -> (pod, (router, decision), max_tokens or None)
+    inflight: dict[str, tuple[str, Any]] = {}  # req_id -> (pod, (router, decision), max_tokens or None)
     running = dict.fromkeys(names, 0)  # per engine, routed and not finished
     pod_running = dict.fromkeys(pod_names, 0)  # per pod: what char-tree balances on
     routed = dict.fromkeys(names, 0)
@@ -521,6 +524,7 @@ async def _run(workload: Workload, policy: Policy, seed: int, strategy_config: S
                 pod, handle = trees[i % len(trees)].pick(r.token_ids, pod_running), None
                 key = least_loaded_rank(pod)
             else:
+                assert oracle is not None  # routers, trees or the oracle: one of them is set
                 key, handle = oracle.pick(r.token_ids, r.max_tokens, t)
             i += 1
             inflight[r.req_id] = (key, handle)
@@ -535,8 +539,8 @@ async def _run(workload: Workload, policy: Policy, seed: int, strategy_config: S
                     guess = capacity.predictor.predict(MODEL, len(r.token_ids))
                     bucket_errors.append(abs(_bucket(guess) - _bucket(r.max_tokens)))
             pump(key, t)
-            loads = [running[k] for k in active_keys]
-            ratios.append(max(loads) / (sum(loads) / len(loads)))
+            busy = [running[k] for k in active_keys]
+            ratios.append(max(busy) / (sum(busy) / len(busy)))
 
     out = _result(workload, policy, seed, engines, completions, ratios, published, decoded, lost, index)
     if bucket_errors:

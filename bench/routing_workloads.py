@@ -55,6 +55,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
+from typing import Any
 
 from sim.engine import EngineConfig
 
@@ -234,7 +235,7 @@ class SLOShape:
 
 @dataclass(frozen=True, slots=True)
 class Workload:
-    shape: Shape | ChatShape
+    shape: Shape | ChatShape | SLOShape
     seed: int
     requests: tuple[Request, ...]
     working_set_blocks: int
@@ -279,7 +280,7 @@ def _rand_tokens(rng: random.Random, n: int) -> tuple[int, ...]:
 
 
 def _prompts(shape: Shape, rng: random.Random) -> list[tuple[int, ...]]:
-    out = []
+    out: list[tuple[int, ...]] = []
     for _ in range(shape.groups):
         context = _rand_tokens(rng, shape.context_tokens)
         out.extend(context + _rand_tokens(rng, shape.question_tokens) for _ in range(shape.prompts_per_group))
@@ -407,7 +408,7 @@ def _build_chat(shape: ChatShape, seed: int) -> Workload:
 
 
 def _chat_shape(name: str, **kw) -> ChatShape:
-    base = dict(tenants=40, zipf_s=1.0, system_tokens=(600, 1200), user_tokens=(40, 120), output_tokens=100,
+    base: dict[str, Any] = dict(tenants=40, zipf_s=1.0, system_tokens=(600, 1200), user_tokens=(40, 120), output_tokens=100,
                 turns=(2, 4), turn_gap_s=(2.5, 5.0), duration_s=16.0, pods=3, capacity_ratio=0.73, load=0.85)
     base.update(kw)
     return ChatShape(name=name, **base)
@@ -453,7 +454,7 @@ def _build_slo(shape: SLOShape, seed: int) -> Workload:
     systems = [_rand_tokens(rng, rng.randint(*shape.system_tokens)) for _ in range(shape.tenants)]
     weights = [1.0 / (k + 1) ** shape.zipf_s for k in range(shape.tenants)]
     rate = shape.request_rps
-    requests = []
+    requests: list[Request] = []
     t = 0.0
     while True:
         t += rng.expovariate(rate)

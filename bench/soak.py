@@ -81,7 +81,8 @@ class Traffic:
         return " ".join(self.rng.choice(_WORDS) for _ in range(n))
 
     async def run(self, deadline: float) -> None:
-        kinds, weights = zip(*self.KINDS)
+        kinds = [kind for kind, _ in self.KINDS]
+        weights = [weight for _, weight in self.KINDS]
         while time.monotonic() < deadline:
             kind = self.rng.choices(kinds, weights)[0]
             try:

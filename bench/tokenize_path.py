@@ -24,6 +24,13 @@ from tokenizer import testdata
 MODEL = "m"
 N = int(sys.argv[2]) if len(sys.argv) > 2 else 300
 
+def _le(bucket_key: str) -> float:
+    """The `le` bound of a histogram bucket's sample key."""
+    found = re.search(r'le="([^"]+)"', bucket_key)
+    assert found is not None, bucket_key
+    return float(found.group(1))
+
+
 def metric(text, name):
     out = {}
     for line in text.splitlines():
@@ -68,8 +75,8 @@ def main(mode):
         n = after["kvgate_tokenize_seconds_count"] - before["kvgate_tokenize_seconds_count"]
         buckets = {k: after[k] - before.get(k, 0) for k in after if "_bucket" in k}
         # p50 from buckets
-        p50 = next(float(re.search(r'le="([^"]+)"', k).group(1)) for k, v in buckets.items() if v >= n / 2)
-        p90 = next(float(re.search(r'le="([^"]+)"', k).group(1)) for k, v in buckets.items() if v >= n * 0.9)
+        p50 = next(_le(k) for k, v in buckets.items() if v >= n / 2)
+        p90 = next(_le(k) for k, v in buckets.items() if v >= n * 0.9)
         paths = metric(m, "kvgate_tokenizer_path_requests_total")
         attempts = metric(m, "kvgate_tokenizer_remote_attempts_total")
         print(json.dumps({"mode": mode, "requests": n, "tokenize_mean_ms": round(s / n * 1000, 3),

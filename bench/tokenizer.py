@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import random
 import socket
@@ -145,19 +146,22 @@ async def _bench(args: argparse.Namespace, url: str) -> dict:
     def remote_calls() -> float:
         return verified_registry.get_sample_value("kvgate_tokenizer_remote_attempts_total", {"outcome": "ok"}) or 0.0
 
+    # (two of them also read for their own counters below)
+    cache_over_remote = CachedTokenizer(
+        RemoteTokenizer({MODEL: url}, options=options), segmenters=segmenters, registry=CollectorRegistry()
+    )
+    # What the gateway runs with KVGATE_TOKENIZER=auto and the files: local tokens, verified against the server
+    # (during the warm-up), with the default background sample; alone, and behind the whole-request cache.
+    verified_tok = VerifiedTokenizer(RemoteTokenizer({MODEL: url}, options=options, registry=verified_registry),
+                                      local=local, options=VerifyOptions(verify_requests=3))
     backends: dict[str, Tokenizer] = {
         "remote cold": RemoteTokenizer({MODEL: url}, options=options),
-        "remote cached": CachedTokenizer(
-            RemoteTokenizer({MODEL: url}, options=options), segmenters=segmenters, registry=CollectorRegistry()
-        ),
+        "remote cached": cache_over_remote,
         "local cold": LocalBackend({MODEL: local}),
         # the same without the word-cached encoder (tokenizer.wordcache): every text through the tokenizers library
         "local plain": LocalBackend({MODEL: LocalTokenizer(local.hf, fast=False)}),
         "local cached": CachedTokenizer(LocalBackend({MODEL: local}), segmenters=segmenters, registry=CollectorRegistry()),
-        # What the gateway runs with KVGATE_TOKENIZER=auto and the files: local tokens, verified against the server
-        # (during the warm-up), with the default background sample; alone, and behind the whole-request cache.
-        "verified cold": VerifiedTokenizer(RemoteTokenizer({MODEL: url}, options=options, registry=verified_registry),
-                                           local=local, options=VerifyOptions(verify_requests=3)),
+        "verified cold": verified_tok,
         "verified cached": _verified_cached(RemoteTokenizer({MODEL: url}, options=options), local, segmenters),
     }
 
@@ -179,20 +183,20 @@ async def _bench(args: argparse.Namespace, url: str) -> dict:
     for _ in range(max(1, args.repeat)):
         for name, backend in backends.items():
             await reset(backend)
-            before = (backend.tokens_cached, backend.tokens_total) if name == "remote cached" else None
+            before = (cache_over_remote.tokens_cached, cache_over_remote.tokens_total) if name == "remote cached" else None
             calls = remote_calls()
-            waited = backend.status()[MODEL]["served"]["remote"] if name == "verified cold" else 0
-            passes[name].append(await measure(name, lambda item, b=backend: b.tokenize(MODEL, item), requests))
+            waited = verified_tok.status()[MODEL]["served"]["remote"] if name == "verified cold" else 0
+            passes[name].append(await measure(name, functools.partial(backend.tokenize, MODEL), requests))
             if name == "verified cold":
-                await backend.settle()
+                await verified_tok.settle()
                 verified_calls.append(remote_calls() - calls)  # all /tokenize calls, background samples included
-                verified_waited.append(backend.status()[MODEL]["served"]["remote"] - waited)  # ones a request waited for
+                verified_waited.append(verified_tok.status()[MODEL]["served"]["remote"] - waited)  # ones a request waited for
             if before is not None:  # this pass's share (the cache's counters never go back)
-                total = backend.tokens_total - before[1]
-                hit_ratio = (backend.tokens_cached - before[0]) / total if total else 0.0
+                total = cache_over_remote.tokens_total - before[1]
+                hit_ratio = (cache_over_remote.tokens_cached - before[0]) / total if total else 0.0
         for name, backend in backends.items():
             await reset(backend)
-            rates[name].append(await throughput(lambda item, b=backend: b.tokenize(MODEL, item), requests, args.concurrency))
+            rates[name].append(await throughput(functools.partial(backend.tokenize, MODEL), requests, args.concurrency))
     for backend in backends.values():
         await backend.aclose()
     median = {name: sorted(p, key=lambda r: r.mean_ms)[len(p) // 2] for name, p in passes.items()}

@@ -183,7 +183,8 @@ async def _compare(envoy_url: str, engine_urls: list[str], strategies: list[str]
         last = [0.0]
         done_s = totals[strategy].elapsed_s
 
-        def progress(res: Results, elapsed: float) -> None:
+        def progress(res: Results, elapsed: float, strategy: str = strategy, last: list[float] = last,
+                     done_s: float = done_s) -> None:  # bound now: each slice's own
             if elapsed - last[0] >= 2.0:
                 last[0] = elapsed
                 log(f"  {strategy:<14} {done_s + elapsed:5.1f}/{duration:.0f} s  "

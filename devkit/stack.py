@@ -25,7 +25,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, cast
 
 import yaml
 
@@ -239,7 +239,7 @@ class Stack:
                 ready_timeout: float = 30.0) -> Proc:
         proc.stop()
         self.procs.remove(proc)
-        return self.start(proc.name, list(proc.popen.args), env=env, ready_port=ready_port,
+        return self.start(proc.name, list(cast("list[str]", proc.popen.args)), env=env, ready_port=ready_port,
                           ready_timeout=ready_timeout)
 
     # --- the components ------------------------------------------------------------
@@ -286,7 +286,8 @@ class Stack:
         """`n` simulated engines publishing KV events with replay, started together (each takes
         seconds to import its libraries); their entries for a pods file, once all listen.
         `dp`: data-parallel ranks per engine, in order (engines beyond it have one)."""
-        pods, procs = [], []
+        pods: list[dict[str, Any]] = []
+        procs: list[Proc] = []
         sizes = list(dp)
         for i in range(n):
             name, port = f"{prefix}{i}", free_port()

@@ -10,6 +10,7 @@ import asyncio
 import json
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -79,7 +80,7 @@ class ChatWorkload:
         self.histories[user] = self.histories[user] + [{"role": "assistant", "content": answer}]
 
     async def run(self, base_url: str, duration_s: float, *, strategy: str | None = None,
-                  progress: "callable | None" = None, max_requests: int | None = None) -> Results:
+                  progress: Callable[[Results, float], object] | None = None, max_requests: int | None = None) -> Results:
         """Send requests until `duration_s` passes (or `max_requests`), `concurrency` at a time."""
         results = Results()
         users = [(g, u) for g in range(self.shape.groups) for u in range(self.shape.users_per_group)]

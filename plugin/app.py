@@ -25,7 +25,7 @@ from plugin.pipeline import Gateway, Sampler
 from plugin.http import build_http_app
 from plugin.metrics import GatewayMetrics
 from plugin.observe import Observer
-from routing.state.admission import Admission, LocalLimiter, RedisLimiter
+from routing.state.admission import Admission, Limiter, LocalLimiter, RedisLimiter
 from routing.state.counts import LocalCounts, RedisCounts, RunningCounts, build_counts
 from routing.discovery.static import StaticSource
 from routing.state.engine_metrics import EngineMetrics, Saturation
@@ -210,6 +210,7 @@ class App:
         self.admission: Admission | None = None
         self._admission_redis = None
         if s.admission_max_running > 0:
+            limiter: Limiter
             if s.redis_url:
                 from redis.asyncio import Redis
                 self._admission_redis = Redis.from_url(s.redis_url)
@@ -315,9 +316,9 @@ class App:
         http_app = build_http_app(self.registry, healthy=self.healthy, debug=self.debug)
         self._http = web.AppRunner(http_app, access_log=None)
         await self._http.setup()
-        site = web.TCPSite(self._http, s.listen_host, s.http_port, reuse_port=False)
-        await site.start()
-        http_port = site._server.sockets[0].getsockname()[1] if site._server else s.http_port
+        await web.TCPSite(self._http, s.listen_host, s.http_port, reuse_port=False).start()
+        addresses = self._http.addresses  # (host, port, ...) of each listening socket; port 0 is resolved here
+        http_port = addresses[0][1] if addresses else s.http_port
         await self.source.start(self.pods)
         self.subscriptions.sync(endpoint_specs(self.pods.pods()))
         await self.router.start()

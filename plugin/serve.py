@@ -34,7 +34,7 @@ async def _serve(settings: Settings) -> int:
         await app.stop(0)
         return 1
     settle_heap()
-    signals = asyncio.Queue()
+    signals: asyncio.Queue[signal.Signals] = asyncio.Queue()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, signals.put_nowait, sig)

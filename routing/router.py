@@ -96,6 +96,8 @@ class Router:
         return found
 
     def _candidates(self, model: str, subset: frozenset[str] | None = None) -> Sequence[Pod]:
+        serving: Sequence[Pod]
+        ready: Sequence[Pod]
         serving, ready = self._registry.candidates(model)
         if not serving:
             raise UnknownModelError(model)
@@ -235,7 +237,7 @@ class Router:
             self._counts.add(pod, -1)
 
     @staticmethod
-    def _resolve_model(model: str, pods: list[Pod]) -> tuple[str, str | None]:
+    def _resolve_model(model: str, pods: Sequence[Pod]) -> tuple[str, str | None]:
         """(base model, adapter or None): a name that is no pod's base model is an adapter."""
         for p in pods:
             if p.model == model:

@@ -5,7 +5,8 @@ It imports nothing from kvgate's other packages; plugin/ builds the inputs from
 request bodies and routing/ consumes the token ids.
 
 Modules: types (inputs, the Tokenizer protocol, TokenizerError), remote
-(RemoteTokenizer), local (LocalTokenizer, LocalBackend), segments (exact cutting
+(RemoteTokenizer), transport (its httpx transport: one write per request, proxies
+from the environment), local (LocalTokenizer, LocalBackend), segments (exact cutting
 at added tokens), wordcache (the word-cached encoder and its C scanner), cache
 (CachedTokenizer), hub (files by model name), vllm_chat (vLLM's chat rendering) and
 testdata (the project's small test tokenizer, built by devkit.build_testdata).

@@ -8,7 +8,7 @@ or running out of budget, raises TokenizerError quickly so routing can fall back
 
 The client keeps connections alive (HTTP/1.1 only), follows no redirects, keeps no
 cookies, reads proxies from the environment once, when it is made, and sends each
-request in one write (_OneWrite). httpcore asks `sniffio` which event loop runs ~14
+request in one write (tokenizer.transport). httpcore asks `sniffio` which event loop runs ~14
 times per request; without sniffio installed each is a failed import (~50 us on a
 loaded 2-core machine), hence sniffio among the dependencies.
 """
@@ -24,10 +24,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import httpcore
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from tokenizer.transport import OneWriteTransport, environment_mounts
 from tokenizer.types import ChatInput, PromptInput, TokenizeInput, TokenizerError
 
 _JSON_HEADERS = {"content-type": "application/json"}
@@ -75,76 +75,6 @@ class _NoCookies(http.cookiejar.CookieJar):
 
     def add_cookie_header(self, request: Any) -> None:
         pass
-
-
-class _OneWrite(httpcore.AsyncNetworkStream):
-    """Holds what httpcore writes until it next reads (or closes): a request's headers and its body, which
-    httpcore writes apart, then go out in one send. On loopback under load each send costs about as much as
-    the rest of the call (it runs the engine's receive path), and an HTTP/1.1 client always reads after it
-    writes a request."""
-
-    def __init__(self, stream: httpcore.AsyncNetworkStream) -> None:
-        self._stream = stream
-        self._pending: list[bytes] = []
-
-    async def _flush(self, timeout: float | None) -> None:
-        if self._pending:
-            data = b"".join(self._pending)
-            self._pending.clear()
-            await self._stream.write(data, timeout)
-
-    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        await self._flush(timeout)
-        return await self._stream.read(max_bytes, timeout)
-
-    async def write(self, buffer: bytes, timeout: float | None = None) -> None:
-        if buffer:
-            self._pending.append(buffer)
-
-    async def aclose(self) -> None:
-        self._pending.clear()
-        await self._stream.aclose()
-
-    async def start_tls(self, ssl_context: Any, server_hostname: str | None = None,
-                        timeout: float | None = None) -> httpcore.AsyncNetworkStream:
-        await self._flush(timeout)  # a proxy's CONNECT has been answered by now: nothing is pending
-        return _OneWrite(await self._stream.start_tls(ssl_context, server_hostname, timeout))
-
-    def get_extra_info(self, info: str) -> Any:
-        return self._stream.get_extra_info(info)
-
-
-class _OneWriteBackend(httpcore.AsyncNetworkBackend):
-    def __init__(self, backend: httpcore.AsyncNetworkBackend) -> None:
-        self._backend = backend
-
-    async def connect_tcp(self, host: str, port: int, timeout: float | None = None, local_address: str | None = None,
-                          socket_options: Any = None) -> httpcore.AsyncNetworkStream:
-        return _OneWrite(await self._backend.connect_tcp(host, port, timeout, local_address, socket_options))
-
-    async def connect_unix_socket(self, path: str, timeout: float | None = None,
-                                  socket_options: Any = None) -> httpcore.AsyncNetworkStream:
-        return _OneWrite(await self._backend.connect_unix_socket(path, timeout, socket_options))
-
-    async def sleep(self, seconds: float) -> None:
-        await self._backend.sleep(seconds)
-
-
-def _one_write_per_request(client: httpx.AsyncClient) -> bool:
-    """Puts _OneWriteBackend under the connection pools of `client`'s transports (the direct one and one per
-    proxy). httpx exposes no setting for the pool's network backend, so this reaches into `_pool`; if a later
-    httpx or httpcore moves it, nothing changes but the number of sends. True if every pool got it."""
-    done = True
-    for transport in (client._transport, *client._mounts.values()):
-        if transport is None:
-            continue
-        pool = getattr(transport, "_pool", None)
-        backend = getattr(pool, "_network_backend", None)
-        if isinstance(backend, httpcore.AsyncNetworkBackend) and not isinstance(backend, _OneWriteBackend):
-            pool._network_backend = _OneWriteBackend(backend)
-        elif not isinstance(backend, _OneWriteBackend):
-            done = False
-    return done
 
 
 class _Retryable(Exception):
@@ -213,20 +143,20 @@ class RemoteTokenizer:
             if self._closed:
                 raise TokenizerError("the remote tokenizer is closed")
             n = self._options.max_connections
+            # Idle connections are dropped before uvicorn's (vLLM's server) 5 s keep-alive ends them, so a
+            # request rarely meets a connection the engine is closing (that one is retried anyway).
+            limits = httpx.Limits(max_connections=n, max_keepalive_connections=n, keepalive_expiry=4.0)
+            ssl_context = httpx.create_ssl_context()  # SSL_CERT_FILE or SSL_CERT_DIR if set, as httpx reads them
             self._client = httpx.AsyncClient(
-                # Idle connections are dropped before uvicorn's (vLLM's server) 5 s keep-alive ends them, so a
-                # request rarely meets a connection the engine is closing (that one is retried anyway).
-                limits=httpx.Limits(max_connections=n, max_keepalive_connections=n, keepalive_expiry=4.0),
+                transport=OneWriteTransport(limits, ssl_context=ssl_context),
+                # HTTP(S)_PROXY, ALL_PROXY and NO_PROXY are read here, once (httpx itself reads no proxies for a
+                # client given a transport). Credentials in a proxy URL go to the proxy only; in an endpoint
+                # URL, as basic auth.
+                mounts=environment_mounts(limits, ssl_context),
                 timeout=None,  # each attempt is bounded as a whole by asyncio.timeout below
                 follow_redirects=False,
-                http1=True,
-                http2=False,
                 cookies=_NoCookies(),
-                # HTTP(S)_PROXY, ALL_PROXY and NO_PROXY are read here, once (httpx 0.28 reads no environment per
-                # request). Credentials in a proxy URL go to the proxy only; in an endpoint URL, as basic auth.
-                trust_env=True,
             )
-            _one_write_per_request(self._client)
         return self._client
 
     async def _attempt(self, url: str, body: bytes, timeout_s: float) -> list[int]:

@@ -199,7 +199,7 @@ def join_pieces(pieces: Sequence[Piece], tokens: dict[str, Sequence[int]], affix
 def _join_into(out: Any, pieces: Sequence[Piece], tokens: dict[str, Sequence[int]], suffix: Sequence[int]) -> Any:
     append, extend = out.append, out.extend
     for p in pieces:
-        if type(p) is int:
+        if isinstance(p, int):
             append(p)
         else:
             extend(tokens[p])

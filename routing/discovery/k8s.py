@@ -15,7 +15,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from routing.discovery.static import kv_events_from_mapping
+from routing.discovery.static import kv_events_from_fields
 from routing.errors import DiscoveryError
 from routing.discovery.kube import Api, ApiConfig, ListWatch
 from routing.metrics import RoutingMetrics
@@ -61,7 +61,7 @@ def kv_events_from_annotations(annotations: Mapping[str, Any], where: str) -> KV
         raw = annotations[REPLAY_PORT_ANNOTATION]
         spec["replay_port"] = None if str(raw).lower() == "none" else _int(
             raw, f"{where} {REPLAY_PORT_ANNOTATION}", 1, 65535)
-    return kv_events_from_mapping(spec, where)
+    return kv_events_from_fields(spec, where)
 
 
 def pod_from_object(obj: Mapping[str, Any], *, qualify: bool = False) -> Pod | None:

@@ -28,12 +28,14 @@ _POD_KEYS = {"name", "address", "port", "model", "kv_events", "lora", "ready"}
 _KV_KEYS = {"pub_port", "replay_port", "dp_size"}
 
 
-def _port(value: Any, where: str, *, allow_none: bool = False) -> int | None:
-    if value is None and allow_none:
-        return None
+def _port(value: Any, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
         raise DiscoveryError(f"{where}: expected a port number 1-65535, got {value!r}")
     return value
+
+
+def _port_or_none(value: Any, where: str) -> int | None:
+    return None if value is None else _port(value, where)
 
 
 def _text(value: Any, where: str) -> str:
@@ -48,6 +50,11 @@ def kv_events_from_mapping(raw: Any, where: str) -> KVEventsEndpoint | None:
         return None
     if raw is True:
         return KVEventsEndpoint()
+    return kv_events_from_fields(raw, where)
+
+
+def kv_events_from_fields(raw: Any, where: str) -> KVEventsEndpoint:
+    """A `kv_events` mapping of the three fields (each optional: its default if absent)."""
     if not isinstance(raw, dict):
         raise DiscoveryError(f"{where}: expected a mapping or true/false, got {raw!r}")
     unknown = set(raw) - _KV_KEYS
@@ -58,7 +65,7 @@ def kv_events_from_mapping(raw: Any, where: str) -> KVEventsEndpoint | None:
         raise DiscoveryError(f"{where}.dp_size: expected an integer 1-1024, got {dp!r}")
     return KVEventsEndpoint(
         pub_port=_port(raw.get("pub_port", 5557), f"{where}.pub_port"),
-        replay_port=_port(raw.get("replay_port", 5558), f"{where}.replay_port", allow_none=True),
+        replay_port=_port_or_none(raw.get("replay_port", 5558), f"{where}.replay_port"),
         dp_size=dp,
     )
 

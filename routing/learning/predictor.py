@@ -137,7 +137,7 @@ class OutputPredictor(Tracker):
         w = self._models.get(model)
         b = bucket(input_tokens, self.buckets)
         total = w.by_input[b] if w is not None else 0
-        if total <= 0:
+        if w is None or total <= 0:
             return self._cold(input_tokens)
         cursor = self._rng.randrange(total)
         get = w.totals.get
@@ -216,9 +216,9 @@ class PredictorSync(BackgroundLoop):
             tot = merged[m]
             for f, v in (reply or {}).items():
                 f = f.decode() if isinstance(f, bytes) else f
-                i, _, o = f.partition(":")
+                i_text, _, o_text = f.partition(":")
                 try:
-                    k = (min(int(i), p.buckets - 1), min(int(o), p.buckets - 1))
+                    k = (min(int(i_text), p.buckets - 1), min(int(o_text), p.buckets - 1))
                     tot[k] = tot.get(k, 0) + int(v)
                 except ValueError:
                     continue

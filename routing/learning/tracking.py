@@ -174,9 +174,19 @@ class TraceWindows(Tracker):
         pending[model] = pending.get(model, 0) + 1
         return w.term
 
-    def done_request_count(self, ctx: Any, request_id: str, model: str, term: int) -> _Window:
-        """(Returns the model's current window, made if a rotation left none: the model is still
-        reported for this interval; done_request_trace counts the request's tokens there.)"""
+    def done_request_count(self, ctx: Any, request_id: str, model: str, term: int) -> None:
+        self._done(model)
+
+    def done_request_trace(self, ctx: Any, request_id: str, model: str, input_tokens: int, output_tokens: int,
+                           term: int) -> None:
+        w = self._done(model)
+        key = f"{trace_bucket(input_tokens)}:{trace_bucket(output_tokens)}"
+        w.counts[key] = w.counts.get(key, 0) + 1
+
+    def _done(self, model: str) -> _Window:
+        """One request of `model` is done. Returns the model's current window, made if a rotation left
+        none: the model is still reported for this interval; done_request_trace counts the request's
+        tokens there."""
         pending = self._pending
         left = pending.get(model, 0) - 1
         if left > 0:
@@ -184,12 +194,6 @@ class TraceWindows(Tracker):
         else:
             pending.pop(model, None)
         return self._windows.get(model) or self._window(model)
-
-    def done_request_trace(self, ctx: Any, request_id: str, model: str, input_tokens: int, output_tokens: int,
-                           term: int) -> None:
-        w = self.done_request_count(ctx, request_id, model, term)
-        key = f"{trace_bucket(input_tokens)}:{trace_bucket(output_tokens)}"
-        w.counts[key] = w.counts.get(key, 0) + 1
 
     # --- windows -------------------------------------------------------------------------
     def snapshot(self, model: str) -> dict[str, int]:

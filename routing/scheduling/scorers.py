@@ -13,9 +13,15 @@ from routing.scheduling.scoring import PickContext, Scorer, rendezvous
 
 
 class PrefixMatchLike(Protocol):
-    blocks: int
-    by_medium: Mapping[str, int]
-    total_blocks: int
+    # Read-only: kvcache.index.PrefixMatch is a frozen dataclass.
+    @property
+    def blocks(self) -> int: ...
+
+    @property
+    def by_medium(self) -> Mapping[str, int]: ...
+
+    @property
+    def total_blocks(self) -> int: ...
 
 
 class PrefixSource(Protocol):
@@ -137,6 +143,7 @@ class PrecisePrefixScorer(Scorer):
         if not tokens:
             return {}
         names = [p.name for p in pods]
+        matches: Mapping[str, PrefixMatchLike]
         if ctx.ranks:  # data-parallel rank targets among the candidates: what each rank holds
             by_rank = self._index.match_ranks(ctx.base_model, ctx.lora, tokens,
                                               [(p.pod_name, p.rank or 0) for p in pods])

@@ -63,7 +63,8 @@ class PickContext:
 
 
 class Filter(Protocol):
-    name: str
+    @property
+    def name(self) -> str: ...  # read only: a frozen dataclass's field is one
 
     def filter(self, ctx: PickContext, pods: Sequence[Pod]) -> list[Pod]: ...
 
@@ -206,6 +207,8 @@ class Strategy:
     picker: Picker
     scorers: tuple[tuple[Scorer, float], ...] = ()
     filters: tuple[Filter, ...] = ()
+    _weighing: tuple[tuple[Scorer, float], ...] = field(init=False, repr=False, compare=False, default=())
+    _learners: tuple[Scorer, ...] = field(init=False, repr=False, compare=False, default=())
 
     def __post_init__(self) -> None:
         # Fixed once built: the scorers that weigh (weight > 0), and those of them that learn from a pick

@@ -88,7 +88,7 @@ class Capacity:
         seen = self.recent.setdefault(model, {})
         seen[ttft_s] = now
         if len(seen) > 64:  # targets from headers may vary freely: keep the latest few
-            for t in sorted(seen, key=seen.get)[:len(seen) - 64]:
+            for t in sorted(seen, key=seen.__getitem__)[:len(seen) - 64]:
                 del seen[t]
         horizon = now - self.tight_window_s
         return min(t for t, at in seen.items() if at >= horizon)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from typing import Callable, Mapping, TypeVar
 
 from routing.scheduling.approx import ApproxPrefixTable
 from routing.state.engine_metrics import EngineMetrics
@@ -45,6 +45,15 @@ class Resources:
     index: PrefixSource | None = None
     engines: EngineMetrics | None = None
     capacity: Capacity | None = None  # engine profiles, output prediction, SLO targets
+
+
+_R = TypeVar("_R")
+
+
+def _given(resource: _R | None) -> _R:
+    """A resource named in the scorer's `needs`: build_strategies builds the scorer only when it is there."""
+    assert resource is not None
+    return resource
 
 
 # What a scorer may need, and how a missing one is explained.
@@ -99,11 +108,11 @@ SCORERS: dict[str, ScorerSpec] = {s.name: s for s in (
                lambda r: ApproxPrefixScorer(ApproxPrefixTable(r.config.approx_block_size, r.config.approx_capacity)),
                (), "leading prompt blocks this gateway sent the pod before (an LRU of chained block keys, "
                    "no events) over the prompt's blocks"),
-    ScorerSpec("queue", lambda r: QueueScorer(r.engines), ("engines",),
+    ScorerSpec("queue", lambda r: QueueScorer(_given(r.engines)), ("engines",),
                "fewer waiting requests (`vllm:num_requests_waiting`, scraped)"),
-    ScorerSpec("kv-util", lambda r: KVUtilizationScorer(r.engines), ("engines",),
+    ScorerSpec("kv-util", lambda r: KVUtilizationScorer(_given(r.engines)), ("engines",),
                "more free KV cache (1 - `vllm:kv_cache_usage_perc` or `gpu_cache_usage_perc`, scraped)"),
-    ScorerSpec("slo", lambda r: SLOScorer(r.capacity, r.index), ("capacity",),
+    ScorerSpec("slo", lambda r: SLOScorer(_given(r.capacity), r.index), ("capacity",),
                "predicted TTFT ((queued prefill + this request's uncached tokens from the index) / the pod's prefill "
                "rate) and TPOT (decode step at the running batch, weighted by predicted outputs) against the "
                "request's targets: 0.5..1 with headroom, below 0.5 by violation"),

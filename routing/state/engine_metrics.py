@@ -58,6 +58,10 @@ def _load(waiting: float, running: float, usage: list[float], at: float) -> Engi
     return EngineLoad(waiting=waiting, running=running, kv_usage=kv, at=at)
 
 
+def _sum_count(pair: list[float] | None) -> tuple[float, float] | None:
+    return (pair[0], pair[1]) if pair is not None else None
+
+
 def parse_engine_metrics(text: str, at: float = 0.0) -> EngineLoad:
     """Queue lengths summed over an engine's series, KV usage averaged (DP ranks report one each,
     labelled `engine`); with several ranks, each one's own numbers in `ranks`."""
@@ -69,8 +73,8 @@ def parse_engine_metrics(text: str, at: float = 0.0) -> EngineLoad:
                 base, _, part = s.name.rpartition("_")
                 which = "tpot" if base in TPOT else "ttft" if base == TTFT else None
                 if which is not None:
-                    acc = hist.setdefault(which, [0.0, 0.0])
-                    acc[0 if part == "sum" else 1] += s.value
+                    pair = hist.setdefault(which, [0.0, 0.0])
+                    pair[0 if part == "sum" else 1] += s.value
                 continue
             if s.name == WAITING:
                 i = 0
@@ -89,8 +93,8 @@ def parse_engine_metrics(text: str, at: float = 0.0) -> EngineLoad:
                 acc[i] += s.value
     whole = _load(sum(a[0] for a in per.values()), sum(a[1] for a in per.values()),
                   [u for a in per.values() for u in a[2]], at)
-    tpot = tuple(hist["tpot"]) if "tpot" in hist else None
-    ttft = tuple(hist["ttft"]) if "ttft" in hist else None
+    tpot = _sum_count(hist.get("tpot"))
+    ttft = _sum_count(hist.get("ttft"))
     if len(per) < 2:
         return EngineLoad(whole.waiting, whole.running, whole.kv_usage, at, None, tpot, ttft)
     ranks = {engine: _load(w, r, u, at) for engine, (w, r, u) in per.items()}
@@ -137,14 +141,15 @@ class EngineMetrics:
         self._loads[pod] = load
 
     async def scrape_once(self) -> None:
-        if self._client is None:
-            self._client = httpx.AsyncClient(timeout=self._timeout)
+        client = self._client
+        if client is None:
+            client = self._client = httpx.AsyncClient(timeout=self._timeout)
         pods = [p for p in self._registry.pods() if p.ready]
-        await asyncio.gather(*(self._scrape(p) for p in pods))
+        await asyncio.gather(*(self._scrape(client, p) for p in pods))
 
-    async def _scrape(self, pod: Pod) -> None:
+    async def _scrape(self, client: httpx.AsyncClient, pod: Pod) -> None:
         try:
-            resp = await self._client.get(f"{pod.base_url}/metrics", timeout=self._timeout)
+            resp = await client.get(f"{pod.base_url}/metrics", timeout=self._timeout)
         except (httpx.ConnectError, httpx.ConnectTimeout) as e:
             self._down.add(pod.name)  # nothing listens there: route elsewhere until it answers again
             self._loads.pop(pod.name, None)
@@ -188,8 +193,8 @@ class EngineMetrics:
 
     def snapshot(self) -> dict:
         now = time.monotonic()
-        out: dict = {name: {"waiting": l.waiting, "running": l.running, "kv_usage": l.kv_usage,
-                            "age_s": round(now - l.at, 3)} for name, l in self._loads.items()}
+        out: dict = {name: {"waiting": load.waiting, "running": load.running, "kv_usage": load.kv_usage,
+                            "age_s": round(now - load.at, 3)} for name, load in self._loads.items()}
         for name in self._down:
             out[name] = {"unreachable": True}
         return out

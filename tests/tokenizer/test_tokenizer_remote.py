@@ -6,15 +6,16 @@ import email.utils
 import importlib.util
 import time
 
+import httpcore
+import httpx
 import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from tokenizer import testdata
 from tokenizer.local import LocalTokenizer
-from tokenizer.remote import (
-    RemoteOptions, RemoteTokenizer, _one_write_per_request, _OneWrite, _OneWriteBackend, parse_retry_after, request_body,
-)
+from tokenizer.remote import RemoteOptions, RemoteTokenizer, parse_retry_after, request_body
+from tokenizer.transport import OneWriteTransport, _OneWrite, environment_mounts
 from devkit.tokenizer_stub import make_app
 from tokenizer.types import ChatInput, PromptInput, TokenizerError
 from helpers import serve_app
@@ -377,18 +378,74 @@ async def test_headers_and_body_go_out_in_one_write() -> None:
     assert stream.get_extra_info("is_readable") == "is_readable"
 
 
+class _Counted(httpcore.AsyncNetworkStream):
+    """A real network stream that records each write before it sends it."""
+
+    def __init__(self, stream: httpcore.AsyncNetworkStream, writes: list[bytes]) -> None:
+        self._stream = stream
+        self._writes = writes
+
+    async def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        self._writes.append(buffer)
+        await self._stream.write(buffer, timeout)
+
+    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        return await self._stream.read(max_bytes, timeout)
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+
+    def get_extra_info(self, info: str) -> object:
+        return self._stream.get_extra_info(info)
+
+
+def _counting_backend(writes: list[bytes]) -> type:
+    """httpcore's anyio backend, its connections recording their writes in `writes`."""
+
+    class Counting(httpcore.AnyIOBackend):
+        async def connect_tcp(self, *args, **kwargs) -> httpcore.AsyncNetworkStream:
+            return _Counted(await super().connect_tcp(*args, **kwargs), writes)
+
+    return Counting
+
+
 async def test_every_pool_of_the_client_sends_requests_in_one_write(monkeypatch) -> None:
     _clear_proxy_env(monkeypatch)
     monkeypatch.setenv("HTTPS_PROXY", "http://proxy.invalid:3128")
-    remote = RemoteTokenizer({MODEL: "http://127.0.0.1:9"}, options=FAST)
+    mounts = environment_mounts(httpx.Limits(), httpx.create_ssl_context())
+    assert list(mounts) == ["https://"]  # the proxy for https, beside the client's direct transport
+    assert all(isinstance(t, OneWriteTransport) for t in mounts.values())
+    for transport in mounts.values():
+        assert transport is not None
+        await transport.aclose()
+
+    # End to end, direct and through an HTTP proxy: each request reaches the socket in one write.
+    writes: list[bytes] = []
+    monkeypatch.setattr(httpcore, "AnyIOBackend", _counting_backend(writes))
+    _clear_proxy_env(monkeypatch)
+    engine_seen: list = []
+    engine, engine_url = await serve(scripted([], engine_seen))
+
+    async def via_proxy(request: web.Request) -> web.Response:
+        return web.json_response({"count": 1, "tokens": [7]})
+
+    proxy, proxy_url = await serve(tokenize_app(via_proxy))
     try:
-        client = remote._http()
-        transports = [client._transport, *client._mounts.values()]
-        assert len(transports) == 2  # direct, and the proxy for https
-        assert all(isinstance(t._pool._network_backend, _OneWriteBackend) for t in transports)
-        assert _one_write_per_request(client)  # idempotent: no backend wrapped twice
-        assert not isinstance(client._transport._pool._network_backend._backend, _OneWriteBackend)
+        for expected, env in (([1, 2, 3], None), ([7], proxy_url)):
+            if env is not None:
+                monkeypatch.setenv("HTTP_PROXY", env)
+            writes.clear()
+            remote = RemoteTokenizer({MODEL: engine_url}, options=FAST)
+            try:
+                for _ in range(2):
+                    assert await remote.tokenize(MODEL, PromptInput(text="one write")) == expected
+            finally:
+                await remote.aclose()
+            assert len(writes) == 2  # headers and body of each request together
+            assert all(w.startswith(b"POST ") and w.endswith(b'"add_special_tokens": true}') for w in writes)
+        assert len(engine_seen) == 2  # the proxied requests went to the proxy
     finally:
-        await remote.aclose()
+        await engine.cleanup()
+        await proxy.cleanup()
     # httpcore asks sniffio for the event loop many times per request: without it, each is a failed import.
     assert importlib.util.find_spec("sniffio") is not None
