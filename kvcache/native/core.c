@@ -1,11 +1,11 @@
 /* The Core type, kvcache/index.py's only native object: ids of media, models, pods and slots handed out
  * and checked, stores and releases, batches and runs of batches applied, the match walk, stats and the
  * invariant check the tests run. Part of kvcache._native (module.c). */
-#include <time.h>
 #include "blockkeys.h"
 #include "core.h"
 #include "events.h"
 #include "holders.h"
+#include <time.h> /* after Python.h, as Python asks */
 
 static int as_int(PyObject *o, int *out) {
     long v = PyLong_AsLong(o);
