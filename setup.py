@@ -1,7 +1,19 @@
-"""The one compiled module, kvcache._native (the prefix index's hot loops); everything else is
-declared in pyproject.toml. It builds with -Wall -Wextra and must build without a warning
-(`./dev sanitize` adds -Werror)."""
+"""kvgate's two compiled modules; everything else is declared in pyproject.toml.
+
+- kvcache._native, the prefix index's hot loops: kvcache/native/, one file per part, compiled as one
+  translation unit through module.c (which includes the others: see its head comment for why), so the
+  other files are `depends` (a change to any of them rebuilds it).
+- tokenizer._scanner, the word-cached encoder's pre-tokenizer scanner: tokenizer/_scanner.c.
+
+Both build with -Wall -Wextra and must build without a warning (`./dev sanitize` adds -Werror)."""
+from glob import glob
+
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("kvcache._native", ["kvcache/_native.c"],
-                             extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra"])])
+FLAGS = ["-O2", "-std=c11", "-Wall", "-Wextra"]
+NATIVE_PARTS = sorted(p for p in glob("kvcache/native/*.[ch]") if p != "kvcache/native/module.c")
+
+setup(ext_modules=[
+    Extension("kvcache._native", ["kvcache/native/module.c"], depends=NATIVE_PARTS, extra_compile_args=FLAGS),
+    Extension("tokenizer._scanner", ["tokenizer/_scanner.c"], extra_compile_args=FLAGS),
+])

@@ -8,8 +8,8 @@ A fast tokenizer (the `tokenizers` library) encodes a text without added tokens 
     encode(T) = concat(bpe(bytelevel(w)) for w in pretokenize(normalize(T)))
 with the BPE model applied to each pre-token on its own. For ASCII text every Unicode normalizer is the
 identity and the pre-tokenizer's regex classes (\\p{L}, \\p{N}, \\s) are plain ASCII sets, so the split is
-done here: by a C scanner for the GPT-2, Llama 3 and Qwen 2 regexes (kvcache/_native.c, its tokenizer
-section), else with Python's `re` on the pattern translated to those sets; and bpe(bytelevel(w)) is asked
+done here: by a C scanner for the GPT-2, Llama 3 and Qwen 2 regexes (tokenizer/_scanner.c), else with
+Python's `re` on the pattern translated to those sets; and bpe(bytelevel(w)) is asked
 of the tokenizer's own BPE model (`Model.tokenize`) once per distinct word, then kept. Added tokens are cut out
 first, as the tokenizer does (leftmost-longest, raw text; segments.Segmenter checks their flags allow it).
 With the C scanner's regexes, a text's sentences (cut before the space of each ". ", where no pre-token
@@ -29,13 +29,20 @@ import json
 import re
 from typing import Any
 
-from kvcache.native import native as _native
+try:
+    from tokenizer import _scanner as _native  # the C scanner, tokenizer/_scanner.c
+except ImportError as e:  # pragma: no cover - a source tree without `pip install`
+    raise ImportError(
+        "kvgate's compiled module tokenizer._scanner is missing: install kvgate with a C compiler and "
+        "Python headers available (`./dev test` or `pip install -e .`; on Debian: apt-get install gcc "
+        f"python3-dev) ({e})"
+    ) from e
 from tokenizer.segments import NotSegmentable, SpecialAffixes, _affixes
 
 _GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 _LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                    r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-# Pre-tokenizer regexes the C scanner (kvcache/_native.c, its tokenizer section) splits by, by its kind number.
+# Pre-tokenizer regexes the C scanner (tokenizer/_scanner.c) splits by, by its kind number.
 NATIVE_KINDS = {_GPT2_PATTERN: 0, _LLAMA3_PATTERN: 1, _LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}"): 2}
 _NORMALIZERS = {"NFC", "NFD", "NFKC", "NFKD"}  # the identity on ASCII
 # The regex classes as the tokenizer's regex engine (Oniguruma, Unicode) reads them, restricted to ASCII:

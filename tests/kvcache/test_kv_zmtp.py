@@ -1,4 +1,5 @@
-"""The ZMTP SUB peer (kvcache/zmtp.py) and its C frame splitter, against real libzmq sockets."""
+"""The ZMTP SUB peer (kvcache/zmtp.py), against real libzmq sockets and a raw peer (its C frame splitter
+on its own: test_native_zmtp.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -6,53 +7,14 @@ import select
 import socket
 import time
 
-import pytest
 import zmq
 
-from kvcache.native import native
 from kvcache.ingest import SubscriberManager
 from kvcache.stream import EndpointSpec
-from kvcache.zmtp import MAX_FRAME, Connection, ping
+from kvcache.zmtp import Connection, ping
 from helpers import free_port, wait_until_async
 from kv_engines import counter, FAST, RecordingSink
-
-
-def frame(body: bytes, more: bool = False, command: bool = False) -> bytes:
-    flags = (1 if more else 0) | (4 if command else 0)
-    if len(body) > 255:
-        return bytes((flags | 2,)) + len(body).to_bytes(8, "big") + body
-    return bytes((flags, len(body))) + body
-
-
-def live(seq: int, payload: bytes) -> bytes:
-    return frame(b"", more=True) + frame(seq.to_bytes(8, "big"), more=True) + frame(payload)
-
-
-def test_split_takes_whole_messages_only_wherever_the_bytes_stop():
-    stream = (live(1, b"a" * 300) + frame(b"x") + live(2, b"b") + frame(b"\x04PING\x00\x01", command=True)
-              + live(3, b"c"))
-    expected = [(1, b"a" * 300), [b"x"], (2, b"b")]
-    for cut in range(len(stream) + 1):  # what one recv may have delivered so far
-        buf = bytearray(stream[:cut])
-        got, pos = native.zmtp_split(buf, 0, len(buf), 100, MAX_FRAME)
-        assert got == expected[:len(got)]
-        if got:  # it stops right after the last whole message it took
-            assert pos == len(b"".join([live(1, b"a" * 300), frame(b"x"), live(2, b"b")][:len(got)]))
-    buf = bytearray(stream)
-    got, pos = native.zmtp_split(buf, 0, len(buf), 100, MAX_FRAME)
-    assert got == expected and buf[pos] & 4  # stopped at the command: the caller handles it
-    got, pos2 = native.zmtp_split(buf, 0, len(buf), 2, MAX_FRAME)
-    assert got == expected[:2] and pos2 < pos  # at most `limit`
-
-
-def test_split_rejects_oversized_frames_and_commands_inside_a_message():
-    with pytest.raises(ValueError, match="frame of"):
-        native.zmtp_split(bytearray(b"\x02" + (1 << 40).to_bytes(8, "big")), 0, 9, 10, MAX_FRAME)
-    inside = bytearray(frame(b"", more=True) + frame(b"\x04PING\x00\x00", command=True))
-    with pytest.raises(ValueError, match="command inside"):
-        native.zmtp_split(inside, 0, len(inside), 10, MAX_FRAME)
-    with pytest.raises(ValueError, match="bad range"):
-        native.zmtp_split(bytearray(4), 0, 5, 10, MAX_FRAME)
+from test_native_zmtp import frame, live
 
 
 def connect_ready(port: int, timeout: float = 5.0) -> tuple[Connection, list]:
@@ -144,34 +106,6 @@ async def test_a_peer_announcing_another_socket_type_is_a_counted_protocol_error
         for c in accepted:
             c.close()
         listener.close()
-
-
-def test_split_survives_random_and_mutated_bytes():
-    """Whatever the bytes: messages, a stop, or ValueError; never a read past `end` (run under ASan by
-    ./dev sanitize)."""
-    import random
-
-    rng = random.Random(14)
-    good = live(1, b"a" * 300) + frame(b"x") + live(2, b"b") + frame(b"\x04PING\x00\x01", command=True)
-    for i in range(3000):
-        if i % 2:
-            data = bytearray(rng.randbytes(rng.randrange(0, 64)))
-        else:
-            data = bytearray(good)
-            for _ in range(rng.randrange(1, 4)):
-                data[rng.randrange(len(data))] = rng.randrange(256)
-            data = data[:rng.randrange(len(data) + 1)]
-        end = len(data)
-        data += b"\xff" * 16  # bytes past `end` must never be taken
-        try:
-            got, pos = native.zmtp_split(data, 0, end, 100, MAX_FRAME)
-        except ValueError:
-            continue
-        assert 0 <= pos <= end
-        for item in got:
-            assert type(item) in (tuple, list)
-            assert b"\xff" * 16 not in (item[1] if type(item) is tuple else b"".join(item))
-
 
 
 def _raw_pub() -> tuple[socket.socket, Connection, socket.socket]:

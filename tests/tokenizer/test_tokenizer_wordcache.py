@@ -3,21 +3,21 @@
 Compared with the `tokenizers` library's encode on random ASCII text built to reach every branch of the
 pre-tokenizer regexes (contractions in any case, letter/digit/punctuation runs, whitespace runs before
 letters, newlines, control characters, added tokens), on the project's test tokenizer and on Qwen3's and
-Llama 3.1's (realtok.py; skipped, saying why, without them)."""
+Llama 3.1's (realtok.py; skipped, saying why, without them). The C scanner on its own:
+test_tokenizer_scanner.py."""
 from __future__ import annotations
 
 import random
-import re
 
 import pytest
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 import realtok
+from test_tokenizer_scanner import random_ascii as _random_ascii
 from tokenizer import testdata, wordcache
 from tokenizer.local import LocalTokenizer
 from tokenizer.types import ChatInput, PromptInput
-from kvcache.native import native
 from tokenizer.wordcache import NATIVE_KINDS, NotFast, WordCachedEncoder, ascii_pattern
 
 _LOCAL: dict[str, LocalTokenizer] = {}
@@ -34,19 +34,6 @@ def _local(name: str) -> LocalTokenizer:
                 pytest.skip(f"real tokenizer {name} not available: {e}")
         _LOCAL[name] = LocalTokenizer.from_path(directory)
     return _LOCAL[name]
-
-
-_ATOMS = (["a", "Z", "word", " word", "  Word", "x1", "42", "1234567", " 9", "'s", "'S", "'ll", "'LL", "'Re", "'ve",
-           "'d", "'m", "'t", "'", "''", " ", "  ", "   ", "\n", "\n\n", " \n", "\r\n", "\t", " \t ", "\x0b", "\x0c",
-           "\x1c", "\x00", "\x7f", ".", "...", " -", "!?", "{\"k\": [1, 2]}", "<|im_start|>", "<|im_end|>",
-           "<|endoftext|>", "<|begin_of_text|>", "<|eot_id|>", "<think>", "_", "__init__", "a_b", "$", "#!", "\\n"])
-
-
-def _random_ascii(rng: random.Random) -> str:
-    parts = []
-    for _ in range(rng.randint(1, 40)):
-        parts.append(rng.choice(_ATOMS) if rng.random() < 0.8 else chr(rng.randrange(128)))
-    return "".join(parts)
 
 
 @pytest.mark.parametrize("name", ["test", "qwen3", "llama3_1"])
@@ -170,20 +157,6 @@ def test_ascii_inputs_the_word_cache_takes_stay_on_the_calling_thread() -> None:
     assert not fast.inline(PromptInput(text="word " * 5000), 2048)
     chat = ChatInput(messages=({"role": "user", "content": "word " * 1000},))
     assert fast.inline(chat, 2048) and not slow.inline(chat, 2048)
-
-
-@pytest.mark.parametrize("pattern, kind", sorted(NATIVE_KINDS.items(), key=lambda kv: kv[1]))
-def test_the_c_scanner_splits_as_the_translated_regex(pattern, kind) -> None:
-    reference = re.compile(ascii_pattern(pattern), re.ASCII)
-    rng = random.Random(kind)
-    differ = []
-    for _ in range(10000):
-        text = _random_ascii(rng)
-        if native.split_bytelevel(text, kind) != reference.findall(text):
-            differ.append(text)
-    assert not differ, f"{len(differ)} texts split otherwise, e.g. {differ[:5]}"
-    with pytest.raises(ValueError):
-        native.split_bytelevel("café", kind)
 
 
 @pytest.mark.parametrize("name", ["test", "qwen3", "llama3_1"])
