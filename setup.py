@@ -1,6 +1,6 @@
 """kvgate's two compiled modules; everything else is declared in pyproject.toml.
 
-- kvcache._native, the prefix index's hot loops: kvcache/native/, one file per part, compiled as one
+- kvcache._native, the prefix index's hot loops: kvcache/csrc/, one file per part, compiled as one
   translation unit through module.c (which includes the others: see its head comment for why), so the
   other files are `depends` (a change to any of them rebuilds it).
 - tokenizer._scanner, the word-cached encoder's pre-tokenizer scanner: tokenizer/_scanner.c.
@@ -11,9 +11,9 @@ from glob import glob
 from setuptools import Extension, setup
 
 FLAGS = ["-O2", "-std=c11", "-Wall", "-Wextra"]
-NATIVE_PARTS = sorted(p for p in glob("kvcache/native/*.[ch]") if p != "kvcache/native/module.c")
+NATIVE_PARTS = sorted(p for p in glob("kvcache/csrc/*.[ch]") if p != "kvcache/csrc/module.c")
 
 setup(ext_modules=[
-    Extension("kvcache._native", ["kvcache/native/module.c"], depends=NATIVE_PARTS, extra_compile_args=FLAGS),
+    Extension("kvcache._native", ["kvcache/csrc/module.c"], depends=NATIVE_PARTS, extra_compile_args=FLAGS),
     Extension("tokenizer._scanner", ["tokenizer/_scanner.c"], extra_compile_args=FLAGS),
 ])

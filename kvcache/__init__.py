@@ -15,6 +15,6 @@ metrics.py holds the ingest path's Prometheus metrics.
 
 This package imports nothing from kvgate's other packages (only the standard
 library, msgpack, numpy, pyzmq and prometheus-client); routing/ and plugin/ build on it.
-Its hot loops (block keys, raw batch ingest, match) are C: kvcache/native/, one file per part,
+Its hot loops (block keys, raw batch ingest, match) are C: kvcache/csrc/, one file per part,
 built at install as the module kvcache._native.
 """

@@ -2,7 +2,7 @@
 
 key[-1] = root(model, lora); key[i] = (key[i-1] * MULT + block_hash(block_i)) mod 2**60, where
 block_hash mixes block i's token ids (as 64-bit two's complement) with a multiply-xorshift per
-token and a finaliser (kvcache/native/blockkeys.c; `reference_chain_keys` below is the same function in
+token and a finaliser (kvcache/csrc/blockkeys.c; `reference_chain_keys` below is the same function in
 plain Python, for tests and readers). Keys do not depend on the engine's hash algorithm or seed,
 nor on the Python process. The root is derived from model and LoRA adapter with blake2b, so the
 same tokens under another model or adapter get other keys.

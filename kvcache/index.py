@@ -4,7 +4,7 @@ It answers one question per request: for each candidate pod, how many leading bl
 prompt does that pod already hold (in any medium, and per medium). It implements the whole
 kvcache.sink.EventSink the streams feed: events of one (pod, rank) arrive in order, from one thread.
 
-The tables live in C (kvcache/native/, `Core`), one implementation for every fleet shape:
+The tables live in C (kvcache/csrc/, `Core`), one implementation for every fleet shape:
 - a block is identified by kvgate's own key (kvcache.blockkeys), never by the engine's hash;
 - each (pod, rank) is a "slot" (a small number) of its pod's group; per medium a key table maps
   a block key to the slots holding it there and a recency stamp (set when stored or matched);
@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MEDIUM = "GPU"  # what vLLM before 0.10.2 (medium None) means
 _M64 = (1 << 64) - 1
 _MIX = 0x9E3779B97F4A7C15  # odd: multiplying spreads small or sequential engine hashes
-_TOMB = _M64 - 1  # folded hashes stay below the tables' reserved values (kvcache/native/tables.h)
+_TOMB = _M64 - 1  # folded hashes stay below the tables' reserved values (kvcache/csrc/tables.h)
 
 
 _applied = tuple.__new__  # BatchApplied made without its __new__ (a Python-level call, once per live batch)
@@ -63,7 +63,7 @@ class PrefixMatch:
 
 def _bytes_hash(h: bytes) -> int:
     """A bytes block hash (a 32-byte digest, published raw when VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0)
-    as the int vLLM publishes by default: its last 8 bytes, big-endian (kvcache/native/events.c reads it
+    as the int vLLM publishes by default: its last 8 bytes, big-endian (kvcache/csrc/events.c reads it
     the same way)."""
     return int.from_bytes(h[-8:], "big")
 
@@ -136,7 +136,7 @@ class PrefixIndex:
     def apply_payload(self, pod: str, model: str, rank: int, payload: bytes) -> BatchApplied | None:
         """Decode and apply one raw batch (vLLM's msgpack bytes) in one native pass, without a
         Python object per event: the subscriber's fast path. None when the batch is outside that
-        path's shape (see kvcache/native/events.c scan_batch: AllBlocksCleared, non-ASCII names,
+        path's shape (see kvcache/csrc/events.c scan_batch: AllBlocksCleared, non-ASCII names,
         several media in one batch, unknown fields, anything malformed...): the caller then
         decodes it (kvcache.wire) and calls apply()."""
         scan = native.scan_batch(payload)
@@ -184,7 +184,7 @@ class PrefixIndex:
         """Apply messages[start:], live (seq, payload) pairs of one (pod, rank) as kvcache.zmtp reads
         them, while they are the batches `seq`, `seq` + 1, ... in the shape apply_payload takes with
         nothing new to learn (a new medium, block size or LoRA adapter): each as apply_payload would (the
-        background passes once, after the last), in one native call (kvcache/native/core.c apply_run). Stops
+        background passes once, after the last), in one native call (kvcache/csrc/core.c apply_run). Stops
         before any other message (the caller takes it the usual way), after `max_batches` batches or once
         `max_events` events are applied, before a batch holding more than `max_blocks` blocks (0: no
         bound), even the first (the caller cuts it, split_payload), and before one that would take the

@@ -1,4 +1,4 @@
-"""The compiled module kvcache._native (its sources: kvcache/native/), or a clear error saying how to build it."""
+"""The compiled module kvcache._native (its sources: kvcache/csrc/), or a clear error saying how to build it."""
 from __future__ import annotations
 
 try:

@@ -1,4 +1,4 @@
-"""Block keys (kvcache/native/blockkeys.c, chain_keys): a whole prompt's keys equal the block-by-block
+"""Block keys (kvcache/csrc/blockkeys.c, chain_keys): a whole prompt's keys equal the block-by-block
 reference chain (kvcache/blockkeys.py's reference_chain_keys), four blocks hashed at a time report a bad
 token id in prompt order, every block and the block order count, and integer buffers read like lists."""
 from __future__ import annotations

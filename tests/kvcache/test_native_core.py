@@ -1,4 +1,4 @@
-"""The Core type (kvcache/native/core.c), kvcache/index.py's native object: it hands out ids of media,
+"""The Core type (kvcache/csrc/core.c), kvcache/index.py's native object: it hands out ids of media,
 models, pods and slots, lowest free first, reuses one only once nothing refers to it any more, refuses
 ids it never gave and ragged buffers, and counts a pod's distinct blocks over its slots and media."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""KV event batches read straight from their bytes (kvcache/native/events.c): scan_batch sums up a batch
+"""KV event batches read straight from their bytes (kvcache/csrc/events.c): scan_batch sums up a batch
 in the fast path's shape (events and blocks stored and removed, the block size, the one medium, the LoRA
 keys of chain-starting stores) alike in vLLM's array and map forms, declines every other shape (None:
 the caller decodes it), and Core.apply_batch applies one with the keys kvcache/blockkeys.py defines."""

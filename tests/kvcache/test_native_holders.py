@@ -1,4 +1,4 @@
-"""Holders, the background passes and eviction (kvcache/native/holders.c): more than 64 pod-ranks
+"""Holders, the background passes and eviction (kvcache/csrc/holders.c): more than 64 pod-ranks
 (holder bitmasks of several words) match exactly, recency survives the uint32 clock wrapping, the
 maintenance pass clamps ages so old keys stay oldest, and eviction spreads its deletions over the table
 when many keys are equally old."""

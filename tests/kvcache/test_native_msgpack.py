@@ -1,4 +1,4 @@
-"""The msgpack reader (kvcache/native/msgpack.c), through scan_batch and the index's fast path: integers
+"""The msgpack reader (kvcache/csrc/msgpack.c), through scan_batch and the index's fast path: integers
 in every width read as their values (hashes and token ids alike), strs, arrays and maps in every header
 width, float or int timestamps, bin hashes, and any value skipped where a field is not modelled; what it
 does not read is declined (None), never misread: ext types, non-ASCII strs, nesting past its depth,

@@ -1,4 +1,4 @@
-"""A large batch cut between events, and a large event into pieces (kvcache/native/split.c, split_batch and
+"""A large batch cut between events, and a large event into pieces (kvcache/csrc/split.c, split_batch and
 cut_event, PrefixIndex.split_payload): the parts, applied in order, are the batch; each holds at most
 the bound (an event the cut does not model whole, alone)."""
 from __future__ import annotations

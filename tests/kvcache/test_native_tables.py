@@ -1,4 +1,4 @@
-"""The index's tables (kvcache/native/tables.c, through Core): the key table and the hash map behave like
+"""The index's tables (kvcache/csrc/tables.c, through Core): the key table and the hash map behave like
 dicts through growth, backward-shift deletion and wrap-around (holder lists growing into bitmasks and
 back on the way), large tables are rehashed without the GIL and keep every key, and large tables ask for
 transparent huge pages."""

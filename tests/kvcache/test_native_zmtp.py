@@ -1,4 +1,4 @@
-"""The ZMTP frame splitter (kvcache/native/zmtp.c, zmtp_split): whole messages only, wherever the received
+"""The ZMTP frame splitter (kvcache/csrc/zmtp.c, zmtp_split): whole messages only, wherever the received
 bytes stop; a live batch's three frames as (seq, payload), any other message as its frames; a stop before
 a command that starts a message; ValueError for an oversized frame or a command inside a message; and on
 any bytes, never a read past the end it is given."""

@@ -1,4 +1,4 @@
-/* kvcache._native: the prefix index's tables and hot loops in C, one part per file of kvcache/native/:
+/* kvcache._native: the prefix index's tables and hot loops in C, one part per file of kvcache/csrc/:
  *
  * - blockkeys.c: chain_keys, kvgate's block keys (see kvcache/blockkeys.py for the definition).
  * - tables.c, holders.c, core.c: Core, the index's tables (key tables per medium, engine-hash maps per
@@ -38,7 +38,7 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {
     .m_base = PyModuleDef_HEAD_INIT,
     .m_name = "kvcache._native",
-    .m_doc = "The prefix index's tables and hot loops in C (see kvcache/native/module.c).",
+    .m_doc = "The prefix index's tables and hot loops in C (see kvcache/csrc/module.c).",
     .m_size = -1,
     .m_methods = methods,
 };
