@@ -520,13 +520,13 @@ def _apply_as_served(ix: PrefixIndex, pods: list[str], order: list[tuple[int, by
         for e, msgs in streams.items():
             burst, j = msgs[start:start + RUN_BATCHES], 0
             while j < len(burst):
-                run = hold(lambda: ix.apply_run(pods[e], MODEL, 0, burst, j, burst[j][0], RUN_BATCHES, APPLY_CHUNK,
-                                                PROC_BOUNDS_D, counts, APPLY_BLOCKS))
+                run = hold(lambda e=e, burst=burst, j=j: ix.apply_run(pods[e], MODEL, 0, burst, j, burst[j][0], RUN_BATCHES,
+                                                                      APPLY_CHUNK, PROC_BOUNDS_D, counts, APPLY_BLOCKS))
                 if run.error is not None:
                     raise run.error
                 if not run.batches:  # the batch the run stopped before: alone, in parts
                     for part in _parts(ix, burst[j][1]):
-                        hold(lambda: _apply(ix, pods[e], part))
+                        hold(lambda e=e, part=part: _apply(ix, pods[e], part))
                 taken = run.batches or 1
                 j += taken
                 done += taken
@@ -561,7 +561,7 @@ def _long_event(ix: PrefixIndex, pod: str, rng: random.Random, hold, blocks: int
     parts = _parts(ix, payloads[0])
     w = time.perf_counter()
     for part in parts:
-        hold(lambda: _apply(ix, pod, part))
+        hold(lambda part=part: _apply(ix, pod, part))
     served = time.perf_counter() - w
     w = time.perf_counter()
     _apply(ix, pod, payloads[1])
