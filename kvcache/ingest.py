@@ -255,10 +255,10 @@ class IngestLoop:
         self.close_conn(sub)
         sub.on_stopped()
 
-    def failed(self, sub: Subscriber) -> None:
+    def failed(self, sub: Subscriber, error: BaseException) -> None:
         # A bug must not stop one pod's stream for good: count, drop, start over after a back-off.
-        log.exception("kv events %s rank %d: subscriber failed; restarting in %.1f s", sub.spec.pod,
-                      sub.spec.rank, sub.retry_delay)
+        log.error("kv events %s rank %d: subscriber failed; restarting in %.1f s", sub.spec.pod,
+                  sub.spec.rank, sub.retry_delay, exc_info=error)
         self.metrics.errors.labels("subscriber").inc()
         delay = sub.retry_delay
         self.stop(sub)
@@ -297,10 +297,7 @@ class IngestLoop:
         if sub not in self.running:
             return
         if error is not None:
-            try:
-                raise error
-            except Exception:
-                self.failed(sub)
+            self.failed(sub, error)
             return
         sub.last_rx = time.monotonic()  # nothing was read meanwhile
         if sub.conn is not None:
@@ -414,8 +411,8 @@ class IngestLoop:
                     self.hand_off(sub, sub.replay_held)
                 elif sub.conn is not None:
                     self.watch(sub)
-            except Exception:
-                self.failed(sub)
+            except Exception as e:
+                self.failed(sub, e)
 
     def timers(self, now: float) -> float:
         """Reconnections, pings, dead peers, metrics; when to come back."""
@@ -516,8 +513,8 @@ class IngestLoop:
                     mask = (READ if ev & _READABLE else 0) | (WRITE if ev & _WRITABLE else 0)
                     try:
                         on_event(sub, mask)
-                    except Exception:
-                        failed(sub)
+                    except Exception as e:
+                        failed(sub, e)
             if backlog:
                 take_turns()
             now = monotonic()
