@@ -290,6 +290,7 @@ class IngestLoop:
         sub.worker.start()
 
     def worker_done(self, sub: Subscriber) -> None:
+        assert sub.worker is not None  # "done" comes from the worker hand_off started
         sub.worker.join()
         sub.worker = None
         self.workers.discard(sub)
@@ -312,6 +313,7 @@ class IngestLoop:
         if isinstance(result, OSError):
             self.connect_failed(sub, result)
         else:
+            assert result is not None  # resolve() set it before posting "resolved"
             self.open_connection(sub, result)
 
     def commands(self) -> bool:
@@ -535,6 +537,7 @@ class IngestLoop:
         for sub in list(self.workers):
             with self.lock:
                 sub.stopped = True
+            assert sub.worker is not None  # in `workers` from hand_off until worker_done
             sub.worker.join()
         self.ep.close()
 
