@@ -52,7 +52,7 @@ import tracemalloc
 from array import array
 from collections.abc import Sequence
 
-from kvcache.events import BlockRemoved, BlockStored, EventBatch
+from kvcache.events import BlockHash, BlockRemoved, BlockStored, EventBatch
 from kvcache.index import PrefixIndex
 from kvcache.stream import PROC_BOUNDS_D, RUN_BATCHES, SubscriberOptions
 
@@ -99,7 +99,7 @@ def _ingest_batches(n_blocks: int, rng: random.Random) -> tuple[list[EventBatch]
     """One engine's stream: 32 running requests per step; prefill in chunks of 32 blocks, then
     one block per 16 decode steps; once its 20k-block cache is full, one BlockRemoved per block."""
     capacity, batches, total = 20_000, [], 0
-    cached: list[int] = []  # engine hashes, oldest first
+    cached: list[BlockHash] = []  # engine hashes, oldest first
     evict_from = 0
     reqs: list[list] = []  # [parent hash, prefill blocks left, decode steps]
     while total < n_blocks:
@@ -322,7 +322,7 @@ def _fill(ix: PrefixIndex, pods: list[str], entries: int, rng: random.Random) ->
             while ix.stats()["entries"] < entries:
                 payloads = []
                 for i in range(n, n + 64):
-                    tokens = array("H", rng.randbytes(2 * 512 * BLOCK)).tolist()
+                    tokens = tuple(array("H", rng.randbytes(2 * 512 * BLOCK)))
                     hashes = tuple(range(i * 512 + 1, i * 512 + 513))
                     payloads.append(encode_batch(EventBatch(0.0, (BlockStored(hashes, None, tokens, BLOCK, None,
                                                                               "GPU", None),), 0), "0.33"))
