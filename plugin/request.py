@@ -99,8 +99,8 @@ def _opening_brackets_at_most(body: bytes, limit: int) -> bool:
 
 
 # The scanner json.loads itself uses (a decoder with every option at its default), called directly.
-_scan_json = json.JSONDecoder().scan_once  # type: ignore[attr-defined]  # set by JSONDecoder.__init__; typeshed omits it
-_JSON_WHITESPACE_END = json.decoder.WHITESPACE.match  # type: ignore[attr-defined]  # json.decoder's; typeshed omits it
+_scan_json = json.JSONDecoder().scan_once  # type: ignore[attr-defined]  # set in __init__; typeshed omits it
+_JSON_WHITESPACE_END = json.decoder.WHITESPACE.match  # type: ignore[attr-defined]  # typeshed omits it
 
 
 def _decode_object(body: bytes) -> Any:
