@@ -52,7 +52,7 @@ import tracemalloc
 from array import array
 from collections.abc import Sequence
 
-from kvcache.events import BlockRemoved, BlockStored, EventBatch
+from kvcache.events import BlockHash, BlockRemoved, BlockStored, EventBatch
 from kvcache.index import PrefixIndex
 from kvcache.stream import PROC_BOUNDS_D, RUN_BATCHES, SubscriberOptions
 
@@ -99,7 +99,7 @@ def _ingest_batches(n_blocks: int, rng: random.Random) -> tuple[list[EventBatch]
     """One engine's stream: 32 running requests per step; prefill in chunks of 32 blocks, then
     one block per 16 decode steps; once its 20k-block cache is full, one BlockRemoved per block."""
     capacity, batches, total = 20_000, [], 0
-    cached: list[int] = []  # engine hashes, oldest first
+    cached: list[BlockHash] = []  # engine hashes, oldest first
     evict_from = 0
     reqs: list[list] = []  # [parent hash, prefill blocks left, decode steps]
     while total < n_blocks:
@@ -322,7 +322,7 @@ def _fill(ix: PrefixIndex, pods: list[str], entries: int, rng: random.Random) ->
             while ix.stats()["entries"] < entries:
                 payloads = []
                 for i in range(n, n + 64):
-                    tokens = array("H", rng.randbytes(2 * 512 * BLOCK)).tolist()
+                    tokens = tuple(array("H", rng.randbytes(2 * 512 * BLOCK)))
                     hashes = tuple(range(i * 512 + 1, i * 512 + 513))
                     payloads.append(encode_batch(EventBatch(0.0, (BlockStored(hashes, None, tokens, BLOCK, None,
                                                                               "GPU", None),), 0), "0.33"))
@@ -520,13 +520,13 @@ def _apply_as_served(ix: PrefixIndex, pods: list[str], order: list[tuple[int, by
         for e, msgs in streams.items():
             burst, j = msgs[start:start + RUN_BATCHES], 0
             while j < len(burst):
-                run = hold(lambda: ix.apply_run(pods[e], MODEL, 0, burst, j, burst[j][0], RUN_BATCHES, APPLY_CHUNK,
-                                                PROC_BOUNDS_D, counts, APPLY_BLOCKS))
+                run = hold(lambda e=e, burst=burst, j=j: ix.apply_run(pods[e], MODEL, 0, burst, j, burst[j][0], RUN_BATCHES,
+                                                                      APPLY_CHUNK, PROC_BOUNDS_D, counts, APPLY_BLOCKS))
                 if run.error is not None:
                     raise run.error
                 if not run.batches:  # the batch the run stopped before: alone, in parts
                     for part in _parts(ix, burst[j][1]):
-                        hold(lambda: _apply(ix, pods[e], part))
+                        hold(lambda e=e, part=part: _apply(ix, pods[e], part))
                 taken = run.batches or 1
                 j += taken
                 done += taken
@@ -561,7 +561,7 @@ def _long_event(ix: PrefixIndex, pod: str, rng: random.Random, hold, blocks: int
     parts = _parts(ix, payloads[0])
     w = time.perf_counter()
     for part in parts:
-        hold(lambda: _apply(ix, pod, part))
+        hold(lambda part=part: _apply(ix, pod, part))
     served = time.perf_counter() - w
     w = time.perf_counter()
     _apply(ix, pod, payloads[1])

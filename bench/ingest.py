@@ -18,6 +18,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import IO
 
 import httpx
 
@@ -100,13 +101,15 @@ def run(engines: int, rate: float, seconds: float, log, coalesce: float | None =
     import subprocess
 
     with Stack() as stack:
-        pubs, pods = [], []
+        pubs: list[tuple[subprocess.Popen[str], IO[str], IO[str]]] = []  # each publisher, its stdin and stdout
+        pods = []
         for i in range(engines):
             pub_port, replay_port = free_port(), free_port()
             proc = subprocess.Popen([sys.executable, "-m", "bench.ingest", "--publish", str(pub_port),
                                      str(replay_port)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                     cwd=str(Path(__file__).resolve().parent.parent))
-            pubs.append(proc)
+            assert proc.stdin is not None and proc.stdout is not None  # both are PIPEs
+            pubs.append((proc, proc.stdin, proc.stdout))
             if proc.stdout.readline().strip() != "ready":
                 raise StackError("publisher did not start")
             pods.append({"name": f"engine{i}", "address": "127.0.0.1", "port": free_port(), "model": MODEL,
@@ -126,11 +129,11 @@ def run(engines: int, rate: float, seconds: float, log, coalesce: float | None =
                 time.sleep(0.1)
             pid = kvgate.popen.pid
             # Warm-up: a second of traffic (first-time allocations, index tables growing).
-            for p in pubs:
-                p.stdin.write(f"{rate} 1\n")
-                p.stdin.flush()
-            for p in pubs:
-                p.stdout.readline()
+            for _, stdin, _ in pubs:
+                stdin.write(f"{rate} 1\n")
+                stdin.flush()
+            for _, _, stdout in pubs:
+                stdout.readline()
             time.sleep(0.5)
             idle_window = min(seconds, 5.0)
             c0, t0 = _cpu_s(pid), time.monotonic()
@@ -138,12 +141,12 @@ def run(engines: int, rate: float, seconds: float, log, coalesce: float | None =
             idle_per_s = (_cpu_s(pid) - c0) / (time.monotonic() - t0)
 
             c0, t0, th0 = _cpu_s(pid), time.monotonic(), _threads_cpu_s(pid)
-            for p in pubs:
-                p.stdin.write(f"{rate} {seconds}\n")
-                p.stdin.flush()
+            for _, stdin, _ in pubs:
+                stdin.write(f"{rate} {seconds}\n")
+                stdin.flush()
             sent, last = 0, {}
-            for i, p in enumerate(pubs):
-                _, count, seq = p.stdout.readline().split()
+            for i, (_, _, stdout) in enumerate(pubs):
+                _, count, seq = stdout.readline().split()
                 sent += int(count)
                 last[f"engine{i}"] = int(seq)
             deadline = time.monotonic() + 60
@@ -156,9 +159,9 @@ def run(engines: int, rate: float, seconds: float, log, coalesce: float | None =
             th1 = _threads_cpu_s(pid)
             status = httpx.get(f"{http}/debug", timeout=5).json()["subscriptions"]
         finally:
-            for p in pubs:
-                p.stdin.close()
-                p.wait(10)
+            for proc, stdin, _ in pubs:
+                stdin.close()
+                proc.wait(10)
     lost = sum(s["missed_batches"] + s["drops"] for s in status)
     per_batch = (cpu - idle_per_s * wall) / sent * 1e6
     return {

@@ -31,6 +31,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -88,7 +89,8 @@ async def _build(workdir: Path, sample: float | None = None):
     from routing.pods import Pod
     from tokenizer import testdata
 
-    pods = [{"name": f"pod{i}", "address": "127.0.0.1", "port": 9000 + i, "model": MODEL} for i in range(4)]
+    pods: list[dict[str, Any]] = [{"name": f"pod{i}", "address": "127.0.0.1", "port": 9000 + i, "model": MODEL}
+                                  for i in range(4)]
     (workdir / "pods.json").write_text(json.dumps(pods))
     app = App(Settings.from_env({
         "KVGATE_PODS_FILE": str(workdir / "pods.json"), "KVGATE_ROUTING_STRATEGY": "kv-sync",

@@ -30,7 +30,7 @@ import logging
 from array import array
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence, cast
 
 from kvcache.blockkeys import root_key
 from kvcache.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEvent
@@ -72,7 +72,7 @@ def _fold(h: BlockHash) -> int:
     """An engine block hash as a map key: 64 mixed bits (a bijection of the int), below the
     tables' reserved values."""
     if type(h) is not int:
-        h = _bytes_hash(h)
+        h = _bytes_hash(cast(bytes, h))  # BlockHash is int | bytes
     h = h * _MIX & _M64
     return h - 2 if h >= _TOMB else h
 
@@ -111,6 +111,7 @@ class PrefixIndex:
         """Apply one (pod, rank)'s events in order. Bad events are logged, counted and skipped."""
         slot, model_id = self._ids(pod, rank, model)
         cleared = False
+        ev: Any  # dispatched on its exact type through `t`, which mypy does not follow
         for ev in events:
             t = type(ev)
             try:
@@ -272,9 +273,10 @@ class PrefixIndex:
             media = list(run_med.items())
             for target in targets:
                 b = slot(target)
-                n = run_any.get(b, 0) if b is not None else 0
-                if n:
-                    out[target] = PrefixMatch(n, {m: r[b] for m, r in media if r.get(b)}, total)
+                if b is not None:
+                    n = run_any.get(b, 0)
+                    if n:
+                        out[target] = PrefixMatch(n, {m: r[b] for m, r in media if r.get(b)}, total)
         return out
 
     def _leading_runs(self, model: str, lora: str | None, token_ids: Sequence[int],

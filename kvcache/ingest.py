@@ -255,10 +255,10 @@ class IngestLoop:
         self.close_conn(sub)
         sub.on_stopped()
 
-    def failed(self, sub: Subscriber) -> None:
+    def failed(self, sub: Subscriber, error: BaseException) -> None:
         # A bug must not stop one pod's stream for good: count, drop, start over after a back-off.
-        log.exception("kv events %s rank %d: subscriber failed; restarting in %.1f s", sub.spec.pod,
-                      sub.spec.rank, sub.retry_delay)
+        log.error("kv events %s rank %d: subscriber failed; restarting in %.1f s", sub.spec.pod,
+                  sub.spec.rank, sub.retry_delay, exc_info=error)
         self.metrics.errors.labels("subscriber").inc()
         delay = sub.retry_delay
         self.stop(sub)
@@ -290,6 +290,7 @@ class IngestLoop:
         sub.worker.start()
 
     def worker_done(self, sub: Subscriber) -> None:
+        assert sub.worker is not None  # "done" comes from the worker hand_off started
         sub.worker.join()
         sub.worker = None
         self.workers.discard(sub)
@@ -297,10 +298,7 @@ class IngestLoop:
         if sub not in self.running:
             return
         if error is not None:
-            try:
-                raise error
-            except Exception:
-                self.failed(sub)
+            self.failed(sub, error)
             return
         sub.last_rx = time.monotonic()  # nothing was read meanwhile
         if sub.conn is not None:
@@ -315,6 +313,7 @@ class IngestLoop:
         if isinstance(result, OSError):
             self.connect_failed(sub, result)
         else:
+            assert result is not None  # resolve() set it before posting "resolved"
             self.open_connection(sub, result)
 
     def commands(self) -> bool:
@@ -414,8 +413,8 @@ class IngestLoop:
                     self.hand_off(sub, sub.replay_held)
                 elif sub.conn is not None:
                     self.watch(sub)
-            except Exception:
-                self.failed(sub)
+            except Exception as e:
+                self.failed(sub, e)
 
     def timers(self, now: float) -> float:
         """Reconnections, pings, dead peers, metrics; when to come back."""
@@ -516,8 +515,8 @@ class IngestLoop:
                     mask = (READ if ev & _READABLE else 0) | (WRITE if ev & _WRITABLE else 0)
                     try:
                         on_event(sub, mask)
-                    except Exception:
-                        failed(sub)
+                    except Exception as e:
+                        failed(sub, e)
             if backlog:
                 take_turns()
             now = monotonic()
@@ -538,6 +537,7 @@ class IngestLoop:
         for sub in list(self.workers):
             with self.lock:
                 sub.stopped = True
+            assert sub.worker is not None  # in `workers` from hand_off until worker_done
             sub.worker.join()
         self.ep.close()
 

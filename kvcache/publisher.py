@@ -152,6 +152,8 @@ class EventPublisher:
     def resend(self, seq: int) -> None:
         """Test hook: deliver a buffered batch live a second time (a duplicate)."""
         with self._lock:
+            if self._pub is None:
+                raise RuntimeError("publisher is stopped")
             payload = next(p for s, p in self._buffer if s == seq)
             self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
 

@@ -27,7 +27,7 @@ import time
 from array import array
 from bisect import bisect_left
 from collections import Counter, deque
-from collections.abc import Iterator
+from collections.abc import Generator
 from dataclasses import dataclass
 from itertools import islice
 from typing import Any
@@ -379,6 +379,7 @@ class Subscriber:
             # A jump inside a reply: the transport dropped replies (vLLM's ROUTER queues 1000 per
             # peer), the engine still holds them. Ask again from where the reply broke off.
             stalls = stalls + 1 if self._last == before else 0
+            assert self._last is not None  # a hole is only seen after a batch was taken
             start, verify_first = self._last, True
 
     def _replay_once(self, start: int, verify_first: bool, upto: int | None, retry_holes: bool) -> bool:
@@ -530,9 +531,9 @@ class Subscriber:
             return
         if done is not None:
             self.counts["events"] += stored + removed
-            n = self._n_events
-            n[0] += stored
-            n[1] += removed
+            totals = self._n_events
+            totals[0] += stored
+            totals[1] += removed
             seconds = time.perf_counter() - started
             self._proc_n[bisect_left(PROC_BOUNDS, seconds)] += 1
             self._proc_sum += seconds
@@ -567,7 +568,7 @@ class Subscriber:
 
     # --- replay ---------------------------------------------------------------
 
-    def _replay(self, start: int) -> Iterator[tuple[int, bytes]]:
+    def _replay(self, start: int) -> Generator[tuple[int, bytes], None, None]:
         """(seq, payload) the engine still holds from `start`, until its end marker.
         Raises _ReplayFailed (already counted) when there is no replay or it stops answering."""
         endpoint = self.spec.replay_endpoint

@@ -56,7 +56,7 @@ _STORED_ARRAY_FIELDS = 11  # fields after the tag in vLLM 0.23
 _REMOVED_ARRAY_FIELDS = 3
 
 
-def _builder(cls: type) -> Callable[..., Any]:
+def _builder(cls: type[BlockStored] | type[BlockRemoved]) -> Callable[..., Any]:
     """Build a frozen slots dataclass positionally without its __init__ (which sets each field
     through object.__setattr__): the decoder validates every field itself."""
     setters = [getattr(cls, name).__set__ for name in cls.__slots__]
@@ -65,7 +65,7 @@ def _builder(cls: type) -> Callable[..., Any]:
         s0, s1, s2 = setters
 
         def build3(a: Any, b: Any, c: Any) -> Any:
-            o = new(cls)
+            o: Any = new(cls)
             s0(o, a)
             s1(o, b)
             s2(o, c)
@@ -73,7 +73,7 @@ def _builder(cls: type) -> Callable[..., Any]:
         return build3
 
     def build(*values: Any) -> Any:
-        o = new(cls)
+        o: Any = new(cls)
         for setter, v in zip(setters, values):
             setter(o, v)
         return o
@@ -220,6 +220,7 @@ def decode_batch(payload: bytes) -> DecodedBatch:
     skipped: dict[str, int] = {}
     out: list[KVEvent] = []
     append = out.append
+    fn: Callable[[Any, dict], KVEvent] | None
     for ev in events:
         t = type(ev)
         try:
@@ -274,7 +275,7 @@ def _stored_as_map(e: BlockStored) -> dict:
 
 
 def _removed_as_map(e: BlockRemoved) -> dict:
-    m = {"type": "BlockRemoved", "block_hashes": e.block_hashes, "medium": e.medium}
+    m: dict[str, Any] = {"type": "BlockRemoved", "block_hashes": e.block_hashes, "medium": e.medium}
     if e.group_idx is not None:
         m["group_idx"] = e.group_idx
     return m

@@ -12,10 +12,9 @@ from routing.router import Decision, Router
 
 
 def rejected(admission: Admission) -> ClientError:
-    err = ClientError(429, f"every eligible pod runs its limit of {admission.max_running} requests; waited "
-                      f"{admission.max_wait_s:g} s", type_="rate_limit_exceeded", code="admission_timeout")
-    err.retry_after = admission.retry_after_s
-    return err
+    return ClientError(429, f"every eligible pod runs its limit of {admission.max_running} requests; waited "
+                       f"{admission.max_wait_s:g} s", type_="rate_limit_exceeded", code="admission_timeout",
+                       retry_after=admission.retry_after_s)
 
 
 async def admit(admission: Admission, router: Router, registry: PodRegistry, decision: Decision,

@@ -95,9 +95,8 @@ def _immediate(err: ClientError, request_id: str) -> pb.ProcessingResponse:
         _set_header("content-type", "application/json"),
         _set_header("x-request-id", request_id),
     ])
-    retry_after = getattr(err, "retry_after", None)
-    if retry_after is not None:
-        headers.set_headers.append(_set_header("retry-after", str(retry_after)))
+    if err.retry_after is not None:
+        headers.set_headers.append(_set_header("retry-after", str(err.retry_after)))
     return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
         status=http_status_pb2.HttpStatus(code=err.status), headers=headers, body=err.to_json(),
         details=f"kvgate_{err.code or err.type}"))
@@ -283,7 +282,9 @@ class _Stream:
     async def _decide(self, raw: bytes) -> Decision:
         """The request pipeline on the body (plugin.pipeline): its decision."""
         self.ctx.body = raw
-        return await self.pipeline.run(self.ctx)
+        d = await self.pipeline.run(self.ctx)
+        assert d is not None  # the gateway's pipeline always has its pick step
+        return d
 
     # --- helpers ----------------------------------------------------------------------
     def _route_any(self, remove: list[str]) -> pb.ProcessingResponse:
@@ -312,7 +313,7 @@ class _Stream:
         headers = [_set_header(DESTINATION_HEADER, endpoint), _set_header(RETRIES_HEADER, str(len(fallbacks)))]
         if self.gw.target_pod_header:
             headers.append(_set_header(TARGET_POD_HEADER, pod.endpoint))
-        ours = {"pod": pod.name, "strategy": strategy}
+        ours: dict[str, object] = {"pod": pod.name, "strategy": strategy}  # the rank stays a number in the Struct
         if rank is not None:
             headers.append(_set_header(DP_RANK_HEADER, str(rank)))
             ours["rank"] = rank
@@ -404,6 +405,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             # either runs in a task of its own.
             later = ctx.decision is not None and (not ended or (ctx.admitted is not None and not self._releases_now))
             if later:
+                assert ctx.decision is not None  # part of `later`
                 task = asyncio.get_running_loop().create_task(self._release(ctx.decision, how, ctx.admitted))
                 self._releases.add(task)
                 task.add_done_callback(self._releases.discard)

@@ -221,6 +221,7 @@ class _Tokenize:
         if not gw.router.needs_tokens(ctx.strategy):
             return None
         request = ctx.request
+        assert request is not None  # parsed by the step before
         item = request.item
         if isinstance(item, PromptInput) and item.token_ids is not None:
             ctx.token_ids = list(item.token_ids)
@@ -254,6 +255,7 @@ class _Tokenize:
 
     async def _tokenize_wait(self, ctx: RequestContext, item: TokenizeInput, base_url: str, started: float) -> None:
         gw = self.gw
+        assert ctx.request is not None and gw.tokenizer is not None  # as tokenize found them
         deadline = asyncio.get_running_loop().time() + gw.tokenizer_timeout_s
         try:
             async with asyncio.timeout_at(deadline):  # no extra task, unlike wait_for
@@ -277,6 +279,7 @@ class _Pick:
         self.router, self.sheddable_objectives = gw.router, gw.sheddable_objectives
 
     async def pick(self, ctx: RequestContext) -> None:
+        assert ctx.request is not None  # parsed by an earlier step
         slo = ctx.slo or {}
         objective = ctx.objective
         ctx.decision = await self.router.pick(RouteRequest(
@@ -294,6 +297,7 @@ class _Admit:
     async def admit(self, ctx: RequestContext) -> None:
         # A 429 after the wait leaves ctx.decision the pick's: the stream's end releases the count it took.
         gw = self.gw
+        assert ctx.request is not None and ctx.decision is not None  # parsed and picked by earlier steps
         ctx.decision, ctx.admitted = await admit(self.admission, gw.router, gw.registry, ctx.decision,
                                                  ctx.request.model)
 
@@ -309,6 +313,7 @@ class _Record:
 
     def record(self, ctx: RequestContext) -> None:
         d = ctx.decision
+        assert d is not None  # picked by an earlier step
         key = (d.strategy, d.pod.name, ctx.kind)
         children = self.children.get(key)
         if children is None:
@@ -336,6 +341,7 @@ class _Observe:
 
     def observe(self, ctx: RequestContext) -> None:
         d = ctx.decision
+        assert d is not None and ctx.request is not None  # parsed and picked by earlier steps
         slo = ctx.slo or {}
         # running: the batch the engine profiles learn the decode step time at
         ctx.watch = self.observer.start(ctx.request_id, ctx.request.model, d.pod.name, tokens=ctx.token_ids,

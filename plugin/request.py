@@ -32,13 +32,14 @@ class ClientError(Exception):
     """A request kvgate refuses; becomes an OpenAI-style error with `status`."""
 
     def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error",
-                 code: str | None = None, param: str | None = None) -> None:
+                 code: str | None = None, param: str | None = None, retry_after: int | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type_
         self.code = code
         self.param = param
+        self.retry_after = retry_after  # seconds, sent as Retry-After (a 429's)
 
     def to_json(self) -> bytes:
         return json.dumps({"error": {"message": self.message, "type": self.type,
@@ -98,8 +99,8 @@ def _opening_brackets_at_most(body: bytes, limit: int) -> bool:
 
 
 # The scanner json.loads itself uses (a decoder with every option at its default), called directly.
-_scan_json = json.JSONDecoder().scan_once
-_JSON_WHITESPACE_END = json.decoder.WHITESPACE.match
+_scan_json = json.JSONDecoder().scan_once  # type: ignore[attr-defined]  # set in __init__; typeshed omits it
+_JSON_WHITESPACE_END = json.decoder.WHITESPACE.match  # type: ignore[attr-defined]  # typeshed omits it
 
 
 def _decode_object(body: bytes) -> Any:

@@ -31,6 +31,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, cast
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -168,7 +169,7 @@ class CachedTokenizer:
         options: CacheOptions = CacheOptions(),
         registry: CollectorRegistry | None = None,
         trust: Callable[[str, TokenizeInput], bool] | None = None,
-        observe: Callable[[str, TokenizeInput, list[int], str | None], None] | None = None,
+        observe: Callable[[str, TokenizeInput, Sequence[int], str | None], None] | None = None,
     ) -> None:
         self._inner = inner
         self._trust = trust
@@ -215,7 +216,7 @@ class CachedTokenizer:
 
     async def tokenize(self, model: str, item: TokenizeInput, *, base_url: str | None = None) -> list[int]:
         ids = await self.tokenize_ids(model, item, base_url=base_url)
-        return ids if type(ids) is list else ids.tolist()
+        return ids if type(ids) is list else cast("array[int] | memoryview", ids).tolist()
 
     async def tokenize_ids(self, model: str, item: TokenizeInput, *, base_url: str | None = None) -> Sequence[int]:
         """`tokenize` for callers that only read the ids (the request path): a cached request's as a
@@ -230,6 +231,7 @@ class CachedTokenizer:
             return memoryview(hit).toreadonly()
         self._metrics.request_miss += 1
         segmenter, planned = self._plan(model, item) if plan is None else plan
+        ids: Sequence[int]
         if planned is None:
             ids = await self._inner.tokenize(model, item, base_url=base_url)
             self._count(0, len(ids))
@@ -269,6 +271,7 @@ class CachedTokenizer:
                 if self._verified.get(model, 0) < self._verify_requests:
                     return None
                 pieces, affixes = planned
+                assert segmenter is not None  # _plan plans pieces only with a segmenter
                 ids = self._from_pieces_now(model, segmenter, pieces, base_url, affixes, now)
                 if ids is None:
                     return None
@@ -403,7 +406,8 @@ class CachedTokenizer:
         self._count(len(out) - new, len(out))
         return out
 
-    async def _fetch_once(self, model: str, segmenter: Segmenter, texts: list[str], base_url: str | None) -> dict[str, list[int]]:
+    async def _fetch_once(self, model: str, segmenter: Segmenter, texts: list[str],
+                          base_url: str | None) -> dict[str, Sequence[int]]:
         """Pieces already being fetched for another request are awaited, not fetched again."""
         waits = {t: f for t in texts if (f := self._inflight.get((model, t))) is not None}
         own = [t for t in texts if t not in waits]
@@ -430,14 +434,15 @@ class CachedTokenizer:
             fetched[text] = await asyncio.shield(fut)
         return fetched
 
-    async def _fetch(self, model: str, segmenter: Segmenter, texts: list[str], base_url: str | None) -> dict[str, list[int]]:
+    async def _fetch(self, model: str, segmenter: Segmenter, texts: list[str],
+                     base_url: str | None) -> dict[str, Sequence[int]]:
         sep = segmenter.separator
         if sep is not None and len(texts) > 1:
             joined = await self._inner.tokenize(model, _joined(texts, sep[0]), base_url=base_url, **self._piece_kwargs)
             parts = _split_at(joined, sep[1])
             if len(parts) == len(texts):
                 return dict(zip(texts, parts))
-        out = {}
+        out: dict[str, Sequence[int]] = {}
         for text in texts:  # sequential: one slow backend should not get a burst from one request
             out[text] = await self._inner.tokenize(model, PromptInput(text=text, add_special_tokens=False),
                                                    base_url=base_url, **self._piece_kwargs)
@@ -554,7 +559,7 @@ class _TooDeep(Exception):
     pass
 
 
-def _frozen(value: object, depth: int = 0) -> object:
+def _frozen(value: Any, depth: int = 0) -> object:
     """JSON-shaped data as nested tuples: strings as they are, objects and arrays tagged with their type,
     numbers, booleans and null with their type (floats by repr, which keeps -0.0 and every digit).
     Raises _TooDeep past _MAX_DEPTH levels."""

@@ -26,7 +26,7 @@ import json
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -225,7 +225,7 @@ class VerifiedTokenizer:
         m = self._models.get(model)
         return m is not None and m.local is not None and not m.disabled and shape_of(item) in m.verified
 
-    def observe(self, model: str, item: TokenizeInput, ids: list[int], base_url: str | None) -> None:
+    def observe(self, model: str, item: TokenizeInput, ids: Sequence[int], base_url: str | None) -> None:
         """`ids` were served for `item` from local work done elsewhere (the cache's pieces, which were counted
         as they were tokenized here): sampled against the engine like the requests served here."""
         m = self._models.get(model)

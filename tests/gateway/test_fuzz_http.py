@@ -125,7 +125,7 @@ def test_random_bodies_never_get_a_kvgate_5xx(gw):
     seeds = [_j({"model": MODEL, "prompt": "hello", "max_tokens": 1}),
              _j({"model": MODEL, "messages": MSG, "max_tokens": 1, "stream": True})]
     statuses = []
-    for i in range(150):
+    for _i in range(150):
         b = bytearray(rng.choice(seeds))
         for _ in range(rng.randint(1, 4)):
             b[rng.randrange(len(b))] = rng.randrange(256)

@@ -113,7 +113,7 @@ def test_burst_of_3x_capacity_never_puts_a_pod_past_its_limit_loses_nothing_and_
     assert all(o is not None for o in out), out
     statuses = [o[1] for o in out]
     assert all(s in (200, 429) for s in statuses), statuses  # served or told to come back: none lost
-    for model, status, retry_after, _, _, body in out:
+    for _model, status, retry_after, _, _, body in out:
         if status == 429:
             assert retry_after == "1" and b"rate_limit_exceeded" in body
     assert max(env.peaks().values()) <= LIMIT, env.peaks()  # counted over both replicas
@@ -133,7 +133,7 @@ def test_full_pods_answer_429_with_retry_after_once_the_wait_is_over(env):
     assert wait_until(lambda: env.running() >= 4, timeout=10)
     extra = _burst(env.url, [(SMALL, 4), (BIG, 4)], out, offset=4)
     join_all(extra)
-    for model, status, retry_after, sent, first, body in out[4:]:
+    for _model, status, retry_after, sent, first, body in out[4:]:
         assert status == 429 and retry_after == "1", (status, body)
         assert first - sent >= WAIT_S * 0.9  # answered after the wait, not at once
         assert b'"code": "admission_timeout"' in body or b'"code":"admission_timeout"' in body

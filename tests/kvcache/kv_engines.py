@@ -4,7 +4,6 @@ state with a deadline (the waits and ports themselves come from tests/helpers.py
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 
 import pytest
@@ -122,6 +121,6 @@ async def subscribed(e: Engine, manager, pod="p", rank=0, timeout: float = 10.0)
         while not live() and time.monotonic() < probe_deadline:
             await asyncio.sleep(0.01)
         if live():
-            await wait_until_async(lambda: status(manager, rank, pod)["last_seq"] == seq - 1)
+            await wait_until_async(lambda seq=seq: status(manager, rank, pod)["last_seq"] == seq - 1)
             return seq
         assert time.monotonic() < deadline, "no batch ever arrived live"

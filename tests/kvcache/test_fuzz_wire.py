@@ -290,7 +290,7 @@ def test_native_runs_agree_with_batch_by_batch_on_mutated_payloads():
         while i < len(messages):
             r = runs.apply_run(pod, "m", 0, messages, i, messages[i][0], 4, 16, bounds, counts)
             assert r.error is None
-            for seq, payload in messages[i:i + r.batches]:
+            for _seq, payload in messages[i:i + r.batches]:
                 assert _native.scan_batch(payload) is not None, payload
             taken["run"] += r.batches
             i += r.batches

@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import pytest
 
-import pytest
-
 from kvcache.blockkeys import block_keys, root_key
 from kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvcache.index import PrefixIndex, PrefixMatch

@@ -428,7 +428,7 @@ def test_a_run_stops_before_a_batch_that_would_take_it_past_max_blocks(generatio
             first += n
         messages.append((seq, encode_batch(EventBatch(1.0, tuple(events), 0), generation)))
     ix, ref = PrefixIndex(max_entries=10**6), PrefixIndex(max_entries=10**6)
-    for seq, payload in messages:
+    for _seq, payload in messages:
         assert ref.apply_payload("p", "m", 0, payload) is not None
     counts = array("q", bytes(8 * 3))
     assert ix.apply_payload("p", "m", 0, messages[0][1]) is not None  # the first teaches the index the medium

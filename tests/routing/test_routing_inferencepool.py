@@ -30,7 +30,7 @@ def engines():
             argv = [sys.executable, "-m", "plugin.cli", "sim", "--host", ip, "--port", str(port), "--model", "base",
                     "--name", f"e{i}", "--no-kv-events"] + (["--lora", "ad1"] if i == 0 else [])
             stack.start(f"e{i}", argv)
-        for i, ip in enumerate(IPS):
+        for ip in IPS:
             wait_for_port(ip, port, timeout=30)
         yield port
 

@@ -205,7 +205,7 @@ async def test_burst_of_identical_requests_spreads(strategy):
     # the guard's rule held at each pod's last pick; counts only grew since, so with the final counts
     # a pod is at most one request past it
     least = min(per_pod.values())
-    for name, n in per_pod.items():
+    for n in per_pod.values():
         others = (100 - n) / 3
         assert n - others < max(SLACK, 0.5 * others) + 1, per_pod
         assert n <= least + 2 * max(SLACK, 0.5 * least), per_pod
