@@ -389,6 +389,7 @@ class PrefixIndex:
         if self._block_size.get(model) != bs:
             self._learn_block_size(model, bs)
         parent = ev.parent_block_hash
+        k: int | None
         if parent is None:
             k = self._root(model, ev)
         else:

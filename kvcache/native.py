@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 try:
-    from kvcache import _native as native
+    import kvcache._native as native
 except ImportError as e:  # pragma: no cover - a source tree without `pip install`
     raise ImportError(
         "kvgate's compiled module kvcache._native is missing: install kvgate with a C compiler and "

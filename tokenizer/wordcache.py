@@ -30,7 +30,7 @@ import re
 from typing import Any
 
 try:
-    from tokenizer import _scanner as _native  # the C scanner, tokenizer/_scanner.c
+    from tokenizer import _scanner  # the C scanner, tokenizer/_scanner.c
 except ImportError as e:  # pragma: no cover - a source tree without `pip install`
     raise ImportError(
         "kvgate's compiled module tokenizer._scanner is missing: install kvgate with a C compiler and "
@@ -181,7 +181,8 @@ class WordCachedEncoder:
         """None where not handled: add_special_tokens with an unknown post-processor, or non-ASCII text without
         added tokens. Between added tokens, a non-ASCII piece is encoded by the tokenizer alone: the same tokens,
         since the tokenizer cuts added tokens out before anything else."""
-        if add_special_tokens and self._affixes is None:
+        affixes = self._affixes
+        if add_special_tokens and affixes is None:
             return None
         ascii_ = text.isascii()
         if not ascii_ and (self._backend is None or self._added_pattern is None
@@ -200,14 +201,14 @@ class WordCachedEncoder:
                 pos = m.end()
             if pos < len(text):
                 out += plain(text[pos:])
-        if add_special_tokens:
-            return [*self._affixes.prefix, *out, *self._affixes.suffix]
+        if add_special_tokens and affixes is not None:  # (None returned None above)
+            return [*affixes.prefix, *out, *affixes.suffix]
         return out
 
     def _split(self, text: str) -> list[str]:
         """The pre-tokens of `text` (ASCII, no added tokens in it), before the byte-level mapping."""
         if self._native_kind is not None:
-            return _native.split_bytelevel(text, self._native_kind)
+            return _scanner.split_bytelevel(text, self._native_kind)
         words = [text]
         for stage in self._stages:
             words = stage.findall(words[0]) if len(words) == 1 else [w for p in words for w in stage.findall(p)]
@@ -243,7 +244,7 @@ class WordCachedEncoder:
                 return self._word_ids(text)
         parts = text.split(_SENTENCE_CUT)
         middle = parts[1:-1]  # sentence i is " " + middle[i] + "."
-        found = _native.concat_cached(middle, cache)
+        found = _scanner.concat_cached(middle, cache)
         if type(found) is tuple:
             if known and 2 * len(found) > len(middle):  # mostly new sentences around a kept one: whole, none kept
                 return self._word_ids(text)
@@ -256,7 +257,7 @@ class WordCachedEncoder:
                             self._sentence_bytes = 0
                         cache[p] = ids
                         self._sentence_bytes += len(p) + 8 * len(ids) + _SENTENCE_OVERHEAD
-            found = _native.concat_cached(middle, cache)
+            found = _scanner.concat_cached(middle, cache)
             if type(found) is tuple:  # sentences too long to keep, or the cache started over: one at a time
                 found = [i for p in middle for i in (cache.get(p) or self._word_ids(" " + p + "."))]
         found[0:0] = self._word_ids(parts[0] + ".")  # `found` is a new list: its ids moved, not copied
@@ -266,7 +267,7 @@ class WordCachedEncoder:
     def _word_ids(self, text: str) -> list[int]:
         """`text`'s ids word by word (ASCII, no added tokens in it): a new list."""
         words = self._split(text)
-        found = _native.concat_cached(words, self._words)  # the ids, or a tuple of the words not cached yet
+        found = _scanner.concat_cached(words, self._words)  # the ids, or a tuple of the words not cached yet
         if type(found) is tuple:
             cache = self._words
             for w in found:
@@ -274,7 +275,7 @@ class WordCachedEncoder:
                     if len(cache) >= _MAX_WORDS:
                         cache.clear()
                     cache[w] = [t.id for t in self._model.tokenize(w.translate(self._to_bytelevel))]
-            found = _native.concat_cached(words, cache)
+            found = _scanner.concat_cached(words, cache)
             if type(found) is tuple:  # more new words than the cache holds: one at a time
                 found = [i for w in words for i in
                          (cache.get(w) or [t.id for t in self._model.tokenize(w.translate(self._to_bytelevel))])]
@@ -295,9 +296,9 @@ class WordCachedEncoder:
             if special and self._affixes is None:
                 continue
             for text in texts:
-                mine = self.encode(text, special)
+                ids = self.encode(text, special)
                 theirs = backend.encode(text, add_special_tokens=special).ids
-                if mine != theirs:
+                if ids != theirs:
                     raise NotFast(f"differs from the tokenizer on {text[:60]!r} (add_special_tokens={special})")
         self._words.clear()  # the check's words and sentences are not the traffic's
         self._sentences.clear()
