@@ -47,7 +47,7 @@ from tokenizer.hub import fetch as hub_fetch
 from tokenizer.local import LocalBackend, LocalTokenizer
 from tokenizer.remote import RemoteOptions, RemoteTokenizer
 from tokenizer.segments import NotSegmentable, Segmenter
-from tokenizer.types import Tokenizer
+from tokenizer.types import Tokenizer, TokenizesNow
 from tokenizer.verified import VerifiedTokenizer, VerifyOptions
 
 log = logging.getLogger("kvgate")
@@ -236,7 +236,8 @@ class App:
             target_pod_header=s.target_pod_header, reachable=lambda name: not self.engines.unreachable(name),
             cached_tokens=self.tokenizer.cached if isinstance(self.tokenizer, CachedTokenizer) else None,
             tokenize_ids=self.tokenizer.tokenize_ids if isinstance(self.tokenizer, CachedTokenizer) else None,
-            tokenize_now=getattr(self.tokenizer, "tokenize_now", None),  # the cache's, else the local tokenizer's
+            # the cache's, else the local tokenizer's
+            tokenize_now=self.tokenizer.tokenize_now if isinstance(self.tokenizer, TokenizesNow) else None,
             sheddable_objectives=frozenset(o.strip() for o in s.sheddable_objectives.split(",") if o.strip()),
             observer=self.observer, sampler=Sampler(s.observe_sample), admission=self.admission))
         self.pods.add_listener(self._on_pods)

@@ -37,7 +37,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from tokenizer.segments import Piece, Segmenter, SpecialAffixes, join_pieces
-from tokenizer.types import ChatInput, PromptInput, TokenizeInput, Tokenizer, TokenizerError
+from tokenizer.types import ChatInput, PromptInput, TokenizeInput, Tokenizer, TokenizerError, TokenizesNow
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +180,8 @@ class CachedTokenizer:
         self._default_segmenter = default_segmenter
         self._lru = ByteLRU(options.max_bytes, options.max_entry_bytes)
         # The inner tokenizer's answer without a wait (its `tokenize_now`, None when it would wait), if it has one.
-        self._inner_now: Callable[..., Sequence[int] | None] | None = getattr(inner, "tokenize_now", None)
+        self._inner_now: Callable[..., Sequence[int] | None] | None = (
+            inner.tokenize_now if isinstance(inner, TokenizesNow) else None)
         # The key `cached` or `tokenize_now` built for the item it last missed, and the plan (segmenter,
         # pieces) `tokenize_now` made of it: `tokenize` of that same object (the request path's next call)
         # takes them instead of making them again. (item, key, plan or None) or None.

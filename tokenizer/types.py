@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol, Union
+from collections.abc import Sequence
+from typing import Any, Protocol, Union, runtime_checkable
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,3 +44,13 @@ class Tokenizer(Protocol):
         ...
 
     async def aclose(self) -> None: ...
+
+
+@runtime_checkable
+class TokenizesNow(Protocol):
+    """A tokenizer that can also answer without a wait: `tokenize_now` gives the ids when it can compute them
+    on the calling thread (a cached request, a local encode), or None when it would have to wait (then the
+    caller awaits `tokenize`). CachedTokenizer, LocalBackend and VerifiedTokenizer are such tokenizers."""
+
+    def tokenize_now(self, model: str, item: TokenizeInput, *,
+                     base_url: str | None = None) -> Sequence[int] | None: ...

@@ -11,7 +11,8 @@ from tokenizer import testdata
 from tokenizer.cache import CachedTokenizer, CacheOptions
 from tokenizer.local import LocalBackend, LocalTokenizer
 from tokenizer.segments import Segmenter
-from tokenizer.types import ChatInput, PromptInput, TokenizerError
+from tokenizer.remote import RemoteTokenizer
+from tokenizer.types import ChatInput, PromptInput, TokenizerError, TokenizesNow
 from tokenizer.verified import VerifiedTokenizer, VerifyOptions
 
 MODEL = "m"
@@ -128,3 +129,14 @@ async def test_verified_answers_now_only_for_a_verified_shape(local) -> None:
     assert verified.tokenize_now(MODEL, item) == local.encode(item)
     assert engine.calls == calls
     assert verified.status()[MODEL]["served"]["local"] == 1
+
+
+def test_the_tokenizers_that_answer_now_say_so_by_their_protocol(local) -> None:
+    """The request path and the cache find `tokenize_now` through the TokenizesNow protocol: the
+    tokenizers that have it are recognised, the remote one (it always waits) is not."""
+    backend = LocalBackend({MODEL: local})
+    assert isinstance(backend, TokenizesNow)
+    assert isinstance(CachedTokenizer(backend, registry=CollectorRegistry()), TokenizesNow)
+    assert isinstance(VerifiedTokenizer(RemoteTokenizer(), local=local,
+                                        options=VerifyOptions(verify_requests=1, sample_rate=0.0)), TokenizesNow)
+    assert not isinstance(RemoteTokenizer(), TokenizesNow)
