@@ -43,7 +43,6 @@ from routing.errors import (NoEligibleEndpointError, NoReadyPodError, RoutingErr
                             UnknownModelError, UnknownStrategyError)
 from routing.pods import Pod
 from routing.router import Decision
-from routing.state.admission import LocalLimiter
 
 log = logging.getLogger("kvgate.extproc")
 
@@ -358,7 +357,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         self._releases: set[asyncio.Task] = set()
         # Whether a release never waits: the router's counts and a local limiter's change in this process. A
         # shared limiter's round trip runs in a task, which the stream's reset (Envoy's close) cannot cut.
-        self._releases_now = gw.admission is None or isinstance(gw.admission.limiter, LocalLimiter)
+        self._releases_now = gw.admission is None or gw.admission.releases_without_wait
 
     async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest], context) -> AsyncIterator[pb.ProcessingResponse]:  # noqa: N802
         stream = _Stream(self.gw, self.pipeline, self._answers)

@@ -31,6 +31,10 @@ log = logging.getLogger(__name__)
 
 
 class Limiter(Protocol):
+    # True when `release` completes without waiting (the counts live in this process): a caller may then
+    # release where a cancellation could otherwise cut a round trip short.
+    releases_without_wait: bool
+
     async def try_acquire(self, pod: str, limit: int) -> bool: ...
 
     async def release(self, pod: str) -> None: ...
@@ -41,6 +45,8 @@ class Limiter(Protocol):
 
 
 class LocalLimiter:
+    releases_without_wait = True
+
     def __init__(self) -> None:
         self._counts: dict[str, int] = {}
 
@@ -92,6 +98,8 @@ return n
 
 class RedisLimiter(BackgroundLoop):
     """Counts shared by gateway replicas; this gateway's part expires `ttl_s` after it stops heartbeating."""
+
+    releases_without_wait = False  # a round trip to Redis
 
     def __init__(self, client: Any, gateway_id: str = "", *, prefix: str = "kvgate:{admit}:", ttl_s: float = 5.0) -> None:
         self._r = client
@@ -151,6 +159,11 @@ class Admission:
         self._deleted: dict[str, float] = {}  # pod -> when it left discovery
         self._woken: set[asyncio.Future] = set()  # waiters woken by a release here, not done trying yet
         self.admitted = self.waited = self.rejected = 0
+
+    @property
+    def releases_without_wait(self) -> bool:
+        """Whether `release` completes without waiting (its limiter's counts live in this process)."""
+        return self.limiter.releases_without_wait
 
     @property
     def waiting(self) -> int:

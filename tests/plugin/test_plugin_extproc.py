@@ -417,6 +417,8 @@ async def test_unsampled_response_asks_envoy_for_nothing_and_tells_trackers_done
 class SharedLimiter:
     """An admission limiter shared over the network: its release waits for the round trip."""
 
+    releases_without_wait = False
+
     def __init__(self):
         self.counts = {}
 

@@ -139,3 +139,10 @@ async def test_burst_of_3x_capacity_over_two_gateways_never_exceeds_limits_loses
     finally:
         for c in clients:
             await c.aclose()
+
+
+def test_an_admission_says_whether_its_release_waits() -> None:
+    """The request path releases inline only where nothing waits: the local limiter's counts live in this
+    process, the Redis one's release is a round trip."""
+    assert Admission(LocalLimiter(), max_running=1).releases_without_wait is True
+    assert RedisLimiter.releases_without_wait is False
