@@ -231,7 +231,8 @@ class Router:
         return pod
 
     async def release(self, decision: Decision) -> None:
-        """The request's stream ended (finished, cancelled or failed); idempotent."""
+        """The request's stream ended (finished, cancelled or failed); idempotent. It never waits (the
+        count changes here, RunningCounts shares it in the background): the request path releases inline."""
         pod = self._active.pop(decision.ticket, None)
         if pod is not None:
             self._counts.add(pod, -1)
