@@ -303,6 +303,12 @@ class _StopSignals:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
 
+    def ignore(self) -> None:
+        """From now on stop signals are ignored. Python's finalisation puts back the default action of a
+        signal it handled (a SIGINT then kills the process, status -2) but leaves an ignored one ignored."""
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+
     def _on_signal(self, signum, frame) -> None:
         if self.stopping:
             self.hurry = True
@@ -416,3 +422,4 @@ def main(args: argparse.Namespace) -> int:
                 break
             except _Stop:  # the first signal came just before `stopping` was set: stop all the same
                 continue
+        signals.ignore()  # every child is gone: a late signal must not kill the exiting interpreter

@@ -204,3 +204,39 @@ def test_slices_alternate_the_strategies_order_so_none_always_runs_first():
 
     assert slice_order(["a", "b"], 3) == [(0, "a"), (0, "b"), (1, "b"), (1, "a"), (2, "a"), (2, "b")]
     assert slice_order(["a", "b", "c"], 1) == [(0, "a"), (0, "b"), (0, "c")]
+
+
+_EXITING = """
+import sys, time
+from devkit.demo import _StopSignals
+signals = _StopSignals()
+signals.install()
+signals.stopping = True  # as in the demo's shutdown: a signal only hurries it
+if sys.argv[1] == "ignore":
+    signals.ignore()  # what the demo does once every child is gone
+print("ready", flush=True)
+time.sleep(0.3)  # exiting under a hail of SIGINTs, interpreter finalisation included
+"""
+
+
+def test_a_stop_signal_while_the_demo_exits_does_not_kill_it():
+    """The third signal of test_second_and_third_signals_only_hurry_the_shutdown can land while the demo's
+    interpreter finalises, which puts back SIGINT's default action: the process died of it (status -2)
+    after its children were all gone. Once they are, the demo ignores stop signals. Here a process in the
+    demo's shutdown state exits while SIGINTs keep coming; with the handlers left in place (`keep`) the
+    same hail kills it (checked, so the hail is known to reach the window: 20 of 20 runs here)."""
+    rounds = 5
+
+    def exit_status(mode: str) -> int:
+        proc = subprocess.Popen([sys.executable, "-c", _EXITING, mode], stdout=subprocess.PIPE, cwd=REPO,
+                                env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"
+        while proc.poll() is None:
+            try:
+                os.kill(proc.pid, signal.SIGINT)
+            except ProcessLookupError:
+                break
+        return proc.wait()
+
+    assert [exit_status("ignore") for _ in range(rounds)] == [0] * rounds
+    assert -signal.SIGINT in [exit_status("keep") for _ in range(rounds)]
