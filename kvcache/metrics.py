@@ -5,9 +5,9 @@ Created on the registry passed in (a fresh one by default), never the global one
 from __future__ import annotations
 
 import threading
-from bisect import bisect_left
 import time
-from typing import Sequence
+from bisect import bisect_left
+from typing import Iterable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.metrics_core import HistogramMetricFamily, Metric
@@ -17,6 +17,22 @@ from prometheus_client.utils import floatToGoString
 _P = "kvgate_kvevents_"
 _ENDPOINT = ("pod", "rank")
 PROCESSING_BOUNDS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5)  # s, per batch
+
+
+def histogram_family(name: str, documentation: str, labelnames: Sequence[str], bounds: Sequence[float],
+                     series: Iterable[tuple[Sequence[str], Sequence[float], float, float]]) -> HistogramMetricFamily:
+    """The samples prometheus_client's Histogram gives (_bucket, _count, _sum, _created) for histograms
+    counted elsewhere: `series` holds, per child, (label values, per-bucket counts (not cumulative; the
+    last above every bound), sum, creation time). plugin.metrics' lock-free histograms use it too."""
+    family = HistogramMetricFamily(name, documentation, labels=labelnames)
+    for values, counts, total, created in series:
+        cumulative, buckets = 0.0, []
+        for bound, n in zip((*bounds, float("inf")), counts):
+            cumulative += n
+            buckets.append((floatToGoString(bound), cumulative))
+        family.add_metric(values, buckets, total)
+        family.samples.append(Sample(name + "_created", dict(zip(labelnames, values)), created))
+    return family
 
 
 class BatchHistogram:
@@ -57,13 +73,7 @@ class BatchHistogram:
     def collect(self) -> list[Metric]:
         with self._lock:
             counts, total = list(self._counts), self._sum
-        cumulative, buckets = 0, []
-        for bound, n in zip((*self.bounds, float("inf")), counts):
-            cumulative += n
-            buckets.append((floatToGoString(bound), cumulative))
-        family = HistogramMetricFamily(self._name, self._doc, buckets=buckets, sum_value=total)
-        family.samples.append(Sample(self._name + "_created", {}, self._created))
-        return [family]
+        return [histogram_family(self._name, self._doc, (), self.bounds, [((), counts, total, self._created)])]
 
 
 class KVEventMetrics:

@@ -13,9 +13,9 @@ from bisect import bisect_left
 from typing import Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
-from prometheus_client.samples import Sample
-from prometheus_client.utils import floatToGoString
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from kvcache.metrics import histogram_family
 
 _LATENCY_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
@@ -108,15 +108,8 @@ class LoopHistogram(_LoopMetric):
         return _HistogramChild(self._bounds)
 
     def _families(self, items) -> list[Metric]:
-        hist = HistogramMetricFamily(self._name, self._doc, labels=self._labelnames)
-        for values, h in items:
-            cumulative, buckets = 0.0, []
-            for bound, n in zip((*self._bounds, float("inf")), list(h.counts)):
-                cumulative += n
-                buckets.append((floatToGoString(bound), cumulative))
-            hist.add_metric(values, buckets, h.sum)
-            hist.samples.append(Sample(self._name + "_created", dict(zip(self._labelnames, values)), h.created))
-        return [hist]
+        return [histogram_family(self._name, self._doc, self._labelnames, self._bounds,
+                                 ((values, list(h.counts), h.sum, h.created) for values, h in items))]
 
 
 class _LoopGauge:

@@ -1,10 +1,12 @@
 """Every kvgate_kvevents_ metric is actually updated by real ingestion."""
 from __future__ import annotations
 
-import msgpack
-from prometheus_client import CollectorRegistry
+from bisect import bisect_left
 
-from kvcache.metrics import KVEventMetrics
+import msgpack
+from prometheus_client import CollectorRegistry, Histogram
+
+from kvcache.metrics import PROCESSING_BOUNDS, BatchHistogram, KVEventMetrics
 from kvcache.ingest import SubscriberManager
 from kvcache.stream import EndpointSpec
 from helpers import wait_until_async
@@ -96,3 +98,27 @@ async def test_removed_endpoint_gauges_are_forgotten():
 def test_default_registry_is_a_fresh_one():
     a, b = KVEventMetrics(), KVEventMetrics()  # no duplicate-registration error: not the global REGISTRY
     assert a.registry is not b.registry
+
+
+def test_the_bulk_counted_histogram_exposes_what_prometheus_clients_own_would() -> None:
+    """kvgate_kvevents_processing_seconds is counted in bulk (per-bucket counts once per flush) and exposed
+    by a collector of ours: the same samples as a prometheus_client Histogram given each observation."""
+    seconds = [0.0, 1e-5, 3e-5, 2e-4, 2e-4, 0.007, 0.5, 0.6, 3.0]
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    bulk = BatchHistogram("h", "doc", PROCESSING_BOUNDS, ours)
+    reference = Histogram("h", "doc", buckets=PROCESSING_BOUNDS, registry=theirs)
+    counts = [0] * (len(PROCESSING_BOUNDS) + 1)
+    for s in seconds[:5]:
+        counts[bisect_left(PROCESSING_BOUNDS, s)] += 1
+    bulk.add(counts, sum(seconds[:5]))
+    for s in seconds[5:]:
+        bulk.observe(s)
+    for s in seconds:
+        reference.observe(s)
+
+    def samples(registry: CollectorRegistry) -> list:
+        return [(s.name, s.labels, s.value) for m in registry.collect() for s in m.samples
+                if not s.name.endswith("_created")]
+
+    assert samples(ours) == samples(theirs)
+    assert [s.name for m in ours.collect() for s in m.samples if s.name.endswith("_created")] == ["h_created"]
