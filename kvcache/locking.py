@@ -163,8 +163,3 @@ class LockedIndex:
             return self._index.stats()
         finally:
             self._lock.release()
-
-    @property
-    def unlocked(self) -> IndexReader:
-        """The index itself (only for a caller that knows no other thread uses it)."""
-        return self._index

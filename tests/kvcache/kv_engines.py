@@ -99,12 +99,6 @@ def counter(manager, name: str, **labels: str) -> float:
     return manager.metrics.registry.get_sample_value(f"kvgate_kvevents_{name}_total", labels) or 0.0
 
 
-def connections(manager, kind: str, pod: str = "p", rank: int = 0) -> float:
-    """kvgate_kvevents_{connections,disconnections}_total of one endpoint."""
-    return manager.metrics.registry.get_sample_value(f"kvgate_kvevents_{kind}_total",
-                                                     {"pod": pod, "rank": str(rank)}) or 0.0
-
-
 async def subscribed(e: Engine, manager, pod="p", rank=0, timeout: float = 10.0) -> int:
     """Publish probe batches until one arrives live: an engine's PUB drops what it sends before the
     SUB's subscription has reached it (libzmq's PUB even takes it in lazily, on a later send), and

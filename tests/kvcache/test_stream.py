@@ -20,7 +20,7 @@ from kvcache.native import native
 from kvcache.publisher import END_SEQ
 from kvcache.stream import EndpointSpec, SubscriberOptions, tcp_endpoint
 from helpers import free_port, wait_until_async
-from kv_engines import connections, counter, FAST, GENERATIONS, RecordingSink, status, subscribed
+from kv_engines import counter, FAST, GENERATIONS, RecordingSink, status, subscribed
 
 
 @pytest.mark.parametrize("generation", GENERATIONS)
@@ -128,8 +128,8 @@ async def test_restart_without_replay_follows_new_stream(harness):
     await wait_until_async(lambda: sink.hashes()[probes:] == [0, 1, 2])
     e.pub.restart()
     # The SUB saw the old publisher go and is connected to the new one: a second connection, after a loss.
-    await wait_until_async(lambda: connections(manager, "disconnections") == 1 and connections(manager, "connections") == 2
-                and status(manager)["connected"])
+    await wait_until_async(lambda: counter(manager, "disconnections", pod="p", rank="0") == 1
+                           and counter(manager, "connections", pod="p", rank="0") == 2 and status(manager)["connected"])
 
     async def keep_publishing():  # live-only: what is sent before the SUB reconnects is lost
         n = 100
