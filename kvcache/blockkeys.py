@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Sequence
 
@@ -65,3 +66,48 @@ def reference_chain_keys(parent: int, token_ids: Sequence[int], block_size: int)
         k = (k * MULT + h) & KEY_MASK
         out.append(k)
     return out
+
+
+# --- extra keys: what an engine's block hash carries besides the tokens and the LoRA adapter ---------
+
+
+@dataclass(frozen=True, slots=True)
+class MediaItem:
+    """One media item of a prompt as the engine hashes it: `identifier` (the client's `uuid` on the
+    content part, else the engine's hash of the media, e.g. from its render endpoint), and the
+    placeholder tokens it fills, prompt positions [offset, offset + length)."""
+    identifier: str
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
+class BlockExtras:
+    """What a request adds to its blocks' hashes besides token ids and the LoRA adapter (vLLM's
+    generate_block_hash_extra_keys): the `cache_salt` (block 0, and through the chain every later
+    block), media items (every block overlapping an item's placeholders). `opaque`: the request has
+    extra keys kvgate cannot compute (prompt embeddings, media without a known identifier): no block
+    of it is claimed anywhere."""
+    cache_salt: str | None = None
+    media: tuple[MediaItem, ...] = ()
+    opaque: bool = False
+
+    def __bool__(self) -> bool:
+        return self.cache_salt is not None or bool(self.media) or self.opaque
+
+    def per_block(self, block_size: int, n_blocks: int) -> dict[int, tuple]:
+        """The extra keys of blocks 0..n_blocks-1 at `block_size`, in the form vLLM's events carry them
+        (kvcache.events.BlockStored.extra_keys entries, the LoRA name left out): per block index with
+        any, a tuple of media `(identifier, offset of the item's start from the block's start)` pairs in
+        item order, then the salt (block 0 only)."""
+        out: dict[int, list] = {}
+        for item in self.media:
+            if item.length <= 0:
+                continue
+            first = item.offset // block_size
+            last = min((item.offset + item.length - 1) // block_size, n_blocks - 1)
+            for b in range(first, last + 1):
+                out.setdefault(b, []).append((item.identifier, item.offset - b * block_size))
+        if self.cache_salt is not None and n_blocks > 0:
+            out.setdefault(0, []).append(self.cache_salt)
+        return {b: tuple(v) for b, v in out.items()}

@@ -546,13 +546,14 @@ static PyObject *core_match(Core *c, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OnKy*O!", &tokens, &bs, &root, &cb, &PyTuple_Type, &media)) return NULL;
     PyObject *out = NULL, *run_any = NULL, *run_med = NULL;
     Tokens toks;
+    Py_buffer kb = {0};
     int toks_open = 0, W = c->W;
     Py_ssize_t nm = PyTuple_GET_SIZE(media);
     int mids[64];
     uint64_t *keys = NULL, *words = NULL;
     Py_ssize_t *slots = NULL;
-    if (bs <= 0) {
-        PyErr_Format(PyExc_ValueError, "block_size must be positive, got %zd", bs);
+    if (bs < 0) {
+        PyErr_Format(PyExc_ValueError, "block_size must be positive (0: the keys are given), got %zd", bs);
         goto done;
     }
     if (nm > 64) {
@@ -562,9 +563,15 @@ static PyObject *core_match(Core *c, PyObject *args) {
     for (Py_ssize_t j = 0; j < nm; j++) {
         if (as_int(PyTuple_GET_ITEM(media, j), &mids[j]) || arg_medium(c, mids[j], 0)) goto done;
     }
-    if (tokens_open(tokens, &toks) < 0) goto done;
-    toks_open = 1;
-    Py_ssize_t n = toks.n / bs;
+    Py_ssize_t n;
+    if (bs) {
+        if (tokens_open(tokens, &toks) < 0) goto done;
+        toks_open = 1;
+        n = toks.n / bs;
+    } else { /* the keys themselves (uint64, native order): computed by the caller with extra keys */
+        if (PyObject_GetBuffer(tokens, &kb, PyBUF_SIMPLE) < 0) goto done;
+        n = kb.len / 8;
+    }
     run_any = PyDict_New();
     if (!run_any) goto done;
     if (nm > 1) {
@@ -596,9 +603,13 @@ static PyObject *core_match(Core *c, PyObject *args) {
     for (Py_ssize_t j = 0; j < nm; j++) memcpy(alive_m + j * W, alive, sizeof(uint64_t) * W);
     /* keys first, then the probes with prefetching: the tables are far larger than the caches,
      * so each probe is a memory miss; issuing them PREFETCH ahead overlaps them */
-    if (block_hashes(&toks, n, bs, keys) < 0) goto done;
-    uint64_t k = root;
-    for (Py_ssize_t i = 0; i < n; i++) keys[i] = k = chain(k, keys[i]);
+    if (bs) {
+        if (block_hashes(&toks, n, bs, keys) < 0) goto done;
+        uint64_t k = root;
+        for (Py_ssize_t i = 0; i < n; i++) keys[i] = k = chain(k, keys[i]);
+    } else if (n) {
+        memcpy(keys, kb.buf, sizeof(uint64_t) * n);
+    }
     enum { PREFETCH = 12 };
     for (Py_ssize_t i = 0; i < n && i < PREFETCH; i++)
         for (Py_ssize_t j = 0; j < nm; j++) {
@@ -671,6 +682,72 @@ done:
     PyMem_RawFree(keys);
     PyMem_RawFree(slots);
     if (toks_open) tokens_close(&toks);
+    if (kb.obj) PyBuffer_Release(&kb);
+    PyBuffer_Release(&cb);
+    return out;
+}
+
+/* holders(keys, cand, media) -> (lo, [bytes per medium]): for each key (uint64 bytes, in order) the slots
+ * of `cand` holding it in each medium, as words lo.. of a slot bitmask: medium j's bytes hold, for key i,
+ * (hi - lo) little-endian uint64 words at i * (hi - lo) * 8. For hit rules other than "every block from
+ * block 0" (sliding windows, mamba states: kvcache/groups.py), which need every position, not leading runs.
+ * Keys found are stamped recent, as match() stamps the blocks it matched. */
+static PyObject *core_holders(Core *c, PyObject *args) {
+    CORE_ENTER(c);
+    Py_buffer kb, cb;
+    PyObject *media;
+    if (!PyArg_ParseTuple(args, "y*y*O!", &kb, &cb, &PyTuple_Type, &media)) return NULL;
+    PyObject *out = NULL, *lists = NULL;
+    Py_ssize_t nm = PyTuple_GET_SIZE(media), n = kb.len / 8;
+    int W = c->W, lo = 0, hi = 0;
+    uint64_t *alive = PyMem_RawCalloc((size_t)W * 2, sizeof(uint64_t)), *tmp = alive + W;
+    if (!alive) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (int w = 0; w < W && 8 * w < cb.len; w++) {
+        uint64_t x = 0;
+        memcpy(&x, (char *)cb.buf + 8 * w, cb.len - 8 * w < 8 ? (size_t)(cb.len - 8 * w) : 8);
+        alive[w] = x & c->live_bits[w];
+    }
+    lo = 0;
+    hi = W;
+    while (lo < hi && !alive[lo]) lo++;
+    while (hi > lo && !alive[hi - 1]) hi--;
+    lists = PyList_New(nm);
+    if (!lists) goto done;
+    uint32_t tick = ++c->tick;
+    for (Py_ssize_t j = 0; j < nm; j++) {
+        int mid;
+        if (as_int(PyTuple_GET_ITEM(media, j), &mid) || arg_medium(c, mid, 0)) goto done;
+        PyObject *b = PyBytes_FromStringAndSize(NULL, n * (hi - lo) * 8);
+        if (!b) goto done;
+        PyList_SET_ITEM(lists, j, b);
+        uint64_t *dst = (uint64_t *)PyBytes_AS_STRING(b);
+        memset(dst, 0, (size_t)(n * (hi - lo) * 8));
+        if (lo == hi) continue;
+        KTable *t = &c->media[mid];
+        for (Py_ssize_t i = 0; i < n; i++) {
+            uint64_t k;
+            memcpy(&k, (char *)kb.buf + 8 * i, 8);
+            Py_ssize_t s = kt_find(t, k);
+            if (s < 0) continue;
+            uint64_t *row = dst + i * (hi - lo);
+            hold_bits_range(c, t->s[s].hold, tmp, lo, hi);
+            int any = 0;
+            for (int w = lo; w < hi; w++) {
+                row[w - lo] = tmp[w] & alive[w];
+                any |= row[w - lo] != 0;
+            }
+            if (any) t->stamp[s] = tick;
+        }
+    }
+    if (!(tick & 0xFFFF)) pass_step(c, PASS_BUDGET);
+    out = Py_BuildValue("iO", lo, lists);
+done:
+    Py_XDECREF(lists);
+    PyMem_RawFree(alive);
+    PyBuffer_Release(&kb);
     PyBuffer_Release(&cb);
     return out;
 }
@@ -877,7 +954,9 @@ static PyMethodDef core_methods[] = {
      "apply_run(messages, start, seq, model, slot, root, block_size, media, roots, max_batches, max_events, "
      "bounds, counts) -> (batches, stored, removed, unknown parent, unknown removed, seconds, error)"},
     {"maintain", (PyCFunction)core_maintain, METH_NOARGS, "maintain(): evict to the bound, a step of the passes"},
-    {"match", (PyCFunction)core_match, METH_VARARGS, "match(tokens, bs, root, cand, media) -> (runs, runs per medium)"},
+    {"match", (PyCFunction)core_match, METH_VARARGS, "match(tokens, bs, root, cand, media) -> (runs, runs per medium); bs 0: `tokens` is the keys (uint64 bytes)"},
+    {"holders", (PyCFunction)core_holders, METH_VARARGS,
+     "holders(keys, cand, media) -> (lo, [bytes per medium]): each key's holder words among the candidates"},
     {"stats", (PyCFunction)core_stats, METH_NOARGS, "stats() -> (entries, evicted, hashes, bytes, keys per medium)"},
     {"group_blocks", (PyCFunction)core_group_blocks, METH_O, "group_blocks(id) -> distinct blocks held"},
     {"probes", (PyCFunction)core_probes, METH_NOARGS, "probes() -> [(cap, live, total, longest displacement)]"},

@@ -5,6 +5,27 @@
 #include "blockkeys.h"
 #include "holders.h"
 
+/* extra_keys: nil, or an array of nils (no block carries extra keys). Anything else (a salt, media, a LoRA
+ * name, prompt-embeds digests) declines the batch: the general path keys those blocks with their extras. */
+static int rd_no_extras(Reader *r) {
+    uint32_t n;
+    if (is_nil(r)) return 0;
+    if (rd_array(r, &n)) return -1;
+    for (uint32_t i = 0; i < n; i++)
+        if (!is_nil(r)) return -1;
+    return 0;
+}
+
+/* kv_cache_spec_kind: nil or a full-attention kind (hit rule: every block from block 0). Other kinds
+ * (sliding window, mamba, ...) decline the batch: the general path applies their groups' rules. */
+static int rd_full_kind(Reader *r) {
+    const char *s;
+    uint32_t n;
+    if (is_nil(r)) return 0;
+    if (rd_str(r, &s, &n)) return -1;
+    return str_is(s, n, "full_attention") ? 0 : -1;
+}
+
 /* nil or 0: KV cache group 0, the only one indexed */
 static int rd_group(Reader *r) {
     uint64_t v;
@@ -247,10 +268,10 @@ static int stored_array(Reader *r, Batch *b, uint32_t fields) {
         case 4: if (rd_lora_id(r, &st)) return -1; break;
         case 5: if (rd_medium(r, b)) return -1; medium_read = 1; break;
         case 6: if (rd_lora_name(r, &st)) return -1; break;
-        case 7: if (skip_opt_array(r)) return -1; break;    /* extra_keys */
+        case 7: if (rd_no_extras(r)) return -1; break;      /* extra_keys */
         case 8: if (rd_group(r)) return -1; break;
-        case 9: if (skip_opt_str(r)) return -1; break;
-        case 10: if (skip_opt_int(r)) return -1; break;
+        case 9: if (rd_full_kind(r)) return -1; break;
+        case 10: if (!is_nil(r)) return -1; break;         /* a sliding window */
         }
     }
     if (!medium_read) {
@@ -283,8 +304,9 @@ enum {
 };
 
 /* A map event: {"type": tag, ...}; the tag is read first or later, fields are parsed as found.
- * Known fields the index ignores (locality, ownership, session_id, lookahead_token_ids) are
- * skipped; any other key declines the batch (the general path counts it). */
+ * Known fields the index ignores (locality, ownership, session_id) are skipped; extra keys, a group
+ * other than 0, a kind other than full attention, a window or lookahead tokens decline the batch (the
+ * general path keys them), and so does any other key (the general path counts it). */
 static int map_event(Reader *r, Batch *b, uint32_t pairs) {
     Stored st = {0};
     int seen = 0, tag = 0; /* 1 stored, 2 removed */
@@ -336,10 +358,15 @@ static int map_event(Reader *r, Batch *b, uint32_t pairs) {
             if (!is_nil(r) && rd_str(r, &s, &n)) return -1;
             break;
         }
-        case F_EXTRA: if (skip_opt_array(r)) return -1; break;
+        case F_EXTRA: if (rd_no_extras(r)) return -1; break;
         case F_GROUP: if (rd_group(r)) return -1; break;
-        case F_KIND: if (skip_opt_str(r)) return -1; break;
-        case F_WINDOW: if (skip_opt_int(r)) return -1; break;
+        case F_KIND: if (rd_full_kind(r)) return -1; break;
+        case F_WINDOW: if (!is_nil(r)) return -1; break;
+        case F_LOOKAHEAD: { /* nil or none: a lookahead changes the blocks' hashes */
+            uint32_t n;
+            if (!is_nil(r) && (rd_array(r, &n) || n)) return -1;
+            break;
+        }
         default: if (skip(r, 0)) return -1;
         }
     }

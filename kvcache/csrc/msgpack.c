@@ -124,12 +124,3 @@ static int skip_opt_int(Reader *r) {
     return is_nil(r) ? 0 : rd_int(r, &v);
 }
 
-/* nil, or an array skipped whole */
-static int skip_opt_array(Reader *r) {
-    uint32_t n;
-    if (is_nil(r)) return 0;
-    const uint8_t *at = r->p;
-    if (rd_array(r, &n)) return -1;
-    r->p = at;
-    return skip(r, 0);
-}

@@ -45,6 +45,5 @@ static int rd_float(Reader *r);
 static int skip(Reader *r, int depth);
 static int skip_opt_str(Reader *r);
 static int skip_opt_int(Reader *r);
-static int skip_opt_array(Reader *r);
 
 #endif

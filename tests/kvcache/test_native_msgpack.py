@@ -118,15 +118,44 @@ def _nested(depth: int) -> bytes:
     return b"\x91" * depth + b"\x01"
 
 
+def store_map(**fields: bytes) -> bytes:
+    """A BlockStored in the map form of vLLM 0.24+ (one block of one token), with `fields` added."""
+    pairs = [(string("type"), string("BlockStored")), (string("block_hashes"), array([b"\x01"])),
+             (string("parent_block_hash"), NIL), (string("token_ids"), array([b"\x01"])),
+             (string("block_size"), uint(1, 1)), (string("lora_id"), NIL), (string("medium"), NIL),
+             (string("lora_name"), NIL)]
+    return mapping(pairs + [(string(k), v) for k, v in fields.items()])
+
+
 def test_values_of_every_kind_are_skipped_but_ext_non_ascii_and_deep_nesting_decline():
     every = array([b"\x01", sint(-9, 8), string("x", 2), b"\xc4\x02ab", b"\xca" + struct.pack(">f", 1.0),
                    NIL, b"\xc2", b"\xc3", mapping([(string("k"), array([b"\x02", NIL]))], 2), _nested(20)], 4)
-    assert native.scan_batch(batch(store(b"\x01", [b"\x01"], extra=every))) == (1, 1, 0, 0, 1, "GPU", set())
+    # session_id: a field the index does not model, skipped whatever it holds
+    assert native.scan_batch(batch(store_map(session_id=every))) == (1, 1, 0, 0, 1, "GPU", set())
     for bad in (b"\xd4\x01\x00",  # fixext 1
                 b"\xc7\x01\x05\x00",  # ext 8
                 string("ü"),
                 _nested(40)):
-        assert native.scan_batch(batch(store(b"\x01", [b"\x01"], extra=array([bad])))) is None, bad
+        assert native.scan_batch(batch(store_map(session_id=array([bad])))) is None, bad
+
+
+def test_extra_keys_group_fields_and_lookahead_take_the_general_path_unless_they_say_nothing():
+    """The fast path keys a block by its tokens alone: a block with extra keys (a salt, media, a LoRA
+    name), a group other than 0, a kind other than full attention, a window or lookahead tokens is the
+    general path's (kvcache.index keys those). Nil extras, group 0 and full attention stay fast."""
+    plain = (1, 1, 0, 0, 1, "GPU", set())
+    assert native.scan_batch(batch(store(b"\x01", [b"\x01"], extra=array([NIL])))) == plain
+    assert native.scan_batch(batch(store_map(extra_keys=array([NIL]), group_idx=b"\x00",
+                                             kv_cache_spec_kind=string("full_attention"),
+                                             kv_cache_spec_sliding_window=NIL, lookahead_token_ids=array([])))) == plain
+    for fields in ({"extra_keys": array([array([string("salt")])])},
+                   {"group_idx": b"\x01"},
+                   {"kv_cache_spec_kind": string("sliding_window")},
+                   {"kv_cache_spec_kind": string("mamba")},
+                   {"kv_cache_spec_sliding_window": uint(128, 1)},
+                   {"lookahead_token_ids": array([b"\x05"])}):
+        assert native.scan_batch(batch(store_map(**fields))) is None, fields
+    assert native.scan_batch(batch(store(b"\x01", [b"\x01"], extra=array([array([string("salt")])])))) is None
 
 
 def test_truncated_payloads_and_trailing_bytes_decline():

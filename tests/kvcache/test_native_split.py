@@ -150,15 +150,17 @@ def test_one_large_event_is_cut_into_pieces_each_chained_to_the_block_before(gen
 
 
 @pytest.mark.parametrize("form", ["array", "map"])
-def test_an_event_with_per_block_extra_keys_stays_whole_in_a_part_of_its_own(form):
-    """extra_keys (one entry per block) is not cut: that event is a part alone, the others are cut."""
+def test_extra_keys_saying_nothing_are_cut_and_real_ones_leave_the_batch_to_the_general_path(form):
+    """An event with extra_keys of nils (vLLM 0.17-0.23 sends one nil per block) is fast but not cut (a part
+    of its own: the cut does not model the per-block list); a batch with real
+    extra keys (salt, media, LoRA name) is not in the fast path's shape: neither scanned nor cut."""
     def store(first, n, extra):
         fields = {"type": "BlockStored", "block_hashes": list(range(first, first + n)), "parent_block_hash": None,
                   "token_ids": list(range(100 * first, 100 * first + 2 * n)), "block_size": 2, "lora_id": None, "medium": "GPU", "lora_name": None,
                   "extra_keys": extra}
         return fields if form == "map" else ["BlockStored", *list(fields.values())[1:]]
 
-    events = [store(1, 6, None), store(10, 6, [["img", 1]] * 6), store(20, 3, None)]
+    events = [store(1, 6, None), store(10, 6, [None] * 6), store(20, 3, None)]
     payload = msgpack.packb([1.0, events, 0], use_bin_type=True)
     assert native.scan_batch(payload) is not None  # the fast path takes it
     parts = native.split_batch(payload, 4)
@@ -168,3 +170,6 @@ def test_an_event_with_per_block_extra_keys_stays_whole_in_a_part_of_its_own(for
     for p in parts:
         assert ix.apply_payload("p", "m", 0, p) is not None
     assert ix.stats()["entries"] == ref.stats()["entries"] == 15
+    salted = msgpack.packb([1.0, [store(1, 6, None), store(10, 6, [["salt"]] + [None] * 5)], 0], use_bin_type=True)
+    assert native.scan_batch(salted) is None
+    assert native.split_batch(salted, 4) is None
