@@ -15,7 +15,9 @@ BlockHash = Union[int, bytes]
 class BlockStored:
     block_hashes: tuple[BlockHash, ...]
     parent_block_hash: BlockHash | None
-    token_ids: tuple[int, ...]  # flat: len(block_hashes) * block_size ids
+    # flat: len(block_hashes) * block_size ids; more when a group with sparse retention (vLLM 0.29+)
+    # skipped blocks: the ids of every new full block, hashed or not (vLLM issue 44451)
+    token_ids: tuple[int, ...]
     block_size: int
     lora_id: int | None = None
     medium: str | None = None  # "GPU", "CPU", ...; None means GPU (pre-0.10.2)
@@ -24,6 +26,7 @@ class BlockStored:
     group_idx: int | None = None  # KV cache group, 0.20+
     kv_cache_spec_kind: str | None = None  # e.g. "full_attention", 0.22+
     kv_cache_spec_sliding_window: int | None = None  # 0.22+
+    lookahead_token_ids: tuple[int, ...] | None = None  # 0.33: tokens after the blocks their hashes cover
 
 
 @dataclass(frozen=True, slots=True)

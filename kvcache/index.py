@@ -26,14 +26,16 @@ indexed. At most 65520 pod-ranks at once. Not thread-safe.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 from array import array
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence, cast
 
-from kvcache.blockkeys import root_key
+from kvcache.blockkeys import KEY_MASK, BlockExtras, root_key
 from kvcache.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEvent
+from kvcache.groups import Group, Shape, longest_hit
 from kvcache.native import native
 from kvcache.sink import BatchApplied, RunApplied
 
@@ -50,6 +52,44 @@ _applied = tuple.__new__  # BatchApplied made without its __new__ (a Python-leve
 
 _NO_ROOTS: dict[str, int] = {}
 _LORA_ROOTS_MAX = 4096  # LoRA keys whose root key a model keeps for apply_run (cleared past this)
+_MAX_GROUP = 255  # KV cache group indices beyond this are taken for malformed
+_NOTHING = RunApplied(0, 0, 0, 0.0, None)
+_BAD = object()  # malformed extra keys
+
+
+def _canonical(v: Any) -> Any:
+    """An extra key as a value whose repr is the same however it was decoded (lists -> tuples)."""
+    if type(v) is list or type(v) is tuple:
+        return tuple(_canonical(x) for x in v)
+    return v
+
+
+def extra_digest(entry: tuple) -> int:
+    """A block's extra keys (the event form, LoRA name left out) as a number mixed into its key: the
+    same for an engine's event and for the request side (kvcache.blockkeys.BlockExtras.per_block)."""
+    d = hashlib.blake2b(repr(_canonical(entry)).encode(), digest_size=8).digest()
+    return int.from_bytes(d, "big") & KEY_MASK or 1
+
+
+def mixed_keys(parent: int, token_ids: Sequence[int], block_size: int, digests: dict[int, int]) -> array:
+    """chain_keys of every full block under `parent`, block b's key mixed with digests[b] (xor) where
+    given, before the next block chains on it."""
+    n = len(token_ids) // block_size
+    out = array("Q")
+    k, start = parent, 0
+    for b in sorted(digests):
+        if b >= n:
+            break
+        if b > start:
+            out.frombytes(native.chain_keys(k, token_ids[start * block_size:b * block_size], block_size))
+            k = out[-1]
+        one = array("Q", native.chain_keys(k, token_ids[b * block_size:(b + 1) * block_size], block_size))
+        k = (one[0] ^ digests[b]) & KEY_MASK
+        out.append(k)
+        start = b + 1
+    if start < n:
+        out.frombytes(native.chain_keys(k, token_ids[start * block_size:n * block_size], block_size))
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +140,8 @@ class PrefixIndex:
         self._pod_group: dict[str, int] = {}  # pod -> its group (pod) id in the tables
         self._pod_bits: dict[str, int] = {}  # pod -> OR of 1 << slot over its ranks
         self._cand: dict[tuple[str, ...], int] = {}  # candidate pods -> OR of their _pod_bits
+        self._tables: dict[tuple[str, int], int] = {}  # (medium, KV cache group > 0) -> key table id
+        self._shapes: dict[str, Shape] = {}  # model -> its KV cache groups, once a general-path store said
         self._roots: dict[str, int] = {}  # model -> root_key(model, None)
         self._lora_roots: dict[str, dict[str, int]] = {}  # model -> LoRA key -> root_key(model, key), as met
         self._applies = 0
@@ -111,27 +153,26 @@ class PrefixIndex:
         """Apply one (pod, rank)'s events in order. Bad events are logged, counted and skipped."""
         slot, model_id = self._ids(pod, rank, model)
         cleared = False
+        sparse: list[tuple[int, BlockStored]] = []  # stores to resolve once the batch's other groups are in
         ev: Any  # dispatched on its exact type through `t`, which mypy does not follow
         for ev in events:
             t = type(ev)
             try:
                 if t is BlockRemoved:
-                    if ev.group_idx:
-                        self._skip("other_kv_cache_group", ev)
-                    else:
-                        self._remove(slot, model_id, ev)
+                    self._remove(slot, model_id, ev)
                 elif t is BlockStored:
-                    if ev.group_idx:
-                        self._skip("other_kv_cache_group", ev)
-                    else:
-                        self._store(slot, model, model_id, ev)
+                    self._store(slot, model, model_id, ev, sparse)
                 elif t is AllBlocksCleared:
+                    if sparse:
+                        self._resolve(slot, model_id, sparse)
                     slot = self._clear(pod, rank)
                     cleared = True
                 else:
                     self._skip("unknown_event", ev)
             except (TypeError, OverflowError):  # e.g. an unhashable token id or block hash
                 self._skip("malformed_event", ev)
+        if sparse:
+            self._resolve(slot, model_id, sparse)
         self._after_batch(cleared)
 
     def apply_payload(self, pod: str, model: str, rank: int, payload: bytes) -> BatchApplied | None:
@@ -140,6 +181,9 @@ class PrefixIndex:
         path's shape (see kvcache/csrc/events.c scan_batch: AllBlocksCleared, non-ASCII names,
         several media in one batch, unknown fields, anything malformed...): the caller then
         decodes it (kvcache.wire) and calls apply()."""
+        shape = self._shapes.get(model)
+        if shape is not None and not shape.simple:  # several groups: the general path keys each
+            return None
         scan = native.scan_batch(payload)
         if scan is None:
             return None
@@ -193,6 +237,9 @@ class PrefixIndex:
         lock: this bounds it; a one-event batch outside vLLM's array envelope counts once applied).
         Each batch's decode-and-apply time is counted into `counts` (int64, len(bounds) + 1) at
         bisect_left(bounds (doubles), seconds)."""
+        shape = self._shapes.get(model)
+        if shape is not None and not shape.simple:  # several groups: the general path keys each
+            return _NOTHING
         slot, model_id = self._ids(pod, rank, model)
         root = self._base_root(model)
         n, stored, removed, unknown_parent, unknown_removed, seconds, error = self._core.apply_run(
@@ -240,8 +287,10 @@ class PrefixIndex:
         return self._block_size.get(model)
 
     def match(self, model: str, lora: str | None, token_ids: Sequence[int],
-              pods: Iterable[str]) -> dict[str, PrefixMatch]:
-        """Per candidate pod, the consecutive leading blocks of `token_ids` it holds (best rank)."""
+              pods: Iterable[str], extras: BlockExtras | None = None) -> dict[str, PrefixMatch]:
+        """Per candidate pod, the leading blocks of `token_ids` (with `extras`, what else the engine
+        hashes) it would serve from its cache (best rank): its hit by the rules of the model's KV cache
+        groups (kvcache.groups), in blocks of block_size(model)."""
         pods = key = tuple(pods)
         cand = self._cand.get(key)
         if cand is None:  # the router asks about the same pods again and again: kept until slots change
@@ -253,11 +302,12 @@ class PrefixIndex:
             if len(self._cand) >= 64:
                 self._cand.clear()
             self._cand[key] = cand
-        total, run_any, run_med = self._leading_runs(model, lora, token_ids, cand)
+        total, run_any, run_med = self._runs(model, lora, token_ids, cand, extras)
         return self._per_pod(pods, run_any, run_med, total)
 
     def match_ranks(self, model: str, lora: str | None, token_ids: Sequence[int],
-                    targets: Iterable[tuple[str, int]]) -> dict[tuple[str, int], PrefixMatch]:
+                    targets: Iterable[tuple[str, int]],
+                    extras: BlockExtras | None = None) -> dict[tuple[str, int], PrefixMatch]:
         """Per candidate (pod, rank), the consecutive leading blocks of `token_ids` that rank holds:
         match() rank by rank, for sending a request to one rank of a data-parallel pod."""
         targets = list(targets)
@@ -267,7 +317,7 @@ class PrefixIndex:
             b = slot(target)
             if b is not None:
                 cand |= 1 << b
-        total, run_any, run_med = self._leading_runs(model, lora, token_ids, cand)
+        total, run_any, run_med = self._runs(model, lora, token_ids, cand, extras)
         out = dict.fromkeys(targets, PrefixMatch(0, {}, total))  # one shared miss: read-only results
         if run_any:
             media = list(run_med.items())
@@ -278,6 +328,97 @@ class PrefixIndex:
                     if n:
                         out[target] = PrefixMatch(n, {m: r[b] for m, r in media if r.get(b)}, total)
         return out
+
+    def _runs(self, model: str, lora: str | None, token_ids: Sequence[int], cand: int,
+              extras: BlockExtras | None) -> tuple[int, dict[int, int], dict[str, dict[int, int]]]:
+        """_leading_runs, or for requests with extra keys or models of several groups their hits."""
+        shape = self._shapes.get(model)
+        if extras is None and (shape is None or shape.simple):
+            return self._leading_runs(model, lora, token_ids, cand)
+        bs = self._block_size.get(model, 0)
+        total = len(token_ids) // bs if bs else 0
+        if not cand or not total or (extras is not None and extras.opaque):
+            return total, {}, {}
+        unit = shape.unit if shape is not None else bs
+        root = root_key(model, lora)
+        if extras:
+            n = len(token_ids) // unit
+            keys = mixed_keys(root, token_ids, unit, {b: extra_digest(e) for b, e in extras.per_block(unit, n).items()})
+        else:
+            keys = array("Q", native.chain_keys(root, token_ids, unit))
+        cand_bytes = cand.to_bytes((cand.bit_length() + 7) >> 3, "little")
+        if shape is None or shape.simple:
+            names, ids = self._media_ids
+            if not ids:
+                return total, {}, {}
+            run_any, per_medium = self._core.match(keys.tobytes(), 0, 0, cand_bytes, ids)
+            if per_medium is None:
+                return total, run_any, {names[0]: run_any}
+            return total, run_any, dict(zip(names, per_medium))
+        return total, *self._group_runs(shape, token_ids, keys, cand_bytes, bs)
+
+    def _group_runs(self, shape: Shape, token_ids: Sequence[int], keys: array, cand: bytes,
+                    bs: int) -> tuple[dict[int, int], dict[str, dict[int, int]]]:
+        """Per slot, the hit (in blocks of `bs`, the alignment) by the rules of `shape`'s groups, in any
+        medium and per medium: what each slot holds of `keys` in each group, then kvcache.groups."""
+        groups: list[Group] = list(shape.groups.values())
+        data = keys.tobytes()
+        # held[medium][slot][group position] = bitmap of key positions
+        held: dict[str, dict[int, list[int]]] = {}
+        ng = len(groups)
+        for gi, group in enumerate(groups):
+            if group.index == 0:
+                tables = list(self._media.items())
+            else:
+                tables = [(m, t) for (m, g), t in self._tables.items() if g == group.index]
+            if not tables:
+                continue
+            lo, per_medium = self._core.holders(data, cand, tuple(t for _, t in tables))
+            for (name, _), rows in zip(tables, per_medium):
+                if not rows:
+                    continue
+                width = len(rows) // (8 * len(keys)) if len(keys) else 0  # words per key
+                if not width:
+                    continue
+                by_slot = held.setdefault(name, {})
+                words = array("Q", rows)
+                for i in range(len(keys)):
+                    for w in range(width):
+                        x = words[i * width + w]
+                        while x:
+                            low = x & -x
+                            s = (lo + w) * 64 + low.bit_length() - 1
+                            bits = by_slot.get(s)
+                            if bits is None:
+                                bits = by_slot[s] = [0] * ng
+                            bits[gi] |= 1 << i
+                            x ^= low
+        run_any: dict[int, int] = {}
+        run_med: dict[str, dict[int, int]] = {}
+        if not held:
+            return run_any, run_med
+        n, unit, align = len(token_ids), shape.unit, shape.align
+        slots: dict[int, list[int]] = {}
+        for name, by_slot in held.items():
+            runs = run_med[name] = {}
+            for s, bits in by_slot.items():
+                hit = longest_hit(groups, bits, n, unit, align) // bs
+                if hit:
+                    runs[s] = hit
+                merged = slots.get(s)
+                if merged is None:
+                    slots[s] = list(bits)
+                else:
+                    for i, b in enumerate(bits):
+                        merged[i] |= b
+        if len(held) == 1:
+            run_any = next(iter(run_med.values()))
+        else:
+            for s, bits in slots.items():
+                hit = longest_hit(groups, bits, n, unit, align) // bs
+                if hit:
+                    run_any[s] = hit
+        return run_any, {m: r for m, r in run_med.items() if r}
 
     def _leading_runs(self, model: str, lora: str | None, token_ids: Sequence[int],
                       cand: int) -> tuple[int, dict[int, int], dict[str, dict[int, int]]]:
@@ -309,6 +450,10 @@ class PrefixIndex:
             "pods": len(self._pod_group),
             "blocks_per_pod": {pod: group_blocks(g) for pod, g in self._pod_group.items()},
             "block_sizes": dict(self._block_size),
+            "kv_cache_groups": {model: {"groups": {g.index: g.describe() for g in shape.groups.values()},
+                                        "key_unit": shape.unit, "alignment": shape.align, "exact": shape.exact}
+                                for model, shape in self._shapes.items()},
+            "keys_by_group_table": {f"{m}/group{g}": keys[i] for (m, g), i in self._tables.items()},
             "evicted_entries": evicted,
             "skipped": dict(self._skipped),
         }
@@ -377,29 +522,144 @@ class PrefixIndex:
         empty = [m for m, i in self._media.items() if not keys[i]]
         for m in empty:  # a medium nobody holds blocks in (any name an engine sent)
             self._core.free_medium(self._media.pop(m))
+        for mg in [mg for mg, i in self._tables.items() if not keys[i]]:
+            self._core.free_medium(self._tables.pop(mg))
         if empty:
             self._media_ids = (tuple(self._media), tuple(self._media.values()))
 
-    def _store(self, slot: int, model: str, model_id: int, ev: BlockStored) -> None:
+    def _store(self, slot: int, model: str, model_id: int, ev: BlockStored,
+               sparse: list[tuple[int, BlockStored]]) -> None:
         bs, hashes, tokens = ev.block_size, ev.block_hashes, ev.token_ids
         n = len(hashes)
-        if type(bs) is not int or bs <= 0 or len(tokens) != n * bs:
+        g = ev.group_idx or 0
+        if type(bs) is not int or bs <= 0 or type(g) is not int or not 0 <= g <= _MAX_GROUP:
             self._skip("malformed_block_stored", ev)
             return
-        if self._block_size.get(model) != bs:
-            self._learn_block_size(model, bs)
+        m, rest = divmod(len(tokens), bs)
+        if rest or n > m:
+            self._skip("malformed_block_stored", ev)
+            return
+        simple = (n == m and not g and ev.kv_cache_spec_sliding_window is None and not ev.extra_keys
+                  and ev.lookahead_token_ids is None
+                  and (ev.kv_cache_spec_kind is None or ev.kv_cache_spec_kind == "full_attention"))
+        shape = self._shapes.get(model)
+        if simple and (shape is None or shape.simple):
+            # the fast path's shape (kept out of _shapes: a model of one plain group stays on it)
+            if self._block_size.get(model) != bs:
+                self._learn_block_size(model, bs)
+            self._store_keys(slot, model_id, self._medium_id(ev.medium or DEFAULT_MEDIUM), ev,
+                             self._parent_key(model, model_id, ev), bs, None)
+            return
+        if shape is None:
+            shape = self._shapes[model] = Shape()
+            known = self._block_size.get(model)
+            if known is not None:  # what the fast path learnt: group 0, full attention
+                shape.learn(0, None, None, known)
+        group, changed = shape.learn(g, ev.kv_cache_spec_kind, ev.kv_cache_spec_sliding_window, bs)
+        if changed:
+            self._learned(model, shape, group)
+        if not n:
+            return  # a store of no hashed block (a sparse group's decode block): nothing held
+        if ev.lookahead_token_ids is not None:  # hashes that cover tokens after each block: not modelled
+            self._skipped["lookahead_blocks"] += n
+            return
+        table = self._medium_id(ev.medium or DEFAULT_MEDIUM) if not g else self._table_id(ev.medium or DEFAULT_MEDIUM, g)
+        if n < m:  # sparse retention: which blocks the hashes are is known by the hashes alone
+            sparse.append((table, ev))
+            return
+        extras = self._event_extras(ev, n)
+        if extras is _BAD:
+            self._skip("malformed_extra_keys", ev)
+            return
+        if extras and bs != shape.unit:
+            self._skipped["extra_keys_on_a_coarse_group"] += n
+            return
+        self._store_keys(slot, model_id, table, ev, self._parent_key(model, model_id, ev), shape.unit,
+                         cast("dict[int, int] | None", extras))
+
+    def _parent_key(self, model: str, model_id: int, ev: BlockStored) -> int | None:
+        """The key a store's first block chains on: its parent's, or the root of its model and adapter;
+        None (counted) when the parent is a block the index does not know."""
         parent = ev.parent_block_hash
-        k: int | None
         if parent is None:
-            k = self._root(model, ev)
+            return self._root(model, ev)
+        k = self._core.key_of(model_id, _fold(parent))
+        if k is None:  # its chain is unknown: never guess a chain start
+            self._count_unknown(model, len(ev.block_hashes), 0)
+        return k
+
+    def _store_keys(self, slot: int, model_id: int, table: int, ev: BlockStored, k: int | None, unit: int,
+                    digests: dict[int, int] | None) -> None:
+        """Key a dense store's blocks under key `k` (at `unit`, the model's key granularity) and hold them."""
+        if k is None:
+            return
+        bs, tokens = ev.block_size, ev.token_ids
+        if digests:
+            keys = mixed_keys(k, tokens, unit, digests).tobytes()
         else:
-            k = self._core.key_of(model_id, _fold(parent))
-            if k is None:  # its chain is unknown: never guess a chain start
-                self._count_unknown(model, n, 0)
-                return
-        keys = native.chain_keys(k, tokens, bs)  # an unhashable token id raises before any change
-        folded = _folded(hashes)
-        self._core.store(model_id, self._medium_id(ev.medium or DEFAULT_MEDIUM), slot, folded, keys)
+            keys = native.chain_keys(k, tokens, unit)  # an unhashable token id raises before any change
+        if unit != bs:  # a coarser group's block is keyed by its last unit
+            r = bs // unit
+            keys = array("Q", keys)[r - 1::r].tobytes()
+        self._core.store(model_id, table, slot, _folded(ev.block_hashes), keys)
+
+    def _resolve(self, slot: int, model_id: int, sparse: list[tuple[int, BlockStored]]) -> None:
+        """Hold the blocks of sparse stores (a window or state group that hashes only the blocks that can
+        serve a hit; their token ids span the others too, vLLM issue 44451): one chain of hashes serves
+        every group, so each hash is the block another group (full attention: dense) stored under it.
+        Hashes no group stored are counted, never guessed."""
+        for table, ev in sparse:
+            hashes: list[BlockHash] = []
+            keys = array("Q")
+            for h in ev.block_hashes:
+                k = self._core.key_of(model_id, _fold(h))
+                if k is None:
+                    self._skipped["unresolved_sparse_blocks"] += 1
+                    continue
+                hashes.append(h)
+                keys.append(k)
+            if hashes:
+                self._core.store(model_id, table, slot, _folded(hashes), keys.tobytes())
+        sparse.clear()
+
+    def _event_extras(self, ev: BlockStored, n: int) -> Any:
+        """A store's extra keys as digests per block index (None: no block has any; _BAD: malformed).
+        The LoRA name, first in each entry when the store names one, is the root's part, not an extra."""
+        extra = ev.extra_keys
+        if not extra:
+            return None
+        if type(extra) is not tuple or len(extra) != n:
+            return _BAD
+        lora = ev.lora_name
+        out: dict[int, int] = {}
+        for b, entry in enumerate(extra):
+            if entry is None:
+                continue
+            if type(entry) is not tuple and type(entry) is not list:
+                return _BAD
+            if lora is not None and entry and entry[0] == lora:
+                entry = entry[1:]
+            if entry:
+                try:
+                    out[b] = extra_digest(tuple(entry))
+                except (TypeError, ValueError):
+                    return _BAD
+        return out or None
+
+    def _learned(self, model: str, shape: Shape, group: Group) -> None:
+        """A group of `model` newly seen or changed: logged; the model's block size is the alignment."""
+        log.info("model %s: KV cache group %d: %s", model, group.index, group.describe())
+        if not group.modelled:
+            self._skipped["unmodelled_kv_cache_groups"] += 1
+            log.warning("model %s: KV cache group %d of kind %r is not modelled: its hits need every block "
+                        "from block 0 (never more than the engine serves)", model, group.index, group.kind)
+        self._block_size[model] = shape.align
+
+    def _table_id(self, medium: str, group: int) -> int:
+        t = self._tables.get((medium, group))
+        if t is None:
+            t = self._tables[(medium, group)] = self._core.new_medium()
+        return t
 
     def _learn_block_size(self, model: str, bs: int) -> None:
         known = self._block_size.get(model)
@@ -416,8 +676,13 @@ class PrefixIndex:
         return root_key(model, lora)
 
     def _remove(self, slot: int, model_id: int, ev: BlockRemoved) -> None:
-        _, unknown = self._core.release(model_id, self._media.get(ev.medium or DEFAULT_MEDIUM, -1), slot,
-                                        _folded(ev.block_hashes))
+        g = ev.group_idx or 0
+        if type(g) is not int or not 0 <= g <= _MAX_GROUP:
+            self._skip("malformed_block_removed", ev)
+            return
+        medium = ev.medium or DEFAULT_MEDIUM
+        table = self._media.get(medium, -1) if not g else self._tables.get((medium, g), -1)
+        _, unknown = self._core.release(model_id, table, slot, _folded(ev.block_hashes))
         if unknown:
             self._skipped["unknown_removed_blocks"] += unknown
 

@@ -98,19 +98,21 @@ def _check_hashes(h: Any) -> None:
 
 
 def _stored(h: Any, parent: Any, tokens: Any, block_size: Any, lora_id: Any, medium: Any,
-            lora_name: Any, extra_keys: Any, group_idx: Any, kind: Any, window: Any) -> BlockStored:
+            lora_name: Any, extra_keys: Any, group_idx: Any, kind: Any, window: Any,
+            lookahead: Any = None) -> BlockStored:
     _check_hashes(h)
     if type(tokens) is not tuple or type(block_size) is not int or block_size <= 0:
         raise _Malformed
-    if len(tokens) != len(h) * block_size:
-        raise _Malformed
+    n = len(tokens)
+    if n != len(h) * block_size and (n % block_size or len(h) > n // block_size):
+        raise _Malformed  # fewer hashes than blocks is a sparse store (kvcache.events.BlockStored.token_ids)
     if (type(parent) not in _OPT_HASH_TYPES or type(lora_id) not in _OPT_INT
             or type(medium) not in _OPT_STR or type(lora_name) not in _OPT_STR
             or type(extra_keys) not in _OPT_TUPLE or type(group_idx) not in _OPT_INT
-            or type(kind) not in _OPT_STR or type(window) not in _OPT_INT):
+            or type(kind) not in _OPT_STR or type(window) not in _OPT_INT or type(lookahead) not in _OPT_TUPLE):
         raise _Malformed
     return _new_stored(h, parent, tokens, block_size, lora_id, medium, lora_name, extra_keys,
-                       group_idx, kind, window)
+                       group_idx, kind, window, lookahead or None)
 
 
 def _removed(h: Any, medium: Any, group_idx: Any) -> BlockRemoved:
@@ -161,7 +163,7 @@ def _stored_map(ev: dict, skipped: dict) -> BlockStored:
         raise _Malformed
     return _stored(ev["block_hashes"], g("parent_block_hash"), ev["token_ids"], ev["block_size"],
                    g("lora_id"), g("medium"), g("lora_name"), g("extra_keys"), g("group_idx"),
-                   g("kv_cache_spec_kind"), g("kv_cache_spec_sliding_window"))
+                   g("kv_cache_spec_kind"), g("kv_cache_spec_sliding_window"), g("lookahead_token_ids"))
 
 
 def _removed_map(ev: dict, skipped: dict) -> BlockRemoved:
@@ -271,6 +273,8 @@ def _stored_as_map(e: BlockStored) -> dict:
         m["kv_cache_spec_kind"] = e.kv_cache_spec_kind
     if e.kv_cache_spec_sliding_window is not None:
         m["kv_cache_spec_sliding_window"] = e.kv_cache_spec_sliding_window
+    if e.lookahead_token_ids is not None:
+        m["lookahead_token_ids"] = e.lookahead_token_ids
     return m
 
 
@@ -301,8 +305,8 @@ def _as_map(e: KVEvent) -> dict:
     raise TypeError(f"not a KV event: {e!r}")
 
 
-# 0.25 and 0.33 differ only in fields we do not model (locality, ownership,
-# session_id, lookahead_token_ids), which hold their defaults and are omitted.
+# 0.25 and 0.33 differ only in fields we do not model (locality, ownership, session_id), which
+# hold their defaults and are omitted, and lookahead_token_ids (written when set, 0.33 only).
 _ENCODERS: dict[str, Callable[[KVEvent], Any]] = {"0.23": _as_array, "0.25": _as_map, "0.33": _as_map}
 
 

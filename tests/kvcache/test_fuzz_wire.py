@@ -306,7 +306,9 @@ def test_native_runs_agree_with_batch_by_batch_on_mutated_payloads():
                 for lora in (None, "adapter", "#lora_id=3"):
                     assert runs.match("m", lora, p, ["p0", "p1", "p2"]) == single.match("m", lora, p, ["p0", "p1", "p2"])
     assert _logical(runs.stats()) == _logical(single.stats())
-    assert sum(counts) == taken["run"] and taken["run"] > taken["single"] > 1000, taken
+    # both paths exercised (a mutation that makes a store of another group or kind sends the model's later
+    # batches down the general path: kvcache.index, several groups)
+    assert sum(counts) == taken["run"] and taken["run"] > 1000 and taken["single"] > 1000, taken
 
 
 def test_split_batch_cuts_only_what_the_decoder_reads_the_same_on_20k_mutated_payloads():

@@ -213,12 +213,12 @@ def test_bad_events_are_skipped_and_counted_without_losing_the_rest():
     ix = PrefixIndex()
     bad_len = BlockStored((1, 2), None, TOKENS[:BS], BS)  # 2 hashes, 1 block of tokens
     unhashable = BlockStored((7,), None, ([1], 2, 3, 4), BS)
-    other_group = BlockStored((8,), None, TOKENS[:BS], BS, group_idx=1)  # e.g. sliding-window layers
-    ix.apply("a", "m", 0, [bad_len, unhashable, "junk", chain(1, 6), other_group])
+    bad_group = BlockStored((8,), None, TOKENS[:BS], BS, group_idx=-1)
+    ix.apply("a", "m", 0, [bad_len, unhashable, "junk", chain(1, 6), bad_group])
     assert blocks(ix, ["a"]) == {"a": 6}
     skipped = ix.stats()["skipped"]
-    assert skipped["malformed_block_stored"] == 1 and skipped["unknown_event"] == 1
-    assert skipped["malformed_event"] == 1 and skipped["other_kv_cache_group"] == 1
+    assert skipped["malformed_block_stored"] == 2 and skipped["unknown_event"] == 1
+    assert skipped["malformed_event"] == 1
     assert ix.stats()["entries"] == 6
 
 

@@ -90,7 +90,8 @@ def test_map_event_with_fields_omitted_and_newer_known_fields():
           "block_size": 2, "lora_id": None, "medium": "GPU", "lora_name": None, "locality": "local",
           "ownership": "owner", "session_id": "s", "lookahead_token_ids": [1]}
     d = decode_batch(pack([1.0, [ev, {"type": "BlockRemoved", "block_hashes": [1]}], 0]))
-    assert d.batch.events == (BlockStored((1,), None, (4, 5), 2, None, "GPU"), BlockRemoved((1,)))
+    assert d.batch.events == (BlockStored((1,), None, (4, 5), 2, None, "GPU", lookahead_token_ids=(1,)),
+                              BlockRemoved((1,)))
     assert d.skipped == {}
 
 
@@ -110,6 +111,7 @@ def test_unknown_fields_and_tags_are_skipped_and_counted():
 
 @pytest.mark.parametrize("bad", [
     ["BlockStored", [1], None, [1, 2, 3], 2],  # token count is not blocks * block_size
+    ["BlockStored", [1, 2, 3], None, [1, 2, 3, 4], 2],  # more hashes than blocks (fewer is a sparse store)
     ["BlockStored", [1], None, [1, 2], 0],  # block_size 0
     ["BlockStored", ["str-hash"], None, [1], 1],
     ["BlockStored", [[1]], None, [1], 1],
