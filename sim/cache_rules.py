@@ -86,7 +86,7 @@ def group_longest_hit(spec: GroupSpec, holds: Callable[[int], bool], max_tokens:
             if (i + 1) * bs % align == 0 and holds(i):
                 return (i + 1) * bs
         return 0
-    need = window_blocks(spec)
+    need = max(1, window_blocks(spec))  # vLLM's scan needs one cached block even for a 1-token window
     run = 0
     for i in range(n - 1, -1, -1):  # right to left: the first run of `need` blocks ending on an aligned edge
         if holds(i):

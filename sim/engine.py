@@ -75,7 +75,13 @@ _WORD = array("I").itemsize
 _LCG_A = 6364136223846793005
 _LCG_C = 1442695040888963407
 _MASK64 = 2**64 - 1
-_PRIVATE: Final = "private"  # a held position whose block is memory outside the cache (counted in `reserved`)
+
+
+class _Private:
+    """A held position whose block is memory outside the cache (counted in the request's `reserved`)."""
+
+
+_PRIVATE: Final = _Private()
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,7 +198,7 @@ class _Request:
         self.packed = packed  # `seq` as 4-byte unsigned ints, for hashing
         # Per group, per block in sequence order: the cached block's key it references, _PRIVATE (memory
         # outside the cache), or None (no memory: outside the attention window, or freed).
-        self.held: list[list[BlockHash | str | None]] = [[] for _ in range(n_groups)]
+        self.held: list[list[BlockHash | _Private | None]] = [[] for _ in range(n_groups)]
         self.freed = [0] * n_groups  # per group: blocks before this are None
         self.salt = salt
         self.media = media
@@ -341,7 +347,7 @@ class EngineModel:
         for req in self._running.values():
             for held in req.held:
                 for i, key in enumerate(held):
-                    if key is not None and key is not _PRIVATE:
+                    if key is not None and not isinstance(key, _Private):
                         held[i] = _PRIVATE  # position kept: caching resumes after it
                         req.reserved += 1
                         self._reserved_total += 1
@@ -522,7 +528,8 @@ class EngineModel:
             for g, (first, entries) in enumerate(hit_entries):
                 for entry in entries:
                     self._ref(entry)
-                req.held[g] = [None] * first + [key for _, key in entries]
+                req.held[g] = [None] * first
+                req.held[g] += [key for _, key in entries]
                 req.freed[g] = first
             self._evict(need - free)
             req.reserved = need
@@ -655,7 +662,7 @@ class EngineModel:
             first = min(first_needed_block(spec, n_computed), len(held))
             for i in range(first - 1, req.freed[g] - 1, -1):
                 key = held[i]
-                if key is _PRIVATE:
+                if isinstance(key, _Private):
                     req.reserved -= 1
                     self._reserved_total -= 1
                 elif key is not None:
@@ -666,7 +673,7 @@ class EngineModel:
     def _release(self, req: _Request) -> None:
         for g, held in enumerate(req.held):
             for key in reversed(held):  # tail blocks become the oldest: evicted first
-                if key is not None and key is not _PRIVATE:  # private blocks are freed with `reserved`
+                if key is not None and not isinstance(key, _Private):  # private: freed with `reserved`
                     self._unref((g, key))
         req.held = [[] for _ in req.held]
         self._reserved_total -= req.reserved
