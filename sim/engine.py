@@ -32,6 +32,26 @@ The model, and where it simplifies vLLM:
   `block_size` steps, and at completion), one BlockRemoved per evicted block,
   AllBlocksCleared on `reset_prefix_cache()` (refused while requests run, as in vLLM,
   unless forced: see there).
+
+KV cache groups (`EngineConfig.groups`, vLLM 0.33's hybrid models; empty = the model above, events
+without group fields): `block_size` is then the hash unit, each group has its own block size (a
+multiple of it) and holds its own blocks, keyed (group, hash); a group's block hash is the chain hash
+at its last hash unit. The hit is vLLM's fixed point over the groups (sim.cache_rules.longest_hit),
+aligned to the LCM of the group sizes, and blocks are cached up to that alignment. Sliding-window and
+mamba groups free the blocks that leave the attention (keeping their hash, so still hit-able until
+evicted) and, with sparse retention (`retention_interval` 0 or N), hash only the blocks that can serve
+a hit (sim.cache_rules.retained_blocks); the others are private memory. Their BlockStored is vLLM
+0.33's: one per group per request per step, `token_ids` over the whole range, skipped blocks included
+(vLLM issue 44451), also with no hash at all; `event_block_offsets` publishes one exact event per run
+instead. Simplifications: one pool of `num_blocks` blocks shared by every group (a block of any group
+is one block); a request reserves, per group, every block of prompt + max_tokens at admission (vLLM
+allocates the whole prompt for an unchunked prefill too; its mamba groups need far fewer); no EAGLE,
+no fine-grained mamba hits.
+Extra keys (vLLM's generate_block_hash_extra_keys): `cache_salt` enters block 0's hash, media items
+(`kvcache.blockkeys.MediaItem`) every block overlapping their placeholders as (identifier, offset from
+the block's start); the LoRA adapter already changes the chain's root. Events carry `extra_keys` per
+block (LoRA name first, media pairs, salt on block 0); without groups only when a request has a salt or
+media (as before otherwise).
 """
 from __future__ import annotations
 
@@ -40,15 +60,28 @@ import heapq
 from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+from functools import partial
 from math import ceil, floor
+from typing import Final
 
+from kvcache.blockkeys import MediaItem
 from kvcache.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, EventBatch, KVEvent
+from sim.cache_rules import (
+    FULL, GroupSpec, first_needed_block, longest_hit, retained_blocks, scheduler_block_size,
+)
 
 _MEDIUM = "GPU"
 _WORD = array("I").itemsize
 _LCG_A = 6364136223846793005
 _LCG_C = 1442695040888963407
 _MASK64 = 2**64 - 1
+
+
+class _Private:
+    """A held position whose block is memory outside the cache (counted in the request's `reserved`)."""
+
+
+_PRIVATE: Final = _Private()
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +98,12 @@ class EngineConfig:
     int_block_hashes: bool = True  # False: publish 32-byte hashes (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0)
     hash_seed: str = "kvgate-sim"
     data_parallel_rank: int | None = None  # carried in every EventBatch
+    groups: tuple[GroupSpec, ...] = ()  # KV cache groups; () = one full_attention group of block_size, old events
+    retention_interval: int | None = 0  # sparse groups: 0 only reachable boundaries (vLLM's default), None dense
+    publish_group_fields: bool = True  # with groups: group_idx, kv_cache_spec_kind, ..._sliding_window (0.22+)
+    # False: vLLM 0.33's sparse BlockStored, token_ids spanning skipped blocks (issue 44451). True: one exact
+    # event per run of hashed blocks. TODO: PR 44488's `block_offsets` field, once its shape is settled.
+    event_block_offsets: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks", "max_num_seqs"):
@@ -77,6 +116,22 @@ class EngineConfig:
             raise ValueError("EngineConfig: a decode step must take some time (tpot_base_s + tpot_per_seq_s > 0)")
         if not self.output_token_ids:
             raise ValueError("EngineConfig.output_token_ids must not be empty")
+        for i, g in enumerate(self.groups):
+            if not isinstance(g, GroupSpec):
+                raise ValueError(f"EngineConfig.groups[{i}] must be a GroupSpec, got {g!r}")
+            if g.block_size % self.block_size:
+                raise ValueError(f"EngineConfig.groups[{i}].block_size ({g.block_size}) must be a multiple of "
+                                 f"block_size, the hash unit ({self.block_size})")
+        r = self.retention_interval
+        if r is not None:
+            if type(r) is not int or r < 0:
+                raise ValueError(f"EngineConfig.retention_interval must be None or an int >= 0, got {r!r}")
+            if r and not any(g.sparse for g in self.groups):
+                raise ValueError("EngineConfig.retention_interval applies only to sliding_window and mamba groups; "
+                                 "set it to 0 (or None) for this model")
+            if r % scheduler_block_size(self.groups or (GroupSpec(FULL, self.block_size),)):
+                raise ValueError(f"EngineConfig.retention_interval ({r}) must be a multiple of the scheduler "
+                                 f"block size (the LCM of the groups' block sizes)")
 
     @property
     def max_model_len(self) -> int:
@@ -124,11 +179,13 @@ class EngineMetrics:
 class _Request:
     __slots__ = (
         "req_id", "tokens", "max_tokens", "lora", "arrival", "root", "digests", "keys", "seq", "packed",
-        "held", "reserved", "cached_tokens", "first_token_time", "join_step", "finish_step", "state",
+        "held", "freed", "reserved", "cached_tokens", "first_token_time", "join_step", "finish_step", "state",
+        "salt", "media", "junction",
     )
 
     def __init__(self, req_id: str, tokens: tuple[int, ...], packed: bytes, max_tokens: int, lora: str | None,
-                 arrival: float, root: bytes) -> None:
+                 arrival: float, root: bytes, n_groups: int, salt: str | None,
+                 media: tuple[MediaItem, ...]) -> None:
         self.req_id = req_id
         self.tokens = tokens
         self.max_tokens = max_tokens
@@ -139,7 +196,13 @@ class _Request:
         self.keys: list[BlockHash] = []  # published hash of each of those blocks
         self.seq: tuple[int, ...] = tokens  # prompt, then prompt + output once admitted
         self.packed = packed  # `seq` as 4-byte unsigned ints, for hashing
-        self.held: list[BlockHash | None] = []  # cached blocks referenced, in sequence order (None: private)
+        # Per group, per block in sequence order: the cached block's key it references, _PRIVATE (memory
+        # outside the cache), or None (no memory: outside the attention window, or freed).
+        self.held: list[list[BlockHash | _Private | None]] = [[] for _ in range(n_groups)]
+        self.freed = [0] * n_groups  # per group: blocks before this are None
+        self.salt = salt
+        self.media = media
+        self.junction = 0  # vLLM's shared_prefix_boundary: a shared prefix a sparse group had not cached
         self.reserved = 0  # blocks reserved but not (yet) cached
         self.cached_tokens = 0
         self.first_token_time = 0.0
@@ -155,6 +218,10 @@ class EngineModel:
         self.config = config or EngineConfig()
         c = self.config
         self._bs = c.block_size
+        self._legacy = not c.groups  # the one-group model of before: events without group fields
+        self._groups = c.groups or (GroupSpec(FULL, c.block_size),)
+        self._align = scheduler_block_size(self._groups)
+        self._ratio = tuple(g.block_size // c.block_size for g in self._groups)
         self._lora_ids = {name: i + 1 for i, name in enumerate(c.lora_names)}
         self._roots = {lora: hashlib.sha256(f"{c.hash_seed}\0{lora or ''}".encode()).digest()
                        for lora in (None, *c.lora_names)}
@@ -163,9 +230,9 @@ class EngineModel:
         self._peak_live = 0  # most requests live at once (waiting, prefilling or decoding) since start
         self._waiting: deque[_Request] = deque()
         self._running: dict[str, _Request] = {}
-        # KV cache: key -> reference count; unreferenced keys also in _lru, oldest release first.
-        self._blocks: dict[BlockHash, int] = {}
-        self._lru: OrderedDict[BlockHash, None] = OrderedDict()
+        # KV cache: (group, key) -> reference count; unreferenced entries also in _lru, oldest release first.
+        self._blocks: dict[tuple[int, BlockHash], int] = {}
+        self._lru: OrderedDict[tuple[int, BlockHash], None] = OrderedDict()
         self._reserved_total = 0
         # Prefill lane: FIFO, completion times non-decreasing.
         self._prefilling: deque[tuple[float, _Request]] = deque()
@@ -186,8 +253,10 @@ class EngineModel:
     # ---- public API -------------------------------------------------------------------------
 
     def add_request(self, req_id: str, token_ids: list[int] | tuple[int, ...], max_tokens: int, now: float,
-                    lora: str | None = None) -> None:
-        """Queue a request at time `now` (not before the last `advance`). Raises ValueError on bad input."""
+                    lora: str | None = None, *, cache_salt: str | None = None,
+                    mm_items: tuple[MediaItem, ...] = ()) -> None:
+        """Queue a request at time `now` (not before the last `advance`). `cache_salt` and `mm_items` (media
+        placeholders, by prompt position) enter the block hashes as in vLLM. Raises ValueError on bad input."""
         if isinstance(token_ids, (str, bytes, bytearray)):  # array() would read bytes as raw machine words
             raise ValueError("token ids must be a sequence of ints")
         try:
@@ -196,8 +265,12 @@ class EngineModel:
             raise ValueError(f"token ids must be ints in [0, 2**32): {e}") from e
         tokens = tuple(packed)
         self._validate(req_id, tokens, max_tokens, now, lora)
+        media = _checked_media(mm_items, len(tokens))
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
         self._run_until(now)
-        req = _Request(req_id, tokens, packed.tobytes(), max_tokens, lora, now, self._roots[lora])
+        req = _Request(req_id, tokens, packed.tobytes(), max_tokens, lora, now, self._roots[lora],
+                       len(self._groups), cache_salt, tuple(media))
         self._extend_keys(req, len(tokens) // self._bs)
         self._live[req_id] = req
         self._peak_live = max(self._peak_live, len(self._live))
@@ -272,10 +345,12 @@ class EngineModel:
         if (self._running or self._waiting) and not force:
             return False
         for req in self._running.values():
-            private = sum(key is not None for key in req.held)
-            req.reserved += private
-            self._reserved_total += private
-            req.held = [None] * len(req.held)  # positions kept: caching resumes after them
+            for held in req.held:
+                for i, key in enumerate(held):
+                    if key is not None and not isinstance(key, _Private):
+                        held[i] = _PRIVATE  # position kept: caching resumes after it
+                        req.reserved += 1
+                        self._reserved_total += 1
         self._blocks.clear()
         self._lru.clear()
         self._events.append(AllBlocksCleared())
@@ -303,8 +378,15 @@ class EngineModel:
         return self._clock
 
     def cached_block_hashes(self) -> set[BlockHash]:
-        """The keys of every block now in the prefix cache (for checks)."""
-        return set(self._blocks)
+        """The keys of every block now in the prefix cache, of any group (for checks)."""
+        return {key for _, key in self._blocks}
+
+    def cached_blocks_by_group(self) -> dict[int, set[BlockHash]]:
+        """The keys of the blocks now in the prefix cache, per KV cache group (for checks)."""
+        out: dict[int, set[BlockHash]] = {g: set() for g in range(len(self._groups))}
+        for g, key in self._blocks:
+            out[g].add(key)
+        return out
 
     def is_live(self, req_id: str) -> bool:
         return req_id in self._live
@@ -383,6 +465,7 @@ class EngineModel:
         if req.state != "prefill":  # aborted meanwhile
             return
         self._cache_upto(req, len(req.tokens) // self._bs)
+        self._free_skipped(req, len(req.tokens))
         req.first_token_time = t
         if req.max_tokens == 1:
             self._finish(req, t)
@@ -402,7 +485,9 @@ class EngineModel:
                 del self._decoding[req.req_id]
                 self._finish(req, t)
         for req in self._decoding.values():
-            self._cache_upto(req, (len(req.tokens) + self._steps - req.join_step) // self._bs)
+            n = len(req.tokens) + self._steps - req.join_step
+            self._cache_upto(req, n // self._bs)
+            self._free_skipped(req, n)
         self._join_pending(t)
 
     def _join_pending(self, t: float) -> None:
@@ -427,27 +512,30 @@ class EngineModel:
         c = self.config
         while self._waiting and len(self._running) < c.max_num_seqs:
             req = self._waiting[0]
-            max_hit = (len(req.tokens) - 1) // self._bs
-            hits = 0
-            hit_unreferenced = 0
-            for key in req.keys[:max_hit]:
-                rc = self._blocks.get(key)
-                if rc is None:
-                    break
-                hits += 1
-                hit_unreferenced += rc == 0
-            need = ceil((len(req.tokens) + req.max_tokens) / self._bs) - hits
+            holds = [partial(self._holds, req, g) for g in range(len(self._groups))]
+            hit, longest = longest_hit(self._groups, holds, len(req.tokens) - 1, self._align)
+            hit_entries = []  # per group: the cached entries the hit reuses, after None for skipped blocks
+            need = 0
+            for g, spec in enumerate(self._groups):
+                first, n = first_needed_block(spec, hit), hit // spec.block_size
+                hit_entries.append((first, [(g, self._key(req, g, i)) for i in range(first, n)]))
+                need += ceil((len(req.tokens) + req.max_tokens) / spec.block_size) - n
+            hit_unreferenced = sum(self._blocks[e] == 0 for _, entries in hit_entries for e in entries)
             free = c.num_blocks - len(self._blocks) - self._reserved_total
             if need > free + len(self._lru) - hit_unreferenced:
                 break  # head of line waits for blocks
             self._waiting.popleft()
-            for key in req.keys[:hits]:
-                self._ref(key)
-            req.held = list(req.keys[:hits])
+            for g, (first, entries) in enumerate(hit_entries):
+                for entry in entries:
+                    self._ref(entry)
+                req.held[g] = [None] * first
+                req.held[g] += [key for _, key in entries]
+                req.freed[g] = first
             self._evict(need - free)
             req.reserved = need
             self._reserved_total += need
-            req.cached_tokens = hits * self._bs
+            req.junction = longest if longest > hit else 0
+            req.cached_tokens = hit
             self._queries += len(req.tokens)
             self._hits += req.cached_tokens
             self._prompt_tokens += len(req.tokens)
@@ -460,63 +548,134 @@ class EngineModel:
             self._prefill_free_at = start + c.prefill_s_per_token * (len(req.tokens) - req.cached_tokens)
             self._prefilling.append((self._prefill_free_at + c.ttft_overhead_s, req))
 
-    def _ref(self, key: BlockHash) -> None:
-        rc = self._blocks[key]
+    def _key(self, req: _Request, g: int, i: int) -> BlockHash:
+        """The published hash of the request's block i in group g: the chain hash at its last hash unit."""
+        return req.keys[(i + 1) * self._ratio[g] - 1]
+
+    def _holds(self, req: _Request, g: int, i: int) -> bool:
+        return (g, self._key(req, g, i)) in self._blocks
+
+    def _ref(self, entry: tuple[int, BlockHash]) -> None:
+        rc = self._blocks[entry]
         if rc == 0:
-            del self._lru[key]
-        self._blocks[key] = rc + 1
+            del self._lru[entry]
+        self._blocks[entry] = rc + 1
+
+    def _unref(self, entry: tuple[int, BlockHash]) -> None:
+        rc = self._blocks[entry] - 1
+        self._blocks[entry] = rc
+        if rc == 0:
+            self._lru[entry] = None
 
     def _evict(self, n: int) -> None:
         for _ in range(n):
-            key, _ = self._lru.popitem(last=False)
-            del self._blocks[key]
-            self._events.append(BlockRemoved(block_hashes=(key,), medium=_MEDIUM))
+            (g, key), _ = self._lru.popitem(last=False)
+            del self._blocks[(g, key)]
+            group = None if self._legacy or not self.config.publish_group_fields else g
+            self._events.append(BlockRemoved(block_hashes=(key,), medium=_MEDIUM, group_idx=group))
 
-    def _cache_upto(self, req: _Request, n_full: int) -> None:
-        """Cache the request's full blocks [len(held), n_full): one BlockStored per run of new blocks."""
-        start = len(req.held)
+    def _cache_upto(self, req: _Request, n_units: int) -> None:
+        """Cache the request's blocks full within its first `n_units` hash units, in every group (up to the
+        scheduler block size when there are several groups, as vLLM does)."""
+        n_tokens = n_units * self._bs
+        if len(self._groups) > 1:
+            n_tokens -= n_tokens % self._align
+        for g in range(len(self._groups)):
+            self._cache_group(req, g, n_tokens // self._groups[g].block_size)
+
+    def _cache_group(self, req: _Request, g: int, n_full: int) -> None:
+        """Cache group g's full blocks [len(held), n_full) that retention keeps; share those already cached."""
+        held = req.held[g]
+        start = len(held)
         if n_full <= start:
             return
-        self._extend_keys(req, n_full)
-        run_start = None
+        self._extend_keys(req, n_full * self._ratio[g])
+        spec = self._groups[g]
+        mask = None
+        if not self._legacy:
+            boundaries = [len(req.tokens) - 1] + ([req.junction] if req.junction else [])
+            mask = retained_blocks(spec, start, n_full, self._align, self.config.retention_interval, boundaries)
+        new: list[int] = []
         for i in range(start, n_full):
-            key = req.keys[i]
-            if key in self._blocks:  # computed meanwhile by another request: share it
-                self._store_run(req, run_start, i)
-                run_start = None
-                self._ref(key)
+            if mask is not None and not mask[i - start]:
+                held.append(_PRIVATE)  # computed, never hashed: stays reserved until freed
+                continue
+            key = self._key(req, g, i)
+            if (g, key) in self._blocks:  # computed meanwhile by another request: share it
+                self._ref((g, key))
             else:
-                self._blocks[key] = 1
-                if run_start is None:
-                    run_start = i
-            req.held.append(key)
+                self._blocks[(g, key)] = 1
+                new.append(i)
+            held.append(key)
             req.reserved -= 1
             self._reserved_total -= 1
-        self._store_run(req, run_start, n_full)
-
-    def _store_run(self, req: _Request, start: int | None, end: int) -> None:
-        if start is None or start >= end:
+        if mask is not None and self.config.retention_interval is not None and spec.sparse \
+                and not self.config.event_block_offsets:
+            self._store(req, g, start, n_full, new)  # vLLM 0.33: one event over the whole range
             return
-        bs = self._bs
+        run: list[int] = []
+        for i in new:  # one exact event per run of consecutive new blocks
+            if run and i != run[-1] + 1:
+                self._store(req, g, run[0], run[-1] + 1, run)
+                run = []
+            run.append(i)
+        if run:
+            self._store(req, g, run[0], run[-1] + 1, run)
+
+    def _store(self, req: _Request, g: int, start: int, end: int, blocks: list[int]) -> None:
+        """One BlockStored for group g: the hashes of `blocks`, the token ids of blocks [start, end)."""
+        spec = self._groups[g]
+        bs = spec.block_size
+        extra = [self._event_extra_keys(req, i * bs, (i + 1) * bs) for i in blocks]
+        grouped = not self._legacy and self.config.publish_group_fields
         self._events.append(BlockStored(
-            block_hashes=tuple(req.keys[start:end]),
-            parent_block_hash=req.keys[start - 1] if start else None,
+            block_hashes=tuple(self._key(req, g, i) for i in blocks),
+            parent_block_hash=self._key(req, g, start - 1) if start else None,
             token_ids=req.seq[start * bs:end * bs],
             block_size=bs,
             lora_id=self._lora_ids.get(req.lora) if req.lora else None,
             medium=_MEDIUM,
             lora_name=req.lora,
+            extra_keys=tuple(extra) if extra and (not self._legacy or any(extra)) else None,
+            group_idx=g if grouped else None,
+            kv_cache_spec_kind=spec.kind if grouped else None,
+            kv_cache_spec_sliding_window=spec.sliding_window if grouped else None,
         ))
 
-    def _release(self, req: _Request) -> None:
-        for key in reversed(req.held):  # tail blocks become the oldest: evicted first
-            if key is None:  # private since a forced reset: freed with `reserved`
+    def _event_extra_keys(self, req: _Request, start: int, end: int) -> tuple | None:
+        """A block's extra keys as vLLM's events carry them: LoRA name, media (identifier, offset from the
+        block's start), the salt on block 0. Without groups, only for requests with a salt or media."""
+        keys = _hash_extras(req, start, end)
+        if self._legacy and not keys:
+            return None
+        if req.lora is not None:
+            keys = (req.lora, *keys)
+        return keys or None
+
+    def _free_skipped(self, req: _Request, n_computed: int) -> None:
+        """Free the blocks of sliding-window and mamba groups that left the attention, tail first (vLLM's
+        remove_skipped_blocks): cached ones stay in the cache, unreferenced."""
+        for g, spec in enumerate(self._groups):
+            if not spec.sparse:
                 continue
-            rc = self._blocks[key] - 1
-            self._blocks[key] = rc
-            if rc == 0:
-                self._lru[key] = None
-        req.held = []
+            held = req.held[g]
+            first = min(first_needed_block(spec, n_computed), len(held))
+            for i in range(first - 1, req.freed[g] - 1, -1):
+                key = held[i]
+                if isinstance(key, _Private):
+                    req.reserved -= 1
+                    self._reserved_total -= 1
+                elif key is not None:
+                    self._unref((g, key))
+                held[i] = None
+            req.freed[g] = max(req.freed[g], first)
+
+    def _release(self, req: _Request) -> None:
+        for g, held in enumerate(req.held):
+            for key in reversed(held):  # tail blocks become the oldest: evicted first
+                if key is not None and not isinstance(key, _Private):  # private: freed with `reserved`
+                    self._unref((g, key))
+        req.held = [[] for _ in req.held]
         self._reserved_total -= req.reserved
         req.reserved = 0
         self._running.pop(req.req_id, None)
@@ -542,8 +701,14 @@ class EngineModel:
         int_keys = self.config.int_block_hashes
         parent = digests[-1] if digests else req.root
         sha256 = hashlib.sha256
+        bs = self._bs
+        plain = req.salt is None and not req.media
         for i in range(len(digests), n_full):
-            parent = sha256(parent + packed[i * width:(i + 1) * width]).digest()
+            block = parent + packed[i * width:(i + 1) * width]
+            extras = () if plain else _hash_extras(req, i * bs, (i + 1) * bs)
+            if extras:
+                block += b"\0" + repr(extras).encode()
+            parent = sha256(block).digest()
             digests.append(parent)
             keys.append(int.from_bytes(parent[24:], "big") if int_keys else parent)
 
@@ -565,3 +730,29 @@ class EngineModel:
             self._batches.append(EventBatch(ts=t, events=tuple(self._events),
                                             data_parallel_rank=self.config.data_parallel_rank))
             self._events = []
+
+
+def _hash_extras(req: _Request, start: int, end: int) -> tuple:
+    """What enters the hash of the block of tokens [start, end) besides its tokens and the LoRA adapter:
+    (identifier, offset from the block's start) per media item overlapping it, then the salt on block 0."""
+    keys: list = [(m.identifier, m.offset - start) for m in req.media
+                  if m.offset < end and m.offset + m.length > start]
+    if start == 0 and req.salt is not None:
+        keys.append(req.salt)
+    return tuple(keys)
+
+
+def _checked_media(items: tuple[MediaItem, ...] | list[MediaItem], n_tokens: int) -> list[MediaItem]:
+    out = list(items)
+    end = 0
+    for m in out:
+        if not isinstance(m, MediaItem):
+            raise ValueError(f"mm_items must be MediaItem, got {m!r}")
+        if not isinstance(m.identifier, str) or not m.identifier:
+            raise ValueError(f"a media item needs a non-empty identifier, got {m.identifier!r}")
+        if type(m.offset) is not int or type(m.length) is not int or m.length < 1 or m.offset < end \
+                or m.offset + m.length > n_tokens:
+            raise ValueError(f"media placeholders must be sorted, disjoint and inside the prompt "
+                             f"({n_tokens} tokens), got {m!r}")
+        end = m.offset + m.length
+    return out
