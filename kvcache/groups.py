@@ -130,9 +130,8 @@ def group_hit(group: Group, held: int, limit: int, unit: int, align: int) -> int
             if held >> j & 1 and (j + 1) * bs % align == 0:
                 return (j + 1) * bs
         return 0
-    need = -(-(group.window - 1) // bs)  # type: ignore[operator]  # WINDOW: window is set
-    if need <= 0:
-        return nb * bs // align * align
+    need = max(1, -(-(group.window - 1) // bs))  # type: ignore[operator]  # WINDOW: window is set
+    # (vLLM's scan needs one cached block even for a window of one token)
     run = 0
     for j in range(nb - 1, -1, -1):
         if held >> j & 1:

@@ -188,3 +188,38 @@ def test_hybrid_batches_from_the_wire_take_the_general_path(generation):
     from kvcache.wire import decode_batch
     ix.apply("a", "m", 0, decode_batch(payload).batch.events)
     assert hit_tokens(ix, p) == 832
+
+
+def test_hit_rules_agree_with_the_simulated_engines_reference_on_random_group_layouts():
+    """kvcache.groups against sim.cache_rules (written apart, from vLLM's source): random groups (full
+    attention, sliding windows, mamba; block sizes multiples of a unit), random held blocks."""
+    import random
+
+    from kvcache.groups import Group, longest_hit, rule_of
+    from sim import cache_rules as ref
+
+    rng = random.Random(25)
+    kinds = ("full_attention", "sliding_window", "mamba")
+    for case in range(3000):
+        unit = rng.choice((1, 2, 4, 16))
+        specs = []
+        for _ in range(rng.randint(1, 3)):
+            kind = rng.choice(kinds)
+            bs = unit * rng.choice((1, 1, 2, 3))
+            window = rng.randint(1, 10 * bs) if kind == "sliding_window" else None
+            specs.append(ref.GroupSpec(kind, bs, window))
+        ours = []
+        for i, sp in enumerate(specs):
+            rule, modelled = rule_of(i, sp.kind, sp.sliding_window)
+            ours.append(Group(i, sp.kind, sp.block_size, sp.sliding_window, rule, modelled))
+        align = ref.scheduler_block_size(specs)
+        n_tokens = rng.randint(1, 40 * unit)
+        density = rng.random()
+        held_sets = [{j for j in range(n_tokens // sp.block_size + 1) if rng.random() < density} for sp in specs]
+        bitmaps = []
+        for sp, held in zip(specs, held_sets):
+            r = sp.block_size // unit
+            bitmaps.append(sum(1 << ((j + 1) * r - 1) for j in held))
+        want, _ = ref.longest_hit(specs, [held.__contains__ for held in held_sets], n_tokens - 1, align)
+        got = longest_hit(ours, bitmaps, n_tokens, unit, align)
+        assert got == want, (case, specs, held_sets, n_tokens)
