@@ -1,7 +1,9 @@
 """`kvgate sim`: run one simulated vLLM engine until SIGINT/SIGTERM.
 
 Prints one JSON line when serving: {"name", "url", "model", "loras", "dp_size",
-"block_size", "num_blocks", "kv_events": {"generation", "pub_ports", "replay_ports"} | null}.
+"block_size", "num_blocks", "kv_events": {"generation", "pub_ports", "replay_ports"} | null,
+"groups": [{"kind", "block_size", "sliding_window"}, ...], "retention_interval",
+"image": {"placeholder_token_id", "tokens_per_image"}}.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import sys
 import zmq
 
 from kvcache.wire import GENERATIONS
+from sim import shapes
 from sim.engine import EngineConfig
 from sim.server import SimOptions, SimServer
 
@@ -30,6 +33,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--tokenizer", default=None, help="tokenizer directory (default: the project's test tokenizer)")
     a("--block-size", type=int, default=d.block_size, help=f"tokens per KV block (default {d.block_size})")
     a("--num-blocks", type=int, default=d.num_blocks, help=f"KV cache capacity in blocks (default {d.num_blocks})")
+    a("--model-shape", choices=tuple(shapes.MODEL_SHAPES), default="dense",
+      help="KV cache groups: dense (one full-attention group), hybrid (gpt-oss-like: group 0 sliding window, "
+      "group 1 full attention), mamba-hybrid (group 0 full attention, group 1 mamba with "
+      f"{shapes.MAMBA_BLOCK_FACTOR}x larger blocks) (default dense)")
+    a("--retention", choices=tuple(shapes.RETENTIONS), default="sparse",
+      help="which sliding-window and mamba blocks keep a hash: sparse (vLLM's default since 0.29, "
+      "prefix_cache_retention_interval 0) or dense (every block) (default sparse)")
+    a("--sliding-window", type=int, default=shapes.DEFAULT_SLIDING_WINDOW,
+      help=f"sliding window in tokens of the hybrid shape (default {shapes.DEFAULT_SLIDING_WINDOW})")
+    a("--image-tokens", type=int, default=64, help="placeholder tokens per image in chat prompts (default 64)")
     a("--max-num-seqs", type=int, default=d.max_num_seqs, help=f"most running requests (default {d.max_num_seqs})")
     a("--ttft-overhead-ms", type=float, default=d.ttft_overhead_s * 1e3,
       help=f"fixed time to first token (default {d.ttft_overhead_s * 1e3:g})")
@@ -65,6 +78,8 @@ def options_from_args(args: argparse.Namespace) -> SimOptions:
         dp_size=args.dp_size, kv_events=not args.no_kv_events, kv_events_port=args.kv_events_port,
         replay_port=args.replay_port or None, kv_events_generation=args.kv_events_generation,
         max_tokens_default=args.max_tokens_default, tokenizer_path=args.tokenizer,
+        model_shape=args.model_shape, retention=args.retention, sliding_window=args.sliding_window,
+        image_tokens=args.image_tokens,
     )
 
 

@@ -4,9 +4,11 @@ speaks them: parsing with clear 400s, and the JSON bodies and SSE chunks.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvcache.blockkeys import MediaItem
 from tokenizer.types import ChatInput, PromptInput
 
 _ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 409: "ConflictError", 500: "InternalServerError",
@@ -50,6 +52,7 @@ class GenerationRequest:
     max_tokens: int | None  # None: the server's default
     stream: bool
     include_usage: bool
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +105,25 @@ def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
     return stream, include_usage
 
 
+_SALT_FORBIDDEN = frozenset("@/\\\0")
+_SALT_MAX_CHARS = 128
+
+
+def _cache_salt(body: dict[str, Any]) -> str | None:
+    """vLLM's validate_cache_salt (vllm/entrypoints/generate/base/protocol.py, run before field validation on
+    the chat and completion request models): absent or null is no salt; anything else must be a non-empty
+    string of at most 128 characters without '@', '/', '\\' or NUL."""
+    salt = body.get("cache_salt")
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not salt:
+        raise ApiError(400, "Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
+    if len(salt) > _SALT_MAX_CHARS or any(c in _SALT_FORBIDDEN for c in salt):
+        raise ApiError(400, "Parameter 'cache_salt' must be at most 128 characters and must not contain "
+                            "'@', '/', '\\\\', or NUL.", "cache_salt")
+    return salt
+
+
 def _prompt(value: Any, add_special_tokens: bool) -> PromptInput:
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
         value = value[0]  # a batch of one
@@ -133,22 +155,24 @@ def _chat_input(body: dict[str, Any]) -> ChatInput:
 
 def parse_completion(body: Any, served: ServedModels) -> GenerationRequest:
     body = _object(body)
+    salt = _cache_salt(body)
     lora = served.resolve(body.get("model"))
     if "prompt" not in body:
         raise ApiError(400, "`prompt` is required", "prompt")
     item = _prompt(body["prompt"], _typed(body, "add_special_tokens", bool, True))
     stream, include_usage = _stream(body)
     return GenerationRequest("completion", body.get("model") or served.base, lora, item,
-                             _max_tokens(body, "max_tokens"), stream, include_usage)
+                             _max_tokens(body, "max_tokens"), stream, include_usage, salt)
 
 
 def parse_chat(body: Any, served: ServedModels) -> GenerationRequest:
     body = _object(body)
+    salt = _cache_salt(body)
     lora = served.resolve(body.get("model"))
     item = _chat_input(body)
     stream, include_usage = _stream(body)
     return GenerationRequest("chat", body.get("model") or served.base, lora, item,
-                             _max_tokens(body, "max_completion_tokens", "max_tokens"), stream, include_usage)
+                             _max_tokens(body, "max_completion_tokens", "max_tokens"), stream, include_usage, salt)
 
 
 def parse_tokenize(body: Any, served: ServedModels) -> TokenizeRequest:
@@ -211,3 +235,23 @@ def chunk(req: GenerationRequest, response_id: str, created: int, fingerprint: s
     else:
         body["choices"] = [choice]
     return body
+
+
+def render_body(request_id: str, model: str, token_ids: list[int], media: Sequence[MediaItem], max_tokens: int,
+                cache_salt: str | None, stream: bool = False, include_usage: bool = False) -> dict[str, Any]:
+    """One GenerateRequest as vLLM's render endpoints return it (vllm/entrypoints/serve/disagg/protocol.py):
+    /v1/chat/completions/render answers one, /v1/completions/render a list of one per prompt. `features`
+    is null without media, else per modality the items' hashes and placeholder ranges (`kwargs_data` null:
+    the sim has no tensors, as vLLM's metadata-only answer). `sampling_params` is a subset of vLLM's dump."""
+    features = None
+    if media:
+        features = {"mm_hashes": {"image": [m.identifier for m in media]},
+                    "mm_placeholders": {"image": [{"offset": m.offset, "length": m.length} for m in media]},
+                    "kwargs_data": None}
+    sampling: dict[str, Any] = {"n": 1, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "seed": None, "stop": [],
+                "stop_token_ids": [], "max_tokens": max_tokens, "min_tokens": 0}
+    return {"request_id": request_id, "token_ids": token_ids, "features": features, "sampling_params": sampling,
+            "model": model, "stream": stream,
+            "stream_options": {"include_usage": include_usage, "continuous_usage_stats": False} if stream else None,
+            "cache_salt": cache_salt, "priority": 0,
+            "kv_transfer_params": None}

@@ -21,12 +21,17 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from kvcache.blockkeys import MediaItem
 from kvcache.publisher import EventPublisher
+from sim import media, shapes
 from sim.engine import Completion, EngineConfig, EngineModel
+from sim.media import PromptTokens
 from sim.metrics import EngineCollector, engine_registry
 from sim.protocol import (
-    ApiError, GenerationRequest, ServedModels, chunk, full_body, parse_chat, parse_completion, parse_tokenize, usage,
+    ApiError, GenerationRequest, ServedModels, chunk, full_body, parse_chat, parse_completion, parse_tokenize,
+    render_body, usage,
 )
+from tokenizer import vllm_chat
 from tokenizer.local import LocalTokenizer
 from tokenizer.types import ChatInput
 
@@ -51,8 +56,15 @@ class SimOptions:
     kv_events_generation: str = "0.33"
     max_tokens_default: int = 16
     tokenizer_path: str | None = None  # None: the project's test tokenizer
+    model_shape: str | None = None  # sim.shapes.MODEL_SHAPES; None: the groups `engine` has
+    retention: str | None = None  # "sparse" | "dense" (sim.shapes.RETENTIONS); None: as `engine` has it
+    sliding_window: int = shapes.DEFAULT_SLIDING_WINDOW  # tokens, of the hybrid shape's sliding-window group
+    image_tokens: int = 64  # placeholder tokens per image in a chat prompt (sim.media)
 
     def __post_init__(self) -> None:
+        shapes.check(self.model_shape, self.retention, self.sliding_window)
+        if type(self.image_tokens) is not int or self.image_tokens < 1:
+            raise ValueError(f"image_tokens must be an int >= 1, got {self.image_tokens!r}")
         if self.dp_size < 1:
             raise ValueError(f"dp_size must be >= 1, got {self.dp_size}")
         if self.max_tokens_default < 1:
@@ -106,8 +118,10 @@ class _Rank:
                 fut.set_result(done)
         self._publish()
 
-    def submit(self, req_id: str, tokens: list[int], max_tokens: int, lora: str | None) -> asyncio.Future[Completion]:
-        self.engine.add_request(req_id, tokens, max_tokens, self._clock(), lora)  # ValueError: bad request
+    def submit(self, req_id: str, tokens: list[int], max_tokens: int, lora: str | None, cache_salt: str | None,
+               mm_items: tuple[MediaItem, ...]) -> asyncio.Future[Completion]:
+        self.engine.add_request(req_id, tokens, max_tokens, self._clock(), lora,  # ValueError: bad request
+                                cache_salt=cache_salt, mm_items=mm_items)
         fut: asyncio.Future[Completion] = asyncio.get_running_loop().create_future()
         self.waiters[req_id] = fut
         self.sync()
@@ -159,10 +173,14 @@ class SimServer:
             from tokenizer import testdata
             path = str(testdata.path())
         self.tokenizer = LocalTokenizer.from_path(path, fast=False)  # the engine tokenizes as vLLM: no word cache
-        self._vocab_size = len(self.tokenizer.hf)
         self._token_text = _output_pool(self.tokenizer)
+        # The image placeholder: one special token of this server's own tokenizer (sim.media).
+        self.tokenizer.hf.add_tokens([media.PLACEHOLDER], special_tokens=True)
+        self.image_token_id: int = self.tokenizer.hf.convert_tokens_to_ids(media.PLACEHOLDER)
+        self._vocab_size = len(self.tokenizer.hf)
         pool = tuple(self._token_text)
-        self.engine_config = dataclasses.replace(options.engine, output_token_ids=pool)
+        engine = shapes.shaped(options.engine, options.model_shape, options.retention, options.sliding_window)
+        self.engine_config = dataclasses.replace(engine, output_token_ids=pool)
         self._served = ServedModels(options.model, self.engine_config.lora_names)
         self._t0 = time.monotonic()
         self.ranks: list[_Rank] = []
@@ -196,6 +214,8 @@ class SimServer:
             app.add_routes([
                 web.post("/v1/completions", self._completions),
                 web.post("/v1/chat/completions", self._chat),
+                web.post("/v1/completions/render", self._completions_render),
+                web.post("/v1/chat/completions/render", self._chat_render),
                 web.get("/v1/models", self._models),
                 web.post("/tokenize", self._tokenize),
                 web.get("/health", self._health),
@@ -242,7 +262,10 @@ class SimServer:
                   "replay_ports": None if o.replay_port is None else [o.replay_port + r for r in range(o.dp_size)]}
         return {"name": self.name, "url": self.url, "model": o.model, "loras": list(self.engine_config.lora_names),
                 "dp_size": o.dp_size, "block_size": self.engine_config.block_size,
-                "num_blocks": self.engine_config.num_blocks, "kv_events": kv}
+                "num_blocks": self.engine_config.num_blocks, "kv_events": kv,
+                "groups": [dataclasses.asdict(g) for g in self.engine_config.groups],
+                "retention_interval": self.engine_config.retention_interval,
+                "image": {"placeholder_token_id": self.image_token_id, "tokens_per_image": o.image_tokens}}
 
     # ---- handlers -----------------------------------------------------------------------------
 
@@ -258,23 +281,48 @@ class SimServer:
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, parse_chat(await _json(request), self._served))
 
-    async def _encode(self, item: Any, add_special_tokens: bool | None = None, size: int | None = None) -> list[int]:
-        """Tokens of `item`; `size` is its request body's length. Small inputs are tokenized on the event loop
-        (well under a millisecond: a worker thread would cost more than the work); big ones in a worker thread."""
+    async def _completions_render(self, request: web.Request) -> web.Response:
+        """vLLM's /v1/completions/render: a list of one GenerateRequest per prompt (the sim takes one)."""
+        return await self._render(request, parse_completion(await _json(request), self._served), listed=True)
+
+    async def _chat_render(self, request: web.Request) -> web.Response:
+        """vLLM's /v1/chat/completions/render: one GenerateRequest."""
+        return await self._render(request, parse_chat(await _json(request), self._served), listed=False)
+
+    async def _render(self, request: web.Request, req: GenerationRequest, listed: bool) -> web.Response:
+        prompt, max_tokens = await self._prompt(request, req)
+        body = render_body(self._response_id(request, req), req.model, prompt.token_ids, prompt.media, max_tokens,
+                           req.cache_salt, req.stream, req.include_usage)
+        return web.json_response([body] if listed else body, headers=self._headers())
+
+    async def _encode(self, item: Any, add_special_tokens: bool | None = None, size: int | None = None) -> PromptTokens:
+        """Tokens of `item` (with its images' placeholders, sim.media); `size` is its request body's length.
+        Small inputs are tokenized on the event loop (well under a millisecond: a worker thread would cost
+        more than the work); big ones in a worker thread."""
         try:
             if size is not None and size <= _INLINE_BYTES:
                 return self._encode_now(item, add_special_tokens)
             return await asyncio.to_thread(self._encode_now, item, add_special_tokens)
-        except ValueError as e:
+        except ValueError as e:  # media.MediaError too
             raise ApiError(400, str(e)) from e
 
-    def _encode_now(self, item: Any, add_special_tokens: bool | None) -> list[int]:
+    def _encode_now(self, item: Any, add_special_tokens: bool | None) -> PromptTokens:
+        identifiers: list[str] = []
+        if isinstance(item, ChatInput) and media.has_media(item):
+            template = self.tokenizer.template(item.chat_template, vllm_chat.tool_dicts(item.tools))
+            item, identifiers = media.with_placeholders(item, vllm_chat.content_format(template), self.options.model)
         if isinstance(item, ChatInput) and add_special_tokens:
-            return self.tokenizer.encode_prompt(self.tokenizer.render_chat(item), True)
-        return self.tokenizer.encode(item)
+            ids = self.tokenizer.encode_prompt(self.tokenizer.render_chat(item), True)
+        else:
+            ids = self.tokenizer.encode(item)
+        if not identifiers:  # a placeholder token without an image stays one token, as in vLLM
+            return PromptTokens(ids)
+        return media.expand(ids, self.image_token_id, identifiers, self.options.image_tokens)
 
-    async def _generate(self, request: web.Request, req: GenerationRequest) -> web.StreamResponse:
-        tokens = await self._encode(req.item, size=request.content_length)
+    async def _prompt(self, request: web.Request, req: GenerationRequest) -> tuple[PromptTokens, int]:
+        """The request's prompt as the engine gets it, and its max_tokens; ApiError as vLLM refuses them."""
+        prompt = await self._encode(req.item, size=request.content_length)
+        tokens = prompt.token_ids
         if not tokens:
             raise ApiError(400, "the prompt encodes to no tokens", "prompt")
         bad = next((t for t in tokens if not 0 <= t < self._vocab_size), None)
@@ -288,16 +336,24 @@ class SimServer:
             raise ApiError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
                                 f"{len(tokens) + max_tokens} tokens ({len(tokens)} in the messages, {max_tokens} "
                                 f"in the completion). Please reduce the length of the messages or completion.")
+        return prompt, max_tokens
+
+    @staticmethod
+    def _response_id(request: web.Request, req: GenerationRequest) -> str:
+        prefix = "chatcmpl" if req.kind == "chat" else "cmpl"
+        return f"{prefix}-{request.headers.get('X-Request-Id') or uuid.uuid4().hex}"
+
+    async def _generate(self, request: web.Request, req: GenerationRequest) -> web.StreamResponse:
+        prompt, max_tokens = await self._prompt(request, req)
         rank = self._rank_for(request)
         if isinstance(rank, ApiError):
             if req.stream:  # vLLM meets the bad rank inside the stream it has already answered 200 to
                 return await self._stream_error(request, rank)
             raise rank
-        prefix = "chatcmpl" if req.kind == "chat" else "cmpl"
-        response_id = f"{prefix}-{request.headers.get('X-Request-Id') or uuid.uuid4().hex}"
+        response_id = self._response_id(request, req)
         engine_id = f"{response_id}-{uuid.uuid4().hex[:8]}"
         try:
-            fut = rank.submit(engine_id, tokens, max_tokens, req.lora)
+            fut = rank.submit(engine_id, prompt.token_ids, max_tokens, req.lora, req.cache_salt, prompt.media)
         except ValueError as e:
             raise ApiError(400, str(e)) from e
         try:
@@ -384,7 +440,7 @@ class SimServer:
     async def _tokenize(self, request: web.Request) -> web.Response:
         req = parse_tokenize(await _json(request), self._served)
         size = request.content_length
-        tokens = await self._encode(req.item, req.add_special_tokens, size)
+        tokens = (await self._encode(req.item, req.add_special_tokens, size)).token_ids
         strs = None
         if req.return_token_strs:
             if size is not None and size <= _INLINE_BYTES:
