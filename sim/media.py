@@ -4,8 +4,9 @@ placeholder tokens in the prompt, and the engine gets a `MediaItem(identifier, o
 How vLLM does it, and what is simplified here:
 - A media content part (`{"type": "image_url", "image_url": {"url": ...}, "uuid": ...}`) becomes the model's
   placeholder string in the message text; in the "string" content format vLLM puts the placeholders of a
-  message before its text, joined by newlines ("\\n".join(placeholders + [text])); in the "openai" format the
-  part stays in place for the template to render. Here the placeholder string is one special token the sim
+  message before its text, joined by newlines ("\\n".join(placeholders + [text]); only those the text does
+  not hold itself, more there than images is refused); in the "openai" format the part stays in place for
+  the template to render. Here the placeholder string is one special token the sim
   adds to its tokenizer (`PLACEHOLDER`), kept where vLLM keeps it; after tokenization each occurrence is
   expanded to `tokens_per_image` copies of that token's id (vLLM's processor expands it to the model's
   feature size; here the size is fixed).
@@ -99,13 +100,15 @@ def with_placeholders(item: ChatInput, content_format: str, model: str) -> tuple
                     parts.append(placeholder)
                 else:
                     parts.append(part)
-        else:  # vLLM: "\n".join(placeholders + [text of the message])
+        else:  # vLLM: the placeholders the text lacks, then the text, joined by newlines
             media = [p for p in content if _is_media(p)]
             identifiers.extend(image_identifier(model, p) for p in media)
             rest = [p for p in content if not _is_media(p)]
-            parts = [placeholder] * len(media) + rest
-            if not any(_has_text(p) for p in rest):
-                parts.append({"type": "text", "text": ""})
+            missing = len(media) - sum(_text(p).count(PLACEHOLDER) for p in rest)
+            if missing < 0:
+                raise MediaError(f"Found more '{PLACEHOLDER}' placeholders in input prompt than actual multimodal "
+                                 "data items.")
+            parts = [placeholder] * missing + rest
         messages.append({**message, "content": parts})
     return replace(item, messages=tuple(messages)), identifiers
 
@@ -139,10 +142,10 @@ def _is_media(part: Any) -> bool:
     return False
 
 
-def _has_text(part: Any) -> bool:
+def _text(part: Any) -> str:
     if isinstance(part, str):
-        return True
+        return part
     if not isinstance(part, Mapping) or part.get("type") not in _TEXT_PARTS:
-        return False
-    key = {"thinking": "thinking", "refusal": "refusal"}.get(part["type"], "text")
-    return isinstance(part.get(key), str)
+        return ""
+    text = part.get({"thinking": "thinking", "refusal": "refusal"}.get(part["type"], "text"))
+    return text if isinstance(text, str) else ""

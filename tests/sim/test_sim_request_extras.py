@@ -160,7 +160,8 @@ async def test_images_become_placeholder_runs_and_media_items(sim: SimServer, cl
     assert t.status_code == 200 and t.json()["tokens"] == tokens
 
 
-async def test_image_identifiers_follow_the_bytes_and_the_uuid(client: httpx.AsyncClient, spy: Spy) -> None:
+async def test_image_identifiers_follow_the_bytes_and_the_uuid(sim: SimServer, client: httpx.AsyncClient, spy: Spy,
+                                                              tok_with_placeholder: LocalTokenizer) -> None:
     other_png = "data:image/png;base64," + base64.b64encode(PNG + b"!").decode()
     images = [image(DATA_URL), image(other_png), image(HTTP_URL), image(uuid="only-a-uuid"),
               image(DATA_URL, uuid="u-2")]
@@ -179,7 +180,11 @@ async def test_image_identifiers_follow_the_bytes_and_the_uuid(client: httpx.Asy
     assert spy.calls[-2][1]["mm_items"] == ()
     first, second = spy.calls[-1][1]["mm_items"]
     assert first.identifier == second.identifier == hashed(PNG)
-    assert second.offset >= first.offset + N_IMAGE
+    assert second.offset == first.offset + N_IMAGE + 1  # images only: "\n".join(placeholders), no text after
+    tokens, ph = spy.calls[-1][0], sim.image_token_id
+    collapsed = [t for i, t in enumerate(tokens) if t != ph or i == 0 or tokens[i - 1] != ph]
+    only = ({"role": "user", "content": f"{media.PLACEHOLDER}\n{media.PLACEHOLDER}"},)
+    assert collapsed == tok_with_placeholder.encode_chat(ChatInput(messages=only))
 
 
 @pytest.mark.parametrize("part, words", [
@@ -197,10 +202,22 @@ async def test_bad_media_parts_are_refused(client: httpx.AsyncClient, spy: Spy, 
     assert spy.calls == []
 
 
-async def test_placeholder_text_beside_an_image_is_refused(client: httpx.AsyncClient) -> None:
-    content = [image(DATA_URL), {"type": "text", "text": f"look: {media.PLACEHOLDER}"}]
-    r = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": content}]})
-    assert r.status_code == 400 and "2 image placeholders" in r.json()["error"]["message"]
+async def test_a_placeholder_the_text_holds_is_used_not_added(sim: SimServer, client: httpx.AsyncClient,
+                                                              spy: Spy) -> None:
+    held = [{"type": "text", "text": f"look: {media.PLACEHOLDER} and say"}, image(DATA_URL)]
+    r = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": held}]})
+    assert r.status_code == 200, r.text
+    plain = [{"type": "text", "text": "look:  and say"}, image(DATA_URL)]
+    assert (await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": plain}]})
+            ).status_code == 200
+    (in_text, kw), (in_front, kw_front) = spy.calls
+    assert [(m.offset, m.length) for m in kw["mm_items"]] == _runs(in_text, sim.image_token_id)
+    assert kw["mm_items"][0].offset > kw_front["mm_items"][0].offset  # where the text put it, not in front
+    two = [{"type": "text", "text": media.PLACEHOLDER * 2}, image(DATA_URL)]
+    r = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": two}]})
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == (f"Found more '{media.PLACEHOLDER}' placeholders in input prompt than "
+                                            "actual multimodal data items.")
 
 
 # ---- render ------------------------------------------------------------------------------------
