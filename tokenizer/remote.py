@@ -1,7 +1,9 @@
 """The engine's own tokenizer: vLLM's `POST /tokenize`, through one pooled `httpx.AsyncClient`.
 
 Requests use vLLM's TokenizeCompletionRequest / TokenizeChatRequest shapes and read
-TokenizeResponse (`count`, `max_model_len`, `tokens`, `token_strs`). 429 and 5xx
+TokenizeResponse (`count`, `max_model_len`, `tokens`, `token_strs`). Chat requests with media go to
+`POST /v1/chat/completions/render` instead (`render_chat`): the engine's token ids with each media item's
+hash and placeholder range, which the engine's block hashes carry. 429 and 5xx
 answers and connection failures are retried with exponential backoff (full
 jitter), honouring Retry-After, all within one total time budget; anything else,
 or running out of budget, raises TokenizerError quickly so routing can fall back.
@@ -22,15 +24,16 @@ import random
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from tokenizer.transport import OneWriteTransport, environment_mounts
-from tokenizer.types import ChatInput, PromptInput, TokenizeInput, TokenizerError
+from tokenizer.types import ChatInput, PromptInput, Rendered, RenderedMedia, TokenizeInput, TokenizerError
 
 _JSON_HEADERS = {"content-type": "application/json"}
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,21 +110,43 @@ class RemoteTokenizer:
     async def tokenize(self, model: str, item: TokenizeInput, *, base_url: str | None = None) -> list[int]:
         if isinstance(item, PromptInput) and item.token_ids is not None:
             return list(item.token_ids)
-        base = self._endpoints.get(model) or (base_url.rstrip("/") if base_url else None)
-        if not base:
-            raise TokenizerError(f"no tokenizer endpoint for model {model!r}: none configured and no ready pod given")
+        base = self._base(model, base_url)
         try:
             body = json.dumps(request_body(model, item), ensure_ascii=False, allow_nan=False).encode("utf-8")
         except (TypeError, ValueError) as e:  # UnicodeEncodeError (lone surrogates) is a ValueError
             raise TokenizerError(f"the request cannot be sent as JSON: {e}") from None
-        url = f"{base}/tokenize"
+        return await self._call(f"{base}/tokenize", body, model, parse_response)
+
+    async def render_chat(self, model: str, body: bytes, *, base_url: str | None = None) -> Rendered:
+        """The engine's rendering of a chat request (`POST /v1/chat/completions/render`): its token ids and media
+        items with the engine's hashes and placeholder ranges. `body` is the client's own /v1/chat/completions
+        body (a JSON object), sent as it came, asking the engine to leave the processed media tensors out of its
+        answer (`return_mm_kwargs: false`; engines that do not know the field ignore it). Same retries and time
+        budget as `tokenize`; raises TokenizerError."""
+        base = self._base(model, base_url)
+        start = body.find(b"{")
+        if start < 0:
+            raise TokenizerError("the request body is not a JSON object")
+        rest = body[start + 1:].lstrip()
+        # The client's own field, if it sent one, comes later in the object and wins (the last duplicate key).
+        body = b'{"return_mm_kwargs":false' + (b"}" if rest[:1] == b"}" else b"," + rest)
+        return await self._call(f"{base}/v1/chat/completions/render", body, model, parse_render_response)
+
+    def _base(self, model: str, base_url: str | None) -> str:
+        base = self._endpoints.get(model) or (base_url.rstrip("/") if base_url else None)
+        if not base:
+            raise TokenizerError(f"no tokenizer endpoint for model {model!r}: none configured and no ready pod given")
+        return base
+
+    async def _call(self, url: str, body: bytes, model: str, parse: Callable[[bytes, str], _T]) -> _T:
+        """POST `body` to `url` and parse the answer, retrying as the options say, within the total budget."""
         started = time.monotonic()
         deadline = started + self._options.total_timeout_s
         attempt = 0
         while True:
             remaining = deadline - time.monotonic()
             try:
-                ids = await self._attempt(url, body, min(self._options.attempt_timeout_s, remaining))
+                out = parse(await self._attempt(url, body, min(self._options.attempt_timeout_s, remaining)), url)
             except _Retryable as e:
                 attempt += 1
                 delay = self._delay(attempt, e.retry_after)
@@ -136,7 +161,7 @@ class RemoteTokenizer:
                 self._metrics.failures.inc()
                 raise
             self._metrics.seconds.observe(time.monotonic() - started)
-            return ids
+            return out
 
     def _http(self) -> httpx.AsyncClient:
         if self._client is None:
@@ -159,7 +184,7 @@ class RemoteTokenizer:
             )
         return self._client
 
-    async def _attempt(self, url: str, body: bytes, timeout_s: float) -> list[int]:
+    async def _attempt(self, url: str, body: bytes, timeout_s: float) -> bytes:
         if timeout_s <= 0:
             raise _Retryable("no time left")
         client = self._http()
@@ -186,7 +211,7 @@ class RemoteTokenizer:
             text = content[:200].decode("utf-8", "replace")
             raise TokenizerError(f"tokenizer at {url} refused the request: HTTP {status}: {text}")
         self._metrics.ok.inc()
-        return parse_response(content, url)
+        return content
 
     def _delay(self, attempt: int, retry_after: float | None) -> float:
         backoff = self._rng() * min(self._options.backoff_max_s, self._options.backoff_base_s * 2 ** (attempt - 1))
@@ -233,6 +258,45 @@ def parse_response(content: bytes, url: str = "tokenizer") -> list[int]:
     if count is not None and count != len(tokens):
         raise TokenizerError(f"{url} answered count={count!r} for {len(tokens)} tokens")
     return tokens
+
+
+def parse_render_response(content: bytes, url: str = "render") -> Rendered:
+    """vLLM's render answer (a GenerateRequest: `token_ids`, and `features` null or {`mm_hashes`: {modality: [hash,
+    ...]}, `mm_placeholders`: {modality: [{`offset`, `length`}, ...]}, `kwargs_data`}) -> Rendered, its media in
+    prompt order. A placeholder without a hash beside it (a shorter or missing hash list, a null entry) gets
+    identifier None; a placeholder outside the token ids, or any other shape, is a TokenizerError."""
+    try:
+        data = json.loads(content)
+    except ValueError:
+        raise TokenizerError(f"{url} answered with something that is not JSON") from None
+    tokens = data.get("token_ids") if isinstance(data, dict) else None
+    if not isinstance(tokens, list) or not set(map(type, tokens)) <= {int}:
+        raise TokenizerError(f"{url} answered without a list of integer `token_ids`")
+    features = data.get("features")
+    if features is None:
+        return Rendered(tokens)
+    placeholders = features.get("mm_placeholders") if isinstance(features, dict) else None
+    hashes = features.get("mm_hashes") if isinstance(features, dict) else None
+    if hashes is None:
+        hashes = {}
+    if not isinstance(placeholders, dict) or not isinstance(hashes, dict):
+        raise TokenizerError(f"{url} answered `features` without `mm_placeholders` and `mm_hashes` objects")
+    media = []
+    for modality, ranges in placeholders.items():
+        ids = hashes.get(modality)
+        if not isinstance(ranges, list) or (ids is not None and not isinstance(ids, list)):
+            raise TokenizerError(f"{url} answered {modality!r} placeholders or hashes that are not lists")
+        for i, r in enumerate(ranges):
+            offset = r.get("offset") if isinstance(r, dict) else None
+            length = r.get("length") if isinstance(r, dict) else None
+            if type(offset) is not int or type(length) is not int or offset < 0 or length < 0 \
+                    or offset + length > len(tokens):
+                raise TokenizerError(f"{url} answered a {modality!r} placeholder {r!r} outside its "
+                                     f"{len(tokens)} token ids")
+            h = ids[i] if ids is not None and i < len(ids) else None
+            media.append(RenderedMedia(modality, h if isinstance(h, str) and h else None, offset, length))
+    media.sort(key=lambda m: m.offset)
+    return Rendered(tokens, tuple(media))
 
 
 def parse_retry_after(value: str | None, now: float | None = None) -> float | None:

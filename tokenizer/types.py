@@ -30,6 +30,27 @@ class ChatInput:
 TokenizeInput = Union[PromptInput, ChatInput]
 
 
+@dataclass(frozen=True, slots=True)
+class RenderedMedia:
+    """One media item of a rendered prompt, as the engine processed it: its `modality` ("image", "audio", ...),
+    the engine's hash of it (`identifier`; None when the engine gave none), and the placeholder tokens it fills,
+    prompt positions [offset, offset + length)."""
+
+    modality: str
+    identifier: str | None
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
+class Rendered:
+    """The engine's rendering of a chat request (vLLM's /v1/chat/completions/render): the prompt's token ids and
+    its media items in prompt order (by offset)."""
+
+    token_ids: list[int]
+    media: tuple[RenderedMedia, ...] = ()
+
+
 class TokenizerError(Exception):
     """Tokenization failed (backend down, slow or refused); routing falls back to load only."""
 
