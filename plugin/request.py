@@ -1,6 +1,7 @@
 """OpenAI request bodies -> typed inference requests, with the client errors they can raise.
 
-Only what routing needs is read (`model`, `stream`, the prompt or messages);
+Only what routing needs is read (`model`, `stream`, the prompt or messages, and what the engine's block
+hashes carry besides the tokens: `cache_salt`, media parts and their `uuid`s, prompt embeddings);
 every other field is left to the engine, which sees the body unchanged.
 """
 from __future__ import annotations
@@ -10,7 +11,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from tokenizer.types import ChatInput, PromptInput, TokenizeInput
+from kvcache.blockkeys import BlockExtras, MediaItem
+from tokenizer.types import ChatInput, PromptInput, Rendered, TokenizeInput
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -50,12 +52,40 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return ClientError(400, message, param=param, code=code)
 
 
+# vLLM's cache_salt rules (vllm/entrypoints/generate/base/protocol.py, validate_cache_salt), its messages verbatim.
+MAX_CACHE_SALT_CHARS = 128
+_CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
+_SALT_NOT_STRING = "Parameter 'cache_salt' must be a non-empty string if provided."
+_SALT_BAD = "Parameter 'cache_salt' must be at most 128 characters and must not contain '@', '/', '\\\\', or NUL."
+
+# Chat content parts: text-like ones (tokens only), media ones by the modality vLLM files them under.
+_TEXT_PARTS = frozenset(("text", "input_text", "output_text", "refusal", "thinking"))
+_MEDIA_MODALITY = {"image_url": "image", "input_image": "image", "image_pil": "image", "image_embeds": "image",
+                   "audio_url": "audio", "input_audio": "audio", "audio_embeds": "audio", "video_url": "video"}
+OPAQUE = BlockExtras(opaque=True)
+
+
+@dataclass(frozen=True, slots=True)
+class MediaPart:
+    """A chat content part the engine's multimodal processor turns into placeholder tokens: its `modality`, and the
+    client's `uuid` for it when the engine uses that as the item's identifier (None: no uuid, or the request has
+    `mm_processor_kwargs`, with which vLLM hashes the uuid together with them)."""
+
+    modality: str
+    uuid: str | None
+
+
 @dataclass(frozen=True, slots=True)
 class InferenceRequest:
     path: str
     model: str
     stream: bool
     item: TokenizeInput  # what the engine will tokenize (the first prompt of a batch)
+    # What the prompt's block hashes carry besides tokens and LoRA, as far as the body tells: the salt, or opaque
+    # (prompt embeddings, content parts kvgate does not know). None for a plain request (most of them).
+    extras: BlockExtras | None = None
+    # A chat's media parts in message order; their identifiers and placeholders come from the engine's render.
+    media: tuple[MediaPart, ...] | None = None
 
 
 def nests_deeper_than(body: bytes, limit: int) -> bool:
@@ -159,8 +189,62 @@ def parse_body(path: str, body: bytes, max_bytes: int) -> InferenceRequest:
         stream = False
     elif stream is not False and stream is not True:
         raise bad_request("`stream` must be true or false", param="stream")
-    item = _completion_item(data) if path == COMPLETIONS else _chat_item(data)
-    return InferenceRequest(path, model, stream, item)  # positional: the fields' order
+    salt = data.get("cache_salt")
+    if salt is not None:
+        _check_salt(salt)
+    if path == COMPLETIONS:
+        embeds = data.get("prompt_embeds")
+        if embeds is not None and embeds != [] and embeds != "":
+            # vLLM hashes the embeddings into every block: nothing kvgate can compute
+            return InferenceRequest(path, model, stream, _completion_item(data, embeds=True), OPAQUE)
+        item: TokenizeInput = _completion_item(data)
+        media = None
+    else:
+        item, media = _chat_item(data)
+        if media is _OPAQUE_MEDIA:
+            return InferenceRequest(path, model, stream, item, OPAQUE)
+    if salt is None and media is None:
+        return InferenceRequest(path, model, stream, item)  # positional: the fields' order
+    return InferenceRequest(path, model, stream, item, BlockExtras(cache_salt=salt) if salt is not None else None,
+                            tuple(media) if media is not None else None)
+
+
+def _check_salt(salt: Any) -> None:
+    """vLLM's validation of `cache_salt`: a non-empty string of at most 128 characters without '@', '/', '\\'
+    or NUL; its messages on failure."""
+    if type(salt) is not str or not salt:
+        raise bad_request(_SALT_NOT_STRING, param="cache_salt")
+    if len(salt) > MAX_CACHE_SALT_CHARS or not _CACHE_SALT_FORBIDDEN.isdisjoint(salt):
+        raise bad_request(_SALT_BAD, param="cache_salt")
+
+
+def media_extras(salt: str | None, parts: tuple[MediaPart, ...], rendered: Rendered) -> BlockExtras | None:
+    """The block extras of a chat with media parts, from the engine's render of it: each item's identifier is the
+    engine's hash; an item the engine gave none for takes its part's uuid (paired by modality and order, when the
+    engine found as many items of that modality as the request has parts); an item with neither makes the whole
+    request opaque. None when neither a salt nor a media item is left (the engine found no media)."""
+    uuids: dict[str, list[str | None]] = {}
+    for p in parts:
+        uuids.setdefault(p.modality, []).append(p.uuid)
+    found: dict[str, int] = {}
+    for m in rendered.media:
+        found[m.modality] = found.get(m.modality, 0) + 1
+    seen: dict[str, int] = {}
+    items = []
+    for m in rendered.media:
+        i = seen.get(m.modality, 0)
+        seen[m.modality] = i + 1
+        identifier = m.identifier
+        if identifier is None:
+            given = uuids.get(m.modality)
+            if given is not None and len(given) == found[m.modality]:
+                identifier = given[i]
+            if identifier is None:
+                return BlockExtras(cache_salt=salt, opaque=True)
+        items.append(MediaItem(identifier, m.offset, m.length))
+    if not items and salt is None:
+        return None
+    return BlockExtras(cache_salt=salt, media=tuple(items))
 
 
 def _token_ids(value: list[Any], param: str) -> tuple[int, ...]:
@@ -174,11 +258,13 @@ def _token_ids(value: list[Any], param: str) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _completion_item(data: dict[str, Any]) -> PromptInput:
+def _completion_item(data: dict[str, Any], embeds: bool = False) -> PromptInput:
     prompt = data.get("prompt")
     add_special = data.get("add_special_tokens", True)
     if not isinstance(add_special, bool):
         raise bad_request("`add_special_tokens` must be true or false", param="add_special_tokens")
+    if embeds and (prompt is None or prompt == "" or prompt == []):
+        return PromptInput(token_ids=())  # embeddings alone: no token the router can read
     if prompt is None:
         raise bad_request("`prompt` is required", param="prompt")
     if isinstance(prompt, str):
@@ -199,7 +285,8 @@ def _completion_item(data: dict[str, Any]) -> PromptInput:
     return PromptInput(token_ids=_token_ids(prompt, "prompt"))
 
 
-def _chat_item(data: dict[str, Any]) -> ChatInput:
+def _chat_item(data: dict[str, Any]) -> tuple[ChatInput, list[MediaPart] | None]:
+    """The chat's ChatInput, and its media parts (None: none; _OPAQUE_MEDIA: a part kvgate cannot key)."""
     # The values come from json.loads: exact dicts, lists, strs, ints, floats and bools, so `type(x) is`
     # tells what isinstance would (bool apart, which is tested as True or False).
     messages = data.get("messages")
@@ -207,12 +294,22 @@ def _chat_item(data: dict[str, Any]) -> ChatInput:
         raise bad_request("`messages` is required", param="messages")
     if type(messages) is not list or not messages:
         raise bad_request("`messages` must be a non-empty list", param="messages")
+    media: list[MediaPart] | None = None
     for m in messages:
         if type(m) is not dict or type(m.get("role")) is not str:
             _check_messages(messages)
         content = m.get("content")
-        if content is not None and type(content) is not str and type(content) is not list:
-            _check_messages(messages)
+        if content is not None and type(content) is not str:
+            if type(content) is not list:
+                _check_messages(messages)
+            if media is _OPAQUE_MEDIA:
+                continue  # the other messages are still checked
+            for part in content:
+                if type(part) is dict and part.get("type") in _TEXT_PARTS or type(part) is str:
+                    continue
+                media = _media_part(part, media, data)
+                if media is _OPAQUE_MEDIA:
+                    break
     tools = data.get("tools")
     if tools is not None and not (type(tools) is list and all(type(t) is dict for t in tools)):
         raise bad_request("`tools` must be a list of objects", param="tools")
@@ -230,7 +327,32 @@ def _chat_item(data: dict[str, Any]) -> ChatInput:
         raise bad_request("`continue_final_message` must be true or false", param="continue_final_message")
     # Positional, in the fields' order (keywords cost a dataclass __init__ a third more; test_chat_fields
     # checks every field).
-    return ChatInput(tuple(messages), tuple(tools) if tools else None, template, kwargs, generation, final)
+    return ChatInput(tuple(messages), tuple(tools) if tools else None, template, kwargs, generation, final), media
+
+
+# A chat with a part whose extra keys kvgate cannot know (prompt embeddings, a kind it does not know).
+_OPAQUE_MEDIA: list[MediaPart] = []
+
+
+def _media_part(part: Any, media: list[MediaPart] | None, data: dict[str, Any]) -> list[MediaPart] | None:
+    """`media` with the non-text content part `part` added as a MediaPart; _OPAQUE_MEDIA for a part kvgate cannot
+    key (embeddings, a kind it does not know: the engine may refuse it, but if it does not, its blocks carry keys
+    kvgate cannot compute)."""
+    kind = part.get("type") if type(part) is dict else None
+    if kind is None and type(part) is dict:  # vLLM infers a part's kind from its keys
+        if "text" in part:
+            return media
+        kind = next((k for k in _MEDIA_MODALITY if k in part), None)
+    modality = _MEDIA_MODALITY.get(kind) if type(kind) is str else None
+    if modality is None:
+        return _OPAQUE_MEDIA
+    uuid = part.get("uuid")
+    if type(uuid) is not str or not uuid or data.get("mm_processor_kwargs"):
+        uuid = None  # with processor kwargs vLLM hashes the uuid together with them: only the engine knows
+    if media is None:
+        media = []
+    media.append(MediaPart(modality, uuid))
+    return media
 
 
 def _check_messages(messages: list[Any]) -> None:
