@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
+from kvcache.blockkeys import BlockExtras
+
 
 class IndexLock:
     """The lock around the prefix index, taken by the ingest thread for each batch (`with`) and by
@@ -93,10 +95,11 @@ class IndexBusy(RuntimeError):
 class IndexReader(Protocol):
     """What the request path reads of the index (kvcache.index.PrefixIndex implements it)."""
 
-    def match(self, model: str, lora: str | None, token_ids: Sequence[int], pods: Iterable[str]) -> dict: ...
+    def match(self, model: str, lora: str | None, token_ids: Sequence[int], pods: Iterable[str], *,
+              extras: BlockExtras | None = None) -> dict: ...
 
     def match_ranks(self, model: str, lora: str | None, token_ids: Sequence[int],
-                    targets: Iterable[tuple[str, int]]) -> dict: ...
+                    targets: Iterable[tuple[str, int]], *, extras: BlockExtras | None = None) -> dict: ...
 
     def block_size(self, model: str) -> int | None: ...
 
@@ -137,19 +140,24 @@ class LockedIndex:
             self._on_busy()
         return False
 
-    def match(self, model, lora, token_ids, pods):
+    # `extras` goes to the index only when there are some: a plain prompt's call stays what it was.
+    def match(self, model, lora, token_ids, pods, *, extras=None):
         if not (self._lock.acquire(False) or self._wait()):
             return {}
         try:
-            return self._index.match(model, lora, token_ids, pods)
+            if extras is None:
+                return self._index.match(model, lora, token_ids, pods)
+            return self._index.match(model, lora, token_ids, pods, extras=extras)
         finally:
             self._lock.release()
 
-    def match_ranks(self, model, lora, token_ids, targets):
+    def match_ranks(self, model, lora, token_ids, targets, *, extras=None):
         if not (self._lock.acquire(False) or self._wait()):
             return {}
         try:
-            return self._index.match_ranks(model, lora, token_ids, targets)
+            if extras is None:
+                return self._index.match_ranks(model, lora, token_ids, targets)
+            return self._index.match_ranks(model, lora, token_ids, targets, extras=extras)
         finally:
             self._lock.release()
 

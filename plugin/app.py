@@ -73,9 +73,10 @@ def endpoint_specs(pods: list[Pod]) -> list[EndpointSpec]:
     return specs
 
 
-def _tokenizer(settings: Settings, registry: CollectorRegistry,
-               known: Callable[[str], bool] | None = None) -> tuple[Tokenizer, VerifiedTokenizer | None]:
-    """The configured backend behind the exact cache, and the verified local path when there is one.
+def _tokenizer(settings: Settings, registry: CollectorRegistry, known: Callable[[str], bool] | None = None
+               ) -> tuple[Tokenizer, VerifiedTokenizer | None, RemoteTokenizer | None]:
+    """The configured backend behind the exact cache, the verified local path when there is one, and the engines'
+    tokenizer when one is asked (it also renders chats with media: their identifiers come from the engine).
 
     `auto` with tokenizer files (a directory for every model, or the hub per model) verifies local tokens
     against the engines' /tokenize (tokenizer.verified); without files, or with `remote`, the engines
@@ -83,14 +84,14 @@ def _tokenizer(settings: Settings, registry: CollectorRegistry,
     backend) needs the directory; with the verified path it serves a request only once that request's shape
     is verified, and its answers are sampled like the rest."""
     local = LocalTokenizer.from_path(settings.tokenizer_path) if settings.tokenizer_path else None
-    verified = None
+    verified = remote = None
     if settings.tokenizer == "local":
         inner: Tokenizer = LocalBackend({}, default=local)
     else:
         timeout = settings.tokenizer_timeout_s
-        inner = RemoteTokenizer(options=RemoteOptions(total_timeout_s=timeout,
-                                                      attempt_timeout_s=min(timeout, max(timeout / 2, 0.25))),
-                                registry=registry)
+        inner = remote = RemoteTokenizer(options=RemoteOptions(total_timeout_s=timeout,
+                                                               attempt_timeout_s=min(timeout, max(timeout / 2, 0.25))),
+                                         registry=registry)
         if settings.tokenizer == "auto" and (local is not None or settings.tokenizer_hub):
             hub = HubOptions(cache_dir=settings.tokenizer_cache_dir or None)
             verified = VerifiedTokenizer(
@@ -106,7 +107,7 @@ def _tokenizer(settings: Settings, registry: CollectorRegistry,
             log.info("tokenizer: the engines' /tokenize%s", "" if settings.tokenizer == "remote" else
                      " (no local files: set KVGATE_TOKENIZER_PATH or KVGATE_TOKENIZER_HUB to tokenize locally)")
     if settings.tokenizer_cache_mb == 0:
-        return inner, verified
+        return inner, verified, remote
     segmenter = None
     if local is not None:
         try:
@@ -122,7 +123,7 @@ def _tokenizer(settings: Settings, registry: CollectorRegistry,
         verified.on_disagreement = lambda model: cached.clear()
         if local is None:  # files per model, from the hub: each model's pieces once its files are loaded
             verified.on_loaded = partial(_add_segmenter, cached)
-    return cached, verified
+    return cached, verified, remote
 
 
 def _add_segmenter(cached: CachedTokenizer, model: str, local: LocalTokenizer) -> None:
@@ -204,8 +205,8 @@ class App:
                              engines=self.engines, config=strategy_config(s), metrics=self.routing_metrics,
                              saturation=Saturation(s.saturation_queue, s.saturation_kv_usage),
                              max_fallbacks=s.fallback_endpoints, capacity=self.capacity)
-        self.tokenizer, self.verified_tokenizer = _tokenizer(s, self.registry,
-                                                             known=lambda m: bool(self.pods.serving(m)))
+        self.tokenizer, self.verified_tokenizer, remote = _tokenizer(s, self.registry,
+                                                                     known=lambda m: bool(self.pods.serving(m)))
         self.gateway_metrics = GatewayMetrics(self.registry)
         self.admission: Admission | None = None
         self._admission_redis = None
@@ -239,7 +240,8 @@ class App:
             # the cache's, else the local tokenizer's
             tokenize_now=self.tokenizer.tokenize_now if isinstance(self.tokenizer, TokenizesNow) else None,
             sheddable_objectives=frozenset(o.strip() for o in s.sheddable_objectives.split(",") if o.strip()),
-            observer=self.observer, sampler=Sampler(s.observe_sample), admission=self.admission))
+            observer=self.observer, sampler=Sampler(s.observe_sample), admission=self.admission,
+            render=remote.render_chat if remote is not None else None))
         self.pods.add_listener(self._on_pods)
         self._grpc: grpc.aio.Server | None = None
         self.grpc_port: int | None = None  # once serving

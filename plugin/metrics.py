@@ -152,6 +152,11 @@ class GatewayMetrics:
         self.prefix_blocks = LoopCounter(
             "kvgate_prefix_blocks", "Prompt blocks of routed requests: total, and already cached on the chosen pod",
             ["kind"], registry=registry)
+        self.request_extras = LoopCounter(
+            "kvgate_request_extras", "Requests whose blocks' hashes carry more than tokens and LoRA, by kind: salted "
+            "(cache_salt), media (media parts), opaque (extra keys kvgate cannot know: prompt embeddings, unknown "
+            "parts, media the engine did not render); a request counts under each kind it has",
+            ["kind"], registry=registry)
         self.active_streams = _LoopGauge(
             "kvgate_active_streams", "ext_proc streams open now (one per HTTP request in flight)", registry=registry)
         self.served = LoopCounter(

@@ -4,8 +4,11 @@ A routed request's state is one `RequestContext`, filled in by the transport (pl
 headers' request id, strategy, objective, SLO targets, the data plane's subset hint, the body) and then
 by the steps of a `Pipeline`, an ordered list of named steps run one after the other on that context:
 
-    parse     the body -> an InferenceRequest (plugin.request); the strategy's default filled in
-    tokenize  the prompt's token ids, when the strategy reads them (a fallback to none on failure or timeout)
+    parse     the body -> an InferenceRequest (plugin.request); the strategy's default filled in; the block
+              extras the body tells (cache_salt, opaque prompt embeddings), counted by kind
+    tokenize  the prompt's token ids, when the strategy reads them (a fallback to none on failure or timeout);
+              for a chat with media parts, the engine's render: token ids and the media items' identifiers
+              and placeholders (the block extras; opaque when the engine cannot say)
     pick      the Router's Decision (within the subset hint; shedding a sheddable request under saturation)
     admit     the per-pod running limit (plugin.admit), when one is configured
     record    the decision's metrics (time, pod, prefix blocks)
@@ -30,12 +33,13 @@ from dataclasses import dataclass, field
 from plugin import observe
 from plugin.admit import admit
 from plugin.metrics import GatewayMetrics
-from plugin.request import InferenceRequest, parse_body
+from kvcache.blockkeys import BlockExtras
+from plugin.request import InferenceRequest, media_extras, parse_body
 from plugin.throttle import LogThrottle
 from routing.registry import PodRegistry
 from routing.router import Decision, Router, RouteRequest
 from routing.state.admission import Admission
-from tokenizer.types import PromptInput, TokenizeInput, Tokenizer, TokenizerError
+from tokenizer.types import PromptInput, Rendered, TokenizeInput, Tokenizer, TokenizerError
 
 log = logging.getLogger("kvgate.extproc")  # the name operators know these lines by
 
@@ -96,13 +100,16 @@ class Gateway:
     sampler: Sampler = field(default_factory=lambda: Sampler(1.0))
     # A per-pod running limit, checked and counted atomically after the pick; None: no limit.
     admission: Admission | None = None
+    # The engine's render of a chat body (RemoteTokenizer.render_chat: token ids, media hashes and placeholders), for
+    # chats with media parts; None: no engine to ask (their blocks are then opaque).
+    render: Callable[..., Awaitable[Rendered]] | None = None
 
 
 class RequestContext:
     """One routed request's state, from its headers to its decision (the pipeline's steps read and fill it)."""
 
     __slots__ = ("request_id", "path", "kind", "strategy", "objective", "slo", "subset", "watched", "body",
-                 "started", "request", "token_ids", "decision", "admitted", "watch")
+                 "started", "request", "token_ids", "extras", "decision", "admitted", "watch")
 
     def __init__(self) -> None:
         # From the transport (the request's headers and the data plane's metadata):
@@ -119,6 +126,7 @@ class RequestContext:
         self.started = 0.0  # perf_counter() when the pipeline started (the decision's time is from there)
         self.request: InferenceRequest | None = None
         self.token_ids: Sequence[int] | None = None
+        self.extras: BlockExtras | None = None  # what the blocks' hashes carry besides tokens (None: nothing)
         self.decision: Decision | None = None
         self.admitted: str | None = None  # the pod admission counted this request on
         self.watch: observe.Watch | None = None
@@ -177,7 +185,7 @@ class Pipeline:
                 if waiting is not None:
                     await waiting
         finally:
-            ctx.body, ctx.request, ctx.token_ids = b"", None, None
+            ctx.body, ctx.request, ctx.token_ids, ctx.extras = b"", None, None, None
         return ctx.decision
 
 
@@ -195,26 +203,40 @@ def build(gw: Gateway) -> Pipeline:
 # --- the steps (their functions are named after them: `kvgate bench request` profiles them by name) ---------
 
 class _Parse:
-    __slots__ = ("max_body_bytes", "default_strategy")
+    __slots__ = ("max_body_bytes", "default_strategy", "salted", "media", "opaque")
 
     def __init__(self, gw: Gateway) -> None:
         self.max_body_bytes, self.default_strategy = gw.max_body_bytes, gw.default_strategy
+        kinds = gw.metrics.request_extras
+        self.salted, self.media, self.opaque = kinds.labels("salted"), kinds.labels("media"), kinds.labels("opaque")
 
     def parse(self, ctx: RequestContext) -> None:
-        ctx.request = parse_body(ctx.path, ctx.body, self.max_body_bytes)
+        request = ctx.request = parse_body(ctx.path, ctx.body, self.max_body_bytes)
         ctx.strategy = ctx.strategy or self.default_strategy
+        extras = request.extras
+        if extras is not None or request.media is not None:  # not for plain requests
+            ctx.extras = extras
+            if extras is not None and extras.cache_salt is not None:
+                self.salted.inc()
+            if extras is not None and extras.opaque:
+                self.opaque.inc()
+            if request.media is not None:
+                self.media.inc()
 
 
 class _Tokenize:
     """Token ids only for a strategy that reads them: a cached answer, or one the tokenizer gives without a
     wait, needs no timer; a call that waits runs under the tokenizer timeout. A failure or a timeout routes
-    on load alone (counted, logged at most once per 10 s)."""
+    on load alone (counted, logged at most once per 10 s). A chat with media parts goes to the engine's render
+    instead (token ids, media identifiers and placeholders in one call, under the same timeout); when that
+    fails, or there is no engine to render, its blocks are opaque and the tokenizer is asked as for any other."""
 
-    __slots__ = ("gw", "fallback_log")
+    __slots__ = ("gw", "fallback_log", "opaque")
 
     def __init__(self, gw: Gateway) -> None:
         self.gw = gw
-        self.fallback_log = LogThrottle(10.0)  # one warning per 10 s, with a count of the rest
+        self.fallback_log = LogThrottle(10.0)  # one warning per 10 s and kind, with a count of the rest
+        self.opaque = gw.metrics.request_extras.labels("opaque")
 
     def tokenize(self, ctx: RequestContext) -> Awaitable[None] | None:
         gw = self.gw
@@ -226,10 +248,10 @@ class _Tokenize:
         if isinstance(item, PromptInput) and item.token_ids is not None:
             ctx.token_ids = list(item.token_ids)
             return None
-        if gw.tokenizer is None:
+        if gw.tokenizer is None and request.media is None:
             return None
         started = time.perf_counter()
-        if gw.cached_tokens is not None:
+        if request.media is None and gw.cached_tokens is not None:
             ids = gw.cached_tokens(request.model, item)
             if ids is not None:
                 gw.metrics.tokenize_seconds.observe(time.perf_counter() - started)
@@ -241,6 +263,12 @@ class _Tokenize:
             if not pods:
                 return None  # pick answers 404 or 503
             base_url = pods[hash(ctx.request_id) % len(pods)].base_url
+        if request.media is not None:
+            if gw.render is not None:
+                return self._render_wait(ctx, item, base_url, started)
+            self._unrendered(ctx)
+            if gw.tokenizer is None:
+                return None
         if gw.tokenize_now is not None:
             try:
                 ids = gw.tokenize_now(request.model, item, base_url=base_url)
@@ -253,10 +281,12 @@ class _Tokenize:
                 return None
         return self._tokenize_wait(ctx, item, base_url, started)
 
-    async def _tokenize_wait(self, ctx: RequestContext, item: TokenizeInput, base_url: str, started: float) -> None:
+    async def _tokenize_wait(self, ctx: RequestContext, item: TokenizeInput, base_url: str, started: float,
+                             deadline: float | None = None) -> None:
         gw = self.gw
         assert ctx.request is not None and gw.tokenizer is not None  # as tokenize found them
-        deadline = asyncio.get_running_loop().time() + gw.tokenizer_timeout_s
+        if deadline is None:
+            deadline = asyncio.get_running_loop().time() + gw.tokenizer_timeout_s
         try:
             async with asyncio.timeout_at(deadline):  # no extra task, unlike wait_for
                 ids = await (gw.tokenize_ids or gw.tokenizer.tokenize)(ctx.request.model, item, base_url=base_url)
@@ -265,6 +295,35 @@ class _Tokenize:
             return
         gw.metrics.tokenize_seconds.observe(time.perf_counter() - started)
         ctx.token_ids = ids
+
+    async def _render_wait(self, ctx: RequestContext, item: TokenizeInput, base_url: str, started: float) -> None:
+        """The engine's render of a chat with media: its token ids, and block extras from its media items."""
+        gw = self.gw
+        request = ctx.request
+        assert request is not None and request.media is not None and gw.render is not None  # as tokenize found them
+        deadline = asyncio.get_running_loop().time() + gw.tokenizer_timeout_s
+        try:
+            async with asyncio.timeout_at(deadline):
+                rendered = await gw.render(request.model, ctx.body, base_url=base_url)
+        except (TimeoutError, TokenizerError) as e:
+            self.fallback_log.log(log, logging.WARNING, "render", "render failed (%s: %s); the request's blocks are "
+                                "opaque", "timeout" if isinstance(e, asyncio.TimeoutError) else "error", e)
+            self._unrendered(ctx)
+            if gw.tokenizer is not None:  # the token ids still weigh the request's prefill
+                await self._tokenize_wait(ctx, item, base_url, started, deadline)
+            return
+        gw.metrics.tokenize_seconds.observe(time.perf_counter() - started)
+        ctx.token_ids = rendered.token_ids
+        salt = request.extras.cache_salt if request.extras is not None else None
+        ctx.extras = extras = media_extras(salt, request.media, rendered)
+        if extras is not None and extras.opaque:
+            self.opaque.inc()
+
+    def _unrendered(self, ctx: RequestContext) -> None:
+        """A media chat the engine did not render: its blocks' media keys are unknown, so none is claimed."""
+        extras = ctx.extras
+        ctx.extras = BlockExtras(cache_salt=extras.cache_salt if extras is not None else None, opaque=True)
+        self.opaque.inc()
 
     def _fallback(self, reason: str, e: BaseException) -> None:
         self.gw.metrics.tokenizer_fallbacks.labels(reason).inc()
@@ -284,7 +343,7 @@ class _Pick:
         objective = ctx.objective
         ctx.decision = await self.router.pick(RouteRequest(
             model=ctx.request.model, token_ids=ctx.token_ids, strategy=ctx.strategy, request_id=ctx.request_id,
-            slo_ttft_s=slo.get(SLO_TTFT_HEADER), slo_tpot_s=slo.get(SLO_TPOT_HEADER)),
+            slo_ttft_s=slo.get(SLO_TTFT_HEADER), slo_tpot_s=slo.get(SLO_TPOT_HEADER), extras=ctx.extras),
             subset=ctx.subset, sheddable=bool(objective) and objective in self.sheddable_objectives)
 
 

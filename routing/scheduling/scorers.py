@@ -5,7 +5,7 @@ import time
 from collections import Counter, OrderedDict
 from typing import Callable, Mapping, Protocol, Sequence
 
-from kvcache.blockkeys import block_keys
+from kvcache.blockkeys import BlockExtras, block_keys
 from routing.scheduling.approx import ApproxPrefixTable
 from routing.state.engine_metrics import EngineMetrics
 from routing.pods import Pod
@@ -25,13 +25,15 @@ class PrefixMatchLike(Protocol):
 
 
 class PrefixSource(Protocol):
-    """What `kv-sync` needs of kvcache.index.PrefixIndex."""
+    """What `kv-sync` needs of kvcache.index.PrefixIndex. `extras`: what the prompt's block hashes carry besides
+    tokens and LoRA (kvcache.blockkeys.BlockExtras); given only when there is some (None is never passed)."""
 
     def match(self, model: str, lora: str | None, token_ids: Sequence[int],
-              pods: Sequence[str]) -> Mapping[str, PrefixMatchLike]: ...
+              pods: Sequence[str], *, extras: BlockExtras | None = None) -> Mapping[str, PrefixMatchLike]: ...
 
     def match_ranks(self, model: str, lora: str | None, token_ids: Sequence[int],
-                    targets: Sequence[tuple[str, int]]) -> Mapping[tuple[str, int], PrefixMatchLike]: ...
+                    targets: Sequence[tuple[str, int]], *,
+                    extras: BlockExtras | None = None) -> Mapping[tuple[str, int], PrefixMatchLike]: ...
 
     def stats(self) -> dict: ...
 
@@ -144,12 +146,16 @@ class PrecisePrefixScorer(Scorer):
             return {}
         names = [p.name for p in pods]
         matches: Mapping[str, PrefixMatchLike]
+        extras = ctx.request.extras
         if ctx.ranks:  # data-parallel rank targets among the candidates: what each rank holds
-            by_rank = self._index.match_ranks(ctx.base_model, ctx.lora, tokens,
-                                              [(p.pod_name, p.rank or 0) for p in pods])
+            targets = [(p.pod_name, p.rank or 0) for p in pods]
+            by_rank = (self._index.match_ranks(ctx.base_model, ctx.lora, tokens, targets) if extras is None else
+                       self._index.match_ranks(ctx.base_model, ctx.lora, tokens, targets, extras=extras))
             matches = {p.name: m for p in pods if (m := by_rank.get((p.pod_name, p.rank or 0))) is not None}
-        else:
+        elif extras is None:  # a plain prompt (most of them): the call as it always was
             matches = self._index.match(ctx.base_model, ctx.lora, tokens, names)
+        else:
+            matches = self._index.match(ctx.base_model, ctx.lora, tokens, names, extras=extras)
         total = max([m.total_blocks for m in matches.values()], default=0)
         if total <= 0:
             return {}

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Mapping, Protocol, Sequence
 
+from kvcache.blockkeys import BlockExtras
 from routing.pods import Pod
 
 log = logging.getLogger(__name__)
@@ -25,6 +26,8 @@ class RouteRequest:
     # Latency targets (x-slo-ttft-ms / x-slo-tpot-ms), seconds; None: the model's defaults (slo strategy)
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
+    # What the prompt's block hashes carry besides tokens and LoRA (cache_salt, media, opaque); None: nothing.
+    extras: BlockExtras | None = None
 
 
 @dataclass(frozen=True, slots=True)

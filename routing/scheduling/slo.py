@@ -162,12 +162,16 @@ class SLOScorer(Scorer):
         n = len(tokens)
         if not n or self._index is None:
             return {p.name: float(n) for p in pods}
+        extras = ctx.request.extras  # passed only when there are some, as the prefix scorer does
         if ctx.ranks:
-            by_rank = self._index.match_ranks(ctx.base_model, ctx.lora, tokens,
-                                              [(p.pod_name, p.rank or 0) for p in pods])
+            targets = [(p.pod_name, p.rank or 0) for p in pods]
+            by_rank = (self._index.match_ranks(ctx.base_model, ctx.lora, tokens, targets) if extras is None else
+                       self._index.match_ranks(ctx.base_model, ctx.lora, tokens, targets, extras=extras))
             matches = {p.name: m for p in pods if (m := by_rank.get((p.pod_name, p.rank or 0))) is not None}
-        else:
+        elif extras is None:
             matches = self._index.match(ctx.base_model, ctx.lora, tokens, [p.name for p in pods])
+        else:
+            matches = self._index.match(ctx.base_model, ctx.lora, tokens, [p.name for p in pods], extras=extras)
         total = max([m.total_blocks for m in matches.values()], default=0)
         size = self._index_block_size(ctx.base_model) if self._index_block_size is not None else None
         bs = size or max(1, n // max(total, 1))
