@@ -7,10 +7,10 @@ from __future__ import annotations
 import threading
 import time
 from bisect import bisect_left
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
-from prometheus_client.metrics_core import HistogramMetricFamily, Metric
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
@@ -119,3 +119,39 @@ class KVEventMetrics:
                 gauge.remove(pod, str(rank))
             except KeyError:
                 pass
+
+
+class IndexCollector:
+    """The prefix index's own counts, read from its stats() at scrape time (prefix `kvgate_index_`):
+    what it skipped, by reason (malformed or unresolved blocks, KV cache groups of a kind it does not
+    model, lookahead hashing, ...), its entries, and each model's KV cache groups as it learnt them
+    (`kvgate_index_kv_cache_group_info`, 1 per group; `modelled` "false": hits there are conservative).
+    A busy index (stats() raising) leaves the scrape without these samples."""
+
+    def __init__(self, stats: Callable[[], dict], registry: CollectorRegistry | None = None) -> None:
+        self._stats = stats
+        if registry is not None:
+            registry.register(self)
+
+    def describe(self) -> list[Metric]:
+        return []  # collected on demand: no samples at registration time
+
+    def collect(self) -> Iterable[Metric]:
+        try:
+            stats = self._stats()
+        except Exception:
+            return []
+        skipped = CounterMetricFamily("kvgate_index_skipped", "blocks or events the prefix index skipped, by reason",
+                                      labels=("reason",))
+        for reason, n in sorted(stats.get("skipped", {}).items()):
+            skipped.add_metric((reason,), n)
+        entries = GaugeMetricFamily("kvgate_index_entries", "(block, pod-rank, medium) entries held")
+        entries.add_metric((), stats.get("entries", 0))
+        groups = GaugeMetricFamily("kvgate_index_kv_cache_group_info",
+                                   "KV cache groups per model as the index learnt them from events",
+                                   labels=("model", "group", "kind", "rule", "block_size", "modelled"))
+        for model, shape in sorted(stats.get("kv_cache_groups", {}).items()):
+            for g, d in sorted(shape["groups"].items()):
+                groups.add_metric((model, str(g), str(d["kind"]), d["rule"], str(d["block_size"]),
+                                   "true" if d["modelled"] else "false"), 1)
+        return [skipped, entries, groups]

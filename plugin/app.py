@@ -15,7 +15,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from kvcache.index import PrefixIndex
-from kvcache.metrics import KVEventMetrics
+from kvcache.metrics import IndexCollector, KVEventMetrics
 from kvcache.ingest import SubscriberManager
 from kvcache.locking import LockedIndex
 from kvcache.stream import EndpointSpec, SubscriberOptions
@@ -183,6 +183,7 @@ class App:
         # index through this view, under the same lock.
         self.shared_index = LockedIndex(self.index, self.subscriptions.lock,
                                         on_busy=self.routing_metrics.index_busy.inc)
+        IndexCollector(self.shared_index.stats, self.registry)
         self.counts = running_counts(s, self.routing_metrics)
         self.engines = EngineMetrics(self.pods, interval_s=s.engine_metrics_interval_s, metrics=self.routing_metrics)
         self.predictor = OutputPredictor(window_s=s.predict_window_s, step_s=s.predict_step_s,

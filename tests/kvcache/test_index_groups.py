@@ -223,3 +223,27 @@ def test_hit_rules_agree_with_the_simulated_engines_reference_on_random_group_la
         want, _ = ref.longest_hit(specs, [held.__contains__ for held in held_sets], n_tokens - 1, align)
         got = longest_hit(ours, bitmaps, n_tokens, unit, align)
         assert got == want, (case, specs, held_sets, n_tokens)
+
+
+def test_the_index_collector_exports_skips_and_groups():
+    from prometheus_client import CollectorRegistry
+
+    from kvcache.metrics import IndexCollector
+    ix = PrefixIndex()
+    p = prompt(840)
+    local = BlockStored(tuple(hashes(p)[:10]), None, tuple(p[:160]), BS, group_idx=1,
+                        kv_cache_spec_kind="chunked_local_attention")
+    ix.apply("a", "m", 0, [full(p, group=0), local])
+    registry = CollectorRegistry()
+    IndexCollector(ix.stats, registry)
+    assert registry.get_sample_value("kvgate_index_skipped_total", {"reason": "unmodelled_kv_cache_groups"}) == 1
+    assert registry.get_sample_value("kvgate_index_entries") == 62
+    info = {"model": "m", "group": "1", "kind": "chunked_local_attention", "rule": "full", "block_size": "16",
+            "modelled": "false"}
+    assert registry.get_sample_value("kvgate_index_kv_cache_group_info", info) == 1
+
+    def busy() -> dict:
+        raise RuntimeError("busy")
+    quiet = CollectorRegistry()
+    IndexCollector(busy, quiet)
+    assert quiet.get_sample_value("kvgate_index_entries") is None
