@@ -373,26 +373,16 @@ class PrefixIndex:
                 tables = [(m, t) for (m, g), t in self._tables.items() if g == group.index]
             if not tables:
                 continue
-            lo, per_medium = self._core.holders(data, cand, tuple(t for _, t in tables))
-            for (name, _), rows in zip(tables, per_medium):
-                if not rows:
-                    continue
-                width = len(rows) // (8 * len(keys)) if len(keys) else 0  # words per key
-                if not width:
+            per_medium = self._core.holders(data, cand, tuple(t for _, t in tables))
+            for (name, _), by_slot_bytes in zip(tables, per_medium):
+                if not by_slot_bytes:
                     continue
                 by_slot = held.setdefault(name, {})
-                words = array("Q", rows)
-                for i in range(len(keys)):
-                    for w in range(width):
-                        x = words[i * width + w]
-                        while x:
-                            low = x & -x
-                            s = (lo + w) * 64 + low.bit_length() - 1
-                            bits = by_slot.get(s)
-                            if bits is None:
-                                bits = by_slot[s] = [0] * ng
-                            bits[gi] |= 1 << i
-                            x ^= low
+                for s, bitmap in by_slot_bytes.items():
+                    bits = by_slot.get(s)
+                    if bits is None:
+                        bits = by_slot[s] = [0] * ng
+                    bits[gi] = int.from_bytes(bitmap, "little")
         run_any: dict[int, int] = {}
         run_med: dict[str, dict[int, int]] = {}
         if not held:

@@ -687,10 +687,10 @@ done:
     return out;
 }
 
-/* holders(keys, cand, media) -> (lo, [bytes per medium]): for each key (uint64 bytes, in order) the slots
- * of `cand` holding it in each medium, as words lo.. of a slot bitmask: medium j's bytes hold, for key i,
- * (hi - lo) little-endian uint64 words at i * (hi - lo) * 8. For hit rules other than "every block from
- * block 0" (sliding windows, mamba states: kvcache/groups.py), which need every position, not leading runs.
+/* holders(keys, cand, media) -> [{slot: bitmap} per medium]: for each slot of `cand` holding any of
+ * `keys` (uint64 bytes, in order) in that medium, a little-endian bitmap of the key positions it holds
+ * (bit i: keys[i]), as bytes of (n + 7) / 8. For hit rules other than "every block from block 0"
+ * (sliding windows, mamba states: kvcache/groups.py), which need every position, not leading runs.
  * Keys found are stamped recent, as match() stamps the blocks it matched. */
 static PyObject *core_holders(Core *c, PyObject *args) {
     CORE_ENTER(c);
@@ -698,8 +698,9 @@ static PyObject *core_holders(Core *c, PyObject *args) {
     PyObject *media;
     if (!PyArg_ParseTuple(args, "y*y*O!", &kb, &cb, &PyTuple_Type, &media)) return NULL;
     PyObject *out = NULL, *lists = NULL;
-    Py_ssize_t nm = PyTuple_GET_SIZE(media), n = kb.len / 8;
+    Py_ssize_t nm = PyTuple_GET_SIZE(media), n = kb.len / 8, nbytes = (n + 7) / 8;
     int W = c->W, lo = 0, hi = 0;
+    uint8_t **bufs = NULL;
     uint64_t *alive = PyMem_RawCalloc((size_t)W * 2, sizeof(uint64_t)), *tmp = alive + W;
     if (!alive) {
         PyErr_NoMemory();
@@ -710,41 +711,63 @@ static PyObject *core_holders(Core *c, PyObject *args) {
         memcpy(&x, (char *)cb.buf + 8 * w, cb.len - 8 * w < 8 ? (size_t)(cb.len - 8 * w) : 8);
         alive[w] = x & c->live_bits[w];
     }
-    lo = 0;
     hi = W;
     while (lo < hi && !alive[lo]) lo++;
     while (hi > lo && !alive[hi - 1]) hi--;
+    Py_ssize_t nslots = (Py_ssize_t)(hi - lo) * 64;
+    bufs = PyMem_RawCalloc(nslots ? (size_t)nslots : 1, sizeof(uint8_t *));
     lists = PyList_New(nm);
-    if (!lists) goto done;
+    if (!bufs || !lists) {
+        if (!bufs) PyErr_NoMemory();
+        goto done;
+    }
     uint32_t tick = ++c->tick;
     for (Py_ssize_t j = 0; j < nm; j++) {
         int mid;
         if (as_int(PyTuple_GET_ITEM(media, j), &mid) || arg_medium(c, mid, 0)) goto done;
-        PyObject *b = PyBytes_FromStringAndSize(NULL, n * (hi - lo) * 8);
-        if (!b) goto done;
-        PyList_SET_ITEM(lists, j, b);
-        uint64_t *dst = (uint64_t *)PyBytes_AS_STRING(b);
-        memset(dst, 0, (size_t)(n * (hi - lo) * 8));
-        if (lo == hi) continue;
+        PyObject *d = PyDict_New();
+        if (!d) goto done;
+        PyList_SET_ITEM(lists, j, d);
+        if (lo == hi || !n) continue;
         KTable *t = &c->media[mid];
         for (Py_ssize_t i = 0; i < n; i++) {
             uint64_t k;
             memcpy(&k, (char *)kb.buf + 8 * i, 8);
             Py_ssize_t s = kt_find(t, k);
             if (s < 0) continue;
-            uint64_t *row = dst + i * (hi - lo);
             hold_bits_range(c, t->s[s].hold, tmp, lo, hi);
             int any = 0;
             for (int w = lo; w < hi; w++) {
-                row[w - lo] = tmp[w] & alive[w];
-                any |= row[w - lo] != 0;
+                for (uint64_t x = tmp[w] & alive[w]; x; x &= x - 1) {
+                    Py_ssize_t at = (Py_ssize_t)(w - lo) * 64 + __builtin_ctzll(x);
+                    if (!bufs[at] && !(bufs[at] = PyMem_RawCalloc((size_t)nbytes, 1))) {
+                        PyErr_NoMemory();
+                        goto done;
+                    }
+                    bufs[at][i >> 3] |= (uint8_t)(1u << (i & 7));
+                    any = 1;
+                }
             }
             if (any) t->stamp[s] = tick;
         }
+        for (Py_ssize_t at = 0; at < nslots; at++) {
+            if (!bufs[at]) continue;
+            PyObject *key = PyLong_FromSsize_t((Py_ssize_t)lo * 64 + at);
+            PyObject *val = key ? PyBytes_FromStringAndSize((const char *)bufs[at], nbytes) : NULL;
+            int rc = val ? PyDict_SetItem(d, key, val) : -1;
+            Py_XDECREF(key);
+            Py_XDECREF(val);
+            PyMem_RawFree(bufs[at]);
+            bufs[at] = NULL;
+            if (rc < 0) goto done;
+        }
     }
     if (!(tick & 0xFFFF)) pass_step(c, PASS_BUDGET);
-    out = Py_BuildValue("iO", lo, lists);
+    out = Py_NewRef(lists);
 done:
+    if (bufs)
+        for (Py_ssize_t at = 0; at < (Py_ssize_t)(hi - lo) * 64; at++) PyMem_RawFree(bufs[at]);
+    PyMem_RawFree(bufs);
     Py_XDECREF(lists);
     PyMem_RawFree(alive);
     PyBuffer_Release(&kb);
@@ -956,7 +979,7 @@ static PyMethodDef core_methods[] = {
     {"maintain", (PyCFunction)core_maintain, METH_NOARGS, "maintain(): evict to the bound, a step of the passes"},
     {"match", (PyCFunction)core_match, METH_VARARGS, "match(tokens, bs, root, cand, media) -> (runs, runs per medium); bs 0: `tokens` is the keys (uint64 bytes)"},
     {"holders", (PyCFunction)core_holders, METH_VARARGS,
-     "holders(keys, cand, media) -> (lo, [bytes per medium]): each key's holder words among the candidates"},
+     "holders(keys, cand, media) -> [{slot: bitmap bytes} per medium]: the key positions each candidate holds"},
     {"stats", (PyCFunction)core_stats, METH_NOARGS, "stats() -> (entries, evicted, hashes, bytes, keys per medium)"},
     {"group_blocks", (PyCFunction)core_group_blocks, METH_O, "group_blocks(id) -> distinct blocks held"},
     {"probes", (PyCFunction)core_probes, METH_NOARGS, "probes() -> [(cap, live, total, longest displacement)]"},
