@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Iterable, Sequence
 
+from kvcache.blockkeys import BlockExtras
+
 
 class ApproxPrefixTable:
     def __init__(self, block_size: int = 16, capacity: int = 200_000) -> None:
@@ -18,12 +20,18 @@ class ApproxPrefixTable:
         self.capacity = capacity
         self._keys: OrderedDict[int, set[str]] = OrderedDict()
 
-    def block_keys(self, model: str, lora: str | None, token_ids: Sequence[int]) -> list[int]:
-        """One key per full block, each chained on the previous so equal keys mean equal prefixes."""
-        keys = []
-        prev = hash((model, lora))
-        for block in zip(*[iter(token_ids)] * self.block_size):  # full blocks only
-            prev = hash((prev, block))
+    def block_keys(self, model: str, lora: str | None, token_ids: Sequence[int],
+                   extras: BlockExtras | None = None) -> list[int]:
+        """One key per full block, each chained on the previous so equal keys mean equal prefixes; with
+        `extras`, what the engine hashes besides the tokens (salt, media) enters them too, and a prompt
+        whose extras cannot be known has no keys (guessed cached nowhere)."""
+        keys: list[int] = []
+        if extras is not None and extras.opaque:
+            return keys
+        prev = hash((model, lora, extras.cache_salt if extras is not None else None))
+        per = extras.per_block(self.block_size, len(token_ids) // self.block_size) if extras else {}
+        for i, block in enumerate(zip(*[iter(token_ids)] * self.block_size)):  # full blocks only
+            prev = hash((prev, block, per.get(i))) if per else hash((prev, block))
             keys.append(prev)
         return keys
 

@@ -279,7 +279,7 @@ class ApproxPrefixScorer(Scorer):
         tokens = ctx.request.token_ids
         if not tokens:
             return {}
-        keys = self.table.block_keys(ctx.base_model, ctx.lora, tokens)
+        keys = self.table.block_keys(ctx.base_model, ctx.lora, tokens, ctx.request.extras)
         ctx.state[self.name] = keys  # for picked(): what to record against the chosen pod
         if not keys:
             return {}

@@ -82,3 +82,18 @@ async def test_a_locked_index_passes_extras_through_and_answers_busy_as_before()
         assert locked.match("m", None, TOKENS, ["a"], extras=SALTED) == {}
         assert locked.match_ranks("m", None, TOKENS, [("a", 1)], extras=SALTED) == {}
     assert len(index.calls) == 3
+
+
+def test_the_router_side_guess_keys_salts_and_media_too():
+    from kvcache.blockkeys import BlockExtras, MediaItem
+    from routing.scheduling.approx import ApproxPrefixTable
+    table = ApproxPrefixTable(block_size=4)
+    tokens = list(range(16))
+    plain = table.block_keys("m", None, tokens)
+    table.record(table.block_keys("m", None, tokens, BlockExtras(cache_salt="a")), "p0")
+    assert table.match(table.block_keys("m", None, tokens, BlockExtras(cache_salt="a")), ["p0"]) == {"p0": 4}
+    assert table.match(table.block_keys("m", None, tokens, BlockExtras(cache_salt="b")), ["p0"]) == {"p0": 0}
+    assert table.match(plain, ["p0"]) == {"p0": 0}
+    img = table.block_keys("m", None, tokens, BlockExtras(media=(MediaItem("x", 5, 4),)))
+    assert img[0] == plain[0] and img[1] != plain[1]  # blocks 1 and 2 hold the item's placeholders
+    assert table.block_keys("m", None, tokens, BlockExtras(opaque=True)) == []
