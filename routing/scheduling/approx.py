@@ -31,7 +31,8 @@ class ApproxPrefixTable:
         prev = hash((model, lora, extras.cache_salt if extras is not None else None))
         per = extras.per_block(self.block_size, len(token_ids) // self.block_size) if extras else {}
         for i, block in enumerate(zip(*[iter(token_ids)] * self.block_size)):  # full blocks only
-            prev = hash((prev, block, per.get(i))) if per else hash((prev, block))
+            extra = per.get(i) if per else None
+            prev = hash((prev, block)) if extra is None else hash((prev, block, extra))
             keys.append(prev)
         return keys
 
