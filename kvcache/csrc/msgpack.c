@@ -113,12 +113,6 @@ static int skip(Reader *r, int depth) {
     return -1; /* ext */
 }
 
-static int skip_opt_str(Reader *r) {
-    const char *s;
-    uint32_t n;
-    return is_nil(r) ? 0 : rd_str(r, &s, &n);
-}
-
 static int skip_opt_int(Reader *r) {
     uint64_t v;
     return is_nil(r) ? 0 : rd_int(r, &v);

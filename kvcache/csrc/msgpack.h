@@ -43,7 +43,6 @@ static int rd_map(Reader *r, uint32_t *n);
 static int rd_str(Reader *r, const char **s, uint32_t *n); /* ASCII only */
 static int rd_float(Reader *r);
 static int skip(Reader *r, int depth);
-static int skip_opt_str(Reader *r);
 static int skip_opt_int(Reader *r);
 
 #endif

@@ -90,3 +90,27 @@ def test_core_refuses_ids_it_never_gave_and_ragged_buffers():
     core.free_medium(medium)
     core.check()
     assert core.stats()[:3] == (0, 0, 1)  # no entry, none evicted; the engine hash waits for the sweep
+
+
+def test_holders_give_each_candidates_held_positions_and_match_takes_keys():
+    core = native.Core(1000)
+    gpu, cpu = core.new_medium(), core.new_medium()
+    core.new_model()
+    pod = core.new_group()
+    slots = [core.new_slot(pod) for _ in range(70)]  # two words of slots
+    core.store(0, gpu, slots[1], _u64([1, 2, 3]), _u64([10, 11, 12]))
+    core.store(0, gpu, slots[65], _u64([3]), _u64([12]))
+    core.store(0, cpu, slots[1], _u64([4]), _u64([13]))
+    cand = ((1 << 1) | (1 << 65)).to_bytes(9, "little")
+    keys = _u64([10, 99, 12, 13])
+    by_medium = core.holders(keys, cand, (gpu, cpu))
+    assert [{s: int.from_bytes(b, "little") for s, b in d.items()} for d in by_medium] == [
+        {1: 0b0101, 65: 0b0100}, {1: 0b1000}]
+    assert core.holders(keys, (1 << 2).to_bytes(1, "little"), (gpu,)) == [{}]  # a candidate holding none
+    assert core.holders(b"", cand, (gpu,)) == [{}]
+    runs, per_medium = core.match(_u64([10, 11, 12]), 0, 0, cand, (gpu,))  # block size 0: keys given
+    assert (runs, per_medium) == ({1: 3}, None)
+    with pytest.raises(ValueError):
+        core.match(_u64([10]), -1, 0, cand, (gpu,))
+    with pytest.raises(ValueError):
+        core.holders(keys, cand, (7,))  # a medium it never gave
