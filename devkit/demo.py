@@ -6,9 +6,12 @@ behind one port, which kvgate routes to rank by rank), redis-server when install
 a multi-turn chat workload through Envoy per strategy, in slices alternating between
 the strategies (A B, B A, ...: on a shared machine a strategy run alone meets a load the
 others never see; single runs differed by tens of points of SLO attainment), and prints,
-per strategy, the prefix cache hit rate (from the engines' own /metrics), SLO attainment,
-TTFT p50/p90, requests/s and errors; then how far the slo strategy's TTFT predictions
-were from the observed TTFTs (each replica's /debug `profiles`). Every process it starts is stopped on exit, Ctrl-C included.
+per strategy, the prefix cache hit rate (from the engines' own /metrics) beside the share kvgate
+believed cached (its replicas' kvgate_prefix_blocks_total), SLO attainment, TTFT p50/p90, requests/s
+and errors; then how far the slo strategy's TTFT predictions
+were from the observed TTFTs (each replica's /debug `profiles`). `--model-shape hybrid` gives the
+engines a gpt-oss-like pair of KV cache groups (sliding window with sparse retention, full attention).
+Every process it starts is stopped on exit, Ctrl-C included.
 
 Supervision: SIGINT and SIGTERM both stop the demo, however it was started (a shell
 starts a script's background job with SIGINT ignored; the demo installs its own handler
@@ -38,6 +41,8 @@ from routing.scheduling.strategies import NAMES as STRATEGIES
 from tokenizer import testdata
 
 MODEL = "demo-model"
+MODEL_SHAPES = ("dense", "hybrid")  # of sim.shapes.MODEL_SHAPES, the ones the demo offers
+BLOCK_SIZE = 16  # the sims' KV block size: kvgate's believed cached blocks times this are tokens
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -59,6 +64,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="drive traffic at an existing gateway (e.g. docker-compose's Envoy) instead of starting one")
     p.add_argument("--engines", metavar="URL,...", default="",
                    help="with --external: the engines whose /metrics give the hit rate")
+    p.add_argument("--model-shape", choices=MODEL_SHAPES, default="dense",
+                   help="the simulated engines' KV cache groups: dense (one full-attention group) or hybrid "
+                        "(gpt-oss-like: group 0 a 128-token sliding window with vLLM's sparse retention, group 1 "
+                        "full attention) (default dense)")
 
 
 @dataclass
@@ -69,12 +78,20 @@ class Engine:
 
 
 # Small caches, so a strategy that scatters a group's conversations over every engine evicts them.
-_SIM_ARGS = ["--num-blocks", "512", "--block-size", "16", "--ttft-overhead-ms", "5",
+_SIM_ARGS = ["--num-blocks", "512", "--block-size", str(BLOCK_SIZE), "--ttft-overhead-ms", "5",
              "--prefill-ms-per-token", "0.1", "--tpot-ms", "2"]
 
 
-def _start(stack: Stack, n_sims: int, n_gateways: int, log, dp_size: int = 1) -> dict:
-    pods = stack.engines(n_sims, model=MODEL, extra=_SIM_ARGS, dp=[1] * (n_sims - 1) + [dp_size])
+def sim_args(model_shape: str) -> list[str]:
+    """The `kvgate sim` options of the demo's engines for a model shape (sim.shapes: the hybrid shape's
+    window and retention are the sim's defaults, vLLM's: 128 tokens, sparse)."""
+    if model_shape not in MODEL_SHAPES:
+        raise ValueError(f"model shape must be one of {', '.join(MODEL_SHAPES)}, got {model_shape!r}")
+    return [*_SIM_ARGS, "--model-shape", model_shape]
+
+
+def _start(stack: Stack, n_sims: int, n_gateways: int, log, dp_size: int = 1, model_shape: str = "dense") -> dict:
+    pods = stack.engines(n_sims, model=MODEL, extra=sim_args(model_shape), dp=[1] * (n_sims - 1) + [dp_size])
     engines = [Engine(p["name"], f"http://127.0.0.1:{p['port']}", f"tcp://127.0.0.1:{p['kv_events']['pub_port']}")
                for p in pods]
     for p in pods:
@@ -115,7 +132,7 @@ def _start(stack: Stack, n_sims: int, n_gateways: int, log, dp_size: int = 1) ->
             "gateways": [f"http://127.0.0.1:{p}" for p in http_ports],
             "pods": [{"name": e.name, "url": e.url, "model": MODEL, "kv_events": e.kv_events,
                       "dp_size": p["kv_events"].get("dp_size", 1)} for e, p in zip(engines, pods)],
-            "model": MODEL}
+            "model": MODEL, "model_shape": model_shape}
 
 
 def _prefix_counters(text: str) -> tuple[float, float]:
@@ -136,6 +153,29 @@ async def _engine_counters(urls: list[str]) -> tuple[float, float]:
         dq, dh = _prefix_counters(r.text)
         q, h = q + dq, h + dh
     return q, h
+
+
+def _believed_counters(text: str) -> tuple[float, float]:
+    """(total, cached) prompt blocks of the requests one kvgate replica routed (kvgate_prefix_blocks_total):
+    cached are those it believed the chosen pod held."""
+    total = cached = 0.0
+    for line in text.splitlines():
+        if line.startswith('kvgate_prefix_blocks_total{kind="total"}'):
+            total += float(line.rsplit(" ", 1)[1])
+        elif line.startswith('kvgate_prefix_blocks_total{kind="cached"}'):
+            cached += float(line.rsplit(" ", 1)[1])
+    return total, cached
+
+
+async def _gateway_counters(gateways: list[str]) -> tuple[float, float]:
+    """_believed_counters summed over the replicas (each counts the requests it routed)."""
+    async with httpx.AsyncClient(timeout=5.0) as client:
+        answers = await asyncio.gather(*(client.get(g + "/metrics") for g in gateways))
+    total = cached = 0.0
+    for r in answers:
+        t, c = _believed_counters(r.text)
+        total, cached = total + t, cached + c
+    return total, cached
 
 
 async def _reset_caches(urls: list[str]) -> None:
@@ -166,19 +206,25 @@ def slice_order(strategies: list[str], slices: int) -> list[tuple[int, str]]:
 
 
 async def _compare(envoy_url: str, engine_urls: list[str], strategies: list[str], duration: float,
-                   concurrency: int, log, slices: int = 1) -> dict[str, dict]:
+                   concurrency: int, log, slices: int = 1, gateways: list[str] | None = None) -> dict[str, dict]:
     """Each strategy gets `duration` seconds of traffic, in `slices` slices alternating between the
     strategies on the same stack (so all of them see the same machine load over the run); each slice
-    starts from empty prefix caches and sends its slice's traffic (the same for every strategy)."""
+    starts from empty prefix caches and sends its slice's traffic (the same for every strategy).
+    With `gateways` (the kvgate replicas' base URLs) and engines: what kvgate believed cached beside the
+    engines' real hits (a strategy that looks up no prefix believes nothing: None)."""
     out: dict[str, dict] = {}
     totals = {s: Results() for s in strategies}
     counters = {s: [0.0, 0.0] for s in strategies}
+    believed = {s: [0.0, 0.0] for s in strategies}  # prompt blocks routed, of which believed cached
+    gateways = gateways if engine_urls else []
     part_s = duration / slices
     for k, strategy in slice_order(strategies, slices):
         if engine_urls:
             await _reset_caches(engine_urls)
             await asyncio.sleep(0.3)  # let the cache-cleared events reach the index
             before = await _engine_counters(engine_urls)
+        if gateways:
+            believed_before = await _gateway_counters(gateways)
         workload = ChatWorkload(WorkloadShape(concurrency=concurrency), MODEL, seed=1 + k)
         last = [0.0]
         done_s = totals[strategy].elapsed_s
@@ -196,15 +242,24 @@ async def _compare(envoy_url: str, engine_urls: list[str], strategies: list[str]
             after = await _engine_counters(engine_urls)
             counters[strategy][0] += after[0] - before[0]
             counters[strategy][1] += after[1] - before[1]
+        if gateways:
+            believed_after = await _gateway_counters(gateways)
+            believed[strategy][0] += believed_after[0] - believed_before[0]
+            believed[strategy][1] += believed_after[1] - believed_before[1]
     for strategy in strategies:
         res = totals[strategy]
-        hit_rate = None
+        hit_rate = believed_rate = None
         if engine_urls:
             dq, dh = counters[strategy]
             hit_rate = dh / dq if dq else 0.0
+            # believed cached tokens over the same denominator as the real rate: the prompt tokens the
+            # engines looked up (so the two differ by what kvgate got wrong, not by partial blocks)
+            if gateways and believed[strategy][0] and dq:
+                believed_rate = believed[strategy][1] * BLOCK_SIZE / dq
         p50, p90 = res.percentile(0.5), res.percentile(0.9)
         out[strategy] = {
             "hit_rate": None if hit_rate is None else round(hit_rate, 4),
+            "believed_hit_rate": None if believed_rate is None else round(believed_rate, 4),
             "ttft_p50_ms": None if p50 is None else round(p50 * 1000, 2),
             "ttft_p90_ms": None if p90 is None else round(p90 * 1000, 2),
             "slo_attainment": None if res.slo_attainment is None else round(res.slo_attainment, 4),
@@ -222,12 +277,14 @@ def _table(results: dict[str, dict]) -> str:
     def f(v, fmt):
         return "-" if v is None else format(v, fmt)
 
-    lines = [f"{'strategy':<14} {'hit rate':>9} {'SLO met':>8} {'TTFT p50 ms':>12} {'TTFT p90 ms':>12} {'req/s':>7} "
-             f"{'requests':>9} {'errors':>7}"]
+    def pct(v):
+        return "-" if v is None else format(v * 100, ".1f") + "%"
+
+    lines = [f"{'strategy':<14} {'hit rate':>9} {'believed':>9} {'SLO met':>8} {'TTFT p50 ms':>12} {'TTFT p90 ms':>12} "
+             f"{'req/s':>7} {'requests':>9} {'errors':>7}"]
     for name, r in results.items():
-        hit = None if r["hit_rate"] is None else r["hit_rate"] * 100
-        slo = None if r.get("slo_attainment") is None else r["slo_attainment"] * 100
-        lines.append(f"{name:<14} {f(hit, '8.1f')}% {f(slo, '7.1f')}% {f(r['ttft_p50_ms'], '12.1f')} "
+        lines.append(f"{name:<14} {pct(r['hit_rate']):>9} {pct(r.get('believed_hit_rate')):>9} "
+                     f"{pct(r.get('slo_attainment')):>8} {f(r['ttft_p50_ms'], '12.1f')} "
                      f"{f(r['ttft_p90_ms'], '12.1f')} {r['requests_per_s']:7.1f} {r['requests']:9d} {r['errors']:7d}")
     return "\n".join(lines)
 
@@ -388,22 +445,25 @@ def main(args: argparse.Namespace) -> int:
     signals.install()
     stack = Stack()
     try:
-        log(f"kvgate demo: starting {args.sims} engines, kvgate and Envoy on loopback (logs in {stack.workdir})")
-        info = _start(stack, args.sims, args.gateways, log, args.dp_size)
+        log(f"kvgate demo: starting {args.sims} engines ({args.model_shape} model shape), kvgate and Envoy on "
+            f"loopback (logs in {stack.workdir})")
+        info = _start(stack, args.sims, args.gateways, log, args.dp_size, args.model_shape)
         if args.no_traffic:
             print(json.dumps(info), flush=True)
             return _supervise(stack, {p["name"] for p in info["pods"]}, log)
         log(f"kvgate demo: {args.duration:.0f} s of multi-turn chat traffic per strategy: {', '.join(strategies)}")
         results = signals.run(_compare(info["envoy_url"], [p["url"] for p in info["pods"]], strategies,
-                                       args.duration, args.concurrency, log, args.slices))
+                                       args.duration, args.concurrency, log, args.slices, info["gateways"]))
         tokenizer = asyncio.run(_tokenizer_status(info["gateways"]))
         slo_model = asyncio.run(_slo_model(info["gateways"]))
         if args.json:
             print(json.dumps({"strategies": results, "tokenizer": tokenizer, "slo_model": slo_model}), flush=True)
         else:
             print(_table(results), flush=True)
-            print("\nhit rate: prompt tokens served from the engines' prefix caches (their own /metrics).",
-                  flush=True)
+            print(f"\nhit rate: prompt tokens served from the engines' prefix caches (their own /metrics); "
+                  f"believed: the blocks kvgate believed the chosen engine held (kvgate_prefix_blocks_total, "
+                  f"summed over the replicas) times {BLOCK_SIZE} tokens, over the same prompt tokens "
+                  f"({args.model_shape} model shape; '-': the strategy looks up no prefix).", flush=True)
             if any(_slo_model_lines(slo_model)):
                 print("\n" + "\n".join(_slo_model_lines(slo_model)), flush=True)
             print("\n" + "\n".join(_tokenizer_lines(tokenizer)), flush=True)

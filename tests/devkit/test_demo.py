@@ -99,18 +99,26 @@ class Demo:
 
 
 def test_no_traffic_serves_then_sigint_stops_everything(tmp_path):
-    demo = Demo(tmp_path, "--no-traffic", "--sims", "2")
+    """On the hybrid model shape, which reaches the engines: kvgate learns their two KV cache groups."""
+    demo = Demo(tmp_path, "--no-traffic", "--sims", "2", "--model-shape", "hybrid")
     info = demo.info()
     assert set(info) >= {"envoy_url", "metrics_url", "redis_url", "pods", "model"}
+    assert info["model_shape"] == "hybrid"
     assert len(info["pods"]) == 2
     assert all(set(p) >= {"name", "url", "model", "kv_events", "dp_size"} for p in info["pods"])
     assert [p["dp_size"] for p in info["pods"]] == [1, 2]  # the last engine has two data-parallel ranks
     dp_pod = next(p for p in httpx.get(info["debug_url"], timeout=10).json()["pods"] if p["name"] == "sim1")
     assert dp_pod["kv_events"]["dp_size"] == 2 and dp_pod["running_by_rank"] == [0, 0]
-    r = httpx.post(info["envoy_url"] + "/v1/completions", json={"model": info["model"], "prompt": "hi",
-                                                                "max_tokens": 2}, timeout=30)
+    r = httpx.post(info["envoy_url"] + "/v1/completions", json={"model": info["model"], "prompt": "hi " * 40,
+                                                                "max_tokens": 2}, timeout=30)  # blocks to store
     assert r.status_code == 200 and r.headers["x-kvgate-pod"] in {p["name"] for p in info["pods"]}
     assert "kvgate_routed_requests_total" in httpx.get(info["metrics_url"], timeout=10).text
+
+    def groups() -> dict:
+        return httpx.get(info["debug_url"], timeout=10).json()["index"]["kv_cache_groups"].get(info["model"], {})
+    learned = wait_until(lambda: len(groups().get("groups", {})) == 2 and groups(), timeout=10, detail=groups)
+    assert [(g["kind"], g["sliding_window"]) for _, g in sorted(learned["groups"].items())] == [
+        ("sliding_window", 128), ("full_attention", None)]
     n = len(_children(demo.pid))
     assert n == 2 + 1 + 2 + 1, _children(demo.pid)  # engines, redis, kvgate replicas, envoy
     demo.send(signal.SIGINT)
@@ -187,6 +195,10 @@ def test_short_comparison_prints_the_json_summary():
         assert 0.0 <= r["slo_attainment"] <= 1.0
         assert r["requests"] > 0 and r["errors"] == 0, (name, r)
         assert 0.0 <= r["hit_rate"] <= 1.0 and r["ttft_p50_ms"] <= r["ttft_p90_ms"]
+    # what kvgate believed cached, beside the engines' real hits: only strategies that look up prefixes
+    assert result["strategies"]["round-robin"]["believed_hit_rate"] is None
+    for name in ("kv-sync", "slo"):
+        assert 0.0 < result["strategies"][name]["believed_hit_rate"] <= 1.0, result["strategies"][name]
     assert "kv-sync" in proc.stderr  # progress was shown
     # The replicas tokenize locally with the sims' own files, verified first against the sims' /tokenize.
     assert set(result["tokenizer"]) == {"kvgate0", "kvgate1"}
@@ -197,6 +209,41 @@ def test_short_comparison_prints_the_json_summary():
     # slo's TTFT predictions met their observed TTFTs: each replica's profiles say how far off they were
     learned = [p for pods in result["slo_model"].values() for p in pods.values() if p["ttft_error_ms"] is not None]
     assert learned and all(p["ttft_samples"] > 0 for p in learned), result["slo_model"]
+
+
+def test_model_shape_option_reaches_the_sims_command_line():
+    """`kvgate demo --model-shape hybrid` parses, and the engines' options it makes are ones `kvgate sim`
+    takes as that shape; dense is the default, a shape the demo does not offer is refused."""
+    from devkit.demo import sim_args
+    from plugin.cli import build_parser
+    from sim.cli import add_arguments, options_from_args
+    import argparse
+
+    def demo_args(*argv: str) -> argparse.Namespace:
+        return build_parser(["demo"]).parse_args(["demo", *argv])
+
+    assert demo_args().model_shape == "dense"
+    sim = argparse.ArgumentParser()
+    add_arguments(sim)
+    for shape in ("dense", "hybrid"):
+        assert demo_args("--model-shape", shape).model_shape == shape
+        options = options_from_args(sim.parse_args(sim_args(shape)))
+        assert options.model_shape == shape and options.engine.block_size == 16
+    with pytest.raises(SystemExit):
+        demo_args("--model-shape", "mamba-hybrid")
+    with pytest.raises(ValueError, match="model shape"):
+        sim_args("mamba-hybrid")
+
+
+def test_believed_counters_read_kvgates_prefix_blocks():
+    from devkit.demo import _believed_counters
+
+    text = ('# TYPE kvgate_prefix_blocks_total counter\n'
+            'kvgate_prefix_blocks_total{kind="total"} 40.0\n'
+            'kvgate_prefix_blocks_total{kind="cached"} 25.0\n'
+            'kvgate_prefix_blocks_created{kind="total"} 1.7e9\n')
+    assert _believed_counters(text) == (40.0, 25.0)
+    assert _believed_counters("") == (0.0, 0.0)
 
 
 def test_slices_alternate_the_strategies_order_so_none_always_runs_first():
