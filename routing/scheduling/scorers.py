@@ -163,11 +163,12 @@ class PrecisePrefixScorer(Scorer):
         bs = self._block_size(ctx.base_model, n, total)
         uncached: dict[str, float] = {}
         matched = ctx.matched
+        cap = (n - 1) // bs  # the engine always computes the prompt's last token (vLLM: hit <= length - 1)
         for name in names:
             m = matches.get(name)
             if m is None:
                 continue
-            blocks = matched[name] = m.blocks
+            blocks = matched[name] = m.blocks if m.blocks <= cap else cap
             if not blocks:  # holds none of it (most pods, most of the time)
                 uncached[name] = n
                 continue

@@ -178,9 +178,10 @@ class SLOScorer(Scorer):
         if total > ctx.total_blocks:
             ctx.total_blocks = total
         out = {}
+        cap = (n - 1) // bs  # the engine always computes the prompt's last token (vLLM: hit <= length - 1)
         for p in pods:
             m = matches.get(p.name)
-            blocks = m.blocks if m is not None else 0
+            blocks = min(m.blocks, cap) if m is not None else 0
             ctx.matched[p.name] = blocks
             out[p.name] = float(max(1, n - blocks * bs))  # the last prompt token is always computed
         return out

@@ -79,7 +79,7 @@ def _words(tag: str, n: int) -> str:
 
 def test_a_salted_prompt_is_believed_cached_only_under_its_own_salt(env):
     body = {"model": DENSE, "prompt": _words("salted", 121)}
-    assert env.prompt_tokens("sim1", body["prompt"]) % BS  # see the xfail below for whole-block prompts
+    assert env.prompt_tokens("sim1", body["prompt"]) % BS  # whole-block prompts: the last test
     env.warm("sim1", "/v1/completions", {**body, "cache_salt": "a"})
     salted = env.metric("kvgate_request_extras_total", kind="salted")
     pod, believed, served = env.route("/v1/completions", {**body, "cache_salt": "a"})
@@ -144,8 +144,6 @@ def test_a_hybrid_fleet_routes_a_repeated_prompt_to_its_engine_and_shows_both_gr
     assert shape["exact"] is True
 
 
-@pytest.mark.xfail(strict=True, reason="kvgate's one-group path believes a prompt of whole blocks cached in full; "
-                   "vLLM computes at least its last token, so the engine serves one block less")
 def test_a_repeated_prompt_of_whole_blocks_is_believed_one_block_short_as_the_engine_serves_it(env):
     n = 20 * BS
     body = {"model": DENSE, "prompt": [100 + i % 200 for i in range(n)]}  # token ids: exactly 20 blocks

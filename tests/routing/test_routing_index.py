@@ -14,7 +14,7 @@ from routing.scheduling.scoring import RouteRequest
 from routing.scheduling.strategies import StrategyConfig
 
 BS = 16
-PROMPT = list(range(1000, 1000 + 8 * BS))  # 8 full blocks
+PROMPT = list(range(1000, 1000 + 8 * BS + 3))  # 8 full blocks and 3 tokens (a hit never covers the last one)
 
 
 def stored(tokens, n_blocks, medium="GPU", first_hash=1, lora_name=None):

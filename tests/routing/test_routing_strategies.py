@@ -18,7 +18,7 @@ from routing.scheduling.scorers import ApproxPrefixScorer, PrecisePrefixScorer, 
 from routing.scheduling.scoring import LoadGuard, PickContext, RouteRequest, Scorer
 from routing.scheduling.strategies import NAMES, SCORERS, STRATEGIES, ScorerSpec, StrategyConfig, parse_weights
 
-TOKENS = list(range(64))  # 4 blocks of 16
+TOKENS = list(range(67))  # 4 blocks of 16 and 3 tokens (a hit never covers the last one)
 
 
 @dataclass
@@ -442,8 +442,8 @@ def test_learning_scorers_keep_per_request_state_in_the_pick_context():
     precise.score(first, ps)
     precise.score(second, ps)
     precise.picked(first, ps[1])  # b holds nothing: the whole prompt joins its backlog
-    precise.picked(second, ps[0])  # a holds it all: nothing
-    assert backlog.get("b") == 64 and backlog.get("a") == 0
+    precise.picked(second, ps[0])  # a holds its 4 blocks: the 3 tokens after them
+    assert backlog.get("b") == 67 and backlog.get("a") == 3
 
 
 class PodWatcher(Scorer):
