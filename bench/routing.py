@@ -41,6 +41,22 @@ capacity from the workload). Workloads (bench.routing_workloads):
     to the rank (x-data-parallel-rank); `kv-sync@no-rank` is kvgate before it did: the pod is one
     target and the engine's least-loaded balancer picks the rank (so does it for every policy
     whose decision names no rank: char-tree, prefix-cache, ...; the oracle picks among ranks).
+- W8, W9, W10 (issue 25): W3's conversations (the same tokens, tenants and times: seed_name "W3") at W3's
+  KV ratio on the shapes kvgate must be exact on, the engines publishing vLLM 0.33's events:
+  - W8 hybrid: a gpt-oss-like model, group 0 sliding window 128 tokens, group 1 full attention (16-token
+    blocks each), vLLM's default sparse retention (sim.shapes "hybrid"); KV capacity counted over both
+    groups (each holds its own blocks of a prompt: twice W3's blocks per engine).
+  - W9 salted tenants: half the users (conversations) send a cache_salt of their own over their tenant's
+    shared system prompt; the engines hash it, kvgate's request carries BlockExtras(cache_salt=...). At 60%
+    of decode capacity (at 85% the salted users' prefills saturate every policy).
+  - W10 images: 40% of the turns start their user message with an image, a run of 256 placeholder tokens
+    (the same token id for every image) with a MediaItem; half the images are one of the tenant's 4,
+    sent again and again, half new; half the clients give uuids (the identifier then), the others get the
+    content hash (sim.media.image_identifier), so one image is two identities across clients. kvgate's
+    request carries the engine's render: BlockExtras(media=...) with the same identifiers and placeholders.
+  The oracle reads each engine's hit from the engine itself there (EngineModel.prefix_hit: groups, salts,
+  media, exactly), and its placement memory keys blocks with their salt and media (no flush memory: these
+  workloads have no flushes).
 
 Policies: random, round-robin, least-request, prefix-cache (router-side guess), char-tree
 (bench.chartree: the design of SGLang's model gateway `cache_aware` policy), kv-sync
@@ -74,7 +90,18 @@ Metrics per run, then the mean over seeds:
   stayed cached, i.e. sent away from its prefix, or to where it was evicted or flushed;
 - evicted_blocks: blocks the engines evicted (BlockRemoved), flushed_blocks: blocks flushes dropped;
 - joined_share (W5): the share of the requests arriving after the join that went to the joined pod
-  (a quarter would be an even split over 4 pods).
+  (a quarter would be an even split over 4 pods);
+- believed_share (kv-sync, slo): the prompt tokens the index promised on the picked engine (the Decision's
+  matched_blocks x the index's block size), summed over requests, over prompt tokens: the hit rate kvgate
+  believes it gets, beside the engines' real one (hit_rate); at_pick_share: the picked engine's own hit at
+  the moment of the pick (EngineModel.prefix_hit). believed = at pick means the index was exact; at pick
+  != hit_rate is the time between the pick and admission (queued requests: evictions, or blocks other
+  requests stored meanwhile).
+On W3 and W8-W10, ceiling_hit_rate: the same requests at the same times replayed on one engine of the
+fleet's whole KV capacity, batch slots and throughput (routing_sim.ceiling); gap_recovered: kv-sync's share
+of the hit-rate gap between round-robin and that ceiling, (kv-sync - round-robin) / (ceiling -
+round-robin), both behind the run's replica count. The table ends with one line per such workload (model
+shape, kv-sync, round-robin, ceiling, gap recovered, believed, real).
 Per workload, beside the compulsory-miss hit-rate bound: ttft_p90_floor_s, the p90 of
 routing_sim.ttft_floor (each request's TTFT with every block ever computed cached everywhere and
 no queueing), a p90 no router can go below. The TTFT ratio targets report it as `attainable`:
@@ -84,7 +111,9 @@ Targets (report["targets"]): issue 8.4's (W1 TTFT ratios, kv-sync within 5 point
 oracle) and issue 13's, per workload and per replica count n in TARGET_GATEWAYS: kv-sync's hit
 rate >= the best of OTHERS' (at n) + 3 points, or >= the oracle's - 1 point; kv-sync's TTFT p90
 <= the best of OTHERS' (at n); and kv-sync within 3 points of the oracle. Each reports kv-sync's
-value, the best other policy and its value (and the oracle's). report["comparisons"] lists, as
+value, the best other policy and its value (and the oracle's). W8-W10 are chat workloads for those,
+and add issue 25's: kv-sync's believed cached share within 2 points of the engines' hit rate, and
+kv-sync recovers >= 85% of the round-robin -> ceiling gap. report["comparisons"] lists, as
 [info], every policy whose hit rate is above the oracle's.
 """
 from __future__ import annotations

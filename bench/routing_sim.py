@@ -64,6 +64,17 @@ TTFT where spreading paid (W5 p90 0.042 -> 0.054 s, W2 0.22 -> 0.34 s). It is a 
 with perfect knowledge, not a proof of optimality: a policy may still beat it (the report lists
 those cases as [info]); the workload-level `compulsory_hit_rate` (every distinct block computed
 once in the cluster) is the hit-rate bound no router can exceed.
+On workloads with a model shape or requests with extra keys (W8-W10) the mirror, keyed by (parent,
+tokens) over one group, cannot follow the engines' blocks (several groups, sparse events whose token ids
+span skipped blocks, salts and media on blocks with equal tokens), so the oracle reads each engine's hit
+from the engine itself (EngineModel.prefix_hit: exact for every group, salt and media), and keys its
+placement memory with salts and media (routing_workloads.request_keys); it keeps no flush memory there.
+
+Requests carry their cache_salt and media to the engines and, as RouteRequest.extras, to the Routers.
+For kv-sync and slo the run also sums, per pick, the tokens the index promised on the picked engine
+(Decision.matched_blocks x the index's block size) and that engine's own hit at that moment
+(EngineModel.prefix_hit): believed_share and at_pick_share. `ceiling` replays a workload on one engine of
+the fleet's whole capacity.
 """
 from __future__ import annotations
 
@@ -79,7 +90,8 @@ from typing import Any
 import numpy as np
 
 from bench.chartree import CharTreePolicy
-from bench.routing_workloads import BLOCK_SIZE, Request, Workload, request_keys
+from bench.routing_workloads import BLOCK_SIZE, Workload, prefix_keys, request_keys
+from kvcache.blockkeys import BlockExtras, MediaItem
 from kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kvcache.index import PrefixIndex
 from kvcache.wire import WireError, decode_batch, encode_batch
@@ -241,16 +253,17 @@ class _Oracle:
         self._out_tokens[pod] = 0
         self._placed[pod] = Counter()
 
-    def pick(self, r: Request, now: float) -> tuple[str, tuple]:
+    def pick(self, tokens: tuple[int, ...], max_tokens: int, now: float, cache_salt: str | None = None,
+             media: tuple[MediaItem, ...] = ()) -> tuple[str, tuple]:
         c = self._c
-        tokens, max_tokens = r.token_ids, r.max_tokens
         if self._exact:
-            hits = {pod: eng.prefix_hit(tokens, cache_salt=r.cache_salt, mm_items=r.media)
+            hits = {pod: eng.prefix_hit(tokens, cache_salt=cache_salt, mm_items=media)
                     for pod, eng in self._engines.items()}
             was = hits
         else:
             hits, was = self.mirror.hits_and_flushed(tokens)
-        keys = request_keys(r)[:(len(tokens) - 1) // BLOCK_SIZE]
+        extras = BlockExtras(cache_salt=cache_salt, media=media) if cache_salt is not None or media else None
+        keys = prefix_keys(tokens, BLOCK_SIZE, extras)[:(len(tokens) - 1) // BLOCK_SIZE]
         have = {}
         for pod, placed in self._placed.items():
             n = 0
@@ -579,7 +592,7 @@ async def _run(workload: Workload, policy: Policy, seed: int, strategy_config: S
                 key = least_loaded_rank(pod)
             else:
                 assert oracle is not None  # routers, trees or the oracle: one of them is set
-                key, handle = oracle.pick(r, t)
+                key, handle = oracle.pick(r.token_ids, r.max_tokens, t, r.cache_salt, r.media)
             i += 1
             inflight[r.req_id] = (key, handle)
             running[key] += 1

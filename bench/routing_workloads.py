@@ -49,6 +49,14 @@ messages, 100-token replies and outputs, 2-4 turns 2.5-5 s apart, starts for 16 
   policy's prefill); KV at W1's 73% ratio; one engine flushed every 2 s.
 - W5 scale-out: 120% of the 3 starting pods' decode capacity, KV at 73%; a 4th pod (same KV
   capacity) joins at 10 s, once the rate has reached its plateau; then the fleet runs at 90%.
+- W8-W10 (issue 25) are W3's conversations (`seed_name`: the same tokens and times) with what the
+  shape adds: a model shape (`model_shape`, sim.shapes: W8 hybrid, sliding window 128 + full attention,
+  sparse retention; KV capacity counted per group), per-user salts (`salted_share`, W9, at 60% load),
+  images (`image_share`, W10: a run of `image_tokens` placeholder tokens, IMAGE_TOKEN, before the
+  turn's user text, with a kvcache.blockkeys.MediaItem; identifier: the client's uuid or the content
+  hash). Salts and images are drawn from a generator of their own, so the rest stays W3's. A request's
+  `extras` is what kvgate's request carries; the working set, the compulsory-miss bound and the
+  reusable prefixes key blocks with their salt and media (`request_keys`) as the engines' hashes do.
 """
 from __future__ import annotations
 

@@ -512,6 +512,9 @@ def test_shaped_workloads_report_ceiling_belief_and_gap(shape):
     assert f"{shape.name} @2gw: kv-sync TTFT p90 <= best other's" in names  # W3's chat targets apply too
     table = bench.format_table(report)
     assert "ceiling (one engine" in table and "believed cached share" in table and "gap recovered" in table
+    from bench.all import render
+    md = render("routing", report)
+    assert "believed_share" in md and "Ceiling (one engine" in md
 
 
 @pytest.mark.parametrize("shape", SHAPED, ids=[s.name for s in SHAPED])
