@@ -26,7 +26,8 @@ BENCHES: tuple[tuple[str, list[str], str], ...] = (
      "in under 2 minutes; longest single index call (apply, evict, stats, match, drop, remove_pod) under churn at "
      "4M entries <= 2 ms (the median of 3 churn passes' longest; the longest of all beside it)"),
     ("tokenizer", [], "cached remote path >= 3x cheaper than cold"),
-    ("routing", [], "in every workload W1-W5 (W3 eviction pressure, W4 cache flushes, W5 an engine joining) and "
+    ("routing", [], "in every workload W1-W5 and W7-W10 (W3 eviction pressure, W4 cache flushes, W5 an engine "
+                    "joining, W8-W10 model shapes and request keys) and "
                     "behind 1 and 2 gateway replicas: kv-sync's hit rate >= the best other policy's (char-tree, "
                     "prefix-cache, least-request, round-robin, random) + 3 points, or >= the oracle's - 1 point, and "
                     "kv-sync's TTFT p90 <= the best other policy's; kv-sync within 3 points of the oracle in every "
@@ -35,8 +36,11 @@ BENCHES: tuple[tuple[str, list[str], str], ...] = (
                     "data-parallel engine): kv-sync routed to the rank no worse than kv-sync@no-rank on hit rate "
                     "and TTFT p90. W6 (SLO mix, each request with TTFT and TPOT targets, 80% of fleet capacity): "
                     "slo's SLO attainment >= kv-sync's + 10 points and >= least-request's + 25 points; output "
-                    "prediction median |log2 bucket error| <= 1 once warm. Rows without @Ngw run behind 2 replicas, "
-                    "the deployment kvgate ships"),
+                    "prediction median |log2 bucket error| <= 1 once warm. W8-W10 (W3 on a gpt-oss-like hybrid "
+                    "model with sparse retention, with per-user cache_salt, with images), chat targets as W3 and: "
+                    "kv-sync's believed cached share within 2 points of the engines' hit rate; kv-sync recovers "
+                    ">= 85% of the round-robin -> one-engine ceiling hit-rate gap. Rows without @Ngw run behind 2 "
+                    "replicas, the deployment kvgate ships"),
     ("gateway", [], "issue 14: kv-sync added p50 at 1 connection <= 1.0 ms over direct, warm and cold prompts; "
                     "kvgate CPU per routed request (its share of event following included) <= 1.2x the no-op "
                     "processor's; throughput through Envoy >= 90% of the no-op processor's. Also 1 vs 2 "
@@ -92,10 +96,16 @@ def render(name: str, data: dict) -> str:
                     "repeat_miss_share", "evicted_blocks"]
             if any("joined_share" in pd for pd in pols.values()):
                 cols.append("joined_share")
+            if any("believed_share" in pd for pd in pols.values()):
+                cols += ["believed_share", "at_pick_share"]
             about = f" ({wd['describe']})" if wd.get("describe") else ""
             out.append(f"**{w}**{about}\n\n| policy | " + " | ".join(cols) + " |\n|---|" + "---|" * len(cols))
             for p, pd in pols.items():
                 out.append(f"| {p} | " + " | ".join(_fmt(pd.get(c)) for c in cols) + " |")
+            if "ceiling_hit_rate" in wd:
+                out.append(f"\nCeiling (one engine of the fleet's KV capacity): hit rate {_fmt(wd['ceiling_hit_rate'])}"
+                           + (f"; kv-sync recovers {_fmt(wd['gap_recovered'])} of the round-robin -> ceiling gap"
+                              if "gap_recovered" in wd else ""))
             out.append("")
         targets = data.get("targets") or {}
         if targets:

@@ -41,6 +41,22 @@ capacity from the workload). Workloads (bench.routing_workloads):
     to the rank (x-data-parallel-rank); `kv-sync@no-rank` is kvgate before it did: the pod is one
     target and the engine's least-loaded balancer picks the rank (so does it for every policy
     whose decision names no rank: char-tree, prefix-cache, ...; the oracle picks among ranks).
+- W8, W9, W10 (issue 25): W3's conversations (the same tokens, tenants and times: seed_name "W3") at W3's
+  KV ratio on the shapes kvgate must be exact on, the engines publishing vLLM 0.33's events:
+  - W8 hybrid: a gpt-oss-like model, group 0 sliding window 128 tokens, group 1 full attention (16-token
+    blocks each), vLLM's default sparse retention (sim.shapes "hybrid"); KV capacity counted over both
+    groups (each holds its own blocks of a prompt: twice W3's blocks per engine).
+  - W9 salted tenants: half the users (conversations) send a cache_salt of their own over their tenant's
+    shared system prompt; the engines hash it, kvgate's request carries BlockExtras(cache_salt=...). At 60%
+    of decode capacity (at 85% the salted users' prefills saturate every policy).
+  - W10 images: 40% of the turns start their user message with an image, a run of 256 placeholder tokens
+    (the same token id for every image) with a MediaItem; half the images are one of the tenant's 4,
+    sent again and again, half new; half the clients give uuids (the identifier then), the others get the
+    content hash (sim.media.image_identifier), so one image is two identities across clients. kvgate's
+    request carries the engine's render: BlockExtras(media=...) with the same identifiers and placeholders.
+  The oracle reads each engine's hit from the engine itself there (EngineModel.prefix_hit: groups, salts,
+  media, exactly), and its placement memory keys blocks with their salt and media (no flush memory: these
+  workloads have no flushes).
 
 Policies: random, round-robin, least-request, prefix-cache (router-side guess), char-tree
 (bench.chartree: the design of SGLang's model gateway `cache_aware` policy), kv-sync
@@ -74,7 +90,18 @@ Metrics per run, then the mean over seeds:
   stayed cached, i.e. sent away from its prefix, or to where it was evicted or flushed;
 - evicted_blocks: blocks the engines evicted (BlockRemoved), flushed_blocks: blocks flushes dropped;
 - joined_share (W5): the share of the requests arriving after the join that went to the joined pod
-  (a quarter would be an even split over 4 pods).
+  (a quarter would be an even split over 4 pods);
+- believed_share (kv-sync, slo): the prompt tokens the index promised on the picked engine (the Decision's
+  matched_blocks x the index's block size), summed over requests, over prompt tokens: the hit rate kvgate
+  believes it gets, beside the engines' real one (hit_rate); at_pick_share: the picked engine's own hit at
+  the moment of the pick (EngineModel.prefix_hit). believed = at pick means the index was exact; at pick
+  != hit_rate is the time between the pick and admission (queued requests: evictions, or blocks other
+  requests stored meanwhile).
+On W3 and W8-W10, ceiling_hit_rate: the same requests at the same times replayed on one engine of the
+fleet's whole KV capacity, batch slots and throughput (routing_sim.ceiling); gap_recovered: kv-sync's share
+of the hit-rate gap between round-robin and that ceiling, (kv-sync - round-robin) / (ceiling -
+round-robin), both behind the run's replica count. The table ends with one line per such workload (model
+shape, kv-sync, round-robin, ceiling, gap recovered, believed, real).
 Per workload, beside the compulsory-miss hit-rate bound: ttft_p90_floor_s, the p90 of
 routing_sim.ttft_floor (each request's TTFT with every block ever computed cached everywhere and
 no queueing), a p90 no router can go below. The TTFT ratio targets report it as `attainable`:
@@ -84,7 +111,9 @@ Targets (report["targets"]): issue 8.4's (W1 TTFT ratios, kv-sync within 5 point
 oracle) and issue 13's, per workload and per replica count n in TARGET_GATEWAYS: kv-sync's hit
 rate >= the best of OTHERS' (at n) + 3 points, or >= the oracle's - 1 point; kv-sync's TTFT p90
 <= the best of OTHERS' (at n); and kv-sync within 3 points of the oracle. Each reports kv-sync's
-value, the best other policy and its value (and the oracle's). report["comparisons"] lists, as
+value, the best other policy and its value (and the oracle's). W8-W10 are chat workloads for those,
+and add issue 25's: kv-sync's believed cached share within 2 points of the engines' hit rate, and
+kv-sync recovers >= 85% of the round-robin -> ceiling gap. report["comparisons"] lists, as
 [info], every policy whose hit rate is above the oracle's.
 """
 from __future__ import annotations
@@ -102,7 +131,7 @@ from typing import cast
 from bench import routing_workloads as workloads
 import numpy as np
 
-from bench.routing_sim import ORACLE, Policy, RunResult, run, ttft_floor
+from bench.routing_sim import ORACLE, Policy, RunResult, ceiling, run, ttft_floor
 from routing.scheduling.strategies import StrategyConfig, parse_weights
 
 METRICS = ("hit_rate", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "ttft_mean_s", "throughput_tok_s",
@@ -115,7 +144,11 @@ OTHER_GATEWAYS = (1, 4)  # the prefix strategies also run behind these (W1, W2)
 TARGET_GATEWAYS = (1, 2)  # the issue-13 targets are read at each of these replica counts
 # the policies kv-sync must beat (issue 13): every one but the oracle and kv-sync's own variants
 OTHERS = ("char-tree", "prefix-cache", "least-request", "round-robin", "random")
-CHAT_WORKLOADS = ("W3", "W4", "W5", "W7")
+SHAPED_WORKLOADS = ("W8", "W9", "W10")  # issue 25: the model shapes and request keys kvgate must be exact on
+CHAT_WORKLOADS = ("W3", "W4", "W5", "W7", *SHAPED_WORKLOADS)
+CEILING_WORKLOADS = ("W3", *SHAPED_WORKLOADS)  # reported with the one-engine ceiling and kv-sync's belief
+BELIEF_POINTS = 2.0  # issue 25: kv-sync's believed cached share within this many points of the real hit rate
+GAP_RECOVERED = 0.85  # issue 25: the share of the round-robin -> ceiling hit-rate gap kv-sync recovers
 SLO_WORKLOADS = ("W6",)
 SLO_POLICIES = ("random", "round-robin", "least-request", "prefix-cache", "kv-sync", "slo")
 
@@ -189,6 +222,8 @@ def _workload(shape: workloads.Shape | workloads.ChatShape, seed: int) -> tuple[
             "ttft_p90_floor_s": float(np.percentile(ttft_floor(wl), 90)), "flushes": len(wl.flushes),
             "joins": [[round(t, 3), f"pod-{i}"] for t, i in wl.joins],
             "after_join": sum(r.arrival >= min((t for t, _ in wl.joins), default=0.0) for r in wl.requests)}
+    if shape.name in CEILING_WORKLOADS:
+        info["ceiling_hit_rate"] = ceiling(wl)
     return wl, info
 
 
@@ -234,6 +269,8 @@ def run_all(shapes: list, seeds: int, jobs: int, chosen: tuple[Policy, ...] | No
             w["flushes_per_seed"] = [i["flushes"] for i in infos]
         if infos[0]["joins"]:
             w["joins"] = infos[0]["joins"]
+        if "ceiling_hit_rate" in infos[0]:
+            w["ceiling_hit_rate"] = _mean([i["ceiling_hit_rate"] for i in infos])
         for p in chosen_here:
             mine = [r for r, _ in runs if r.policy == p.name]
             w["policies"][p.name] = {m: _mean([float(getattr(r, m)) for r in mine]) for m in METRICS}
@@ -249,11 +286,17 @@ def run_all(shapes: list, seeds: int, jobs: int, chosen: tuple[Policy, ...] | No
             if errs:
                 w["policies"][p.name]["predict_bucket_error_median"] = _mean(errs)
                 w["policies"][p.name]["predict_samples"] = sum(r.predict_samples for r in mine)
+            if mine and mine[0].believed_share is not None:
+                w["policies"][p.name]["believed_share"] = _mean([cast(float, r.believed_share) for r in mine])
+                w["policies"][p.name]["at_pick_share"] = _mean([cast(float, r.at_pick_share) for r in mine])
             if p.strategy == "kv-sync":
                 w["policies"][p.name]["event_batches"] = {
                     "published": sum(r.batches_published for r in mine), "decoded": sum(r.batches_decoded for r in mine),
                     "lost": sum(r.batches_lost for r in mine),
                     "skipped": dict(sum((Counter(r.decode_skipped) for r in mine), Counter()))}
+        gap = gap_recovered(w)
+        if gap is not None:
+            w["gap_recovered"] = gap
         report["workloads"][shape.name] = w
     report["gateways"] = gateways
     report["targets"] = targets(report)
@@ -263,6 +306,20 @@ def run_all(shapes: list, seeds: int, jobs: int, chosen: tuple[Policy, ...] | No
 
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else 0.0
+
+
+def gap_recovered(w: dict) -> float | None:
+    """The share of the hit-rate gap between round-robin and the ceiling (one engine of the fleet's KV
+    capacity) that kv-sync closes, both behind the run's replica count; None without those numbers (or
+    no gap)."""
+    p = w["policies"]
+    top = w.get("ceiling_hit_rate")
+    if top is None or "kv-sync" not in p or "round-robin" not in p:
+        return None
+    rr = p["round-robin"]["hit_rate"]
+    if top - rr <= 0:
+        return None
+    return (p["kv-sync"]["hit_rate"] - rr) / (top - rr)
 
 
 def targets(report: dict) -> dict:
@@ -313,6 +370,18 @@ def targets(report: dict) -> dict:
         if "kv-sync" in p and ORACLE in p:
             gap = (p[ORACLE]["hit_rate"] - p["kv-sync"]["hit_rate"]) * 100
             out[f"{wname}: kv-sync hit rate within 3 points of oracle"] = {"value": round(gap, 2), "met": gap <= 3}
+        if wname in SHAPED_WORKLOADS:  # issue 25
+            ks = p.get("kv-sync", {})
+            if "believed_share" in ks:
+                off = (ks["believed_share"] - ks["hit_rate"]) * 100
+                out[f"{wname}: kv-sync believed cached share within {BELIEF_POINTS:g} points of the engines' hit rate"] = {
+                    "value": round(off, 2), "believed": round(ks["believed_share"] * 100, 2),
+                    "real": round(ks["hit_rate"] * 100, 2), "met": abs(off) <= BELIEF_POINTS}
+            if "gap_recovered" in w:
+                out[f"{wname}: kv-sync recovers >= {GAP_RECOVERED:.0%} of the round-robin -> ceiling hit-rate gap"] = {
+                    "value": round(w["gap_recovered"] * 100, 1), "ceiling": round(w["ceiling_hit_rate"] * 100, 2),
+                    "round_robin": round(p["round-robin"]["hit_rate"] * 100, 2),
+                    "kv_sync": round(p["kv-sync"]["hit_rate"] * 100, 2), "met": w["gap_recovered"] >= GAP_RECOVERED}
     for wname, w in report["workloads"].items():  # routing to a data-parallel engine's rank pays
         p = w["policies"]
         if "kv-sync" in p and "kv-sync@no-rank" in p:
@@ -381,6 +450,10 @@ def _target_line(name: str, t: dict) -> str:
             extra += f"; kv-sync / best = {t['ratio']}"
         return f"  [{mark}] {name}: {t['value']}{extra})"
     bound = f" (at most {t['attainable']} for any router)" if "attainable" in t else ""
+    if "believed" in t:
+        bound = f" points (believed {t['believed']}, real {t['real']})"
+    elif "ceiling" in t:
+        bound = f"% (round-robin {t['round_robin']}, kv-sync {t['kv_sync']}, ceiling {t['ceiling']})"
     return f"  [{mark}] {name}: {t['value']}{bound}"
 
 
@@ -413,6 +486,18 @@ def format_table(report: dict) -> str:
                          f"{m['throughput_tok_s']:>11.0f}{m['max_over_mean_running']:>14.2f}"
                          f"{m.get('repeat_miss_share', 0):>12.3f}{m.get('evicted_blocks', 0):>10.0f}"
                          + (f"{m.get('joined_share', 0):>12.2f}" if joins else "") + slo)
+        if "ceiling_hit_rate" in w:
+            lines.append(f"  ceiling (one engine, the fleet's KV capacity): hit rate {w['ceiling_hit_rate']:.3f}"
+                         + (f"; kv-sync recovers {w['gap_recovered']:.1%} of the round-robin -> ceiling gap"
+                            if "gap_recovered" in w else ""))
+        for name, m in w["policies"].items():
+            if "believed_share" in m:
+                lines.append(f"  {name}: believed cached share {m['believed_share']:.3f} (the picked engine's hit at "
+                             f"the pick {m['at_pick_share']:.3f}), engines' hit rate {m['hit_rate']:.3f}")
+        lines.append("")
+    summary = shape_summary(report)
+    if summary:
+        lines.extend(summary)
         lines.append("")
     lines.append(f"  Policies without @Ngw run behind {report.get('gateways', DEFAULT_GATEWAYS)} gateway replica(s).")
     for name, t in report.get("targets", {}).items():
@@ -421,6 +506,32 @@ def format_table(report: dict) -> str:
         bound = f" (at most {c['attainable']} for any router)" if "attainable" in c else ""
         lines.append(f"  [info] {name}: {c['value']}{bound}")
     return "\n".join(lines)
+
+
+def shape_summary(report: dict) -> list[str]:
+    """Issue 25's table: per workload with a ceiling, kv-sync, round-robin, the ceiling, the gap kv-sync
+    recovers, and kv-sync's believed cached share beside the engines' real hit rate."""
+    rows = [(n, w) for n, w in report["workloads"].items() if "ceiling_hit_rate" in w and "kv-sync" in w["policies"]
+            and "round-robin" in w["policies"]]
+    if not rows:
+        return []
+    out = [f"  {'workload':10}{'model shape':44}{'kv-sync':>9}{'round-robin':>13}{'ceiling':>9}{'gap recovered':>15}"
+           f"{'believed':>10}{'real':>8}"]
+    for n, w in rows:
+        sh = w["shape"]
+        what = sh.get("model_shape") or "dense"
+        if what == "hybrid":
+            what = f"hybrid (SWA {sh.get('sliding_window')} + full, {sh.get('retention')})"
+        if sh.get("salted_share"):
+            what += f", {sh['salted_share']:.0%} salted users"
+        if sh.get("image_share"):
+            what += f", images on {sh['image_share']:.0%} of turns"
+        ks, rr = w["policies"]["kv-sync"], w["policies"]["round-robin"]
+        gap = f"{w['gap_recovered']:.1%}" if "gap_recovered" in w else "-"
+        believed = f"{ks['believed_share']:.3f}" if "believed_share" in ks else "-"
+        out.append(f"  {n:10}{what:44}{ks['hit_rate']:>9.3f}{rr['hit_rate']:>13.3f}{w['ceiling_hit_rate']:>9.3f}"
+                   f"{gap:>15}{believed:>10}{ks['hit_rate']:>8.3f}")
+    return out
 
 
 def plot(report: dict, path: str) -> None:
@@ -469,7 +580,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"kvgate bench routing: {e}", file=sys.stderr)
         return 2
     every = (workloads.w1(quick), workloads.w2(quick), workloads.w3(quick), workloads.w4(quick), workloads.w5(quick),
-             workloads.w6(quick), workloads.w7(quick))
+             workloads.w6(quick), workloads.w7(quick), workloads.w8(quick), workloads.w9(quick), workloads.w10(quick))
     shapes = [s for s in every if not args.workload or s.name in args.workload]
     started = time.monotonic()
     report = run_all(shapes, seeds, args.jobs, config=config, gateways=args.gateways)

@@ -64,6 +64,17 @@ TTFT where spreading paid (W5 p90 0.042 -> 0.054 s, W2 0.22 -> 0.34 s). It is a 
 with perfect knowledge, not a proof of optimality: a policy may still beat it (the report lists
 those cases as [info]); the workload-level `compulsory_hit_rate` (every distinct block computed
 once in the cluster) is the hit-rate bound no router can exceed.
+On workloads with a model shape or requests with extra keys (W8-W10) the mirror, keyed by (parent,
+tokens) over one group, cannot follow the engines' blocks (several groups, sparse events whose token ids
+span skipped blocks, salts and media on blocks with equal tokens), so the oracle reads each engine's hit
+from the engine itself (EngineModel.prefix_hit: exact for every group, salt and media), and keys its
+placement memory with salts and media (routing_workloads.request_keys); it keeps no flush memory there.
+
+Requests carry their cache_salt and media to the engines and, as RouteRequest.extras, to the Routers.
+For kv-sync and slo the run also sums, per pick, the tokens the index promised on the picked engine
+(Decision.matched_blocks x the index's block size) and that engine's own hit at that moment
+(EngineModel.prefix_hit): believed_share and at_pick_share. `ceiling` replays a workload on one engine of
+the fleet's whole capacity.
 """
 from __future__ import annotations
 
@@ -79,7 +90,8 @@ from typing import Any
 import numpy as np
 
 from bench.chartree import CharTreePolicy
-from bench.routing_workloads import BLOCK_SIZE, Workload, prefix_keys
+from bench.routing_workloads import BLOCK_SIZE, Workload, prefix_keys, request_keys
+from kvcache.blockkeys import BlockExtras, MediaItem
 from kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kvcache.index import PrefixIndex
 from kvcache.wire import WireError, decode_batch, encode_batch
@@ -94,6 +106,7 @@ from routing.scheduling.scoring import RouteRequest
 from routing.scheduling.slo import Capacity
 from routing.scheduling.strategies import StrategyConfig
 from sim.engine import Completion, EngineConfig, EngineModel
+from sim.shapes import shaped
 
 MODEL = "sim-model"
 GENERATION = "0.33"
@@ -141,6 +154,10 @@ class RunResult:
     # the slo policy's output prediction once warm (requests after the first quarter): median |log2 bucket error|
     predict_bucket_error_median: float | None = None
     predict_samples: int = 0
+    # kv-sync / slo: prompt tokens the index promised on the picked engine, over prompt tokens (its believed
+    # hit rate), and what that engine would have served at that moment (EngineModel.prefix_hit at the pick)
+    believed_share: float | None = None
+    at_pick_share: float | None = None
 
 
 class _CacheMirror:
@@ -214,10 +231,13 @@ class _Oracle:
     another engine holds or is being sent (see the module docstring)."""
 
     def __init__(self, engines: dict[str, EngineModel], config: EngineConfig,
-                 affinity: float = ORACLE_AFFINITY) -> None:
+                 affinity: float = ORACLE_AFFINITY, exact: bool = False) -> None:
         self._engines = engines
         self._c = config
         self._affinity = affinity
+        # exact: hits read from the engines themselves (EngineModel.prefix_hit), for models of several KV cache
+        # groups and requests with extra keys, whose blocks the token-keyed mirror cannot follow; no flush memory
+        self._exact = exact
         self.mirror = _CacheMirror(list(engines))
         self._lane_free = dict.fromkeys(engines, 0.0)
         self._out_tokens = dict.fromkeys(engines, 0)  # decode work (tokens) routed and not finished
@@ -233,10 +253,17 @@ class _Oracle:
         self._out_tokens[pod] = 0
         self._placed[pod] = Counter()
 
-    def pick(self, tokens: tuple[int, ...], max_tokens: int, now: float) -> tuple[str, tuple]:
+    def pick(self, tokens: tuple[int, ...], max_tokens: int, now: float, cache_salt: str | None = None,
+             media: tuple[MediaItem, ...] = ()) -> tuple[str, tuple]:
         c = self._c
-        hits, was = self.mirror.hits_and_flushed(tokens)
-        keys = prefix_keys(tokens)[:(len(tokens) - 1) // BLOCK_SIZE]
+        if self._exact:
+            hits = {pod: eng.prefix_hit(tokens, cache_salt=cache_salt, mm_items=media)
+                    for pod, eng in self._engines.items()}
+            was = hits
+        else:
+            hits, was = self.mirror.hits_and_flushed(tokens)
+        extras = BlockExtras(cache_salt=cache_salt, media=media) if cache_salt is not None or media else None
+        keys = prefix_keys(tokens, BLOCK_SIZE, extras)[:(len(tokens) - 1) // BLOCK_SIZE]
         have = {}
         for pod, placed in self._placed.items():
             n = 0
@@ -304,8 +331,43 @@ class _EngineLoads:
 
 def engine_config(workload: Workload) -> EngineConfig:
     """The `kvgate sim` defaults, with the workload's KV capacity and batch limit."""
-    return EngineConfig(block_size=BLOCK_SIZE, num_blocks=workload.blocks_per_pod,
-                        max_num_seqs=workload.shape.max_num_seqs)
+    cfg = EngineConfig(block_size=BLOCK_SIZE, num_blocks=workload.blocks_per_pod,
+                       max_num_seqs=workload.shape.max_num_seqs)
+    shape = getattr(workload.shape, "model_shape", None)
+    if shape is None:
+        return cfg
+    s = workload.shape
+    return shaped(cfg, shape, getattr(s, "retention", "sparse") if shape != "dense" else None,
+                  getattr(s, "sliding_window", 128))
+
+
+def exact_oracle(workload: Workload) -> bool:
+    """Whether the oracle reads hits from the engines rather than its mirror (see _Oracle)."""
+    return getattr(workload.shape, "model_shape", None) is not None or any(
+        r.extras is not None for r in workload.requests)
+
+
+def ceiling(workload: Workload) -> float:
+    """The hit rate of one engine holding the whole fleet's KV capacity (every starting engine's blocks)
+    given the same requests at the same virtual times: the fleet pooled into one engine, its batch slots
+    (max_num_seqs x engines) and its throughput (prefill time per token and decode time per running request
+    divided by the engine count, so a full batch steps as fast as one engine's and the one prefill lane
+    prefills as many tokens per second as the fleet's lanes): requests queue about as they would on the
+    fleet, and every prefix is in the one cache. Hit rate from that engine's own counters."""
+    cfg = engine_config(workload)
+    n = workload.pods_at_start + workload.dp_size - 1
+    engine = EngineModel(dataclasses.replace(
+        cfg, num_blocks=cfg.num_blocks * n, max_num_seqs=cfg.max_num_seqs * n,
+        prefill_s_per_token=cfg.prefill_s_per_token / n, tpot_per_seq_s=cfg.tpot_per_seq_s / n))
+    for r in workload.requests:
+        while (t := engine.next_event_time()) is not None and t <= r.arrival:
+            engine.advance(t)
+        engine.add_request(r.req_id, r.token_ids, r.max_tokens, r.arrival, cache_salt=r.cache_salt, mm_items=r.media)
+        engine.drain_events()  # not read: dropped as they come
+    while (t := engine.next_event_time()) is not None:
+        engine.advance(t)
+    m = engine.metrics()
+    return m.prefix_cache_hits / m.prefix_cache_queries if m.prefix_cache_queries else 0.0
 
 
 def reusable_tokens(workload: Workload) -> dict[str, int]:
@@ -317,7 +379,7 @@ def reusable_tokens(workload: Workload) -> dict[str, int]:
     seen: set[int] = set()
     out = {}
     for r in sorted(workload.requests, key=lambda r: r.arrival):
-        keys = prefix_keys(r.token_ids, bs)
+        keys = request_keys(r, bs)
         hit = 0
         for key in keys[:(len(r.token_ids) - 1) // bs]:
             if key not in seen:
@@ -357,7 +419,8 @@ async def _run(workload: Workload, policy: Policy, seed: int, strategy_config: S
     active = pod_names[:workload.pods_at_start]  # in the fleet; the others join on schedule
     active_keys = [k for n in active for k in ranks[n]]
     index = PrefixIndex()
-    oracle = _Oracle({k: engines[k] for k in active_keys}, cfg) if policy.strategy == ORACLE else None
+    oracle = (_Oracle({k: engines[k] for k in active_keys}, cfg, exact=exact_oracle(workload))
+              if policy.strategy == ORACLE else None)
     routers: list[Router] = []
     capacity: Capacity | None = None
     capacities: list[Capacity] = []
@@ -407,6 +470,7 @@ async def _run(workload: Workload, policy: Policy, seed: int, strategy_config: S
     deliveries: list[tuple[float, int, str, bytes]] = []
     seq = 0
     published = decoded = lost = evicted = flushed = 0
+    believed = at_pick = 0  # prompt tokens the index promised on the picked engine / that engine's hit then
     skipped: Counter[str] = Counter()
     next_t = dict.fromkeys(names, math.inf)
     inflight: dict[str, tuple[str, Any]] = {}  # req_id -> (pod, (router, decision), max_tokens or None)
@@ -517,21 +581,24 @@ async def _run(workload: Workload, policy: Policy, seed: int, strategy_config: S
                 router = routers[i % len(routers)]
                 decision = await router.pick(RouteRequest(MODEL, list(r.token_ids), None, r.req_id,
                                                           slo_ttft_s=r.slo_ttft_s or None,
-                                                          slo_tpot_s=r.slo_tpot_s or None))
+                                                          slo_tpot_s=r.slo_tpot_s or None, extras=r.extras))
                 pod, handle = decision.pod.name, (router, decision)
                 key = least_loaded_rank(pod) if decision.rank is None else ranks[pod][decision.rank]
+                if feed_index:
+                    believed += decision.matched_blocks * (index.block_size(MODEL) or BLOCK_SIZE)
+                    at_pick += engines[key].prefix_hit(r.token_ids, cache_salt=r.cache_salt, mm_items=r.media)
             elif trees:
                 pod, handle = trees[i % len(trees)].pick(r.token_ids, pod_running), None
                 key = least_loaded_rank(pod)
             else:
                 assert oracle is not None  # routers, trees or the oracle: one of them is set
-                key, handle = oracle.pick(r.token_ids, r.max_tokens, t)
+                key, handle = oracle.pick(r.token_ids, r.max_tokens, t, r.cache_salt, r.media)
             i += 1
             inflight[r.req_id] = (key, handle)
             running[key] += 1
             pod_running[owner[key][0]] += 1
             routed[key] += 1
-            engines[key].add_request(r.req_id, r.token_ids, r.max_tokens, t)
+            engines[key].add_request(r.req_id, r.token_ids, r.max_tokens, t, cache_salt=r.cache_salt, mm_items=r.media)
             if capacity is not None:
                 started[r.req_id] = (running[key], key)
                 prefilling[key].add(r.req_id)
@@ -550,6 +617,10 @@ async def _run(workload: Workload, policy: Policy, seed: int, strategy_config: S
     out.evicted_blocks = evicted
     out.flushed_blocks = flushed
     out.routed = {p: n for p, n in routed.items() if n}
+    if feed_index and routers:
+        prompt = sum(len(r.token_ids) for r in reqs)
+        out.believed_share = believed / prompt if prompt else 0.0
+        out.at_pick_share = at_pick / prompt if prompt else 0.0
     return out
 
 

@@ -49,6 +49,14 @@ messages, 100-token replies and outputs, 2-4 turns 2.5-5 s apart, starts for 16 
   policy's prefill); KV at W1's 73% ratio; one engine flushed every 2 s.
 - W5 scale-out: 120% of the 3 starting pods' decode capacity, KV at 73%; a 4th pod (same KV
   capacity) joins at 10 s, once the rate has reached its plateau; then the fleet runs at 90%.
+- W8-W10 (issue 25) are W3's conversations (`seed_name`: the same tokens and times) with what the
+  shape adds: a model shape (`model_shape`, sim.shapes: W8 hybrid, sliding window 128 + full attention,
+  sparse retention; KV capacity counted per group), per-user salts (`salted_share`, W9, at 60% load),
+  images (`image_share`, W10: a run of `image_tokens` placeholder tokens, IMAGE_TOKEN, before the
+  turn's user text, with a kvcache.blockkeys.MediaItem; identifier: the client's uuid or the content
+  hash). Salts and images are drawn from a generator of their own, so the rest stays W3's. A request's
+  `extras` is what kvgate's request carries; the working set, the compulsory-miss bound and the
+  reusable prefixes key blocks with their salt and media (`request_keys`) as the engines' hashes do.
 """
 from __future__ import annotations
 
@@ -57,7 +65,10 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+from kvcache.blockkeys import BlockExtras, MediaItem
 from sim.engine import EngineConfig
+from sim.media import image_identifier
+from sim.shapes import MODEL_SHAPES
 
 BLOCK_SIZE = 16
 _TOKEN_RANGE = (1000, 60000)  # token ids drawn uniformly: groups never share a block by chance
@@ -125,6 +136,23 @@ class ChatShape:
     join_at_s: float | None = None  # one engine joins at this time
     max_num_seqs: int = 64
     dp_size: int = 1  # > 1: the last starting pod is a data-parallel engine of this many ranks
+    # The model's KV cache groups (sim.shapes: dense, hybrid, mamba-hybrid); None: one full-attention group
+    # publishing events without group fields (the shape W1-W7 ran on before groups were modelled).
+    model_shape: str | None = None
+    retention: str = "sparse"  # sparse groups' retention (sim.shapes.RETENTIONS), with a model_shape
+    sliding_window: int = 128
+    seed_name: str | None = None  # the requests are those of this workload's name (same seed): W8 = W3's
+    salted_share: float = 0.0  # share of the conversations (users) sending a cache_salt of their own
+    image_share: float = 0.0  # share of the turns whose user message starts with an image
+    image_tokens: int = 256  # placeholder tokens per image
+    tenant_images: int = 4  # images per tenant that its users send again and again (Zipf(1)-popular)
+    repeat_image_share: float = 0.5  # share of images drawn from the tenant's images; the rest are new
+    uuid_share: float = 0.5  # share of the clients (conversations) giving each image a uuid
+
+    @property
+    def kv_groups(self) -> int:
+        """KV cache groups of the model (each holds its own blocks of a prompt)."""
+        return len(MODEL_SHAPES[self.model_shape](16, self.sliding_window)) if self.model_shape else 1
 
     @property
     def engines(self) -> int:
@@ -147,6 +175,16 @@ class ChatShape:
             extra += f"; an engine joins at {self.join_at_s:g} s"
         if self.dp_size > 1:
             extra += f"; pod-{self.pods - 1} is data-parallel with {self.dp_size} ranks"
+        if self.model_shape == "hybrid":
+            extra += f"; model hybrid (sliding window {self.sliding_window} + full attention, {self.retention} retention)"
+        elif self.model_shape is not None:
+            extra += f"; model {self.model_shape}" + (f" ({self.retention} retention)" if self.model_shape != "dense" else "")
+        if self.salted_share > 0:
+            extra += f"; {self.salted_share:.0%} of users send a cache_salt of their own"
+        if self.image_share > 0:
+            extra += (f"; {self.image_share:.0%} of turns start with an image ({self.image_tokens} tokens; "
+                      f"{self.repeat_image_share:.0%} from {self.tenant_images} per tenant, {self.uuid_share:.0%} "
+                      f"of clients send uuids)")
         return (f"chat: {self.tenants} Zipf({self.zipf_s:g}) tenants, {self.system_tokens[0]}-{self.system_tokens[1]}"
                 f"-token system prompts, {self.turns[0]}-{self.turns[1]} turns (+{self.user_tokens[0]}-"
                 f"{self.user_tokens[1]} user, +{self.output_tokens} reply tokens each), {self.output_tokens} out, "
@@ -158,7 +196,11 @@ class ChatShape:
                 "turns": list(self.turns), "turn_gap_s": list(self.turn_gap_s), "duration_s": self.duration_s,
                 "pods": self.pods, "capacity_ratio": self.capacity_ratio, "load": self.load,
                 "request_rps": round(self.request_rps, 1), "flush_every_s": self.flush_every_s,
-                "join_at_s": self.join_at_s, "dp_size": self.dp_size}
+                "join_at_s": self.join_at_s, "dp_size": self.dp_size, "model_shape": self.model_shape,
+                "retention": self.retention if self.model_shape not in (None, "dense") else None,
+                "sliding_window": self.sliding_window if self.model_shape == "hybrid" else None,
+                "salted_share": self.salted_share, "image_share": self.image_share,
+                "image_tokens": self.image_tokens if self.image_share else None}
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +211,16 @@ class Request:
     max_tokens: int
     slo_ttft_s: float = 0.0  # > 0: the request's latency targets (W6), sent as x-slo-ttft-ms / -tpot-ms
     slo_tpot_s: float = 0.0
+    cache_salt: str | None = None  # the engine gets it; kvgate's request carries it in its BlockExtras
+    media: tuple[MediaItem, ...] = ()  # images: the engine's mm_items, and what its render tells kvgate
+
+    @property
+    def extras(self) -> BlockExtras | None:
+        """What kvgate's request carries besides the token ids (None: nothing), as the pipeline builds it:
+        the salt from the body, the media items as the engine's render gives them."""
+        if self.cache_salt is None and not self.media:
+            return None
+        return BlockExtras(cache_salt=self.cache_salt, media=self.media)
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,19 +339,28 @@ def _prompts(shape: Shape, rng: random.Random) -> list[tuple[int, ...]]:
     return out
 
 
-def prefix_keys(tokens: tuple[int, ...], block_size: int = BLOCK_SIZE) -> list[int]:
-    """One key per full block, chained: equal keys mean equal prefixes (in this process)."""
+def prefix_keys(tokens: tuple[int, ...], block_size: int = BLOCK_SIZE, extras: BlockExtras | None = None) -> list[int]:
+    """One key per full block, chained: equal keys mean equal prefixes (in this process). With `extras`, a
+    block's extra keys (salt, media) enter its key as they enter the engine's hash."""
+    per_block = extras.per_block(block_size, len(tokens) // block_size) if extras else {}
     keys, k = [], 0
     for i in range(len(tokens) // block_size):
-        k = hash((k, tokens[i * block_size:(i + 1) * block_size]))
+        x = per_block.get(i)
+        k = hash((k, tokens[i * block_size:(i + 1) * block_size]) if x is None else
+                 (k, tokens[i * block_size:(i + 1) * block_size], x))
         keys.append(k)
     return keys
 
 
-def _distinct_blocks(prompts: list[tuple[int, ...]]) -> int:
+def request_keys(r: Request, block_size: int = BLOCK_SIZE) -> list[int]:
+    """prefix_keys of a request's prompt with its extra keys."""
+    return prefix_keys(r.token_ids, block_size, r.extras)
+
+
+def _distinct_blocks(prompts: list[tuple[int, ...]] | list[Request]) -> int:
     seen: set[int] = set()
     for p in prompts:
-        seen.update(prefix_keys(p))
+        seen.update(request_keys(p) if isinstance(p, Request) else prefix_keys(p))
     return len(seen)
 
 
@@ -354,42 +415,73 @@ def _compulsory_misses(requests: tuple[Request, ...]) -> int:
     block (the last prompt token is always computed, as in vLLM), plus every distinct hittable
     block once, the first time any pod sees it."""
     tail = 0
-    hittable: list[tuple[int, ...]] = []
+    hittable: set[int] = set()
     for r in requests:
         n = len(r.token_ids)
-        keep = (n - 1) // BLOCK_SIZE * BLOCK_SIZE
-        tail += n - keep
-        hittable.append(r.token_ids[:keep])
-    return tail + _distinct_blocks(list(set(hittable))) * BLOCK_SIZE
+        keep = (n - 1) // BLOCK_SIZE
+        tail += n - keep * BLOCK_SIZE
+        hittable.update(request_keys(r)[:keep])
+    return tail + len(hittable) * BLOCK_SIZE
 
 
-def _chat_prompts(shape: ChatShape, rng: random.Random) -> list[tuple[float, tuple[int, ...]]]:
-    """(arrival, prompt) of every turn of every conversation, in generation order."""
+IMAGE_TOKEN = 999  # the placeholder token id an image's run repeats (below _TOKEN_RANGE)
+_MODEL_NAME = "sim-model"  # what content hashes of images are taken under (bench.routing_sim.MODEL)
+
+
+def _image(name: str, uuid: bool) -> str:
+    """The identifier vLLM gives the image: the client's uuid, else a hash of the model and the image's bytes."""
+    if uuid:
+        return f"uuid-{name}"
+    return image_identifier(_MODEL_NAME, {"image_url": {"url": f"https://images.example/{name}.png"}})
+
+
+def _chat_prompts(shape: ChatShape, rng: random.Random,
+                  extra: random.Random) -> list[tuple[float, tuple[int, ...], str | None, tuple[MediaItem, ...]]]:
+    """(arrival, prompt, cache_salt, media) of every turn of every conversation, in generation order.
+    Salts and images are drawn from `extra`, so the tokens of the other turns, the times and the tenants
+    are those of the shape without them (`rng` draws the same)."""
     systems = [_rand_tokens(rng, rng.randint(*shape.system_tokens)) for _ in range(shape.tenants)]
     weights = [1.0 / (k + 1) ** shape.zipf_s for k in range(shape.tenants)]
+    image_weights = [1.0 / (k + 1) for k in range(shape.tenant_images)]
     mean_turns = (shape.turns[0] + shape.turns[1]) / 2
     conv_rate = shape.request_rps / mean_turns
-    out: list[tuple[float, tuple[int, ...]]] = []
+    out: list[tuple[float, tuple[int, ...], str | None, tuple[MediaItem, ...]]] = []
     t = 0.0
+    conv = 0
     while True:
         t += rng.expovariate(conv_rate)
         if t >= shape.duration_s:
             return out
-        history = systems[rng.choices(range(shape.tenants), weights)[0]]
+        tenant = rng.choices(range(shape.tenants), weights)[0]
+        history = systems[tenant]
+        conv += 1
+        salt = f"user-{conv}" if shape.salted_share and extra.random() < shape.salted_share else None
+        uuids = bool(shape.image_share) and extra.random() < shape.uuid_share
+        media: tuple[MediaItem, ...] = ()
         at = t
         for turn in range(rng.randint(*shape.turns)):
             if turn:
                 history += _rand_tokens(rng, shape.output_tokens)  # the previous turn's (synthetic) reply
                 at += rng.uniform(*shape.turn_gap_s)
+            if shape.image_share and extra.random() < shape.image_share:
+                if extra.random() < shape.repeat_image_share:
+                    name = f"t{tenant}-i{extra.choices(range(shape.tenant_images), image_weights)[0]}"
+                else:
+                    name = f"c{conv}-turn{turn}"
+                media += (MediaItem(_image(name, uuids), len(history), shape.image_tokens),)
+                history += (IMAGE_TOKEN,) * shape.image_tokens
             history += _rand_tokens(rng, rng.randint(*shape.user_tokens))
-            out.append((at, history))
+            out.append((at, history, salt, media))
 
 
 def _build_chat(shape: ChatShape, seed: int) -> Workload:
-    rng = random.Random(f"{shape.name}:{seed}")
-    turns = sorted(_chat_prompts(shape, rng), key=lambda x: x[0])  # stable: equal times keep their order
-    requests = tuple(Request(f"r{i}", t, p, shape.output_tokens) for i, (t, p) in enumerate(turns))
-    ws = _distinct_blocks([r.token_ids for r in requests])
+    base = shape.seed_name or shape.name
+    rng = random.Random(f"{base}:{seed}")
+    extra = random.Random(f"{shape.name}:{seed}:extras")
+    turns = sorted(_chat_prompts(shape, rng, extra), key=lambda x: x[0])  # stable: equal times keep their order
+    requests = tuple(Request(f"r{i}", t, p, shape.output_tokens, cache_salt=salt, media=media)
+                     for i, (t, p, salt, media) in enumerate(turns))
+    ws = _distinct_blocks(list(requests))
     prompt_tokens = sum(len(r.token_ids) for r in requests)
     end = requests[-1].arrival if requests else 0.0
     flushes: tuple[tuple[float, int], ...] = ()
@@ -401,7 +493,8 @@ def _build_chat(shape: ChatShape, seed: int) -> Workload:
     joins = ((shape.join_at_s, shape.pods),) if shape.join_at_s is not None else ()
     return Workload(
         shape=shape, seed=seed, requests=requests, working_set_blocks=ws,
-        blocks_per_pod=math.ceil(ws / shape.capacity_ratio / shape.engines),  # per engine (rank)
+        # per engine (rank); every KV cache group holds its own blocks of a prompt, out of the same pool
+        blocks_per_pod=math.ceil(ws * shape.kv_groups / shape.capacity_ratio / shape.engines),
         compulsory_hit_rate=1.0 - _compulsory_misses(requests) / prompt_tokens if prompt_tokens else 0.0,
         flushes=flushes, joins=joins,
     )
@@ -443,6 +536,33 @@ def w7(quick: bool = False) -> ChatShape:
     third a data-parallel engine of 2 ranks behind one pod name: 4 engines. Routing to the pod
     alone leaves the rank to the engine's least-loaded balancer, which knows nothing of caches."""
     return _chat_shape("W7", dp_size=2)
+
+
+# W8-W10: W3 (85% of decode capacity, fleet KV capacity 50% of the working set) on the model shapes kvgate
+# has to be exact on (issue 25): the same conversations (seed_name "W3": the same tokens, tenants and times),
+# so the three differ from W3 only in what they add.
+
+def w8(quick: bool = False) -> ChatShape:
+    """Hybrid: W3 on a gpt-oss-like model, group 0 sliding window 128 tokens, group 1 full attention, both of
+    16-token blocks, vLLM's default sparse retention. KV capacity at W3's ratio counted over both groups."""
+    return _chat_shape("W8", capacity_ratio=2.0, model_shape="hybrid", retention="sparse", seed_name="W3")
+
+
+def w9(quick: bool = False) -> ChatShape:
+    """Salted tenants: W3 where half the users (conversations) send a cache_salt of their own over their
+    tenant's shared system prompt (a dense model, vLLM 0.33 events), at 60% of decode capacity (as W4): a
+    salted user's first turn computes the whole system prompt again, and at 85% those prefills saturate every
+    policy's prefill lanes (seed 1: TTFT p90 7 s for kv-sync, 13 s for round-robin), the queue then deciding
+    the hits more than the routing."""
+    return _chat_shape("W9", capacity_ratio=2.0, model_shape="dense", salted_share=0.5, load=0.6, seed_name="W3")
+
+
+def w10(quick: bool = False) -> ChatShape:
+    """Chat with images: W3 where 40% of the turns start their user message with an image of 256 placeholder
+    tokens, half of them one of their tenant's 4 images (sent again and again), half new; half the clients
+    give each image a uuid (the engine's identifier then), the others leave it to the content hash, so one
+    image is two identities across clients (a dense model, vLLM 0.33 events)."""
+    return _chat_shape("W10", capacity_ratio=2.0, model_shape="dense", image_share=0.4, seed_name="W3")
 
 
 def _log_uniform(rng: random.Random, lo: int, hi: int) -> int:

@@ -388,6 +388,21 @@ class EngineModel:
             out[g].add(key)
         return out
 
+    def prefix_hit(self, token_ids: list[int] | tuple[int, ...], lora: str | None = None, *,
+                   cache_salt: str | None = None, mm_items: tuple[MediaItem, ...] = ()) -> int:
+        """The prompt tokens this engine would serve from its prefix cache to such a request admitted now
+        (the hit admission computes), without queuing it or touching the cache (for checks and the routing
+        benchmark's oracle)."""
+        packed = array("I", token_ids)
+        tokens = tuple(packed)
+        if not tokens:
+            return 0
+        req = _Request("", tokens, packed.tobytes(), 1, lora, self._clock, self._roots[lora], len(self._groups),
+                       cache_salt, tuple(_checked_media(mm_items, len(tokens))))
+        self._extend_keys(req, len(tokens) // self._bs)
+        holds = [partial(self._holds, req, g) for g in range(len(self._groups))]
+        return longest_hit(self._groups, holds, len(tokens) - 1, self._align)[0]
+
     def is_live(self, req_id: str) -> bool:
         return req_id in self._live
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -15,8 +16,9 @@ from routing.scheduling.strategies import StrategyConfig
 
 from bench import routing as bench
 from bench import routing_workloads as workloads
-from bench.routing_sim import ORACLE, Policy, run, ttft_floor
-from sim.engine import EngineConfig
+from bench.routing_sim import ORACLE, Policy, engine_config, run, ttft_floor
+from kvcache.blockkeys import MediaItem
+from sim.engine import EngineConfig, EngineModel
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -439,3 +441,100 @@ def test_report_gives_the_joined_pods_share_of_the_requests_after_the_join():
     assert 0.2 <= rr <= 0.3  # dealt in turn over 4 pods after the join
     assert 0 < w["policies"]["least-request"]["joined_share"] <= 1
     assert "joined pod" in bench.format_table(report)
+
+
+# --- W8-W10 (issue 25): model shapes and request keys ------------------------------------------------
+
+def _tiny_shaped(shape: workloads.ChatShape) -> workloads.ChatShape:
+    """A workload of `shape`'s kind at TINY_CHAT's size (its KV ratio and what it adds kept)."""
+    keep = {f: getattr(shape, f) for f in ("name", "capacity_ratio", "model_shape", "retention", "sliding_window",
+                                           "salted_share", "image_share", "repeat_image_share", "uuid_share")}
+    return dataclasses.replace(TINY_CHAT, **keep, image_tokens=40, tenant_images=2,
+                               system_tokens=(200, 300))  # past the 128-token window: hybrid hits need it
+
+
+SHAPED = [workloads.w8(), workloads.w9(), workloads.w10()]
+
+
+def test_w8_to_w10_are_w3s_conversations_with_what_they_add():
+    w3 = workloads.build(workloads.w3(), seed=1)
+    w8 = workloads.build(workloads.w8(), seed=1)
+    assert [(r.arrival, r.token_ids) for r in w8.requests] == [(r.arrival, r.token_ids) for r in w3.requests]
+    assert w8.blocks_per_pod == math.ceil(2 * w3.working_set_blocks / 2.0 / 3)  # 2 KV cache groups, each its own blocks
+    assert engine_config(w8).groups[0].kind == "sliding_window" and engine_config(w8).retention_interval == 0
+    w9 = workloads.build(_tiny_shaped(workloads.w9()), seed=1)
+    salted = [r for r in w9.requests if r.cache_salt]
+    assert 0 < len(salted) < len(w9.requests) and all(r.extras.cache_salt == r.cache_salt for r in salted)
+    w10 = workloads.build(_tiny_shaped(workloads.w10()), seed=1)
+    items = [m for r in w10.requests for m in r.media]
+    assert items and all(r.token_ids[m.offset:m.offset + m.length] == (workloads.IMAGE_TOKEN,) * m.length
+                         for r in w10.requests for m in r.media)
+    ids = {m.identifier for m in items}
+    assert any(i.startswith("uuid-") for i in ids) and any(len(i) == 64 for i in ids)  # uuids and content hashes
+    assert len(ids) < len(items)  # images sent again
+
+
+def test_engine_prefix_hit_is_the_hit_admission_computes():
+    wl = workloads.build(_tiny_shaped(workloads.w8()), seed=2)
+    engine = EngineModel(engine_config(wl))
+    checked = hits = 0
+    for r in wl.requests:
+        t = r.arrival
+        engine.advance(t)
+        before = engine.metrics()
+        expect = engine.prefix_hit(r.token_ids, cache_salt=r.cache_salt, mm_items=r.media)
+        assert engine.metrics() == before  # no side effect
+        engine.add_request(r.req_id, r.token_ids, r.max_tokens, t, cache_salt=r.cache_salt, mm_items=r.media)
+        after = engine.metrics()
+        if before.waiting == after.waiting == 0:  # admitted at once, alone: its hit was computed now
+            assert after.prefix_cache_hits - before.prefix_cache_hits == expect
+            checked += 1
+            hits += expect > 0
+    assert checked > 20 and hits > 5
+
+
+@pytest.mark.parametrize("shape", SHAPED, ids=[s.name for s in SHAPED])
+def test_shaped_workloads_report_ceiling_belief_and_gap(shape):
+    tiny_shape = _tiny_shaped(shape)
+    chosen = (Policy("round-robin", "round-robin", gateways=2), Policy("kv-sync", "kv-sync", gateways=2),
+              Policy(ORACLE, ORACLE))
+    report = json.loads(json.dumps(bench.run_all([tiny_shape], seeds=1, jobs=1, chosen=chosen)))
+    w = report["workloads"][shape.name]
+    assert 0 < w["ceiling_hit_rate"] <= w["compulsory_hit_rate"] + 1e-9
+    ks = w["policies"]["kv-sync"]
+    assert 0 < ks["believed_share"] < 1 and 0 < ks["hit_rate"] < 1
+    assert ks["event_batches"]["skipped"] == {}
+    assert "believed_share" not in w["policies"]["round-robin"]
+    assert w["gap_recovered"] == pytest.approx(bench.gap_recovered(w))
+    names = set(report["targets"])
+    assert f"{shape.name}: kv-sync believed cached share within 2 points of the engines' hit rate" in names
+    assert f"{shape.name}: kv-sync recovers >= 85% of the round-robin -> ceiling hit-rate gap" in names
+    assert f"{shape.name} @2gw: kv-sync TTFT p90 <= best other's" in names  # W3's chat targets apply too
+    table = bench.format_table(report)
+    assert "ceiling (one engine" in table and "believed cached share" in table and "gap recovered" in table
+    from bench.all import render
+    md = render("routing", report)
+    assert "believed_share" in md and "Ceiling (one engine" in md
+
+
+@pytest.mark.parametrize("shape", SHAPED, ids=[s.name for s in SHAPED])
+def test_kv_sync_believes_exactly_what_the_picked_engine_holds(shape):
+    # events delivered without delay or loss: at each pick the index's promise on the picked engine is that
+    # engine's own hit at that moment (EngineModel.prefix_hit), request by request summed
+    wl = workloads.build(_tiny_shaped(shape), seed=3)
+    r = run(wl, Policy("kv-sync", "kv-sync", gateways=2), seed=3)
+    assert r.believed_share is not None and r.believed_share > 0.2
+    assert r.believed_share == r.at_pick_share
+    assert r.index_stats["skipped"] == {} and r.decode_skipped == {}
+
+
+def test_extras_change_the_keys_and_the_bounds():
+    a = workloads.Request("a", 0.0, tuple(range(1000, 1064)), 4)
+    salted = dataclasses.replace(a, cache_salt="s")
+    image = dataclasses.replace(a, media=(MediaItem("img", 20, 8),))
+    assert workloads.request_keys(a) == workloads.prefix_keys(a.token_ids)
+    assert workloads.request_keys(salted)[0] != workloads.request_keys(a)[0]
+    ka, ki = workloads.request_keys(a), workloads.request_keys(image)
+    assert ka[0] == ki[0] and ka[1] != ki[1]  # the item covers tokens 20-27: block 1 on
+    assert workloads._distinct_blocks([a, salted, image]) == 4 + 4 + 3
+
