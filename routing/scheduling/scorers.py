@@ -228,7 +228,11 @@ class FamilyAffinityScorer(Scorer):
         bs = (self._block_size(ctx.base_model) if self._block_size is not None else None) or self._default_block_size
         if not tokens or len(tokens) < bs:
             return {}
-        key = ctx.family = block_keys(ctx.base_model, ctx.lora, tokens[:bs], bs)[0]
+        key = block_keys(ctx.base_model, ctx.lora, tokens[:bs], bs)[0]
+        extras = ctx.request.extras
+        if extras:  # a salt (or media in block 0) makes another family: it shares nothing with the plain one
+            key = hash((key, extras.cache_salt, extras.per_block(bs, 1).get(0))) & ((1 << 60) - 1)
+        ctx.family = key
         if not ctx.total_blocks or max(ctx.matched.values(), default=0) > 0:
             return {}  # the index did not answer (no prefix scorer, or it failed), or someone holds a block
         home = self._homes.get(key)

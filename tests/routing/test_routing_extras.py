@@ -97,3 +97,16 @@ def test_the_router_side_guess_keys_salts_and_media_too():
     img = table.block_keys("m", None, tokens, BlockExtras(media=(MediaItem("x", 5, 4),)))
     assert img[0] == plain[0] and img[1] != plain[1]  # blocks 1 and 2 hold the item's placeholders
     assert table.block_keys("m", None, tokens, BlockExtras(opaque=True)) == []
+
+
+def test_a_salted_prompt_is_a_family_of_its_own():
+    from routing.scheduling.scorers import FamilyAffinityScorer
+    from routing.scheduling.scoring import PickContext
+    tokens = list(range(40))
+    families = set()
+    for extras in (None, BlockExtras(cache_salt="u1"), BlockExtras(cache_salt="u2"), BlockExtras(cache_salt="u1")):
+        ctx = PickContext(RouteRequest("m", tokens, extras=extras), "m", None, {})
+        ctx.total_blocks = 2
+        FamilyAffinityScorer().score(ctx, [Pod("a", "10.0.0.1", 8000, "m")])
+        families.add(ctx.family)
+    assert len(families) == 3
