@@ -54,6 +54,8 @@ capacity from the workload). Workloads (bench.routing_workloads):
     sent again and again, half new; half the clients give uuids (the identifier then), the others get the
     content hash (sim.media.image_identifier), so one image is two identities across clients. kvgate's
     request carries the engine's render: BlockExtras(media=...) with the same identifiers and placeholders.
+    At 60% of decode capacity too (the placeholders' prefill is not counted in the decode-based level; at
+    85% every policy's prefill saturates, the oracle's TTFT p90 1.33 s).
   The oracle reads each engine's hit from the engine itself there (EngineModel.prefix_hit: groups, salts,
   media, exactly), and its placement memory keys blocks with their salt and media (no flush memory: these
   workloads have no flushes).
