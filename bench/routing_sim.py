@@ -37,7 +37,7 @@ the engines' events and deliveries due at that time and before arrivals:
   AllBlocksCleared, which reaches kv-sync's index like any batch (delay, loss) and the oracle's
   mirror at once; the guessers (prefix-cache, char-tree) are not told;
 - a join makes the engine a candidate from then on: it is added to the PodRegistry (the Routers
-  follow it), to every CharTreePolicy (an empty tree) and to the oracle's candidates. Engines
+  follow it), to every CharTreePolicy (a worker of size 0) and to the oracle's candidates. Engines
   not yet joined count in no load ratio.
 Counted per run: BlockRemoved blocks (evictions) over every engine, blocks dropped by flushes,
 requests routed per pod, and the share of requests that recomputed at least one prefix block
