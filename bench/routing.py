@@ -30,6 +30,11 @@ capacity from the workload). Workloads (bench.routing_workloads):
     up, ~8 s in); a 4th pod joins at 10 s (then 90%): added to the PodRegistry the Routers follow,
     to char-tree's trees and to the oracle's candidates; the `joined pod` column is its share of
     the requests that arrived after the join.
+  - W3-W5 at three load levels (issue 26; `--load light|medium|heavy`, repeatable, default heavy): the
+    levels above are `heavy` and keep the names W3, W4, W5; `W3-medium` etc. run at half that load (W4-medium
+    flushing every 3 s), `W3-light` etc. at 3% of decode capacity over 64 s (~9 conversations in flight, far
+    from saturation, as in the measurement against SGLang's gateway; W4-light flushing every 7 s, ~20
+    requests apart as there). bench.routing_workloads.at_level.
   - W6 SLO mix (bench.routing_workloads.SLOShape): 80% short chats (tenant system prompts, 16-256
     tokens out, targets TTFT 300 ms / TPOT 15 ms) and 20% long new documents (3000-8000 tokens,
     128-512 out, 2 s / 25 ms), Poisson at 80% of the fleet's capacity (prefill-bound here), 4 pods;
@@ -61,7 +66,7 @@ capacity from the workload). Workloads (bench.routing_workloads):
   workloads have no flushes).
 
 Policies: random, round-robin, least-request, prefix-cache (router-side guess), char-tree
-(bench.chartree: the design of SGLang's model gateway `cache_aware` policy), kv-sync
+(bench.chartree: SGLang's model gateway `cache_aware` policy with its published defaults), kv-sync
 (event-fed), and the oracle (exact caches + exact TTFT model, see bench.routing_sim); on W1
 and W2 also kv-sync with event delay 50 / 500 ms and 1% of batches lost. Every policy sees the
 same requests at the same times (and the same flushes and joins) for a given seed.
@@ -71,7 +76,8 @@ smallest highly available tier and the one kvgate ships: envoy/gateway/kvgate.ya
 `kvgate demo` run two), requests dealt to them in turn as Envoy spreads its ext_proc streams.
 Replicas share running counts (Redis) and each subscribes to every engine, so kv-sync's view
 is the same in all of them; prefix-cache's and char-tree's guesses are per replica, learnt from
-their own picks only (as in AIBrix, the Inference Extension and SGLang's gateway). Every compared
+their own picks only (as in AIBrix, the Inference Extension and SGLang's gateway); char-tree's loads are
+its replica's own requests in flight, as SGLang's gateway counts them. Every compared
 policy (random, round-robin, least-request, prefix-cache, char-tree, kv-sync) also runs behind the
 other count of TARGET_GATEWAYS (1 and 2: `X@1gw`), and on W1 and W2 the prefix strategies
 behind 4 (`@4gw`).
@@ -115,8 +121,11 @@ rate >= the best of OTHERS' (at n) + 3 points, or >= the oracle's - 1 point; kv-
 <= the best of OTHERS' (at n); and kv-sync within 3 points of the oracle. Each reports kv-sync's
 value, the best other policy and its value (and the oracle's). W8-W10 are chat workloads for those,
 and add issue 25's: kv-sync's believed cached share within 2 points of the engines' hit rate, and
-kv-sync recovers >= 85% of the round-robin -> ceiling gap. report["comparisons"] lists, as
-[info], every policy whose hit rate is above the oracle's.
+kv-sync recovers >= 85% of the round-robin -> ceiling gap. Issue 26's, in every scenario of W1-W5 and W7
+(each of W3-W5's load levels that ran) at each n: kv-sync's TTFT mean and p50 each <= the best of OTHERS'
+(char-tree included; the p90 one is issue 13's above), and its hit rate >= the best other's - 0.5 point; the
+table ends with them side by side (ttft_summary). report["comparisons"] lists, as [info], every policy whose
+hit rate is above the oracle's.
 """
 from __future__ import annotations
 
@@ -152,6 +161,11 @@ CEILING_WORKLOADS = ("W3", *SHAPED_WORKLOADS)  # reported with the one-engine ce
 BELIEF_POINTS = 2.0  # issue 25: kv-sync's believed cached share within this many points of the real hit rate
 GAP_RECOVERED = 0.85  # issue 25: the share of the round-robin -> ceiling hit-rate gap kv-sync recovers
 SLO_WORKLOADS = ("W6",)
+# issue 26: in these (and W3-W5's load levels), behind each TARGET_GATEWAYS count, kv-sync's TTFT mean, p50 and
+# p90 each <= the best other policy's, and its hit rate >= the best other's - TTFT_HIT_SLACK points
+TTFT_WORKLOADS = ("W1", "W2", "W3", "W4", "W5", "W7")
+TTFT_METRICS = (("mean", "ttft_mean_s"), ("p50", "ttft_p50_s"), ("p90", "ttft_p90_s"))
+TTFT_HIT_SLACK = 0.5
 SLO_POLICIES = ("random", "round-robin", "least-request", "prefix-cache", "kv-sync", "slo")
 
 
@@ -191,6 +205,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the committed plot alone; '' for none)")
     parser.add_argument("--workload", action="append", choices=("W1", "W2", *SLO_WORKLOADS, *CHAT_WORKLOADS),
                         help="only these (repeatable)")
+    parser.add_argument("--load", action="append", choices=workloads.LOAD_LEVELS,
+                        help="W3-W5's load levels to run (repeatable; default heavy: the levels they ran at "
+                             "before, reported as W3, W4, W5; the others as W3-light, W3-medium, ...)")
     parser.add_argument("--gateways", type=int, default=DEFAULT_GATEWAYS,
                         help=f"kvgate replicas in front of the engines (default {DEFAULT_GATEWAYS}, as shipped)")
     d = StrategyConfig()
@@ -224,7 +241,7 @@ def _workload(shape: workloads.Shape | workloads.ChatShape, seed: int) -> tuple[
             "ttft_p90_floor_s": float(np.percentile(ttft_floor(wl), 90)), "flushes": len(wl.flushes),
             "joins": [[round(t, 3), f"pod-{i}"] for t, i in wl.joins],
             "after_join": sum(r.arrival >= min((t for t, _ in wl.joins), default=0.0) for r in wl.requests)}
-    if shape.name in CEILING_WORKLOADS:
+    if workloads.base_name(shape.name) in CEILING_WORKLOADS:
         info["ceiling_hit_rate"] = ceiling(wl)
     return wl, info
 
@@ -237,9 +254,10 @@ def _run_job(job: _Job) -> tuple[str, RunResult, dict]:
 def shape_policies(shape: workloads.Shape | workloads.ChatShape, gateways: int) -> tuple[Policy, ...]:
     """W1 and W2 run the full list; the chat workloads the compared policies and the oracle; one
     with a data-parallel pod also kv-sync without routing to the rank (`kv-sync@no-rank`)."""
-    if shape.name in SLO_WORKLOADS:
+    base = workloads.base_name(shape.name)
+    if base in SLO_WORKLOADS:
         return (*(Policy(n, n, gateways=gateways) for n in SLO_POLICIES), Policy(ORACLE, ORACLE))
-    out = policies(gateways, full=shape.name not in CHAT_WORKLOADS)
+    out = policies(gateways, full=base not in CHAT_WORKLOADS)
     if getattr(shape, "dp_size", 1) > 1:
         out = (*out[:-1], Policy("kv-sync@no-rank", "kv-sync", gateways=gateways, dp_ranks=False), out[-1])
     return out
@@ -372,6 +390,8 @@ def targets(report: dict) -> dict:
         if "kv-sync" in p and ORACLE in p:
             gap = (p[ORACLE]["hit_rate"] - p["kv-sync"]["hit_rate"]) * 100
             out[f"{wname}: kv-sync hit rate within 3 points of oracle"] = {"value": round(gap, 2), "met": gap <= 3}
+        if workloads.base_name(wname) in TTFT_WORKLOADS:
+            out.update(ttft_targets(wname, p, g))
         if wname in SHAPED_WORKLOADS:  # issue 25
             ks = p.get("kv-sync", {})
             if "believed_share" in ks:
@@ -413,6 +433,65 @@ def targets(report: dict) -> dict:
                 t["attainable"] = round(w1[worse]["ttft_p90_s"] / floor, 2)
             out[f"W1: TTFT p90 {worse} / {better} >= {need}"] = t
     return out
+
+
+def ttft_targets(wname: str, p: dict, g: int) -> dict:
+    """Issue 26's targets for one scenario, per replica count n in TARGET_GATEWAYS: kv-sync's TTFT mean, p50
+    and p90 each <= the best other policy's (OTHERS at n, char-tree included; the p90 one is issue 13's,
+    above, and not repeated), and its hit rate >= the best other's - TTFT_HIT_SLACK points."""
+    out: dict = {}
+    for n in TARGET_GATEWAYS:
+        ks = row("kv-sync", n, g)
+        others = {row(o, n, g): p[row(o, n, g)] for o in OTHERS if row(o, n, g) in p}
+        if ks not in p or not others:
+            continue
+        for label, metric in TTFT_METRICS:
+            if label == "p90" or metric not in p[ks]:
+                continue
+            fastest = min(others, key=lambda o: others[o][metric])
+            mine, best = p[ks][metric], others[fastest][metric]
+            out[f"{wname} @{n}gw: kv-sync TTFT {label} <= best other's"] = {
+                "value": round(mine, 4), "best_other": fastest, "best_other_value": round(best, 4),
+                "ratio": round(mine / best, 2) if best > 0 else None, "met": mine <= best}
+        best_hit = max(others, key=lambda o: others[o]["hit_rate"])
+        hit, theirs = p[ks]["hit_rate"] * 100, others[best_hit]["hit_rate"] * 100
+        out[f"{wname} @{n}gw: kv-sync hit rate >= best other - {TTFT_HIT_SLACK:g} points"] = {
+            "value": round(hit, 2), "best_other": best_hit, "best_other_value": round(theirs, 2),
+            "margin": round(hit - theirs, 2), "met": hit >= theirs - TTFT_HIT_SLACK}
+    return out
+
+
+def ttft_summary(report: dict) -> list[str]:
+    """Issue 26's table: per scenario and replica count, kv-sync's hit rate and TTFT mean, p50 and p90 beside
+    the best other policy's for each (which one, and its value); '<' marks where kv-sync misses the target."""
+    g = report.get("gateways", DEFAULT_GATEWAYS)
+    out: list[str] = []
+    for wname, w in report["workloads"].items():
+        if workloads.base_name(wname) not in TTFT_WORKLOADS:
+            continue
+        p = w["policies"]
+        for n in TARGET_GATEWAYS:
+            ks = row("kv-sync", n, g)
+            others = {row(o, n, g): p[row(o, n, g)] for o in OTHERS if row(o, n, g) in p}
+            if ks not in p or not others:
+                continue
+            cells = []
+            best = max(others, key=lambda o: others[o]["hit_rate"])
+            hit, theirs = p[ks]["hit_rate"] * 100, others[best]["hit_rate"] * 100
+            miss = "<" if hit < theirs - TTFT_HIT_SLACK else " "
+            cells.append(f"{miss}{hit:5.1f} / {theirs:5.1f} {best:17}")
+            for _, metric in TTFT_METRICS:
+                fastest = min(others, key=lambda o: others[o][metric])
+                mine, theirs = p[ks][metric] * 1000, others[fastest][metric] * 1000
+                miss = "<" if p[ks][metric] > others[fastest][metric] else " "
+                cells.append(f"{miss}{mine:7.1f} / {theirs:7.1f} {fastest:17}")
+            out.append(f"  {wname + f' @{n}gw':16}" + "".join(cells))
+    if not out:
+        return []
+    head = "kv-sync / best (who)"
+    return ["  issue 26: kv-sync against the best other policy per column ('<': target missed; TTFT in ms)",
+            f"  {'scenario':16}{' hit % ' + head:<32}{' mean ' + head:<36}{' p50 ' + head:<36}{' p90 ' + head:<36}",
+            *out]
 
 
 def comparisons(report: dict) -> dict:
@@ -497,10 +576,10 @@ def format_table(report: dict) -> str:
                 lines.append(f"  {name}: believed cached share {m['believed_share']:.3f} (the picked engine's hit at "
                              f"the pick {m['at_pick_share']:.3f}), engines' hit rate {m['hit_rate']:.3f}")
         lines.append("")
-    summary = shape_summary(report)
-    if summary:
-        lines.extend(summary)
-        lines.append("")
+    for summary in (shape_summary(report), ttft_summary(report)):
+        if summary:
+            lines.extend(summary)
+            lines.append("")
     lines.append(f"  Policies without @Ngw run behind {report.get('gateways', DEFAULT_GATEWAYS)} gateway replica(s).")
     for name, t in report.get("targets", {}).items():
         lines.append(_target_line(name, t))
@@ -583,7 +662,10 @@ def main(args: argparse.Namespace) -> int:
         return 2
     every = (workloads.w1(quick), workloads.w2(quick), workloads.w3(quick), workloads.w4(quick), workloads.w5(quick),
              workloads.w6(quick), workloads.w7(quick), workloads.w8(quick), workloads.w9(quick), workloads.w10(quick))
-    shapes = [s for s in every if not args.workload or s.name in args.workload]
+    levels = sorted(set(args.load or [workloads.DEFAULT_LOAD_LEVEL]), key=workloads.LOAD_LEVELS.index)
+    shapes = [x for s in every if not args.workload or s.name in args.workload
+              for x in ([workloads.at_level(s, lv) for lv in levels]
+                        if isinstance(s, workloads.ChatShape) and s.name in workloads.LEVELLED_WORKLOADS else [s])]
     started = time.monotonic()
     report = run_all(shapes, seeds, args.jobs, config=config, gateways=args.gateways)
     report["strategy_config"] = {"guard_slack": config.guard_abs_slack, "guard_ratio": config.guard_rel_slack,

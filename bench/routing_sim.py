@@ -25,9 +25,10 @@ engine's own balancer. A policy with `dp_ranks` False runs kvgate as it was befo
 the rank: the pod is one target (its best rank's blocks) and the engine's balancer picks the rank.
 Every "engine" below is one rank; runs are keyed `<pod>#<rank>` for those, as the router's targets.
 
-`char-tree` (bench.chartree, not a Router strategy): one CharTreePolicy per replica, requests
-dealt in turn, each tree learning from its own replica's picks; the running counts it reads are
-the run's own requests routed and not finished, what the Routers' shared LocalCounts hold.
+`char-tree` (bench.chartree, not a Router strategy: SGLang's gateway `cache_aware`): one
+CharTreePolicy per replica, requests dealt in turn, each tree learning from its own replica's picks
+on the virtual clock; the loads each reads are its own replica's requests routed and not finished
+(per pod), as each gateway process counts its own, nothing shared.
 
 The fleet's scheduled changes (Workload.flushes, Workload.joins) happen on the same clock, after
 the engines' events and deliveries due at that time and before arrivals:
@@ -36,7 +37,7 @@ the engines' events and deliveries due at that time and before arrivals:
   AllBlocksCleared, which reaches kv-sync's index like any batch (delay, loss) and the oracle's
   mirror at once; the guessers (prefix-cache, char-tree) are not told;
 - a join makes the engine a candidate from then on: it is added to the PodRegistry (the Routers
-  follow it), to every CharTreePolicy (an empty tree) and to the oracle's candidates. Engines
+  follow it), to every CharTreePolicy (a worker of size 0) and to the oracle's candidates. Engines
   not yet joined count in no load ratio.
 Counted per run: BlockRemoved blocks (evictions) over every engine, blocks dropped by flushes,
 requests routed per pod, and the share of requests that recomputed at least one prefix block
@@ -432,7 +433,7 @@ async def _run(workload: Workload, policy: Policy, seed: int, strategy_config: S
                 for i, n in enumerate(pod_names)]
     registry = PodRegistry(all_pods[:len(active)])
     if policy.strategy == CHAR_TREE:
-        trees = [CharTreePolicy(active, random.Random(f"char-tree:{seed}:{g}")) for g in range(policy.gateways)]
+        trees = [CharTreePolicy(active, f"char-tree:{seed}:{g}") for g in range(policy.gateways)]
     elif oracle is None:
         counts = LocalCounts()
         loads = _EngineLoads(engines, ranks)
@@ -475,7 +476,7 @@ async def _run(workload: Workload, policy: Policy, seed: int, strategy_config: S
     next_t = dict.fromkeys(names, math.inf)
     inflight: dict[str, tuple[str, Any]] = {}  # req_id -> (pod, (router, decision), max_tokens or None)
     running = dict.fromkeys(names, 0)  # per engine, routed and not finished
-    pod_running = dict.fromkeys(pod_names, 0)  # per pod: what char-tree balances on
+    tree_loads = [dict.fromkeys(pod_names, 0) for _ in trees]  # per char-tree replica: its own requests per pod
     routed = dict.fromkeys(names, 0)
     ratios: list[float] = []
     completions: list[Completion] = []
@@ -513,10 +514,11 @@ async def _run(workload: Workload, policy: Policy, seed: int, strategy_config: S
                 capacity.predictor.add(MODEL, comp.prompt_tokens, n_out, now=comp.finish_time)
             _, handle = inflight.pop(comp.req_id)
             running[key] -= 1
-            pod_running[owner[key][0]] -= 1
             if routers:
                 router, decision = handle
                 await router.release(decision)
+            elif trees:
+                tree_loads[handle][owner[key][0]] -= 1
             elif oracle is not None:
                 oracle.finished(key, handle)
 
@@ -569,7 +571,7 @@ async def _run(workload: Workload, policy: Policy, seed: int, strategy_config: S
                 active_keys.extend(ranks[pod])
                 registry.replace(all_pods[:len(active)])
                 for tree in trees:
-                    tree.add_pod(pod)
+                    tree.add_pod(pod, t)
                 if oracle is not None:
                     for key in ranks[pod]:
                         oracle.add(key, engines[key])
@@ -577,6 +579,7 @@ async def _run(workload: Workload, policy: Policy, seed: int, strategy_config: S
                 pump(key, t)
         else:
             r = reqs[i]
+            handle: Any  # what finish() needs to release the pick: (router, decision), the replica, the oracle's
             if routers:
                 router = routers[i % len(routers)]
                 decision = await router.pick(RouteRequest(MODEL, list(r.token_ids), None, r.req_id,
@@ -588,7 +591,9 @@ async def _run(workload: Workload, policy: Policy, seed: int, strategy_config: S
                     believed += decision.matched_blocks * (index.block_size(MODEL) or BLOCK_SIZE)
                     at_pick += engines[key].prefix_hit(r.token_ids, cache_salt=r.cache_salt, mm_items=r.media)
             elif trees:
-                pod, handle = trees[i % len(trees)].pick(r.token_ids, pod_running), None
+                g = i % len(trees)
+                pod, handle = trees[g].pick(r.token_ids, tree_loads[g], t), g
+                tree_loads[g][pod] += 1
                 key = least_loaded_rank(pod)
             else:
                 assert oracle is not None  # routers, trees or the oracle: one of them is set
@@ -596,7 +601,6 @@ async def _run(workload: Workload, policy: Policy, seed: int, strategy_config: S
             i += 1
             inflight[r.req_id] = (key, handle)
             running[key] += 1
-            pod_running[owner[key][0]] += 1
             routed[key] += 1
             engines[key].add_request(r.req_id, r.token_ids, r.max_tokens, t, cache_salt=r.cache_salt, mm_items=r.media)
             if capacity is not None:

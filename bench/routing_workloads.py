@@ -49,6 +49,10 @@ messages, 100-token replies and outputs, 2-4 turns 2.5-5 s apart, starts for 16 
   policy's prefill); KV at W1's 73% ratio; one engine flushed every 2 s.
 - W5 scale-out: 120% of the 3 starting pods' decode capacity, KV at 73%; a 4th pod (same KV
   capacity) joins at 10 s, once the rate has reached its plateau; then the fleet runs at 90%.
+- W3-W5 at three load levels (`at_level`): these are `heavy`; `medium` is half that load (W3-medium
+  42.5%, W4-medium 30% with a flush every 3 s, W5-medium 60%), `light` 3% of decode capacity over 64 s
+  (~9 conversations in flight, as the measurement against SGLang's gateway had 8; W4-light flushes
+  every 7 s, ~20 requests apart as there).
 - W8-W10 (issue 25) are W3's conversations (`seed_name`: the same tokens and times) with what the
   shape adds: a model shape (`model_shape`, sim.shapes: W8 hybrid, sliding window 128 + full attention,
   sparse retention; KV capacity counted per group), per-user salts (`salted_share`, W9, at 60% load),
@@ -60,6 +64,7 @@ messages, 100-token replies and outputs, 2-4 turns 2.5-5 s apart, starts for 16 
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from dataclasses import dataclass
@@ -529,6 +534,43 @@ def w5(quick: bool = False) -> ChatShape:
     new pod 3% of the requests after the join and still had the best TTFT p90: using it did not
     matter; at 120% the 3 pods alone cannot keep up."""
     return _chat_shape("W5", load=1.2, join_at_s=10.0)
+
+
+# Load levels of W3-W5 (issue 26): `heavy` is the level each ran at before levels existed (W3 85%, W4 60%,
+# W5 120% of the starting pods' decode capacity) and keeps the bare name; `medium` is half of it
+# ("W3-medium"); `light` is 3% of decode capacity for all three ("W3-light"), ~9 conversations in flight
+# as in the measurement against SGLang's gateway (8 at a time, engines far from saturation), over 64 s so
+# a seed still has ~180 requests. W4's flushes keep about the same number of requests between two of them
+# as in the measurement (every 20 requests) at light load (every 7 s), and every 3 s at medium.
+LOAD_LEVELS = ("light", "medium", "heavy")
+DEFAULT_LOAD_LEVEL = "heavy"
+LEVELLED_WORKLOADS = ("W3", "W4", "W5")
+_LEVEL_LOAD = {"W3": {"medium": 0.425}, "W4": {"medium": 0.3}, "W5": {"medium": 0.6}}
+LIGHT_LOAD = 0.03
+LIGHT_DURATION_S = 64.0
+_LEVEL_FLUSH_EVERY_S = {"light": 7.0, "medium": 3.0}
+
+
+def base_name(name: str) -> str:
+    """The workload a scenario is a level of: "W3-light" -> "W3"."""
+    return name.split("-", 1)[0]
+
+
+def at_level(shape: ChatShape, level: str) -> ChatShape:
+    """`shape` (W3, W4 or W5) at a load level; `heavy` is the shape itself."""
+    if level not in LOAD_LEVELS:
+        raise ValueError(f"load level must be one of {', '.join(LOAD_LEVELS)}, not {level!r}")
+    if level == DEFAULT_LOAD_LEVEL:
+        return shape
+    if shape.name not in LEVELLED_WORKLOADS:
+        raise ValueError(f"{shape.name} has no load levels (only {', '.join(LEVELLED_WORKLOADS)})")
+    kw: dict[str, Any] = {"name": f"{shape.name}-{level}",
+                          "load": LIGHT_LOAD if level == "light" else _LEVEL_LOAD[shape.name][level]}
+    if level == "light":
+        kw["duration_s"] = LIGHT_DURATION_S
+    if shape.flush_every_s > 0:
+        kw["flush_every_s"] = _LEVEL_FLUSH_EVERY_S[level]
+    return dataclasses.replace(shape, **kw)
 
 
 def w7(quick: bool = False) -> ChatShape:

@@ -538,3 +538,48 @@ def test_extras_change_the_keys_and_the_bounds():
     assert ka[0] == ki[0] and ka[1] != ki[1]  # the item covers tokens 20-27: block 1 on
     assert workloads._distinct_blocks([a, salted, image]) == 4 + 4 + 3
 
+
+
+def test_w3_to_w5_have_three_load_levels_the_heavy_one_as_before():
+    for make in (workloads.w3, workloads.w4, workloads.w5):
+        heavy = make()
+        assert workloads.at_level(heavy, "heavy") is heavy
+        medium, light = workloads.at_level(heavy, "medium"), workloads.at_level(heavy, "light")
+        assert (medium.name, light.name) == (f"{heavy.name}-medium", f"{heavy.name}-light")
+        assert medium.load == heavy.load / 2 and light.load == workloads.LIGHT_LOAD < medium.load
+        assert workloads.base_name(light.name) == heavy.name
+        assert light.capacity_ratio == heavy.capacity_ratio and light.join_at_s == heavy.join_at_s
+    assert workloads.at_level(workloads.w4(), "light").flush_every_s > workloads.w4().flush_every_s
+    with pytest.raises(ValueError, match="load level"):
+        workloads.at_level(workloads.w3(), "nope")
+    with pytest.raises(ValueError, match="no load levels"):
+        workloads.at_level(workloads.w7(), "light")
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    assert p.parse_args(["--load", "light", "--load", "heavy"]).load == ["light", "heavy"]
+    names = [p.name for p in bench.shape_policies(workloads.at_level(workloads.w3(), "light"), 2)]
+    assert names == [p.name for p in bench.shape_policies(workloads.w3(), 2)]  # a chat workload's policies
+
+
+def test_issue_26_targets_compare_kv_sync_ttft_mean_p50_and_hit_rate_with_the_best_other():
+    def m(hit, p50, mean, p90):
+        return {"hit_rate": hit, "ttft_p50_s": p50, "ttft_mean_s": mean, "ttft_p90_s": p90}
+    p = {"kv-sync": m(0.80, 0.030, 0.050, 0.10), "char-tree": m(0.804, 0.022, 0.070, 0.20),
+         "prefix-cache": m(0.70, 0.040, 0.045, 0.15), "kv-sync@1gw": m(0.80, 0.02, 0.03, 0.05),
+         "char-tree@1gw": m(0.81, 0.03, 0.04, 0.06)}
+    report = {"gateways": 2, "workloads": {"W3-light": {"policies": p}, "W6": {"policies": p}}}
+    t = bench.targets(report)
+    mean2 = t["W3-light @2gw: kv-sync TTFT mean <= best other's"]
+    assert not mean2["met"] and mean2["best_other"] == "prefix-cache" and mean2["best_other_value"] == 0.045
+    p50 = t["W3-light @2gw: kv-sync TTFT p50 <= best other's"]
+    assert not p50["met"] and p50["best_other"] == "char-tree" and p50["ratio"] == 1.36
+    hit2 = t["W3-light @2gw: kv-sync hit rate >= best other - 0.5 points"]
+    assert hit2["met"] and hit2["best_other"] == "char-tree" and hit2["margin"] == -0.4
+    assert t["W3-light @1gw: kv-sync TTFT mean <= best other's"]["met"]
+    assert t["W3-light @1gw: kv-sync TTFT p50 <= best other's"]["met"]
+    assert not t["W3-light @1gw: kv-sync hit rate >= best other - 0.5 points"]["met"]  # 1 point behind
+    assert "W3-light @2gw: kv-sync TTFT p90 <= best other's" in t  # issue 13's, read once
+    assert not any(k.startswith("W6") for k in t)  # not a scenario of issue 26
+    table = bench.ttft_summary(report)
+    assert len(table) == 2 + 2 and "W3-light @1gw" in table[2] and "W6" not in "".join(table)
+    assert table[2].count("<") == 1 and table[3].count("<") == 2  # the hit rate at 1gw; mean and p50 at 2gw
