@@ -53,6 +53,7 @@ _applied = tuple.__new__  # BatchApplied made without its __new__ (a Python-leve
 _NO_ROOTS: dict[str, int] = {}
 _LORA_ROOTS_MAX = 4096  # LoRA keys whose root key a model keeps for apply_run (cleared past this)
 _MAX_GROUP = 255  # KV cache group indices beyond this are taken for malformed
+_MAX_CARRIED = 4096  # sparse stores of a (pod, rank) waiting for their dense group's store, at most
 _NOTHING = RunApplied(0, 0, 0, 0.0, None)
 _BAD = object()  # malformed extra keys
 
@@ -142,6 +143,8 @@ class PrefixIndex:
         self._cand: dict[tuple[str, ...], int] = {}  # candidate pods -> OR of their _pod_bits
         self._tables: dict[tuple[str, int], int] = {}  # (medium, KV cache group > 0) -> key table id
         self._shapes: dict[str, Shape] = {}  # model -> its KV cache groups, once a general-path store said
+        # (pod, rank) -> sparse stores its last apply() could not place yet (kvcache.index._resolve)
+        self._carried: dict[tuple[str, int], list[tuple[int, tuple[BlockHash, ...]]]] = {}
         self._roots: dict[str, int] = {}  # model -> root_key(model, None)
         self._lora_roots: dict[str, dict[str, int]] = {}  # model -> LoRA key -> root_key(model, key), as met
         self._applies = 0
@@ -153,7 +156,7 @@ class PrefixIndex:
         """Apply one (pod, rank)'s events in order. Bad events are logged, counted and skipped."""
         slot, model_id = self._ids(pod, rank, model)
         cleared = False
-        sparse: list[tuple[int, BlockStored]] = []  # stores to resolve once the batch's other groups are in
+        sparse: list[tuple[int, tuple[BlockHash, ...]]] = []  # to resolve once the batch's other groups are in
         ev: Any  # dispatched on its exact type through `t`, which mypy does not follow
         for ev in events:
             t = type(ev)
@@ -164,15 +167,21 @@ class PrefixIndex:
                     self._store(slot, model, model_id, ev, sparse)
                 elif t is AllBlocksCleared:
                     if sparse:
-                        self._resolve(slot, model_id, sparse)
+                        self._resolve(slot, model_id, sparse, None)
                     slot = self._clear(pod, rank)
                     cleared = True
                 else:
                     self._skip("unknown_event", ev)
             except (TypeError, OverflowError):  # e.g. an unhashable token id or block hash
                 self._skip("malformed_event", ev)
-        if sparse:
-            self._resolve(slot, model_id, sparse)
+        carried = self._carried.pop((pod, rank), None)
+        if carried:  # the second and last try of what the previous call could not place
+            self._resolve(slot, model_id, carried, None)
+        if sparse:  # what this call cannot place waits for the next (a batch cut in chunks: kvcache.stream)
+            left: list[tuple[int, tuple[BlockHash, ...]]] = []
+            self._resolve(slot, model_id, sparse, left)
+            if left:
+                self._carried[(pod, rank)] = left
         self._after_batch(cleared)
 
     def apply_payload(self, pod: str, model: str, rank: int, payload: bytes) -> BatchApplied | None:
@@ -272,6 +281,8 @@ class PrefixIndex:
             return
         self._core.remove_group(group)
         del self._pod_bits[pod]
+        for key in [k for k in self._carried if k[0] == pod]:
+            del self._carried[key]
         self._cand.clear()
         for s, owner in list(self._slot_owner.items()):
             if owner[0] == pod:
@@ -465,6 +476,7 @@ class PrefixIndex:
         """(pod, rank) holds nothing from now on: its slot is retired (its marks go in the
         background) and a fresh one takes its place. Returns the new slot."""
         s = self._slot.pop((pod, rank))
+        self._carried.pop((pod, rank), None)  # sparse stores waiting to be placed: gone with the rest
         del self._slot_owner[s]
         self._pod_bits[pod] &= ~(1 << s)
         self._core.kill_slot(s)
@@ -518,7 +530,7 @@ class PrefixIndex:
             self._media_ids = (tuple(self._media), tuple(self._media.values()))
 
     def _store(self, slot: int, model: str, model_id: int, ev: BlockStored,
-               sparse: list[tuple[int, BlockStored]]) -> None:
+               sparse: list[tuple[int, tuple[BlockHash, ...]]]) -> None:
         bs, hashes, tokens = ev.block_size, ev.block_hashes, ev.token_ids
         n = len(hashes)
         g = ev.group_idx or 0
@@ -555,7 +567,7 @@ class PrefixIndex:
             return
         table = self._medium_id(ev.medium or DEFAULT_MEDIUM) if not g else self._table_id(ev.medium or DEFAULT_MEDIUM, g)
         if n < m:  # sparse retention: which blocks the hashes are is known by the hashes alone
-            sparse.append((table, ev))
+            sparse.append((table, hashes))
             return
         extras = self._event_extras(ev, n)
         if extras is _BAD:
@@ -593,23 +605,32 @@ class PrefixIndex:
             keys = array("Q", keys)[r - 1::r].tobytes()
         self._core.store(model_id, table, slot, _folded(ev.block_hashes), keys)
 
-    def _resolve(self, slot: int, model_id: int, sparse: list[tuple[int, BlockStored]]) -> None:
+    def _resolve(self, slot: int, model_id: int, sparse: list[tuple[int, tuple[BlockHash, ...]]],
+                 left: list[tuple[int, tuple[BlockHash, ...]]] | None) -> None:
         """Hold the blocks of sparse stores (a window or state group that hashes only the blocks that can
         serve a hit; their token ids span the others too, vLLM issue 44451): one chain of hashes serves
         every group, so each hash is the block another group (full attention: dense) stored under it.
-        Hashes no group stored are counted, never guessed."""
-        for table, ev in sparse:
-            hashes: list[BlockHash] = []
+        Hashes no group has stored yet go to `left` (tried once more on the next call: a batch the
+        stream applies in chunks may hold the dense store in the next one), or with `left` None are
+        counted, never guessed."""
+        for table, hashes in sparse:
+            found: list[BlockHash] = []
+            missing: list[BlockHash] = []
             keys = array("Q")
-            for h in ev.block_hashes:
+            for h in hashes:
                 k = self._core.key_of(model_id, _fold(h))
                 if k is None:
-                    self._skipped["unresolved_sparse_blocks"] += 1
+                    missing.append(h)
                     continue
-                hashes.append(h)
+                found.append(h)
                 keys.append(k)
-            if hashes:
-                self._core.store(model_id, table, slot, _folded(hashes), keys.tobytes())
+            if found:
+                self._core.store(model_id, table, slot, _folded(found), keys.tobytes())
+            if missing:
+                if left is None or len(left) >= _MAX_CARRIED:
+                    self._skipped["unresolved_sparse_blocks"] += len(missing)
+                else:
+                    left.append((table, tuple(missing)))
         sparse.clear()
 
     def _event_extras(self, ev: BlockStored, n: int) -> Any:

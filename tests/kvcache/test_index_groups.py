@@ -91,6 +91,7 @@ def test_sparse_hashes_no_group_stored_densely_are_counted_never_guessed():
     ix = PrefixIndex()
     p = prompt(840)
     ix.apply("a", "m", 0, [window_tail(p, range(44, 52))])  # no full-attention store to resolve them by
+    ix.apply("a", "m", 0, [])  # nor in the next call
     assert hit_tokens(ix, p) == 0
     assert ix.stats()["skipped"]["unresolved_sparse_blocks"] == 8
 
@@ -247,3 +248,19 @@ def test_the_index_collector_exports_skips_and_groups():
     quiet = CollectorRegistry()
     IndexCollector(busy, quiet)
     assert quiet.get_sample_value("kvgate_index_entries") is None
+
+
+def test_a_sparse_store_waits_one_call_for_its_dense_store_then_is_counted():
+    """The stream applies a large batch in chunks (kvcache.stream, apply_chunk): the full-attention store
+    that places a window store's hashes may come in the next call. It is tried once more there."""
+    ix = PrefixIndex()
+    p, q = prompt(840), prompt(840, seed=5)
+    ix.apply("a", "m", 0, [window_tail(p, range(44, 52))])
+    assert ix.stats()["skipped"].get("unresolved_sparse_blocks", 0) == 0  # waiting
+    ix.apply("a", "m", 0, [full(p)])
+    assert hit_tokens(ix, p) == 832 and not ix.stats()["skipped"]
+    ix.apply("a", "m", 0, [window_tail(q, range(44, 52))])
+    ix.apply("a", "m", 0, [])  # the next call has nothing for it: counted, not guessed
+    assert ix.stats()["skipped"]["unresolved_sparse_blocks"] == 8
+    ix.apply("a", "m", 0, [window_tail(q, range(44, 52)), AllBlocksCleared(), full(q)])
+    assert hit_tokens(ix, q) == 0  # a clear drops what waited
