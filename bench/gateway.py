@@ -95,7 +95,8 @@ def _envoy_only_config(listen: int, admin: int, upstream: int) -> dict:
     hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.ext_proc"]
     for route in hcm["route_config"]["virtual_hosts"][0]["routes"]:
-        route["route"] = {"cluster": "pool", "timeout": "0s"}
+        if "route" in route:  # not the 404 for paths the gateway does not serve
+            route["route"] = {"cluster": "pool", "timeout": "0s"}
     return config
 
 

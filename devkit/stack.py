@@ -117,12 +117,30 @@ def find_envoy() -> str:
     return found
 
 
+def envoy_routes(config: dict) -> list[dict]:
+    """The routes of an Envoy config of envoy/envoy.yaml's shape, in match order (the last one is the 404)."""
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    return hcm["route_config"]["virtual_hosts"][0]["routes"]
+
+
+def open_path_route(config: dict, path: str) -> dict:
+    """A route sending `path` to the pool by load, as envoy/envoy.yaml's pass-through paths (/version's
+    action), bodies up to 1 MiB; `path` is exact, or a prefix when it ends in `*` (`/adapters/*`)."""
+    if not path.startswith("/") or any(c.isspace() for c in path) or "*" in path[:-1]:
+        raise ValueError(f"not a path to open: {path!r} (an absolute path, or a prefix ending in *)")
+    by_load = next(r for r in envoy_routes(config) if r["match"].get("path") == "/version")["route"]
+    match = {"prefix": path[:-1]} if path.endswith("*") else {"path": path}
+    return {"match": match, "request_body_buffer_limit": 1 << 20, "route": copy.deepcopy(by_load)}
+
+
 def render_envoy_config(*, listen_port: int, admin_port: int, extproc_port: int,
                         pool: Iterable[tuple[str, int]], extproc_host: str = "127.0.0.1",
-                        failure_mode_allow: bool | None = None, more_extproc_ports: Iterable[int] = ()) -> dict:
+                        failure_mode_allow: bool | None = None, more_extproc_ports: Iterable[int] = (),
+                        open_paths: Iterable[str] = ()) -> dict:
     """The shipped envoy/envoy.yaml with only ports and the pool's endpoints changed (`pool`: every
     engine kvgate may pick, since override_host only picks among them; `more_extproc_ports`: further
-    kvgate replicas, Envoy spreads ext_proc streams over them)."""
+    kvgate replicas, Envoy spreads ext_proc streams over them), and `open_paths` (open_path_route)
+    routed to the pool as well, ahead of the gateway's 404 for every path it does not serve."""
     config = yaml.safe_load(ENVOY_CONFIG.read_text())
     config = copy.deepcopy(config)
     config["admin"]["address"]["socket_address"]["port_value"] = admin_port
@@ -139,6 +157,8 @@ def render_envoy_config(*, listen_port: int, admin_port: int, extproc_port: int,
         for f in hcm["http_filters"]:
             if f["name"] == "envoy.filters.http.ext_proc":
                 f["typed_config"]["failure_mode_allow"] = failure_mode_allow
+    routes = envoy_routes(config)
+    routes[-1:-1] = [open_path_route(config, path) for path in open_paths]
     return config
 
 
@@ -245,11 +265,11 @@ class Stack:
     # --- the components ------------------------------------------------------------
     def envoy(self, *, listen_port: int, extproc_port: int, pool: Iterable[tuple[str, int]],
               admin_port: int | None = None, failure_mode_allow: bool | None = None, name: str = "envoy",
-              more_extproc_ports: Iterable[int] = ()) -> Proc:
+              more_extproc_ports: Iterable[int] = (), open_paths: Iterable[str] = ()) -> Proc:
         admin_port = admin_port or free_port()
         config = render_envoy_config(listen_port=listen_port, admin_port=admin_port, extproc_port=extproc_port,
                                      pool=pool, failure_mode_allow=failure_mode_allow,
-                                     more_extproc_ports=more_extproc_ports)
+                                     more_extproc_ports=more_extproc_ports, open_paths=open_paths)
         path = self.workdir / f"{name}.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
         argv = [find_envoy(), "-c", str(path), "--concurrency", "1", "--log-level", "warning",
@@ -365,10 +385,17 @@ def _render_main(argv: list[str] | None = None) -> int:
     p.add_argument("--admin-port", type=int, default=9901)
     p.add_argument("--extproc", type=hostport, default=("127.0.0.1", 50051))
     p.add_argument("--pool", default="127.0.0.1:8000", help="the pool's engines (host:port), comma separated")
+    p.add_argument("--open-path", action="append", default=[], metavar="PATH",
+                   help="one more engine path the gateway serves (exact, or a prefix ending in *); every path "
+                        "not in envoy/envoy.yaml's allow-list gets the gateway's 404 otherwise. Repeatable")
     args = p.parse_args(argv)
-    config = render_envoy_config(listen_port=args.listen_port, admin_port=args.admin_port,
-                                 extproc_port=args.extproc[1], extproc_host=args.extproc[0],
-                                 pool=[hostport(x) for x in args.pool.split(",") if x])
+    try:
+        config = render_envoy_config(listen_port=args.listen_port, admin_port=args.admin_port,
+                                     extproc_port=args.extproc[1], extproc_host=args.extproc[0],
+                                     pool=[hostport(x) for x in args.pool.split(",") if x],
+                                     open_paths=args.open_path)
+    except ValueError as e:
+        p.error(str(e))
     config["static_resources"]["listeners"][0]["address"]["socket_address"]["address"] = args.listen_host
     sys.stdout.write(yaml.safe_dump(config, sort_keys=False))
     return 0

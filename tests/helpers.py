@@ -298,8 +298,9 @@ class GatewayEnv:
         self.kvgate, self.kvgate_env = gate.proc, gate.env
         self.grpc_port, self.http_port = gate.grpc_port, gate.http_port
         wait_for_port("127.0.0.1", self.http_port, timeout=10)
-        self.listen = free_port()
-        self.envoy = self.stack.envoy(listen_port=self.listen, extproc_port=self.grpc_port, pool=envoy_pool(pods))
+        self.listen, self.envoy_admin = free_port(), free_port()
+        self.envoy = self.stack.envoy(listen_port=self.listen, extproc_port=self.grpc_port, pool=envoy_pool(pods),
+                                      admin_port=self.envoy_admin)
         self.url = f"http://127.0.0.1:{self.listen}"
         self.client = httpx.Client(base_url=self.url, timeout=client_timeout)
         self.on_close(self.client.close)
@@ -327,6 +328,11 @@ class GatewayEnv:
 
     def canary_hits(self) -> int:
         return canary_hits(self.canary)
+
+    def envoy_counter(self, name: str) -> int:
+        """One of Envoy's counters (its admin /stats), e.g. `cluster.pool.upstream_rq_total`."""
+        text = httpx.get(f"http://127.0.0.1:{self.envoy_admin}/stats", params={"filter": f"^{name}$"}, timeout=5).text
+        return int(text.split(":")[1]) if text.strip() else 0
 
     def restart_kvgate(self, **overrides: str) -> None:
         """kvgate again, with its settings and `overrides`; returns once both its ports listen."""

@@ -1,5 +1,7 @@
 """The shipped deployment files: Envoy config, Envoy Gateway manifests, docker-compose."""
+import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -8,7 +10,7 @@ import pytest
 import yaml
 
 from plugin.config import VARIABLES, Settings
-from devkit.stack import find_envoy, render_envoy_config
+from devkit.stack import _render_main, envoy_routes, find_envoy, render_envoy_config
 from routing.discovery.static import parse_pods_line
 
 REPO = Path(__file__).resolve().parents[2]
@@ -209,3 +211,110 @@ def test_default_waits_end_before_envoys_message_timeout_in_every_shipped_config
     assert timeouts, "no ext_proc message timeout found in the shipped configs"
     for name, t in timeouts:
         assert budget < t, (name, t, budget)
+
+
+# --- the allow-list: vLLM's public paths reach the pool, every other one gets the gateway's 404 ----------
+
+VLLM_PATHS = yaml.safe_load((REPO / "envoy" / "vllm-paths.yaml").read_text())
+
+
+def _concrete(path: str) -> str:
+    return re.sub(r"\{[^}]*\}", "x1", path)  # `{name}`: one segment
+
+
+PUBLIC = [(m, _concrete(e["path"])) for e in VLLM_PATHS["public"] for m in e["methods"]]
+# each closed path with its methods, GET and POST (but GET /v1/responses/render: a stored response's id to vLLM)
+CLOSED = [(m, _concrete(e["path"])) for e in VLLM_PATHS["closed"] for m in sorted({"GET", "POST", *e["methods"]})
+          if (m, e["path"]) != ("GET", "/v1/responses/render")]
+
+
+def test_the_path_lists_are_whole():
+    public = {e["path"] for e in VLLM_PATHS["public"]}
+    closed = {e["path"] for e in VLLM_PATHS["closed"]}
+    assert not public & closed and len(public) >= 25 and len(closed) >= 50
+    for admin in ("/reset_prefix_cache", "/reset_mm_cache", "/sleep", "/wake_up", "/is_sleeping", "/collective_rpc",
+                  "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/start_profile", "/stop_profile",
+                  "/scale_elastic_ep", "/is_scaling_elastic_ep", "/update_weights", "/pause", "/resume", "/metrics"):
+        assert admin in closed, admin
+    for e in VLLM_PATHS["public"] + VLLM_PATHS["closed"]:
+        assert e["source"] and e["methods"], e
+        assert e in VLLM_PATHS["public"] or e.get("why"), e
+
+
+def _envoy_route(routes: list[dict], method: str, path: str) -> dict:
+    """The route Envoy takes for `method path`: the first that matches (path, prefix, safe_regex, :method)."""
+    for r in routes:
+        m = r["match"]
+        if "path" in m and m["path"] != path or "prefix" in m and not path.startswith(m["prefix"]):
+            continue
+        if "safe_regex" in m and not re.fullmatch(m["safe_regex"]["regex"], path):
+            continue
+        if any(h["name"] == ":method" and h["string_match"]["exact"] != method for h in m.get("headers", [])):
+            continue
+        return r
+    raise AssertionError(f"no route for {method} {path}")
+
+
+def _is_the_404(route: dict) -> bool:
+    off = route.get("typed_per_filter_config", {}).get("envoy.filters.http.ext_proc", {}).get("disabled")
+    return route.get("direct_response", {}).get("status") == 404 and off is True  # kvgate is not asked
+
+
+@pytest.mark.parametrize("opened", [False, True])
+def test_envoy_routes_the_public_paths_and_404s_every_other(opened):
+    extra = ["/v1/load_lora_adapter", "/adapters*"] if opened else []
+    config = render_envoy_config(listen_port=1, admin_port=2, extproc_port=3, pool=[("127.0.0.1", 4)],
+                                 open_paths=extra)
+    routes = envoy_routes(config)
+    assert routes[-1]["match"] == {"prefix": "/"} and _is_the_404(routes[-1])
+    body = json.loads(routes[-1]["direct_response"]["body"]["inline_string"])
+    assert body["error"]["code"] == "path_not_found" and set(body["error"]) == {"message", "type", "code", "param"}
+    opened_requests = [("POST", "/v1/load_lora_adapter"), ("POST", "/adapters"), ("DELETE", "/adapters/x1")]
+    for method, path in PUBLIC + (opened_requests if opened else []):
+        route = _envoy_route(routes, method, path)
+        assert route.get("route", {}).get("cluster") == "pool", (method, path)
+    for method, path in CLOSED:
+        if not (opened and (path == "/v1/load_lora_adapter" or path.startswith("/adapters"))):
+            assert _is_the_404(_envoy_route(routes, method, path)), (method, path)
+    assert all(_is_the_404(r) == (r is routes[-1]) for r in routes)
+
+
+def test_open_path_is_checked_and_rendered_by_the_cli(capsys):
+    for bad in ("reset_prefix_cache", "/a b", "/a*b", ""):
+        with pytest.raises(ValueError):
+            render_envoy_config(listen_port=1, admin_port=2, extproc_port=3, pool=[], open_paths=[bad])
+    assert _render_main(["--open-path", "/sleep", "--open-path", "/adapters/*"]) == 0
+    routes = envoy_routes(yaml.safe_load(capsys.readouterr().out))
+    assert [r["match"] for r in routes[-3:-1]] == [{"path": "/sleep"}, {"prefix": "/adapters/"}]
+    assert _is_the_404(routes[-1])
+
+
+def _gateway_api_matches(match: dict, method: str, path: str) -> bool:
+    """An HTTPRoute match (Gateway API v1): Exact, PathPrefix (whole segments), RegularExpression, method."""
+    kind, value = match["path"]["type"], match["path"]["value"]
+    if kind == "Exact":
+        ok = path == value
+    elif kind == "PathPrefix":
+        prefix = value.rstrip("/")
+        ok = path == prefix or path.startswith(prefix + "/") or prefix == ""
+    else:
+        assert kind == "RegularExpression", kind
+        ok = re.fullmatch(value, path) is not None
+    return ok and match.get("method", method) == method
+
+
+def test_httproutes_route_only_the_public_paths():
+    routes = _manifests()["HTTPRoute"]
+    assert len(routes) == 2
+    for route in routes:
+        matches = [m for rule in route["spec"]["rules"] for m in rule["matches"]]
+        for method, path in PUBLIC:
+            assert any(_gateway_api_matches(m, method, path) for m in matches), (route["metadata"]["name"], path)
+        for method, path in CLOSED:
+            assert not any(_gateway_api_matches(m, method, path) for m in matches), (route["metadata"]["name"], path)
+    # The Envoy Gateway path: one Envoy route per match, each sent to the ORIGINAL_DST cluster by the patch.
+    patch = _manifests()["EnvoyPatchPolicy"][0]["spec"]["jsonPatches"]
+    patched = {p["operation"]["path"] for p in patch if p["operation"].get("value") == "kvgate_original_dst"}
+    eg = next(r for r in routes if r["metadata"]["name"] == "kvgate-inference")
+    n = sum(len(rule["matches"]) for rule in eg["spec"]["rules"])
+    assert patched == {f"/virtual_hosts/0/routes/{i}/route/cluster" for i in range(n)}

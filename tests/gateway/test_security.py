@@ -1,16 +1,22 @@
-"""Security on the real stack: clients cannot choose the upstream, bodies are bounded, Redis AUTH
-and TLS work, and no secret (Authorization headers, Redis passwords) reaches kvgate's log, /debug
-or /metrics. kvgate runs at log level debug here, its chattiest.
+"""Security on the real stack: clients cannot choose the upstream, reach none of the engines' admin
+endpoints (only the paths of envoy/vllm-paths.yaml's allow-list reach an engine), bodies are bounded,
+Redis AUTH and TLS work, and no secret (Authorization headers, Redis passwords) reaches kvgate's log,
+/debug or /metrics. kvgate runs at log level debug here, its chattiest.
 
 Extends tests/gateway/test_gateway_envoy.py (spoofed headers on the three routed paths, fail-closed when
 kvgate is down) and tests/routing/test_routing_redis.py (AUTH at the RedisCounts level).
 """
 from __future__ import annotations
 
+import json
+import re
+import socket
 import subprocess
 from pathlib import Path
 
+import httpx
 import pytest
+import yaml
 
 from helpers import GatewayEnv, free_port, make_tls_certs, stack_fixture, wait_until
 from devkit.stack import Stack, StackError
@@ -233,3 +239,134 @@ def test_credentials_in_the_tokenizer_url_are_not_shown(env):
     env.kvgate_with(KVGATE_TOKENIZER_URL=f"http://tok-user:{secret}@127.0.0.1:{env.sims['sim0']}")
     assert wait_until(env.ok, timeout=10)
     _no_secret(env, secret)
+
+
+# --- the public gateway is not the engines' admin port ----------------------------------------
+# envoy/vllm-paths.yaml: every path vLLM 0.33 registers, `public` (the allow-list envoy/envoy.yaml routes to
+# the pool) or `closed` (the gateway's own 404). An engine's answer carries Envoy's
+# x-envoy-upstream-service-time and the sim's x-sim-name; the gateway's 404 neither.
+
+VLLM_PATHS = yaml.safe_load((Path(__file__).resolve().parents[2] / "envoy" / "vllm-paths.yaml").read_text())
+PROMPT = " ".join(f"word{i}" for i in range(300))  # many blocks: a prefix cache hit is hundreds of tokens
+
+
+def _concrete(path: str) -> str:
+    return re.sub(r"\{[^}]*\}", "x1", path)
+
+
+def _raw(port: int, method: str, target: str) -> tuple[int, dict[str, str], bytes]:
+    """`method target` over a socket as written (no client normalizes the path), with an empty JSON body."""
+    body = b"{}" if method != "GET" else b""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(f"{method} {target} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\n"
+                  f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        data = b""
+        while b"\r\n\r\n" not in data and (chunk := s.recv(65536)):
+            data += chunk
+        head, _, payload = data.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+        # read what Content-Length says, not to the close: Envoy closes a second after its answer
+        while len(payload) < int(headers.get("content-length", 0)) and (chunk := s.recv(65536)):
+            payload += chunk
+    return int(lines[0].split()[1]), headers, payload
+
+
+def _prefix_hits(port: int) -> float:
+    """The engine's vllm:prefix_cache_hits after one more request of PROMPT sent to it directly."""
+    r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 1},
+                   timeout=10)
+    assert r.status_code == 200, r.text
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:prefix_cache_hits_total{"))
+
+
+def _kvgate_passthrough(env: Env) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in env.metrics().splitlines()
+               if line.startswith("kvgate_requests_total{") and 'passthrough' in line)
+
+
+def _public(method: str, path: str) -> bool:
+    return any(method in e["methods"] and re.fullmatch(re.sub(r"\{[^}]*\}", "[^/]+", e["path"]), path)
+               for e in VLLM_PATHS["public"])
+
+
+# each closed path with its methods, GET and POST (but GET /v1/responses/render: a stored response's id to vLLM)
+CLOSED = [(m, _concrete(e["path"])) for e in VLLM_PATHS["closed"] for m in sorted({"GET", "POST", *e["methods"]})
+          if not _public(m, e["path"])]
+# the same paths written otherwise, and public paths with a method or suffix the allow-list does not take
+VARIANTS = [("POST", "/reset_prefix_cache/"), ("POST", "/reset_prefix_cache?x=1"), ("POST", "//reset_prefix_cache"),
+            ("POST", "/%72eset_prefix_cache"), ("POST", "/v1/completions/../../reset_prefix_cache"),
+            ("POST", "/v1/completions/%2E%2E/%2E%2E/reset_prefix_cache"), ("POST", "/RESET_PREFIX_CACHE"),
+            ("GET", "/metrics/"), ("POST", "/v1/responses/x1/../../../reset_prefix_cache"),
+            ("GET", "/v1/responses/x1/cancel"), ("POST", "/v1/responses/x%2F..%2F..%2F..%2Freset_prefix_cache/cancel"),
+            ("POST", "/"), ("GET", "/v1"), ("POST", "/v1/")]
+
+
+def test_closed_paths_get_the_gateways_404_and_never_reach_an_engine(env):
+    hits = {name: _prefix_hits(port) for name, port in env.sims.items()}  # PROMPT cached on both engines
+    upstream, asked = env.envoy_counter("cluster.pool.upstream_rq_total"), _kvgate_passthrough(env)
+    for method, target in CLOSED + VARIANTS:
+        status, headers, payload = _raw(env.listen, method, target)
+        assert status == 404, (method, target, status, payload[:200])
+        assert headers["content-type"] == "application/json" and "x-sim-name" not in headers, (method, target)
+        assert "x-envoy-upstream-service-time" not in headers, (method, target)
+        error = json.loads(payload)["error"]
+        assert error["code"] == "path_not_found" and set(error) == {"message", "type", "code", "param"}
+    assert env.envoy_counter("cluster.pool.upstream_rq_total") == upstream  # no request went to an engine
+    assert _kvgate_passthrough(env) == asked  # nor to kvgate
+    # The engines' prefix caches are intact: PROMPT hits again on each ...
+    for name, port in env.sims.items():
+        again = _prefix_hits(port)
+        assert again - hits[name] >= 256, (name, hits[name], again)
+        hits[name] = again
+    # ... and a reset sent straight to an engine, as the operator may, shows what the gateway prevented.
+    port = env.sims["sim0"]
+    assert httpx.post(f"http://127.0.0.1:{port}/reset_prefix_cache", timeout=5).status_code == 200
+    assert _prefix_hits(port) == hits["sim0"]
+
+
+PUBLIC_BODIES = {
+    "/v1/completions": {"model": MODEL, "prompt": "hi", "max_tokens": 1},
+    "/v1/chat/completions": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
+    "/v1/responses": {"model": MODEL, "input": "hi", "max_output_tokens": 1},
+    "/v1/messages": {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]},
+    "/v1/messages/count_tokens": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+    "/score": {"model": MODEL, "queries": "a", "documents": "b"},
+    "/v1/score": {"model": MODEL, "queries": "a", "documents": "b"},
+    "/rerank": {"model": MODEL, "query": "a", "documents": ["b"]},
+    "/v1/rerank": {"model": MODEL, "query": "a", "documents": ["b"]},
+    "/v2/rerank": {"model": MODEL, "query": "a", "documents": ["b"]},
+    "/tokenize": {"model": MODEL, "prompt": "hi"},
+    "/detokenize": {"model": MODEL, "tokens": [1, 2]},
+}
+PUBLIC = [(m, e["path"]) for e in VLLM_PATHS["public"] for m in e["methods"]]
+
+
+@pytest.mark.parametrize("method, path", PUBLIC, ids=[f"{m} {p}" for m, p in PUBLIC])
+def test_public_paths_reach_an_engine(env, method, path):
+    upstream = env.envoy_counter("cluster.pool.upstream_rq_total")
+    body = None if method == "GET" else PUBLIC_BODIES.get(path, {"model": MODEL, "input": "hi"})
+    r = env.client.request(method, _concrete(path), json=body)
+    # whatever the engine makes of it (the sims serve some of these paths, 404 the others), it answered
+    assert "x-envoy-upstream-service-time" in r.headers and "path_not_found" not in r.text, (r.status_code, r.text)
+    assert env.envoy_counter("cluster.pool.upstream_rq_total") == upstream + 1
+
+
+def test_an_opened_path_reaches_the_engines(env):
+    """The operator's way to open a path (devkit.stack --open-path, a route above the 404): exact or a prefix."""
+    listen = free_port()
+    proc = env.stack.envoy(listen_port=listen, extproc_port=env.grpc_port, name="envoy-opened",
+                           pool=[("127.0.0.1", port) for port in env.sims.values()],
+                           open_paths=["/reset_prefix_cache", "/v1/load_lora_adapter*"])
+    try:
+        r = httpx.post(f"http://127.0.0.1:{listen}/reset_prefix_cache", timeout=10)
+        assert r.status_code == 200 and r.headers["x-sim-name"] in env.sims  # the sim's own handler
+        r = httpx.post(f"http://127.0.0.1:{listen}/v1/load_lora_adapter/x", json={}, timeout=10)
+        assert r.status_code == 404 and "x-envoy-upstream-service-time" in r.headers  # the engine's 404
+        assert "path_not_found" not in r.text
+        status, _, payload = _raw(listen, "POST", "/sleep")
+        assert status == 404 and json.loads(payload)["error"]["code"] == "path_not_found"
+    finally:
+        proc.stop()
