@@ -37,7 +37,7 @@ from devkit.stack import Stack, StackError, free_port
 from tokenizer import testdata
 
 MODEL = "path-model"
-PATHS = ("direct", "envoy_only", "noop", "kvgate")
+PATHS = ("direct", "envoy_only", "noop", "noop_nowait", "kvgate")
 # Engines that take no time: what remains of a request's time to first token is the path.
 SIM_ARGS = ["--ttft-overhead-ms", "0", "--prefill-ms-per-token", "0", "--tpot-ms", "1", "--tpot-ms-per-seq", "0",
             "--max-tokens-default", "4"]
@@ -45,6 +45,7 @@ _TENANTS = [" ".join([f"You are assistant {t} of tenant {t}; answer briefly and 
             for t in range(4)]
 _TOKEN = re.compile(rb'"(?:content|text)":"[^"]')  # a chunk that carries a token (not the role-only one)
 TARGET_ADDED_SEQ_MS = 1.5
+IDLE_GAP_S = 1.5
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -52,6 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=400,
                    help="requests per path one at a time; at load, as many per client (default 400)")
     p.add_argument("--concurrency", type=int, default=8, help="clients at once in the load phase (default 8)")
+    p.add_argument("--idle", type=int, default=20,
+                   help=f"requests each to direct and kvgate after a {IDLE_GAP_S} s pause (default 20)")
     p.add_argument("--engines", type=int, default=2, help="simulated engines (default 2)")
 
 
@@ -155,14 +158,17 @@ class Samples:
             self.errors[path] += 1
 
 
-async def _measure(targets: dict[str, Any], requests: int, concurrency: int, log) -> tuple[Samples, Samples]:
+async def _measure(targets: dict[str, Any], requests: int, concurrency: int, idle: int,
+                   log) -> tuple[Samples, Samples, Samples]:
     """Both phases, the paths interleaved so that each sees the machine as the others do: one request at a
     time, the paths taken in turn request by request (the order rotating); then bursts of `concurrency`
-    clients sending ten requests each, the paths taken in turn burst by burst."""
+    clients sending ten requests each, the paths taken in turn burst by burst; then `idle` requests each
+    to direct and kvgate, every one after a pause of IDLE_GAP_S (longer than the running counts' view is
+    fresh: 1 s)."""
     ids = itertools.count()
     seq_clients = {p: _clients(targets[p], len(targets[p]) if p == "direct" else 1) for p in PATHS}
     load_clients = {p: _clients(targets[p], concurrency) for p in PATHS}
-    seq, load = Samples(), Samples()
+    seq, load, quiet = Samples(), Samples(), Samples()
     try:
         for warm in seq_clients.values():  # warm up: kvgate verifies its tokenizer, connections open
             for i in range(40):
@@ -181,11 +187,18 @@ async def _measure(targets: dict[str, Any], requests: int, concurrency: int, log
             for path in PATHS[k % len(PATHS):] + PATHS[:k % len(PATHS)]:
                 await asyncio.gather(*(worker(path, c) for c in load_clients[path]))
         log(f"  {concurrency} at once: {len(load.ttft['direct'])} requests per path")
+        for k in range(idle):  # after a pause: what a request meets on a quiet gateway
+            for path in ("direct", "kvgate")[k % 2:] + ("direct", "kvgate")[:k % 2]:
+                await asyncio.sleep(IDLE_GAP_S)
+                clients = seq_clients[path]
+                quiet.add(path, *await clients[k % len(clients)].chat(body(next(ids))))
+        if idle:
+            log(f"  after {IDLE_GAP_S} s pauses: {idle} requests, direct and kvgate")
     finally:
         for cs in (*seq_clients.values(), *load_clients.values()):
             for c in cs:
                 await c.close()
-    return seq, load
+    return seq, load, quiet
 
 
 def _hostport(url: str) -> tuple[str, int]:
@@ -193,7 +206,7 @@ def _hostport(url: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def run(requests: int, concurrency: int, n_engines: int, log) -> dict:
+def run(requests: int, concurrency: int, n_engines: int, log, idle: int = 0) -> dict:
     if not shutil.which("redis-server"):
         raise StackError("redis-server not found (Debian package redis-server; ./dev setup installs it)")
     with Stack() as stack:
@@ -218,17 +231,23 @@ def run(requests: int, concurrency: int, n_engines: int, log) -> dict:
         stack.start("noop", [sys.executable, "-m", "bench.noop_processor", str(noop_port), f"127.0.0.1:{pods[0]['port']}",
                              "--bodies"], ready_port=("127.0.0.1", noop_port))
         listen = {name: free_port() for name in ("envoy_only", "noop", "kvgate")}
+        admin = {name: free_port() for name in ("noop", "kvgate")}
         stack.envoy(name="envoy_kvgate", listen_port=listen["kvgate"], extproc_port=grpc_ports[0],
-                    more_extproc_ports=grpc_ports[1:], pool=pool)
-        stack.envoy(name="envoy_noop", listen_port=listen["noop"], extproc_port=noop_port, pool=pool)
+                    more_extproc_ports=grpc_ports[1:], pool=pool, admin_port=admin["kvgate"])
+        stack.envoy(name="envoy_noop", listen_port=listen["noop"], extproc_port=noop_port, pool=pool,
+                    admin_port=admin["noop"])
         _envoy_only(stack, listen["envoy_only"], pool)
+        if "noop_nowait" in PATHS:
+            listen["noop_nowait"], admin["noop_nowait"] = free_port(), free_port()
+            _envoy_nowait(stack, listen["noop_nowait"], admin["noop_nowait"], noop_port, pool)
         targets: dict[str, Any] = {"direct": pool, **{k: ("127.0.0.1", v) for k, v in listen.items()}}
 
         _expect_routed(f"http://127.0.0.1:{listen['kvgate']}")
-        seq, load = asyncio.run(_measure(targets, requests, concurrency, log))
+        seq, load, quiet = asyncio.run(_measure(targets, requests, concurrency, idle, log))
+        msgs = {name: _messages_per_stream(port) for name, port in admin.items()}
         observed = _metric_sum([f"http://127.0.0.1:{p}/metrics" for p in http_ports], "kvgate_requests_observed_total")
-    return summarize(seq, load, requests=requests, concurrency=concurrency,
-                     engines=n_engines, responses_observed=observed)
+    return summarize(seq, load, quiet, requests=requests, concurrency=concurrency,
+                     engines=n_engines, responses_observed=observed, extproc_msgs_per_request=msgs)
 
 
 def _envoy_only(stack: Stack, port: int, pool: list[tuple[str, int]]) -> None:
@@ -247,11 +266,41 @@ def _envoy_only(stack: Stack, port: int, pool: list[tuple[str, int]]) -> None:
                                "--disable-hot-restart"], ready_port=("127.0.0.1", port), ready_timeout=60)
 
 
+def _envoy_nowait(stack: Stack, port: int, admin: int, extproc: int, pool: list[tuple[str, int]]) -> None:
+    """The shipped config with Envoy 1.40's send_body_without_waiting_for_header_response (STREAMED request
+    bodies only; Envoy then ignores every mode_override, so the response is not sent: as for an unwatched one)."""
+    import yaml
+
+    from devkit.stack import find_envoy, render_envoy_config
+    config = render_envoy_config(listen_port=port, admin_port=admin, extproc_port=extproc, pool=pool)
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    ext = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")["typed_config"]
+    ext["send_body_without_waiting_for_header_response"] = True
+    ext["processing_mode"].update(request_body_mode="STREAMED", response_header_mode="SKIP")
+    path = stack.workdir / "envoy_nowait.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    stack.start("envoy_nowait", [find_envoy(), "-c", str(path), "--concurrency", "1", "--log-level", "warning",
+                                 "--disable-hot-restart"], ready_port=("127.0.0.1", port), ready_timeout=60)
+
+
 def _expect_routed(url: str) -> None:
     r = httpx.post(url + "/v1/chat/completions", content=body(10**9), timeout=30,
                    headers={"content-type": "application/json"})
     if r.status_code != 200 or not r.headers.get("x-kvgate-pod"):
         raise StackError(f"the kvgate path did not route: {r.status_code} {r.text[:200]}")
+
+
+def _messages_per_stream(admin_port: int) -> dict[str, float]:
+    """Envoy's ext_proc messages per stream, each way (its admin stats)."""
+    text = httpx.get(f"http://127.0.0.1:{admin_port}/stats", params={"filter": r"ext_proc\."}, timeout=5).text
+    count = {"streams_started": 0, "stream_msgs_sent": 0, "stream_msgs_received": 0}
+    for line in text.splitlines():
+        name, _, value = line.partition(": ")
+        key = name.rsplit(".", 1)[-1]
+        if key in count and value.strip().isdigit():
+            count[key] += int(value)
+    streams = count["streams_started"] or 1
+    return {"sent": round(count["stream_msgs_sent"] / streams, 2), "received": round(count["stream_msgs_received"] / streams, 2)}
 
 
 def _metric_sum(urls: list[str], name: str) -> float:
@@ -274,7 +323,7 @@ def _pct(values: list[float], q: float) -> float | None:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-def summarize(seq: Samples, load: Samples, **run: Any) -> dict:
+def summarize(seq: Samples, load: Samples, quiet: Samples | None = None, **run: Any) -> dict:
     """Medians (and p90) per path and phase, each path's added time over `direct`, the added time per
     quarter of the run (its spread), and the target."""
     out: dict[str, Any] = {"paths": {p: {"errors": seq.errors[p] + load.errors[p]} for p in PATHS}}
@@ -303,6 +352,12 @@ def summarize(seq: Samples, load: Samples, **run: Any) -> dict:
             out[f"{name}_{phase}_added_p50_ms"] = paths[name][f"{phase}_added_p50_ms"]
         out[f"kvgate_{phase}_added_over_noop_ms"] = round(paths["kvgate"][f"{phase}_p50_ms"]
                                                           - paths["noop"][f"{phase}_p50_ms"], 3)
+    if quiet is not None and quiet.ttft["kvgate"] and quiet.ttft["direct"]:
+        direct = statistics.median(quiet.ttft["direct"])
+        out["idle"] = {"direct_p50_ms": _ms(direct), "kvgate_p50_ms": _ms(statistics.median(quiet.ttft["kvgate"])),
+                       "kvgate_added_p50_ms": _ms(statistics.median(quiet.ttft["kvgate"]) - direct),
+                       "samples": len(quiet.ttft["kvgate"]), "gap_s": IDLE_GAP_S,
+                       "errors": quiet.errors["kvgate"]}
     out["targets"] = {"kvgate_seq_added_p50_le_1.5ms": out["kvgate_seq_added_p50_ms"] <= TARGET_ADDED_SEQ_MS}
     out.update(run)
     return out
@@ -327,6 +382,11 @@ def table(r: dict) -> str:
                 f"Envoy alone {r['envoy_only_seq_added_p50_ms']:.3f} ms; kvgate over the no-op: "
                 f"{r['kvgate_seq_added_over_noop_ms']:.3f} ms @1, {r['kvgate_load_added_over_noop_ms']:.3f} ms "
                 f"@{r['concurrency']}")
+    if r.get("idle"):
+        i = r["idle"]
+        rows.append(f"after {i['gap_s']} s pauses ({i['samples']} requests): direct {i['direct_p50_ms']:.3f} ms, kvgate "
+                    f"{i['kvgate_p50_ms']:.3f} ms, added {i['kvgate_added_p50_ms']:+.3f} ms")
+    rows.append(f"ext_proc messages per request (Envoy -> processor / back): {r.get('extproc_msgs_per_request')}")
     rows.append(f"added @1 by quarter of the run: kvgate {r['paths']['kvgate']['seq_added_p50_ms_by_quarter']}, "
                 f"no-op {r['paths']['noop']['seq_added_p50_ms_by_quarter']}")
     rows.append(f"(ms; {r['paths']['direct']['seq_samples']} requests per path one at a time, "
@@ -340,7 +400,7 @@ def main(args: argparse.Namespace) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     try:
-        result = run(args.requests, args.concurrency, args.engines, log)
+        result = run(args.requests, args.concurrency, args.engines, log, idle=args.idle)
     except StackError as e:
         print(f"kvgate bench path: {e}", file=sys.stderr)
         return 1

@@ -42,11 +42,16 @@ def test_an_error_with_a_length_and_connection_close_is_read_whole():
 def test_summary_added_time_is_each_paths_median_over_directs_and_the_target_reads_it():
     seq, load = path.Samples(), path.Samples()
     for i in range(40):
-        for name, extra in (("direct", 0.0), ("envoy_only", 0.0002), ("noop", 0.001), ("kvgate", 0.0014)):
+        for name, extra in (("direct", 0.0), ("envoy_only", 0.0002), ("noop", 0.001), ("noop_nowait", 0.0008),
+                            ("kvgate", 0.0014)):
             seq.add(name, 0.004 + extra + i * 1e-6, 200)
             load.add(name, 0.010 + 3 * extra, 200)
     load.add("kvgate", 1.0, 503)
-    r = path.summarize(seq, load, requests=40, concurrency=8, engines=2)
+    quiet = path.Samples()
+    for name, t in (("direct", 0.004), ("kvgate", 0.0065), ("kvgate", 0.0055), ("direct", 0.005)):
+        quiet.add(name, t, 200)
+    r = path.summarize(seq, load, quiet, requests=40, concurrency=8, engines=2)
+    assert r["idle"]["kvgate_added_p50_ms"] == 1.5 and r["idle"]["samples"] == 2
     assert r["kvgate_seq_added_p50_ms"] == 1.4 and r["noop_seq_added_p50_ms"] == 1.0
     assert r["kvgate_load_added_p50_ms"] == 4.2 and r["paths"]["kvgate"]["errors"] == 1
     assert r["paths"]["kvgate"]["seq_added_p50_ms_by_quarter"] == [1.4] * 4
