@@ -55,6 +55,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=8, help="clients at once in the load phase (default 8)")
     p.add_argument("--idle", type=int, default=20,
                    help=f"requests each to direct and kvgate after a {IDLE_GAP_S} s pause (default 20)")
+    p.add_argument("--replicas", type=int, choices=(1, 2), default=2,
+                   help="kvgate replicas; 1: one alone, its counts in process, no Redis (default 2, as shipped)")
+    p.add_argument("--no-events", action="store_true",
+                   help="engines publish no KV events: what following them costs the path on this machine")
     p.add_argument("--engines", type=int, default=2, help="simulated engines (default 2)")
 
 
@@ -206,17 +210,21 @@ def _hostport(url: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def run(requests: int, concurrency: int, n_engines: int, log, idle: int = 0) -> dict:
+def run(requests: int, concurrency: int, n_engines: int, log, idle: int = 0, replicas: int = 2,
+        events: bool = True) -> dict:
     if not shutil.which("redis-server"):
         raise StackError("redis-server not found (Debian package redis-server; ./dev setup installs it)")
     with Stack() as stack:
-        pods = stack.engines(n_engines, model=MODEL, extra=SIM_ARGS)
+        pods = stack.engines(n_engines, model=MODEL, extra=SIM_ARGS + ([] if events else ["--no-kv-events"]))
+        if not events:
+            for p in pods:
+                del p["kv_events"]
         pods_file = stack.pods_file(pods)
-        _, redis_url = stack.redis()
-        grpc_ports, http_ports, replicas = [], [], []
-        for g in range(2):
+        redis_url = stack.redis()[1] if replicas > 1 else ""
+        grpc_ports, http_ports, procs = [], [], []
+        for g in range(replicas):
             grpc_port, http_port = free_port(), free_port()
-            replicas.append(stack.kvgate(name=f"kvgate{g}", grpc_port=grpc_port, wait=False, env={
+            procs.append(stack.kvgate(name=f"kvgate{g}", grpc_port=grpc_port, wait=False, env={
                 "KVGATE_PODS_FILE": str(pods_file), "KVGATE_GRPC_PORT": str(grpc_port),
                 "KVGATE_HTTP_PORT": str(http_port), "KVGATE_REDIS_URL": redis_url,
                 "KVGATE_ROUTING_STRATEGY": "kv-sync", "KVGATE_GATEWAY_ID": f"kvgate{g}",
@@ -224,7 +232,7 @@ def run(requests: int, concurrency: int, n_engines: int, log, idle: int = 0) -> 
                 "KVGATE_DRAIN_DELAY_S": "0"}))
             grpc_ports.append(grpc_port)
             http_ports.append(http_port)
-        for proc, port in zip(replicas, grpc_ports):
+        for proc, port in zip(procs, grpc_ports):
             stack.ready(proc, ("127.0.0.1", port))
         pool = [("127.0.0.1", p["port"]) for p in pods]
         noop_port = free_port()
@@ -245,9 +253,16 @@ def run(requests: int, concurrency: int, n_engines: int, log, idle: int = 0) -> 
         _expect_routed(f"http://127.0.0.1:{listen['kvgate']}")
         seq, load, quiet = asyncio.run(_measure(targets, requests, concurrency, idle, log))
         msgs = {name: _messages_per_stream(port) for name, port in admin.items()}
+        urls = [f"http://127.0.0.1:{p}/metrics" for p in http_ports]
+        decided = _metric_sum(urls, "kvgate_routing_decision_seconds_count")
+        decision_ms = _metric_sum(urls, "kvgate_routing_decision_seconds_sum") / decided * 1e3 if decided else None
+        tokenize_ms = (_metric_sum(urls, "kvgate_tokenize_seconds_sum")
+                       / max(1.0, _metric_sum(urls, "kvgate_tokenize_seconds_count")) * 1e3)
         observed = _metric_sum([f"http://127.0.0.1:{p}/metrics" for p in http_ports], "kvgate_requests_observed_total")
     return summarize(seq, load, quiet, requests=requests, concurrency=concurrency,
-                     engines=n_engines, responses_observed=observed, extproc_msgs_per_request=msgs)
+                     engines=n_engines, replicas=replicas, kv_events=events, responses_observed=observed,
+                     extproc_msgs_per_request=msgs, kvgate_decision_mean_ms=_round3(decision_ms),
+                     kvgate_tokenize_mean_ms=_round3(tokenize_ms))
 
 
 def _envoy_only(stack: Stack, port: int, pool: list[tuple[str, int]]) -> None:
@@ -310,6 +325,10 @@ def _metric_sum(urls: list[str], name: str) -> float:
             if line.startswith(name):
                 total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+def _round3(v: float | None) -> float | None:
+    return None if v is None else round(v, 3)
 
 
 def _ms(seconds: float) -> float:
@@ -386,6 +405,8 @@ def table(r: dict) -> str:
         i = r["idle"]
         rows.append(f"after {i['gap_s']} s pauses ({i['samples']} requests): direct {i['direct_p50_ms']:.3f} ms, kvgate "
                     f"{i['kvgate_p50_ms']:.3f} ms, added {i['kvgate_added_p50_ms']:+.3f} ms")
+    rows.append(f"inside kvgate, from the body to the answer (all phases, both replicas): mean "
+                f"{r.get('kvgate_decision_mean_ms')} ms, of which tokenizing {r.get('kvgate_tokenize_mean_ms')} ms")
     rows.append(f"ext_proc messages per request (Envoy -> processor / back): {r.get('extproc_msgs_per_request')}")
     rows.append(f"added @1 by quarter of the run: kvgate {r['paths']['kvgate']['seq_added_p50_ms_by_quarter']}, "
                 f"no-op {r['paths']['noop']['seq_added_p50_ms_by_quarter']}")
@@ -400,7 +421,8 @@ def main(args: argparse.Namespace) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     try:
-        result = run(args.requests, args.concurrency, args.engines, log, idle=args.idle)
+        result = run(args.requests, args.concurrency, args.engines, log, idle=args.idle, replicas=args.replicas,
+                     events=not args.no_events)
     except StackError as e:
         print(f"kvgate bench path: {e}", file=sys.stderr)
         return 1
