@@ -45,6 +45,9 @@ BENCHES: tuple[tuple[str, list[str], str], ...] = (
                     "kvgate CPU per routed request (its share of event following included) <= 1.2x the no-op "
                     "processor's; throughput through Envoy >= 90% of the no-op processor's. Also 1 vs 2 "
                     "replicas on this node (issue 14 item 6)"),
+    ("path", [], "issue 26: time to first token of streamed chats through the shipped stack (Envoy, 2 kvgate replicas, "
+                 "Redis, kv-sync), one request at a time, <= 1.5 ms over straight to the engine at p50; the no-op "
+                 "processor's and Envoy's own added time beside it, and 8 at once"),
     ("ingest", [], "live ingestion <= 30 us of CPU per one-block batch in kvgate serve (3 engines, ~1000 "
                    "batches/s in all)"),
     ("request", [], "none of its own: kvgate's own CPU per warm and cold request in process, gRPC left out (the "

@@ -18,6 +18,7 @@ import sys
 
 import grpc
 from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf import struct_pb2
@@ -25,6 +26,8 @@ from google.protobuf import struct_pb2
 from plugin.config import Settings
 from plugin.pipeline import Sampler
 from plugin.observe import UNWATCHED, body_on
+
+STREAMED = processing_mode_pb2.ProcessingMode.STREAMED
 
 
 class NoopProcessor(pb_grpc.ExternalProcessorServicer):
@@ -43,6 +46,7 @@ class NoopProcessor(pb_grpc.ExternalProcessorServicer):
         self._headers_routed.dynamic_metadata.CopyFrom(lb)
         self._body = pb.ProcessingResponse(request_body=pb.BodyResponse(response=routed), dynamic_metadata=lb)
         self._response_headers = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+        self._response_request_chunk = pb.ProcessingResponse(request_body=pb.BodyResponse())
         self._response_body = pb.ProcessingResponse(response_body=pb.BodyResponse())
         self._bodies = bodies
 
@@ -58,15 +62,25 @@ class NoopProcessor(pb_grpc.ExternalProcessorServicer):
         return body_on(streamed) if status == b"200" else self._response_headers
 
     async def Process(self, request_iterator, context):  # noqa: N802
+        streamed, chunks = False, 0  # a STREAMED request body: the headers' answer waits for its end
         async for msg in request_iterator:
             which = msg.WhichOneof("request")
             if which == "request_headers":
+                streamed = msg.protocol_config.request_body_mode == STREAMED
+                if streamed and not msg.request_headers.end_of_stream:
+                    continue
                 if msg.request_headers.end_of_stream:
                     yield self._headers_routed
                 elif self._bodies and not self._sampler.take():
                     yield self._headers_unwatched  # as kvgate answers a request it does not watch
                 else:
                     yield self._headers
+            elif which == "request_body" and streamed:
+                chunks += 1
+                if msg.request_body.end_of_stream:  # the pick, then one answer per chunk, in order
+                    yield self._headers_routed
+                    for _ in range(chunks):
+                        yield self._response_request_chunk
             elif which == "request_body":
                 yield self._body
             elif which == "response_headers":

@@ -151,10 +151,11 @@ def pod_source(s: Settings, metrics: RoutingMetrics) -> StaticSource | Kubernete
 
 def running_counts(s: Settings, metrics: RoutingMetrics) -> RunningCounts:
     """Counts shared through KVGATE_REDIS_URL (heartbeat at a fifth of the key TTL; a pick reads the other
-    gateways' counts in the background while its view is younger than that; writes batched every 5 ms),
-    else in-process."""
+    gateways' counts in the background while its view is younger than the TTL, as long as totals() trusts
+    them: no Redis round trip on the request path, however long the gateway was idle within it; writes
+    batched every 5 ms), else in-process."""
     return build_counts(s.redis_url, s.gateway_id, ttl_s=s.redis_key_ttl_s, heartbeat_s=s.redis_key_ttl_s / 5,
-                        stale_ok_s=s.redis_key_ttl_s / 5, write_interval_s=0.005, metrics=metrics)
+                        stale_ok_s=s.redis_key_ttl_s, write_interval_s=0.005, metrics=metrics)
 
 
 def strategy_config(s: Settings) -> StrategyConfig:
@@ -198,7 +199,7 @@ class App:
             # the changes of a burst go out as one write every 5 ms
             self.prefill_counts = (RedisCounts(s.redis_url, s.gateway_id, key_prefix="kvgate:{prefill}:",
                                                ttl_s=s.redis_key_ttl_s, heartbeat_s=s.redis_key_ttl_s / 5,
-                                               stale_ok_s=s.redis_key_ttl_s / 5, write_interval_s=0.005)
+                                               stale_ok_s=s.redis_key_ttl_s, write_interval_s=0.005)
                                    if s.redis_url else LocalCounts())
         self.capacity = Capacity(self.profiles, self.predictor, targets=parse_targets(s.slo_targets),
                                  prefill=self.prefill_counts)

@@ -385,3 +385,23 @@ async def test_certificate_that_fails_verification_is_named_in_one_clear_error(t
     finally:
         proc.kill()
         proc.wait(5)
+
+
+async def test_the_gateways_counts_use_a_view_as_old_as_the_key_ttl_without_a_redis_round_trip(redis_server):
+    # kvgate serve's own settings: a pick after a pause longer than the heartbeat (but within the TTL, within which
+    # totals() trusts the others' counts) starts a read for the next picks and does not wait for it
+    from plugin.app import running_counts
+    from plugin.config import Settings
+    from routing.metrics import RoutingMetrics
+
+    settings = Settings.from_env({"KVGATE_REDIS_URL": redis_server.url, "KVGATE_REDIS_KEY_TTL_S": "1",
+                                  "KVGATE_PODS": "[]"})
+    counts = running_counts(settings, RoutingMetrics())
+    try:
+        await counts.refresh()  # no view yet: this one waits
+        assert await wait_until_async(lambda: counts.snapshot()["others_age_s"] > 0.5, timeout=5)
+        call = counts.refresh()
+        with pytest.raises(StopIteration):
+            call.send(None)
+    finally:
+        await counts.close()
