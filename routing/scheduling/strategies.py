@@ -147,9 +147,8 @@ STRATEGIES: dict[str, StrategySpec] = {s.name: s for s in (
                  "router-side guess from this gateway's own past decisions (no events)",
                  {"approx-prefix": 3.0, "load": 2.0}, guard=True),
     StrategySpec("kv-sync", MaxScorePicker, "max score, random tie-break",
-                 "the lowest expected time to first token (`ttft`: the event-fed index and the engines' "
-                 "learned profiles), a little load, and the family's pod for prefixes nobody holds (the default)",
-                 {"ttft": 3.0, "load": 0.5, "affinity": 0.5}, guard=True),
+                 "the event-fed index's estimated prefill wait, combined with load (the default)",
+                 {"prefix": 3.0, "load": 1.0, "affinity": 0.5}, guard=True),
     StrategySpec("slo", MaxScorePicker, "max score, random tie-break",
                  "meets the request's TTFT and TPOT targets (`x-slo-ttft-ms`, `x-slo-tpot-ms` or the model's "
                  "defaults) with the most headroom, else the least violation", {"slo": 1.0}),

@@ -1,5 +1,6 @@
 """The one cost model (routing.scheduling.cost) and what it learns (routing.learning.profiles): decay,
-re-exploration, and kv-sync packing while load costs nothing and spreading once it does, on the real Router."""
+re-exploration, and kv-sync on the model (its `ttft` scorer alone) packing while load costs nothing and spreading
+once it does, on the real Router."""
 from __future__ import annotations
 
 import random
@@ -12,7 +13,7 @@ from routing.learning.profiles import EngineProfiles
 from routing.pods import Pod
 from routing.registry import PodRegistry
 from routing.router import Router
-from routing.scheduling.cost import TTFTEstimate
+from routing.scheduling.cost import TTFTEstimate, TTFTScorer
 from routing.scheduling.scoring import RouteRequest
 from routing.scheduling.slo import Capacity
 from routing.scheduling.strategies import StrategyConfig
@@ -101,11 +102,15 @@ class HeldBy:
         return 16
 
 
+# kv-sync on the model alone (KVGATE_ROUTING_WEIGHTS="kv-sync:ttft=3,prefix=0,load=0")
+ON_THE_MODEL = {"kv-sync": {"ttft": 3.0, "prefix": 0.0, "load": 0.0}}
+
+
 def kv_sync(clock: Clock, profiles: EngineProfiles) -> Router:
     cap = Capacity(profiles, OutputPredictor(rng=random.Random(0)), clock=clock)
     reg = PodRegistry([Pod(n, f"10.0.0.{i + 1}", 8000, "m") for i, n in enumerate("ab")])
     return Router(reg, default_strategy="kv-sync", index=HeldBy("a"), capacity=cap, seed=0,
-                  config=StrategyConfig(clock=clock))
+                  config=StrategyConfig(clock=clock, weights=ON_THE_MODEL))
 
 
 async def test_kv_sync_packs_while_load_costs_nothing_and_spreads_once_it_does():
@@ -119,7 +124,8 @@ async def test_kv_sync_packs_while_load_costs_nothing_and_spreads_once_it_does()
     d = await r.pick(RouteRequest("m", PROMPT, request_id="q1"))
     assert d.pod.name == "a"  # packed: b would prefill the whole prompt, 0.1 s, a only its last 8 tokens
     # a's lane fills: this gateway sent it 3,000 uncached tokens the engine has not prefilled yet
-    r._strategies["kv-sync"].scorers[0][0].backlog.add("a", 3000)
+    ttft = next(sc for sc, _ in r._strategies["kv-sync"].scorers if isinstance(sc, TTFTScorer))
+    ttft.backlog.add("a", 3000)
     d = await r.pick(RouteRequest("m", PROMPT, request_id="q2"))
     assert d.pod.name == "b"  # 0.3 s of queue on a against 0.1 s of prefill on b (and 0.1 s for the copy)
     clock.t += 1.0  # a's lane drains

@@ -135,7 +135,7 @@ async def test_kv_sync_index_failure_falls_back_to_load_and_is_counted():
     await hold(r, {"a": 2, "b": 2})
     d = await r.pick(RouteRequest("m", TOKENS))
     assert d.pod.name == "c"
-    assert metrics.registry.get_sample_value("kvgate_routing_scorer_errors_total", {"scorer": "ttft"}) == 1
+    assert metrics.registry.get_sample_value("kvgate_routing_scorer_errors_total", {"scorer": "prefix"}) == 1
 
 
 async def test_kv_sync_asks_the_index_for_base_model_and_adapter():
