@@ -71,6 +71,9 @@ span skipped blocks, salts and media on blocks with equal tokens), so the oracle
 from the engine itself (EngineModel.prefix_hit: exact for every group, salt and media), and keys its
 placement memory with salts and media (routing_workloads.request_keys); it keeps no flush memory there.
 
+Each finished request reaches the Routers' engine profiles as a watched response reaches the gateway's (its
+uncached tokens, TTFT, TPOT, running count at routing and request id), so the scorers that predicted its TTFT
+(`slo`, `ttft`) learn each engine's overhead from it, on the virtual clock.
 Requests carry their cache_salt and media to the engines and, as RouteRequest.extras, to the Routers.
 For kv-sync and slo the run also sums, per pick, the tokens the index promised on the picked engine
 (Decision.matched_blocks x the index's block size) and that engine's own hit at that moment
