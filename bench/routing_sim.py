@@ -71,6 +71,9 @@ span skipped blocks, salts and media on blocks with equal tokens), so the oracle
 from the engine itself (EngineModel.prefix_hit: exact for every group, salt and media), and keys its
 placement memory with salts and media (routing_workloads.request_keys); it keeps no flush memory there.
 
+Each finished request reaches the Routers' engine profiles as a watched response reaches the gateway's (its
+uncached tokens, TTFT, TPOT, running count at routing and request id), so the scorers that predicted its TTFT
+(`slo`, `ttft`) learn each engine's overhead from it, on the virtual clock.
 Requests carry their cache_salt and media to the engines and, as RouteRequest.extras, to the Routers.
 For kv-sync and slo the run also sums, per pick, the tokens the index promised on the picked engine
 (Decision.matched_blocks x the index's block size) and that engine's own hit at that moment
@@ -441,7 +444,7 @@ async def _run(workload: Workload, policy: Policy, seed: int, strategy_config: S
         # (through Redis in a deployment, with no lag here, as the running counts); the queue's tokens
         # leave at the request's first token, which the replica that routed it observes in the response
         # (and only it: each replica's Capacity knows its own requests' first tokens).
-        capacity = Capacity(EngineProfiles(prefill_tokens_per_s=config.prefill_tokens_per_s),
+        capacity = Capacity(EngineProfiles(prefill_tokens_per_s=config.prefill_tokens_per_s, clock=lambda: clock[0]),
                             OutputPredictor(rng=random.Random(f"predict:{seed}"), clock=lambda: clock[0]),
                             clock=lambda: clock[0], prefill=LocalCounts())
         capacities = [capacity.replica() for _ in range(policy.gateways)]
@@ -510,7 +513,7 @@ async def _run(workload: Workload, policy: Policy, seed: int, strategy_config: S
                 tpot = (comp.finish_time - comp.first_token_time) / (n_out - 1) if n_out > 1 else None
                 capacity.profiles.observe(owner[key][0],
                                           uncached_tokens=comp.prompt_tokens - comp.cached_tokens,
-                                          ttft=comp.ttft, tpot=tpot, running=at_start)
+                                          ttft=comp.ttft, tpot=tpot, running=at_start, request_id=comp.req_id)
                 capacity.predictor.add(MODEL, comp.prompt_tokens, n_out, now=comp.finish_time)
             _, handle = inflight.pop(comp.req_id)
             running[key] -= 1

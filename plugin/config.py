@@ -135,7 +135,7 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("KVGATE_ROUTING_STRATEGY", "routing_strategy", _choice(*STRATEGIES), "kv-sync",
              "Default strategy; a request may choose another with the `routing-strategy` header."),
     Variable("KVGATE_ROUTING_WEIGHTS", "routing_weights", _text, "",
-             "Scorer weights laid over the defaults: `kv-sync:prefix=3,load=2,queue=1;prefix-cache:...` "
+             "Scorer weights laid over the defaults: `kv-sync:ttft=3,load=2,queue=1;prefix-cache:...` "
              f"(scorers: {', '.join(SCORERS)}; 0 removes one)."),
     Variable("KVGATE_ROUTING_GUARD_SLACK", "routing_guard_slack", _int_range(0, 1_000_000), 16,
              "Load guard: a pod running this many more requests than the mean of the other pods (or four "
@@ -143,8 +143,9 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("KVGATE_ROUTING_GUARD_RATIO", "routing_guard_ratio", _positive_float, 0.7,
              "...or this fraction of that mean (of the least loaded one's count), whichever is larger."),
     Variable("KVGATE_ROUTING_PREFILL_TOKENS_PER_S", "routing_prefill_tokens_per_s", _positive_float, 10_000.0,
-             "kv-sync's estimate of an engine's prefill speed (tokens/s), at which the prompt tokens it "
-             "sent a pod uncached count as still waiting; half or twice the true speed routes alike."),
+             "An engine's prefill speed (tokens/s) until its observed responses teach kvgate its own (the "
+             "prior of kv-sync's and slo's TTFT model, which an estimate drifts back to while not re-observed); "
+             "the prompt tokens kv-sync sent a pod uncached count as still waiting until prefilled at it."),
     Variable("KVGATE_PREFIX_CACHE_BLOCK_SIZE", "prefix_cache_block_size", _int_range(1, 4096), 16,
              "Block size of the `prefix-cache` strategy's own guesses (kv-sync learns it from events)."),
     Variable("KVGATE_PREFIX_CACHE_BLOCKS", "prefix_cache_blocks", _int_range(1, 1 << 32), 200_000,

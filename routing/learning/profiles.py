@@ -16,7 +16,18 @@ scrape of the engine's own inter-token histogram, `observe_engine`):
   routed without that prediction (another strategy) teaches it nothing. `ttft_error` keeps, per pod,
   the decayed mean of observed - predicted TTFT (overhead included) and of its absolute value: how far
   the model is off, for /debug and the demo.
-Before any sample, the configured priors answer (overhead: `ttft_overhead_s`, 0 by default).
+Before any sample, the configured priors answer (overhead: `ttft_overhead_s` + `ttft_overhead_per_request_s`
+per running request, 0 + 1 ms by default: a batch slows an engine's prefill a little, as vLLM's chunked prefill
+shares each step with the decoding requests, so without observed responses load still counts, mildly).
+
+Decayed and re-explored, so a bad early estimate heals: each sample weighs `decay` times less per later
+sample (recent observations weigh more), a line is never read beyond the largest batch it was observed at
+(two early samples do not make a slope to extrapolate to a batch never seen), and a pod's learned rate and
+overhead drift back toward the priors while nothing re-observes them (halfway every `explore_s` on the
+profiles' clock since the pod's last sample of that kind): an estimate that sends traffic away from a pod
+(a slow rate, a large overhead) would otherwise never be corrected, since only traffic observes it. The
+pod looks like the priors say again and gets tried. (The `./dev demo`'s slo once learned 1,744 ms of
+overhead at 8 running from a bad start and never went back there.)
 
 AIBrix's profile (JSON under `aibrix:profile_<model>_<deployment>`): `gpu` (the deployment), `indexes`
 ([output token counts, input token counts]), `ttft` and `tpot` ([output index][input index], seconds),
@@ -30,8 +41,9 @@ from __future__ import annotations
 import json
 import logging
 import math
+import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from routing.learning.tracking import Tracker
 
@@ -81,25 +93,35 @@ class GPUProfile:
 
 
 class _Line:
-    """y = a + b x, least squares with exponential forgetting."""
+    """y = a + b x, least squares with exponential forgetting; `clamped`: read no further than the largest x
+    seen (a line that is not a law of the engine: the TTFT overhead)."""
 
-    __slots__ = ("w", "sx", "sy", "sxx", "sxy", "decay")
+    __slots__ = ("w", "sx", "sy", "sxx", "sxy", "decay", "xmax", "at_time")
 
-    def __init__(self, decay: float) -> None:
+    def __init__(self, decay: float, clamped: bool = False) -> None:
         self.w = self.sx = self.sy = self.sxx = self.sxy = 0.0
+        self.xmax = 0.0 if clamped else math.inf
+        self.at_time = 0.0  # when the last sample came (the profiles' clock)
         self.decay = decay
 
-    def add(self, x: float, y: float) -> None:
+    def add(self, x: float, y: float, now: float = 0.0, half_life: float = math.inf) -> None:
         d = self.decay
+        if now > self.at_time and self.w > 0:  # samples not re-observed for a while weigh less, too
+            d *= 0.5 ** ((now - self.at_time) / half_life)
         self.w = self.w * d + 1
         self.sx = self.sx * d + x
         self.sy = self.sy * d + y
         self.sxx = self.sxx * d + x * x
         self.sxy = self.sxy * d + x * y
+        if x > self.xmax < math.inf:
+            self.xmax = x
+        self.at_time = now
 
     def at(self, x: float, floor: float = 1e-6) -> float | None:
         if self.w < 1:
             return None
+        if x > self.xmax:  # not observed that far: the line's value at the largest batch seen
+            x = self.xmax
         mx, my = self.sx / self.w, self.sy / self.w
         var = self.sxx / self.w - mx * mx
         if var <= 1e-9:
@@ -111,13 +133,21 @@ class _Line:
 class EngineProfiles(Tracker):
     def __init__(self, *, prefill_tokens_per_s: float = 10_000.0, decode_base_s: float = 0.01,
                  decode_per_request_s: float = 0.0005, min_prefill_tokens: int = 256,
-                 decay: float = 0.995, ttft_overhead_s: float = 0.0) -> None:
+                 decay: float = 0.995, ttft_overhead_s: float = 0.0, ttft_overhead_per_request_s: float = 0.001,
+                 explore_s: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not explore_s > 0:
+            raise ValueError("explore_s must be positive")
         self.prior_rate = prefill_tokens_per_s
         self.prior_overhead = ttft_overhead_s
+        self.prior_overhead_per = ttft_overhead_per_request_s
         self.prior_base, self.prior_per = decode_base_s, decode_per_request_s
         self.min_prefill_tokens = min_prefill_tokens
         self.decay = decay
+        self.explore_s = explore_s
+        self.clock = clock
         self._rate: dict[str, float] = {}
+        self._rate_at: dict[str, float] = {}  # pod -> when its rate was last sampled
         self._decode: dict[str, _Line] = {}
         self._gpu: dict[tuple[str, str], GPUProfile] = {}  # (model, deployment)
         self._scrapes: dict[str, Any] = {}  # pod -> last EngineLoad seen
@@ -127,6 +157,13 @@ class EngineProfiles(Tracker):
         self._error: dict[str, list[float]] = {}  # pod -> [weight, sum of errors, sum of |errors|] (decayed)
 
     # --- answers ---------------------------------------------------------------------------
+    def _toward_prior(self, learned: float, prior: float, at: float) -> float:
+        """`learned`, drifting back to `prior` by half every `explore_s` since it was last observed at `at`."""
+        age = self.clock() - at
+        if age <= 0.0:
+            return learned
+        return prior + (learned - prior) * 0.5 ** (age / self.explore_s)
+
     def gpu_profile(self, model: str, pod: str) -> GPUProfile | None:
         if not self._gpu:
             return None
@@ -141,7 +178,10 @@ class EngineProfiles(Tracker):
             ttft, _ = prof.lookup(input_tokens, output_tokens)
             if ttft > 0:
                 return input_tokens / ttft
-        return self._rate.get(pod, self.prior_rate)
+        rate = self._rate.get(pod)
+        if rate is None:
+            return self.prior_rate
+        return self._toward_prior(rate, self.prior_rate, self._rate_at[pod])
 
     def step_time(self, pod: str, running: float, model: str = "", input_tokens: float = 0.0,
                   output_tokens: float = 1.0) -> float:
@@ -157,9 +197,12 @@ class EngineProfiles(Tracker):
     def ttft_overhead(self, pod: str, running: float) -> float:
         """Seconds a request's first token takes beyond its queue and its own prefill, with `running`
         requests on the pod (this one included)."""
+        prior = self.prior_overhead + self.prior_overhead_per * running
         line = self._overhead.get(pod)
         got = line.at(running, floor=0.0) if line is not None else None
-        return got if got is not None else self.prior_overhead
+        if line is None or got is None:
+            return prior
+        return self._toward_prior(got, prior, line.at_time)
 
     def ttft_error(self, pod: str) -> tuple[float, float, float] | None:
         """(mean observed - predicted TTFT s, mean |that| s, decayed sample weight), None before any."""
@@ -198,8 +241,8 @@ class EngineProfiles(Tracker):
             key, _, work, over = expected  # served where routed (not by a fallback): learned under the pod's name
             line = self._overhead.get(key)
             if line is None:
-                line = self._overhead[key] = _Line(self.decay)
-            line.add(float(max(running, 1)), ttft - work)
+                line = self._overhead[key] = _Line(self.decay, clamped=True)
+            line.add(float(max(running, 1)), ttft - work, self.clock(), self.explore_s)
             err = ttft - work - over
             e = self._error.setdefault(key, [0.0, 0.0, 0.0])
             d = self.decay
@@ -207,7 +250,9 @@ class EngineProfiles(Tracker):
         if ttft is not None and ttft > 0 and uncached_tokens >= self.min_prefill_tokens:
             sample = uncached_tokens / ttft
             old = self._rate.get(pod)
-            self._rate[pod] = sample if old is None else max(sample, old * self.decay)
+            # the decayed maximum, from the estimate as it stands now (drifted toward the prior if stale)
+            self._rate[pod] = sample if old is None else max(sample, self.prefill_rate(pod) * self.decay)
+            self._rate_at[pod] = self.clock()
         if tpot is not None and tpot > 0:
             line = self._decode.get(pod)
             if line is None:

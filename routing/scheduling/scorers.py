@@ -68,11 +68,15 @@ class PrefillBacklog:
     """Per pod, the prefill work (prompt tokens not served from cache) this gateway sent and the
     engine has probably not done yet: each pick adds its uncached tokens, and the pile drains at
     `tokens_per_s` (an engine prefills one prompt after another). An estimate: it knows only this
-    gateway's picks and a nominal prefill speed."""
+    gateway's picks and a prefill speed: nominal, or per pod (a function of the pod's name: the learned one)."""
 
-    def __init__(self, tokens_per_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-        if not tokens_per_s > 0:
-            raise ValueError("tokens_per_s must be positive")
+    def __init__(self, tokens_per_s: float | Callable[[str], float],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not callable(tokens_per_s):
+            if not tokens_per_s > 0:
+                raise ValueError("tokens_per_s must be positive")
+            nominal = tokens_per_s
+            tokens_per_s = lambda pod: nominal  # noqa: E731
         self._rate = tokens_per_s
         self._clock = clock
         self._piles: dict[str, tuple[float, float]] = {}  # pod -> (tokens, as of time)
@@ -86,7 +90,7 @@ class PrefillBacklog:
             return 0.0
         tokens, at = entry
         now = self._clock() if now is None else now
-        left = tokens - (now - at) * self._rate
+        left = tokens - (now - at) * self._rate(pod)
         return left if left > 0.0 else 0.0  # max(0.0, left)
 
     def add(self, pod: str, tokens: float) -> None:

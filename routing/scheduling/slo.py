@@ -1,7 +1,7 @@
 """The `slo` scorer: per pod, this request's predicted time to first token and time per output token
 against its targets (headers `x-slo-ttft-ms` / `x-slo-tpot-ms`, else the model's defaults).
 
-- TTFT = (the pod's queued prefill + this request's uncached prompt tokens, exactly, from the prefix
+- TTFT, the one cost model (routing.scheduling.cost, as kv-sync's `ttft` scorer): (the pod's queued prefill + this request's uncached prompt tokens, exactly, from the prefix
   index) / the pod's prefill rate (routing.learning.profiles), plus the pod's learned TTFT overhead at its
   running batch (routing.learning.profiles: what observed TTFTs of earlier slo picks showed beyond that). The queue, when responses are observed
   (`Capacity.prefill` set), is exact and shared: every gateway adds a request's uncached tokens to
@@ -37,6 +37,8 @@ from typing import Any, Callable, Mapping, Sequence
 from routing.pods import Pod
 from routing.learning.predictor import OutputPredictor
 from routing.learning.profiles import EngineProfiles
+from routing.scheduling.cost import PromptCache, estimate
+from routing.scheduling.scorers import PrefixSource
 from routing.scheduling.scoring import PickContext, Scorer
 
 
@@ -139,11 +141,10 @@ class SLOScorer(Scorer):
     name = "slo"
     needs_tokens = True
 
-    def __init__(self, capacity: Capacity, index=None) -> None:
+    def __init__(self, capacity: Capacity, index: PrefixSource | None = None,
+                 medium_weights: Mapping[str, float] | None = None) -> None:
         self.cap = capacity
-        self._index = index
-        size = getattr(index, "block_size", None)
-        self._index_block_size = size if callable(size) else None
+        self._cache = PromptCache(index, medium_weights) if index is not None else None
         self._queue: dict[str, tuple[float, float]] = {}  # pod -> (uncached tokens queued, as of time)
         self._decoding: dict[str, list[tuple[float, float]]] = {}  # pod -> [(decode start, predicted end)]
         self.last: dict[str, tuple[float, float]] = {}  # the last request's predictions per pod (for tests/debug)
@@ -158,33 +159,9 @@ class SLOScorer(Scorer):
         return left if left > 0 else 0.0
 
     def _uncached(self, ctx: PickContext, pods: Sequence[Pod]) -> dict[str, float]:
-        tokens = ctx.request.token_ids or ()
-        n = len(tokens)
-        if not n or self._index is None:
-            return {p.name: float(n) for p in pods}
-        extras = ctx.request.extras  # passed only when there are some, as the prefix scorer does
-        if ctx.ranks:
-            targets = [(p.pod_name, p.rank or 0) for p in pods]
-            by_rank = (self._index.match_ranks(ctx.base_model, ctx.lora, tokens, targets) if extras is None else
-                       self._index.match_ranks(ctx.base_model, ctx.lora, tokens, targets, extras=extras))
-            matches = {p.name: m for p in pods if (m := by_rank.get((p.pod_name, p.rank or 0))) is not None}
-        elif extras is None:
-            matches = self._index.match(ctx.base_model, ctx.lora, tokens, [p.name for p in pods])
-        else:
-            matches = self._index.match(ctx.base_model, ctx.lora, tokens, [p.name for p in pods], extras=extras)
-        total = max([m.total_blocks for m in matches.values()], default=0)
-        size = self._index_block_size(ctx.base_model) if self._index_block_size is not None else None
-        bs = size or max(1, n // max(total, 1))
-        if total > ctx.total_blocks:
-            ctx.total_blocks = total
-        out = {}
-        cap = (n - 1) // bs  # the engine always computes the prompt's last token (vLLM: hit <= length - 1)
-        for p in pods:
-            m = matches.get(p.name)
-            blocks = min(m.blocks, cap) if m is not None else 0
-            ctx.matched[p.name] = blocks
-            out[p.name] = float(max(1, n - blocks * bs))  # the last prompt token is always computed
-        return out
+        n = float(len(ctx.request.token_ids or ()))
+        known = self._cache.uncached(ctx, pods) if self._cache is not None else {}
+        return {p.name: known.get(p.name, n) for p in pods}
 
     def _batch(self, pod: str, running: int, start: float, end: float) -> float:
         """This request plus the pod's running ones, each weighted by its predicted overlap."""
@@ -217,9 +194,9 @@ class SLOScorer(Scorer):
             rate = cap.profiles.prefill_rate(p.pod_name, model, n, out_tokens)
             queued = cap.queued(p.name, shared, rate, now) if shared is not None else self.queued(p.name, now, rate)
             running = ctx.running.get(p.name, 0)
-            work = (queued + uncached[p.name]) / rate
-            overhead = cap.profiles.ttft_overhead(p.pod_name, running + 1)
-            ttft = work + overhead
+            est = estimate(cap.profiles, p, model, queued=queued, uncached=uncached[p.name], running=running,
+                           prompt_tokens=n, output_tokens=out_tokens)  # the model kv-sync's `ttft` scorer uses
+            work, overhead, ttft = est.work_s, est.overhead, est.ttft_s
             lanes[p.name] = (queued / rate, uncached[p.name] / rate)
             tpot = cap.profiles.step_time(p.pod_name, running + 1, model, n, out_tokens)
             start = now + ttft

@@ -13,7 +13,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, TypeVar
 
+from routing.learning.profiles import EngineProfiles
 from routing.scheduling.approx import ApproxPrefixTable
+from routing.scheduling.cost import PromptCache, TTFTScorer
 from routing.state.engine_metrics import EngineMetrics
 from routing.scheduling.scorers import (ApproxPrefixScorer, FamilyAffinityScorer, KVUtilizationScorer, LoadScorer,
                              PrecisePrefixScorer, PrefillBacklog, PrefixSource, QueueScorer)
@@ -92,6 +94,16 @@ def _prefix(r: Resources) -> Scorer:
     return PrecisePrefixScorer(r.index, c.medium_weights, backlog=PrefillBacklog(c.prefill_tokens_per_s, c.clock))
 
 
+def _ttft(r: Resources) -> Scorer:
+    c = r.config
+    # without the gateway's profiles (a Router built without them), the priors answer
+    profiles = r.capacity.profiles if r.capacity is not None else EngineProfiles(
+        prefill_tokens_per_s=c.prefill_tokens_per_s)
+    # the backlog drains at each engine's learned rate (a data-parallel rank's is its pod's)
+    backlog = PrefillBacklog(lambda target: profiles.prefill_rate(target.partition("#")[0]), c.clock)
+    return TTFTScorer(PromptCache(_given(r.index), c.medium_weights), profiles, backlog)
+
+
 SCORERS: dict[str, ScorerSpec] = {s.name: s for s in (
     ScorerSpec("load", lambda r: LoadScorer(r.config.load_scale), (),
                "running requests over every gateway: 1 for the least loaded, minus 1/8 per extra request "
@@ -100,6 +112,14 @@ SCORERS: dict[str, ScorerSpec] = {s.name: s for s in (
                "estimated prefill wait from the event-fed index: the prompt tokens the pod does not hold "
                "(GPU blocks 1.0, CPU 0.8; counted twice: this request and whoever queues behind it) plus "
                "the pod's prefill backlog (`KVGATE_ROUTING_PREFILL_TOKENS_PER_S`)"),
+    ScorerSpec("ttft", _ttft, ("index",),
+               "expected time to first token: (this gateway's prefill backlog on the pod + this request's "
+               "uncached tokens from the index) / the pod's learned prefill rate + its learned TTFT overhead at "
+               "its running batch, plus the prefill time of the prompt tokens the best-holding pod holds and "
+               "this one does not (a copy); the cheapest 1, two prompt prefills more (or the spread) 0. Rate and "
+               "overhead: learned from observed responses (KVGATE_OBSERVE_SAMPLE), decayed, drifting back to "
+               "the priors while not re-observed; before any, `KVGATE_ROUTING_PREFILL_TOKENS_PER_S` and 1 ms "
+               "per running request"),
     ScorerSpec("affinity", lambda r: FamilyAffinityScorer(getattr(r.index, "block_size", None)), (),
                "while the index shows no pod holding any of the prompt: 1 for the pod this gateway last "
                "sent the prompt's family (first block) to; a family never sent: 0.5 for the pod this gateway "
@@ -112,9 +132,9 @@ SCORERS: dict[str, ScorerSpec] = {s.name: s for s in (
                "fewer waiting requests (`vllm:num_requests_waiting`, scraped)"),
     ScorerSpec("kv-util", lambda r: KVUtilizationScorer(_given(r.engines)), ("engines",),
                "more free KV cache (1 - `vllm:kv_cache_usage_perc` or `gpu_cache_usage_perc`, scraped)"),
-    ScorerSpec("slo", lambda r: SLOScorer(_given(r.capacity), r.index), ("capacity",),
-               "predicted TTFT ((queued prefill + this request's uncached tokens from the index) / the pod's prefill "
-               "rate) and TPOT (decode step at the running batch, weighted by predicted outputs) against the "
+    ScorerSpec("slo", lambda r: SLOScorer(_given(r.capacity), r.index, r.config.medium_weights), ("capacity",),
+               "predicted TTFT (the `ttft` model, its queue the one shared by every gateway: (queued prefill + "
+               "this request's uncached tokens from the index) / the pod's prefill rate + its overhead) and TPOT (decode step at the running batch, weighted by predicted outputs) against the "
                "request's targets: 0.5..1 with headroom, below 0.5 by violation"),
 )}
 

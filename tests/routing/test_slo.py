@@ -261,7 +261,7 @@ def test_decode_step_is_learned_from_vllms_own_inter_token_histogram():
 
 
 def test_ttft_overhead_is_learned_as_a_line_in_running_from_what_slo_predicted():
-    p = EngineProfiles()
+    p = EngineProfiles(ttft_overhead_per_request_s=0.0)
     assert p.ttft_overhead("a", 4) == 0.0  # the prior
     for i in range(60):
         n = 1 + i % 8
@@ -281,7 +281,7 @@ def test_ttft_overhead_is_learned_as_a_line_in_running_from_what_slo_predicted()
 
 
 def test_ttft_overhead_learns_only_from_slo_predictions_served_where_routed():
-    p = EngineProfiles()
+    p = EngineProfiles(ttft_overhead_per_request_s=0.0)
     p.observe("a", ttft=0.5, running=1, request_id="other-strategy")  # no prediction: nothing learned
     p.expect("r1", "a", 0.01, 0.0)
     p.observe("b", ttft=0.5, running=1, request_id="r1")  # served by a fallback pod: nothing learned
@@ -296,7 +296,7 @@ def test_ttft_overhead_learns_only_from_slo_predictions_served_where_routed():
 
 async def test_slo_adds_the_learned_ttft_overhead_and_tells_the_profiles_what_it_predicted():
     clock = Clock(50.0)
-    cap_profiles = EngineProfiles(prefill_tokens_per_s=10_000.0)
+    cap_profiles = EngineProfiles(prefill_tokens_per_s=10_000.0, ttft_overhead_per_request_s=0.0, clock=clock)
     cap = Capacity(cap_profiles, OutputPredictor(cold="input", rng=random.Random(0)), {"*": (1.0, 0.05)}, clock=clock)
     r = Router(PodRegistry(PODS), default_strategy="slo", capacity=cap, counts=LocalCounts(), seed=0)
     for i in range(20):  # pod a: 300 ms more than queue and prefill explain, at any batch

@@ -1,0 +1,145 @@
+"""The one cost model (routing.scheduling.cost) and what it learns (routing.learning.profiles): decay,
+re-exploration, and kv-sync on the model (its `ttft` scorer alone) packing while load costs nothing and spreading
+once it does, on the real Router."""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+
+from routing.learning.predictor import OutputPredictor
+from routing.learning.profiles import EngineProfiles
+from routing.pods import Pod
+from routing.registry import PodRegistry
+from routing.router import Router
+from routing.scheduling.cost import TTFTEstimate, TTFTScorer
+from routing.scheduling.scoring import RouteRequest
+from routing.scheduling.slo import Capacity
+from routing.scheduling.strategies import StrategyConfig
+from helpers import Clock
+
+PROMPT = list(range(1000))  # 62 blocks of 16 and 8 tokens
+
+
+def teach_overhead(p: EngineProfiles, pod: str, seconds: float, running: int, n: int, start: int = 0) -> None:
+    """`n` responses on `pod` whose TTFT was `seconds` more than the queue and prefill predicted."""
+    for i in range(start, start + n):
+        p.expect(f"{pod}{i}", pod, 0.02, p.ttft_overhead(pod, running))
+        p.observe(pod, ttft=0.02 + seconds, running=running, request_id=f"{pod}{i}")
+
+
+def test_recent_observations_weigh_more():
+    p = EngineProfiles(ttft_overhead_per_request_s=0.0, decay=0.9, clock=Clock(0.0))
+    teach_overhead(p, "a", 0.300, running=4, n=20)
+    assert p.ttft_overhead("a", 4) == pytest.approx(0.300)
+    teach_overhead(p, "a", 0.010, running=4, n=40, start=20)  # the engine got faster: the old samples fade
+    assert p.ttft_overhead("a", 4) == pytest.approx(0.010, abs=0.005)
+
+
+def test_a_bad_early_overhead_drifts_back_to_the_prior_while_nothing_reobserves_it():
+    """A bad start (1,744 ms at 8 running, as the demo's slo once learned) sends traffic away from the pod, so
+    nothing would correct it; unobserved, it drifts back to the prior by half every explore_s."""
+    clock = Clock(100.0)
+    p = EngineProfiles(ttft_overhead_s=0.005, ttft_overhead_per_request_s=0.0, explore_s=30.0, clock=clock)
+    teach_overhead(p, "a", 1.744, running=8, n=3)
+    assert p.ttft_overhead("a", 8) == pytest.approx(1.744)
+    clock.t += 30.0
+    assert p.ttft_overhead("a", 8) == pytest.approx(0.005 + (1.744 - 0.005) / 2)
+    clock.t += 300.0
+    assert p.ttft_overhead("a", 8) == pytest.approx(0.005, abs=0.002)
+    # tried again, it learns what it sees now, from the drifted estimate
+    teach_overhead(p, "a", 0.005, running=8, n=1, start=10)
+    assert p.ttft_overhead("a", 8) < 0.9
+
+
+def test_a_slow_rate_heals_the_same_way_and_a_fresh_one_does_not_drift():
+    clock = Clock(0.0)
+    p = EngineProfiles(prefill_tokens_per_s=10_000.0, explore_s=10.0, clock=clock)
+    p.observe("a", uncached_tokens=1000, ttft=1.0)  # 1,000 tokens/s: one slow response (a bad start)
+    assert p.prefill_rate("a") == pytest.approx(1000.0)
+    clock.t += 10.0
+    assert p.prefill_rate("a") == pytest.approx(5500.0)
+    clock.t += 200.0
+    assert p.prefill_rate("a") == pytest.approx(10_000.0, rel=1e-3)
+    p.observe("b", uncached_tokens=4000, ttft=0.5)  # observed now: the learned rate as it is
+    assert p.prefill_rate("b") == 8000.0
+
+
+def test_the_overhead_is_not_extrapolated_past_the_largest_batch_observed():
+    p = EngineProfiles(ttft_overhead_per_request_s=0.0, clock=Clock(0.0))
+    teach_overhead(p, "a", 0.010, running=1, n=1)
+    teach_overhead(p, "a", 0.050, running=2, n=1, start=1)  # two samples: a slope of 40 ms per request
+    assert p.ttft_overhead("a", 2) == pytest.approx(0.050, rel=0.05)
+    assert p.ttft_overhead("a", 8) == pytest.approx(p.ttft_overhead("a", 2))  # not 0.29 s
+
+
+def test_without_observations_the_prior_counts_each_running_request():
+    p = EngineProfiles(ttft_overhead_s=0.002, ttft_overhead_per_request_s=0.001)
+    assert p.ttft_overhead("a", 1) == pytest.approx(0.003)
+    assert p.ttft_overhead("a", 9) == pytest.approx(0.011)
+    est = TTFTEstimate(rate=10_000.0, queued=500.0, uncached=1500.0, overhead=0.004)
+    assert (est.work_s, est.ttft_s) == (pytest.approx(0.2), pytest.approx(0.204))
+
+
+@dataclass
+class Match:
+    blocks: int
+    by_medium: dict
+    total_blocks: int = 62
+
+
+class HeldBy:
+    """An index in which `pod` holds every block of PROMPT but the last."""
+
+    def __init__(self, pod: str) -> None:
+        self.pod = pod
+
+    def match(self, model, lora, token_ids, pods):
+        return {p: Match(62 if p == self.pod else 0, {"GPU": 62} if p == self.pod else {}) for p in pods}
+
+    def block_size(self, model):
+        return 16
+
+
+# kv-sync on the model alone (KVGATE_ROUTING_WEIGHTS="kv-sync:ttft=3,prefix=0,load=0")
+ON_THE_MODEL = {"kv-sync": {"ttft": 3.0, "prefix": 0.0, "load": 0.0}}
+
+
+def kv_sync(clock: Clock, profiles: EngineProfiles) -> Router:
+    cap = Capacity(profiles, OutputPredictor(rng=random.Random(0)), clock=clock)
+    reg = PodRegistry([Pod(n, f"10.0.0.{i + 1}", 8000, "m") for i, n in enumerate("ab")])
+    return Router(reg, default_strategy="kv-sync", index=HeldBy("a"), capacity=cap, seed=0,
+                  config=StrategyConfig(clock=clock, weights=ON_THE_MODEL))
+
+
+async def test_kv_sync_packs_while_load_costs_nothing_and_spreads_once_it_does():
+    clock = Clock(0.0)
+    profiles = EngineProfiles(prefill_tokens_per_s=10_000.0, clock=clock)
+    r = kv_sync(clock, profiles)
+    for pod in "ab":  # both engines observed: 5 ms of overhead whatever their batch (up to 12 running)
+        for running in (1, 12):
+            teach_overhead(profiles, pod, 0.005, running=running, n=5, start=running * 10)
+    r._counts.add("a", 8)  # a runs 8 more requests than b, and its prefill lane is free
+    d = await r.pick(RouteRequest("m", PROMPT, request_id="q1"))
+    assert d.pod.name == "a"  # packed: b would prefill the whole prompt, 0.1 s, a only its last 8 tokens
+    # a's lane fills: this gateway sent it 3,000 uncached tokens the engine has not prefilled yet
+    ttft = next(sc for sc, _ in r._strategies["kv-sync"].scorers if isinstance(sc, TTFTScorer))
+    ttft.backlog.add("a", 3000)
+    d = await r.pick(RouteRequest("m", PROMPT, request_id="q2"))
+    assert d.pod.name == "b"  # 0.3 s of queue on a against 0.1 s of prefill on b (and 0.1 s for the copy)
+    clock.t += 1.0  # a's lane drains
+    # the batch on a costs time now: its responses came 400 ms late at 9 running
+    teach_overhead(profiles, "a", 0.400, running=9, n=30, start=100)
+    d = await r.pick(RouteRequest("m", PROMPT, request_id="q3"))
+    assert d.pod.name == "b"
+
+
+async def test_kv_sync_tells_the_profiles_what_it_predicted_so_responses_teach_the_overhead():
+    clock = Clock(0.0)
+    profiles = EngineProfiles(prefill_tokens_per_s=10_000.0, ttft_overhead_per_request_s=0.0, clock=clock)
+    r = kv_sync(clock, profiles)
+    d = await r.pick(RouteRequest("m", PROMPT, request_id="q"))
+    assert d.pod.name == "a"
+    profiles.observe("a", ttft=0.0508, running=1, request_id="q")  # 8 tokens predicted: 0.8 ms; 50 ms more seen
+    assert profiles.ttft_overhead("a", 1) == pytest.approx(0.050)
