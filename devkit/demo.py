@@ -32,6 +32,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import httpx
 
@@ -135,47 +136,45 @@ def _start(stack: Stack, n_sims: int, n_gateways: int, log, dp_size: int = 1, mo
             "model": MODEL, "model_shape": model_shape}
 
 
-def _prefix_counters(text: str) -> tuple[float, float]:
-    queries = hits = 0.0
+def _sum_samples(text: str, first: str, second: str) -> tuple[float, float]:
+    """The sums of the samples whose line starts with `first`, and with `second`, in a /metrics text."""
+    a = b = 0.0
     for line in text.splitlines():
-        if line.startswith("vllm:prefix_cache_queries_total"):
-            queries += float(line.rsplit(" ", 1)[1])
-        elif line.startswith("vllm:prefix_cache_hits_total"):
-            hits += float(line.rsplit(" ", 1)[1])
-    return queries, hits
+        if line.startswith(first):
+            a += float(line.rsplit(" ", 1)[1])
+        elif line.startswith(second):
+            b += float(line.rsplit(" ", 1)[1])
+    return a, b
 
 
-async def _engine_counters(urls: list[str]) -> tuple[float, float]:
-    async with httpx.AsyncClient(timeout=5.0) as client:
-        texts = await asyncio.gather(*(client.get(u + "/metrics") for u in urls))
-    q = h = 0.0
-    for r in texts:
-        dq, dh = _prefix_counters(r.text)
-        q, h = q + dq, h + dh
-    return q, h
+def _prefix_counters(text: str) -> tuple[float, float]:
+    """(queries, hits) prompt tokens of one engine's prefix cache (vLLM's counters)."""
+    return _sum_samples(text, "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
 
 
 def _believed_counters(text: str) -> tuple[float, float]:
     """(total, cached) prompt blocks of the requests one kvgate replica routed (kvgate_prefix_blocks_total):
     cached are those it believed the chosen pod held."""
-    total = cached = 0.0
-    for line in text.splitlines():
-        if line.startswith('kvgate_prefix_blocks_total{kind="total"}'):
-            total += float(line.rsplit(" ", 1)[1])
-        elif line.startswith('kvgate_prefix_blocks_total{kind="cached"}'):
-            cached += float(line.rsplit(" ", 1)[1])
-    return total, cached
+    return _sum_samples(text, 'kvgate_prefix_blocks_total{kind="total"}', 'kvgate_prefix_blocks_total{kind="cached"}')
+
+
+async def _scraped(urls: list[str], read: Callable[[str], tuple[float, float]]) -> tuple[float, float]:
+    """`read` of each /metrics of `urls`, summed (engines: their prefix caches; replicas: what each routed)."""
+    async with httpx.AsyncClient(timeout=5.0) as client:
+        answers = await asyncio.gather(*(client.get(u + "/metrics") for u in urls))
+    a = b = 0.0
+    for r in answers:
+        x, y = read(r.text)
+        a, b = a + x, b + y
+    return a, b
+
+
+async def _engine_counters(urls: list[str]) -> tuple[float, float]:
+    return await _scraped(urls, _prefix_counters)
 
 
 async def _gateway_counters(gateways: list[str]) -> tuple[float, float]:
-    """_believed_counters summed over the replicas (each counts the requests it routed)."""
-    async with httpx.AsyncClient(timeout=5.0) as client:
-        answers = await asyncio.gather(*(client.get(g + "/metrics") for g in gateways))
-    total = cached = 0.0
-    for r in answers:
-        t, c = _believed_counters(r.text)
-        total, cached = total + t, cached + c
-    return total, cached
+    return await _scraped(gateways, _believed_counters)
 
 
 async def _reset_caches(urls: list[str]) -> None:

@@ -22,7 +22,8 @@ from typing import Mapping, Sequence
 from routing.learning.profiles import EngineProfiles
 from routing.pods import Pod
 from routing.scheduling.scoring import PickContext, Scorer
-from routing.scheduling.scorers import PrefillBacklog, PrefixMatchLike, PrefixSource, _relative
+from routing.scheduling.scorers import (MediumWeights, PrefillBacklog, PrefixMatchLike, PrefixSource, _relative,
+                                        uncached_tokens)
 
 UNCACHED = "\x00uncached"  # ctx.state key: the uncached tokens per candidate, looked up once per pick
 
@@ -36,24 +37,12 @@ class PromptCache:
     def __init__(self, index: PrefixSource, medium_weights: Mapping[str, float] | None = None,
                  other_medium_weight: float = 0.8) -> None:
         self._index = index
-        weights = {m.upper(): w for m, w in (medium_weights or {"GPU": 1.0, "CPU": 0.8}).items()}
-        self._ranked = sorted(weights.items(), key=lambda kv: -kv[1])
-        self._floor = min([other_medium_weight, *weights.values()])
+        self._media = MediumWeights(medium_weights, other_medium_weight)
         size = getattr(index, "block_size", None)  # optional in PrefixSource
         self._index_block_size = size if callable(size) else None
 
     def weighted_blocks(self, blocks: int, by_medium: Mapping[str, int]) -> float:
-        # Credit blocks to the best medium holding them first; what is left counts at the lowest weight.
-        if blocks <= 0:
-            return 0.0
-        score = 0.0
-        covered = 0
-        for medium, w in self._ranked:
-            n = min(by_medium.get(medium, 0), blocks - covered)
-            if n > 0:
-                score += n * w
-                covered += n
-        return score + (blocks - covered) * self._floor
+        return self._media.weighted_blocks(blocks, by_medium)
 
     def uncached(self, ctx: PickContext, pods: Sequence[Pod]) -> dict[str, float]:
         """Uncached prompt tokens per pod; {} when the request has no tokens or the index knows no block of it."""
@@ -83,18 +72,7 @@ class PromptCache:
         n = len(tokens)
         size = self._index_block_size
         bs = (size(ctx.base_model) if size is not None else None) or max(1, n // total)
-        matched = ctx.matched
-        cap = (n - 1) // bs  # the engine always computes the prompt's last token (vLLM: hit <= length - 1)
-        for name in names:
-            m = matches.get(name)
-            if m is None:
-                continue
-            blocks = matched[name] = m.blocks if m.blocks <= cap else cap
-            if not blocks:  # holds none of it (most pods, most of the time)
-                out[name] = float(n)
-                continue
-            left = n - self.weighted_blocks(blocks, m.by_medium or {}) * bs
-            out[name] = left if left > 1.0 else 1.0  # the last prompt token is always computed
+        out.update(uncached_tokens(matches, names, n, bs, self._media, ctx.matched, 1.0))  # the last token always
         if total > ctx.total_blocks:
             ctx.total_blocks = total
         return out

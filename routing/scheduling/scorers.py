@@ -102,6 +102,49 @@ class PrefillBacklog:
             self._piles.pop(pod, None)
 
 
+class MediumWeights:
+    """What a cached block is worth by the medium holding it (GPU 1.0, CPU 0.8 by default; a medium not
+    named counts at the lowest weight): blocks on slower media count partly uncached."""
+
+    def __init__(self, medium_weights: Mapping[str, float] | None = None, other_medium_weight: float = 0.8) -> None:
+        weights = {m.upper(): w for m, w in (medium_weights or {"GPU": 1.0, "CPU": 0.8}).items()}
+        self._ranked = sorted(weights.items(), key=lambda kv: -kv[1])
+        self._floor = min([other_medium_weight, *weights.values()])
+
+    def weighted_blocks(self, blocks: int, by_medium: Mapping[str, int]) -> float:
+        # Credit blocks to the best medium holding them first; what is left counts at the lowest weight.
+        if blocks <= 0:
+            return 0.0
+        score = 0.0
+        covered = 0
+        for medium, w in self._ranked:
+            n = min(by_medium.get(medium, 0), blocks - covered)
+            if n > 0:
+                score += n * w
+                covered += n
+        return score + (blocks - covered) * self._floor
+
+
+def uncached_tokens(matches: Mapping[str, PrefixMatchLike], names: Sequence[str], n: int, bs: int,
+                    media: MediumWeights, matched: dict[str, int], least: float) -> dict[str, float]:
+    """Per pod of `names` the index answered for, the prompt's tokens (n) it does not hold (at least
+    `least`), its cached blocks capped at the prompt's length - 1 (vLLM always computes the last token)
+    and recorded in `matched`."""
+    out: dict[str, float] = {}
+    cap = (n - 1) // bs
+    for name in names:
+        m = matches.get(name)
+        if m is None:
+            continue
+        blocks = matched[name] = m.blocks if m.blocks <= cap else cap
+        if not blocks:  # holds none of it (most pods, most of the time)
+            out[name] = n
+            continue
+        left = n - media.weighted_blocks(blocks, m.by_medium or {}) * bs
+        out[name] = left if left > least else least
+    return out
+
+
 class PrecisePrefixScorer(Scorer):
     """Estimated time to first token, in prompt tokens to prefill: this request's tokens the pod
     does not hold per the event-fed index (blocks on slower media count partly uncached: GPU 1.0,
@@ -118,26 +161,14 @@ class PrecisePrefixScorer(Scorer):
                  other_medium_weight: float = 0.8, backlog: PrefillBacklog | None = None,
                  uncached_weight: float = 2.0) -> None:
         self._index = index
-        weights = {m.upper(): w for m, w in (medium_weights or {"GPU": 1.0, "CPU": 0.8}).items()}
-        self._ranked = sorted(weights.items(), key=lambda kv: -kv[1])
-        self._floor = min([other_medium_weight, *weights.values()])
+        self._media = MediumWeights(medium_weights, other_medium_weight)
         self.backlog = backlog
         self._uncached_weight = uncached_weight
         size = getattr(index, "block_size", None)  # optional in PrefixSource
         self._index_block_size = size if callable(size) else None
 
     def weighted_blocks(self, blocks: int, by_medium: Mapping[str, int]) -> float:
-        # Credit blocks to the best medium holding them first; what is left counts at the lowest weight.
-        if blocks <= 0:
-            return 0.0
-        score = 0.0
-        covered = 0
-        for medium, w in self._ranked:
-            n = min(by_medium.get(medium, 0), blocks - covered)
-            if n > 0:
-                score += n * w
-                covered += n
-        return score + (blocks - covered) * self._floor
+        return self._media.weighted_blocks(blocks, by_medium)
 
     def _block_size(self, model: str, n_tokens: int, total_blocks: int) -> int:
         size = self._index_block_size
@@ -165,19 +196,7 @@ class PrecisePrefixScorer(Scorer):
             return {}
         n = len(tokens)
         bs = self._block_size(ctx.base_model, n, total)
-        uncached: dict[str, float] = {}
-        matched = ctx.matched
-        cap = (n - 1) // bs  # the engine always computes the prompt's last token (vLLM: hit <= length - 1)
-        for name in names:
-            m = matches.get(name)
-            if m is None:
-                continue
-            blocks = matched[name] = m.blocks if m.blocks <= cap else cap
-            if not blocks:  # holds none of it (most pods, most of the time)
-                uncached[name] = n
-                continue
-            left = n - self.weighted_blocks(blocks, m.by_medium or {}) * bs
-            uncached[name] = left if left > 0.0 else 0.0  # max(0.0, left)
+        uncached = uncached_tokens(matches, names, n, bs, self._media, ctx.matched, 0.0)
         if total > ctx.total_blocks:
             ctx.total_blocks = total
         ctx.state[self.name] = uncached  # for picked(): the chosen pod's uncached tokens join its backlog

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from kvcache.blockkeys import BlockExtras, MediaItem
+from kvcache.index import PrefixMatch
 from kvcache.locking import IndexLock, LockedIndex
 from routing.pods import KVEventsEndpoint, Pod
 from routing.registry import PodRegistry
@@ -20,13 +21,6 @@ MEDIA = BlockExtras(media=(MediaItem("img", 16, 20),))
 
 
 @dataclass
-class Match:
-    blocks: int
-    by_medium: dict
-    total_blocks: int = 4
-
-
-@dataclass
 class RecordingIndex:
     """The index as the lead's PrefixIndex takes it: records every call with its keywords; pod "a" (rank 1 of a
     data-parallel pod) holds 2 blocks of anything."""
@@ -36,12 +30,12 @@ class RecordingIndex:
     def match(self, model, lora, token_ids, pods, **kw):
         pods = list(pods)
         self.calls.append(("match", model, tuple(pods), kw))
-        return {p: Match(2 if p == "a" else 0, {"GPU": 2} if p == "a" else {}) for p in pods}
+        return {p: PrefixMatch(2 if p == "a" else 0, {"GPU": 2} if p == "a" else {}, 4) for p in pods}
 
     def match_ranks(self, model, lora, token_ids, targets, **kw):
         targets = list(targets)
         self.calls.append(("match_ranks", model, tuple(targets), kw))
-        return {t: Match(2 if t == ("a", 1) else 0, {"GPU": 2} if t == ("a", 1) else {}) for t in targets}
+        return {t: PrefixMatch(2 if t == ("a", 1) else 0, {"GPU": 2} if t == ("a", 1) else {}, 4) for t in targets}
 
     def block_size(self, model):
         return 16
