@@ -5,7 +5,10 @@ block_hash mixes block i's token ids (as 64-bit two's complement) with a multipl
 token and a finaliser (kvcache/csrc/blockkeys.c; `reference_chain_keys` below is the same function in
 plain Python, for tests and readers). Keys do not depend on the engine's hash algorithm or seed,
 nor on the Python process. The root is derived from model and LoRA adapter with blake2b, so the
-same tokens under another model or adapter get other keys.
+same tokens under another model or adapter get other keys. A block with extra keys (a salt, media
+items, prompt-embeds digests: what vLLM's hash carries besides tokens and adapter) has its key xor-ed
+with their digest before the next block chains on it (`mixed_keys`), for events and requests alike
+(`BlockExtras.per_block` gives a request's in the events' form).
 Collisions: for distinct prefixes two keys agree with probability about 2**-60 (1M keys: ~1e-6
 for any pair in the index); the hash is not cryptographic, so crafted prompts could collide on
 purpose. A false hit only sends a request to a pod that misses the cache.
@@ -17,7 +20,7 @@ import hashlib
 from array import array
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Sequence
+from typing import Any, Sequence
 
 from kvcache.native import native as _native
 
@@ -111,3 +114,48 @@ class BlockExtras:
         if self.cache_salt is not None and n_blocks > 0:
             out.setdefault(0, []).append(self.cache_salt)
         return {b: tuple(v) for b, v in out.items()}
+
+
+def _canonical(v: Any) -> Any:
+    """An extra key as a value whose repr is the same however it was decoded (lists -> tuples)."""
+    if type(v) is list or type(v) is tuple:
+        return tuple(_canonical(x) for x in v)
+    return v
+
+
+def extra_digest(entry: tuple) -> int:
+    """A block's extra keys (the event form, LoRA name left out) as a number mixed into its key: the
+    same for an engine's event and for the request side (kvcache.blockkeys.BlockExtras.per_block)."""
+    d = hashlib.blake2b(repr(_canonical(entry)).encode(), digest_size=8).digest()
+    return int.from_bytes(d, "big") & KEY_MASK or 1
+
+
+def mixed_keys(parent: int, token_ids: Sequence[int], block_size: int, digests: dict[int, int]) -> array:
+    """chain_keys of every full block under `parent`, block b's key mixed with digests[b] (xor) where
+    given, before the next block chains on it."""
+    n = len(token_ids) // block_size
+    out = array("Q")
+    k, start = parent, 0
+    for b in sorted(digests):
+        if b >= n:
+            break
+        if b > start:
+            out.frombytes(_native.chain_keys(k, token_ids[start * block_size:b * block_size], block_size))
+            k = out[-1]
+        one = array("Q", _native.chain_keys(k, token_ids[b * block_size:(b + 1) * block_size], block_size))
+        k = (one[0] ^ digests[b]) & KEY_MASK
+        out.append(k)
+        start = b + 1
+    if start < n:
+        out.frombytes(_native.chain_keys(k, token_ids[start * block_size:n * block_size], block_size))
+    return out
+
+
+def request_keys(root: int, token_ids: Sequence[int], block_size: int, extras: BlockExtras | None) -> array:
+    """The keys of a request's full blocks under `root` (its model and adapter), with its extra keys mixed in
+    as the engine's events carry them (BlockExtras.per_block)."""
+    if not extras:
+        return array("Q", _native.chain_keys(root, token_ids, block_size))
+    n = len(token_ids) // block_size
+    return mixed_keys(root, token_ids, block_size,
+                      {b: extra_digest(e) for b, e in extras.per_block(block_size, n).items()})

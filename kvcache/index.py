@@ -16,24 +16,28 @@ The tables live in C (kvcache/csrc/, `Core`), one implementation for every fleet
 - counts (entries, per pod) are kept as they change; eviction, clearing a slot and dropping
   engine hashes nobody's key uses are done a bounded amount at a time (no pass over the tables
   holds the caller). A cleared slot stops counting at once; its marks go in the background.
-This module keeps names (pods, ranks, media, models), logging and the per-pod answers. A match
+This module keeps names (pods, ranks, media, models, groups), logging and the per-pod answers. A match
 computes the prompt's keys and probes them in C, which returns each candidate slot's leading run.
 Raw batches take a native one-pass path (apply_payload); decoded events go through apply().
-Limits: two engine blocks with the same tokens but different extra keys (multimodal inputs, cache
-salt) share one key, so removing either clears it (a conservative miss). Two engine hashes that
-fold to the same 64 bits (about 2**-64 per pair) share a map entry. Only KV cache group 0 is
-indexed. At most 65520 pod-ranks at once. Not thread-safe.
+A block's extra keys (salt, media, prompt-embeds digests) are mixed into its key, on both sides.
+Several KV cache groups (kvcache.groups): group 0's blocks live in the per-medium tables, group g's
+in tables of their own; the engine-hash map serves every group (vLLM hashes one chain for all),
+which also places a sparse-retention store's hashes; a request's hit is the groups' fixed point,
+from each candidate slot's held positions (Core.holders). A model once seen with several groups,
+extra keys or lookahead tokens keeps to the general path (apply) for its batches.
+Limits: two physical copies of one block (two requests that computed it at once) are one entry, so
+evicting either clears it (a conservative miss). Two engine hashes that fold to the same 64 bits
+(about 2**-64 per pair) share a map entry. At most 65520 pod-ranks at once. Not thread-safe.
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 from array import array
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence, cast
 
-from kvcache.blockkeys import KEY_MASK, BlockExtras, root_key
+from kvcache.blockkeys import BlockExtras, extra_digest, mixed_keys, request_keys, root_key
 from kvcache.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEvent
 from kvcache.groups import Group, Shape, longest_hit
 from kvcache.native import native
@@ -56,41 +60,6 @@ _MAX_GROUP = 255  # KV cache group indices beyond this are taken for malformed
 _MAX_CARRIED = 4096  # sparse stores of a (pod, rank) waiting for their dense group's store, at most
 _NOTHING = RunApplied(0, 0, 0, 0.0, None)
 _BAD = object()  # malformed extra keys
-
-
-def _canonical(v: Any) -> Any:
-    """An extra key as a value whose repr is the same however it was decoded (lists -> tuples)."""
-    if type(v) is list or type(v) is tuple:
-        return tuple(_canonical(x) for x in v)
-    return v
-
-
-def extra_digest(entry: tuple) -> int:
-    """A block's extra keys (the event form, LoRA name left out) as a number mixed into its key: the
-    same for an engine's event and for the request side (kvcache.blockkeys.BlockExtras.per_block)."""
-    d = hashlib.blake2b(repr(_canonical(entry)).encode(), digest_size=8).digest()
-    return int.from_bytes(d, "big") & KEY_MASK or 1
-
-
-def mixed_keys(parent: int, token_ids: Sequence[int], block_size: int, digests: dict[int, int]) -> array:
-    """chain_keys of every full block under `parent`, block b's key mixed with digests[b] (xor) where
-    given, before the next block chains on it."""
-    n = len(token_ids) // block_size
-    out = array("Q")
-    k, start = parent, 0
-    for b in sorted(digests):
-        if b >= n:
-            break
-        if b > start:
-            out.frombytes(native.chain_keys(k, token_ids[start * block_size:b * block_size], block_size))
-            k = out[-1]
-        one = array("Q", native.chain_keys(k, token_ids[b * block_size:(b + 1) * block_size], block_size))
-        k = (one[0] ^ digests[b]) & KEY_MASK
-        out.append(k)
-        start = b + 1
-    if start < n:
-        out.frombytes(native.chain_keys(k, token_ids[start * block_size:n * block_size], block_size))
-    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -342,31 +311,29 @@ class PrefixIndex:
 
     def _runs(self, model: str, lora: str | None, token_ids: Sequence[int], cand: int,
               extras: BlockExtras | None) -> tuple[int, dict[int, int], dict[str, dict[int, int]]]:
-        """_leading_runs, or for requests with extra keys or models of several groups their hits."""
-        shape = self._shapes.get(model)
-        if extras is None and (shape is None or shape.simple):
-            return self._leading_runs(model, lora, token_ids, cand)
+        """(full blocks of block_size(model) in the request, per slot of `cand` its hit in any medium, the
+        same per medium); hits of 0 are left out. A model of several groups: their fixed point; else the
+        leading run."""
         bs = self._block_size.get(model, 0)
         total = len(token_ids) // bs if bs else 0
         if not cand or not total or (extras is not None and extras.opaque):
             return total, {}, {}
-        unit = shape.unit if shape is not None else bs
-        root = root_key(model, lora)
-        if extras:
-            n = len(token_ids) // unit
-            keys = mixed_keys(root, token_ids, unit, {b: extra_digest(e) for b, e in extras.per_block(unit, n).items()})
-        else:
-            keys = array("Q", native.chain_keys(root, token_ids, unit))
         cand_bytes = cand.to_bytes((cand.bit_length() + 7) >> 3, "little")
-        if shape is None or shape.simple:
-            names, ids = self._media_ids
-            if not ids:
-                return total, {}, {}
-            run_any, per_medium = self._core.match(keys.tobytes(), 0, 0, cand_bytes, ids)
-            if per_medium is None:
-                return total, run_any, {names[0]: run_any}
-            return total, run_any, dict(zip(names, per_medium))
-        return total, *self._group_runs(shape, token_ids, keys, cand_bytes, bs)
+        shape = self._shapes.get(model)
+        if shape is not None and not shape.simple:
+            keys = request_keys(root_key(model, lora), token_ids, shape.unit, extras)
+            return total, *self._group_runs(shape, token_ids, keys, cand_bytes, bs)
+        names, ids = self._media_ids
+        if not ids:
+            return total, {}, {}
+        if extras:  # the keys with the extra keys mixed in, computed here (block size 0: keys given)
+            run_any, per_medium = self._core.match(request_keys(root_key(model, lora), token_ids, bs, extras).tobytes(),
+                                                   0, 0, cand_bytes, ids)
+        else:
+            run_any, per_medium = self._core.match(token_ids, bs, root_key(model, lora), cand_bytes, ids)
+        if per_medium is None:
+            return total, run_any, {names[0]: run_any}
+        return total, run_any, dict(zip(names, per_medium))
 
     def _group_runs(self, shape: Shape, token_ids: Sequence[int], keys: array, cand: bytes,
                     bs: int) -> tuple[dict[int, int], dict[str, dict[int, int]]]:
@@ -420,21 +387,6 @@ class PrefixIndex:
                 if hit:
                     run_any[s] = hit
         return run_any, {m: r for m, r in run_med.items() if r}
-
-    def _leading_runs(self, model: str, lora: str | None, token_ids: Sequence[int],
-                      cand: int) -> tuple[int, dict[int, int], dict[str, dict[int, int]]]:
-        """(full blocks in the request, per slot of `cand` its leading run in any medium, the
-        same per medium); runs of 0 are left out."""
-        bs = self._block_size.get(model)
-        total = len(token_ids) // bs if bs else 0
-        names, ids = self._media_ids
-        if not cand or not total or not ids:
-            return total, {}, {}
-        run_any, per_medium = self._core.match(token_ids, bs, root_key(model, lora),
-                                               cand.to_bytes((cand.bit_length() + 7) >> 3, "little"), ids)
-        if per_medium is None:
-            return total, run_any, {names[0]: run_any}
-        return total, run_any, dict(zip(names, per_medium))
 
     def stats(self) -> dict:
         """Counters and sizes, JSON-able; every figure is kept as it changes (nothing is scanned).
