@@ -22,8 +22,8 @@ from typing import Mapping, Sequence
 from routing.learning.profiles import EngineProfiles
 from routing.pods import Pod
 from routing.scheduling.scoring import PickContext, Scorer
-from routing.scheduling.scorers import (MediumWeights, PrefillBacklog, PrefixMatchLike, PrefixSource, _relative,
-                                        uncached_tokens)
+from routing.scheduling.scorers import (MediumWeights, PrefillBacklog, PrefixSource, _relative, index_matches,
+                                        prompt_block_size, uncached_tokens)
 
 UNCACHED = "\x00uncached"  # ctx.state key: the uncached tokens per candidate, looked up once per pick
 
@@ -55,23 +55,12 @@ class PromptCache:
         if not tokens:
             return out
         names = [p.name for p in pods]
-        matches: Mapping[str, PrefixMatchLike]
-        extras = ctx.request.extras  # passed only when there are some (most prompts: the call as it always was)
-        if ctx.ranks:  # data-parallel rank targets among the candidates: what each rank holds
-            targets = [(p.pod_name, p.rank or 0) for p in pods]
-            by_rank = (self._index.match_ranks(ctx.base_model, ctx.lora, tokens, targets) if extras is None else
-                       self._index.match_ranks(ctx.base_model, ctx.lora, tokens, targets, extras=extras))
-            matches = {p.name: m for p in pods if (m := by_rank.get((p.pod_name, p.rank or 0))) is not None}
-        elif extras is None:
-            matches = self._index.match(ctx.base_model, ctx.lora, tokens, names)
-        else:
-            matches = self._index.match(ctx.base_model, ctx.lora, tokens, names, extras=extras)
+        matches = index_matches(self._index, ctx, tokens, pods, names)
         total = max([m.total_blocks for m in matches.values()], default=0)
         if total <= 0:
             return out
         n = len(tokens)
-        size = self._index_block_size
-        bs = (size(ctx.base_model) if size is not None else None) or max(1, n // total)
+        bs = prompt_block_size(self._index_block_size, ctx.base_model, n, total)
         out.update(uncached_tokens(matches, names, n, bs, self._media, ctx.matched, 1.0))  # the last token always
         if total > ctx.total_blocks:
             ctx.total_blocks = total

@@ -125,6 +125,29 @@ class MediumWeights:
         return score + (blocks - covered) * self._floor
 
 
+def index_matches(index: PrefixSource, ctx: PickContext, tokens: Sequence[int], pods: Sequence[Pod],
+                  names: Sequence[str]) -> Mapping[str, PrefixMatchLike]:
+    """The index's answer per candidate name: per pod, or per rank where the candidates are data-parallel
+    rank targets. The prompt's extra keys go with it only when it has some (a plain prompt, most of them:
+    the call as it always was)."""
+    extras = ctx.request.extras
+    if ctx.ranks:  # data-parallel rank targets among the candidates: what each rank holds
+        targets = [(p.pod_name, p.rank or 0) for p in pods]
+        by_rank = (index.match_ranks(ctx.base_model, ctx.lora, tokens, targets) if extras is None else
+                   index.match_ranks(ctx.base_model, ctx.lora, tokens, targets, extras=extras))
+        return {p.name: m for p in pods if (m := by_rank.get((p.pod_name, p.rank or 0))) is not None}
+    if extras is None:
+        return index.match(ctx.base_model, ctx.lora, tokens, names)
+    return index.match(ctx.base_model, ctx.lora, tokens, names, extras=extras)
+
+
+def prompt_block_size(size: Callable[[str], int | None] | None, model: str, n_tokens: int, total_blocks: int) -> int:
+    """The model's block size as the index knows it (`size`: its block_size, if it has one), else the prompt's
+    tokens over the index's block count."""
+    bs = size(model) if size is not None else None
+    return bs if bs else max(1, n_tokens // max(total_blocks, 1))
+
+
 def uncached_tokens(matches: Mapping[str, PrefixMatchLike], names: Sequence[str], n: int, bs: int,
                     media: MediumWeights, matched: dict[str, int], least: float) -> dict[str, float]:
     """Per pod of `names` the index answered for, the prompt's tokens (n) it does not hold (at least
@@ -170,32 +193,17 @@ class PrecisePrefixScorer(Scorer):
     def weighted_blocks(self, blocks: int, by_medium: Mapping[str, int]) -> float:
         return self._media.weighted_blocks(blocks, by_medium)
 
-    def _block_size(self, model: str, n_tokens: int, total_blocks: int) -> int:
-        size = self._index_block_size
-        bs = size(model) if size is not None else None
-        return bs if bs else max(1, n_tokens // max(total_blocks, 1))
-
     def score(self, ctx: PickContext, pods: Sequence[Pod]) -> dict[str, float]:
         tokens = ctx.request.token_ids
         if not tokens:
             return {}
         names = [p.name for p in pods]
-        matches: Mapping[str, PrefixMatchLike]
-        extras = ctx.request.extras
-        if ctx.ranks:  # data-parallel rank targets among the candidates: what each rank holds
-            targets = [(p.pod_name, p.rank or 0) for p in pods]
-            by_rank = (self._index.match_ranks(ctx.base_model, ctx.lora, tokens, targets) if extras is None else
-                       self._index.match_ranks(ctx.base_model, ctx.lora, tokens, targets, extras=extras))
-            matches = {p.name: m for p in pods if (m := by_rank.get((p.pod_name, p.rank or 0))) is not None}
-        elif extras is None:  # a plain prompt (most of them): the call as it always was
-            matches = self._index.match(ctx.base_model, ctx.lora, tokens, names)
-        else:
-            matches = self._index.match(ctx.base_model, ctx.lora, tokens, names, extras=extras)
+        matches = index_matches(self._index, ctx, tokens, pods, names)
         total = max([m.total_blocks for m in matches.values()], default=0)
         if total <= 0:
             return {}
         n = len(tokens)
-        bs = self._block_size(ctx.base_model, n, total)
+        bs = prompt_block_size(self._index_block_size, ctx.base_model, n, total)
         uncached = uncached_tokens(matches, names, n, bs, self._media, ctx.matched, 0.0)
         if total > ctx.total_blocks:
             ctx.total_blocks = total
