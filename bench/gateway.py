@@ -100,7 +100,8 @@ def _envoy_only_config(listen: int, admin: int, upstream: int) -> dict:
     return config
 
 
-def _start_envoy(stack: Stack, name: str, config: dict, port: int) -> None:
+def start_envoy(stack: Stack, name: str, config: dict, port: int) -> None:
+    """An Envoy named `name` running `config` (written to the stack's work dir), one worker, ready on `port`."""
     path = stack.workdir / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     stack.start(name, [find_envoy(), "-c", str(path), "--concurrency", "1", "--log-level", "warning",
@@ -157,7 +158,8 @@ def _cpu_s(pid: int) -> float | None:
         return None
 
 
-def _metric(text: str, name: str, **labels: str) -> float:
+def metric(text: str, name: str, **labels: str) -> float:
+    """The sum of the samples of `name` (with `labels`) in a /metrics text."""
     total = 0.0
     for line in text.splitlines():
         if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
@@ -207,10 +209,11 @@ def _ingest_us(stack: Stack, pids: list[int], http_ports: list[int], pod: str, p
         proc.wait(10)
 
 
-def _extproc_stats(admin_port: int) -> dict[str, int]:
-    """Envoy's ext_proc counters (streams started, messages sent to the processor) from its admin port."""
+def extproc_stats(admin_port: int) -> dict[str, int]:
+    """Envoy's ext_proc counters (streams started, messages sent to the processor and received from it) from
+    its admin port."""
     text = httpx.get(f"http://127.0.0.1:{admin_port}/stats", params={"filter": r"ext_proc\."}, timeout=5).text
-    out = {"streams_started": 0, "stream_msgs_sent": 0}
+    out = {"streams_started": 0, "stream_msgs_sent": 0, "stream_msgs_received": 0}
     for line in text.splitlines():
         name, _, value = line.partition(": ")
         key = name.rsplit(".", 1)[-1]
@@ -236,7 +239,7 @@ def run(seconds: float, rounds: int, n_pods: int, log, ingest_rate: float = 500.
         raise StackError("wrk not found: install the Debian package wrk (./dev setup does)")
     with Stack() as stack:
         up_ports = [free_port() for _ in range(n_pods)]
-        _start_envoy(stack, "upstream", _upstream_config(up_ports, free_port()), up_ports[-1])
+        start_envoy(stack, "upstream", _upstream_config(up_ports, free_port()), up_ports[-1])
         # A simulated engine whose KV events stand for pod 0's cache: the index then holds the prompt.
         sim_port, pub, replay = free_port(), free_port(), free_port()
         stack.sim(name="events", port=sim_port, model=MODEL, kv_events_port=pub, replay_port=replay)
@@ -266,7 +269,7 @@ def run(seconds: float, rounds: int, n_pods: int, log, ingest_rate: float = 500.
             pids[name] = [proc.popen.pid]
         gateways = {"direct": f"http://127.0.0.1:{up_ports[0]}"}
         port = free_port()
-        _start_envoy(stack, "envoy_only", _envoy_only_config(port, free_port(), up_ports[0]), port)
+        start_envoy(stack, "envoy_only", _envoy_only_config(port, free_port(), up_ports[0]), port)
         gateways["envoy_only"] = f"http://127.0.0.1:{port}"
         admins = {}
         for name, ext, more in (("noop", noop_ports["noop"], ()), ("noop_bodies", noop_ports["noop_bodies"], ()),
@@ -285,7 +288,7 @@ def run(seconds: float, rounds: int, n_pods: int, log, ingest_rate: float = 500.
         while time.monotonic() < deadline:
             r = httpx.post(gateways["kvsync"] + "/v1/chat/completions", json=BODY, timeout=30)
             metrics = httpx.get(f"http://127.0.0.1:{http_ports[0]}/metrics", timeout=5).text
-            if r.headers.get("x-kvgate-pod") == "pod0" and _metric(metrics, "kvgate_prefix_blocks_total",
+            if r.headers.get("x-kvgate-pod") == "pod0" and metric(metrics, "kvgate_prefix_blocks_total",
                                                                    kind="cached") > 0:
                 break
             time.sleep(0.2)
@@ -311,11 +314,11 @@ def run(seconds: float, rounds: int, n_pods: int, log, ingest_rate: float = 500.
                     if mode:
                         _cold_script(cold)
                     before = sum(_cpu_s(p) or 0 for p in ps)
-                    stats0 = _extproc_stats(admins[name]) if name in admins and not mode else None
+                    stats0 = extproc_stats(admins[name]) if name in admins and not mode else None
                     hi = _wrk(url, script, 16, seconds)
                     after = sum(_cpu_s(p) or 0 for p in ps)
                     if stats0 is not None:
-                        stats1 = _extproc_stats(admins[name])
+                        stats1 = extproc_stats(admins[name])
                         streams = stats1["streams_started"] - stats0["streams_started"]
                         if streams:
                             s["msgs"].append((stats1["stream_msgs_sent"] - stats0["stream_msgs_sent"]) / streams)
@@ -331,8 +334,8 @@ def run(seconds: float, rounds: int, n_pods: int, log, ingest_rate: float = 500.
                     log(f"  round {rnd + 1}/{rounds} {name:<11} {mode or 'warm_':<5} {hi['rps']:8.0f} req/s @16  "
                         f"p50 {lo['p50_ms']:.2f} ms  p99 {lo['p99_ms']:.2f} ms @1")
         metrics = httpx.get(f"http://127.0.0.1:{http_ports[0]}/metrics", timeout=5).text
-        cached = _metric(metrics, "kvgate_prefix_blocks_total", kind="cached")
-        total = _metric(metrics, "kvgate_prefix_blocks_total", kind="total")
+        cached = metric(metrics, "kvgate_prefix_blocks_total", kind="cached")
+        total = metric(metrics, "kvgate_prefix_blocks_total", kind="total")
 
     med = {g: {k: statistics.median(v) if v else None for k, v in s.items() if k != "errors"}
            | {"errors": sum(s["errors"])} for g, s in samples.items()}

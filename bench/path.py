@@ -33,7 +33,8 @@ from typing import Any
 
 import httpx
 
-from devkit.stack import Stack, StackError, free_port
+from bench.gateway import extproc_stats, metric, start_envoy
+from devkit.stack import Stack, StackError, free_port, render_envoy_config
 from tokenizer import testdata
 
 MODEL = "path-model"
@@ -267,35 +268,23 @@ def run(requests: int, concurrency: int, n_engines: int, log, idle: int = 0, rep
 
 def _envoy_only(stack: Stack, port: int, pool: list[tuple[str, int]]) -> None:
     """Envoy with the shipped config less its ext_proc filter; inference routes to the pool's round robin."""
-    import yaml
-
-    from devkit.stack import find_envoy, render_envoy_config
     config = render_envoy_config(listen_port=port, admin_port=free_port(), extproc_port=1, pool=pool)
     cluster = next(c for c in config["static_resources"]["clusters"] if c["name"] == "pool")
     cluster.pop("load_balancing_policy")  # override_host needs kvgate's metadata; plain round robin here
     hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.ext_proc"]
-    path = stack.workdir / "envoy_only.yaml"
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    stack.start("envoy_only", [find_envoy(), "-c", str(path), "--concurrency", "1", "--log-level", "warning",
-                               "--disable-hot-restart"], ready_port=("127.0.0.1", port), ready_timeout=60)
+    start_envoy(stack, "envoy_only", config, port)
 
 
 def _envoy_nowait(stack: Stack, port: int, admin: int, extproc: int, pool: list[tuple[str, int]]) -> None:
     """The shipped config with Envoy 1.40's send_body_without_waiting_for_header_response (STREAMED request
     bodies only; Envoy then ignores every mode_override, so the response is not sent: as for an unwatched one)."""
-    import yaml
-
-    from devkit.stack import find_envoy, render_envoy_config
     config = render_envoy_config(listen_port=port, admin_port=admin, extproc_port=extproc, pool=pool)
     hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     ext = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")["typed_config"]
     ext["send_body_without_waiting_for_header_response"] = True
     ext["processing_mode"].update(request_body_mode="STREAMED", response_header_mode="SKIP")
-    path = stack.workdir / "envoy_nowait.yaml"
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    stack.start("envoy_nowait", [find_envoy(), "-c", str(path), "--concurrency", "1", "--log-level", "warning",
-                                 "--disable-hot-restart"], ready_port=("127.0.0.1", port), ready_timeout=60)
+    start_envoy(stack, "envoy_nowait", config, port)
 
 
 def _expect_routed(url: str) -> None:
@@ -307,24 +296,13 @@ def _expect_routed(url: str) -> None:
 
 def _messages_per_stream(admin_port: int) -> dict[str, float]:
     """Envoy's ext_proc messages per stream, each way (its admin stats)."""
-    text = httpx.get(f"http://127.0.0.1:{admin_port}/stats", params={"filter": r"ext_proc\."}, timeout=5).text
-    count = {"streams_started": 0, "stream_msgs_sent": 0, "stream_msgs_received": 0}
-    for line in text.splitlines():
-        name, _, value = line.partition(": ")
-        key = name.rsplit(".", 1)[-1]
-        if key in count and value.strip().isdigit():
-            count[key] += int(value)
+    count = extproc_stats(admin_port)
     streams = count["streams_started"] or 1
     return {"sent": round(count["stream_msgs_sent"] / streams, 2), "received": round(count["stream_msgs_received"] / streams, 2)}
 
 
 def _metric_sum(urls: list[str], name: str) -> float:
-    total = 0.0
-    for url in urls:
-        for line in httpx.get(url, timeout=5).text.splitlines():
-            if line.startswith(name):
-                total += float(line.rsplit(" ", 1)[1])
-    return total
+    return sum(metric(httpx.get(url, timeout=5).text, name) for url in urls)
 
 
 def _round3(v: float | None) -> float | None:
