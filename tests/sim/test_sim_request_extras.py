@@ -73,12 +73,6 @@ async def sim() -> AsyncIterator[SimServer]:
     await server.stop()
 
 
-@pytest.fixture
-async def client(sim: SimServer) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(base_url=sim.url, timeout=10) as c:
-        yield c
-
-
 @pytest.fixture(scope="module")
 def tok_with_placeholder() -> LocalTokenizer:
     tok = LocalTokenizer.from_path(testdata.path(), fast=False)

@@ -59,12 +59,6 @@ async def sim() -> AsyncIterator[SimServer]:
     await server.stop()
 
 
-@pytest.fixture
-async def client(sim: SimServer) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(base_url=sim.url, timeout=10) as c:
-        yield c
-
-
 class Events:
     """A SUB socket on one rank plus its DEALER for replay."""
 
