@@ -113,7 +113,7 @@ class _Line:
         self.sy = self.sy * d + y
         self.sxx = self.sxx * d + x * x
         self.sxy = self.sxy * d + x * y
-        if x > self.xmax < math.inf:
+        if self.xmax < math.inf and x > self.xmax:  # clamped: the largest x seen so far
             self.xmax = x
         self.at_time = now
 
