@@ -65,10 +65,16 @@ KVGATE_NAMESPACE = "kvgate"  # Envoy copies these into the client's x-kvgate-pod
 RESERVED_HEADERS = frozenset({DESTINATION_HEADER, TARGET_POD_HEADER, DP_RANK_HEADER})
 RESERVED_PREFIX = "x-kvgate-"
 
+# A request's session, as AIBrix (x-session-id: a pod it returned; x-aibrix-session-key: the caller's key) and
+# llm-d (x-session-token) clients send it; the first of these present wins. `user`: AIBrix's user (vtc-basic).
+SESSION_HEADERS = ("x-session-id", "x-session-token", "x-aibrix-session-key")
+USER_HEADER = "user"
+
 # The request headers kvgate reads (a header's key -> what it is); every other one is passed over.
-_PATH, _METHOD, _STRATEGY, _REQUEST_ID, _OBJECTIVE, _SLO = range(6)
+_PATH, _METHOD, _STRATEGY, _REQUEST_ID, _OBJECTIVE, _SLO, _SESSION, _USER = range(8)
 _READ_HEADERS = {":path": _PATH, ":method": _METHOD, STRATEGY_HEADER: _STRATEGY, "x-request-id": _REQUEST_ID,
-                 OBJECTIVE_HEADER: _OBJECTIVE, SLO_TTFT_HEADER: _SLO, SLO_TPOT_HEADER: _SLO}
+                 OBJECTIVE_HEADER: _OBJECTIVE, SLO_TTFT_HEADER: _SLO, SLO_TPOT_HEADER: _SLO,
+                 **dict.fromkeys(SESSION_HEADERS, _SESSION), USER_HEADER: _USER}
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 # The answer to headers that carry nothing to remove: built once, never mutated, shared by streams.
@@ -223,6 +229,12 @@ class _Stream:
                 ctx.request_id = value
             elif which == _OBJECTIVE:
                 ctx.objective = value.strip()
+            elif which == _SESSION:
+                value = value.strip()
+                if value and (ctx.session is None or SESSION_HEADERS.index(key) < ctx.session_rank):
+                    ctx.session, ctx.session_rank = value, SESSION_HEADERS.index(key)
+            elif which == _USER:
+                ctx.user = value.strip() or None
             else:  # an SLO target
                 ms = observe.milliseconds(value)
                 if ms is None:
