@@ -140,8 +140,8 @@ SCORERS: dict[str, ScorerSpec] = {s.name: s for s in (
                "fewer waiting requests (`vllm:num_requests_waiting`, scraped)"),
     ScorerSpec("kv-util", lambda r: KVUtilizationScorer(_given(r.engines)), ("engines",),
                "more free KV cache (1 - `vllm:kv_cache_usage_perc` or `gpu_cache_usage_perc`, scraped)"),
-    ScorerSpec("session", lambda r: SessionAffinityScorer(r.sessions or SessionStore(), r.engines,
-                                                         r.config.saturation), (),
+    ScorerSpec("session", lambda r: SessionAffinityScorer(
+                   r.sessions if r.sessions is not None else SessionStore(), r.engines, r.config.saturation), (),
                "1 for the pod of the request's session (`x-session-id` / `x-session-token` naming a pod, or the "
                "pod kvgate last sent that session or `x-aibrix-session-key` to: KVGATE_SESSION_TTL_S, shared "
                "through KVGATE_REDIS_URL); none while that pod is down, not ready, set aside or saturated"),
