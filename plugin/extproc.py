@@ -25,6 +25,7 @@ pipeline on the body.
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -199,7 +200,7 @@ class _Stream:
         self.chunks = None
         d = await self._decide(raw)
         head = self._routed(d.pod, d.strategy, body=False, remove=self.held_remove, rank=d.rank,
-                            fallbacks=d.fallbacks)
+                            fallbacks=d.fallbacks, session=self._session_answer(d))
         body = pb.ProcessingResponse(request_body=pb.BodyResponse(response=pb.CommonResponse(
             body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
                 body=raw, end_of_stream=end_of_stream)))))
@@ -281,14 +282,20 @@ class _Stream:
         if self.ctx.kind not in ("chat", "completion"):  # a body on a pass-through path
             return _BODY_CONTINUE
         d = await self._decide(msg.body)
-        key = (d.pod.name, d.pod.endpoint, d.strategy, d.rank, d.fallbacks)
+        session = self._session_answer(d)
+        key = (d.pod.name, d.pod.endpoint, d.strategy, d.rank, d.fallbacks, session)
         response = self.answers.get(key)
         if response is None:
             if len(self.answers) > 4096:  # pods churn: keep the memo bounded
                 self.answers.clear()
             response = self.answers[key] = self._routed(d.pod, d.strategy, body=True, rank=d.rank,
-                                                        fallbacks=d.fallbacks)
+                                                        fallbacks=d.fallbacks, session=session)
         return response
+
+    def _session_answer(self, d: Decision) -> bool:
+        """Tell the client its session's pod (AIBrix's x-session-id: the pod's `ip:port`, base64, which Envoy
+        copies from kvgate's metadata) when it sent a session or asked for session affinity."""
+        return self.ctx.session is not None or d.strategy == "session-affinity"
 
     async def _decide(self, raw: bytes) -> Decision:
         """The request pipeline on the body (plugin.pipeline): its decision."""
@@ -318,7 +325,7 @@ class _Stream:
         return self._routed(pod, "any", body=False, remove=remove, fallbacks=rest)
 
     def _routed(self, pod: Pod, strategy: str, *, body: bool, remove: list[str] | None = None,
-                rank: int | None = None, fallbacks: tuple[str, ...] = ()) -> pb.ProcessingResponse:
+                rank: int | None = None, fallbacks: tuple[str, ...] = (), session: bool = False) -> pb.ProcessingResponse:
         # The ranked list, primary first: header and metadata carry the same value (the protocol requires it).
         endpoint = ",".join((pod.endpoint, *fallbacks)) if fallbacks else pod.endpoint
         headers = [_set_header(DESTINATION_HEADER, endpoint), _set_header(RETRIES_HEADER, str(len(fallbacks)))]
@@ -328,6 +335,8 @@ class _Stream:
         if rank is not None:
             headers.append(_set_header(DP_RANK_HEADER, str(rank)))
             ours["rank"] = rank
+        if session:
+            ours["session_id"] = base64.b64encode(pod.endpoint.encode()).decode()
         common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=headers, remove_headers=remove or []))
         metadata = struct_pb2.Struct()
         metadata.update({LB_NAMESPACE: {DESTINATION_HEADER: endpoint}, KVGATE_NAMESPACE: ours})
