@@ -272,7 +272,8 @@ class _Stream:
     def _watch_response(self) -> bool:
         """Watch this response? Always for the slo strategy and requests with SLO targets (their
         attainment, the prefill queue); else a sample (KVGATE_OBSERVE_SAMPLE)."""
-        if self.ctx.slo is not None or (self.ctx.strategy or self.gw.default_strategy) == "slo":
+        strategy = self.ctx.strategy or self.gw.default_strategy
+        if self.ctx.slo is not None or strategy == "slo" or ("," in strategy and _names_slo(strategy)):
             return True
         return self.gw.sampler.take()
 
@@ -446,6 +447,11 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         """Wait for pending releases (at shutdown)."""
         if self._releases:
             await asyncio.gather(*list(self._releases), return_exceptions=True)
+
+
+def _names_slo(mix: str) -> bool:
+    """A weighted mix naming `slo` is `slo` (AIBrix: exclusive)."""
+    return any(part.partition(":")[0].strip() == "slo" for part in mix.split(","))
 
 
 def _continue_headers(remove: list[str] | None) -> pb.ProcessingResponse:
