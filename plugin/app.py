@@ -174,7 +174,7 @@ def session_store(s: Settings) -> SessionStore:
         from redis.asyncio.retry import Retry
         from redis.backoff import NoBackoff
         redis = Redis.from_url(s.redis_url, socket_timeout=0.2, socket_connect_timeout=0.2, retry=Retry(NoBackoff(), 0))
-    return SessionStore(s.session_ttl_s, s.session_capacity, redis=redis)
+    return SessionStore(s.session_ttl_s, s.session_capacity, redis=redis, owns_redis=True)
 
 
 @dataclass

@@ -343,6 +343,7 @@ class Router:
                            "weights": {s.name: {sc.name: w for sc, w in s.scorers} for s in self._strategies.values()}},
             "counts": self._counts.snapshot(),
             "in_flight_here": len(self._active),
+            "sessions": {"remembered_here": len(self.sessions), "shared": self.sessions.shared},
             "index": index_stats,
         }
         if subscriptions is not None:

@@ -56,12 +56,13 @@ class SessionStore:
 
     def __init__(self, ttl_s: float = 1800.0, capacity: int = 100_000, *, redis: Any = None,
                  key_prefix: str = "kvgate:{session}:", op_timeout_s: float = 0.05, recheck_s: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 owns_redis: bool = False, clock: Callable[[], float] = time.monotonic) -> None:
         if ttl_s <= 0 or capacity < 1:
             raise ValueError("ttl_s and capacity must be positive")
         self.ttl_s = ttl_s
         self.capacity = capacity
         self._redis = redis
+        self._owns_redis = owns_redis  # close() closes the client too
         self._prefix = key_prefix
         self._timeout = op_timeout_s
         self._recheck = recheck_s
@@ -180,6 +181,8 @@ class SessionStore:
                 await self.flush()
             except Exception:  # noqa: BLE001 - shutting down: the other gateways keep their view
                 pass
+            if self._owns_redis:
+                await self._redis.aclose()
 
 
 class SessionAffinityScorer(Scorer):
