@@ -36,6 +36,7 @@ from routing.metrics import RoutingMetrics
 from routing.pods import Pod
 from routing.registry import PodRegistry
 from routing.router import Router
+from routing.scheduling.sessions import SessionStore
 from routing.scheduling.strategies import StrategyConfig, parse_weights
 from routing.learning.profiles import EngineProfiles
 from routing.scheduling.slo import Capacity, parse_targets
@@ -161,7 +162,19 @@ def running_counts(s: Settings, metrics: RoutingMetrics) -> RunningCounts:
 def strategy_config(s: Settings) -> StrategyConfig:
     return StrategyConfig(guard_abs_slack=s.routing_guard_slack, guard_rel_slack=s.routing_guard_ratio,
                           approx_block_size=s.prefix_cache_block_size, approx_capacity=s.prefix_cache_blocks,
-                          prefill_tokens_per_s=s.routing_prefill_tokens_per_s, weights=parse_weights(s.routing_weights))
+                          prefill_tokens_per_s=s.routing_prefill_tokens_per_s, weights=parse_weights(s.routing_weights),
+                          saturation=Saturation(s.saturation_queue, s.saturation_kv_usage))
+
+
+def session_store(s: Settings) -> SessionStore:
+    """Session -> pod: shared through Redis when KVGATE_REDIS_URL is set (a failing Redis: local only)."""
+    redis = None
+    if s.redis_url:
+        from redis.asyncio import Redis
+        from redis.asyncio.retry import Retry
+        from redis.backoff import NoBackoff
+        redis = Redis.from_url(s.redis_url, socket_timeout=0.2, socket_connect_timeout=0.2, retry=Retry(NoBackoff(), 0))
+    return SessionStore(s.session_ttl_s, s.session_capacity, redis=redis, owns_redis=True)
 
 
 @dataclass
@@ -206,7 +219,7 @@ class App:
         self.router = Router(self.pods, default_strategy=s.routing_strategy, counts=self.counts, index=self.shared_index,
                              engines=self.engines, config=strategy_config(s), metrics=self.routing_metrics,
                              saturation=Saturation(s.saturation_queue, s.saturation_kv_usage),
-                             max_fallbacks=s.fallback_endpoints, capacity=self.capacity)
+                             max_fallbacks=s.fallback_endpoints, capacity=self.capacity, sessions=session_store(s))
         self.tokenizer, self.verified_tokenizer, remote = _tokenizer(s, self.registry,
                                                                      known=lambda m: bool(self.pods.serving(m)))
         self.gateway_metrics = GatewayMetrics(self.registry)
