@@ -199,6 +199,108 @@ def test_unknown_and_misplaced_fields_are_rejected():
         validate(gateway_class)
 
 
+# --- the CRDs' CEL rules (x-kubernetes-validations), as the API server checks them after defaulting -----------
+
+# CEL's reserved words: the API server offers such a property as __word__ (and escapes _, ., -, / in names)
+_CEL_RESERVED = {"true", "false", "null", "in", "as", "break", "const", "continue", "else", "for", "function", "if",
+                 "import", "let", "loop", "package", "namespace", "return", "var", "void", "while"}
+
+
+def _cel_name(key: str) -> str:
+    if key in _CEL_RESERVED:
+        return f"__{key}__"
+    return (key.replace("__", "__underscores__").replace(".", "__dot__").replace("-", "__dash__")
+            .replace("/", "__slash__"))
+
+
+def _defaulted(schema: dict, value: object) -> object:
+    """`value` with the schema's defaults filled in where fields are absent, as the API server stores it."""
+    if isinstance(value, dict):
+        props = schema.get("properties", {})
+        out = {k: _defaulted(props[k], v) if k in props else
+               _defaulted(schema["additionalProperties"], v) if isinstance(schema.get("additionalProperties"), dict)
+               else v for k, v in value.items()}
+        for k, sub in props.items():
+            if k not in out and "default" in sub:
+                out[k] = _defaulted(sub, copy.deepcopy(sub["default"]))
+        return out
+    if isinstance(value, list) and "items" in schema:
+        return [_defaulted(schema["items"], v) for v in value]
+    return value
+
+
+@functools.cache
+def _cel_program(rule: str):
+    import celpy
+    env = celpy.Environment()
+    return env.program(env.compile(rule))
+
+
+def cel_violations(doc: dict) -> tuple[list[str], int]:
+    """Every CEL rule of `doc`'s CRD that applies to it (its node present), evaluated: the broken ones'
+    messages and how many held. Transition rules (oldSelf) do not apply to a create."""
+    import celpy
+    schema = next(v["schema"]["openAPIV3Schema"] for crd in crds().values() for v in crd["spec"]["versions"]
+                  if (f"{crd['spec']['group']}/{v['name']}", crd["spec"]["names"]["kind"]) == (doc["apiVersion"],
+                                                                                               doc["kind"]))
+    broken: list[str] = []
+    held = 0
+
+    def cel_value(value: object) -> object:
+        if isinstance(value, dict):
+            return {_cel_name(k): cel_value(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [cel_value(v) for v in value]
+        return value
+
+    def walk(node: dict, value: object, path: str) -> None:
+        nonlocal held
+        for rule in node.get("x-kubernetes-validations", []):
+            if "oldSelf" in rule["rule"]:
+                continue
+            result = _cel_program(rule["rule"]).evaluate({"self": celpy.json_to_cel(cel_value(value))})
+            if isinstance(result, celpy.celtypes.BoolType) and bool(result):
+                held += 1
+            else:
+                broken.append(f"{path or '/'}: {rule.get('message') or rule['rule']} ({result})")
+        if isinstance(value, dict):
+            for k, v in value.items():
+                if k in node.get("properties", {}):
+                    walk(node["properties"][k], v, f"{path}/{k}")
+                elif isinstance(node.get("additionalProperties"), dict):
+                    walk(node["additionalProperties"], v, f"{path}/{k}")
+        elif isinstance(value, list) and "items" in node:
+            for i, v in enumerate(value):
+                walk(node["items"], v, f"{path}/{i}")
+
+    walk(schema, _defaulted(schema, doc), "")
+    return broken, held
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_cel_rule_of_the_crds_holds(overlay):
+    held = 0
+    for doc in render(overlay):
+        if (doc["apiVersion"], doc["kind"]) in crd_schemas():
+            broken, n = cel_violations(doc)
+            assert not broken, (doc["kind"], doc["metadata"]["name"], broken)
+            held += n
+    custom = [d for d in render(overlay) if (d["apiVersion"], d["kind"]) in crd_schemas()]
+    assert held > 0 or not custom
+
+
+def test_a_broken_cel_rule_is_caught():
+    policy = copy.deepcopy(one("envoy-gateway", "ClientTrafficPolicy"))
+    policy["spec"]["targetRefs"][0]["kind"] = "HTTPRoute"  # Envoy Gateway's rule: Gateways (and ListenerSets) only
+    broken, _ = cel_violations(policy)
+    assert any("targetRefs[*].kind of Gateway" in b for b in broken), broken
+    route = copy.deepcopy(one("inferencepool", "HTTPRoute"))
+    for key in ("group", "kind"):  # defaulted: a Service named vllm-llama, without a port
+        route["spec"]["rules"][0]["backendRefs"][0].pop(key)
+    broken, _ = cel_violations(route)
+    assert any("port" in b.lower() for b in broken), broken
+
+
 # --- references between resources, and to kvgate's code ----------------------------------------------------
 
 def _ns(doc: dict) -> str:
@@ -345,7 +447,9 @@ def test_plain_envoy_overlay_runs_the_shipped_config_against_its_services(tmp_pa
         _service_port("envoy", service, namespace, port)
         if selects == "kvgate":
             assert found["spec"]["selector"] == one("envoy", "Deployment", "kvgate")["spec"]["selector"]["matchLabels"]
-            assert port == settings.grpc_port
+            assert port == settings.grpc_port and settings.grpc_tls == "off"  # the cluster speaks h2c
+            # Envoy's active health check asks for a service kvgate serves (NOT_SERVING while it drains)
+            assert clusters[name]["health_checks"][0]["grpc_health_check"]["service_name"] in READINESS
         else:  # the pods kvgate discovers are the pool's: the Service's labels are in kvgate's selector
             assert namespace == settings.k8s_namespace
             assert all(f"{k}={v}" in settings.k8s_label_selector.split(",") for k, v in found["spec"]["selector"].items())
