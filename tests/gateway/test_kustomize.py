@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 import re
 import shutil
 import subprocess
@@ -90,6 +91,25 @@ def test_the_overlays_are_there():
     assert {"envoy", "envoy-gateway", "inferencepool"} <= set(OVERLAYS)
     assert (KUSTOMIZE / "overlays" / "prefill-decode" / "README.md").exists()  # its place, kept
     assert not list((REPO / "envoy").glob("gateway/*.yaml")), "the manifests live in deploy/kustomize/ only"
+
+
+@pytest.mark.parametrize("component", sorted(p.parent.name for p in (KUSTOMIZE / "components").glob("*/kustomization.yaml")))
+def test_each_component_composes_with_the_base(component, tmp_path):
+    """A component on the base alone (as an operator composes one into an overlay of their own): it
+    renders, validates, and leaves kvgate with valid settings."""
+    rel = functools.partial(os.path.relpath, start=tmp_path)
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "namespace": "t",
+        "resources": [rel(KUSTOMIZE / "base")], "components": [rel(KUSTOMIZE / "components" / component)]}))
+    proc = subprocess.run([kubectl(), "kustomize", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    docs = [d for d in yaml.safe_load_all(proc.stdout) if d]
+    for doc in docs:
+        validate(doc)
+    deploy = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "kvgate")
+    env = {e["name"]: e.get("value", "redis://from-secret:6379/0") for e in deploy["spec"]["template"]["spec"]["containers"][0]["env"]}
+    settings = Settings.from_env({**env, "KVGATE_PODS": "p=127.0.0.1:1/m"})
+    assert settings.redis_url or settings.grpc_tls != "off", component  # the component did its part
 
 
 # --- schemas ---------------------------------------------------------------------------------------------
