@@ -25,6 +25,7 @@ from plugin.pipeline import Gateway, Sampler
 from plugin.http import build_http_app
 from plugin.metrics import GatewayMetrics
 from plugin.observe import Observer
+from plugin.tls import server_credentials
 from routing.state.admission import Admission, Limiter, LocalLimiter, RedisLimiter
 from routing.state.counts import LocalCounts, RedisCounts, RunningCounts, build_counts
 from routing.discovery.static import StaticSource
@@ -262,6 +263,9 @@ class App:
         self.grpc_port: int | None = None  # once serving
         self._http: web.AppRunner | None = None
         self.health = health.aio.HealthServicer()
+        # KVGATE_GRPC_TLS: the credentials (a bad certificate file fails here, naming its variable)
+        self._tls = server_credentials(s.grpc_tls, s.grpc_tls_cert, s.grpc_tls_key)
+        self._health_grpc: grpc.aio.Server | None = None  # KVGATE_GRPC_HEALTH_PORT's server, once serving
 
     async def _load_profiles(self, client, interval_s: float = 10.0) -> None:
         """AIBrix's deployment profiles (`aibrix:profile_<model>_<deployment>`), re-read every 10 s."""
@@ -324,12 +328,22 @@ class App:
                                               ("grpc.server.max_pending_requests_hard_limit", 100_000)])
         pb_grpc.add_ExternalProcessorServicer_to_server(self.processor, self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
-        grpc_port = self._grpc.add_insecure_port(_join(s.listen_host, s.grpc_port))
+        address = _join(s.listen_host, s.grpc_port)
+        grpc_port = (self._grpc.add_insecure_port(address) if self._tls is None
+                     else self._grpc.add_secure_port(address, self._tls))
         if grpc_port == 0:
-            raise OSError(f"KVGATE_GRPC_PORT: cannot listen on {_join(s.listen_host, s.grpc_port)}")
+            raise OSError(f"KVGATE_GRPC_PORT: cannot listen on {address}"
+                          + ("" if self._tls is None else " with KVGATE_GRPC_TLS's certificate and key"))
         await self.set_ready(False)
         await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
         await self._grpc.start()
+        if s.grpc_health_port:
+            # the health services alone, in plaintext: Kubernetes' gRPC probes speak no TLS
+            self._health_grpc = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_grpc)
+            if self._health_grpc.add_insecure_port(_join(s.listen_host, s.grpc_health_port)) == 0:
+                raise OSError(f"KVGATE_GRPC_HEALTH_PORT: cannot listen on {_join(s.listen_host, s.grpc_health_port)}")
+            await self._health_grpc.start()
         self.grpc_port = grpc_port
         http_app = build_http_app(self.registry, healthy=self.healthy, debug=self.debug)
         self._http = web.AppRunner(http_app, access_log=None)
@@ -353,8 +367,9 @@ class App:
             self.profile_loader = asyncio.get_running_loop().create_task(
                 self._load_profiles(Redis.from_url(s.redis_url)))
         await self.set_ready(True)
-        log.info("kvgate serving: ext_proc on %s, HTTP on %s:%d, strategy %s, %d pods",
-                 _join(s.listen_host, grpc_port), s.listen_host, http_port, s.routing_strategy, len(self.pods.pods()))
+        log.info("kvgate serving: ext_proc on %s (%s), HTTP on %s:%d, strategy %s, %d pods",
+                 _join(s.listen_host, grpc_port), "plaintext" if self._tls is None else f"TLS, {s.grpc_tls}",
+                 s.listen_host, http_port, s.routing_strategy, len(self.pods.pods()))
         return grpc_port, http_port
 
     async def wait(self) -> None:
@@ -372,6 +387,8 @@ class App:
 
     async def stop(self, grace_s: float = 2.0) -> None:
         await self.health.enter_graceful_shutdown()
+        if self._health_grpc is not None:
+            await self._health_grpc.stop(0)
         if self._grpc is not None:
             await self._grpc.stop(grace_s)
         await self.processor.drain()

@@ -129,6 +129,16 @@ VARIABLES: tuple[Variable, ...] = (
              "Address the gRPC and HTTP servers bind to (`0.0.0.0` or `::` in a cluster)."),
     Variable("KVGATE_GRPC_PORT", "grpc_port", PORT, 50051, "ext_proc gRPC port (also serves gRPC health)."),
     Variable("KVGATE_HTTP_PORT", "http_port", PORT, 8080, "HTTP port: `/metrics`, `/healthz`, `/debug`."),
+    Variable("KVGATE_GRPC_TLS", "grpc_tls", _choice("off", "self-signed", "files"), "off",
+             "TLS on the gRPC port: `off` (plaintext h2c), `self-signed` (a certificate made at start, as the "
+             "Inference Extension's picker serves; gateways that dial pickers over TLS, e.g. Envoy AI Gateway, do "
+             "not verify it) or `files` (KVGATE_GRPC_TLS_CERT and KVGATE_GRPC_TLS_KEY)."),
+    Variable("KVGATE_GRPC_TLS_CERT", "grpc_tls_cert", _text, "",
+             "PEM certificate (chain) file, with KVGATE_GRPC_TLS=files."),
+    Variable("KVGATE_GRPC_TLS_KEY", "grpc_tls_key", _text, "", "PEM private key file, with KVGATE_GRPC_TLS=files."),
+    Variable("KVGATE_GRPC_HEALTH_PORT", "grpc_health_port", PORT, 0,
+             "A plaintext gRPC port serving only the health services (`liveness`, `readiness`), 0 for none: "
+             "Kubernetes' gRPC probes do not speak TLS, so probe this port when KVGATE_GRPC_TLS is on."),
     Variable("KVGATE_DISCOVERY", "discovery", _choice("static", "kubernetes", "inferencepool"), "static",
              "Pod discovery source: `static` (file or list below), `kubernetes` (pods by label) or "
              "`inferencepool` (one InferencePool's pods, models from each pod's `/v1/models`)."),
@@ -289,6 +299,10 @@ class Settings:
     listen_host: str = "127.0.0.1"
     grpc_port: int = 50051
     http_port: int = 8080
+    grpc_tls: str = "off"
+    grpc_tls_cert: str = ""
+    grpc_tls_key: str = ""
+    grpc_health_port: int = 0
     discovery: str = "static"
     pods_file: str = ""
     pods: str = ""
@@ -387,6 +401,12 @@ class Settings:
             raise ConfigError("KVGATE_KV_EVENTS_BACKOFF_MAX_S: must be at least KVGATE_KV_EVENTS_BACKOFF_MIN_S")
         if self.grpc_port and self.grpc_port == self.http_port:
             raise ConfigError("KVGATE_HTTP_PORT: must differ from KVGATE_GRPC_PORT")
+        if self.grpc_health_port and self.grpc_health_port in (self.grpc_port, self.http_port):
+            raise ConfigError("KVGATE_GRPC_HEALTH_PORT: must differ from KVGATE_GRPC_PORT and KVGATE_HTTP_PORT")
+        if self.grpc_tls == "files" and not (self.grpc_tls_cert and self.grpc_tls_key):
+            raise ConfigError("KVGATE_GRPC_TLS_CERT and KVGATE_GRPC_TLS_KEY: both required with KVGATE_GRPC_TLS=files")
+        if self.grpc_tls != "files" and (self.grpc_tls_cert or self.grpc_tls_key):
+            raise ConfigError("KVGATE_GRPC_TLS_CERT/KEY: set only with KVGATE_GRPC_TLS=files")
 
     def redacted(self) -> dict[str, Any]:
         """Settings for logs and the debug endpoint, with secrets hidden."""
