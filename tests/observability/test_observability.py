@@ -31,7 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from devkit import prometheusrule
 from devkit.stack import Stack, wait_for_readiness
-from helpers import envoy_pool, free_port, refused_port, start_kvgate, wait_until
+from helpers import envoy_pool, free_port, free_ports, refused_port, start_kvgate, wait_until
 from tokenizer import testdata
 
 pytestmark = pytest.mark.integration
@@ -44,6 +44,7 @@ DASHBOARD = OBS / "grafana" / "kvgate.json"
 MODEL = "obs-model"
 SCRAPES = 14  # per phase
 B_INDEX_BOUND = 150
+FAST_SIM = ["--ttft-overhead-ms", "1", "--tpot-ms", "1", "--tpot-ms-per-seq", "0"]
 WORDS = ["alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "market", "engine", "orange", "silver"]
 # where each rule must fire in phase 2 (labels of its alerts; {} any)
 FIRING = {
@@ -111,8 +112,9 @@ class Run:
     targets: list[Target]
     scrapes: list[tuple[str, dict[str, str]]] = field(default_factory=list)  # (phase, instance -> text)
 
-    def scrape(self, phase: str) -> None:
-        self.scrapes.append((phase, {t.instance: httpx.get(t.url, timeout=5).text for t in self.targets}))
+    def scrape(self, phase: str, pool: ThreadPoolExecutor) -> None:
+        texts = pool.map(lambda t: httpx.get(t.url, timeout=5).text, self.targets)
+        self.scrapes.append((phase, dict(zip((t.instance for t in self.targets), texts))))
 
     def series(self, names: set[str]) -> dict[str, list[float | None]]:
         """Input series for promtool of the metrics named: `name{labels}` (with job and instance) -> one
@@ -144,6 +146,11 @@ class Run:
                     names.update(family.name + s for s in suffixes.get(family.type, ("",)))
                     names.update(s.name for s in family.samples)
         return names
+
+
+def _gauge(text: str, name: str) -> float:
+    """The value of the unlabelled sample `name` in a /metrics text (0 without one)."""
+    return next((s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name), 0.0)
 
 
 def _escape(value: str) -> str:
@@ -182,14 +189,18 @@ def run():
         pytest.skip("redis-server not installed (Debian package redis-server; ./dev setup installs it)")
     with Stack() as stack:
         redis, redis_url = stack.redis()
-        silent_port = free_port()
-        quiet_sim = stack.sim(name="sim2", port=silent_port, model=MODEL, wait=False)  # --no-kv-events
-        pods = stack.engines(2, model=MODEL)
-        stack.ready(quiet_sim, ("127.0.0.1", silent_port))
-        sock_pub, pub = refused_port()
-        sock_replay, replay = refused_port()
-        silent = {"name": "sim2", "address": "127.0.0.1", "port": silent_port, "model": MODEL,
-                  "kv_events": {"pub_port": pub, "replay_port": replay}}
+        # everything starts at once; each waits for its port at the end (the imports take seconds)
+        engines, pods = [], []
+        for i in range(3):
+            port, pub, replay = free_ports(3)
+            engines.append((stack.sim(name=f"sim{i}", port=port, model=MODEL, kv_events_port=None if i == 2 else pub,
+                                      replay_port=replay, extra=FAST_SIM, wait=False), port))
+            pods.append({"name": f"sim{i}", "address": "127.0.0.1", "port": port, "model": MODEL,
+                         "kv_events": {"pub_port": pub, "replay_port": replay}})
+        # sim2 publishes nothing: the ports its pod entry names refuse connections (it joins in phase 2)
+        sock_pub, pods[2]["kv_events"]["pub_port"] = refused_port()
+        sock_replay, pods[2]["kv_events"]["replay_port"] = refused_port()
+        silent = pods.pop()
         # the engines' files with the chat template one character off (a space after the role)
         wrong = stack.workdir / "wrong-template"
         wrong.mkdir()
@@ -204,30 +215,42 @@ def run():
         a = start_kvgate(stack, pods_file, {**common, "KVGATE_GATEWAY_ID": "a"}, name="kvgate-a", wait=False)
         b = start_kvgate(stack, pods_file, {**common, "KVGATE_GATEWAY_ID": "b", "KVGATE_TOKENIZER": "local",
                                             "KVGATE_INDEX_MAX_ENTRIES": str(B_INDEX_BOUND)}, name="kvgate-b", wait=False)
-        for gate in (a, b):
-            stack.ready(gate.proc, ("127.0.0.1", gate.grpc_port))
-            wait_for_readiness("127.0.0.1", gate.grpc_port, timeout=30, proc=gate.proc.popen, name=gate.proc.name,
-                               log_path=gate.proc.log_path)
         pool = envoy_pool([*pods, silent])
         urls = {}
         for name, gate in (("a", a), ("b", b)):
             listen = free_port()
             stack.envoy(listen_port=listen, extproc_port=gate.grpc_port, pool=pool, name=f"envoy-{name}")
             urls[name] = f"http://127.0.0.1:{listen}"
+        for proc, port in engines:
+            stack.ready(proc, ("127.0.0.1", port))
+        for gate in (a, b):
+            wait_for_readiness("127.0.0.1", gate.grpc_port, timeout=30, proc=gate.proc.popen, name=gate.proc.name,
+                               log_path=gate.proc.log_path)
         targets = [Target("kvgate", "kvgate-a", a.metrics_url), Target("kvgate", "kvgate-b", b.metrics_url),
                    *(Target("vllm", p["name"], f"http://127.0.0.1:{p['port']}/metrics") for p in [*pods, silent])]
         result = Run(targets)
         with httpx.Client(base_url=urls["a"], timeout=30) as via_a, httpx.Client(base_url=urls["b"], timeout=30) as via_b, \
-                ThreadPoolExecutor(4) as pool_x:
+                ThreadPoolExecutor(5) as pool_x:
             def send(batch: list[tuple[httpx.Client, str, dict]]) -> None:
                 for f in [pool_x.submit(_post, *item) for item in batch]:
                     f.result()
 
-            # phase 1: completions of eight repeated prompts, half through each replica
+            # warm-up, a steady healthy fleet: each prompt of phase 1 once, until both replicas hold its blocks
+            # (a prompt sent again before its events arrived is a hit kvgate did not believe in), then twice more,
+            # so that every counter holds more than a step's increase at the first scrape (rate() extrapolates
+            # a young counter's first steps towards its zero point: ratios of two counters of different ages,
+            # cached over total, come out skewed by tens of points until their history is longer than a step)
+            send([(via_a if k % 2 else via_b, "/v1/completions",
+                   {"model": MODEL, "prompt": _hot_prompt(k), "max_tokens": 4}) for k in range(8)])
+            wait_until(lambda: len({_gauge(g.metrics(), "kvgate_index_entries") for g in (a, b)}) == 1
+                       and _gauge(a.metrics(), "kvgate_index_entries") >= 8 * 15, timeout=10)
+            send([(via_a if k % 2 else via_b, "/v1/completions",
+                   {"model": MODEL, "prompt": _hot_prompt(k % 8), "max_tokens": 4}) for k in range(17)])
+            # phase 1: completions of the eight prompts again, half through each replica
             for i in range(SCRAPES):
                 send([(via_a if k % 2 else via_b, "/v1/completions",
                        {"model": MODEL, "prompt": _hot_prompt((i * 4 + k) % 8), "max_tokens": 4}) for k in range(4)])
-                result.scrape("quiet")
+                result.scrape("quiet", pool_x)
             # the faults
             pods_file.write_text(yaml.safe_dump([*pods, silent], sort_keys=False))
             redis.kill()
@@ -238,7 +261,7 @@ def run():
                 send([*((via_b, "/v1/chat/completions", _chat(i * 5 + k, i + k)) for k in range(5)),
                       (via_a, "/v1/chat/completions", _chat(i, i)),
                       (via_a, "/v1/completions", {"model": MODEL, "prompt": _distinct_prompt(r), "max_tokens": 4})])
-                result.scrape("faults")
+                result.scrape("faults", pool_x)
         sock_pub.close()
         sock_replay.close()
         yield result
@@ -262,8 +285,9 @@ def _step(rule: dict) -> int:
 
 
 def _rule_test(rule: dict, run: Run) -> dict:
-    """A promtool test: the alert never even pending during phase 1, and firing (with FIRING's labels)
-    at some evaluation during phase 2."""
+    """A promtool test: the alert never firing during phase 1 and not even pending in its second half (the
+    first scrapes' rates, from two or three samples of counters just created, are what `for` absorbs), and
+    firing (with FIRING's labels) at some evaluation during phase 2."""
     step = _step(rule)
     name = rule["alert"]
     quiet = sum(1 for p, _ in run.scrapes if p == "quiet")
@@ -273,7 +297,9 @@ def _rule_test(rule: dict, run: Run) -> dict:
         "interval": f"{step}s",
         "input_series": [{"series": k, "values": _values(v)} for k, v in run.series(metric_names(rule["expr"])).items()],
         "promql_expr_test": [
-            {"expr": f'max(max_over_time(ALERTS{{alertname="{name}"}}[{end1 + 1}s]))', "eval_time": f"{end1}s",
+            {"expr": f'max(max_over_time(ALERTS{{alertname="{name}",alertstate="firing"}}[{end1 + 1}s]))',
+             "eval_time": f"{end1}s", "exp_samples": []},
+            {"expr": f'max(max_over_time(ALERTS{{alertname="{name}"}}[{end1 // 2}s]))', "eval_time": f"{end1}s",
              "exp_samples": []},
             {"expr": f'max(max_over_time(ALERTS{{alertname="{name}",alertstate="firing"{matchers}}}[{end2 - end1 - 1}s]))',
              "eval_time": f"{end2}s", "exp_samples": [{"labels": "{}", "value": 1}]},
@@ -304,7 +330,22 @@ def test_each_alert_fires_where_its_condition_was_induced_and_not_before(run: Ru
     test.write_text(yaml.safe_dump({"rule_files": [str(rules)], "evaluation_interval": "1m",
                                     "tests": [_rule_test(rule, run)]}, sort_keys=False, width=1 << 20))
     out = subprocess.run([promtool(), "test", "rules", str(test)], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:] + _where_true(rule, run, tmp_path)
+
+
+def _where_true(rule: dict, run: Run, tmp_path: Path) -> str:
+    """For a failure's message: the rule's expression at every scrape, where it is not empty."""
+    test = _rule_test(rule, run)
+    step = int(test["interval"][:-1])
+    test["promql_expr_test"] = [{"expr": rule["expr"], "eval_time": f"{i * step}s", "exp_samples": []}
+                                for i in range(len(run.scrapes))]
+    path = tmp_path / "where.yaml"
+    path.write_text(yaml.safe_dump({"tests": [test]}, sort_keys=False, width=1 << 20))
+    out = subprocess.run([promtool(), "test", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    quiet = sum(1 for p, _ in run.scrapes if p == "quiet")
+    found = re.findall(r"time: (\S+),\s+exp: nil\s+got: (.*)", out.stdout)
+    return f"\n{rule['alert']}, step {step} s, phase 2 from {quiet * step} s; true at:\n" + \
+        "\n".join(f"{t} {got}" for t, got in found)[-4000:]
 
 
 def test_every_metric_the_rules_use_is_exported(run: Run) -> None:
