@@ -14,6 +14,7 @@ every rule must fire. Each phase is a series of scrapes of every target; promtoo
 as input series, one scrape per step, the step chosen per rule so that a phase spans its window and `for`."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -189,7 +190,7 @@ def _post(client: httpx.Client, path: str, body: dict) -> None:
 def run():
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server not installed (Debian package redis-server; ./dev setup installs it)")
-    with Stack() as stack:
+    with Stack() as stack, contextlib.ExitStack() as sockets:
         redis, redis_url = stack.redis()
         # everything starts at once; each waits for its port at the end (the imports take seconds)
         engines, pods = [], []
@@ -200,8 +201,9 @@ def run():
             pods.append({"name": f"sim{i}", "address": "127.0.0.1", "port": port, "model": MODEL,
                          "kv_events": {"pub_port": pub, "replay_port": replay}})
         # sim2 publishes nothing: the ports its pod entry names refuse connections (it joins in phase 2)
-        sock_pub, pods[2]["kv_events"]["pub_port"] = refused_port()
-        sock_replay, pods[2]["kv_events"]["replay_port"] = refused_port()
+        for kind in ("pub_port", "replay_port"):
+            sock, pods[2]["kv_events"][kind] = refused_port()
+            sockets.callback(sock.close)
         silent = pods.pop()
         # the engines' files with the chat template one character off (a space after the role)
         wrong = stack.workdir / "wrong-template"
@@ -264,8 +266,6 @@ def run():
                       (via_a, "/v1/chat/completions", _chat(i, i)),
                       (via_a, "/v1/completions", {"model": MODEL, "prompt": _distinct_prompt(r), "max_tokens": 4})])
                 result.scrape("faults", pool_x)
-        sock_pub.close()
-        sock_replay.close()
         yield result
 
 
@@ -413,6 +413,14 @@ def test_the_dashboard_is_importable_with_its_datasource_a_variable(tmp_path) ->
             walk(p.get("panels", []))
     walk(dashboard["panels"])
     assert len(ids) == len(set(ids)) and len(titles) == len(set(titles))
+    cells: dict[tuple[int, int], str] = {}  # no two panels on one cell of Grafana's 24-column grid
+    for p in dashboard["panels"]:
+        g = p["gridPos"]
+        assert g["x"] + g["w"] <= 24, p["title"]
+        for x in range(g["x"], g["x"] + g["w"]):
+            for y in range(g["y"], g["y"] + g["h"]):
+                assert (x, y) not in cells, (p["title"], cells.get((x, y)))
+                cells[(x, y)] = p["title"]
     # every expression parses: promtool checks them as recording rules
     queries = dashboard_queries(dashboard)
     rules = tmp_path / "dashboard.yaml"
