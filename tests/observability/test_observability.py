@@ -28,6 +28,7 @@ from random import Random
 import httpx
 import pytest
 import yaml
+from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from devkit import prometheusrule
@@ -139,14 +140,12 @@ class Run:
         """Every series name the targets of `job` expose, with the suffixes of their families' types
         (a family with no sample yet counts too: its TYPE line names it)."""
         names: set[str] = set()
-        suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "summary": ("_sum", "_count", ""),
-                    "gauge": ("",), "info": ("_info",), "unknown": ("",)}
         for _, texts in self.scrapes:
             for t in self.targets:
                 if t.job != job:
                     continue
                 for family in text_string_to_metric_families(texts[t.instance]):
-                    names.update(family.name + s for s in suffixes.get(family.type, ("",)))
+                    names.update(family.name + s for s in SUFFIXES.get(family.type, ("",)))
                     names.update(s.name for s in family.samples)
         return names
 
@@ -361,6 +360,27 @@ def test_every_metric_the_rules_use_is_exported(run: Run) -> None:
 # --- the dashboard -------------------------------------------------------------------------------
 
 PROMETHEUS_OWN = {"up"}  # series Prometheus makes itself
+SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "summary": ("_sum", "_count", ""),
+            "gauge": ("",), "info": ("_info",), "unknown": ("",)}
+
+
+def registry_names() -> set[str]:
+    """The series names of every metrics object kvgate's packages define, on a registry of their own:
+    what a kvgate exports in some configuration or other."""
+    from kvcache.index import PrefixIndex
+    from kvcache.metrics import IndexCollector, KVEventMetrics
+    from plugin.metrics import GatewayMetrics
+    from plugin.observe import ObserveMetrics
+    from routing.metrics import RoutingMetrics
+    from tokenizer.cache import CacheMetrics
+    from tokenizer.remote import RemoteMetrics
+    from tokenizer.verified import VerifyMetrics
+    registry = CollectorRegistry()
+    for metrics in (GatewayMetrics, ObserveMetrics, RoutingMetrics, KVEventMetrics, RemoteMetrics, VerifyMetrics,
+                    CacheMetrics):
+        metrics(registry)
+    IndexCollector(PrefixIndex(16).stats, registry)
+    return {f.name + suffix for f in registry.collect() for suffix in SUFFIXES[f.type]}
 
 
 def dashboard_queries(dashboard: dict) -> list[tuple[str, str]]:
@@ -439,7 +459,9 @@ def test_the_dashboard_is_importable_with_its_datasource_a_variable(tmp_path) ->
 
 def test_every_metric_the_dashboard_uses_is_one_kvgate_or_the_engines_export(run: Run) -> None:
     dashboard = json.loads(DASHBOARD.read_text())
-    exported = run.exported_names("kvgate") | run.exported_names("vllm")
+    served = run.exported_names("kvgate")
+    assert registry_names() <= served, f"defined but not served by the test's kvgates: {registry_names() - served}"
+    exported = served | registry_names() | run.exported_names("vllm")
     assert unknown_metrics(dashboard, exported) == {}
     # a metric renamed on either side fails it
     renamed = json.loads(DASHBOARD.read_text().replace("kvgate_index_max_entries", "kvgate_index_entries_max"))
