@@ -21,6 +21,7 @@ from kvcache.locking import LockedIndex
 from kvcache.stream import EndpointSpec, SubscriberOptions
 from plugin.config import Settings
 from plugin.extproc import ExternalProcessor
+from plugin.responses import ResponseStore
 from plugin.pipeline import Gateway, Sampler
 from plugin.http import build_http_app
 from plugin.metrics import GatewayMetrics
@@ -243,7 +244,8 @@ class App:
             tokenize_now=self.tokenizer.tokenize_now if isinstance(self.tokenizer, TokenizesNow) else None,
             sheddable_objectives=frozenset(o.strip() for o in s.sheddable_objectives.split(",") if o.strip()),
             observer=self.observer, sampler=Sampler(s.observe_sample), admission=self.admission,
-            render=remote.render_chat if remote is not None else None))
+            render=remote.render if remote is not None else None,
+            responses=ResponseStore(s.response_ids) if s.response_ids else None, running=self.router.running))
         self.pods.add_listener(self._on_pods)
         self._grpc: grpc.aio.Server | None = None
         self.grpc_port: int | None = None  # once serving

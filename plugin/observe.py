@@ -315,11 +315,8 @@ def body_on(streamed: bool) -> pb.ProcessingResponse:
     return _CONTINUE_STREAMED if streamed else _CONTINUE_WHOLE
 
 
-def response_headers(watch: Watch, msg: pb.ProcessingRequest, answer: pb.ProcessingResponse,
-                     body_sent: bool) -> pb.ProcessingResponse:
-    """Read the response's status and content type into `watch`; when its body is worth watching and
-    Envoy would not send it (`body_sent` False), the answer turns the body on: STREAMED for an event
-    stream, BUFFERED_PARTIAL (one message) for anything else."""
+def status_and_type(msg: pb.ProcessingRequest) -> tuple[int, str]:
+    """The response headers' status and content type (lower case; "" when absent)."""
     status, ctype = 0, ""
     for h in msg.response_headers.headers.headers:
         key = h.key.lower()
@@ -329,6 +326,15 @@ def response_headers(watch: Watch, msg: pb.ProcessingRequest, answer: pb.Process
         elif key == "content-type":
             raw = h.raw_value
             ctype = (raw.decode("latin-1") if raw else h.value).lower()
+    return status, ctype
+
+
+def response_headers(watch: Watch, msg: pb.ProcessingRequest, answer: pb.ProcessingResponse,
+                     body_sent: bool) -> pb.ProcessingResponse:
+    """Read the response's status and content type into `watch`; when its body is worth watching and
+    Envoy would not send it (`body_sent` False), the answer turns the body on: STREAMED for an event
+    stream, BUFFERED_PARTIAL (one message) for anything else."""
+    status, ctype = status_and_type(msg)
     if not watch.on_headers(status, ctype) or body_sent:
         return answer
     turn_on = _CONTINUE_STREAMED if watch.streamed else _CONTINUE_WHOLE
