@@ -37,9 +37,12 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from plugin import observe
-from plugin.pipeline import SLO_TPOT_HEADER, SLO_TTFT_HEADER, Gateway, Pipeline, RequestContext, build
+from plugin.pipeline import (PREVIOUS_RESPONSE, SLO_TPOT_HEADER, SLO_TTFT_HEADER, Gateway, Pipeline, RequestContext,
+                             build)
 from plugin.request import (KINDS, MESSAGES, POOLING_PATHS, READ_ONLY, RESPONSES, ROUTED_POST_PATHS, ClientError,
                             bad_request, parse_body)
+
+RESPONSE_PREFIX = RESPONSES + "/"
 from plugin.responses import IdReader
 from routing.errors import (NoEligibleEndpointError, NoReadyPodError, RoutingError, SaturatedError,
                             UnknownModelError, UnknownStrategyError)
@@ -292,6 +295,10 @@ class _Stream:
                 answer.mode_override.CopyFrom(observe.UNWATCHED)
                 return answer
             return _continue_headers(remove)
+        if path.startswith(RESPONSE_PREFIX):  # GET /v1/responses/{id}, POST /v1/responses/{id}/cancel
+            ctx.kind = "read_only"
+            self.gw.metrics.read_only.labels(RESPONSE_PREFIX + "{id}").inc()
+            return self._route_any(remove or [], self._stored(path[len(RESPONSE_PREFIX):].split("/", 1)[0]))
         if (method, path) in READ_ONLY:
             ctx.kind = "models" if path == "/v1/models" else "read_only"
             self.gw.metrics.read_only.labels(path).inc()
@@ -330,7 +337,18 @@ class _Stream:
         return d
 
     # --- helpers ----------------------------------------------------------------------
-    def _route_any(self, remove: list[str]) -> pb.ProcessingResponse:
+    def _stored(self, response_id: str) -> Pod | None:
+        """The ready pod that stored a Responses API response (plugin.responses), if this gateway learned it."""
+        store = self.gw.responses
+        name = store.pod_of(response_id) if store is not None and response_id else None
+        pod = self.gw.registry.get(name) if name is not None else None
+        return pod if pod is not None and pod.ready else None
+
+    def _route_any(self, remove: list[str], stored: Pod | None = None) -> pb.ProcessingResponse:
+        """A path routed by load (or to `stored`, the pod holding the response it names) at its headers."""
+        if stored is not None and (self.ctx.subset is None or stored.endpoint in self.ctx.subset):
+            self.gw.metrics.response_affinity.labels("routed").inc()
+            return self._routed(stored, PREVIOUS_RESPONSE, body=False, remove=remove)
         pods = [p for p in self.gw.registry.pods() if p.ready]
         subset = self.ctx.subset
         if subset is not None:

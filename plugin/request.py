@@ -37,10 +37,11 @@ KINDS = {COMPLETIONS: "completion", CHAT: "chat", RESPONSES: "responses", MESSAG
 RENDER_PATHS = {COMPLETIONS: "/v1/completions/render", CHAT: "/v1/chat/completions/render",
                 RESPONSES: "/v1/responses/render", MESSAGES: "/v1/messages/render"}
 # Pooling endpoints (one forward pass over the input, nothing cached worth routing to): by load.
-POOLING_PATHS = frozenset(("/v1/embeddings", "/pooling", "/classify", "/score", "/rerank"))
+POOLING_PATHS = frozenset(("/v1/embeddings", "/v2/embed", "/pooling", "/classify", "/score", "/v1/score", "/rerank",
+                           "/v1/rerank", "/v2/rerank"))
 # The engine's read-only endpoints a client may call through the gateway: by load, counted by path.
 READ_ONLY = frozenset((("GET", MODELS), ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/health"),
-                       ("GET", "/version")))
+                       ("GET", "/version"), ("POST", "/v1/messages/count_tokens")))
 # Chat fields vLLM's chat renderer hands the template that /tokenize cannot carry (see the module doc).
 _RENDER_ONLY_CHAT_FIELDS = ("reasoning_effort", "documents", "response_format")
 
