@@ -65,6 +65,9 @@ class FakeRegistry:
     def pods(self):
         return self._pods
 
+    def get(self, name):
+        return next((p for p in self._pods if p.name == name), None)
+
     def ready_pods(self, model):
         return [p for p in self._pods if p.ready and p.serves(model)]
 
