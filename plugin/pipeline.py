@@ -403,7 +403,7 @@ class _Pick:
         stored = None
         previous = ctx.request.previous_response_id
         if previous is not None and self.responses is not None:
-            stored = self._stored_pod(previous, subset)
+            stored = self._stored_pod(previous, await self.responses.lookup(previous), subset)
             if stored is not None:
                 subset = frozenset((stored,))
         request = RouteRequest(
@@ -421,11 +421,9 @@ class _Pick:
                 return
         ctx.decision = await self.router.pick(request, subset=ctx.subset, sheddable=sheddable)
 
-    def _stored_pod(self, response_id: str, subset: frozenset[str] | None) -> str | None:
-        """The endpoint of the ready pod that stored `response_id` (within the data plane's subset), counted by
-        outcome; None: routed as any other request."""
-        assert self.responses is not None
-        name = self.responses.pod_of(response_id)
+    def _stored_pod(self, response_id: str, name: str | None, subset: frozenset[str] | None) -> str | None:
+        """The endpoint of `name`, the pod that stored `response_id`, when it is ready (and within the data plane's
+        subset), counted by outcome; None: routed as any other request."""
         if name is None:
             self.affinity.labels("unknown").inc()
             return None

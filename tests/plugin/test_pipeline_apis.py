@@ -142,3 +142,33 @@ def test_the_store_is_bounded_and_the_reader_finds_ids_across_chunks():
     assert reader.feed(body[:60]) is None and reader.feed(body[60:]) == "resp_abc-1" and reader.done
     other = IdReader()
     assert other.feed(b'{"id":"msg_1",' + b" " * READ_LIMIT) is None and other.done
+
+
+async def test_replicas_share_learned_ids_through_redis_and_route_without_it():
+    from redis.asyncio import Redis
+
+    from helpers import RedisServer, wait_until_async
+    from plugin.responses import SharedResponseStore
+
+    server = RedisServer()
+    server.start()
+    try:
+        a = SharedResponseStore(10, Redis.from_url(server.url), ttl_s=60)
+        b = SharedResponseStore(10, Redis.from_url(server.url), ttl_s=60)
+        a.learn("resp_x", "p1")
+
+        async def shared() -> bool:
+            return await b.lookup("resp_x") == "p1"
+
+        await wait_until_async(shared, what="the id in Redis")
+        assert b.pod_of("resp_x") == "p1"  # kept here too once read
+        assert await b.lookup("resp_never") is None and b.errors == 0
+        server.kill()
+        assert await b.lookup("resp_gone") is None and b.errors == 1  # Redis down: no pod, quickly
+        a.learn("resp_y", "p0")  # the write fails in the background; known here all the same
+        assert await a.lookup("resp_y") == "p0"
+        await a.close()
+        await b.close()
+        assert a.errors == 1
+    finally:
+        server.kill()
