@@ -492,4 +492,5 @@ class _Observe:
         # running: the batch the engine profiles learn the decode step time at
         ctx.watch = self.observer.start(ctx.request_id, ctx.request.model, d.pod.name, tokens=ctx.token_ids,
                                         decision=d, running=d.running, slo_ttft_s=slo.get(SLO_TTFT_HEADER),
-                                        slo_tpot_s=slo.get(SLO_TPOT_HEADER), watched=ctx.watched)
+                                        slo_tpot_s=slo.get(SLO_TPOT_HEADER), watched=ctx.watched,
+                                        marker=observe.TOKEN_EVENTS.get(ctx.kind))

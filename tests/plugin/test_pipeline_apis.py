@@ -172,3 +172,35 @@ async def test_replicas_share_learned_ids_through_redis_and_route_without_it():
         assert a.errors == 1
     finally:
         server.kill()
+
+
+@pytest.mark.parametrize("kind,opening,delta,final", [
+    ("responses", b'event: response.created\ndata: {"type":"response.created","response":{"id":"resp_1","usage":null}}'
+                  b'\n\n', b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","delta":"a"}\n\n',
+     b'event: response.completed\ndata: {"type":"response.completed","response":{"usage":{"input_tokens":40,'
+     b'"input_tokens_details":{"cached_tokens":0},"output_tokens":2,"total_tokens":42}}}\n\n'),
+    ("messages", b'event: message_start\ndata: {"type":"message_start","message":{"usage":{"input_tokens":0,'
+                 b'"output_tokens":0}}}\n\nevent: ping\ndata: {"type":"ping"}\n\n',
+     b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,"delta":{"text":"a"}}\n\n',
+     b'event: message_delta\ndata: {"type":"message_delta","usage":{"input_tokens":40,"output_tokens":2}}\n\n'),
+])
+def test_a_responses_or_messages_stream_times_its_first_token_event(kind, opening, delta, final):
+    from prometheus_client import CollectorRegistry
+
+    from helpers import Clock
+    from plugin.observe import TOKEN_EVENTS, Observer
+
+    clock = Clock()
+    firsts: list[str] = []
+    observer = Observer(CollectorRegistry(), clock=clock, on_first_token=firsts.append)
+    w = observer.start("r1", "m", "p0", marker=TOKEN_EVENTS[kind])
+    w.on_headers(200, "text/event-stream")
+    clock.t += 0.01
+    w.on_chunk(opening)  # no token yet
+    assert not w.first_at and firsts == []
+    clock.t += 0.09
+    w.on_chunk(delta)
+    clock.t += 0.02
+    w.on_chunk(delta + final)
+    assert firsts == ["r1"] and w.events == 2
+    assert w.ttft == pytest.approx(0.1) and (w.prompt_tokens, w.completion_tokens) == (40, 2)
