@@ -34,6 +34,13 @@ async def sims() -> AsyncIterator[tuple[SimServer, SimServer]]:
     await b.stop()
 
 
+@pytest.fixture
+async def one() -> AsyncIterator[SimServer]:
+    a = await _start("sim-a")
+    yield a
+    await a.stop()
+
+
 async def _post(url: str, path: str, body: dict) -> httpx.Response:
     async with httpx.AsyncClient(base_url=url, timeout=10) as c:
         return await c.post(path, json=body)
@@ -82,8 +89,8 @@ async def test_responses_store_and_previous_response_id(sims: tuple[SimServer, S
     assert r6.status_code == 404
 
 
-async def test_responses_stream_events(sims: tuple[SimServer, SimServer]) -> None:
-    a, _ = sims
+async def test_responses_stream_events(one: SimServer) -> None:
+    a = one
     async with httpx.AsyncClient(base_url=a.url, timeout=10) as c:
         async with c.stream("POST", "/v1/responses", json={"model": "sim-model", "input": "hi", "stream": True,
                                                            "max_output_tokens": 3}) as r:
@@ -95,8 +102,8 @@ async def test_responses_stream_events(sims: tuple[SimServer, SimServer]) -> Non
     assert events[-1] == "response.completed"
 
 
-async def test_messages_shapes_stream_and_errors(sims: tuple[SimServer, SimServer]) -> None:
-    a, _ = sims
+async def test_messages_shapes_stream_and_errors(one: SimServer) -> None:
+    a = one
     body = {"model": "sim-model", "max_tokens": 3, "system": [{"type": "text", "text": "You help."}],
             "tools": [{"name": "lookup", "input_schema": {"type": "object"}}],
             "messages": [{"role": "user", "content": "Find it."},
@@ -121,8 +128,8 @@ async def test_messages_shapes_stream_and_errors(sims: tuple[SimServer, SimServe
     assert bad.json()["type"] == "error" and bad.json()["error"]["type"] == "invalid_request_error"
 
 
-async def test_chat_reasoning_effort_and_pooling(sims: tuple[SimServer, SimServer]) -> None:
-    a, _ = sims
+async def test_chat_reasoning_effort_and_pooling(one: SimServer) -> None:
+    a = one
     chat = {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}]}
     plain = await _render(a.url, "/v1/chat/completions/render", chat)
     off = await _render(a.url, "/v1/chat/completions/render", {**chat, "reasoning_effort": "none"})
