@@ -300,6 +300,11 @@ class _Oracle:
         self._placed[pod].update(keys)
         return pod, (max_tokens, keys)
 
+    def place(self, pod: str, max_tokens: int) -> tuple:
+        """A request sent to `pod` by necessity (a conversation only it stored): its output counted there."""
+        self._out_tokens[pod] += max_tokens
+        return max_tokens, ()
+
     def finished(self, pod: str, handle: tuple) -> None:
         max_tokens, keys = handle
         self._out_tokens[pod] -= max_tokens
@@ -525,6 +530,26 @@ async def _run(workload: Workload, policy: Policy, seed: int, strategy_config: S
             elif oracle is not None:
                 oracle.finished(key, handle)
 
+    sessions: dict[str, str] = {}  # a conversation -> the engine that answered its last turn (W12)
+
+    async def continue_on(stored: str, r: Any, i: int) -> tuple[str, Any]:
+        """A Responses API turn by previous_response_id, to the pod that stored the conversation: kvgate routes
+        it there without tokens (a subset of that pod: its running count taken, its rank by load); char-tree and
+        the oracle send it there too (it would 404 anywhere else)."""
+        pod = owner[stored][0]
+        if routers:
+            router = routers[i % len(routers)]
+            endpoint = next(p.endpoint for p in all_pods if p.name == pod)
+            decision = await router.pick(RouteRequest(MODEL, None, None, r.req_id), subset=frozenset((endpoint,)))
+            key = least_loaded_rank(pod) if decision.rank is None else ranks[pod][decision.rank]
+            return key, (router, decision)
+        if trees:
+            g = i % len(trees)
+            tree_loads[g][pod] += 1
+            return least_loaded_rank(pod), g
+        assert oracle is not None
+        return stored, oracle.place(stored, r.max_tokens)
+
     def least_loaded_rank(pod: str) -> str:
         """The engine's own balancer: its least loaded rank (running + waiting), the first on ties."""
         keys = ranks[pod]
@@ -583,7 +608,10 @@ async def _run(workload: Workload, policy: Policy, seed: int, strategy_config: S
         else:
             r = reqs[i]
             handle: Any  # what finish() needs to release the pick: (router, decision), the replica, the oracle's
-            if routers:
+            stored = sessions.get(r.session) if r.continues and r.session is not None else None
+            if stored is not None:  # previous_response_id: the engine that stored the conversation, any policy
+                key, handle = await continue_on(stored, r, i)
+            elif routers:
                 router = routers[i % len(routers)]
                 decision = await router.pick(RouteRequest(MODEL, list(r.token_ids), None, r.req_id,
                                                           slo_ttft_s=r.slo_ttft_s or None,
@@ -602,6 +630,8 @@ async def _run(workload: Workload, policy: Policy, seed: int, strategy_config: S
                 assert oracle is not None  # routers, trees or the oracle: one of them is set
                 key, handle = oracle.pick(r.token_ids, r.max_tokens, t, r.cache_salt, r.media)
             i += 1
+            if r.session is not None:
+                sessions[r.session] = key
             inflight[r.req_id] = (key, handle)
             running[key] += 1
             routed[key] += 1
