@@ -80,7 +80,7 @@ and W2 also kv-sync with event delay 50 / 500 ms and 1% of batches lost. Every p
 same requests at the same times (and the same flushes and joins) for a given seed.
 
 Gateway replicas: the policies run behind `--gateways` kvgate replicas (default 2, the
-smallest highly available tier and the one kvgate ships: envoy/gateway/kvgate.yaml and
+smallest highly available tier and the one kvgate ships: deploy/kustomize/base/deployment.yaml and
 `kvgate demo` run two), requests dealt to them in turn as Envoy spreads its ext_proc streams.
 Replicas share running counts (Redis) and each subscribes to every engine, so kv-sync's view
 is the same in all of them; prefix-cache's and char-tree's guesses are per replica, learnt from
@@ -158,7 +158,7 @@ METRICS = ("hit_rate", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "ttft_mean_s", 
 DEFAULT_PLOT = "docs/bench-routing.png"
 
 
-DEFAULT_GATEWAYS = 2  # replicas of the shipped deployment (envoy/gateway/kvgate.yaml, kvgate demo)
+DEFAULT_GATEWAYS = 2  # replicas of the shipped deployment (deploy/kustomize/base/deployment.yaml, kvgate demo)
 OTHER_GATEWAYS = (1, 4)  # the prefix strategies also run behind these (W1, W2)
 TARGET_GATEWAYS = (1, 2)  # the issue-13 targets are read at each of these replica counts
 # the policies kv-sync must beat (issue 13): every one but the oracle and kv-sync's own variants

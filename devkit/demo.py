@@ -39,6 +39,10 @@ import httpx
 from devkit.stack import Stack, StackError, free_port
 from devkit.workload import Results, workload_for
 from routing.scheduling.strategies import NAMES as STRATEGIES
+
+# The comparison the demo runs by default (README's table): kvgate's own and AIBrix's basic ones; any other
+# name (`--strategies least-latency,session-affinity`, say) on request
+DEFAULT_STRATEGIES = ("random", "round-robin", "least-request", "prefix-cache", "kv-sync", "slo")
 from tokenizer import testdata
 
 MODEL = "demo-model"
@@ -56,7 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="data-parallel ranks of the last engine (default 2; 1: every engine has one rank)")
     p.add_argument("--gateways", type=int, default=2,
                    help="kvgate replicas behind Envoy, sharing counts through Redis (default 2, as in production)")
-    p.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated strategies to compare")
+    p.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES),
+                   help=f"comma-separated strategies to compare (default {','.join(DEFAULT_STRATEGIES)}; any of "
+                        f"{', '.join(STRATEGIES)})")
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight (default 8)")
     p.add_argument("--workload", choices=("chat", "agent", "mix"), default="chat",
                    help="chat: multi-turn chats sharing system prompts; agent: agents resending a tool list every "

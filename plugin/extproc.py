@@ -25,6 +25,7 @@ pipeline on the body.
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -70,10 +71,16 @@ KVGATE_NAMESPACE = "kvgate"  # Envoy copies these into the client's x-kvgate-pod
 RESERVED_HEADERS = frozenset({DESTINATION_HEADER, TARGET_POD_HEADER, DP_RANK_HEADER})
 RESERVED_PREFIX = "x-kvgate-"
 
+# A request's session, as AIBrix (x-session-id: a pod it returned; x-aibrix-session-key: the caller's key) and
+# llm-d (x-session-token) clients send it; the first of these present wins. `user`: AIBrix's user (vtc-basic).
+SESSION_HEADERS = ("x-session-id", "x-session-token", "x-aibrix-session-key")
+USER_HEADER = "user"
+
 # The request headers kvgate reads (a header's key -> what it is); every other one is passed over.
-_PATH, _METHOD, _STRATEGY, _REQUEST_ID, _OBJECTIVE, _SLO = range(6)
+_PATH, _METHOD, _STRATEGY, _REQUEST_ID, _OBJECTIVE, _SLO, _SESSION, _USER = range(8)
 _READ_HEADERS = {":path": _PATH, ":method": _METHOD, STRATEGY_HEADER: _STRATEGY, "x-request-id": _REQUEST_ID,
-                 OBJECTIVE_HEADER: _OBJECTIVE, SLO_TTFT_HEADER: _SLO, SLO_TPOT_HEADER: _SLO}
+                 OBJECTIVE_HEADER: _OBJECTIVE, SLO_TTFT_HEADER: _SLO, SLO_TPOT_HEADER: _SLO,
+                 **dict.fromkeys(SESSION_HEADERS, _SESSION), USER_HEADER: _USER}
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 # The answer to headers that carry nothing to remove: built once, never mutated, shared by streams.
@@ -234,7 +241,7 @@ class _Stream:
         self.chunks = None
         d = await self._decide(raw)
         head = self._routed(d.pod, d.strategy, body=False, remove=self.held_remove, rank=d.rank,
-                            fallbacks=d.fallbacks)
+                            fallbacks=d.fallbacks, session=self._session_answer(d))
         body = pb.ProcessingResponse(request_body=pb.BodyResponse(response=pb.CommonResponse(
             body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
                 body=raw, end_of_stream=end_of_stream)))))
@@ -264,6 +271,12 @@ class _Stream:
                 ctx.request_id = value
             elif which == _OBJECTIVE:
                 ctx.objective = value.strip()
+            elif which == _SESSION:
+                value = value.strip()
+                if value and (ctx.session is None or SESSION_HEADERS.index(key) < ctx.session_rank):
+                    ctx.session, ctx.session_rank = value, SESSION_HEADERS.index(key)
+            elif which == _USER:
+                ctx.user = value.strip() or None
             else:  # an SLO target
                 ms = observe.milliseconds(value)
                 if ms is None:
@@ -310,7 +323,8 @@ class _Stream:
     def _watch_response(self) -> bool:
         """Watch this response? Always for the slo strategy and requests with SLO targets (their
         attainment, the prefill queue); else a sample (KVGATE_OBSERVE_SAMPLE)."""
-        if self.ctx.slo is not None or (self.ctx.strategy or self.gw.default_strategy) == "slo":
+        strategy = self.ctx.strategy or self.gw.default_strategy
+        if self.ctx.slo is not None or strategy == "slo" or ("," in strategy and _names_slo(strategy)):
             return True
         return self.gw.sampler.take()
 
@@ -320,14 +334,20 @@ class _Stream:
         if self.ctx.kind not in _ROUTED_KINDS:  # a body on a pass-through path
             return _BODY_CONTINUE
         d = await self._decide(msg.body)
-        key = (d.pod.name, d.pod.endpoint, d.strategy, d.rank, d.fallbacks)
+        session = self._session_answer(d)
+        key = (d.pod.name, d.pod.endpoint, d.strategy, d.rank, d.fallbacks, session)
         response = self.answers.get(key)
         if response is None:
             if len(self.answers) > 4096:  # pods churn: keep the memo bounded
                 self.answers.clear()
             response = self.answers[key] = self._routed(d.pod, d.strategy, body=True, rank=d.rank,
-                                                        fallbacks=d.fallbacks)
+                                                        fallbacks=d.fallbacks, session=session)
         return response
+
+    def _session_answer(self, d: Decision) -> bool:
+        """Tell the client its session's pod (AIBrix's x-session-id: the pod's `ip:port`, base64, which Envoy
+        copies from kvgate's metadata) when it sent a session or asked for session affinity."""
+        return self.ctx.session is not None or d.strategy == "session-affinity"
 
     async def _decide(self, raw: bytes) -> Decision:
         """The request pipeline on the body (plugin.pipeline): its decision."""
@@ -373,7 +393,7 @@ class _Stream:
         return self._routed(pod, "any", body=False, remove=remove, fallbacks=rest)
 
     def _routed(self, pod: Pod, strategy: str, *, body: bool, remove: list[str] | None = None,
-                rank: int | None = None, fallbacks: tuple[str, ...] = ()) -> pb.ProcessingResponse:
+                rank: int | None = None, fallbacks: tuple[str, ...] = (), session: bool = False) -> pb.ProcessingResponse:
         # The ranked list, primary first: header and metadata carry the same value (the protocol requires it).
         endpoint = ",".join((pod.endpoint, *fallbacks)) if fallbacks else pod.endpoint
         headers = [_set_header(DESTINATION_HEADER, endpoint), _set_header(RETRIES_HEADER, str(len(fallbacks)))]
@@ -383,6 +403,8 @@ class _Stream:
         if rank is not None:
             headers.append(_set_header(DP_RANK_HEADER, str(rank)))
             ours["rank"] = rank
+        if session:
+            ours["session_id"] = base64.b64encode(pod.endpoint.encode()).decode()
         common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=headers, remove_headers=remove or []))
         metadata = struct_pb2.Struct()
         metadata.update({LB_NAMESPACE: {DESTINATION_HEADER: endpoint}, KVGATE_NAMESPACE: ours})
@@ -495,6 +517,11 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
 
 
 _ROUTED_KINDS = frozenset((*KINDS.values(), "pooling"))
+
+
+def _names_slo(mix: str) -> bool:
+    """A weighted mix naming `slo` is `slo` (AIBrix: exclusive)."""
+    return any(part.partition(":")[0].strip() == "slo" for part in mix.split(","))
 
 
 def _continue_headers(remove: list[str] | None) -> pb.ProcessingResponse:

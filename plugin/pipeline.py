@@ -121,7 +121,8 @@ class RequestContext:
     """One routed request's state, from its headers to its decision (the pipeline's steps read and fill it)."""
 
     __slots__ = ("request_id", "path", "kind", "strategy", "objective", "slo", "subset", "watched", "body",
-                 "started", "request", "token_ids", "extras", "decision", "admitted", "watch")
+                 "started", "request", "token_ids", "extras", "decision", "admitted", "watch", "session",
+                 "session_rank", "user")
 
     def __init__(self) -> None:
         # From the transport (the request's headers and the data plane's metadata):
@@ -130,6 +131,9 @@ class RequestContext:
         self.kind = "other"  # chat, completion, models or other: the requests metric's label
         self.strategy: str | None = None  # the routing-strategy header's; `parse` fills in the default
         self.objective = ""  # x-gateway-inference-objective
+        self.session: str | None = None  # x-session-id, x-session-token or x-aibrix-session-key (session affinity)
+        self.session_rank = 0  # which of those headers it came from (the first listed wins)
+        self.user: str | None = None  # the `user` header (vtc-basic's per-user fairness)
         self.slo: dict[str, float] | None = None  # latency target header -> seconds
         self.subset: frozenset[str] | None = None  # the data plane's subset hint (None: any pod of the pool)
         self.watched = True  # the response will be watched (if there is an observer)
@@ -408,7 +412,8 @@ class _Pick:
                 subset = frozenset((stored,))
         request = RouteRequest(
             model=ctx.request.model, token_ids=ctx.token_ids, strategy=ctx.strategy, request_id=ctx.request_id,
-            slo_ttft_s=slo.get(SLO_TTFT_HEADER), slo_tpot_s=slo.get(SLO_TPOT_HEADER), extras=ctx.extras)
+            slo_ttft_s=slo.get(SLO_TTFT_HEADER), slo_tpot_s=slo.get(SLO_TPOT_HEADER), extras=ctx.extras,
+            session=ctx.session, user=ctx.user)
         sheddable = bool(objective) and objective in self.sheddable_objectives
         if stored is not None:
             try:

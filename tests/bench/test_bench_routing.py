@@ -174,7 +174,7 @@ def test_ratio_targets_report_what_any_router_could_attain():
 
 
 def test_policies_run_behind_the_shipped_replica_count_and_the_prefix_ones_behind_others_too():
-    shipped = yaml.safe_load_all((REPO / "envoy" / "gateway" / "kvgate.yaml").read_text())
+    shipped = yaml.safe_load_all((REPO / "deploy" / "kustomize" / "base" / "deployment.yaml").read_text())
     replicas = [d["spec"]["replicas"] for d in shipped if d and d.get("kind") == "Deployment"]
     assert replicas == [bench.DEFAULT_GATEWAYS]  # the benchmark's default is what the manifests deploy
     by_name = {p.name: p for p in bench.policies()}

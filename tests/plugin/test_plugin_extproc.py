@@ -480,3 +480,25 @@ async def test_a_stream_cut_after_its_pick_is_released_once():
         assert sum(gw.metrics.released.labels(how).value for how in ("cancelled", "completed", "stream_error")) == 1
     finally:
         await server.stop(0)
+
+
+async def test_session_and_user_headers_reach_the_pick_and_the_session_pod_goes_back():
+    import base64
+    router = FakeRouter(needs_tokens=False)
+    gw = gateway(router)
+    # AIBrix's x-session-id wins over llm-d's token and AIBrix's caller key, whatever their order
+    out = await run_stream(gw, [headers("POST", "/v1/completions", [
+        ("x-aibrix-session-key", "key"), ("x-session-token", "tok"), ("X-Session-Id", " sid "), ("user", "alice")]),
+        body({"model": "m", "prompt": "x"})])
+    assert (router.picks[0].session, router.picks[0].user) == ("sid", "alice")
+    assert base64.b64decode(out[1].dynamic_metadata["kvgate"]["session_id"]).decode() == "10.0.0.7:8000"
+    await run_stream(gw, [headers("POST", "/v1/completions", [("x-session-token", "tok"), ("x-aibrix-session-key", "k")]),
+                          body({"model": "m", "prompt": "x"})])
+    assert router.picks[1].session == "tok"
+    # no session: none given back (unless the strategy is session-affinity)
+    out = await run_stream(gw, [headers("POST", "/v1/completions"), body({"model": "m", "prompt": "x"})])
+    assert (router.picks[2].session, router.picks[2].user) == (None, None)
+    assert "session_id" not in out[1].dynamic_metadata["kvgate"]
+    out = await run_stream(gw, [headers("POST", "/v1/completions", [("routing-strategy", "session-affinity")]),
+                                body({"model": "m", "prompt": "x"})])
+    assert "session_id" in out[1].dynamic_metadata["kvgate"]
