@@ -71,7 +71,8 @@ capacity from the workload). Workloads (bench.routing_workloads):
   kvgate routes them there without tokens (a subset of that pod, as plugin.pipeline does). 15% of decode
   capacity, KV at 67% of the working set (bench.routing_workloads.w12 says why). Targets, behind 1 and 2
   replicas: kv-sync's hit rate within 2 points of the oracle's and >= every other policy's + 5 points.
-  (Session affinity alone, the issue's comparison, is a strategy of its own branch: not in these rows.)
+  Also reported, not a target: `session-affinity` alone (each conversation its session, as a client's
+  x-session-id would name it; the sessions shared by the replicas).
 
 Policies: random, round-robin, least-request, prefix-cache (router-side guess), char-tree
 (bench.chartree: SGLang's model gateway `cache_aware` policy with its published defaults), kv-sync
@@ -269,6 +270,9 @@ def shape_policies(shape: workloads.Shape | workloads.ChatShape, gateways: int) 
     if base in SLO_WORKLOADS:
         return (*(Policy(n, n, gateways=gateways) for n in SLO_POLICIES), Policy(ORACLE, ORACLE))
     out = policies(gateways, full=base not in CHAT_WORKLOADS)
+    if base in AGENT_WORKLOADS:  # issue 27: session affinity alone (the conversation is the session), beside
+        out = (*out[:-1], Policy("session-affinity", "session-affinity", gateways=gateways),
+               Policy(row("session-affinity", 1, gateways), "session-affinity", gateways=1), out[-1])
     if getattr(shape, "dp_size", 1) > 1:
         out = (*out[:-1], Policy("kv-sync@no-rank", "kv-sync", gateways=gateways, dp_ranks=False), out[-1])
     return out
