@@ -21,6 +21,7 @@ from kvcache.locking import LockedIndex
 from kvcache.stream import EndpointSpec, SubscriberOptions
 from plugin.config import Settings
 from plugin.extproc import ExternalProcessor
+from plugin.responses import ResponseStore, SharedResponseStore
 from plugin.pipeline import Gateway, Sampler
 from plugin.http import build_http_app
 from plugin.metrics import GatewayMetrics
@@ -246,6 +247,14 @@ class App:
                                   on_first_token=self.capacity.first_token)
                          if s.observe_responses else None)
         self.trace_writer: TraceWriter | None = None
+        # Responses API response id -> pod (plugin.responses): shared through Redis when there is one.
+        self.responses: ResponseStore | None = None
+        if s.response_ids and s.redis_url:
+            from redis.asyncio import Redis
+            self.responses = SharedResponseStore(s.response_ids, Redis.from_url(s.redis_url),
+                                                 ttl_s=s.response_id_ttl_s)
+        elif s.response_ids:
+            self.responses = ResponseStore(s.response_ids)
         self.processor = ExternalProcessor(Gateway(
             router=self.router, registry=self.pods, tokenizer=self.tokenizer, metrics=self.gateway_metrics,
             default_strategy=s.routing_strategy, max_body_bytes=s.max_body_bytes,
@@ -257,7 +266,8 @@ class App:
             tokenize_now=self.tokenizer.tokenize_now if isinstance(self.tokenizer, TokenizesNow) else None,
             sheddable_objectives=frozenset(o.strip() for o in s.sheddable_objectives.split(",") if o.strip()),
             observer=self.observer, sampler=Sampler(s.observe_sample), admission=self.admission,
-            render=remote.render_chat if remote is not None else None))
+            render=remote.render if remote is not None else None,
+            responses=self.responses, running=self.router.running))
         self.pods.add_listener(self._on_pods)
         self._grpc: grpc.aio.Server | None = None
         self.grpc_port: int | None = None  # once serving
@@ -407,6 +417,8 @@ class App:
             await self.predictor_sync.aclose()
         if self.profile_loader is not None:
             self.profile_loader.cancel()
+        if self.responses is not None:
+            await self.responses.close()
         await self.tokenizer.aclose()
 
 

@@ -262,6 +262,15 @@ VARIABLES: tuple[Variable, ...] = (
              "one asks Envoy for none (its response headers are skipped too), is still uncounted when its "
              "stream ends and still tells the trackers it is done (without usage). Requests with the slo "
              "strategy or SLO headers are always watched. 1: every response."),
+    Variable("KVGATE_RESPONSE_IDS", "response_ids", _int_range(0, 10_000_000), 100_000,
+             "Responses API conversations remembered per gateway replica: response id -> the pod that answered "
+             "it (learned from the routed answer; shared with the other replicas through KVGATE_REDIS_URL), so "
+             "a request with that `previous_response_id` goes to the engine that stored the conversation while "
+             "it is ready. Least recently used first out; 0: not learned."),
+    Variable("KVGATE_RESPONSE_ID_TTL_S", "response_id_ttl_s", _positive_float, 3600.0,
+             "With KVGATE_REDIS_URL: how long a learned response id (KVGATE_RESPONSE_IDS) stays in Redis for "
+             "the other gateway replicas (an id one replica did not learn is looked up there, one GET of at "
+             "most 50 ms)."),
     Variable("KVGATE_TRACE_WRITE_INTERVAL_S", "trace_write_interval_s", _positive_float, 10.0,
              "With KVGATE_REDIS_URL: each model's request trace window (AIBrix's format, "
              "`aibrix:<model>_request_trace_<t>`) is written to Redis this often."),
@@ -353,6 +362,8 @@ class Settings:
     drain_timeout_s: float = 25.0
     observe_responses: bool = True
     observe_sample: float = 0.1
+    response_ids: int = 100_000
+    response_id_ttl_s: float = 3600.0
     trace_write_interval_s: float = 10.0
     predict_window_s: float = 240.0
     predict_step_s: float = 10.0

@@ -38,8 +38,13 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from plugin import observe
-from plugin.pipeline import SLO_TPOT_HEADER, SLO_TTFT_HEADER, Gateway, Pipeline, RequestContext, build
-from plugin.request import CHAT, MODELS, ROUTED_POST_PATHS, ClientError, bad_request, parse_body
+from plugin.pipeline import (PREVIOUS_RESPONSE, SLO_TPOT_HEADER, SLO_TTFT_HEADER, Gateway, Pipeline, RequestContext,
+                             build)
+from plugin.request import (KINDS, MESSAGES, POOLING_PATHS, READ_ONLY, RESPONSES, ROUTED_POST_PATHS, ClientError,
+                            bad_request, parse_body)
+
+RESPONSE_PREFIX = RESPONSES + "/"
+from plugin.responses import IdReader
 from routing.errors import (NoEligibleEndpointError, NoReadyPodError, RoutingError, SaturatedError,
                             UnknownModelError, UnknownStrategyError)
 from routing.pods import Pod
@@ -96,7 +101,7 @@ def _set_header(name: str, value: str) -> base_pb2.HeaderValueOption:
                                       append_action=_OVERWRITE)
 
 
-def _immediate(err: ClientError, request_id: str) -> pb.ProcessingResponse:
+def _immediate(err: ClientError, request_id: str, anthropic: bool = False) -> pb.ProcessingResponse:
     headers = pb.HeaderMutation(set_headers=[
         _set_header("content-type", "application/json"),
         _set_header("x-request-id", request_id),
@@ -104,7 +109,8 @@ def _immediate(err: ClientError, request_id: str) -> pb.ProcessingResponse:
     if err.retry_after is not None:
         headers.set_headers.append(_set_header("retry-after", str(err.retry_after)))
     return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
-        status=http_status_pb2.HttpStatus(code=err.status), headers=headers, body=err.to_json(),
+        status=http_status_pb2.HttpStatus(code=err.status), headers=headers,
+        body=err.to_anthropic_json() if anthropic else err.to_json(),
         details=f"kvgate_{err.code or err.type}"))
 
 
@@ -112,7 +118,7 @@ class _Stream:
     """The protocol state of one HTTP request's ext_proc stream; the request's own state is `ctx`."""
 
     __slots__ = ("gw", "pipeline", "answers", "ctx", "method", "streamed_request", "streamed_response", "chunks",
-                 "held_remove")
+                 "held_remove", "served_pod", "id_reader")
 
     def __init__(self, gw: Gateway, pipeline: Pipeline, answers: dict) -> None:
         self.gw = gw
@@ -128,6 +134,9 @@ class _Stream:
         self.streamed_response = False
         self.chunks: list[bytes] | None = None
         self.held_remove: list[str] | None = None
+        # A Responses API answer's pod and the reader of its id (plugin.responses), while it is looked for.
+        self.served_pod = ""
+        self.id_reader: IdReader | None = None
 
     # --- EPP protocol clauses ------------------------------------------------------------
     def read_context(self, msg: pb.ProcessingRequest) -> None:
@@ -142,9 +151,31 @@ class _Stream:
     def on_response_headers(self, msg: pb.ProcessingRequest) -> pb.ProcessingResponse:
         answer = self._served(msg)
         watch = self.ctx.watch
-        if watch is None:
+        if watch is not None:
+            answer = observe.response_headers(watch, msg, answer, self.streamed_response)
+        if self.ctx.kind == "responses" and self.gw.responses is not None and self.ctx.decision is not None:
+            answer = self._read_response_id(msg, answer)
+        return answer
+
+    def _read_response_id(self, msg: pb.ProcessingRequest, answer: pb.ProcessingResponse) -> pb.ProcessingResponse:
+        """A Responses API answer: its id is read from its body (plugin.responses), which is turned on when
+        nothing else turned it on."""
+        status, ctype = observe.status_and_type(msg)
+        if status != 200:
             return answer
-        return observe.response_headers(watch, msg, answer, self.streamed_response)
+        d = self.ctx.decision
+        assert d is not None  # as on_response_headers found it
+        self.served_pod = self.served_pod or d.pod.name
+        self.id_reader = IdReader()
+        if self.streamed_response or answer.HasField("mode_override"):
+            return answer
+        turn_on = observe.body_on(ctype.startswith("text/event-stream"))
+        if not answer.response_headers.HasField("response"):
+            return turn_on
+        out = pb.ProcessingResponse()
+        out.CopyFrom(answer)
+        out.mode_override.CopyFrom(turn_on.mode_override)
+        return out
 
     def _served(self, msg: pb.ProcessingRequest) -> pb.ProcessingResponse:
         """Account the request to the endpoint that served it (a fallback, after a retry) and name
@@ -162,6 +193,7 @@ class _Stream:
             m.served.labels("unknown").inc()
             return _RESPONSE_HEADERS_CONTINUE
         m.served.labels("fallback").inc()
+        self.served_pod = pod.name
         if self.ctx.watch is not None:
             self.ctx.watch.served_by(pod.name)
         return pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=pb.CommonResponse(
@@ -170,6 +202,15 @@ class _Stream:
     def on_response_body(self, msg: pb.HttpBody) -> pb.ProcessingResponse:
         if self.ctx.watch is not None:
             self.ctx.watch.on_chunk(msg.body)
+        reader = self.id_reader
+        if reader is not None:
+            found = reader.feed(msg.body)
+            if found is not None:
+                assert self.gw.responses is not None  # set only with a store (_read_response_id)
+                self.gw.responses.learn(found, self.served_pod)
+                self.gw.metrics.response_ids.inc()
+            if reader.done:
+                self.id_reader = None
         if not self.streamed_response:
             return _RESPONSE_BODY_CONTINUE
         return pb.ProcessingResponse(response_body=_echo(msg))
@@ -247,14 +288,18 @@ class _Stream:
         if not ctx.request_id:
             ctx.request_id = uuid.uuid4().hex
         path = ctx.path
-        if self.method == "POST" and path in ROUTED_POST_PATHS:
-            ctx.kind = "chat" if path == CHAT else "completion"
+        method = self.method
+        pooling = path in POOLING_PATHS
+        if method == "POST" and (path in ROUTED_POST_PATHS or pooling):
+            ctx.kind = "pooling" if pooling else KINDS[path]
             if msg.end_of_stream:  # no body will follow
                 return self._error(bad_request("request body is empty; expected a JSON object", code="invalid_json"))
             if self.streamed_request:  # the answer to the headers waits for the whole body
                 self.chunks, self.held_remove = [], remove
                 return None
-            if self.gw.observer is not None and not self._watch_response():
+            # A Responses API answer is read for its id (plugin.responses): never unwatched.
+            if self.gw.observer is not None and not (path == RESPONSES and self.gw.responses is not None) \
+                    and not self._watch_response():
                 # Envoy sends nothing of this response (the override is honoured in this answer only)
                 ctx.watched = False
                 if not remove:
@@ -263,9 +308,15 @@ class _Stream:
                 answer.mode_override.CopyFrom(observe.UNWATCHED)
                 return answer
             return _continue_headers(remove)
-        if self.method == "GET" and path == MODELS:
-            ctx.kind = "models"
+        if path.startswith(RESPONSE_PREFIX):  # GET /v1/responses/{id}, POST /v1/responses/{id}/cancel
+            ctx.kind = "read_only"
+            self.gw.metrics.read_only.labels(RESPONSE_PREFIX + "{id}").inc()
+            return self._route_any(remove or [], self._stored(path[len(RESPONSE_PREFIX):].split("/", 1)[0]))
+        if (method, path) in READ_ONLY:
+            ctx.kind = "models" if path == "/v1/models" else "read_only"
+            self.gw.metrics.read_only.labels(path).inc()
             return self._route_any(remove or [])
+        self.gw.metrics.read_only.labels("other").inc()
         self.gw.metrics.requests.labels("other", "passthrough").inc()
         return _continue_headers(remove)
 
@@ -280,7 +331,7 @@ class _Stream:
     async def on_body(self, msg: pb.HttpBody) -> pb.ProcessingResponse | list[pb.ProcessingResponse] | None:
         if self.streamed_request:
             return await self.on_streamed_body(msg)
-        if self.ctx.kind not in ("chat", "completion"):  # a body on a pass-through path
+        if self.ctx.kind not in _ROUTED_KINDS:  # a body on a pass-through path
             return _BODY_CONTINUE
         d = await self._decide(msg.body)
         session = self._session_answer(d)
@@ -306,7 +357,18 @@ class _Stream:
         return d
 
     # --- helpers ----------------------------------------------------------------------
-    def _route_any(self, remove: list[str]) -> pb.ProcessingResponse:
+    def _stored(self, response_id: str) -> Pod | None:
+        """The ready pod that stored a Responses API response (plugin.responses), if this gateway learned it."""
+        store = self.gw.responses
+        name = store.pod_of(response_id) if store is not None and response_id else None
+        pod = self.gw.registry.get(name) if name is not None else None
+        return pod if pod is not None and pod.ready else None
+
+    def _route_any(self, remove: list[str], stored: Pod | None = None) -> pb.ProcessingResponse:
+        """A path routed by load (or to `stored`, the pod holding the response it names) at its headers."""
+        if stored is not None and (self.ctx.subset is None or stored.endpoint in self.ctx.subset):
+            self.gw.metrics.response_affinity.labels("routed").inc()
+            return self._routed(stored, PREVIOUS_RESPONSE, body=False, remove=remove)
         pods = [p for p in self.gw.registry.pods() if p.ready]
         subset = self.ctx.subset
         if subset is not None:
@@ -319,10 +381,15 @@ class _Stream:
             pods = [p for p in pods if self.gw.reachable(p.name)] or pods
         if not pods:
             return self._error(ClientError(503, "no ready pod", type_="service_unavailable", code="no_ready_pod"))
-        first = hash(self.ctx.request_id) % len(pods)
-        pod = pods[first]
-        rest = tuple(pods[(first + i) % len(pods)].endpoint for i in range(1, min(len(pods), 4)))
-        self.gw.metrics.requests.labels("models", "routed").inc()
+        # By load: the fewest running requests (this gateway's view of every gateway's counts), ties spread by
+        # the request id; the next ones the fallbacks.
+        running = self.gw.running() if self.gw.running is not None else {}
+        spread = hash(self.ctx.request_id)
+        n = len(pods)
+        order = sorted(range(n), key=lambda i: (running.get(pods[i].name, 0), (i - spread) % n))
+        pod = pods[order[0]]
+        rest = tuple(pods[i].endpoint for i in order[1:4])
+        self.gw.metrics.requests.labels(self.ctx.kind, "routed").inc()
         return self._routed(pod, "any", body=False, remove=remove, fallbacks=rest)
 
     def _routed(self, pod: Pod, strategy: str, *, body: bool, remove: list[str] | None = None,
@@ -348,7 +415,7 @@ class _Stream:
     def _error(self, err: ClientError) -> pb.ProcessingResponse:
         self.gw.metrics.errors.labels(str(err.status), err.code or err.type).inc()
         self.gw.metrics.requests.labels(self.ctx.kind, "rejected").inc()
-        return _immediate(err, self.ctx.request_id)
+        return _immediate(err, self.ctx.request_id, anthropic=self.ctx.path == MESSAGES)
 
     def error_for(self, exc: BaseException) -> pb.ProcessingResponse:
         if isinstance(exc, ClientError):
@@ -447,6 +514,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         """Wait for pending releases (at shutdown)."""
         if self._releases:
             await asyncio.gather(*list(self._releases), return_exceptions=True)
+
+
+_ROUTED_KINDS = frozenset((*KINDS.values(), "pooling"))
 
 
 def _names_slo(mix: str) -> bool:
