@@ -152,6 +152,7 @@ class Subscriber:
         self.retry_delay = options.reconnect_initial
         self.connect_at: float | None = None  # when to (re)connect, while there is no connection
         self.last_rx = 0.0  # when bytes last came in
+        self.last_message_at = 0.0  # when live messages were last handled (monotonic; 0: never)
         self.ping_at = 0.0
         self.registered = 0  # selector events the connection is registered for
         # Counted locally per batch, written to the metrics by flush_metrics (a prometheus update costs
@@ -175,6 +176,11 @@ class Subscriber:
         s = self.spec
         return {"pod": s.pod, "model": s.model, "rank": s.rank, "endpoint": s.pub_endpoint,
                 "replay_endpoint": s.replay_endpoint, "connected": self.connected, "last_seq": self._last,
+                # the event lag as kvgate can see it: live messages read and not yet applied, and how long ago
+                # the last ones came (the batches' own engine timestamps are not decoded on the fast path)
+                "backlog": len(self.pending),
+                "last_message_age_s": (round(time.monotonic() - self.last_message_at, 3)
+                                       if self.last_message_at else None),
                 **{k: self.counts[k] for k in ("batches", "events", "duplicates", "missed_batches", "drops",
                                                 "replays", "replay_failures", "errors", "reconnects")}}
 
@@ -254,6 +260,8 @@ class Subscriber:
         (MORE), or the next one needs a replay (REPLAY: run replay_held on a worker meanwhile)."""
         pending = self.pending
         counts = self.counts
+        if pending:
+            self.last_message_at = time.monotonic()
         while pending:
             msg = pending[0]
             if type(msg) is tuple and self._last is not None and msg[0] == self._last + 1 and not self._unverified:
