@@ -364,3 +364,14 @@ def test_recent_errors_keeps_the_last_warnings_of_any_logger():
     assert snap["total"] == 6
     assert [e["message"] for e in snap["recent"]] == ["failed x (OSError: disk)", "warning 4", "warning 3"]
     assert snap["recent"][0]["level"] == "ERROR" and snap["recent"][0]["logger"] == "kvgate.test-status"
+
+
+def test_engine_prefix_cache_counters_are_read_from_the_scrape():
+    from routing.state.engine_metrics import parse_engine_metrics
+    text = ("# TYPE vllm:prefix_cache_queries counter\n"
+            'vllm:prefix_cache_queries_total{engine="0"} 100\nvllm:prefix_cache_queries_total{engine="1"} 50\n'
+            "# TYPE vllm:prefix_cache_hits counter\n"
+            'vllm:prefix_cache_hits_total{engine="0"} 30\nvllm:prefix_cache_hits_total{engine="1"} 20\n'
+            'vllm:num_requests_waiting{engine="0"} 1\nvllm:num_requests_waiting{engine="1"} 2\n')
+    assert parse_engine_metrics(text).prefix_cache == (150, 50)
+    assert parse_engine_metrics("vllm:num_requests_waiting 1\n").prefix_cache is None
