@@ -46,6 +46,8 @@ class StatusView:
     mix_minutes: list[tuple[int, dict[str, int]]]  # (minute start, requests by strategy)
     strategies: list[str]
     window_minutes: int = 15
+    # what `kvgate status` compares between replicas: label -> value
+    key_numbers: dict[str, str] = field(default_factory=dict)
 
 
 _MISSING = object()
@@ -122,9 +124,18 @@ def build_view(debug: dict) -> StatusView:
     minutes, strategies = _mix_series(debug)
     taken = debug.get("time")
     window = (debug.get("routing_mix") or {}).get("window_minutes")
+    routed = sum(int(n) for m in (debug.get("routing_mix") or {}).get("minutes") or []
+                 for key, n in (m.get("requests") or {}).items() if "/rejected:" not in key)
+    pods = debug.get("pods") or []
+    key_numbers = {"redis up": _fmt(counts.get("redis_up")), "sees others": _fmt(counts.get("other_gateways")),
+                   "pods ready": f"{sum(1 for p in pods if p.get('ready'))}/{len(pods)}",
+                   "running": _fmt(sum(int(p.get("running") or 0) for p in pods)),
+                   "in flight here": _fmt(debug.get("in_flight_here")),
+                   "index entries": _fmt((debug.get("index") or {}).get("entries")),
+                   "routed": str(routed), "warnings": _fmt((debug.get("recent_errors") or {}).get("total"))}
     return StatusView(replica, taken if isinstance(taken, (int, float)) else None, summary,
                       [t for t in tables if t.rows or t.note], minutes, strategies,
-                      window if isinstance(window, int) and window > 0 else 15)
+                      window if isinstance(window, int) and window > 0 else 15, key_numbers)
 
 
 def _fleet(debug: dict) -> Table:
@@ -230,7 +241,7 @@ def _tokenizer(debug: dict) -> Table:
     models = tok.get("models") or {}
     t = Table("Tokenizer", ["model", "state", "source", "local", "engine", "agree", "disagree", "verified shapes",
                             "error"],
-              note=f"mode {tok.get('mode', '?')}" + ("" if models else ": the engines tokenize (no local files)"))
+              note=f"mode {tok.get('mode', '?')}" + ("" if models else _no_tokenizer_models(debug)))
     for model in sorted(models):
         m = models[model]
         base = ("tokenizer", "models", model)
@@ -244,6 +255,14 @@ def _tokenizer(debug: dict) -> Table:
                        Cell(", ".join(str(v) for v in m.get("verified") or []) or "-"),
                        _at(debug, (*base, "error"))])
     return t
+
+
+def _no_tokenizer_models(debug: dict) -> str:
+    settings = debug.get("settings") or {}
+    tok = debug.get("tokenizer") or {}
+    if tok.get("mode") != "remote" and (settings.get("tokenizer_path") or settings.get("tokenizer_hub")):
+        return ": no model asked for yet"
+    return ": the engines tokenize (no local files)"
 
 
 def _profiles(debug: dict) -> Table:
@@ -392,6 +411,14 @@ def _text_table(t: Table, width_cap: int = 40) -> list[str]:
 def render_text(views: Iterable[tuple[str, StatusView | str]]) -> str:
     """Each replica's view (or why it could not be read) as compact text tables."""
     out: list[str] = []
+    views = list(views)
+    read = [(url, v) for url, v in views if not isinstance(v, str)]
+    if len(views) > 1 and read:
+        # the replicas side by side: running counts they share, index entries they should agree on
+        columns = list(read[0][1].key_numbers)
+        t = Table("Replicas", ["replica", "url", *columns],
+                  [[Cell(v.replica), Cell(url), *(Cell(v.key_numbers.get(c, "-")) for c in columns)] for url, v in read])
+        out += _text_table(t, width_cap=60) + [""]
     for url, view in views:
         if isinstance(view, str):
             out += [f"== {url}: unreachable: {view}", ""]

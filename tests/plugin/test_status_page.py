@@ -318,6 +318,10 @@ def test_kvgate_status_one_replica_and_every_replica(env, capsys, monkeypatch):
     assert status_cmd.main(status_cmd.parse(["--url", env.urls[0], "--url", env.urls[1]])) == 0
     both = capsys.readouterr().out
     assert "kvgate gw-a" in both and "kvgate gw-b" in both
+    # the replicas side by side first: both see the same index (the engines' events)
+    entries = env.debug()["index"]["entries"]
+    assert re.search(rf"^  gw-a\s+{re.escape(env.urls[0])}\s+yes\s+1\s+2/2\s+0\s+0\s+{entries}\b", both, re.M), both
+    assert re.search(rf"^  gw-b\s+{re.escape(env.urls[1])}\s+yes\s+\d\s+2/2\s+0\s+0\s+{entries}\b", both, re.M), both
     # a headless Service's name: its A records, one per replica (here one, the second replica's address)
     real = socket.getaddrinfo
     monkeypatch.setattr(socket, "getaddrinfo", lambda host, port, *a, **k: real(
