@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter, deque
+from collections import deque
 from typing import Callable
 
 # The reason a routed request went where it did, as the page groups them.
@@ -28,7 +28,7 @@ class _Minute:
 
     def __init__(self, start: int) -> None:
         self.start = start  # epoch minute (unix time // 60)
-        self.mix: Counter[tuple[str, str]] = Counter()  # (strategy, reason) -> requests
+        self.mix: dict[tuple[str, str], int] = {}  # (strategy, reason) -> requests
         self.believed: dict[str, list[int]] = {}  # model -> [cached blocks, total blocks]
         # pod -> (model, queries, hits) at the minute's first scrape and at its last
         self.engines: dict[str, tuple[tuple[str, float, float], tuple[str, float, float]]] = {}
@@ -46,21 +46,31 @@ class RoutingMix:
         self.max_keys = max_keys
         self._clock = clock
         self._ring: deque[_Minute] = deque(maxlen=minutes)
+        self._current: _Minute | None = None
+        self._until = 0.0  # when the current minute ends (clock time)
 
     def _now(self) -> _Minute:
-        minute = int(self._clock() // 60)
-        ring = self._ring
-        if not ring or ring[-1].start != minute:
-            ring.append(_Minute(minute))
-        return ring[-1]
+        now = self._clock()
+        current = self._current
+        if current is None or now >= self._until or now < self._until - 60:  # a new minute, or the clock went back
+            minute = int(now // 60)
+            ring = self._ring
+            if not ring or ring[-1].start != minute:
+                ring.append(_Minute(minute))
+            current = self._current = ring[-1]
+            self._until = (minute + 1) * 60.0
+        return current
 
     def record(self, strategy: str, reason: str, model: str = "", matched_blocks: int = 0,
                total_blocks: int = 0) -> None:
         m = self._now()
+        mix = m.mix
         key = (strategy, reason)
-        if key not in m.mix and len(m.mix) >= self.max_keys:
+        n = mix.get(key)
+        if n is None and len(mix) >= self.max_keys:
             key = (OTHER, OTHER)
-        m.mix[key] += 1
+            n = mix.get(key)
+        mix[key] = (n or 0) + 1
         if total_blocks > 0 and model:
             pair = m.believed.get(model)
             if pair is None:
