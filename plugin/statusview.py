@@ -119,7 +119,8 @@ def build_view(debug: dict) -> StatusView:
         summary.append((f"blocks in {medium}", _at(debug, ("index", "keys_by_medium", medium))))
     if "admission" in debug:
         summary.append(("waiting for admission", _at(debug, ("admission", "waiting"))))
-    tables = [_fleet(debug), _events(debug), _cache_share(debug), _mix_table(debug), _tokenizer(debug),
+    # the routing mix first: the page shows it beside its chart
+    tables = [_mix_table(debug), _fleet(debug), _events(debug), _cache_share(debug), _tokenizer(debug),
               _profiles(debug), _errors(debug)]
     minutes, strategies = _mix_series(debug)
     taken = debug.get("time")
@@ -315,7 +316,7 @@ td.msg{white-space:normal;text-align:left;word-break:break-word;min-width:14em}.
 .bad{color:#c0392b;font-weight:600}.note{color:#66707c;font-size:12px;margin:4px 0 0}
 dl{display:grid;grid-template-columns:repeat(auto-fill,minmax(150px,1fr));gap:6px 12px;margin:0}
 dt{color:#66707c;font-size:12px}dd{margin:0;font-weight:600;overflow-wrap:anywhere}
-.legend{display:flex;flex-wrap:wrap;gap:4px 12px;font-size:12px}.legend i{display:inline-block;width:10px;
+#recent-warnings-and-errors th,#recent-warnings-and-errors td{text-align:left}.legend{display:flex;flex-wrap:wrap;gap:4px 12px;font-size:12px}.legend i{display:inline-block;width:10px;
 height:10px;margin-right:4px;border-radius:2px}svg{width:100%;height:auto;display:block}
 @media (max-width:600px){main{padding:6px;gap:8px}section{padding:8px}th,td{padding:2px 5px}}
 """
@@ -339,7 +340,7 @@ def _table_html(t: Table) -> str:
     table = f'<div class="scroll"><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>' \
         if t.rows else ""
     slug = "".join(ch if ch.isalnum() else "-" for ch in t.title.lower())
-    wide = " wide" if len(t.columns) > 8 else ""
+    wide = " wide" if len(t.columns) > 6 or t.title == "Recent warnings and errors" else ""
     return f'<section class="table{wide}" id="{escape(slug)}"><h2>{escape(t.title)}</h2>{table}{note}</section>'
 
 
