@@ -80,12 +80,14 @@ def _fmt(v: Any, unit: str = "") -> str:
     return str(v)
 
 
-def _at(debug: dict, path: Path, unit: str = "", cls: str = "") -> Cell:
-    """The value at `path` in /debug; shown as `-`, and tagged with no path, where /debug has none."""
+def _at(debug: dict, path: Path, unit: str = "", cls: str = "",
+        metric: tuple[str, dict[str, str]] | None = None) -> Cell:
+    """The value at `path` in /debug (and the Prometheus series equal to it, if any); shown as `-`, and
+    tagged with no path, where /debug has none."""
     v = _get(debug, path, _MISSING)
     if v is _MISSING:
         return Cell("-", None, None, cls)
-    return Cell(_fmt(v, unit), path, v, cls)
+    return Cell(_fmt(v, unit), path, v, cls, metric)
 
 
 def _label(text: Any, cls: str = "") -> Cell:
@@ -107,10 +109,10 @@ def build_view(debug: dict) -> StatusView:
         ("running counts", _at(debug, ("counts", "backend"))),
         ("redis", _at(debug, ("counts", "redis"))),
         ("redis up", _at(debug, ("counts", "redis_up"), cls="ok" if counts.get("redis_up") else
-                         ("bad" if counts.get("backend") == "redis" else ""))),
+                         ("bad" if counts.get("backend") == "redis" else ""), metric=("kvgate_counts_redis_up", {}))),
         ("other replicas", _at(debug, ("counts", "other_gateways"))),
         ("their counts' age", _at(debug, ("counts", "others_age_s"), " s")),
-        ("index entries", _at(debug, ("index", "entries"))),
+        ("index entries", _at(debug, ("index", "entries"), metric=("kvgate_index_entries", {}))),
         ("index bound", _at(debug, ("index", "max_entries"))),
         ("recent warnings", _at(debug, ("recent_errors", "total"), cls="bad" if _get(
             debug, ("recent_errors", "total")) else "")),
@@ -169,7 +171,9 @@ def _events(debug: dict) -> Table:
               note="backlog: messages read, not yet applied" if subs else "no subscriptions")
     for i, s in enumerate(subs):
         t.rows.append([_at(debug, ("subscriptions", i, "pod")), _at(debug, ("subscriptions", i, "rank")),
-                       _at(debug, ("subscriptions", i, "connected"), cls="ok" if s.get("connected") else "bad"),
+                       _at(debug, ("subscriptions", i, "connected"), cls="ok" if s.get("connected") else "bad",
+                           metric=("kvgate_kvevents_connection_status",
+                                   {"pod": str(s.get("pod")), "rank": str(s.get("rank"))})),
                        _at(debug, ("subscriptions", i, "last_seq")), _at(debug, ("subscriptions", i, "batches")),
                        _at(debug, ("subscriptions", i, "events")),
                        _at(debug, ("subscriptions", i, "missed_batches"), cls="bad" if s.get("missed_batches") else ""),
@@ -250,9 +254,11 @@ def _tokenizer(debug: dict) -> Table:
         t.rows.append([Cell(model), _at(debug, (*base, "state"), cls="ok" if state == "serving" else
                                         ("bad" if state in ("disagreed", "failed", "error") else "")),
                        _at(debug, (*base, "source")), _at(debug, (*base, "served", "local")),
-                       _at(debug, (*base, "served", "remote")), _at(debug, (*base, "checks", "agree")),
+                       _at(debug, (*base, "served", "remote")),
+                       _at(debug, (*base, "checks", "agree"),
+                           metric=("kvgate_tokenizer_local_checks_total", {"model": model, "result": "agree"})),
                        _at(debug, (*base, "checks", "disagree"), cls="bad" if (m.get("checks") or {}).get("disagree")
-                           else ""),
+                           else "", metric=("kvgate_tokenizer_local_disagreements_total", {"model": model})),
                        Cell(", ".join(str(v) for v in m.get("verified") or []) or "-"),
                        _at(debug, (*base, "error"))])
     return t
