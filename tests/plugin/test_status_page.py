@@ -294,6 +294,16 @@ def test_status_page_fits_laptop_and_phone(browser, env, artifacts, name, width,
     assert not browser.problems(), browser.problems()
 
 
+def test_status_page_reloads_itself(browser, env):
+    browser.load(f"{env.urls[0]}/?refresh=1")
+    n = len(browser.events)
+    wait_until(lambda: browser.evaluate("1") and any(e.get("method") == "Page.loadEventFired"
+                                                     for e in browser.events[n:]),
+               timeout=10, what="the page's own reload (refresh=1)")
+    assert not browser.problems(), browser.problems()
+    browser.load(f"{env.urls[0]}/?refresh=0")  # the next test's page stays put
+
+
 def test_status_page_escapes_and_refreshes(env):
     page = httpx.get(f"{env.urls[0]}/", timeout=5)
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
@@ -385,6 +395,9 @@ def test_render_text_and_html_escape_what_they_show():
     assert "<script>" not in html and "&lt;script&gt;" in html and "&lt;pod&amp;&gt;" in html
     text = render_text([("http://x", build_view(debug))])
     assert "<pod&>" in text and "<script>alert(1)</script>" in text
+    # an empty or partial snapshot (an older replica's /debug) renders, saying what is missing
+    empty = build_view({})
+    assert "no pods known" in render_html(empty) and "Fleet: (no pods known)" in render_text([("u", empty)])
 
 
 def test_routing_mix_is_bounded_per_minute_and_over_minutes():
