@@ -144,5 +144,6 @@ class RecentErrors(logging.Handler):
         self.total += 1
 
     def snapshot(self) -> dict:
+        records = list(self.records)  # one step: other threads (the ingest thread) log meanwhile
         return {"total": self.total, "recent": [{"time": t, "level": level, "logger": name, "message": message}
-                                                for t, level, name, message in reversed(self.records)]}
+                                                for t, level, name, message in reversed(records)]}

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from html import escape
 from typing import Any, Iterable, Sequence
 
-Path = tuple[Any, ...]
+DebugPath = tuple[Any, ...]  # keys into /debug's JSON, outermost first
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,7 @@ class Cell:
     """One shown value: its text, and where /debug has it (None: a label or a value derived here)."""
 
     text: str
-    path: Path | None = None
+    path: DebugPath | None = None
     value: Any = None
     cls: str = ""
     # the Prometheus counter (name, labels) whose samples, summed, this value equals over the window
@@ -53,7 +53,7 @@ class StatusView:
 _MISSING = object()
 
 
-def _get(d: Any, path: Path, missing: Any = None) -> Any:
+def _get(d: Any, path: DebugPath, missing: Any = None) -> Any:
     for key in path:
         if isinstance(d, dict) and key in d:
             d = d[key]
@@ -80,7 +80,7 @@ def _fmt(v: Any, unit: str = "") -> str:
     return str(v)
 
 
-def _at(debug: dict, path: Path, unit: str = "", cls: str = "",
+def _at(debug: dict, path: DebugPath, unit: str = "", cls: str = "",
         metric: tuple[str, dict[str, str]] | None = None) -> Cell:
     """The value at `path` in /debug (and the Prometheus series equal to it, if any); shown as `-`, and
     tagged with no path, where /debug has none."""
