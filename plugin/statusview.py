@@ -119,6 +119,9 @@ def build_view(debug: dict) -> StatusView:
     ]
     for medium in sorted((debug.get("index") or {}).get("keys_by_medium") or {}):
         summary.append((f"blocks in {medium}", _at(debug, ("index", "keys_by_medium", medium))))
+    if "sessions" in debug:  # session affinity: sessions this replica remembers, and whether Redis shares them
+        summary.append(("sessions here", _at(debug, ("sessions", "remembered_here"))))
+        summary.append(("sessions shared", _at(debug, ("sessions", "shared"))))
     if "admission" in debug:
         summary.append(("waiting for admission", _at(debug, ("admission", "waiting"))))
     # the routing mix first: the page shows it beside its chart
