@@ -170,8 +170,9 @@ def _fleet(debug: dict) -> Table:
 def _events(debug: dict) -> Table:
     subs = debug.get("subscriptions") or []
     t = Table("KV event subscriptions", ["pod", "rank", "connected", "last seq", "batches", "events", "missed",
-                                         "backlog", "last message", "replays", "reconnects", "errors"],
-              note="backlog: messages read, not yet applied" if subs else "no subscriptions")
+                                         "backlog", "lag", "last message", "replays", "reconnects", "errors"],
+              note="backlog: messages read, not yet applied; lag: how old the newest batch was (the engine's "
+                   "timestamp) when kvgate began applying it" if subs else "no subscriptions")
     for i, s in enumerate(subs):
         t.rows.append([_at(debug, ("subscriptions", i, "pod")), _at(debug, ("subscriptions", i, "rank")),
                        _at(debug, ("subscriptions", i, "connected"), cls="ok" if s.get("connected") else "bad",
@@ -181,6 +182,7 @@ def _events(debug: dict) -> Table:
                        _at(debug, ("subscriptions", i, "events")),
                        _at(debug, ("subscriptions", i, "missed_batches"), cls="bad" if s.get("missed_batches") else ""),
                        _at(debug, ("subscriptions", i, "backlog")),
+                       _at(debug, ("subscriptions", i, "lag_s"), " s"),
                        _at(debug, ("subscriptions", i, "last_message_age_s"), " s ago"),
                        _at(debug, ("subscriptions", i, "replays")), _at(debug, ("subscriptions", i, "reconnects")),
                        _at(debug, ("subscriptions", i, "errors"), cls="bad" if s.get("errors") else "")])

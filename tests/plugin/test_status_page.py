@@ -268,10 +268,14 @@ def test_status_page_matches_debug_and_metrics_with_no_console_errors(browser, e
     paths = {json.dumps(c["path"]) for c in cells if c["path"]}
     # what the page must show: the fleet, the event subscriptions, the cache share, the tokenizer, the other replica
     for want in (["pods", 1, "running"], ["pods", 0, "engine", "kv_usage"], ["subscriptions", 1, "connected"],
+                 ["subscriptions", 0, "backlog"],
                  ["routing_mix", "models", MODEL, "believed_cached"], ["routing_mix", "models", MODEL, "engine_hits"],
                  ["tokenizer", "models", MODEL, "state"], ["counts", "other_gateways"], ["counts", "redis_up"]):
         assert json.dumps(want) in paths, want
     assert any(c["path"][0] == "profiles" and c["path"][-1] == "ttft_samples" for c in cells if c["path"])
+    # the event lag by the batches' own timestamps: the sims publish on this machine's clock
+    lags = [c["v"] for c in cells if c["path"] and c["path"][0] == "subscriptions" and c["path"][-1] == "lag_s"]
+    assert lags and all(0 <= lag < 5 for lag in lags), lags
     # the believed blocks over the window are every block this replica routed (the run is shorter than it)
     models = debug["routing_mix"]["models"]
     assert sum(m["believed_cached"] for m in models.values()) == _metric_sum(
