@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable
@@ -27,10 +28,11 @@ from plugin.http import build_http_app
 from plugin.metrics import GatewayMetrics
 from plugin.observe import Observer
 from plugin.tls import server_credentials
+from plugin.status import RecentErrors, RoutingMix
 from routing.state.admission import Admission, Limiter, LocalLimiter, RedisLimiter
 from routing.state.counts import LocalCounts, RedisCounts, RunningCounts, build_counts
 from routing.discovery.static import StaticSource
-from routing.state.engine_metrics import EngineMetrics, Saturation
+from routing.state.engine_metrics import EngineLoad, EngineMetrics, Saturation
 from routing.discovery.inferencepool import InferencePoolConfig, InferencePoolSource
 from routing.discovery.k8s import KubernetesConfig, KubernetesSource
 from routing.discovery.kube import ApiConfig
@@ -205,7 +207,9 @@ class App:
         self.predictor = OutputPredictor(window_s=s.predict_window_s, step_s=s.predict_step_s,
                                          cold=s.predict_cold_start, max_output=s.predict_max_output)
         self.profiles = EngineProfiles(prefill_tokens_per_s=s.routing_prefill_tokens_per_s)
-        self.engines.on_load = self.profiles.observe_engine
+        self.engines.on_load = self._on_engine_load
+        self.mix = RoutingMix()  # the status page's routing mix and cache shares per minute
+        self.recent_errors = RecentErrors()  # the status page's recent warnings and errors (root logger, once started)
         # The prefill queue the slo strategy reads: exact and shared between replicas when responses are
         # observed (a request's tokens leave at its first token), else each replica's own estimate.
         self.prefill_counts: RunningCounts | None = None
@@ -267,7 +271,7 @@ class App:
             sheddable_objectives=frozenset(o.strip() for o in s.sheddable_objectives.split(",") if o.strip()),
             observer=self.observer, sampler=Sampler(s.observe_sample), admission=self.admission,
             render=remote.render if remote is not None else None,
-            responses=self.responses, running=self.router.running))
+            responses=self.responses, running=self.router.running, mix=self.mix))
         self.pods.add_listener(self._on_pods)
         self._grpc: grpc.aio.Server | None = None
         self.grpc_port: int | None = None  # once serving
@@ -285,6 +289,12 @@ class App:
             except Exception as e:
                 log.warning("reading GPU profiles from Redis failed: %s", e)
             await asyncio.sleep(interval_s)
+
+    def _on_engine_load(self, pod: str, load: EngineLoad) -> None:
+        self.profiles.observe_engine(pod, load)
+        known = self.pods.get(pod)
+        if load.prefix_cache is not None and known is not None:
+            self.mix.engine(pod, known.model, *load.prefix_cache)
 
     def _on_pods(self, added: list[Pod], removed: list[Pod]) -> None:
         # Subscriptions and index entries follow pods in and out of discovery.
@@ -316,6 +326,9 @@ class App:
                                  "models": self.verified_tokenizer.status() if self.verified_tokenizer else {}}
         if self.admission is not None:  # requests waiting for room on a pod, now
             snapshot["admission"] = {"waiting": self.admission.waiting}
+        snapshot["routing_mix"] = self.mix.snapshot()
+        snapshot["recent_errors"] = self.recent_errors.snapshot()
+        snapshot["time"] = time.time()  # when this snapshot was taken (unix s)
         return snapshot
 
     async def set_ready(self, ready: bool) -> None:
@@ -344,6 +357,7 @@ class App:
         if grpc_port == 0:
             raise OSError(f"KVGATE_GRPC_PORT: cannot listen on {address}"
                           + ("" if self._tls is None else " with KVGATE_GRPC_TLS's certificate and key"))
+        logging.getLogger().addHandler(self.recent_errors)
         await self.set_ready(False)
         await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
         await self._grpc.start()
@@ -420,6 +434,7 @@ class App:
         if self.responses is not None:
             await self.responses.close()
         await self.tokenizer.aclose()
+        logging.getLogger().removeHandler(self.recent_errors)
 
 
 def _join(host: str, port: int) -> str:

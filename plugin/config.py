@@ -128,7 +128,7 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("KVGATE_LISTEN_HOST", "listen_host", _text, "127.0.0.1",
              "Address the gRPC and HTTP servers bind to (`0.0.0.0` or `::` in a cluster)."),
     Variable("KVGATE_GRPC_PORT", "grpc_port", PORT, 50051, "ext_proc gRPC port (also serves gRPC health)."),
-    Variable("KVGATE_HTTP_PORT", "http_port", PORT, 8080, "HTTP port: `/metrics`, `/healthz`, `/debug`."),
+    Variable("KVGATE_HTTP_PORT", "http_port", PORT, 8080, "HTTP port: `/metrics`, `/healthz`, `/debug`, the status page `/`."),
     Variable("KVGATE_GRPC_TLS", "grpc_tls", _choice("off", "self-signed", "files"), "off",
              "TLS on the gRPC port: `off` (plaintext h2c), `self-signed` (a certificate made at start, as the "
              "Inference Extension's picker serves; gateways that dial pickers over TLS, e.g. Envoy AI Gateway, do "

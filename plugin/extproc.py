@@ -415,6 +415,9 @@ class _Stream:
     def _error(self, err: ClientError) -> pb.ProcessingResponse:
         self.gw.metrics.errors.labels(str(err.status), err.code or err.type).inc()
         self.gw.metrics.requests.labels(self.ctx.kind, "rejected").inc()
+        if self.gw.mix is not None:  # the strategy as asked only when it is one: a header's value is the client's
+            strategy = self.ctx.strategy if self.ctx.strategy in self.gw.router.strategy_names() else "-"
+            self.gw.mix.record(strategy or "-", f"rejected:{err.status}:{err.code or err.type}")
         return _immediate(err, self.ctx.request_id, anthropic=self.ctx.path == MESSAGES)
 
     def error_for(self, exc: BaseException) -> pb.ProcessingResponse:

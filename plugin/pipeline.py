@@ -37,6 +37,7 @@ from plugin.metrics import GatewayMetrics
 from kvcache.blockkeys import BlockExtras
 from plugin.request import NO_PROMPT, POOLING_PATHS, InferenceRequest, media_extras, parse_body
 from plugin.responses import ResponseStore
+from plugin.status import RoutingMix, decision_reason
 from plugin.throttle import LogThrottle
 from routing.errors import NoEligibleEndpointError
 from routing.registry import PodRegistry
@@ -115,6 +116,8 @@ class Gateway:
     # How long a render endpoint an engine refused as missing (403/404/405/501: vLLM without
     # --enable-scale-out) is not asked again.
     render_retry_s: float = 30.0
+    # The status page's per-minute routing mix (decisions by strategy and reason); None: not kept.
+    mix: RoutingMix | None = None
 
 
 class RequestContext:
@@ -456,11 +459,12 @@ class _Admit:
 class _Record:
     """The decision's metrics, their label children memoized by (strategy, pod, kind)."""
 
-    __slots__ = ("metrics", "children")
+    __slots__ = ("metrics", "children", "mix")
 
     def __init__(self, gw: Gateway) -> None:
         self.metrics = gw.metrics
         self.children: dict = {}
+        self.mix = gw.mix
 
     def record(self, ctx: RequestContext) -> None:
         d = ctx.decision
@@ -482,6 +486,10 @@ class _Record:
         if d.total_blocks:
             total_blocks.inc(d.total_blocks)
             cached_blocks.inc(d.matched_blocks)
+        if self.mix is not None:
+            assert ctx.request is not None  # parsed by an earlier step
+            self.mix.record(d.strategy, decision_reason(d.matched_blocks, d.total_blocks), ctx.request.model,
+                            d.matched_blocks, d.total_blocks)
 
 
 class _Observe:
