@@ -280,7 +280,7 @@ class Router:
         for p in sorted(self._registry.pods(), key=lambda p: p.name):
             entry: dict[str, Any] = {
                 "name": p.name, "endpoint": p.endpoint, "model": p.model, "lora": list(p.lora),
-                "ready": p.ready, "running": totals.get(p.name, 0), "running_here": local.get(p.name, 0),
+                "ready": p.ready, "role": p.role, "roleset": p.roleset, "running": totals.get(p.name, 0), "running_here": local.get(p.name, 0),
                 "kv_events": None if p.kv_events is None else {
                     "pub_port": p.kv_events.pub_port, "replay_port": p.kv_events.replay_port,
                     "dp_size": p.kv_events.dp_size},
