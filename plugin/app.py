@@ -25,6 +25,7 @@ from plugin.pipeline import Gateway, Sampler
 from plugin.http import build_http_app
 from plugin.metrics import GatewayMetrics
 from plugin.observe import Observer
+from plugin.pd import PDHandoff
 from routing.state.admission import Admission, Limiter, LocalLimiter, RedisLimiter
 from routing.state.counts import LocalCounts, RedisCounts, RunningCounts, build_counts
 from routing.discovery.static import StaticSource
@@ -35,6 +36,7 @@ from routing.discovery.kube import ApiConfig
 from routing.metrics import RoutingMetrics
 from routing.pods import Pod
 from routing.registry import PodRegistry
+from routing.pd import STRATEGY as PD_STRATEGY, PDConfig, PDPlanner
 from routing.router import Router
 from routing.scheduling.strategies import StrategyConfig, parse_weights
 from routing.learning.profiles import EngineProfiles
@@ -232,6 +234,11 @@ class App:
                                   on_first_token=self.capacity.first_token)
                          if s.observe_responses else None)
         self.trace_writer: TraceWriter | None = None
+        self.pd: PDHandoff | None = None
+        if PD_STRATEGY in self.router.strategy_names():
+            self.pd = PDHandoff(PDPlanner(self.router, self.pods, PDConfig(
+                threshold_tokens=s.pd_threshold_tokens, prefill_timeout_s=s.pd_prefill_timeout_s)),
+                self.gateway_metrics)
         self.processor = ExternalProcessor(Gateway(
             router=self.router, registry=self.pods, tokenizer=self.tokenizer, metrics=self.gateway_metrics,
             default_strategy=s.routing_strategy, max_body_bytes=s.max_body_bytes,
@@ -243,7 +250,7 @@ class App:
             tokenize_now=self.tokenizer.tokenize_now if isinstance(self.tokenizer, TokenizesNow) else None,
             sheddable_objectives=frozenset(o.strip() for o in s.sheddable_objectives.split(",") if o.strip()),
             observer=self.observer, sampler=Sampler(s.observe_sample), admission=self.admission,
-            render=remote.render_chat if remote is not None else None))
+            render=remote.render_chat if remote is not None else None, pd=self.pd))
         self.pods.add_listener(self._on_pods)
         self._grpc: grpc.aio.Server | None = None
         self.grpc_port: int | None = None  # once serving
@@ -362,6 +369,8 @@ class App:
         if self._grpc is not None:
             await self._grpc.stop(grace_s)
         await self.processor.drain()
+        if self.pd is not None:
+            await self.pd.aclose()
         if self._http is not None:
             await self._http.cleanup()
         await self.subscriptions.aclose()

@@ -146,6 +146,13 @@ VARIABLES: tuple[Variable, ...] = (
              "An engine's prefill speed (tokens/s) until its observed responses teach kvgate its own (the "
              "prior of kv-sync's and slo's TTFT model, which an estimate drifts back to while not re-observed); "
              "the prompt tokens kv-sync sent a pod uncached count as still waiting until prefilled at it."),
+    Variable("KVGATE_PD_THRESHOLD_TOKENS", "pd_threshold_tokens", _int_range(0, 10_000_000), 256,
+             "The `pd` strategy's decider: a request is split into a prefill and a decode leg only when the "
+             "picked decode engine lacks at least this many of its prompt tokens (0: always split); else that "
+             "engine serves it whole."),
+    Variable("KVGATE_PD_PREFILL_TIMEOUT_S", "pd_prefill_timeout_s", _positive_float, 30.0,
+             "The `pd` strategy's bound on one prefill leg (connect to answer), seconds; past it the leg is "
+             "retried once on the next prefill engine, then the decode engine serves the request whole."),
     Variable("KVGATE_PREFIX_CACHE_BLOCK_SIZE", "prefix_cache_block_size", _int_range(1, 4096), 16,
              "Block size of the `prefix-cache` strategy's own guesses (kv-sync learns it from events)."),
     Variable("KVGATE_PREFIX_CACHE_BLOCKS", "prefix_cache_blocks", _int_range(1, 1 << 32), 200_000,
@@ -282,6 +289,8 @@ class Settings:
     routing_guard_slack: int = 16
     routing_guard_ratio: float = 0.7
     routing_prefill_tokens_per_s: float = 10_000.0
+    pd_threshold_tokens: int = 256
+    pd_prefill_timeout_s: float = 30.0
     prefix_cache_block_size: int = 16
     prefix_cache_blocks: int = 200_000
     fallback_endpoints: int = 3

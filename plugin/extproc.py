@@ -192,8 +192,10 @@ class _Stream:
         raw = b"".join(self.chunks or ())
         self.chunks = None
         d = await self._decide(raw)
+        if self.ctx.body_out is not None:  # the pd strategy's decode body (Envoy drops content-length in this mode)
+            raw, self.ctx.body_out = self.ctx.body_out, None
         head = self._routed(d.pod, d.strategy, body=False, remove=self.held_remove, rank=d.rank,
-                            fallbacks=d.fallbacks)
+                            fallbacks=d.fallbacks, pd=self.ctx.pd_mode)
         body = pb.ProcessingResponse(request_body=pb.BodyResponse(response=pb.CommonResponse(
             body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
                 body=raw, end_of_stream=end_of_stream)))))
@@ -269,6 +271,10 @@ class _Stream:
         if self.ctx.kind not in ("chat", "completion"):  # a body on a pass-through path
             return _BODY_CONTINUE
         d = await self._decide(msg.body)
+        if self.ctx.pd_mode is not None:  # the pd strategy: how it is served, and the decode body if rewritten
+            body_out, self.ctx.body_out = self.ctx.body_out, None
+            return self._routed(d.pod, d.strategy, body=True, rank=d.rank, fallbacks=d.fallbacks,
+                                pd=self.ctx.pd_mode, body_out=body_out)
         key = (d.pod.name, d.pod.endpoint, d.strategy, d.rank, d.fallbacks)
         response = self.answers.get(key)
         if response is None:
@@ -306,7 +312,8 @@ class _Stream:
         return self._routed(pod, "any", body=False, remove=remove, fallbacks=rest)
 
     def _routed(self, pod: Pod, strategy: str, *, body: bool, remove: list[str] | None = None,
-                rank: int | None = None, fallbacks: tuple[str, ...] = ()) -> pb.ProcessingResponse:
+                rank: int | None = None, fallbacks: tuple[str, ...] = (), pd: str | None = None,
+                body_out: bytes | None = None) -> pb.ProcessingResponse:
         # The ranked list, primary first: header and metadata carry the same value (the protocol requires it).
         endpoint = ",".join((pod.endpoint, *fallbacks)) if fallbacks else pod.endpoint
         headers = [_set_header(DESTINATION_HEADER, endpoint), _set_header(RETRIES_HEADER, str(len(fallbacks)))]
@@ -316,7 +323,13 @@ class _Stream:
         if rank is not None:
             headers.append(_set_header(DP_RANK_HEADER, str(rank)))
             ours["rank"] = rank
+        if pd is not None:
+            ours["pd"] = pd
+        if body_out is not None:  # BUFFERED with request headers sent: Envoy keeps content-length, ours to set
+            headers.append(_set_header("content-length", str(len(body_out))))
         common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=headers, remove_headers=remove or []))
+        if body_out is not None:
+            common.body_mutation.body = body_out
         metadata = struct_pb2.Struct()
         metadata.update({LB_NAMESPACE: {DESTINATION_HEADER: endpoint}, KVGATE_NAMESPACE: ours})
         if body:
@@ -400,6 +413,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             self.gw.metrics.active_streams.dec()
             if ctx.watch is not None:
                 ctx.watch.close()
+            if ctx.pd_plan is not None and ctx.pd_plan.prefill is not None:
+                # a prefill leg that never ran (a 429 from admission); idempotent after the leg's own release
+                self.gw.router.release_now(ctx.pd_plan.prefill)
             # A stream cut short (cancelled, failed, closed) must not wait, nor a release that waits be cut:
             # either runs in a task of its own.
             later = ctx.decision is not None and (not ended or (ctx.admitted is not None and not self._releases_now))

@@ -11,6 +11,8 @@ by the steps of a `Pipeline`, an ordered list of named steps run one after the o
               and placeholders (the block extras; opaque when the engine cannot say)
     pick      the Router's Decision (within the subset hint; shedding a sheddable request under saturation)
     admit     the per-pod running limit (plugin.admit), when one is configured
+    prefill   the `pd` strategy's prefill leg (plugin.pd), when that strategy is served: the pick step then
+              plans a decode and a prefill engine (routing.pd), this step runs the prefill and rewrites the body
     record    the decision's metrics (time, pod, prefix blocks)
     observe   the response's Watch (plugin.observe), when responses are observed
 
@@ -32,11 +34,13 @@ from dataclasses import dataclass, field
 
 from plugin import observe
 from plugin.admit import admit
+from plugin.pd import PDHandoff
 from plugin.metrics import GatewayMetrics
 from kvcache.blockkeys import BlockExtras
 from plugin.request import InferenceRequest, media_extras, parse_body
 from plugin.throttle import LogThrottle
 from routing.registry import PodRegistry
+from routing.pd import STRATEGY as PD_STRATEGY, PDPlan
 from routing.router import Decision, Router, RouteRequest
 from routing.state.admission import Admission
 from tokenizer.types import PromptInput, Rendered, TokenizeInput, Tokenizer, TokenizerError
@@ -103,13 +107,16 @@ class Gateway:
     # The engine's render of a chat body (RemoteTokenizer.render_chat: token ids, media hashes and placeholders), for
     # chats with media parts; None: no engine to ask (their blocks are then opaque).
     render: Callable[..., Awaitable[Rendered]] | None = None
+    # Prefill/decode disaggregation for requests routed with the `pd` strategy (plugin.pd); None: no such strategy.
+    pd: PDHandoff | None = None
 
 
 class RequestContext:
     """One routed request's state, from its headers to its decision (the pipeline's steps read and fill it)."""
 
     __slots__ = ("request_id", "path", "kind", "strategy", "objective", "slo", "subset", "watched", "body",
-                 "started", "request", "token_ids", "extras", "decision", "admitted", "watch")
+                 "started", "request", "token_ids", "extras", "decision", "admitted", "watch", "pd_plan", "pd_mode",
+                 "body_out")
 
     def __init__(self) -> None:
         # From the transport (the request's headers and the data plane's metadata):
@@ -130,6 +137,11 @@ class RequestContext:
         self.decision: Decision | None = None
         self.admitted: str | None = None  # the pod admission counted this request on
         self.watch: observe.Watch | None = None
+        # The `pd` strategy's (plugin.pd): the planned pair (the prefill decision is counted until its leg ends),
+        # how the request is served, and the body the decode engine gets instead of the client's (None: the client's).
+        self.pd_plan: PDPlan | None = None
+        self.pd_mode: str | None = None
+        self.body_out: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +206,8 @@ def build(gw: Gateway) -> Pipeline:
     steps = [Step("parse", _Parse(gw).parse), Step("tokenize", _Tokenize(gw).tokenize), Step("pick", _Pick(gw).pick)]
     if gw.admission is not None:
         steps.append(Step("admit", _Admit(gw, gw.admission).admit))
+    if gw.pd is not None:
+        steps.append(Step("prefill", _Prefill(gw.pd).prefill))
     steps.append(Step("record", _Record(gw).record))
     if gw.observer is not None:
         steps.append(Step("observe", _Observe(gw.observer).observe))
@@ -332,19 +346,42 @@ class _Tokenize:
 
 
 class _Pick:
-    __slots__ = ("router", "sheddable_objectives")
+    __slots__ = ("router", "sheddable_objectives", "pd")
 
     def __init__(self, gw: Gateway) -> None:
-        self.router, self.sheddable_objectives = gw.router, gw.sheddable_objectives
+        self.router, self.sheddable_objectives, self.pd = gw.router, gw.sheddable_objectives, gw.pd
 
     async def pick(self, ctx: RequestContext) -> None:
         assert ctx.request is not None  # parsed by an earlier step
         slo = ctx.slo or {}
         objective = ctx.objective
-        ctx.decision = await self.router.pick(RouteRequest(
+        request = RouteRequest(
             model=ctx.request.model, token_ids=ctx.token_ids, strategy=ctx.strategy, request_id=ctx.request_id,
-            slo_ttft_s=slo.get(SLO_TTFT_HEADER), slo_tpot_s=slo.get(SLO_TPOT_HEADER), extras=ctx.extras),
-            subset=ctx.subset, sheddable=bool(objective) and objective in self.sheddable_objectives)
+            slo_ttft_s=slo.get(SLO_TTFT_HEADER), slo_tpot_s=slo.get(SLO_TPOT_HEADER), extras=ctx.extras)
+        sheddable = bool(objective) and objective in self.sheddable_objectives
+        if self.pd is not None and ctx.strategy == PD_STRATEGY:  # a pair: the decode engine is the request's pick
+            plan = ctx.pd_plan = await self.pd.plan(request, ctx.subset, sheddable)
+            ctx.decision, ctx.pd_mode = plan.decode, plan.mode
+            return
+        ctx.decision = await self.router.pick(request, subset=ctx.subset, sheddable=sheddable)
+
+
+class _Prefill:
+    """The `pd` strategy's prefill leg (plugin.pd), after the decode engine's pick and admission."""
+
+    __slots__ = ("pd",)
+
+    def __init__(self, pd: PDHandoff) -> None:
+        self.pd = pd
+
+    def prefill(self, ctx: RequestContext) -> Awaitable[None] | None:
+        plan = ctx.pd_plan
+        if plan is None or plan.prefill is None:
+            return None
+        return self._run(ctx, plan)
+
+    async def _run(self, ctx: RequestContext, plan: PDPlan) -> None:
+        ctx.pd_mode, ctx.body_out = await self.pd.prefill(plan, ctx.path, ctx.body, ctx.request_id, ctx.kind == "chat")
 
 
 class _Admit:

@@ -17,8 +17,8 @@ from routing.learning.profiles import EngineProfiles
 from routing.scheduling.approx import ApproxPrefixTable
 from routing.scheduling.cost import PromptCache, TTFTScorer
 from routing.state.engine_metrics import EngineMetrics
-from routing.scheduling.scorers import (ApproxPrefixScorer, FamilyAffinityScorer, KVUtilizationScorer, LoadScorer,
-                             PrecisePrefixScorer, PrefillBacklog, PrefixSource, QueueScorer)
+from routing.scheduling.scorers import (ApproxPrefixScorer, FamilyAffinityScorer, KVFreeScorer, KVUtilizationScorer,
+                                        LoadScorer, PrecisePrefixScorer, PrefillBacklog, PrefixSource, QueueScorer)
 from routing.scheduling.slo import Capacity, SLOScorer
 from routing.scheduling.scoring import (Filter, LoadGuard, MaxScorePicker, Picker, RandomPicker, RoundRobinPicker, Scorer,
                              Strategy)
@@ -132,6 +132,8 @@ SCORERS: dict[str, ScorerSpec] = {s.name: s for s in (
                "fewer waiting requests (`vllm:num_requests_waiting`, scraped)"),
     ScorerSpec("kv-util", lambda r: KVUtilizationScorer(_given(r.engines)), ("engines",),
                "more free KV cache (1 - `vllm:kv_cache_usage_perc` or `gpu_cache_usage_perc`, scraped)"),
+    ScorerSpec("kv-free", lambda r: KVFreeScorer(r.engines), (),
+               "`kv-util` where scraping may be off (then 0.5 for every pod): the decode engine's free KV cache"),
     ScorerSpec("slo", lambda r: SLOScorer(_given(r.capacity), r.index, r.config.medium_weights), ("capacity",),
                "predicted TTFT (the `ttft` model, its queue the one shared by every gateway: (queued prefill + "
                "this request's uncached tokens from the index) / the pod's prefill rate + its overhead) and TPOT (decode step at the running batch, weighted by predicted outputs) against the "
@@ -152,6 +154,15 @@ STRATEGIES: dict[str, StrategySpec] = {s.name: s for s in (
     StrategySpec("slo", MaxScorePicker, "max score, random tie-break",
                  "meets the request's TTFT and TPOT targets (`x-slo-ttft-ms`, `x-slo-tpot-ms` or the model's "
                  "defaults) with the most headroom, else the least violation", {"slo": 1.0}),
+    # Prefill/decode disaggregation (routing.pd): `pd` plans the pair; its weights choose the prefill engine.
+    StrategySpec("pd", MaxScorePicker, "max score, random tie-break",
+                 "prefill/decode disaggregation: the decode engine by `pd-decode`, then, unless it lacks fewer than "
+                 "`KVGATE_PD_THRESHOLD_TOKENS` of the prompt (served there whole), the prefill engine by these "
+                 "scores among the `role: prefill` pods (kvgate runs the prefill leg itself)",
+                 {"ttft": 3.0, "load": 1.0, "affinity": 0.5}, guard=True),
+    StrategySpec("pd-decode", MaxScorePicker, "max score, random tie-break",
+                 "the decode engine of a `pd` request, among the decoding pods: running requests, free KV cache "
+                 "and what it holds of the prompt", {"load": 2.0, "kv-free": 1.0, "prefix": 1.0}),
 )}
 
 NAMES = tuple(STRATEGIES)

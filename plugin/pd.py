@@ -1,0 +1,161 @@
+"""The prefill/decode handoff inside the ext_proc answer (the `pd` strategy; routing.pd plans the pair).
+
+For a request the planner splits, kvgate runs the prefill leg itself, as vLLM's disaggregation proxy does
+(tests/v1/kv_connector/nixl_integration/toy_proxy_server.py, AIBrix's `pd` router): it POSTs the request to the
+prefill engine (same path, same `X-Request-Id`) with `stream: false`, `max_tokens: 1` (and
+`max_completion_tokens: 1` for a chat or wherever the client set it), without `min_tokens`,
+`min_completion_tokens` and `stream_options`, and with `kv_transfer_params: {do_remote_decode: true,
+do_remote_prefill: false, remote_engine_id: null, remote_block_ids: null, remote_host: null, remote_port: null}`;
+the answer's `kv_transfer_params` (do_remote_prefill true, the engine, request and block ids, host and port of
+the blocks to pull) go into the client's own body, which the ext_proc answer sends on (a body mutation, with its
+new content-length) to the decode engine through Envoy, as any routed request.
+
+Failures never fail the request: a prefill engine that refuses (an HTTP error), times out
+(KVGATE_PD_PREFILL_TIMEOUT_S) or cannot be reached, or answers without usable parameters, is retried once on the
+next-ranked prefill engine; then the decode engine serves the request whole (it prefills itself), counted. A
+client that leaves mid-prefill cancels the ext_proc stream, hence the prefill call (its connection closed, so
+the engine aborts it); the prefill engine's count is released whatever happens.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any
+
+import httpx
+
+from plugin.metrics import GatewayMetrics
+from plugin.throttle import LogThrottle
+from routing.pd import AGGREGATED, DISAGGREGATED, FALLBACK, PDPlan, PDPlanner
+from routing.pods import Pod
+from routing.scheduling.scoring import RouteRequest
+
+log = logging.getLogger("kvgate.pd")
+
+PD_RESPONSE_KEY = "pd"  # in the kvgate dynamic metadata: Envoy copies it into the client's x-kvgate-pd
+# The prefill leg's kv_transfer_params (vLLM's NixlConnector: "send the KV of this prefill to a remote decoder").
+PREFILL_PARAMS: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                                  "remote_block_ids": None, "remote_host": None, "remote_port": None}
+_DROPPED = ("min_tokens", "min_completion_tokens", "stream_options")  # not for the prefill leg
+
+
+def prefill_body(body: dict[str, Any], chat: bool) -> dict[str, Any]:
+    """The prefill leg's request body made from the client's (which is left as it is)."""
+    out = {k: v for k, v in body.items() if k not in _DROPPED}
+    out["stream"] = False
+    out["max_tokens"] = 1
+    if chat or "max_completion_tokens" in body:
+        out["max_completion_tokens"] = 1
+    out["kv_transfer_params"] = dict(PREFILL_PARAMS)
+    return out
+
+
+def usable_params(answer: Any) -> dict[str, Any] | None:
+    """The prefill answer's kv_transfer_params when a decode engine can pull with them, else None."""
+    params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+    if not isinstance(params, dict) or not params.get("do_remote_prefill") or not params.get("remote_block_ids"):
+        return None
+    if any(params.get(k) is None for k in ("remote_engine_id", "remote_host", "remote_port")):
+        return None
+    return params
+
+
+class PrefillFailed(Exception):
+    def __init__(self, outcome: str, detail: str) -> None:
+        super().__init__(detail)
+        self.outcome = outcome
+
+
+class PDHandoff:
+    """The `pd` strategy's two pipeline parts: `plan` (in place of the pick) and `prefill` (a step after the pick
+    and admission). One httpx client (made on first use) carries every prefill leg."""
+
+    def __init__(self, planner: PDPlanner, metrics: GatewayMetrics) -> None:
+        self.planner = planner
+        self.metrics = metrics
+        self.timeout_s = planner.config.prefill_timeout_s
+        self._client: httpx.AsyncClient | None = None
+        self._log = LogThrottle(10.0)
+        self._modes = {m: metrics.pd_requests.labels(m) for m in (DISAGGREGATED, AGGREGATED, FALLBACK)}
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    def _http(self) -> httpx.AsyncClient:
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=self.timeout_s, limits=httpx.Limits(
+                max_connections=None, max_keepalive_connections=1024), trust_env=False)
+        return self._client
+
+    async def plan(self, request: RouteRequest, subset: frozenset[str] | None, sheddable: bool) -> PDPlan:
+        plan = await self.planner.plan(request, subset, sheddable=sheddable)
+        if plan.prefill is None:
+            self.metrics.pd_requests.labels(plan.mode).inc()
+        return plan
+
+    async def prefill(self, plan: PDPlan, path: str, body: bytes, request_id: str, chat: bool) -> tuple[str, bytes | None]:
+        """Run the plan's prefill leg: (the mode the request is served in, the decode engine's body, None to send the
+        client's as it is). Never raises but CancelledError; the prefill engine's count is released on every path."""
+        first = plan.prefill
+        assert first is not None
+        try:
+            client_body = json.loads(body)
+        except ValueError:  # parsed by the parse step already; cannot happen
+            self._modes[FALLBACK].inc()
+            await self.planner.release_prefill(first)
+            return FALLBACK, None
+        leg = json.dumps(prefill_body(client_body, chat), separators=(",", ":")).encode()
+        pod: Pod | None = first.pod
+        try:
+            for attempt in (1, 2):
+                assert pod is not None
+                try:
+                    params = await self._call(pod, path, leg, request_id)
+                except PrefillFailed as e:
+                    self.metrics.pd_prefill.labels(e.outcome).inc()
+                    self._log.log(log, logging.WARNING, e.outcome, "request %s: prefill leg on %s failed (%s: %s)%s",
+                                  request_id, pod.name, e.outcome, e,
+                                  "; retrying on the next prefill engine" if attempt == 1 else "")
+                    pod = self.planner.retry_target(first) if attempt == 1 else None
+                    if pod is None:
+                        break
+                    continue
+                self.metrics.pd_prefill.labels("ok").inc()
+                client_body["kv_transfer_params"] = params
+                self._modes[DISAGGREGATED].inc()
+                return DISAGGREGATED, json.dumps(client_body, separators=(",", ":")).encode()
+        except asyncio.CancelledError:
+            self.metrics.pd_prefill.labels("cancelled").inc()
+            raise
+        finally:
+            await self.planner.release_prefill(first)
+        self._modes[FALLBACK].inc()
+        return FALLBACK, None
+
+    async def _call(self, pod: Pod, path: str, leg: bytes, request_id: str) -> dict[str, Any]:
+        started = time.perf_counter()
+        self.metrics.pd_in_flight.inc()
+        try:
+            r = await self._http().post(pod.base_url + path, content=leg, headers={
+                "content-type": "application/json", "X-Request-Id": request_id})
+        except httpx.TimeoutException as e:
+            raise PrefillFailed("timeout", f"no answer within {self.timeout_s:g} s ({type(e).__name__})") from None
+        except httpx.HTTPError as e:
+            raise PrefillFailed("unreachable", f"{type(e).__name__}: {e}") from None
+        finally:
+            self.metrics.pd_in_flight.dec()
+        if r.status_code >= 400:
+            raise PrefillFailed("refused", f"HTTP {r.status_code}: {r.text[:200]}")
+        try:
+            params = usable_params(r.json())
+        except ValueError:
+            params = None
+        if params is None:
+            raise PrefillFailed("invalid", "the answer has no usable kv_transfer_params")
+        self.metrics.pd_prefill_seconds.observe(time.perf_counter() - started)
+        return params
+

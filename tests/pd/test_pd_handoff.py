@@ -1,0 +1,275 @@
+"""The pd strategy's plan and handoff in process: the prefill leg's body field by field, the decider, the decode
+picks spread over a burst, and every prefill failure (refused, timed out, unreachable, a bad answer, the client
+gone) ending in a served plan with every running count back to zero."""
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import AsyncIterator
+
+import pytest
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from helpers import free_ports
+from kvcache.index import PrefixIndex
+from plugin.metrics import GatewayMetrics
+from plugin.pd import PREFILL_PARAMS, PDHandoff, prefill_body, usable_params
+from routing.pd import AGGREGATED, DISAGGREGATED, FALLBACK, NO_PREFILL_POD, PDConfig, PDPlanner
+from routing.pods import Pod
+from routing.registry import PodRegistry
+from routing.router import Router
+from routing.scheduling.scoring import RouteRequest
+from routing.scheduling.strategies import StrategyConfig
+from sim.engine import EngineConfig
+from sim.server import SimOptions, SimServer
+
+MODEL = "sim-model"
+# An empty index and no engine metrics in process: load decides.
+WEIGHTS = {"pd": {"ttft": 0.0, "affinity": 0.0}}
+PROMPT = " ".join(f"word{i} and more text" for i in range(60))
+
+
+def test_prefill_body_field_by_field():
+    client = {"model": MODEL, "prompt": "hi", "stream": True, "stream_options": {"include_usage": True},
+              "max_tokens": 200, "min_tokens": 5, "min_completion_tokens": 3, "temperature": 0.5,
+              "cache_salt": "s"}
+    out = prefill_body(client, chat=False)
+    assert out == {"model": MODEL, "prompt": "hi", "stream": False, "max_tokens": 1, "temperature": 0.5,
+                   "cache_salt": "s", "kv_transfer_params": {
+                       "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                       "remote_block_ids": None, "remote_host": None, "remote_port": None}}
+    assert client["stream"] is True and client["max_tokens"] == 200  # the client's body is left as it is
+    chat = prefill_body({"model": MODEL, "messages": [], "max_completion_tokens": 50}, chat=True)
+    assert (chat["max_tokens"], chat["max_completion_tokens"], chat["stream"]) == (1, 1, False)
+    assert prefill_body({"model": MODEL, "messages": []}, chat=True)["max_completion_tokens"] == 1
+    assert "max_completion_tokens" not in prefill_body({"prompt": "x"}, chat=False)
+    assert out["kv_transfer_params"] is not PREFILL_PARAMS  # a copy per request
+
+
+def test_usable_params():
+    good = {"do_remote_prefill": True, "remote_block_ids": [[1]], "remote_engine_id": "e", "remote_host": "h",
+            "remote_port": 1, "remote_request_id": "r"}
+    assert usable_params({"kv_transfer_params": good}) == good
+    for bad in (None, "x", {}, {**good, "do_remote_prefill": False}, {**good, "remote_block_ids": []},
+                {**good, "remote_host": None}):
+        assert usable_params({"kv_transfer_params": bad}) is None
+    assert usable_params([1]) is None
+
+
+class Stub:
+    """A prefill engine that misbehaves: `mode` is ok (a sim-like answer), refuse (500), slow (never answers in
+    time), invalid (200 without kv_transfer_params). Records what it received."""
+
+    def __init__(self) -> None:
+        self.mode = "ok"
+        self.bodies: list[dict] = []
+        self.request_ids: list[str | None] = []
+        self.runner: web.AppRunner | None = None
+        self.port = 0
+        self.cancelled = 0
+
+    async def handle(self, request: web.Request) -> web.Response:
+        self.bodies.append(await request.json())
+        self.request_ids.append(request.headers.get("X-Request-Id"))
+        if self.mode == "refuse":
+            return web.json_response({"error": {"message": "no"}}, status=500)
+        if self.mode == "slow":
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                self.cancelled += 1
+                raise
+        if self.mode == "invalid":
+            return web.json_response({"choices": [{"text": "x"}]})
+        return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": {
+            "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[0, 1, 2]],
+            "remote_engine_id": f"stub-{self.port}", "remote_request_id": "r", "remote_host": "127.0.0.1",
+            "remote_port": 5600}})
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.handle)
+        app.router.add_post("/v1/chat/completions", self.handle)
+        self.runner = web.AppRunner(app, handler_cancellation=True)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = self.runner.addresses[0][1]
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+
+@pytest.fixture
+async def fleet() -> AsyncIterator[tuple[list[Stub], Router, PDHandoff, GatewayMetrics]]:
+    stubs = [Stub(), Stub()]
+    for s in stubs:
+        await s.start()
+    pods = [Pod("p0", "127.0.0.1", stubs[0].port, MODEL, role="prefill"),
+            Pod("p1", "127.0.0.1", stubs[1].port, MODEL, role="prefill"),
+            Pod("d0", "127.0.0.1", 1, MODEL, role="decode"), Pod("d1", "127.0.0.1", 2, MODEL, role="decode")]
+    router = Router(PodRegistry(pods), default_strategy="pd", config=StrategyConfig(weights=WEIGHTS), index=PrefixIndex(), seed=1)
+    metrics = GatewayMetrics(CollectorRegistry())
+    handoff = PDHandoff(PDPlanner(router, router._registry, PDConfig(threshold_tokens=16, prefill_timeout_s=0.3)),
+                        metrics)
+    yield stubs, router, handoff, metrics
+    await handoff.aclose()
+    for s in stubs:
+        await s.stop()
+
+
+def _request(n_tokens: int | None = 400, rid: str = "req-1") -> RouteRequest:
+    return RouteRequest(MODEL, token_ids=None if n_tokens is None else list(range(n_tokens)), strategy="pd",
+                        request_id=rid)
+
+
+async def _serve(router: Router, handoff: PDHandoff, body: dict, rid: str = "req-1") -> tuple[str, bytes | None]:
+    """A request's life as the pipeline runs it: plan, prefill leg, then the decode stream ends."""
+    plan = await handoff.plan(_request(rid=rid), None, False)
+    assert plan.mode == DISAGGREGATED and plan.prefill is not None and plan.decode.pod.role == "decode"
+    try:
+        return await handoff.prefill(plan, "/v1/completions", json.dumps(body).encode(), rid, chat=False)
+    finally:
+        await router.release(plan.decode)
+
+
+def _outcomes(metrics: GatewayMetrics) -> dict[str, float]:
+    return {k[0]: v.value for k, v in metrics.pd_prefill._children.items()}  # type: ignore[attr-defined]
+
+
+async def test_handoff_rewrites_the_body_with_the_prefill_answer(fleet):
+    stubs, router, handoff, metrics = fleet
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 20, "stream": True}
+    mode, out = await _serve(router, handoff, body)
+    assert mode == DISAGGREGATED and out is not None
+    decoded = json.loads(out)
+    assert {k: v for k, v in decoded.items() if k != "kv_transfer_params"} == body
+    assert decoded["kv_transfer_params"]["do_remote_prefill"] is True
+    sent = [b for s in stubs for b in s.bodies]
+    assert len(sent) == 1 and sent[0]["kv_transfer_params"] == PREFILL_PARAMS and sent[0]["max_tokens"] == 1
+    assert [r for s in stubs for r in s.request_ids] == ["req-1"]
+    assert sum(router.running().values()) == 0
+    assert _outcomes(metrics) == {"ok": 1}
+
+
+@pytest.mark.parametrize("failure, outcome", [("refuse", "refused"), ("slow", "timeout"), ("invalid", "invalid"),
+                                              ("dead", "unreachable")])
+async def test_a_failed_prefill_is_retried_once_on_the_next_engine(fleet, failure, outcome):
+    stubs, router, handoff, metrics = fleet
+    for s in stubs:  # whichever is picked first fails; the other answers
+        s.mode = failure if failure != "dead" else "ok"
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4}
+    plan = await handoff.plan(_request(), None, False)
+    first = next(s for s in stubs if s.port == plan.prefill.pod.port)
+    other = next(s for s in stubs if s is not first)
+    other.mode = "ok"
+    if failure == "dead":
+        await first.stop()
+    mode, out = await handoff.prefill(plan, "/v1/completions", json.dumps(body).encode(), "req-2", chat=False)
+    await router.release(plan.decode)
+    assert mode == DISAGGREGATED and json.loads(out)["kv_transfer_params"]["remote_engine_id"] == f"stub-{other.port}"
+    assert _outcomes(metrics) == {outcome: 1, "ok": 1}
+    assert sum(router.running().values()) == 0
+
+
+async def test_every_prefill_engine_failing_serves_it_whole(fleet):
+    stubs, router, handoff, metrics = fleet
+    stubs[0].mode, stubs[1].mode = "refuse", "slow"
+    mode, out = await _serve(router, handoff, {"model": MODEL, "prompt": PROMPT})
+    assert (mode, out) == (FALLBACK, None)  # the decode engine gets the client's body and prefills itself
+    assert sorted(_outcomes(metrics)) == ["refused", "timeout"]
+    assert metrics.pd_requests.labels(FALLBACK).value == 1
+    assert sum(router.running().values()) == 0
+
+
+async def test_client_gone_mid_prefill_cancels_the_leg_and_leaves_nothing_counted(fleet):
+    stubs, router, handoff, metrics = fleet
+    for s in stubs:
+        s.mode = "slow"
+    handoff.timeout_s = 30.0
+    await handoff.aclose()  # the client is made again with the new bound
+    plan = await handoff.plan(_request(), None, False)
+    task = asyncio.create_task(handoff.prefill(plan, "/v1/completions",
+                                               json.dumps({"model": MODEL, "prompt": PROMPT}).encode(), "r", False))
+    await asyncio.wait_for(_until(lambda: sum(len(s.bodies) for s in stubs) == 1), 5)
+    task.cancel()  # what the ext_proc stream's reset does to the pipeline
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    router.release_now(plan.decode)  # the stream's end
+    assert _outcomes(metrics) == {"cancelled": 1}
+    assert sum(router.running().values()) == 0 and metrics.pd_in_flight.value == 0
+    await asyncio.wait_for(_until(lambda: sum(s.cancelled for s in stubs) == 1), 5)  # the engine saw it go
+
+
+async def _until(cond) -> None:
+    while not cond():
+        await asyncio.sleep(0.01)
+
+
+async def test_decider_and_roles(fleet):
+    _, router, handoff, metrics = fleet
+    short = await handoff.plan(_request(10), None, False)  # fewer uncached tokens than the threshold (16)
+    assert (short.mode, short.prefill, short.decode.pod.role) == (AGGREGATED, None, "decode")
+    untokenized = await handoff.plan(_request(None), None, False)  # unknown length: split
+    assert untokenized.mode == DISAGGREGATED and untokenized.prefill.pod.role == "prefill"
+    for d in (short.decode, untokenized.decode, untokenized.prefill):
+        await router.release(d)
+    # only the prefill engines allowed by the data plane's subset: none of them decodes -> 503
+    from routing.errors import NoEligibleEndpointError
+    p0 = next(p for p in router._registry.pods() if p.name == "p0")
+    with pytest.raises(NoEligibleEndpointError):
+        await handoff.plan(_request(), frozenset({p0.endpoint}), False)
+    # a subset without prefill engines: served whole on the decode engine
+    d0 = next(p for p in router._registry.pods() if p.name == "d0")
+    whole = await handoff.plan(_request(), frozenset({d0.endpoint}), False)
+    assert (whole.mode, whole.decode.pod.name) == (NO_PREFILL_POD, "d0")
+    await router.release(whole.decode)
+    assert metrics.pd_requests.labels(AGGREGATED).value == 1
+    # another strategy never picks a prefill-only engine
+    for _ in range(6):
+        d = await router.pick(RouteRequest(MODEL, strategy="least-request"))
+        assert d.pod.role == "decode"
+        await router.release(d)
+    assert sum(router.running().values()) == 0
+
+
+async def test_a_burst_spreads_over_decode_engines_including_a_new_empty_one():
+    pods = [Pod(f"d{i}", "127.0.0.1", 9000 + i, MODEL, role="decode") for i in range(3)]
+    router = Router(PodRegistry(pods), default_strategy="pd", config=StrategyConfig(weights=WEIGHTS), index=PrefixIndex(), seed=3)
+    planner = PDPlanner(router, router._registry, PDConfig(threshold_tokens=10**6))
+    plans = [await planner.plan(_request(rid=str(i))) for i in range(12)]
+    per_pod: dict[str, int] = {}
+    for p in plans:
+        per_pod[p.decode.pod.name] = per_pod.get(p.decode.pod.name, 0) + 1
+    assert per_pod == {"d0": 4, "d1": 4, "d2": 4}
+
+
+async def test_prefill_against_a_real_sim_then_decode_on_a_real_sim():
+    a, b, c, d = free_ports(4)
+    engine = EngineConfig(block_size=16, num_blocks=256, ttft_overhead_s=0.001, prefill_s_per_token=0.00001)
+    p = SimServer(SimOptions(name="p", port=0, engine=engine, kv_events_port=a, replay_port=b))
+    dec = SimServer(SimOptions(name="d", port=0, engine=engine, kv_events_port=c, replay_port=d))
+    await p.start()
+    await dec.start()
+    try:
+        pods = [Pod("p", "127.0.0.1", p.port, MODEL, role="prefill"), Pod("d", "127.0.0.1", dec.port, MODEL,
+                                                                          role="decode")]
+        router = Router(PodRegistry(pods), default_strategy="pd", config=StrategyConfig(weights=WEIGHTS), index=PrefixIndex())
+        handoff = PDHandoff(PDPlanner(router, router._registry, PDConfig(threshold_tokens=0)),
+                            GatewayMetrics(CollectorRegistry()))
+        body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "max_completion_tokens": 5}
+        plan = await handoff.plan(_request(), None, False)
+        mode, out = await handoff.prefill(plan, "/v1/chat/completions", json.dumps(body).encode(), "rq", chat=True)
+        await handoff.aclose()
+        assert mode == DISAGGREGATED and p.kv_transfers["prefill"] == 1
+        import httpx
+        async with httpx.AsyncClient() as client:
+            r = await client.post(dec.url + "/v1/chat/completions", content=out,
+                                  headers={"content-type": "application/json"})
+        assert r.status_code == 200 and r.headers["x-sim-kv-transfer"] == "decode"
+        await router.release(plan.decode)
+    finally:
+        await p.stop()
+        await dec.stop()
