@@ -34,13 +34,14 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
-from google.protobuf import struct_pb2
+from google.protobuf import duration_pb2, struct_pb2
 
 from plugin import observe
 from plugin.pipeline import SLO_TPOT_HEADER, SLO_TTFT_HEADER, Gateway, Pipeline, RequestContext, build
 from plugin.request import CHAT, MODELS, ROUTED_POST_PATHS, ClientError, bad_request, parse_body
 from routing.errors import (NoEligibleEndpointError, NoReadyPodError, RoutingError, SaturatedError,
                             UnknownModelError, UnknownStrategyError)
+from routing.pd import STRATEGY as PD_STRATEGY
 from routing.pods import Pod
 from routing.router import Decision
 
@@ -258,6 +259,17 @@ class _Stream:
         self.gw.metrics.requests.labels("other", "passthrough").inc()
         return _continue_headers(remove)
 
+    def longer_timeout(self) -> pb.ProcessingResponse | None:
+        """For a buffered body the `pd` strategy may split, the answer that extends Envoy's wait for the next one
+        (override_message_timeout, bounded by the filter's max_message_timeout): two prefill legs and the rest."""
+        pd = self.gw.pd
+        if pd is None or self.streamed_request or self.ctx.kind not in ("chat", "completion"):
+            return None
+        if (self.ctx.strategy or self.gw.default_strategy) != PD_STRATEGY:
+            return None
+        return pb.ProcessingResponse(override_message_timeout=duration_pb2.Duration(
+            seconds=min(120, int(2 * pd.timeout_s) + 5)))
+
     def _watch_response(self) -> bool:
         """Watch this response? Always for the slo strategy and requests with SLO targets (their
         attainment, the prefill queue); else a sample (KVGATE_OBSERVE_SAMPLE)."""
@@ -386,6 +398,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                         stream.read_context(msg)
                         response = stream.on_headers(msg.request_headers)
                     elif which == "request_body":
+                        longer = stream.longer_timeout()
+                        if longer is not None:  # the pd strategy's prefill leg may outlast Envoy's message_timeout
+                            yield longer
                         response = await stream.on_body(msg.request_body)
                     elif which == "response_headers":
                         response = stream.on_response_headers(msg)

@@ -88,6 +88,7 @@ class PDPlanner:
                    else NoReadyPodError(request.model))
         decode = await self.router.pick(replace(request, strategy=self.decode_strategy), subset=decoders,
                                         sheddable=sheddable)
+        decode = replace(decode, strategy=STRATEGY)  # the request's strategy, in its metrics and x-kvgate-strategy
         uncached = None
         if request.token_ids is not None:
             n = len(request.token_ids)

@@ -231,7 +231,8 @@ class SimServer:
                 web.get("/metrics", self._metrics),
                 web.post("/reset_prefix_cache", self._reset_prefix_cache),
             ])
-            self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
+            # handler_cancellation: a client gone cancels its handler, which aborts its request (as vLLM does)
+            self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0, handler_cancellation=True)
             await self._runner.setup()
             site = web.TCPSite(self._runner, o.host, o.port)
             await site.start()
