@@ -28,8 +28,11 @@ import httpx
 
 from plugin.metrics import GatewayMetrics
 from plugin.throttle import LogThrottle
+from routing.learning.profiles import EngineProfiles
 from routing.pd import AGGREGATED, DISAGGREGATED, FALLBACK, PDPlan, PDPlanner
 from routing.pods import Pod
+from routing.router import Decision
+from routing.state.admission import Admission
 from routing.scheduling.scoring import RouteRequest
 
 log = logging.getLogger("kvgate.pd")
@@ -70,11 +73,17 @@ class PrefillFailed(Exception):
 
 class PDHandoff:
     """The `pd` strategy's two pipeline parts: `plan` (in place of the pick) and `prefill` (a step after the pick
-    and admission). One httpx client (made on first use) carries every prefill leg."""
+    and admission). One httpx client (made on first use) carries every prefill leg. With a running limit
+    (`admission`) a prefill leg takes a place on its engine for its duration, without waiting: a full engine is
+    passed over like a failed one. With `profiles`, an answered leg teaches its engine's prefill rate and overhead
+    (the `pd` strategy's cost model), as an observed response does for a whole request."""
 
-    def __init__(self, planner: PDPlanner, metrics: GatewayMetrics) -> None:
+    def __init__(self, planner: PDPlanner, metrics: GatewayMetrics, *, admission: Admission | None = None,
+                 profiles: EngineProfiles | None = None) -> None:
         self.planner = planner
         self.metrics = metrics
+        self.admission = admission
+        self.profiles = profiles
         self.timeout_s = planner.config.prefill_timeout_s
         self._client: httpx.AsyncClient | None = None
         self._log = LogThrottle(10.0)
@@ -97,7 +106,8 @@ class PDHandoff:
             self.metrics.pd_requests.labels(plan.mode).inc()
         return plan
 
-    async def prefill(self, plan: PDPlan, path: str, body: bytes, request_id: str, chat: bool) -> tuple[str, bytes | None]:
+    async def prefill(self, plan: PDPlan, path: str, body: bytes, request_id: str, chat: bool,
+                      n_tokens: int | None = None) -> tuple[str, bytes | None]:
         """Run the plan's prefill leg: (the mode the request is served in, the decode engine's body, None to send the
         client's as it is). Never raises but CancelledError; the prefill engine's count is released on every path."""
         first = plan.prefill
@@ -114,7 +124,7 @@ class PDHandoff:
             for attempt in (1, 2):
                 assert pod is not None
                 try:
-                    params = await self._call(pod, path, leg, request_id)
+                    params = await self._admitted_call(pod, path, leg, request_id, first, n_tokens)
                 except PrefillFailed as e:
                     self.metrics.pd_prefill.labels(e.outcome).inc()
                     self._log.log(log, logging.WARNING, e.outcome, "request %s: prefill leg on %s failed (%s: %s)%s",
@@ -135,6 +145,24 @@ class PDHandoff:
             await self.planner.release_prefill(first)
         self._modes[FALLBACK].inc()
         return FALLBACK, None
+
+    async def _admitted_call(self, pod: Pod, path: str, leg: bytes, request_id: str, first: Decision,
+                             n_tokens: int | None) -> dict[str, Any]:
+        admission = self.admission
+        if admission is not None and not await admission.limiter.try_acquire(pod.name, admission.max_running):
+            raise PrefillFailed("full", f"{pod.name} runs its limit of {admission.max_running} requests")
+        started = time.perf_counter()
+        try:
+            params = await self._call(pod, path, leg, request_id)
+        finally:
+            if admission is not None:
+                await admission.release(pod.name)
+        if self.profiles is not None and n_tokens is not None:
+            bs = n_tokens // first.total_blocks if first.total_blocks else 0
+            cached = first.matched_blocks * bs if pod is first.pod else 0  # a retry's engine: as the index had it
+            self.profiles.observe(pod.name, uncached_tokens=n_tokens - cached, ttft=time.perf_counter() - started,
+                                  running=first.running, request_id=request_id)
+        return params
 
     async def _call(self, pod: Pod, path: str, leg: bytes, request_id: str) -> dict[str, Any]:
         started = time.perf_counter()

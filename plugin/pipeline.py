@@ -381,7 +381,9 @@ class _Prefill:
         return self._run(ctx, plan)
 
     async def _run(self, ctx: RequestContext, plan: PDPlan) -> None:
-        ctx.pd_mode, ctx.body_out = await self.pd.prefill(plan, ctx.path, ctx.body, ctx.request_id, ctx.kind == "chat")
+        n_tokens = len(ctx.token_ids) if ctx.token_ids is not None else None
+        ctx.pd_mode, ctx.body_out = await self.pd.prefill(plan, ctx.path, ctx.body, ctx.request_id, ctx.kind == "chat",
+                                                          n_tokens)
 
 
 class _Admit:

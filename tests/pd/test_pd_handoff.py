@@ -11,7 +11,6 @@ import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from helpers import free_ports
 from kvcache.index import PrefixIndex
 from plugin.metrics import GatewayMetrics
 from plugin.pd import PREFILL_PARAMS, PDHandoff, prefill_body, usable_params
@@ -21,8 +20,6 @@ from routing.registry import PodRegistry
 from routing.router import Router
 from routing.scheduling.scoring import RouteRequest
 from routing.scheduling.strategies import StrategyConfig
-from sim.engine import EngineConfig
-from sim.server import SimOptions, SimServer
 
 MODEL = "sim-model"
 # An empty index and no engine metrics in process: load decides.
@@ -246,30 +243,20 @@ async def test_a_burst_spreads_over_decode_engines_including_a_new_empty_one():
     assert per_pod == {"d0": 4, "d1": 4, "d2": 4}
 
 
-async def test_prefill_against_a_real_sim_then_decode_on_a_real_sim():
-    a, b, c, d = free_ports(4)
-    engine = EngineConfig(block_size=16, num_blocks=256, ttft_overhead_s=0.001, prefill_s_per_token=0.00001)
-    p = SimServer(SimOptions(name="p", port=0, engine=engine, kv_events_port=a, replay_port=b))
-    dec = SimServer(SimOptions(name="d", port=0, engine=engine, kv_events_port=c, replay_port=d))
-    await p.start()
-    await dec.start()
-    try:
-        pods = [Pod("p", "127.0.0.1", p.port, MODEL, role="prefill"), Pod("d", "127.0.0.1", dec.port, MODEL,
-                                                                          role="decode")]
-        router = Router(PodRegistry(pods), default_strategy="pd", config=StrategyConfig(weights=WEIGHTS), index=PrefixIndex())
-        handoff = PDHandoff(PDPlanner(router, router._registry, PDConfig(threshold_tokens=0)),
-                            GatewayMetrics(CollectorRegistry()))
-        body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "max_completion_tokens": 5}
-        plan = await handoff.plan(_request(), None, False)
-        mode, out = await handoff.prefill(plan, "/v1/chat/completions", json.dumps(body).encode(), "rq", chat=True)
-        await handoff.aclose()
-        assert mode == DISAGGREGATED and p.kv_transfers["prefill"] == 1
-        import httpx
-        async with httpx.AsyncClient() as client:
-            r = await client.post(dec.url + "/v1/chat/completions", content=out,
-                                  headers={"content-type": "application/json"})
-        assert r.status_code == 200 and r.headers["x-sim-kv-transfer"] == "decode"
-        await router.release(plan.decode)
-    finally:
-        await p.stop()
-        await dec.stop()
+async def test_admission_and_profiles_cover_the_prefill_leg(fleet):
+    from routing.learning.profiles import EngineProfiles
+    from routing.state.admission import Admission, LocalLimiter
+    stubs, router, handoff, metrics = fleet
+    handoff.admission = admission = Admission(LocalLimiter(), max_running=1)
+    handoff.profiles = profiles = EngineProfiles(prefill_tokens_per_s=1.0)
+    plan = await handoff.plan(_request(400), None, False)
+    full = plan.prefill.pod.name
+    assert await admission.limiter.try_acquire(full, 1)  # the picked prefill engine is full: the other one runs it
+    mode, out = await handoff.prefill(plan, "/v1/completions", json.dumps({"model": MODEL, "prompt": "x"}).encode(),
+                                      "adm", chat=False, n_tokens=400)
+    await router.release(plan.decode)
+    assert mode == DISAGGREGATED and _outcomes(metrics) == {"full": 1, "ok": 1}
+    other = next(p for p in ("p0", "p1") if p != full)
+    assert admission.limiter.running() == {full: 1}  # the leg's place was given back
+    assert profiles.prefill_rate(other) > 1.0  # 400 tokens in well under 400 s: learned from the leg
+    assert sum(router.running().values()) == 0
