@@ -27,7 +27,6 @@ import dataclasses
 import heapq
 import json
 import math
-import random
 import sys
 from dataclasses import dataclass
 
@@ -102,8 +101,8 @@ async def _run(workload: Workload, policy: str, seed: int, transfer_s: float, th
     if policy == "random-pair":
         planner: PDPlanner | _RandomPair = _RandomPair(router, registry)
     else:
-        t = {"pd": threshold, "pd-always": 0, "pd-never": 10**9}[policy]
-        planner = PDPlanner(router, registry, PDConfig(threshold_tokens=t))
+        limit = {"pd": threshold, "pd-always": 0, "pd-never": 10**9}[policy]
+        planner = PDPlanner(router, registry, PDConfig(threshold_tokens=limit))
     reqs = {r.req_id: r for r in workload.requests}
     arrivals = sorted(workload.requests, key=lambda r: r.arrival)
     pending: list[tuple[float, int, str]] = []  # (time, seq, request id): a decode leg arriving after its pull
@@ -159,8 +158,7 @@ async def _run(workload: Workload, policy: str, seed: int, transfer_s: float, th
             r = arrivals[i]
             i += 1
             request = RouteRequest(MODEL, list(r.token_ids), "pd", r.req_id)
-            plan = plans[r.req_id] = (await planner.plan(request) if isinstance(planner, _RandomPair)
-                                      else await planner.plan(request))
+            plan = plans[r.req_id] = await planner.plan(request)
             if plan.prefill is not None:
                 split += 1
                 p = plan.prefill.pod.name
