@@ -254,7 +254,8 @@ class _Tokenize:
 
     def tokenize(self, ctx: RequestContext) -> Awaitable[None] | None:
         gw = self.gw
-        if not gw.router.needs_tokens(ctx.strategy):
+        # the pd strategy's decider reads the prompt's length whatever its weights read
+        if not gw.router.needs_tokens(ctx.strategy) and not (gw.pd is not None and ctx.strategy == PD_STRATEGY):
             return None
         request = ctx.request
         assert request is not None  # parsed by the step before

@@ -7,13 +7,20 @@ import asyncio
 import json
 from typing import AsyncIterator
 
+import grpc
 import pytest
 from aiohttp import web
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from prometheus_client import CollectorRegistry
 
 from kvcache.index import PrefixIndex
+from plugin.extproc import ExternalProcessor
 from plugin.metrics import GatewayMetrics
 from plugin.pd import PREFILL_PARAMS, PDHandoff, prefill_body, usable_params
+from plugin.pipeline import Gateway
 from routing.pd import AGGREGATED, DISAGGREGATED, FALLBACK, NO_PREFILL_POD, PDConfig, PDPlanner
 from routing.pods import Pod
 from routing.registry import PodRegistry
@@ -259,4 +266,78 @@ async def test_admission_and_profiles_cover_the_prefill_leg(fleet):
     other = next(p for p in ("p0", "p1") if p != full)
     assert admission.limiter.running() == {full: 1}  # the leg's place was given back
     assert profiles.prefill_rate(other) > 1.0  # 400 tokens in well under 400 s: learned from the leg
+    assert sum(router.running().values()) == 0
+
+
+# ---- the ext_proc answer of a pd request, over real gRPC -----------------------------------------------------------
+
+def _headers_msg(streamed: bool) -> pb.ProcessingRequest:
+    hs = [(":method", "POST"), (":path", "/v1/completions"), ("x-request-id", "rid-pd")]
+    msg = pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(
+        headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in hs])))
+    if streamed:
+        msg.protocol_config.request_body_mode = ProcessingMode.FULL_DUPLEX_STREAMED
+    return msg
+
+
+async def _exchange(gw: Gateway, *messages: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+    proc = ExternalProcessor(gw)
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    pb_grpc.add_ExternalProcessorServicer_to_server(proc, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = pb_grpc.ExternalProcessorStub(channel).Process()
+            for m in messages:
+                await call.write(m)
+            await call.done_writing()
+            out = [r async for r in call]
+        await asyncio.wait_for(_until(lambda: gw.metrics.active_streams.value == 0), 5)
+        await proc.drain()
+        return out
+    finally:
+        await server.stop(0)
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+async def test_the_answer_mutates_the_body_for_the_decode_engine(fleet, streamed):
+    stubs, router, handoff, metrics = fleet
+    registry = router._registry
+    gw = Gateway(router=router, registry=registry, tokenizer=None, metrics=metrics, default_strategy="pd",
+                 max_body_bytes=1 << 20, tokenizer_timeout_s=1.0, pd=handoff)
+    client = {"model": MODEL, "prompt": list(range(400)), "max_tokens": 9, "stream": True}  # token ids: no tokenizer
+    raw = json.dumps(client).encode()
+    out = await _exchange(gw, _headers_msg(streamed), pb.ProcessingRequest(
+        request_body=pb.HttpBody(body=raw, end_of_stream=True)))
+    if streamed:  # the held headers' answer names the decode engine, then the body goes back rewritten
+        head, body_answer = out[0], out[1]
+        common = head.request_headers.response
+        sent = body_answer.request_body.response.body_mutation.streamed_response.body
+    else:  # headers, the longer message timeout, then the body's answer with the body mutation
+        assert out[1].override_message_timeout.seconds == int(2 * handoff.timeout_s) + 5
+        head = out[2]
+        common = head.request_body.response
+        sent = common.body_mutation.body
+        hs = {h.header.key: h.header.raw_value.decode() for h in common.header_mutation.set_headers}
+        assert hs["content-length"] == str(len(sent))
+    decoded = json.loads(sent)
+    assert {k: v for k, v in decoded.items() if k != "kv_transfer_params"} == client
+    assert decoded["kv_transfer_params"]["do_remote_prefill"] is True
+    ours = head.dynamic_metadata.fields["kvgate"].struct_value.fields
+    assert ours["pd"].string_value == DISAGGREGATED and ours["strategy"].string_value == "pd"
+    assert ours["pod"].string_value in ("d0", "d1")
+    assert [b["max_tokens"] for s in stubs for b in s.bodies] == [1]
+    assert sum(router.running().values()) == 0  # both legs released: the prefill's after it, the decode's at the end
+
+
+async def test_an_aggregated_answer_leaves_the_body_alone(fleet):
+    _, router, handoff, metrics = fleet
+    gw = Gateway(router=router, registry=router._registry, tokenizer=None, metrics=metrics, default_strategy="pd",
+                 max_body_bytes=1 << 20, tokenizer_timeout_s=1.0, pd=handoff)
+    out = await _exchange(gw, _headers_msg(False), pb.ProcessingRequest(request_body=pb.HttpBody(
+        body=json.dumps({"model": MODEL, "prompt": [1, 2, 3]}).encode(), end_of_stream=True)))
+    answer = out[2]
+    assert not answer.request_body.response.HasField("body_mutation")
+    assert answer.dynamic_metadata.fields["kvgate"].struct_value.fields["pd"].string_value == AGGREGATED
     assert sum(router.running().values()) == 0
