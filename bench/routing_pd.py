@@ -14,7 +14,8 @@ request, the prompt tokens the engine that computed its prompt (the prefill engi
 whole request) found cached, over all prompt tokens.
 
 Policies: `pd` (kvgate's: the decode engine by pd-decode, the decider, the prefill engine by the pd strategy's
-TTFT cost model on the index), `pd-always` (the same, threshold 0: every request split), `pd-never` (every request
+TTFT cost model on the index), `kv-sync-pd` (the same pair planning, the prefill engine by kv-sync's scores: a
+P/D-aware kv-sync, KVGATE_PD_STRATEGIES=kv-sync), `pd-always` (the same, threshold 0: every request split), `pd-never` (every request
 served whole on a decode engine; the prefill engines idle), `random-pair` (a uniformly random prefill and decode
 engine, every request split: the toy proxy's round robin, in effect). Targets (issue 28): pd's prefill hit rate
 >= random-pair's + 10 points with a lower TTFT p90; pd's TTFT p90 no worse than pd-always's nor pd-never's.
@@ -44,7 +45,7 @@ from routing.state.counts import LocalCounts
 from sim.engine import EngineConfig, EngineModel
 
 MODEL = "sim-model"
-POLICIES = ("pd", "pd-always", "pd-never", "random-pair")
+POLICIES = ("pd", "kv-sync-pd", "pd-always", "pd-never", "random-pair")
 PREFILL, DECODE = ("prefill-0", "prefill-1"), ("decode-0", "decode-1")
 
 
@@ -101,7 +102,7 @@ async def _run(workload: Workload, policy: str, seed: int, transfer_s: float, th
     if policy == "random-pair":
         planner: PDPlanner | _RandomPair = _RandomPair(router, registry)
     else:
-        limit = {"pd": threshold, "pd-always": 0, "pd-never": 10**9}[policy]
+        limit = {"pd": threshold, "kv-sync-pd": threshold, "pd-always": 0, "pd-never": 10**9}[policy]
         planner = PDPlanner(router, registry, PDConfig(threshold_tokens=limit))
     reqs = {r.req_id: r for r in workload.requests}
     arrivals = sorted(workload.requests, key=lambda r: r.arrival)
@@ -157,7 +158,7 @@ async def _run(workload: Workload, policy: str, seed: int, transfer_s: float, th
         else:
             r = arrivals[i]
             i += 1
-            request = RouteRequest(MODEL, list(r.token_ids), "pd", r.req_id)
+            request = RouteRequest(MODEL, list(r.token_ids), "kv-sync" if policy == "kv-sync-pd" else "pd", r.req_id)
             plan = plans[r.req_id] = await planner.plan(request)
             if plan.prefill is not None:
                 split += 1

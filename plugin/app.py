@@ -238,7 +238,8 @@ class App:
         if PD_STRATEGY in self.router.strategy_names():
             self.pd = PDHandoff(PDPlanner(self.router, self.pods, PDConfig(
                 threshold_tokens=s.pd_threshold_tokens, prefill_timeout_s=s.pd_prefill_timeout_s)),
-                self.gateway_metrics, admission=self.admission, profiles=self.profiles)
+                self.gateway_metrics, admission=self.admission, profiles=self.profiles,
+                strategies=frozenset(n for n in s.pd_strategies.split(",") if n))
         self.processor = ExternalProcessor(Gateway(
             router=self.router, registry=self.pods, tokenizer=self.tokenizer, metrics=self.gateway_metrics,
             default_strategy=s.routing_strategy, max_body_bytes=s.max_body_bytes,

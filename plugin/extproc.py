@@ -41,7 +41,6 @@ from plugin.pipeline import SLO_TPOT_HEADER, SLO_TTFT_HEADER, Gateway, Pipeline,
 from plugin.request import CHAT, MODELS, ROUTED_POST_PATHS, ClientError, bad_request, parse_body
 from routing.errors import (NoEligibleEndpointError, NoReadyPodError, RoutingError, SaturatedError,
                             UnknownModelError, UnknownStrategyError)
-from routing.pd import STRATEGY as PD_STRATEGY
 from routing.pods import Pod
 from routing.router import Decision
 
@@ -265,7 +264,7 @@ class _Stream:
         pd = self.gw.pd
         if pd is None or self.streamed_request or self.ctx.kind not in ("chat", "completion"):
             return None
-        if (self.ctx.strategy or self.gw.default_strategy) != PD_STRATEGY:
+        if not pd.may_split(self.ctx.strategy or self.gw.default_strategy):
             return None
         return pb.ProcessingResponse(override_message_timeout=duration_pb2.Duration(
             seconds=min(120, int(2 * pd.timeout_s) + 5)))

@@ -29,7 +29,7 @@ import httpx
 from plugin.metrics import GatewayMetrics
 from plugin.throttle import LogThrottle
 from routing.learning.profiles import EngineProfiles
-from routing.pd import AGGREGATED, DISAGGREGATED, FALLBACK, PDPlan, PDPlanner
+from routing.pd import AGGREGATED, DISAGGREGATED, FALLBACK, STRATEGY, PDPlan, PDPlanner
 from routing.pods import Pod
 from routing.router import Decision
 from routing.state.admission import Admission
@@ -79,8 +79,11 @@ class PDHandoff:
     (the `pd` strategy's cost model), as an observed response does for a whole request."""
 
     def __init__(self, planner: PDPlanner, metrics: GatewayMetrics, *, admission: Admission | None = None,
-                 profiles: EngineProfiles | None = None) -> None:
+                 profiles: EngineProfiles | None = None, strategies: frozenset[str] = frozenset()) -> None:
         self.planner = planner
+        # Besides pd, the strategies that split requests in a fleet with prefill engines (KVGATE_PD_STRATEGIES):
+        # their own scores choose the prefill engine (kv-sync's prefix and load, slo's targets).
+        self.strategies = frozenset(strategies) | {STRATEGY}
         self.metrics = metrics
         self.admission = admission
         self.profiles = profiles
@@ -93,6 +96,18 @@ class PDHandoff:
         if self._client is not None:
             await self._client.aclose()
             self._client = None
+
+    def may_split(self, strategy: str) -> bool:
+        return strategy in self.strategies
+
+    def splits(self, strategy: str, model: str) -> bool:
+        """Whether a request of `strategy` for `model` is planned as a pair: always for pd; for the other
+        P/D-aware strategies, when some ready engine of the model is a prefill engine (else they route as ever)."""
+        if strategy == STRATEGY:
+            return True
+        if strategy not in self.strategies:
+            return False
+        return any(p.role == "prefill" for p in self.planner.registry.candidates(model)[1])
 
     def _http(self) -> httpx.AsyncClient:
         if self._client is None:

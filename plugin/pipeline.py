@@ -40,7 +40,7 @@ from kvcache.blockkeys import BlockExtras
 from plugin.request import InferenceRequest, media_extras, parse_body
 from plugin.throttle import LogThrottle
 from routing.registry import PodRegistry
-from routing.pd import STRATEGY as PD_STRATEGY, PDPlan
+from routing.pd import PDPlan
 from routing.router import Decision, Router, RouteRequest
 from routing.state.admission import Admission
 from tokenizer.types import PromptInput, Rendered, TokenizeInput, Tokenizer, TokenizerError
@@ -255,7 +255,7 @@ class _Tokenize:
     def tokenize(self, ctx: RequestContext) -> Awaitable[None] | None:
         gw = self.gw
         # the pd strategy's decider reads the prompt's length whatever its weights read
-        if not gw.router.needs_tokens(ctx.strategy) and not (gw.pd is not None and ctx.strategy == PD_STRATEGY):
+        if not gw.router.needs_tokens(ctx.strategy) and not (gw.pd is not None and gw.pd.may_split(ctx.strategy or "")):
             return None
         request = ctx.request
         assert request is not None  # parsed by the step before
@@ -360,7 +360,7 @@ class _Pick:
             model=ctx.request.model, token_ids=ctx.token_ids, strategy=ctx.strategy, request_id=ctx.request_id,
             slo_ttft_s=slo.get(SLO_TTFT_HEADER), slo_tpot_s=slo.get(SLO_TPOT_HEADER), extras=ctx.extras)
         sheddable = bool(objective) and objective in self.sheddable_objectives
-        if self.pd is not None and ctx.strategy == PD_STRATEGY:  # a pair: the decode engine is the request's pick
+        if self.pd is not None and self.pd.splits(ctx.strategy or "", request.model):  # the decode engine is the pick
             plan = ctx.pd_plan = await self.pd.plan(request, ctx.subset, sheddable)
             ctx.decision, ctx.pd_mode = plan.decode, plan.mode
             return

@@ -11,9 +11,9 @@ requests ("both", which may also take either leg). For a request routed with the
    holds), splitting buys nothing (the transfer would cost about what the prefill saves): the request is served
    on the decode engine alone (like llm-d's prefix-based decider). A request with no token ids (the tokenizer
    failed) is split: that is what the fleet is for;
-3. otherwise picks the prefill engine among the prefill pods with the `pd` strategy's scores: the TTFT cost model
-   on the index's prefix hits and each engine's prefill backlog, with load; its ranked fallbacks are the next
-   prefill engines to retry on.
+3. otherwise picks the prefill engine among the prefill pods with the request's strategy's scores (`pd`'s: the TTFT
+   cost model on the index's prefix hits and each engine's prefill backlog, with load; a P/D-aware `kv-sync` or
+   `slo`, KVGATE_PD_STRATEGIES, its own); its ranked fallbacks are the next prefill engines to retry on.
 
 Both picks are counted as running on their engines (the prefill one until its leg answers: `release_prefill`).
 The router only plans; plugin.pd runs the handoff. Imports routing's own pieces only.
@@ -88,7 +88,8 @@ class PDPlanner:
                    else NoReadyPodError(request.model))
         decode = await self.router.pick(replace(request, strategy=self.decode_strategy), subset=decoders,
                                         sheddable=sheddable)
-        decode = replace(decode, strategy=STRATEGY)  # the request's strategy, in its metrics and x-kvgate-strategy
+        strategy = request.strategy or STRATEGY  # pd, or a P/D-aware kv-sync or slo: its scores pick the prefill
+        decode = replace(decode, strategy=strategy)  # the request's strategy, in its metrics and x-kvgate-strategy
         uncached = None
         if request.token_ids is not None:
             n = len(request.token_ids)
@@ -100,7 +101,7 @@ class PDPlanner:
         if not prefillers:
             return PDPlan(decode, None, NO_PREFILL_POD, uncached)
         try:
-            prefill = await self.router.pick(replace(request, strategy=STRATEGY), subset=prefillers)
+            prefill = await self.router.pick(replace(request, strategy=strategy), subset=prefillers)
         except Exception:  # a prefill engine is an optimisation: the decode engine can serve it whole
             log.exception("request %s: no prefill engine could be picked; serving it whole", request.request_id)
             return PDPlan(decode, None, NO_PREFILL_POD, uncached)

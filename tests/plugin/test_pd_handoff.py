@@ -4,6 +4,7 @@ gone) ending in a served plan with every running count back to zero."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from typing import AsyncIterator
 
@@ -341,3 +342,30 @@ async def test_an_aggregated_answer_leaves_the_body_alone(fleet):
     assert not answer.request_body.response.HasField("body_mutation")
     assert answer.dynamic_metadata.fields["kvgate"].struct_value.fields["pd"].string_value == AGGREGATED
     assert sum(router.running().values()) == 0
+
+
+async def test_pd_aware_kv_sync_splits_only_where_there_are_prefill_engines(fleet):
+    _, router, handoff, _ = fleet
+    assert not handoff.splits("kv-sync", MODEL)  # not configured: kv-sync serves whole requests
+    handoff.strategies = frozenset({"pd", "kv-sync"})
+    assert handoff.splits("kv-sync", MODEL) and handoff.splits("pd", MODEL) and not handoff.splits("slo", MODEL)
+    plan = await handoff.plan(dataclasses.replace(_request(), strategy="kv-sync"), None, False)
+    assert plan.mode == DISAGGREGATED and plan.prefill.strategy == "kv-sync" and plan.decode.strategy == "kv-sync"
+    assert plan.prefill.pod.role == "prefill"
+    await router.release(plan.prefill)
+    await router.release(plan.decode)
+    # a fleet without prefill engines: kv-sync routes as ever
+    plain = PDHandoff(PDPlanner(router, PodRegistry([Pod("a", "10.0.0.1", 8000, MODEL)])),
+                      GatewayMetrics(CollectorRegistry()), strategies=frozenset({"kv-sync"}))
+    assert not plain.splits("kv-sync", MODEL) and plain.splits("pd", MODEL)
+
+
+def test_pd_strategies_setting():
+    from plugin.config import ConfigError, Settings
+    base = {"KVGATE_PODS": "p=127.0.0.1:1/m"}
+    assert Settings.from_env({**base, "KVGATE_PD_STRATEGIES": " kv-sync , slo"}).pd_strategies == "kv-sync,slo"
+    for bad in ("pd-decode", "fastest"):
+        with pytest.raises(ConfigError, match="KVGATE_PD_STRATEGIES"):
+            Settings.from_env({**base, "KVGATE_PD_STRATEGIES": bad})
+    with pytest.raises(ConfigError, match="KVGATE_PD_THRESHOLD_TOKENS"):
+        Settings.from_env({**base, "KVGATE_PD_THRESHOLD_TOKENS": "-1"})
