@@ -175,7 +175,8 @@ class GatewayMetrics:
         self.pd_prefill = LoopCounter(
             "kvgate_pd_prefill_legs", "Prefill legs kvgate ran, by outcome: ok, refused (an HTTP error), timeout, "
             "unreachable (connect or transport error), invalid (no usable kv_transfer_params in the answer), cancelled "
-            "(the client left), full (the engine runs its KVGATE_ADMISSION_MAX_RUNNING: not called)", ["outcome"], registry=registry)
+            "(the client left), full (the engine runs its KVGATE_ADMISSION_MAX_RUNNING: not called), error (a defect "
+            "of kvgate's, logged)", ["outcome"], registry=registry)
         self.pd_prefill_seconds = LoopHistogram(
             "kvgate_pd_prefill_seconds", "Time of the prefill legs that answered, from the call to the answer", [],
             buckets=_LATENCY_BUCKETS, registry=registry).labels()

@@ -65,6 +65,21 @@ def usable_params(answer: Any) -> dict[str, Any] | None:
     return params
 
 
+def without_client_params(body: bytes) -> bytes | None:
+    """The client's body without the `kv_transfer_params` it sent (None: it sent none). A client's own parameters
+    would have the decode engine pull blocks from a host and port of the client's choosing."""
+    if b"kv_transfer_params" not in body:  # nearly every request: no parse
+        return None
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or "kv_transfer_params" not in obj:
+        return None
+    del obj["kv_transfer_params"]
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
 class PrefillFailed(Exception):
     def __init__(self, outcome: str, detail: str) -> None:
         super().__init__(detail)
@@ -133,6 +148,7 @@ class PDHandoff:
             self._modes[FALLBACK].inc()
             await self.planner.release_prefill(first)
             return FALLBACK, None
+        own = client_body.pop("kv_transfer_params", None) if isinstance(client_body, dict) else None
         leg = json.dumps(prefill_body(client_body, chat), separators=(",", ":")).encode()
         pod: Pod | None = first.pod
         try:
@@ -149,6 +165,10 @@ class PDHandoff:
                     if pod is None:
                         break
                     continue
+                except Exception:  # a defect of ours: the request is served whole all the same
+                    self.metrics.pd_prefill.labels("error").inc()
+                    log.exception("request %s: prefill leg on %s failed", request_id, pod.name)
+                    break
                 self.metrics.pd_prefill.labels("ok").inc()
                 client_body["kv_transfer_params"] = params
                 self._modes[DISAGGREGATED].inc()
@@ -159,7 +179,7 @@ class PDHandoff:
         finally:
             await self.planner.release_prefill(first)
         self._modes[FALLBACK].inc()
-        return FALLBACK, None
+        return FALLBACK, (json.dumps(client_body, separators=(",", ":")).encode() if own is not None else None)
 
     async def _admitted_call(self, pod: Pod, path: str, leg: bytes, request_id: str, first: Decision,
                              n_tokens: int | None) -> dict[str, Any]:

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from plugin import observe
 from plugin.admit import admit
-from plugin.pd import PDHandoff
+from plugin.pd import PDHandoff, without_client_params
 from plugin.metrics import GatewayMetrics
 from kvcache.blockkeys import BlockExtras
 from plugin.request import InferenceRequest, media_extras, parse_body
@@ -377,7 +377,10 @@ class _Prefill:
 
     def prefill(self, ctx: RequestContext) -> Awaitable[None] | None:
         plan = ctx.pd_plan
-        if plan is None or plan.prefill is None:
+        if plan is None:
+            return None
+        if plan.prefill is None:  # served whole: never with kv_transfer_params of the client's own
+            ctx.body_out = without_client_params(ctx.body)
             return None
         return self._run(ctx, plan)
 

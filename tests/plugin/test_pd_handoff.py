@@ -369,3 +369,32 @@ def test_pd_strategies_setting():
             Settings.from_env({**base, "KVGATE_PD_STRATEGIES": bad})
     with pytest.raises(ConfigError, match="KVGATE_PD_THRESHOLD_TOKENS"):
         Settings.from_env({**base, "KVGATE_PD_THRESHOLD_TOKENS": "-1"})
+
+
+async def test_a_clients_own_kv_transfer_params_never_reach_a_decode_engine(fleet):
+    from plugin.pd import without_client_params
+    stubs, router, handoff, metrics = fleet
+    evil = {"do_remote_prefill": True, "remote_block_ids": [[1]], "remote_engine_id": "x", "remote_request_id": "r",
+            "remote_host": "169.254.169.254", "remote_port": 80}
+    body = {"model": MODEL, "prompt": "hi", "kv_transfer_params": evil}
+    assert json.loads(without_client_params(json.dumps(body).encode())) == {"model": MODEL, "prompt": "hi"}
+    assert without_client_params(b'{"model": "m", "prompt": "hi"}') is None
+    # split: the prefill engine's parameters replace them; every prefill engine failing: removed
+    mode, out = await _serve(router, handoff, body)
+    assert mode == DISAGGREGATED and json.loads(out)["kv_transfer_params"]["remote_host"] == "127.0.0.1"
+    assert all(b["kv_transfer_params"] == PREFILL_PARAMS for s in stubs for b in s.bodies)
+    stubs[0].mode = stubs[1].mode = "refuse"
+    mode, out = await _serve(router, handoff, body, rid="req-2")
+    assert mode == FALLBACK and "kv_transfer_params" not in json.loads(out)
+    assert sum(router.running().values()) == 0
+
+
+async def test_a_defect_in_the_leg_serves_the_request_whole(fleet, monkeypatch):
+    _, router, handoff, metrics = fleet
+
+    async def broken(*args, **kwargs):
+        raise KeyError("oops")
+    monkeypatch.setattr(handoff, "_call", broken)
+    mode, out = await _serve(router, handoff, {"model": MODEL, "prompt": PROMPT})
+    assert (mode, out) == (FALLBACK, None) and _outcomes(metrics) == {"error": 1}
+    assert sum(router.running().values()) == 0
