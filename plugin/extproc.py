@@ -66,8 +66,10 @@ RESERVED_HEADERS = frozenset({DESTINATION_HEADER, TARGET_POD_HEADER, DP_RANK_HEA
 RESERVED_PREFIX = "x-kvgate-"
 
 # The request headers kvgate reads (a header's key -> what it is); every other one is passed over.
-_PATH, _METHOD, _STRATEGY, _REQUEST_ID, _OBJECTIVE, _SLO = range(6)
+_PATH, _METHOD, _STRATEGY, _REQUEST_ID, _OBJECTIVE, _SLO, _AUTHORIZATION = range(7)
+# authorization: the pd strategy's prefill leg carries the client's credentials, as Envoy does to the decode engine
 _READ_HEADERS = {":path": _PATH, ":method": _METHOD, STRATEGY_HEADER: _STRATEGY, "x-request-id": _REQUEST_ID,
+                 "authorization": _AUTHORIZATION,
                  OBJECTIVE_HEADER: _OBJECTIVE, SLO_TTFT_HEADER: _SLO, SLO_TPOT_HEADER: _SLO}
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
@@ -225,6 +227,8 @@ class _Stream:
                 ctx.request_id = value
             elif which == _OBJECTIVE:
                 ctx.objective = value.strip()
+            elif which == _AUTHORIZATION:
+                ctx.authorization = value
             else:  # an SLO target
                 ms = observe.milliseconds(value)
                 if ms is None:

@@ -2,7 +2,7 @@
 
 For a request the planner splits, kvgate runs the prefill leg itself, as vLLM's disaggregation proxy does
 (tests/v1/kv_connector/nixl_integration/toy_proxy_server.py, AIBrix's `pd` router): it POSTs the request to the
-prefill engine (same path, same `X-Request-Id`) with `stream: false`, `max_tokens: 1` (and
+prefill engine (same path, same `X-Request-Id`, the client's `Authorization`) with `stream: false`, `max_tokens: 1` (and
 `max_completion_tokens: 1` for a chat or wherever the client set it), without `min_tokens`,
 `min_completion_tokens` and `stream_options`, and with `kv_transfer_params: {do_remote_decode: true,
 do_remote_prefill: false, remote_engine_id: null, remote_block_ids: null, remote_host: null, remote_port: null}`;
@@ -137,7 +137,7 @@ class PDHandoff:
         return plan
 
     async def prefill(self, plan: PDPlan, path: str, body: bytes, request_id: str, chat: bool,
-                      n_tokens: int | None = None) -> tuple[str, bytes | None]:
+                      n_tokens: int | None = None, *, authorization: str = "") -> tuple[str, bytes | None]:
         """Run the plan's prefill leg: (the mode the request is served in, the decode engine's body, None to send the
         client's as it is). Never raises but CancelledError; the prefill engine's count is released on every path."""
         first = plan.prefill
@@ -155,7 +155,7 @@ class PDHandoff:
             for attempt in (1, 2):
                 assert pod is not None
                 try:
-                    params = await self._admitted_call(pod, path, leg, request_id, first, n_tokens)
+                    params = await self._admitted_call(pod, path, leg, request_id, first, n_tokens, authorization)
                 except PrefillFailed as e:
                     self.metrics.pd_prefill.labels(e.outcome).inc()
                     self._log.log(log, logging.WARNING, e.outcome, "request %s: prefill leg on %s failed (%s: %s)%s",
@@ -182,13 +182,13 @@ class PDHandoff:
         return FALLBACK, (json.dumps(client_body, separators=(",", ":")).encode() if own is not None else None)
 
     async def _admitted_call(self, pod: Pod, path: str, leg: bytes, request_id: str, first: Decision,
-                             n_tokens: int | None) -> dict[str, Any]:
+                             n_tokens: int | None, authorization: str = "") -> dict[str, Any]:
         admission = self.admission
         if admission is not None and not await admission.limiter.try_acquire(pod.name, admission.max_running):
             raise PrefillFailed("full", f"{pod.name} runs its limit of {admission.max_running} requests")
         started = time.perf_counter()
         try:
-            params = await self._call(pod, path, leg, request_id)
+            params = await self._call(pod, path, leg, request_id, authorization)
         finally:
             if admission is not None:
                 await admission.release(pod.name)
@@ -199,12 +199,14 @@ class PDHandoff:
                                   running=first.running, request_id=request_id)
         return params
 
-    async def _call(self, pod: Pod, path: str, leg: bytes, request_id: str) -> dict[str, Any]:
+    async def _call(self, pod: Pod, path: str, leg: bytes, request_id: str, authorization: str = "") -> dict[str, Any]:
         started = time.perf_counter()
         self.metrics.pd_in_flight.inc()
+        headers = {"content-type": "application/json", "X-Request-Id": request_id}
+        if authorization:
+            headers["Authorization"] = authorization
         try:
-            r = await self._http().post(pod.base_url + path, content=leg, headers={
-                "content-type": "application/json", "X-Request-Id": request_id})
+            r = await self._http().post(pod.base_url + path, content=leg, headers=headers)
         except httpx.TimeoutException as e:
             raise PrefillFailed("timeout", f"no answer within {self.timeout_s:g} s ({type(e).__name__})") from None
         except httpx.HTTPError as e:

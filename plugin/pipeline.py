@@ -114,7 +114,7 @@ class Gateway:
 class RequestContext:
     """One routed request's state, from its headers to its decision (the pipeline's steps read and fill it)."""
 
-    __slots__ = ("request_id", "path", "kind", "strategy", "objective", "slo", "subset", "watched", "body",
+    __slots__ = ("request_id", "path", "kind", "strategy", "objective", "slo", "subset", "watched", "body", "authorization",
                  "started", "request", "token_ids", "extras", "decision", "admitted", "watch", "pd_plan", "pd_mode",
                  "body_out")
 
@@ -125,6 +125,7 @@ class RequestContext:
         self.kind = "other"  # chat, completion, models or other: the requests metric's label
         self.strategy: str | None = None  # the routing-strategy header's; `parse` fills in the default
         self.objective = ""  # x-gateway-inference-objective
+        self.authorization = ""  # the client's Authorization header (the pd strategy's prefill leg carries it)
         self.slo: dict[str, float] | None = None  # latency target header -> seconds
         self.subset: frozenset[str] | None = None  # the data plane's subset hint (None: any pod of the pool)
         self.watched = True  # the response will be watched (if there is an observer)
@@ -387,7 +388,7 @@ class _Prefill:
     async def _run(self, ctx: RequestContext, plan: PDPlan) -> None:
         n_tokens = len(ctx.token_ids) if ctx.token_ids is not None else None
         ctx.pd_mode, ctx.body_out = await self.pd.prefill(plan, ctx.path, ctx.body, ctx.request_id, ctx.kind == "chat",
-                                                          n_tokens)
+                                                          n_tokens, authorization=ctx.authorization)
 
 
 class _Admit:

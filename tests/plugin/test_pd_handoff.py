@@ -70,6 +70,7 @@ class Stub:
         self.mode = "ok"
         self.bodies: list[dict] = []
         self.request_ids: list[str | None] = []
+        self.auths: list[str | None] = []
         self.runner: web.AppRunner | None = None
         self.port = 0
         self.cancelled = 0
@@ -77,6 +78,7 @@ class Stub:
     async def handle(self, request: web.Request) -> web.Response:
         self.bodies.append(await request.json())
         self.request_ids.append(request.headers.get("X-Request-Id"))
+        self.auths.append(request.headers.get("Authorization"))
         if self.mode == "refuse":
             return web.json_response({"error": {"message": "no"}}, status=500)
         if self.mode == "slow":
@@ -398,3 +400,12 @@ async def test_a_defect_in_the_leg_serves_the_request_whole(fleet, monkeypatch):
     mode, out = await _serve(router, handoff, {"model": MODEL, "prompt": PROMPT})
     assert (mode, out) == (FALLBACK, None) and _outcomes(metrics) == {"error": 1}
     assert sum(router.running().values()) == 0
+
+
+async def test_the_prefill_leg_carries_the_clients_authorization(fleet):
+    stubs, router, handoff, _ = fleet
+    plan = await handoff.plan(_request(), None, False)
+    mode, _ = await handoff.prefill(plan, "/v1/completions", b'{"model": "sim-model", "prompt": "x"}', "a", False,
+                                    authorization="Bearer k")
+    await router.release(plan.decode)
+    assert mode == DISAGGREGATED and [a for s in stubs for a in s.auths] == ["Bearer k"]
