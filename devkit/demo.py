@@ -37,12 +37,15 @@ from typing import Callable
 import httpx
 
 from devkit.stack import Stack, StackError, free_port
-from devkit.workload import ChatWorkload, Results, WorkloadShape
+from devkit.workload import Results, workload_for
 from routing.scheduling.strategies import NAMES as STRATEGIES
+
+# The comparison the demo runs by default (README's table): kvgate's own and AIBrix's basic ones; any other
+# name (`--strategies least-latency,session-affinity`, say) on request
+DEFAULT_STRATEGIES = ("random", "round-robin", "least-request", "prefix-cache", "kv-sync", "slo")
 from tokenizer import testdata
 
-# The pd strategies need a P/D fleet (--pd); pd-decode is pd's decode choice, not a strategy of its own to compare.
-AGGREGATED = [s for s in STRATEGIES if s not in ("pd", "pd-decode")]
+# With --pd (a P/D fleet): pd beside two aggregated strategies (which serve on the decode engines).
 PD_DEFAULT = ["least-request", "kv-sync", "pd"]
 MODEL = "demo-model"
 MODEL_SHAPES = ("dense", "hybrid")  # of sim.shapes.MODEL_SHAPES, the ones the demo offers
@@ -60,12 +63,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gateways", type=int, default=2,
                    help="kvgate replicas behind Envoy, sharing counts through Redis (default 2, as in production)")
     p.add_argument("--strategies", default=None,
-                   help=f"comma-separated strategies to compare (default {','.join(AGGREGATED)}; with --pd "
-                        f"{','.join(PD_DEFAULT)})")
+                   help=f"comma-separated strategies to compare (default {','.join(DEFAULT_STRATEGIES)}; with --pd "
+                        f"{','.join(PD_DEFAULT)}; any of {', '.join(STRATEGIES)})")
     p.add_argument("--pd", action="store_true",
                    help="a prefill/decode fleet: 2 prefill + 2 decode engines (--sims and --dp-size are ignored), "
                         "the pd strategy beside aggregated ones (which serve on the decode engines only)")
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight (default 8)")
+    p.add_argument("--workload", choices=("chat", "agent", "mix"), default="chat",
+                   help="chat: multi-turn chats sharing system prompts; agent: agents resending a tool list every "
+                        "turn over the three APIs (chat with tools, the Responses API continuing by "
+                        "previous_response_id, Anthropic messages); mix: half the groups each (default chat)")
     p.add_argument("--slices", type=int, default=4,
                    help="run each strategy's traffic in this many slices, alternating between the strategies on "
                         "the same stack so they see the same machine load (default 4; 1: one run per strategy)")
@@ -221,7 +228,8 @@ def slice_order(strategies: list[str], slices: int) -> list[tuple[int, str]]:
 
 
 async def _compare(envoy_url: str, engine_urls: list[str], strategies: list[str], duration: float,
-                   concurrency: int, log, slices: int = 1, gateways: list[str] | None = None) -> dict[str, dict]:
+                   concurrency: int, log, slices: int = 1, gateways: list[str] | None = None,
+                   workload_kind: str = "chat") -> dict[str, dict]:
     """Each strategy gets `duration` seconds of traffic, in `slices` slices alternating between the
     strategies on the same stack (so all of them see the same machine load over the run); each slice
     starts from empty prefix caches and sends its slice's traffic (the same for every strategy).
@@ -240,7 +248,7 @@ async def _compare(envoy_url: str, engine_urls: list[str], strategies: list[str]
             before = await _engine_counters(engine_urls)
         if gateways:
             believed_before = await _gateway_counters(gateways)
-        workload = ChatWorkload(WorkloadShape(concurrency=concurrency), MODEL, seed=1 + k)
+        workload = workload_for(workload_kind, concurrency, MODEL, seed=1 + k)
         last = [0.0]
         done_s = totals[strategy].elapsed_s
 
@@ -451,7 +459,7 @@ def _supervise(stack: Stack, engines: set[str], log) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    chosen = args.strategies if args.strategies is not None else ",".join(PD_DEFAULT if args.pd else AGGREGATED)
+    chosen = args.strategies if args.strategies is not None else ",".join(PD_DEFAULT if args.pd else DEFAULT_STRATEGIES)
     strategies = [s for s in chosen.split(",") if s]
     if args.gateways < 1 or args.sims < 1 or args.dp_size < 1 or args.slices < 1:
         print("kvgate demo: --gateways, --sims, --dp-size and --slices must be at least 1", file=sys.stderr)
@@ -467,7 +475,7 @@ def main(args: argparse.Namespace) -> int:
     if args.external:
         engines = [u for u in args.engines.split(",") if u]
         results = asyncio.run(_compare(args.external, engines, strategies, args.duration, args.concurrency, log,
-                                       args.slices))
+                                       args.slices, workload_kind=args.workload))
         print(json.dumps({"strategies": results}) if args.json else _table(results), flush=True)
         return 0
 
@@ -482,9 +490,12 @@ def main(args: argparse.Namespace) -> int:
         if args.no_traffic:
             print(json.dumps(info), flush=True)
             return _supervise(stack, {p["name"] for p in info["pods"]}, log)
-        log(f"kvgate demo: {args.duration:.0f} s of multi-turn chat traffic per strategy: {', '.join(strategies)}")
+        what = {"chat": "multi-turn chat", "agent": "agent (tools; chat, responses, messages)",
+                "mix": "chat and agent"}[args.workload]
+        log(f"kvgate demo: {args.duration:.0f} s of {what} traffic per strategy: {', '.join(strategies)}")
         results = signals.run(_compare(info["envoy_url"], [p["url"] for p in info["pods"]], strategies,
-                                       args.duration, args.concurrency, log, args.slices, info["gateways"]))
+                                       args.duration, args.concurrency, log, args.slices, info["gateways"],
+                                       workload_kind=args.workload))
         tokenizer = asyncio.run(_tokenizer_status(info["gateways"]))
         slo_model = asyncio.run(_slo_model(info["gateways"]))
         pd_modes = asyncio.run(_pd_modes(info["gateways"])) if "pd" in strategies else {}

@@ -370,6 +370,18 @@ class Stack:
         self.close()
 
 
+def resolve_by_dns(config: dict) -> dict:
+    """`config` (render_envoy_config's) with the pool and kvgate clusters resolved by DNS (STRICT_DNS, every
+    address of the name): in Kubernetes, headless Services listing every vLLM pod and every kvgate replica,
+    so that override_host can pick any pod and each replica is health-checked on its own."""
+    for cluster in config["static_resources"]["clusters"]:
+        if cluster["name"] in ("pool", "kvgate"):
+            cluster["type"] = "STRICT_DNS"
+            cluster["dns_lookup_family"] = "V4_PREFERRED"
+            cluster["dns_refresh_rate"] = "5s"
+    return config
+
+
 def _render_main(argv: list[str] | None = None) -> int:
     """`python -m devkit.stack --listen-port ... --extproc HOST:PORT --pool HOST:PORT,...`:
     print the shipped Envoy config with other addresses (used by docker-compose)."""
@@ -388,6 +400,9 @@ def _render_main(argv: list[str] | None = None) -> int:
     p.add_argument("--open-path", action="append", default=[], metavar="PATH",
                    help="one more engine path the gateway serves (exact, or a prefix ending in *); every path "
                         "not in envoy/envoy.yaml's allow-list gets the gateway's 404 otherwise. Repeatable")
+    p.add_argument("--dns", action="store_true",
+                   help="resolve the kvgate and pool addresses by DNS, every address of each name (Kubernetes' "
+                        "headless Services: deploy/kustomize/overlays/envoy/envoy.yaml is rendered so)")
     args = p.parse_args(argv)
     try:
         config = render_envoy_config(listen_port=args.listen_port, admin_port=args.admin_port,
@@ -397,6 +412,8 @@ def _render_main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         p.error(str(e))
     config["static_resources"]["listeners"][0]["address"]["socket_address"]["address"] = args.listen_host
+    if args.dns:
+        resolve_by_dns(config)
     sys.stdout.write(yaml.safe_dump(config, sort_keys=False))
     return 0
 

@@ -124,7 +124,8 @@ class KVEventMetrics:
 class IndexCollector:
     """The prefix index's own counts, read from its stats() at scrape time (prefix `kvgate_index_`):
     what it skipped, by reason (malformed or unresolved blocks, KV cache groups of a kind it does not
-    model, lookahead hashing, ...), its entries, and each model's KV cache groups as it learnt them
+    model, lookahead hashing, ...), its entries, its bound (KVGATE_INDEX_MAX_ENTRIES) and the entries
+    evicted to stay within it, and each model's KV cache groups as it learnt them
     (`kvgate_index_kv_cache_group_info`, 1 per group; `modelled` "false": hits there are conservative).
     A busy index (stats() raising) leaves the scrape without these samples."""
 
@@ -147,6 +148,11 @@ class IndexCollector:
             skipped.add_metric((reason,), n)
         entries = GaugeMetricFamily("kvgate_index_entries", "(block, pod-rank, medium) entries held")
         entries.add_metric((), stats.get("entries", 0))
+        bound = GaugeMetricFamily("kvgate_index_max_entries", "entries the index holds at most; the least recent "
+                                  "are evicted beyond it")
+        bound.add_metric((), stats.get("max_entries", 0))
+        evicted = CounterMetricFamily("kvgate_index_evicted_entries", "entries evicted to stay within the bound")
+        evicted.add_metric((), stats.get("evicted_entries", 0))
         groups = GaugeMetricFamily("kvgate_index_kv_cache_group_info",
                                    "KV cache groups per model as the index learnt them from events",
                                    labels=("model", "group", "kind", "rule", "block_size", "modelled"))
@@ -154,4 +160,4 @@ class IndexCollector:
             for g, d in sorted(shape["groups"].items()):
                 groups.add_metric((model, str(g), str(d["kind"]), d["rule"], str(d["block_size"]),
                                    "true" if d["modelled"] else "false"), 1)
-        return [skipped, entries, groups]
+        return [skipped, entries, bound, evicted, groups]

@@ -13,6 +13,7 @@ It may import every other kvgate package; nothing imports it.
     throttle    a recurring failure logged at most once per interval
     app         wiring: Settings -> discovery, index, subscriptions, tokenizer, router, gRPC and HTTP servers
     config      every KVGATE_* variable, read once at start-up
+    tls         TLS on the gRPC port (KVGATE_GRPC_TLS): a configured or a self-signed certificate
     http        the HTTP port: /metrics, /healthz, /debug
     serve       `kvgate serve`
     events_cmd  `kvgate events`: tail one engine's KV events

@@ -21,11 +21,13 @@ from kvcache.locking import LockedIndex
 from kvcache.stream import EndpointSpec, SubscriberOptions
 from plugin.config import Settings
 from plugin.extproc import ExternalProcessor
+from plugin.responses import ResponseStore, SharedResponseStore
 from plugin.pipeline import Gateway, Sampler
 from plugin.http import build_http_app
 from plugin.metrics import GatewayMetrics
 from plugin.observe import Observer
 from plugin.pd import PDHandoff
+from plugin.tls import server_credentials
 from routing.state.admission import Admission, Limiter, LocalLimiter, RedisLimiter
 from routing.state.counts import LocalCounts, RedisCounts, RunningCounts, build_counts
 from routing.discovery.static import StaticSource
@@ -38,6 +40,7 @@ from routing.pods import Pod
 from routing.registry import PodRegistry
 from routing.pd import STRATEGY as PD_STRATEGY, PDConfig, PDPlanner
 from routing.router import Router
+from routing.scheduling.sessions import SessionStore
 from routing.scheduling.strategies import StrategyConfig, parse_weights
 from routing.learning.profiles import EngineProfiles
 from routing.scheduling.slo import Capacity, parse_targets
@@ -163,7 +166,19 @@ def running_counts(s: Settings, metrics: RoutingMetrics) -> RunningCounts:
 def strategy_config(s: Settings) -> StrategyConfig:
     return StrategyConfig(guard_abs_slack=s.routing_guard_slack, guard_rel_slack=s.routing_guard_ratio,
                           approx_block_size=s.prefix_cache_block_size, approx_capacity=s.prefix_cache_blocks,
-                          prefill_tokens_per_s=s.routing_prefill_tokens_per_s, weights=parse_weights(s.routing_weights))
+                          prefill_tokens_per_s=s.routing_prefill_tokens_per_s, weights=parse_weights(s.routing_weights),
+                          saturation=Saturation(s.saturation_queue, s.saturation_kv_usage))
+
+
+def session_store(s: Settings) -> SessionStore:
+    """Session -> pod: shared through Redis when KVGATE_REDIS_URL is set (a failing Redis: local only)."""
+    redis = None
+    if s.redis_url:
+        from redis.asyncio import Redis
+        from redis.asyncio.retry import Retry
+        from redis.backoff import NoBackoff
+        redis = Redis.from_url(s.redis_url, socket_timeout=0.2, socket_connect_timeout=0.2, retry=Retry(NoBackoff(), 0))
+    return SessionStore(s.session_ttl_s, s.session_capacity, redis=redis, owns_redis=True)
 
 
 @dataclass
@@ -208,7 +223,7 @@ class App:
         self.router = Router(self.pods, default_strategy=s.routing_strategy, counts=self.counts, index=self.shared_index,
                              engines=self.engines, config=strategy_config(s), metrics=self.routing_metrics,
                              saturation=Saturation(s.saturation_queue, s.saturation_kv_usage),
-                             max_fallbacks=s.fallback_endpoints, capacity=self.capacity)
+                             max_fallbacks=s.fallback_endpoints, capacity=self.capacity, sessions=session_store(s))
         self.tokenizer, self.verified_tokenizer, remote = _tokenizer(s, self.registry,
                                                                      known=lambda m: bool(self.pods.serving(m)))
         self.gateway_metrics = GatewayMetrics(self.registry)
@@ -240,6 +255,14 @@ class App:
                 threshold_tokens=s.pd_threshold_tokens, prefill_timeout_s=s.pd_prefill_timeout_s)),
                 self.gateway_metrics, admission=self.admission, profiles=self.profiles,
                 strategies=frozenset(n for n in s.pd_strategies.split(",") if n))
+        # Responses API response id -> pod (plugin.responses): shared through Redis when there is one.
+        self.responses: ResponseStore | None = None
+        if s.response_ids and s.redis_url:
+            from redis.asyncio import Redis
+            self.responses = SharedResponseStore(s.response_ids, Redis.from_url(s.redis_url),
+                                                 ttl_s=s.response_id_ttl_s)
+        elif s.response_ids:
+            self.responses = ResponseStore(s.response_ids)
         self.processor = ExternalProcessor(Gateway(
             router=self.router, registry=self.pods, tokenizer=self.tokenizer, metrics=self.gateway_metrics,
             default_strategy=s.routing_strategy, max_body_bytes=s.max_body_bytes,
@@ -251,12 +274,16 @@ class App:
             tokenize_now=self.tokenizer.tokenize_now if isinstance(self.tokenizer, TokenizesNow) else None,
             sheddable_objectives=frozenset(o.strip() for o in s.sheddable_objectives.split(",") if o.strip()),
             observer=self.observer, sampler=Sampler(s.observe_sample), admission=self.admission,
-            render=remote.render_chat if remote is not None else None, pd=self.pd))
+            render=remote.render if remote is not None else None,
+            responses=self.responses, running=self.router.running, pd=self.pd))
         self.pods.add_listener(self._on_pods)
         self._grpc: grpc.aio.Server | None = None
         self.grpc_port: int | None = None  # once serving
         self._http: web.AppRunner | None = None
         self.health = health.aio.HealthServicer()
+        # KVGATE_GRPC_TLS: the credentials (a bad certificate file fails here, naming its variable)
+        self._tls = server_credentials(s.grpc_tls, s.grpc_tls_cert, s.grpc_tls_key)
+        self._health_grpc: grpc.aio.Server | None = None  # KVGATE_GRPC_HEALTH_PORT's server, once serving
 
     async def _load_profiles(self, client, interval_s: float = 10.0) -> None:
         """AIBrix's deployment profiles (`aibrix:profile_<model>_<deployment>`), re-read every 10 s."""
@@ -319,12 +346,22 @@ class App:
                                               ("grpc.server.max_pending_requests_hard_limit", 100_000)])
         pb_grpc.add_ExternalProcessorServicer_to_server(self.processor, self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
-        grpc_port = self._grpc.add_insecure_port(_join(s.listen_host, s.grpc_port))
+        address = _join(s.listen_host, s.grpc_port)
+        grpc_port = (self._grpc.add_insecure_port(address) if self._tls is None
+                     else self._grpc.add_secure_port(address, self._tls))
         if grpc_port == 0:
-            raise OSError(f"KVGATE_GRPC_PORT: cannot listen on {_join(s.listen_host, s.grpc_port)}")
+            raise OSError(f"KVGATE_GRPC_PORT: cannot listen on {address}"
+                          + ("" if self._tls is None else " with KVGATE_GRPC_TLS's certificate and key"))
         await self.set_ready(False)
         await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
         await self._grpc.start()
+        if s.grpc_health_port:
+            # the health services alone, in plaintext: Kubernetes' gRPC probes speak no TLS
+            self._health_grpc = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_grpc)
+            if self._health_grpc.add_insecure_port(_join(s.listen_host, s.grpc_health_port)) == 0:
+                raise OSError(f"KVGATE_GRPC_HEALTH_PORT: cannot listen on {_join(s.listen_host, s.grpc_health_port)}")
+            await self._health_grpc.start()
         self.grpc_port = grpc_port
         http_app = build_http_app(self.registry, healthy=self.healthy, debug=self.debug)
         self._http = web.AppRunner(http_app, access_log=None)
@@ -348,8 +385,9 @@ class App:
             self.profile_loader = asyncio.get_running_loop().create_task(
                 self._load_profiles(Redis.from_url(s.redis_url)))
         await self.set_ready(True)
-        log.info("kvgate serving: ext_proc on %s, HTTP on %s:%d, strategy %s, %d pods",
-                 _join(s.listen_host, grpc_port), s.listen_host, http_port, s.routing_strategy, len(self.pods.pods()))
+        log.info("kvgate serving: ext_proc on %s (%s), HTTP on %s:%d, strategy %s, %d pods",
+                 _join(s.listen_host, grpc_port), "plaintext" if self._tls is None else f"TLS, {s.grpc_tls}",
+                 s.listen_host, http_port, s.routing_strategy, len(self.pods.pods()))
         return grpc_port, http_port
 
     async def wait(self) -> None:
@@ -367,6 +405,8 @@ class App:
 
     async def stop(self, grace_s: float = 2.0) -> None:
         await self.health.enter_graceful_shutdown()
+        if self._health_grpc is not None:
+            await self._health_grpc.stop(0)
         if self._grpc is not None:
             await self._grpc.stop(grace_s)
         await self.processor.drain()
@@ -387,6 +427,8 @@ class App:
             await self.predictor_sync.aclose()
         if self.profile_loader is not None:
             self.profile_loader.cancel()
+        if self.responses is not None:
+            await self.responses.close()
         await self.tokenizer.aclose()
 
 

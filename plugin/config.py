@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping
 
 from routing.state.counts import redact_url
-from routing.scheduling.strategies import SCORERS, STRATEGIES, markdown_tables, parse_weights
+from routing.scheduling.strategies import SCORERS, STRATEGIES, markdown_tables, parse_mix, parse_weights
 
 
 class ConfigError(ValueError):
@@ -90,6 +90,20 @@ def _choice(*options: str) -> Callable[[str], str]:
     return parse
 
 
+def _strategy(raw: str) -> str:
+    value = raw.strip()
+    if value in STRATEGIES:
+        return value
+    try:
+        mix = parse_mix(value)
+    except ValueError as e:
+        raise ValueError(f"not a strategy nor a weighted mix: {e}") from None
+    if mix is None:
+        raise ValueError(f"expected one of {', '.join(STRATEGIES)}, or a weighted mix such as "
+                         "`prefix-cache:2,least-request:1`")
+    return value
+
+
 def _text(raw: str) -> str:
     return raw.strip()
 
@@ -124,6 +138,16 @@ VARIABLES: tuple[Variable, ...] = (
              "Address the gRPC and HTTP servers bind to (`0.0.0.0` or `::` in a cluster)."),
     Variable("KVGATE_GRPC_PORT", "grpc_port", PORT, 50051, "ext_proc gRPC port (also serves gRPC health)."),
     Variable("KVGATE_HTTP_PORT", "http_port", PORT, 8080, "HTTP port: `/metrics`, `/healthz`, `/debug`."),
+    Variable("KVGATE_GRPC_TLS", "grpc_tls", _choice("off", "self-signed", "files"), "off",
+             "TLS on the gRPC port: `off` (plaintext h2c), `self-signed` (a certificate made at start, as the "
+             "Inference Extension's picker serves; gateways that dial pickers over TLS, e.g. Envoy AI Gateway, do "
+             "not verify it) or `files` (KVGATE_GRPC_TLS_CERT and KVGATE_GRPC_TLS_KEY)."),
+    Variable("KVGATE_GRPC_TLS_CERT", "grpc_tls_cert", _text, "",
+             "PEM certificate (chain) file, with KVGATE_GRPC_TLS=files."),
+    Variable("KVGATE_GRPC_TLS_KEY", "grpc_tls_key", _text, "", "PEM private key file, with KVGATE_GRPC_TLS=files."),
+    Variable("KVGATE_GRPC_HEALTH_PORT", "grpc_health_port", PORT, 0,
+             "A plaintext gRPC port serving only the health services (`liveness`, `readiness`), 0 for none: "
+             "Kubernetes' gRPC probes do not speak TLS, so probe this port when KVGATE_GRPC_TLS is on."),
     Variable("KVGATE_DISCOVERY", "discovery", _choice("static", "kubernetes", "inferencepool"), "static",
              "Pod discovery source: `static` (file or list below), `kubernetes` (pods by label) or "
              "`inferencepool` (one InferencePool's pods, models from each pod's `/v1/models`)."),
@@ -141,8 +165,9 @@ VARIABLES: tuple[Variable, ...] = (
              "with `inferencepool` discovery."),
     Variable("KVGATE_POOL_MODELS_REFRESH_S", "pool_models_refresh_s", _positive_float, 30.0,
              "How often each InferencePool endpoint's `/v1/models` is asked again (LoRA adapters come and go)."),
-    Variable("KVGATE_ROUTING_STRATEGY", "routing_strategy", _choice(*STRATEGIES), "kv-sync",
-             "Default strategy; a request may choose another with the `routing-strategy` header."),
+    Variable("KVGATE_ROUTING_STRATEGY", "routing_strategy", _strategy, "kv-sync",
+             "Default strategy, or AIBrix's weighted mix of strategies (`prefix-cache:2,least-request:1`, integer "
+             "weights, 1 when left out); a request may choose another (or a mix) with the `routing-strategy` header."),
     Variable("KVGATE_ROUTING_WEIGHTS", "routing_weights", _text, "",
              "Scorer weights laid over the defaults: `kv-sync:ttft=3,load=2,queue=1;prefix-cache:...` "
              f"(scorers: {', '.join(SCORERS)}; 0 removes one)."),
@@ -166,6 +191,11 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("KVGATE_PD_PREFILL_TIMEOUT_S", "pd_prefill_timeout_s", _positive_float, 30.0,
              "The `pd` strategy's bound on one prefill leg (connect to answer), seconds; past it the leg is "
              "retried once on the next prefill engine, then the decode engine serves the request whole."),
+    Variable("KVGATE_SESSION_TTL_S", "session_ttl_s", _positive_float, 1800.0,
+             "Session affinity: a session (`x-session-id`, `x-session-token`, `x-aibrix-session-key`) whose pod "
+             "kvgate remembers is forgotten this long after its last request (shared through KVGATE_REDIS_URL)..."),
+    Variable("KVGATE_SESSION_CAPACITY", "session_capacity", _int_range(1, 100_000_000), 100_000,
+             "...and each replica remembers at most this many (least recently used forgotten first)."),
     Variable("KVGATE_PREFIX_CACHE_BLOCK_SIZE", "prefix_cache_block_size", _int_range(1, 4096), 16,
              "Block size of the `prefix-cache` strategy's own guesses (kv-sync learns it from events)."),
     Variable("KVGATE_PREFIX_CACHE_BLOCKS", "prefix_cache_blocks", _int_range(1, 1 << 32), 200_000,
@@ -252,6 +282,15 @@ VARIABLES: tuple[Variable, ...] = (
              "one asks Envoy for none (its response headers are skipped too), is still uncounted when its "
              "stream ends and still tells the trackers it is done (without usage). Requests with the slo "
              "strategy or SLO headers are always watched. 1: every response."),
+    Variable("KVGATE_RESPONSE_IDS", "response_ids", _int_range(0, 10_000_000), 100_000,
+             "Responses API conversations remembered per gateway replica: response id -> the pod that answered "
+             "it (learned from the routed answer; shared with the other replicas through KVGATE_REDIS_URL), so "
+             "a request with that `previous_response_id` goes to the engine that stored the conversation while "
+             "it is ready. Least recently used first out; 0: not learned."),
+    Variable("KVGATE_RESPONSE_ID_TTL_S", "response_id_ttl_s", _positive_float, 3600.0,
+             "With KVGATE_REDIS_URL: how long a learned response id (KVGATE_RESPONSE_IDS) stays in Redis for "
+             "the other gateway replicas (an id one replica did not learn is looked up there, one GET of at "
+             "most 50 ms)."),
     Variable("KVGATE_TRACE_WRITE_INTERVAL_S", "trace_write_interval_s", _positive_float, 10.0,
              "With KVGATE_REDIS_URL: each model's request trace window (AIBrix's format, "
              "`aibrix:<model>_request_trace_<t>`) is written to Redis this often."),
@@ -289,6 +328,10 @@ class Settings:
     listen_host: str = "127.0.0.1"
     grpc_port: int = 50051
     http_port: int = 8080
+    grpc_tls: str = "off"
+    grpc_tls_cert: str = ""
+    grpc_tls_key: str = ""
+    grpc_health_port: int = 0
     discovery: str = "static"
     pods_file: str = ""
     pods: str = ""
@@ -305,6 +348,8 @@ class Settings:
     pd_threshold_tokens: int = 256
     pd_strategies: str = ""
     pd_prefill_timeout_s: float = 30.0
+    session_ttl_s: float = 1800.0
+    session_capacity: int = 100_000
     prefix_cache_block_size: int = 16
     prefix_cache_blocks: int = 200_000
     fallback_endpoints: int = 3
@@ -340,6 +385,8 @@ class Settings:
     drain_timeout_s: float = 25.0
     observe_responses: bool = True
     observe_sample: float = 0.1
+    response_ids: int = 100_000
+    response_id_ttl_s: float = 3600.0
     trace_write_interval_s: float = 10.0
     predict_window_s: float = 240.0
     predict_step_s: float = 10.0
@@ -388,6 +435,12 @@ class Settings:
             raise ConfigError("KVGATE_KV_EVENTS_BACKOFF_MAX_S: must be at least KVGATE_KV_EVENTS_BACKOFF_MIN_S")
         if self.grpc_port and self.grpc_port == self.http_port:
             raise ConfigError("KVGATE_HTTP_PORT: must differ from KVGATE_GRPC_PORT")
+        if self.grpc_health_port and self.grpc_health_port in (self.grpc_port, self.http_port):
+            raise ConfigError("KVGATE_GRPC_HEALTH_PORT: must differ from KVGATE_GRPC_PORT and KVGATE_HTTP_PORT")
+        if self.grpc_tls == "files" and not (self.grpc_tls_cert and self.grpc_tls_key):
+            raise ConfigError("KVGATE_GRPC_TLS_CERT and KVGATE_GRPC_TLS_KEY: both required with KVGATE_GRPC_TLS=files")
+        if self.grpc_tls != "files" and (self.grpc_tls_cert or self.grpc_tls_key):
+            raise ConfigError("KVGATE_GRPC_TLS_CERT/KEY: set only with KVGATE_GRPC_TLS=files")
 
     def redacted(self) -> dict[str, Any]:
         """Settings for logs and the debug endpoint, with secrets hidden."""

@@ -186,6 +186,18 @@ class GatewayMetrics:
         self.errors = Counter(
             "kvgate_request_errors", "Requests answered with an error by kvgate, by HTTP status and code",
             ["status", "code"], registry=registry)
+        self.response_affinity = Counter(
+            "kvgate_response_affinity", "Responses API requests with a previous_response_id, by outcome: routed (to "
+            "the pod that stored it), unknown (an id this gateway did not learn), not_ready (that pod is not ready "
+            "or outside the data plane's subset), not_eligible (not a candidate for the model); the last three are "
+            "routed as any other request", ["outcome"], registry=registry)
+        self.response_ids = Counter(
+            "kvgate_response_ids_learned", "Responses API response ids learned from routed answers (id -> pod)",
+            registry=registry)
+        self.read_only = LoopCounter(
+            "kvgate_read_only_requests", "Requests to the engines' read-only endpoints passed through by load, by "
+            "path (/v1/models, /tokenize, /detokenize, /health, /version; every other path not routed: other)",
+            ["path"], registry=registry)
         self.tokenizer_fallbacks = Counter(
             "kvgate_tokenizer_fallbacks", "Requests routed on load alone because tokenization failed, by reason",
             ["reason"], registry=registry)

@@ -42,6 +42,9 @@ PD_RESPONSE_KEY = "pd"  # in the kvgate dynamic metadata: Envoy copies it into t
 PREFILL_PARAMS: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                                   "remote_block_ids": None, "remote_host": None, "remote_port": None}
 _DROPPED = ("min_tokens", "min_completion_tokens", "stream_options")  # not for the prefill leg
+# The request kinds split (plugin.request.KINDS): the OpenAI paths vLLM's disaggregation proxy serves. The others
+# (Responses, Messages) are routed by the strategy's scores, whole.
+PD_KINDS = frozenset(("chat", "completion"))
 
 
 def prefill_body(body: dict[str, Any], chat: bool) -> dict[str, Any]:

@@ -28,5 +28,10 @@ class RoutingMetrics:
                                     registry=r)
         self.redis_up = Gauge("kvgate_counts_redis_up",
                               "1 while the shared running counts reach Redis, 0 when local only.", registry=r)
+        self.sessions = Counter("kvgate_routing_session_total",
+                                "Requests with a session, by what session affinity did: kept (its pod preferred and "
+                                "picked), overruled (preferred, another picked), new, unavailable (its pod down, not "
+                                "ready or set aside: no preference), saturated (its pod saturated: no preference).",
+                                ["outcome"], registry=r)
         self.scrape_errors = Counter("kvgate_engine_metrics_scrape_errors_total",
                                      "Failed scrapes of an engine's /metrics.", registry=r)

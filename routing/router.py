@@ -18,7 +18,8 @@ from routing.registry import PodRegistry
 from routing.scheduling.scorers import PrefixSource
 from routing.scheduling.scoring import Decision, PickContext, RouteRequest, Scorer, Strategy
 from routing.scheduling.slo import default_capacity
-from routing.scheduling.strategies import StrategyConfig, build_strategies
+from routing.scheduling.sessions import SessionStore
+from routing.scheduling.strategies import StrategyConfig, build_mix, build_strategies, mix_name, parse_mix
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,8 @@ class Router:
                  counts: RunningCounts | None = None, index: PrefixSource | None = None,
                  engines: EngineMetrics | None = None, config: StrategyConfig | None = None,
                  metrics: RoutingMetrics | None = None, seed: int | None = None,
-                 saturation: Saturation | None = None, max_fallbacks: int = 3, capacity=None) -> None:
+                 saturation: Saturation | None = None, max_fallbacks: int = 3, capacity=None,
+                 sessions: SessionStore | None = None) -> None:
         self._registry = registry
         self._saturation = saturation or Saturation()
         self._max_fallbacks = max_fallbacks
@@ -37,10 +39,14 @@ class Router:
         self._engines = engines
         self._metrics = metrics or RoutingMetrics()
         capacity = capacity or default_capacity()
-        self._strategies: dict[str, Strategy] = build_strategies(config or StrategyConfig(), random.Random(seed),
-                                                                 index=index, engines=engines, capacity=capacity)
-        if default_strategy not in self._strategies:
-            raise UnknownStrategyError(default_strategy, self.strategy_names())
+        self.sessions = sessions if sessions is not None else SessionStore()
+        self.sessions.on_outcome = lambda outcome: self._metrics.sessions.labels(outcome).inc()
+        self._rng = random.Random(seed)
+        self._strategies: dict[str, Strategy] = build_strategies(config or StrategyConfig(), self._rng,
+                                                                 index=index, engines=engines, capacity=capacity,
+                                                                 sessions=self.sessions)
+        # Weighted mixes (`prefix-cache:2,least-request:1`), built on first use from the strategies' scorers
+        self._mixes: dict[str, Strategy] = {}
         # each scorer once, though several strategies may weigh it
         self._scorers: list[Scorer] = list({id(sc): sc for st in self._strategies.values()
                                             for sc, _ in st.scorers}.values())
@@ -59,6 +65,10 @@ class Router:
         self._prefill = prefill if prefill is not None and type(prefill).refresh is not LocalCounts.refresh else None
         self._reads_prefill = {name: any(sc.name == "slo" for sc, _ in st.scorers)
                                for name, st in self._strategies.items()}
+        self._reads_sessions = {name: any(sc.name == "session" for sc, w in st.scorers if w > 0)
+                                for name, st in self._strategies.items()}
+        if default_strategy not in self._strategies:  # a weighted mix, or UnknownStrategyError
+            self.default_strategy = self._mix(default_strategy)
         # Data-parallel pods by name: (the pod object the targets were made from, its rank targets).
         self._targets: dict[str, tuple[Pod, tuple[Pod, ...]]] = {}
         self._dp = any(p.dp_size > 1 for p in registry.pods())  # False: pick never looks for ranks
@@ -70,12 +80,14 @@ class Router:
     async def start(self) -> None:
         """Start the shared counts' heartbeat and the engine metrics scraper (if any)."""
         await self._counts.start()
+        await self.sessions.start()
         if self._engines is not None:
             await self._engines.start()
 
     async def close(self) -> None:
         if self._engines is not None:
             await self._engines.close()
+        await self.sessions.close()
         await self._counts.close()
 
     # -- the request path -----------------------------------------------------------------------
@@ -83,11 +95,38 @@ class Router:
     def strategy_names(self) -> tuple[str, ...]:
         return tuple(self._strategies)
 
+    MAX_MIXES = 64  # distinct weighted mixes (each a metrics label): past these, a new one is refused
+
     def _strategy(self, name: str | None) -> Strategy:
-        strategy = self._strategies.get(name or self.default_strategy)
+        key = name or self.default_strategy
+        strategy = self._strategies.get(key) or self._mixes.get(key)
         if strategy is None:
-            raise UnknownStrategyError(str(name), self.strategy_names())
+            canonical = self._mix(key)  # raises UnknownStrategyError
+            strategy = self._strategies.get(canonical) or self._mixes[canonical]
         return strategy
+
+    def _mix(self, name: str) -> str:
+        """A weighted mix's canonical name, built and remembered under `name` and that name (raises
+        UnknownStrategyError when `name` is neither a strategy nor a valid mix of strategies built here)."""
+        try:
+            items = parse_mix(name)
+            if items is None:
+                raise UnknownStrategyError(name, self.strategy_names())
+            canonical = mix_name(items)
+            if canonical in self._strategies:  # `slo` or a one-strategy "mix"
+                return canonical
+            mix = self._mixes.get(canonical)
+            if mix is None:
+                if len(self._mixes) >= 2 * self.MAX_MIXES:
+                    raise ValueError(f"more than {self.MAX_MIXES} distinct weighted mixes")
+                mix = build_mix(items, self._strategies, self._rng)
+        except ValueError as e:
+            raise UnknownStrategyError(f"{name} ({e})", self.strategy_names()) from None
+        self._mixes[canonical] = self._mixes[name] = mix
+        self._needs_tokens[name] = self._needs_tokens[canonical] = mix.needs_tokens
+        self._reads_prefill[canonical] = any(sc.name == "slo" for sc, _ in mix.scorers)
+        self._reads_sessions[canonical] = any(sc.name == "session" for sc, w in mix.scorers if w > 0)
+        return canonical
 
     def needs_tokens(self, strategy: str | None) -> bool:
         """Whether `pick` with this strategy uses token ids (raises UnknownStrategyError)."""
@@ -134,6 +173,9 @@ class Router:
             if self._prefill is not None and self._reads_prefill[strategy.name]:
                 await self._prefill.refresh()
             pods = self._candidates(request.model, subset)  # the pods may have changed while refresh waited
+        if request.session and self.sessions.shared and self._reads_sessions[strategy.name]:
+            await self.sessions.load(request.session)  # the session's pod as other gateways left it (bounded)
+            pods = self._candidates(request.model, subset)
         if sheddable and self._all_saturated(pods):
             raise SaturatedError(request.model, len(pods))
         # From here to the count increment nothing awaits: the next pick sees this one.
@@ -309,6 +351,7 @@ class Router:
                            "weights": {s.name: {sc.name: w for sc, w in s.scorers} for s in self._strategies.values()}},
             "counts": self._counts.snapshot(),
             "in_flight_here": len(self._active),
+            "sessions": {"remembered_here": len(self.sessions), "shared": self.sessions.shared},
             "index": index_stats,
         }
         if subscriptions is not None:

@@ -174,6 +174,9 @@ class EngineMetrics:
     prompt_tokens: int  # counter, at admission
     generation_tokens: int  # counter, at completion
     peak_live: int = 0  # most requests live at once since start (the simulator's own, not vLLM's)
+    # vLLM's latency histograms, as (sum of seconds, count): TTFT per request, inter-token latency per token
+    ttft: tuple[float, int] = (0.0, 0)
+    inter_token: tuple[float, int] = (0.0, 0)
 
 
 class _Request:
@@ -250,6 +253,7 @@ class EngineModel:
         self._events: list[KVEvent] = []
         self._batches: list[EventBatch] = []
         self._queries = self._hits = self._finished = self._prompt_tokens = self._gen_tokens = 0
+        self._ttft_sum, self._ttft_n, self._itl_sum, self._itl_n = 0.0, 0, 0.0, 0
 
     # ---- public API -------------------------------------------------------------------------
 
@@ -373,6 +377,7 @@ class EngineModel:
             prefix_cache_queries=self._queries, prefix_cache_hits=self._hits, cached_blocks=len(self._blocks),
             num_blocks=c.num_blocks, requests_finished=self._finished, prompt_tokens=self._prompt_tokens,
             generation_tokens=self._gen_tokens, peak_live=self._peak_live,
+            ttft=(self._ttft_sum, self._ttft_n), inter_token=(self._itl_sum, self._itl_n),
         )
 
     def step_time(self) -> float:
@@ -489,6 +494,8 @@ class EngineModel:
         self._cache_upto(req, len(req.tokens) // self._bs)
         self._free_skipped(req, len(req.tokens))
         req.first_token_time = t
+        self._ttft_sum += t - req.arrival
+        self._ttft_n += 1
         if req.max_tokens == 1:
             self._finish(req, t)
         elif self._decoding:
@@ -711,6 +718,9 @@ class EngineModel:
         del self._live[req.req_id]
         self._finished += 1
         self._gen_tokens += req.max_tokens
+        if req.max_tokens > 1:
+            self._itl_sum += t - req.first_token_time
+            self._itl_n += req.max_tokens - 1
         self._completed.append(Completion(
             req_id=req.req_id, prompt_tokens=len(req.tokens), cached_tokens=req.cached_tokens,
             output_token_ids=req.seq[len(req.tokens):], arrival_time=req.arrival,

@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from sim.engine import EngineMetrics
@@ -40,6 +40,11 @@ class EngineCollector(Collector):
                                          labels=_LABELS)
         success = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
                                       labels=[*_LABELS, "finished_reason"])
+        # vLLM's latency histograms; the simulator keeps only their sum and count (one +Inf bucket)
+        ttft = HistogramMetricFamily("vllm:time_to_first_token_seconds", "Histogram of time to first token in "
+                                     "seconds.", labels=_LABELS)
+        itl = HistogramMetricFamily("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in "
+                                    "seconds.", labels=_LABELS)
         # the simulator's own (vLLM has none): what a test of admission limits reads
         peak = GaugeMetricFamily("sim:requests_live_peak", "Most requests live at once (waiting or running) since "
                                  "start.", labels=_LABELS)
@@ -55,11 +60,14 @@ class EngineCollector(Collector):
             generation.add_metric(labels, m.generation_tokens)
             success.add_metric([*labels, "length"], m.requests_finished)
             peak.add_metric(labels, m.peak_live)
+            ttft.add_metric(labels, [("+Inf", float(m.ttft[1]))], sum_value=m.ttft[0])
+            itl.add_metric(labels, [("+Inf", float(m.inter_token[1]))], sum_value=m.inter_token[0])
         info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
                                  labels=["block_size", "num_gpu_blocks", "enable_prefix_caching"])
         if ranks:
             info.add_metric([str(self._block_size), str(ranks[0].num_blocks), "True"], 1.0)
-        yield from (running, waiting, usage, usage_old, queries, hits, prompt, generation, success, info, peak)
+        yield from (running, waiting, usage, usage_old, queries, hits, prompt, generation, success, ttft, itl, info,
+                    peak)
 
 
 def engine_registry(collector: EngineCollector, registry: CollectorRegistry | None = None) -> CollectorRegistry:

@@ -390,3 +390,68 @@ class KVFreeScorer(Scorer):
             load = self._engines.get(p.pod_name, p.rank)
             out[p.name] = 0.5 if load is None or load.kv_usage is None else 1.0 - load.kv_usage
         return out
+def _least(values: Mapping[str, float], pods: Sequence[Pod]) -> dict[str, float]:
+    """Min-max over the pods with a value (the least 1, the most 0, all equal 1), as AIBrix normalizes its
+    "least-*" metrics; a pod without a value (no fresh scrape) 0.5."""
+    out = dict.fromkeys((p.name for p in pods), 0.5)
+    out.update(_relative(values, 1e-12))
+    return out
+
+
+class EngineBusyScorer(Scorer):
+    """Fewer requests in the engine, running and waiting, by its own scraped numbers (per data-parallel rank
+    where it reports them): what the engine is busy with, including other gateways' and direct traffic."""
+
+    name = "busy"
+    needs_tokens = False
+
+    def __init__(self, engines: EngineMetrics) -> None:
+        self._engines = engines
+
+    def score(self, ctx: PickContext, pods: Sequence[Pod]) -> dict[str, float]:
+        get = self._engines.get
+        return _least({p.name: load.running + load.waiting for p in pods
+                       if (load := get(p.pod_name, p.rank)) is not None}, pods)
+
+
+class ThroughputScorer(Scorer):
+    """Less token throughput since the last scrape: 2 x prompt tokens/s + generation tokens/s
+    (`vllm:prompt_tokens_total`, `vllm:generation_tokens_total`; a prompt token costs twice a generated
+    one, as AIBrix weighs them)."""
+
+    name = "throughput"
+    needs_tokens = False
+
+    def __init__(self, engines: EngineMetrics) -> None:
+        self._engines = engines
+
+    def score(self, ctx: PickContext, pods: Sequence[Pod]) -> dict[str, float]:
+        get = self._engines.get
+        rates = {}
+        for p in pods:
+            load = get(p.pod_name)
+            if load is not None and load.token_rate is not None:
+                rates[p.name] = 2.0 * load.token_rate[0] + load.token_rate[1]
+        return _least(rates, pods)
+
+
+class LatencyScorer(Scorer):
+    """Lower expected latency from the engine's own histograms: its recent mean TTFT plus `output_tokens`
+    (100, AIBrix's guess) times its recent mean TPOT (`vllm:time_to_first_token_seconds`,
+    `vllm:time_per_output_token_seconds` / `inter_token_latency_seconds`, over the last scrape interval)."""
+
+    name = "latency"
+    needs_tokens = False
+
+    def __init__(self, engines: EngineMetrics, output_tokens: float = 100.0) -> None:
+        self._engines = engines
+        self._output = output_tokens
+
+    def score(self, ctx: PickContext, pods: Sequence[Pod]) -> dict[str, float]:
+        get = self._engines.get
+        expected = {}
+        for p in pods:
+            load = get(p.pod_name)
+            if load is not None and (load.ttft_mean is not None or load.tpot_mean is not None):
+                expected[p.name] = (load.ttft_mean or 0.0) + self._output * (load.tpot_mean or 0.0)
+        return _least(expected, pods)

@@ -28,6 +28,10 @@ class RouteRequest:
     slo_tpot_s: float | None = None
     # What the prompt's block hashes carry besides tokens and LoRA (cache_salt, media, opaque); None: nothing.
     extras: BlockExtras | None = None
+    # The client's session (x-session-id, x-session-token or x-aibrix-session-key) and user (`user` header);
+    # None: none sent.
+    session: str | None = None
+    user: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +147,21 @@ class RandomPicker:
 
     def pick(self, ctx: PickContext, pods: Sequence[Pod], scores: Mapping[str, float]) -> Pod:
         return self._rng.choice(list(pods))
+
+
+class PowerOfTwoPicker:
+    """Two candidates drawn at random, the one with fewer running requests over every gateway (AIBrix's
+    power-of-two; a tie: the first drawn)."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self._rng = rng
+
+    def pick(self, ctx: PickContext, pods: Sequence[Pod], scores: Mapping[str, float]) -> Pod:
+        if len(pods) == 1:
+            return pods[0]
+        a, b = self._rng.sample(list(pods), 2)
+        running = ctx.running.get
+        return b if running(b.name, 0) < running(a.name, 0) else a
 
 
 class RoundRobinPicker:

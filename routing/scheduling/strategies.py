@@ -16,12 +16,15 @@ from typing import Callable, Mapping, TypeVar
 from routing.learning.profiles import EngineProfiles
 from routing.scheduling.approx import ApproxPrefixTable
 from routing.scheduling.cost import PromptCache, TTFTScorer
-from routing.state.engine_metrics import EngineMetrics
-from routing.scheduling.scorers import (ApproxPrefixScorer, FamilyAffinityScorer, KVFreeScorer, KVUtilizationScorer,
-                                        LoadScorer, PrecisePrefixScorer, PrefillBacklog, PrefixSource, QueueScorer)
+from routing.state.engine_metrics import EngineMetrics, Saturation
+from routing.scheduling.fairness import TokenFairnessScorer
+from routing.scheduling.scorers import (ApproxPrefixScorer, EngineBusyScorer, FamilyAffinityScorer, KVFreeScorer,
+                             KVUtilizationScorer, LatencyScorer, LoadScorer, PrecisePrefixScorer, PrefillBacklog, PrefixSource, QueueScorer,
+                             ThroughputScorer)
+from routing.scheduling.sessions import SessionAffinityScorer, SessionStore
 from routing.scheduling.slo import Capacity, SLOScorer
-from routing.scheduling.scoring import (Filter, LoadGuard, MaxScorePicker, Picker, RandomPicker, RoundRobinPicker, Scorer,
-                             Strategy)
+from routing.scheduling.scoring import (Filter, LoadGuard, MaxScorePicker, Picker, PowerOfTwoPicker, RandomPicker,
+                             RoundRobinPicker, Scorer, Strategy)
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,8 @@ class StrategyConfig:
     # `kvgate sim` engine's; bench routing gave the same W1/W2 results with half or twice the rate)
     prefill_tokens_per_s: float = 10_000.0
     clock: Callable[[], float] = time.monotonic  # the backlog's clock (the routing benchmark's is virtual)
+    # When an engine is saturated (KVGATE_SATURATION_QUEUE / _KV_USAGE): the session scorer prefers none
+    saturation: Saturation = field(default_factory=Saturation)
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,7 @@ class Resources:
     index: PrefixSource | None = None
     engines: EngineMetrics | None = None
     capacity: Capacity | None = None  # engine profiles, output prediction, SLO targets
+    sessions: SessionStore | None = None  # session -> pod (the session scorer; a local one when None)
 
 
 _R = TypeVar("_R")
@@ -82,6 +88,8 @@ class StrategySpec:
     doc: str
     weights: Mapping[str, float] = field(default_factory=dict)  # default scorer weights; configurable if any
     guard: bool = False  # the load guard filter (KVGATE_ROUTING_GUARD_SLACK / _RATIO) runs first
+    aibrix: str = ""  # where it differs from AIBrix's strategy of the same name ("" : not an AIBrix name)
+    mixed_as: Mapping[str, float] | None = None  # its scorers in a weighted mix, where its picker ignores weights
 
     @property
     def weighted(self) -> bool:
@@ -134,38 +142,166 @@ SCORERS: dict[str, ScorerSpec] = {s.name: s for s in (
                "more free KV cache (1 - `vllm:kv_cache_usage_perc` or `gpu_cache_usage_perc`, scraped)"),
     ScorerSpec("kv-free", lambda r: KVFreeScorer(r.engines), (),
                "`kv-util` where scraping may be off (then 0.5 for every pod): the decode engine's free KV cache"),
+    ScorerSpec("session", lambda r: SessionAffinityScorer(
+                   r.sessions if r.sessions is not None else SessionStore(), r.engines, r.config.saturation), (),
+               "1 for the pod of the request's session (`x-session-id` / `x-session-token` naming a pod, or the "
+               "pod kvgate last sent that session or `x-aibrix-session-key` to: KVGATE_SESSION_TTL_S, shared "
+               "through KVGATE_REDIS_URL); none while that pod is down, not ready, set aside or saturated"),
+    ScorerSpec("busy", lambda r: EngineBusyScorer(_given(r.engines)), ("engines",),
+               "fewer requests running and waiting in the engine by its own numbers (`vllm:num_requests_running` "
+               "+ `_waiting`, scraped); min-max over the pods"),
+    ScorerSpec("throughput", lambda r: ThroughputScorer(_given(r.engines)), ("engines",),
+               "less token throughput since the last scrape: 2 x prompt + generation tokens/s "
+               "(`vllm:prompt_tokens_total`, `vllm:generation_tokens_total`); min-max over the pods"),
+    ScorerSpec("latency", lambda r: LatencyScorer(_given(r.engines)), ("engines",),
+               "lower expected latency: the engine's recent mean TTFT + 100 x its recent mean TPOT (its "
+               "histograms, over the last scrape interval); min-max over the pods"),
+    ScorerSpec("vtc", lambda r: TokenFairnessScorer(), (),
+               "per-user token fairness: the `user` header's prompt tokens over the last ~5 minutes, over the "
+               "mean per user (at least 1,000), place the user among the pods in name order; 1 there, falling "
+               "with the distance"),
     ScorerSpec("slo", lambda r: SLOScorer(_given(r.capacity), r.index, r.config.medium_weights), ("capacity",),
                "predicted TTFT (the `ttft` model, its queue the one shared by every gateway: (queued prefill + "
                "this request's uncached tokens from the index) / the pod's prefill rate + its overhead) and TPOT (decode step at the running batch, weighted by predicted outputs) against the "
                "request's targets: 0.5..1 with headroom, below 0.5 by violation"),
 )}
 
+_MAX = "max score, random tie-break"
+
 STRATEGIES: dict[str, StrategySpec] = {s.name: s for s in (
-    StrategySpec("random", RandomPicker, "uniform", "uniform among ready pods"),
+    StrategySpec("random", RandomPicker, "uniform", "uniform among ready pods",
+                 aibrix="same; in a mix it weighs nothing"),
     StrategySpec("round-robin", lambda rng: RoundRobinPicker(), "name order", "ready pods in turn"),
-    StrategySpec("least-request", MaxScorePicker, "max score, random tie-break",
-                 "fewest running requests over every gateway", {"load": 1.0}),
-    StrategySpec("prefix-cache", MaxScorePicker, "max score, random tie-break",
+    StrategySpec("least-request", MaxScorePicker, _MAX,
+                 "fewest running requests over every gateway", {"load": 1.0},
+                 aibrix="AIBrix reads the engines' running count; kvgate its own count, taken at pick time and "
+                        "shared by every gateway (no lag behind a burst)"),
+    StrategySpec("power-of-two", PowerOfTwoPicker, "two drawn at random, fewer running",
+                 "of two pods drawn at random, the one running fewer requests over every gateway",
+                 aibrix="AIBrix counts per model in Redis keys of its own; kvgate uses its shared running "
+                        "counts. In a mix: its load score", mixed_as={"load": 1.0}),
+    StrategySpec("throughput", MaxScorePicker, _MAX, "the least token throughput lately", {"throughput": 1.0},
+                 aibrix="AIBrix weighs each pod's average prompt and generation tokens per request over a day "
+                        "(Prometheus queries); kvgate the tokens/s since the last scrape, prompt tokens twice"),
+    StrategySpec("least-kv-cache", MaxScorePicker, _MAX, "the least KV cache used", {"kv-util": 1.0},
+                 aibrix="AIBrix adds GPU and CPU cache usage; vLLM 0.33 exports no CPU cache usage, so both "
+                        "read `vllm:kv_cache_usage_perc`"),
+    StrategySpec("least-gpu-cache", MaxScorePicker, _MAX, "the least GPU KV cache used", {"kv-util": 1.0},
+                 aibrix="same metric (`vllm:gpu_cache_usage_perc` is `vllm:kv_cache_usage_perc` since vLLM 0.10)"),
+    StrategySpec("least-busy-time", MaxScorePicker, _MAX, "the engine busy with the fewest requests",
+                 {"busy": 1.0},
+                 aibrix="AIBrix reads a GPU busy-time ratio no vLLM exports (so it picks at random on vLLM); "
+                        "kvgate the engine's own running + waiting requests"),
+    StrategySpec("least-utilization", MaxScorePicker, _MAX,
+                 "the engine least used: requests in it and KV cache used, equally", {"busy": 1.0, "kv-util": 1.0},
+                 aibrix="AIBrix reads `engine_utilization`, exported by xLLM only (random on vLLM); kvgate its "
+                        "requests and KV cache usage"),
+    StrategySpec("least-latency", MaxScorePicker, _MAX, "the lowest expected latency by the engine's histograms",
+                 {"latency": 1.0},
+                 aibrix="AIBrix adds queue, prefill and decode time means scaled to guessed lengths; kvgate the "
+                        "recent TTFT mean + 100 x the recent TPOT mean (vLLM 0.33's histograms)"),
+    StrategySpec("session-affinity", MaxScorePicker, _MAX,
+                 "the session's pod (never a down or saturated one); a new session: the least loaded",
+                 {"session": 1.0, "load": 0.25},
+                 aibrix="AIBrix reads only `x-session-id` (the pod's address, which it returns) and a caller key "
+                        "hashed to a pod; kvgate also llm-d's `x-session-token` and remembers opaque sessions "
+                        "(TTL, shared through Redis), and sends a new session to the least loaded pod, not a "
+                        "random one"),
+    StrategySpec("vtc-basic", MaxScorePicker, _MAX, "per-user token fairness, with load", {"vtc": 1.0, "load": 1.0},
+                 aibrix="AIBrix's bucket is the mean of the smallest and largest user's count, counts input and "
+                        "estimated output tokens, and adds a random 0..0.1; kvgate the mean per user, prompt "
+                        "tokens, ties at random"),
+    StrategySpec("prefix-cache", MaxScorePicker, _MAX,
                  "router-side guess from this gateway's own past decisions (no events)",
-                 {"approx-prefix": 3.0, "load": 2.0}, guard=True),
+                 {"approx-prefix": 3.0, "load": 2.0}, guard=True,
+                 aibrix="AIBrix also guesses from its own decisions, with its own imbalance rule; kvgate's load "
+                        "guard and load weight"),
     StrategySpec("kv-sync", MaxScorePicker, "max score, random tie-break",
                  "the event-fed index's estimated prefill wait, combined with load (the default)",
                  {"prefix": 3.0, "load": 1.0, "affinity": 0.5}, guard=True),
     StrategySpec("slo", MaxScorePicker, "max score, random tie-break",
                  "meets the request's TTFT and TPOT targets (`x-slo-ttft-ms`, `x-slo-tpot-ms` or the model's "
-                 "defaults) with the most headroom, else the least violation", {"slo": 1.0}),
+                 "defaults) with the most headroom, else the least violation", {"slo": 1.0},
+                 aibrix="AIBrix's slo family plans against profiled GPU capacity; kvgate predicts TTFT and TPOT "
+                        "from learned engine profiles. In a mix it stands alone, as in AIBrix"),
     # Prefill/decode disaggregation (routing.pd): `pd` plans the pair; its weights choose the prefill engine.
     StrategySpec("pd", MaxScorePicker, "max score, random tie-break",
                  "prefill/decode disaggregation: the decode engine by `pd-decode`, then, unless it lacks fewer than "
                  "`KVGATE_PD_THRESHOLD_TOKENS` of the prompt (served there whole), the prefill engine by these "
                  "scores among the `role: prefill` pods (kvgate runs the prefill leg itself)",
-                 {"ttft": 3.0, "load": 1.0, "affinity": 0.5}, guard=True),
+                 {"ttft": 3.0, "load": 1.0, "affinity": 0.5}, guard=True,
+                 aibrix="AIBrix's pd always splits and picks the prefill engine first by its prefix guess and load; "
+                        "kvgate picks the decode engine first, splits only where it pays, and prices the prefill "
+                        "engines on the event-fed index. In a mix: its scores, no split"),
     StrategySpec("pd-decode", MaxScorePicker, "max score, random tie-break",
                  "the decode engine of a `pd` request, among the decoding pods: running requests, free KV cache "
                  "and what it holds of the prompt", {"load": 2.0, "kv-free": 1.0, "prefix": 1.0}),
 )}
 
 NAMES = tuple(STRATEGIES)
+MAX_COEFFICIENT = 1_000_000
+
+
+def parse_mix(text: str) -> tuple[tuple[str, int], ...] | None:
+    """AIBrix's weighted mix, `name[:coefficient],...` (an integer 0..1,000,000, 1 when left out; 0 drops the
+    name): the named strategies with their coefficients; None when `text` is a single plain name. A mix naming
+    `slo` is `slo` alone (AIBrix: the slo strategies are exclusive). Raises ValueError saying what is wrong."""
+    if "," not in text and ":" not in text:
+        return None
+    items: list[tuple[str, int]] = []
+    for part in (p.strip() for p in text.split(",")):
+        name, sep, coef = part.partition(":")
+        name = name.strip()
+        if not name:
+            raise ValueError(f"{part!r}: expected <strategy>[:<weight>]")
+        if name not in STRATEGIES:
+            raise ValueError(f"{name!r}: unknown strategy (known: {', '.join(STRATEGIES)})")
+        weight = 1
+        if sep:
+            try:
+                weight = int(coef.strip())
+            except ValueError:
+                raise ValueError(f"{part!r}: the weight must be an integer") from None
+            if not 0 <= weight <= MAX_COEFFICIENT:
+                raise ValueError(f"{part!r}: the weight must be from 0 to {MAX_COEFFICIENT}")
+        if weight > 0:
+            items.append((name, weight))
+    if not items:
+        raise ValueError("no strategy with a weight above 0")
+    if any(name == "slo" for name, _ in items):
+        return (("slo", 1),)
+    return tuple(items)
+
+
+def mix_name(items: tuple[tuple[str, int], ...]) -> str:
+    """The mix's canonical name (its metrics label): `a:2,b:1`; a single strategy its own name."""
+    return items[0][0] if len(items) == 1 else ",".join(f"{n}:{c}" for n, c in items)
+
+
+def build_mix(items: tuple[tuple[str, int], ...], strategies: Mapping[str, Strategy], rng: random.Random) -> Strategy:
+    """A weighted mix as AIBrix combines one: each strategy's score (the weighted mean of its scorers, 0..1)
+    counts its coefficient's share; the highest total wins. Built from `strategies`' own scorer instances (what
+    they learn, they learn once). Filters: each member's. Raises ValueError for a strategy not built here."""
+    total = sum(c for _, c in items)
+    weights: dict[int, tuple[Scorer, float]] = {}
+    filters: dict[str, Filter] = {}
+    for name, coef in items:
+        st = strategies.get(name)
+        if st is None:
+            raise ValueError(f"strategy {name!r} is not available here")
+        spec = STRATEGIES[name]
+        scorers = [(sc, w) for sc, w in st.scorers if w > 0]
+        if spec.mixed_as is not None:
+            # a picker-only strategy: the scorers standing for it, as other strategies built them
+            built = {sc.name: sc for other in strategies.values() for sc, _ in other.scorers}
+            scorers = [(built[s], w) for s, w in spec.mixed_as.items() if s in built]
+        sw = sum(w for _, w in scorers)
+        for sc, w in scorers:
+            prev = weights.get(id(sc), (sc, 0.0))[1]
+            weights[id(sc)] = (sc, prev + coef / total * w / sw)
+        for f in st.filters:
+            filters[f.name] = f
+    return Strategy(mix_name(items), MaxScorePicker(rng), tuple(weights.values()), tuple(filters.values()))
 
 
 def parse_weights(text: str, source: str = "KVGATE_ROUTING_WEIGHTS") -> dict[str, dict[str, float]]:
@@ -197,11 +333,12 @@ def parse_weights(text: str, source: str = "KVGATE_ROUTING_WEIGHTS") -> dict[str
 
 
 def build_strategies(config: StrategyConfig, rng: random.Random, *, index: PrefixSource | None = None,
-                     engines: EngineMetrics | None = None, capacity: Capacity | None = None) -> dict[str, Strategy]:
+                     engines: EngineMetrics | None = None, capacity: Capacity | None = None,
+                     sessions: SessionStore | None = None) -> dict[str, Strategy]:
     """Every strategy that can run with what is given: one whose default scorers need a missing
     resource (`kv-sync` without the index) is left out; a configured scorer that does raises
     ValueError. Each scorer is built once and shared by the strategies weighing it."""
-    res = Resources(config, index, engines, capacity)
+    res = Resources(config, index, engines, capacity, sessions)
     built: dict[str, Scorer] = {}
 
     def missing(scorer: str) -> str | None:
@@ -230,10 +367,12 @@ def build_strategies(config: StrategyConfig, rng: random.Random, *, index: Prefi
 
 def markdown_tables() -> str:
     """The README's strategy and scorer tables, from STRATEGIES and SCORERS."""
-    rows = ["| Strategy | Filters | Scorers x weight | Picker | What it does |", "|---|---|---|---|---|"]
+    rows = ["| Strategy | Filters | Scorers x weight | Picker | What it does | Against AIBrix's |",
+            "|---|---|---|---|---|---|"]
     for s in STRATEGIES.values():
         weights = ", ".join(f"`{n}` x {w:g}" for n, w in s.weights.items())
-        rows.append(f"| `{s.name}` | {'load guard' if s.guard else ''} | {weights} | {s.picker_doc} | {s.doc} |")
+        rows.append(f"| `{s.name}` | {'load guard' if s.guard else ''} | {weights} | {s.picker_doc} | {s.doc} | "
+                    f"{s.aibrix or 'kvgate only'} |")
     rows += ["", "| Scorer | Needs | Gives each pod 0..1 for |", "|---|---|---|"]
     for sc in SCORERS.values():
         needs = ", ".join(NEEDS[n] for n in sc.needs)

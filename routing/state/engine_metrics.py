@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -22,6 +23,9 @@ KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # new name
 # vLLM's own latency histograms (cumulative _sum and _count): inter-token time (older name first), TTFT
 TPOT = ("vllm:time_per_output_token_seconds", "vllm:inter_token_latency_seconds")
 TTFT = "vllm:time_to_first_token_seconds"
+# Token counters (cumulative): their rate between two scrapes is the engine's token throughput
+PROMPT_TOKENS = "vllm:prompt_tokens_total"
+GENERATION_TOKENS = "vllm:generation_tokens_total"
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +39,36 @@ class EngineLoad:
     # vLLM's histograms, summed over the engine's series: (sum of seconds, count), None if not exported
     tpot: tuple[float, float] | None = None
     ttft: tuple[float, float] | None = None
+    # Cumulative prompt and generation tokens (None if not exported), and what two scrapes make of them
+    # and of the histograms (`with_rates`): tokens/s since the last scrape (prompt, generation), and the
+    # mean TTFT and TPOT of the requests seen since (else the last known, else the cumulative mean).
+    tokens: tuple[float, float] | None = None
+    token_rate: tuple[float, float] | None = None
+    ttft_mean: float | None = None
+    tpot_mean: float | None = None
+
+
+def _mean(now: tuple[float, float] | None, before: tuple[float, float] | None, last: float | None) -> float | None:
+    if now is None:
+        return None
+    if before is not None and now[1] > before[1]:
+        return (now[0] - before[0]) / (now[1] - before[1])
+    if before is not None and last is not None:
+        return last
+    return now[0] / now[1] if now[1] > 0 else None
+
+
+def with_rates(load: EngineLoad, before: EngineLoad | None) -> EngineLoad:
+    """`load` with its token rate and recent latency means, from the scrape `before` it (if any)."""
+    rate = None
+    if before is not None and load.tokens is not None and before.tokens is not None and load.at > before.at:
+        dt = load.at - before.at
+        # a counter that went back: the engine restarted, its new count is what it did since
+        rate = tuple((n - b if n >= b else n) / dt for n, b in zip(load.tokens, before.tokens))
+    return dataclasses.replace(
+        load, token_rate=rate,  # type: ignore[arg-type]
+        ttft_mean=_mean(load.ttft, before.ttft if before else None, before.ttft_mean if before else None),
+        tpot_mean=_mean(load.tpot, before.tpot if before else None, before.tpot_mean if before else None))
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,8 +101,14 @@ def parse_engine_metrics(text: str, at: float = 0.0) -> EngineLoad:
     labelled `engine`); with several ranks, each one's own numbers in `ranks`."""
     per: dict[str, list] = {}  # engine label -> [waiting, running, usage samples]
     hist: dict[str, list[float]] = {}  # TPOT / TTFT -> [sum, count]
+    tokens: list[float] | None = None  # [prompt, generation], summed over the engine's series
     for family in text_string_to_metric_families(text):
         for s in family.samples:
+            if s.name in (PROMPT_TOKENS, GENERATION_TOKENS):
+                if tokens is None:
+                    tokens = [0.0, 0.0]
+                tokens[s.name == GENERATION_TOKENS] += s.value
+                continue
             if s.name.endswith(("_sum", "_count")):
                 base, _, part = s.name.rpartition("_")
                 which = "tpot" if base in TPOT else "ttft" if base == TTFT else None
@@ -95,10 +135,11 @@ def parse_engine_metrics(text: str, at: float = 0.0) -> EngineLoad:
                   [u for a in per.values() for u in a[2]], at)
     tpot = _sum_count(hist.get("tpot"))
     ttft = _sum_count(hist.get("ttft"))
+    counted = (tokens[0], tokens[1]) if tokens is not None else None
     if len(per) < 2:
-        return EngineLoad(whole.waiting, whole.running, whole.kv_usage, at, None, tpot, ttft)
+        return EngineLoad(whole.waiting, whole.running, whole.kv_usage, at, None, tpot, ttft, counted)
     ranks = {engine: _load(w, r, u, at) for engine, (w, r, u) in per.items()}
-    return EngineLoad(whole.waiting, whole.running, whole.kv_usage, at, ranks, tpot, ttft)
+    return EngineLoad(whole.waiting, whole.running, whole.kv_usage, at, ranks, tpot, ttft, counted)
 
 
 class EngineMetrics:
@@ -163,7 +204,8 @@ class EngineMetrics:
         self._down.discard(pod.name)
         try:
             resp.raise_for_status()
-            load = self._loads[pod.name] = parse_engine_metrics(resp.text, time.monotonic())
+            load = parse_engine_metrics(resp.text, time.monotonic())
+            load = self._loads[pod.name] = with_rates(load, self._loads.get(pod.name))
             if self.on_load is not None:
                 self.on_load(pod.name, load)
         except Exception as e:

@@ -1,4 +1,5 @@
-"""The shipped deployment files: Envoy config, Envoy Gateway manifests, docker-compose."""
+"""The shipped deployment files: Envoy config, the Kubernetes manifests (deploy/kustomize/, rendered; their
+schemas and cross-references: test_kustomize.py), docker-compose."""
 import json
 import os
 import re
@@ -63,17 +64,13 @@ def test_envoy_yaml_never_fails_open_and_uses_the_epp_data_path():
     assert "outlier_detection" in kv and ext["grpc_service"]["envoy_grpc"]["retry_policy"]["num_retries"] >= 1
 
 
-def _docs(path: Path) -> list[dict]:
-    return [d for d in yaml.safe_load_all(path.read_text()) if d]
-
-
 def _manifests() -> dict[str, list[dict]]:
-    files = sorted((REPO / "envoy" / "gateway").glob("*.yaml"))
-    assert files
+    """Every overlay's rendered resources (`kubectl kustomize`), by kind; kvgate's own appear once per overlay."""
+    from test_kustomize import OVERLAYS, render
     kinds: dict[str, list[dict]] = {}
-    for f in files:
-        for doc in _docs(f):
-            assert {"apiVersion", "kind", "metadata"} <= set(doc), f
+    for overlay in OVERLAYS:
+        for doc in render(overlay):
+            assert {"apiVersion", "kind", "metadata"} <= set(doc), overlay
             kinds.setdefault(doc["kind"], []).append(doc)
     return kinds
 
@@ -120,7 +117,7 @@ def test_inferencepool_path_names_kvgate_as_the_endpoint_picker():
 
 def test_kvgate_deployments_probe_drain_and_run_unprivileged():
     kinds = _manifests()
-    for deploy in kinds["Deployment"]:
+    for deploy in [d for d in kinds["Deployment"] if d["metadata"]["name"] == "kvgate"]:
         pod = deploy["spec"]["template"]["spec"]
         c = pod["containers"][0]
         env = {e["name"]: e.get("value") for e in c["env"]}
@@ -195,19 +192,23 @@ def test_default_waits_end_before_envoys_message_timeout_in_every_shipped_config
     s = Settings()
     budget = s.tokenizer_timeout_s + s.admission_max_wait_s
     timeouts = []
-    for path in [REPO / "envoy" / "envoy.yaml", *sorted((REPO / "envoy" / "gateway").glob("*.yaml"))]:
-        for doc in yaml.safe_load_all(path.read_text()):
-            stack = [doc]
-            while stack:
-                node = stack.pop()
-                if isinstance(node, dict):
-                    for k, v in node.items():
-                        if k in ("message_timeout", "messageTimeout"):
-                            timeouts.append((path.name, _seconds(v)))
-                        else:
-                            stack.append(v)
-                elif isinstance(node, list):
-                    stack.extend(node)
+    from test_kustomize import OVERLAYS, render
+    shipped = [("envoy.yaml", yaml.safe_load(REPO.joinpath("envoy", "envoy.yaml").read_text()))]
+    shipped += [(overlay, doc) for overlay in OVERLAYS for doc in render(overlay)]
+    for name, doc in shipped:
+        if doc.get("kind") == "ConfigMap":  # the plain Envoy overlay's envoy.yaml
+            doc = {k: yaml.safe_load(v) for k, v in doc["data"].items()}
+        stack = [doc]
+        while stack:
+            node = stack.pop()
+            if isinstance(node, dict):
+                for k, v in node.items():
+                    if k in ("message_timeout", "messageTimeout"):
+                        timeouts.append((name, _seconds(v)))
+                    else:
+                        stack.append(v)
+            elif isinstance(node, list):
+                stack.extend(node)
     assert timeouts, "no ext_proc message timeout found in the shipped configs"
     for name, t in timeouts:
         assert budget < t, (name, t, budget)
@@ -312,9 +313,4 @@ def test_httproutes_route_only_the_public_paths():
             assert any(_gateway_api_matches(m, method, path) for m in matches), (route["metadata"]["name"], path)
         for method, path in CLOSED:
             assert not any(_gateway_api_matches(m, method, path) for m in matches), (route["metadata"]["name"], path)
-    # The Envoy Gateway path: one Envoy route per match, each sent to the ORIGINAL_DST cluster by the patch.
-    patch = _manifests()["EnvoyPatchPolicy"][0]["spec"]["jsonPatches"]
-    patched = {p["operation"]["path"] for p in patch if p["operation"].get("value") == "kvgate_original_dst"}
-    eg = next(r for r in routes if r["metadata"]["name"] == "kvgate-inference")
-    n = sum(len(rule["matches"]) for rule in eg["spec"]["rules"])
-    assert patched == {f"/virtual_hosts/0/routes/{i}/route/cluster" for i in range(n)}
+    # The Envoy Gateway path: every route of the HTTPRoute is patched, selected by name (test_kustomize.py).

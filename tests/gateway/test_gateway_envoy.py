@@ -109,8 +109,13 @@ def test_models_and_passthrough(env):
     assert r.status_code == 200 and r.headers["x-kvgate-pod"] in env.sims
     assert r.json()["data"][0]["id"] == MODEL
     r = env.client.get("/health", headers={"x-gateway-destination-endpoint": f"127.0.0.1:{env.canary_port}"})
-    assert r.status_code == 200  # the default pool (sim0), not the header
-    assert "x-kvgate-pod" not in r.headers
+    assert r.status_code == 200 and r.headers["x-kvgate-pod"] in env.sims  # read-only: by load, not the header
+    # a public path kvgate does not route: the default pool (sim0), not the header
+    canary = env.canary_hits()
+    r = env.client.post("/v1/chat/completions/batch", json={"model": MODEL},
+                        headers={"x-gateway-destination-endpoint": f"127.0.0.1:{env.canary_port}"})
+    assert "x-envoy-upstream-service-time" in r.headers and "x-kvgate-pod" not in r.headers
+    assert env.canary_hits() == canary
 
 
 def test_sse_streams_incrementally(env):
@@ -342,3 +347,31 @@ def test_an_unwatched_response_holds_its_count_until_it_ends_and_reaches_kvgate_
     labels = {"model": MODEL, "pod": pod}
     for name in ("kvgate_request_completion_tokens_total", "kvgate_request_ttft_seconds_count"):
         assert _sample(after, name, **labels) == _sample(before, name, **labels)
+
+
+def test_session_affinity_and_a_weighted_mix_through_envoy(env):
+    """A session (AIBrix's x-session-id) stays on its pod, and gets AIBrix's token for that pod back; the token
+    sent instead leads there too; a weighted mix is a strategy through the header; a bad one is a 400."""
+    import base64
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
+    served, tokens = set(), set()
+    for _turn in range(4):
+        r = env.client.post("/v1/chat/completions", json=chat,
+                            headers={"routing-strategy": "session-affinity", "x-session-id": "e2e-chat-1"})
+        assert r.status_code == 200, r.text
+        served.add(r.headers["x-sim-name"])
+        tokens.add(r.headers["x-session-id"])
+    assert len(served) == 1 and len(tokens) == 1
+    (pod,), (token,) = served, tokens
+    assert base64.b64decode(token).decode() == f"127.0.0.1:{env.sims[pod]}"  # AIBrix's form: the pod's ip:port
+    kept = _sample(_samples(env), "kvgate_routing_session_total", outcome="kept")
+    assert kept >= 3
+    for strategy in ("session-affinity", "least-request:1,session-affinity:3"):
+        r = env.client.post("/v1/chat/completions", json=chat, headers={"routing-strategy": strategy,
+                                                                         "x-session-token": token})
+        assert (r.status_code, r.headers["x-sim-name"], r.headers["x-kvgate-strategy"]) == (200, pod, strategy)
+    r = env.client.post("/v1/chat/completions", json=chat, headers={"routing-strategy": "prefix-cache:2, least-request"})
+    assert (r.status_code, r.headers["x-kvgate-strategy"]) == (200, "prefix-cache:2,least-request:1")
+    assert "x-session-id" not in r.headers  # no session asked for: none given
+    r = env.client.post("/v1/chat/completions", json=chat, headers={"routing-strategy": "prefix-cache:2,fastest"})
+    assert r.status_code == 400 and _error(r)["code"] == "unknown_routing_strategy"

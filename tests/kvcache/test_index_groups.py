@@ -250,6 +250,23 @@ def test_the_index_collector_exports_skips_and_groups():
     assert quiet.get_sample_value("kvgate_index_entries") is None
 
 
+def test_the_index_collector_exports_its_bound_and_evictions():
+    """What an alert on a full index reads (deploy/observability: KvgateIndexAtBound): the bound, the
+    entries held within it and the entries evicted to stay there."""
+    from prometheus_client import CollectorRegistry
+
+    from kvcache.metrics import IndexCollector
+    ix = PrefixIndex(max_entries=40)
+    registry = CollectorRegistry()
+    IndexCollector(ix.stats, registry)
+    assert registry.get_sample_value("kvgate_index_max_entries") == 40
+    assert registry.get_sample_value("kvgate_index_evicted_entries_total") == 0
+    p = prompt(840)
+    ix.apply("a", "m", 0, [full(p, group=0)])  # 52 blocks: 12 beyond the bound
+    assert registry.get_sample_value("kvgate_index_entries") <= 40
+    assert registry.get_sample_value("kvgate_index_evicted_entries_total") >= 12
+
+
 def test_a_sparse_store_waits_one_call_for_its_dense_store_then_is_counted():
     """The stream applies a large batch in chunks (kvcache.stream, apply_chunk): the full-attention store
     that places a window store's hashes may come in the next call. It is tried once more there."""

@@ -32,7 +32,7 @@ BAD = [
     ("KVGATE_LOG_LEVEL", "verbose"),
     ("KVGATE_REDIS_URL", "redis:/127.0.0.1:6379"),
     ("KVGATE_GRPC_PORT", "5\u00a05"),
-    ("KVGATE_ROUTING_STRATEGY", "kv-sync,random"),
+    ("KVGATE_ROUTING_STRATEGY", "kv-sync:1.5,random"),  # a weighted mix: integer weights only (AIBrix)
 ]
 
 

@@ -48,6 +48,10 @@ def test_defaults_and_overrides():
     ({"KVGATE_ROUTING_GUARD_SLACK": "-3"}, "KVGATE_ROUTING_GUARD_SLACK"),
     ({"KVGATE_PODS_POLL_S": "0"}, "KVGATE_PODS_POLL_S"),
     ({"KVGATE_HTTP_PORT": "50051"}, "KVGATE_HTTP_PORT"),
+    ({"KVGATE_GRPC_TLS": "on"}, "KVGATE_GRPC_TLS"),
+    ({"KVGATE_GRPC_TLS": "files", "KVGATE_GRPC_TLS_KEY": "k.pem"}, "KVGATE_GRPC_TLS_CERT"),
+    ({"KVGATE_GRPC_TLS_CERT": "c.pem", "KVGATE_GRPC_TLS_KEY": "k.pem"}, "KVGATE_GRPC_TLS_CERT"),
+    ({"KVGATE_GRPC_HEALTH_PORT": "50051"}, "KVGATE_GRPC_HEALTH_PORT"),
     ({"KVGATE_KV_EVENTS_BACKOFF_MIN_S": "5", "KVGATE_KV_EVENTS_BACKOFF_MAX_S": "1"}, "KVGATE_KV_EVENTS_BACKOFF_MAX_S"),
 ])
 def test_bad_values_name_the_variable(env, name):

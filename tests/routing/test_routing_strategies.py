@@ -328,8 +328,9 @@ async def test_errors_and_needs_tokens():
     with pytest.raises(UnknownStrategyError):
         r.needs_tokens("fastest")
     assert {s: r.needs_tokens(s) for s in r.strategy_names()} == {
-        "random": False, "round-robin": False, "least-request": False, "prefix-cache": True, "kv-sync": True,
-        "slo": True, "pd": True, "pd-decode": True}
+        "random": False, "round-robin": False, "least-request": False, "power-of-two": False,
+        "session-affinity": False, "vtc-basic": True, "prefix-cache": True, "kv-sync": True, "slo": True,
+        "pd": True, "pd-decode": True}
     assert r.needs_tokens(None) is True
     assert r.running() == {}
 
@@ -477,7 +478,8 @@ async def test_a_new_policy_is_a_scorer_in_the_table_plus_weights(monkeypatch):
 
 async def test_strategies_and_weights_come_from_the_one_table():
     from plugin.config import ConfigError, Settings
-    r = router("kv-sync")
+    reg = PodRegistry(pods("a", "b", "c"))
+    r = Router(reg, default_strategy="kv-sync", index=FakeIndex(), engines=EngineMetrics(reg, interval_s=60))
     assert r.strategy_names() == NAMES == tuple(STRATEGIES)
     for name in NAMES:
         assert Settings.from_env({"KVGATE_PODS": "p=127.0.0.1:1/m", "KVGATE_ROUTING_STRATEGY": name}).routing_strategy == name

@@ -231,6 +231,12 @@ async def test_metrics_use_vllm_names(client: httpx.AsyncClient) -> None:
     assert samples["vllm:prefix_cache_queries_total"].value > samples["vllm:prefix_cache_hits_total"].value
     assert samples["vllm:num_requests_running"].value == 0
     assert "vllm:num_requests_running{" in r.text and "vllm:prefix_cache_queries_total{" in r.text
+    # the token counters and latency histograms kvgate's throughput and least-latency strategies read
+    from routing.state.engine_metrics import parse_engine_metrics
+    load = parse_engine_metrics(r.text)
+    assert load.tokens is not None and load.tokens[1] == 4.0 and load.tokens[0] > 0
+    assert load.ttft is not None and load.ttft[1] == 2 and load.ttft[0] > 0
+    assert load.tpot is not None and load.tpot[1] == 2 and load.tpot[0] > 0  # one gap per request of 2 tokens
 
 
 async def test_errors_in_openai_shape(client: httpx.AsyncClient) -> None:
