@@ -215,8 +215,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", default=None,
                         help=f"PNG to write (default {DEFAULT_PLOT}, none with --quick so a smoke run leaves "
                              "the committed plot alone; '' for none)")
-    parser.add_argument("--workload", action="append", choices=("W1", "W2", *SLO_WORKLOADS, *CHAT_WORKLOADS),
-                        help="only these (repeatable)")
+    parser.add_argument("--workload", action="append", choices=("W1", "W2", *SLO_WORKLOADS, *CHAT_WORKLOADS, "W11"),
+                        help="only these (repeatable); W11, the prefill/decode fleet (bench.routing_pd), runs only "
+                             "when named")
     parser.add_argument("--load", action="append", choices=workloads.LOAD_LEVELS,
                         help="W3-W5's load levels to run (repeatable; default heavy: the levels they ran at "
                              "before, reported as W3, W4, W5; the others as W3-light, W3-medium, ...)")
@@ -699,6 +700,12 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"kvgate bench routing: {e}", file=sys.stderr)
         return 2
+    if args.workload and "W11" in args.workload:  # the P/D fleet: its own run and report (bench.routing_pd)
+        from bench import routing_pd
+        code = routing_pd.main(["--seeds", str(seeds), *(["--json"] if args.json else [])])
+        args.workload = [w for w in args.workload if w != "W11"]
+        if not args.workload:
+            return code
     every = (workloads.w1(quick), workloads.w2(quick), workloads.w3(quick), workloads.w4(quick), workloads.w5(quick),
              workloads.w6(quick), workloads.w7(quick), workloads.w8(quick), workloads.w9(quick), workloads.w10(quick),
              workloads.w12(quick))

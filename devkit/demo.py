@@ -45,6 +45,8 @@ from routing.scheduling.strategies import NAMES as STRATEGIES
 DEFAULT_STRATEGIES = ("random", "round-robin", "least-request", "prefix-cache", "kv-sync", "slo")
 from tokenizer import testdata
 
+# With --pd (a P/D fleet): pd beside two aggregated strategies (which serve on the decode engines).
+PD_DEFAULT = ["least-request", "kv-sync", "pd"]
 MODEL = "demo-model"
 MODEL_SHAPES = ("dense", "hybrid")  # of sim.shapes.MODEL_SHAPES, the ones the demo offers
 BLOCK_SIZE = 16  # the sims' KV block size: kvgate's believed cached blocks times this are tokens
@@ -60,9 +62,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="data-parallel ranks of the last engine (default 2; 1: every engine has one rank)")
     p.add_argument("--gateways", type=int, default=2,
                    help="kvgate replicas behind Envoy, sharing counts through Redis (default 2, as in production)")
-    p.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES),
-                   help=f"comma-separated strategies to compare (default {','.join(DEFAULT_STRATEGIES)}; any of "
-                        f"{', '.join(STRATEGIES)})")
+    p.add_argument("--strategies", default=None,
+                   help=f"comma-separated strategies to compare (default {','.join(DEFAULT_STRATEGIES)}; with --pd "
+                        f"{','.join(PD_DEFAULT)}; any of {', '.join(STRATEGIES)})")
+    p.add_argument("--pd", action="store_true",
+                   help="a prefill/decode fleet: 2 prefill + 2 decode engines (--sims and --dp-size are ignored), "
+                        "the pd strategy beside aggregated ones (which serve on the decode engines only)")
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight (default 8)")
     p.add_argument("--workload", choices=("chat", "agent", "mix"), default="chat",
                    help="chat: multi-turn chats sharing system prompts; agent: agents resending a tool list every "
@@ -101,15 +106,23 @@ def sim_args(model_shape: str) -> list[str]:
     return [*_SIM_ARGS, "--model-shape", model_shape]
 
 
-def _start(stack: Stack, n_sims: int, n_gateways: int, log, dp_size: int = 1, model_shape: str = "dense") -> dict:
-    pods = stack.engines(n_sims, model=MODEL, extra=sim_args(model_shape), dp=[1] * (n_sims - 1) + [dp_size])
+def _start(stack: Stack, n_sims: int, n_gateways: int, log, dp_size: int = 1, model_shape: str = "dense",
+           pd: bool = False) -> dict:
+    if pd:  # two prefill engines, two decode engines (kvgate runs the prefill legs: routing.pd, plugin.pd)
+        pods = stack.engines(4, model=MODEL, extra=sim_args(model_shape))
+        for p, role in zip(pods, ("prefill", "prefill", "decode", "decode")):
+            p["role"] = role
+    else:
+        pods = stack.engines(n_sims, model=MODEL, extra=sim_args(model_shape), dp=[1] * (n_sims - 1) + [dp_size])
     engines = [Engine(p["name"], f"http://127.0.0.1:{p['port']}", f"tcp://127.0.0.1:{p['kv_events']['pub_port']}")
                for p in pods]
     for p in pods:
         kv = p["kv_events"]
         dp = kv.get("dp_size", 1)
         ranks = f", {dp} data-parallel ranks on ports + rank" if dp > 1 else ""
-        log(f"  engine {p['name']} on :{p['port']} (KV events :{kv['pub_port']}, replay :{kv['replay_port']}{ranks})")
+        role = f", role {p['role']}" if "role" in p else ""
+        log(f"  engine {p['name']} on :{p['port']} (KV events :{kv['pub_port']}, replay :{kv['replay_port']}{ranks}"
+            f"{role})")
     pods_file = stack.pods_file(pods)
     redis_url = ""
     if shutil.which("redis-server"):
@@ -299,6 +312,20 @@ def _table(results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+async def _pd_modes(gateways: list[str]) -> dict[str, float]:
+    """How the pd strategy served its requests over every replica (kvgate_pd_requests_total by mode)."""
+    out: dict[str, float] = {}
+    async with httpx.AsyncClient(timeout=5.0) as client:
+        answers = await asyncio.gather(*(client.get(g + "/metrics") for g in gateways), return_exceptions=True)
+    for r in answers:
+        if isinstance(r, httpx.Response) and r.status_code == 200:
+            for line in r.text.splitlines():
+                if line.startswith('kvgate_pd_requests_total{mode="'):
+                    mode = line.split('"', 2)[1]
+                    out[mode] = out.get(mode, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
 async def _slo_model(gateways: list[str]) -> dict[str, dict]:
     """Each replica's learned engine profiles from its /debug: per pod the TTFT overhead and how far slo's
     TTFT predictions were off (observed - predicted)."""
@@ -432,7 +459,8 @@ def _supervise(stack: Stack, engines: set[str], log) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    strategies = [s for s in args.strategies.split(",") if s]
+    chosen = args.strategies if args.strategies is not None else ",".join(PD_DEFAULT if args.pd else DEFAULT_STRATEGIES)
+    strategies = [s for s in chosen.split(",") if s]
     if args.gateways < 1 or args.sims < 1 or args.dp_size < 1 or args.slices < 1:
         print("kvgate demo: --gateways, --sims, --dp-size and --slices must be at least 1", file=sys.stderr)
         return 2
@@ -455,9 +483,10 @@ def main(args: argparse.Namespace) -> int:
     signals.install()
     stack = Stack()
     try:
-        log(f"kvgate demo: starting {args.sims} engines ({args.model_shape} model shape), kvgate and Envoy on "
+        fleet = "2 prefill + 2 decode" if args.pd else str(args.sims)
+        log(f"kvgate demo: starting {fleet} engines ({args.model_shape} model shape), kvgate and Envoy on "
             f"loopback (logs in {stack.workdir})")
-        info = _start(stack, args.sims, args.gateways, log, args.dp_size, args.model_shape)
+        info = _start(stack, args.sims, args.gateways, log, args.dp_size, args.model_shape, pd=args.pd)
         if args.no_traffic:
             print(json.dumps(info), flush=True)
             return _supervise(stack, {p["name"] for p in info["pods"]}, log)
@@ -469,10 +498,16 @@ def main(args: argparse.Namespace) -> int:
                                        workload_kind=args.workload))
         tokenizer = asyncio.run(_tokenizer_status(info["gateways"]))
         slo_model = asyncio.run(_slo_model(info["gateways"]))
+        pd_modes = asyncio.run(_pd_modes(info["gateways"])) if "pd" in strategies else {}
         if args.json:
-            print(json.dumps({"strategies": results, "tokenizer": tokenizer, "slo_model": slo_model}), flush=True)
+            print(json.dumps({"strategies": results, "tokenizer": tokenizer, "slo_model": slo_model,
+                              **({"pd_modes": pd_modes} if pd_modes else {})}), flush=True)
         else:
             print(_table(results), flush=True)
+            if pd_modes:
+                print("\npd served its requests: " + ", ".join(f"{m} {n:.0f}" for m, n in sorted(pd_modes.items()))
+                      + " (hit rate: every engine's counters, a decode leg's lookup of its prompt included; "
+                      "aggregated strategies serve on the decode engines only)", flush=True)
             print(f"\nhit rate: prompt tokens served from the engines' prefix caches (their own /metrics); "
                   f"believed: the blocks kvgate believed the chosen engine held (kvgate_prefix_blocks_total, "
                   f"summed over the replicas) times {BLOCK_SIZE} tokens, over the same prompt tokens "

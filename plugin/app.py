@@ -27,6 +27,7 @@ from plugin.pipeline import Gateway, Sampler
 from plugin.http import build_http_app
 from plugin.metrics import GatewayMetrics
 from plugin.observe import Observer
+from plugin.pd import PDHandoff
 from plugin.tls import server_credentials
 from plugin.status import RecentErrors, RoutingMix
 from routing.state.admission import Admission, Limiter, LocalLimiter, RedisLimiter
@@ -39,6 +40,7 @@ from routing.discovery.kube import ApiConfig
 from routing.metrics import RoutingMetrics
 from routing.pods import Pod
 from routing.registry import PodRegistry
+from routing.pd import STRATEGY as PD_STRATEGY, PDConfig, PDPlanner
 from routing.router import Router
 from routing.scheduling.sessions import SessionStore
 from routing.scheduling.strategies import StrategyConfig, parse_weights
@@ -251,6 +253,12 @@ class App:
                                   on_first_token=self.capacity.first_token)
                          if s.observe_responses else None)
         self.trace_writer: TraceWriter | None = None
+        self.pd: PDHandoff | None = None
+        if PD_STRATEGY in self.router.strategy_names():
+            self.pd = PDHandoff(PDPlanner(self.router, self.pods, PDConfig(
+                threshold_tokens=s.pd_threshold_tokens, prefill_timeout_s=s.pd_prefill_timeout_s)),
+                self.gateway_metrics, admission=self.admission, profiles=self.profiles,
+                strategies=frozenset(n for n in s.pd_strategies.split(",") if n))
         # Responses API response id -> pod (plugin.responses): shared through Redis when there is one.
         self.responses: ResponseStore | None = None
         if s.response_ids and s.redis_url:
@@ -271,7 +279,7 @@ class App:
             sheddable_objectives=frozenset(o.strip() for o in s.sheddable_objectives.split(",") if o.strip()),
             observer=self.observer, sampler=Sampler(s.observe_sample), admission=self.admission,
             render=remote.render if remote is not None else None,
-            responses=self.responses, running=self.router.running, mix=self.mix))
+            responses=self.responses, running=self.router.running, mix=self.mix, pd=self.pd))
         self.pods.add_listener(self._on_pods)
         self._grpc: grpc.aio.Server | None = None
         self.grpc_port: int | None = None  # once serving
@@ -416,6 +424,8 @@ class App:
         if self._grpc is not None:
             await self._grpc.stop(grace_s)
         await self.processor.drain()
+        if self.pd is not None:
+            await self.pd.aclose()
         if self._http is not None:
             await self._http.cleanup()
         await self.subscriptions.aclose()

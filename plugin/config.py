@@ -71,6 +71,15 @@ def _fraction(raw: str) -> float:
     return value
 
 
+def _pd_strategies(raw: str) -> str:
+    names = [n.strip() for n in raw.split(",") if n.strip()]
+    for n in names:
+        if n not in STRATEGIES or n == "pd-decode":
+            raise ValueError(f"{n!r} is not a strategy that can choose a prefill engine (known: "
+                             f"{', '.join(s for s in STRATEGIES if s != 'pd-decode')})")
+    return ",".join(names)
+
+
 def _choice(*options: str) -> Callable[[str], str]:
     def parse(raw: str) -> str:
         value = raw.strip()
@@ -171,6 +180,17 @@ VARIABLES: tuple[Variable, ...] = (
              "An engine's prefill speed (tokens/s) until its observed responses teach kvgate its own (the "
              "prior of kv-sync's and slo's TTFT model, which an estimate drifts back to while not re-observed); "
              "the prompt tokens kv-sync sent a pod uncached count as still waiting until prefilled at it."),
+    Variable("KVGATE_PD_THRESHOLD_TOKENS", "pd_threshold_tokens", _int_range(0, 10_000_000), 256,
+             "The `pd` strategy's decider: a request is split into a prefill and a decode leg only when the "
+             "picked decode engine lacks at least this many of its prompt tokens (0: always split); else that "
+             "engine serves it whole."),
+    Variable("KVGATE_PD_STRATEGIES", "pd_strategies", _pd_strategies, "",
+             "Strategies besides `pd` that split requests into a prefill and a decode leg when the model has "
+             "prefill engines (`role: prefill`), their own scores choosing the prefill engine: e.g. `kv-sync,slo`. "
+             "Empty: they serve whole requests on the decoding engines."),
+    Variable("KVGATE_PD_PREFILL_TIMEOUT_S", "pd_prefill_timeout_s", _positive_float, 30.0,
+             "The `pd` strategy's bound on one prefill leg (connect to answer), seconds; past it the leg is "
+             "retried once on the next prefill engine, then the decode engine serves the request whole."),
     Variable("KVGATE_SESSION_TTL_S", "session_ttl_s", _positive_float, 1800.0,
              "Session affinity: a session (`x-session-id`, `x-session-token`, `x-aibrix-session-key`) whose pod "
              "kvgate remembers is forgotten this long after its last request (shared through KVGATE_REDIS_URL)..."),
@@ -325,6 +345,9 @@ class Settings:
     routing_guard_slack: int = 16
     routing_guard_ratio: float = 0.7
     routing_prefill_tokens_per_s: float = 10_000.0
+    pd_threshold_tokens: int = 256
+    pd_strategies: str = ""
+    pd_prefill_timeout_s: float = 30.0
     session_ttl_s: float = 1800.0
     session_capacity: int = 100_000
     prefix_cache_block_size: int = 16

@@ -35,9 +35,10 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
-from google.protobuf import struct_pb2
+from google.protobuf import duration_pb2, struct_pb2
 
 from plugin import observe
+from plugin.pd import PD_KINDS
 from plugin.pipeline import (PREVIOUS_RESPONSE, SLO_TPOT_HEADER, SLO_TTFT_HEADER, Gateway, Pipeline, RequestContext,
                              build)
 from plugin.request import (KINDS, MESSAGES, POOLING_PATHS, READ_ONLY, RESPONSES, ROUTED_POST_PATHS, ClientError,
@@ -77,10 +78,11 @@ SESSION_HEADERS = ("x-session-id", "x-session-token", "x-aibrix-session-key")
 USER_HEADER = "user"
 
 # The request headers kvgate reads (a header's key -> what it is); every other one is passed over.
-_PATH, _METHOD, _STRATEGY, _REQUEST_ID, _OBJECTIVE, _SLO, _SESSION, _USER = range(8)
+_PATH, _METHOD, _STRATEGY, _REQUEST_ID, _OBJECTIVE, _SLO, _SESSION, _USER, _AUTHORIZATION = range(9)
+# authorization: the pd strategy's prefill leg carries the client's credentials, as Envoy does to the decode engine
 _READ_HEADERS = {":path": _PATH, ":method": _METHOD, STRATEGY_HEADER: _STRATEGY, "x-request-id": _REQUEST_ID,
                  OBJECTIVE_HEADER: _OBJECTIVE, SLO_TTFT_HEADER: _SLO, SLO_TPOT_HEADER: _SLO,
-                 **dict.fromkeys(SESSION_HEADERS, _SESSION), USER_HEADER: _USER}
+                 **dict.fromkeys(SESSION_HEADERS, _SESSION), USER_HEADER: _USER, "authorization": _AUTHORIZATION}
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 # The answer to headers that carry nothing to remove: built once, never mutated, shared by streams.
@@ -240,8 +242,10 @@ class _Stream:
         raw = b"".join(self.chunks or ())
         self.chunks = None
         d = await self._decide(raw)
+        if self.ctx.body_out is not None:  # the pd strategy's decode body (Envoy drops content-length in this mode)
+            raw, self.ctx.body_out = self.ctx.body_out, None
         head = self._routed(d.pod, d.strategy, body=False, remove=self.held_remove, rank=d.rank,
-                            fallbacks=d.fallbacks, session=self._session_answer(d))
+                            fallbacks=d.fallbacks, session=self._session_answer(d), pd=self.ctx.pd_mode)
         body = pb.ProcessingResponse(request_body=pb.BodyResponse(response=pb.CommonResponse(
             body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
                 body=raw, end_of_stream=end_of_stream)))))
@@ -271,6 +275,8 @@ class _Stream:
                 ctx.request_id = value
             elif which == _OBJECTIVE:
                 ctx.objective = value.strip()
+            elif which == _AUTHORIZATION:
+                ctx.authorization = value
             elif which == _SESSION:
                 value = value.strip()
                 if value and (ctx.session is None or SESSION_HEADERS.index(key) < ctx.session_rank):
@@ -320,6 +326,17 @@ class _Stream:
         self.gw.metrics.requests.labels("other", "passthrough").inc()
         return _continue_headers(remove)
 
+    def longer_timeout(self) -> pb.ProcessingResponse | None:
+        """For a buffered body the `pd` strategy may split, the answer that extends Envoy's wait for the next one
+        (override_message_timeout, bounded by the filter's max_message_timeout): two prefill legs and the rest."""
+        pd = self.gw.pd
+        if pd is None or self.streamed_request or self.ctx.kind not in PD_KINDS:
+            return None
+        if not pd.may_split(self.ctx.strategy or self.gw.default_strategy):
+            return None
+        return pb.ProcessingResponse(override_message_timeout=duration_pb2.Duration(
+            seconds=min(120, int(2 * pd.timeout_s) + 5)))
+
     def _watch_response(self) -> bool:
         """Watch this response? Always for the slo strategy and requests with SLO targets (their
         attainment, the prefill queue); else a sample (KVGATE_OBSERVE_SAMPLE)."""
@@ -335,6 +352,10 @@ class _Stream:
             return _BODY_CONTINUE
         d = await self._decide(msg.body)
         session = self._session_answer(d)
+        if self.ctx.pd_mode is not None:  # the pd strategy: how it is served, and the decode body if rewritten
+            body_out, self.ctx.body_out = self.ctx.body_out, None
+            return self._routed(d.pod, d.strategy, body=True, rank=d.rank, fallbacks=d.fallbacks, session=session,
+                                pd=self.ctx.pd_mode, body_out=body_out)
         key = (d.pod.name, d.pod.endpoint, d.strategy, d.rank, d.fallbacks, session)
         response = self.answers.get(key)
         if response is None:
@@ -393,7 +414,8 @@ class _Stream:
         return self._routed(pod, "any", body=False, remove=remove, fallbacks=rest)
 
     def _routed(self, pod: Pod, strategy: str, *, body: bool, remove: list[str] | None = None,
-                rank: int | None = None, fallbacks: tuple[str, ...] = (), session: bool = False) -> pb.ProcessingResponse:
+                rank: int | None = None, fallbacks: tuple[str, ...] = (), session: bool = False,
+                pd: str | None = None, body_out: bytes | None = None) -> pb.ProcessingResponse:
         # The ranked list, primary first: header and metadata carry the same value (the protocol requires it).
         endpoint = ",".join((pod.endpoint, *fallbacks)) if fallbacks else pod.endpoint
         headers = [_set_header(DESTINATION_HEADER, endpoint), _set_header(RETRIES_HEADER, str(len(fallbacks)))]
@@ -403,9 +425,15 @@ class _Stream:
         if rank is not None:
             headers.append(_set_header(DP_RANK_HEADER, str(rank)))
             ours["rank"] = rank
+        if pd is not None:
+            ours["pd"] = pd
+        if body_out is not None:  # BUFFERED with request headers sent: Envoy keeps content-length, ours to set
+            headers.append(_set_header("content-length", str(len(body_out))))
         if session:
             ours["session_id"] = base64.b64encode(pod.endpoint.encode()).decode()
         common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=headers, remove_headers=remove or []))
+        if body_out is not None:
+            common.body_mutation.body = body_out
         metadata = struct_pb2.Struct()
         metadata.update({LB_NAMESPACE: {DESTINATION_HEADER: endpoint}, KVGATE_NAMESPACE: ours})
         if body:
@@ -465,6 +493,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                         stream.read_context(msg)
                         response = stream.on_headers(msg.request_headers)
                     elif which == "request_body":
+                        longer = stream.longer_timeout()
+                        if longer is not None:  # the pd strategy's prefill leg may outlast Envoy's message_timeout
+                            yield longer
                         response = await stream.on_body(msg.request_body)
                     elif which == "response_headers":
                         response = stream.on_response_headers(msg)
@@ -492,6 +523,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             self.gw.metrics.active_streams.dec()
             if ctx.watch is not None:
                 ctx.watch.close()
+            if ctx.pd_plan is not None and ctx.pd_plan.prefill is not None:
+                # a prefill leg that never ran (a 429 from admission); idempotent after the leg's own release
+                self.gw.router.release_now(ctx.pd_plan.prefill)
             # A stream cut short (cancelled, failed, closed) must not wait, nor a release that waits be cut:
             # either runs in a task of its own.
             later = ctx.decision is not None and (not ended or (ctx.admitted is not None and not self._releases_now))

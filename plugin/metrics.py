@@ -166,6 +166,22 @@ class GatewayMetrics:
         self.released = LoopCounter(
             "kvgate_requests_released", "Routed requests whose HTTP stream ended, by how it ended",
             ["how"], registry=registry)
+        # Prefill/decode disaggregation (the `pd` strategy, plugin.pd).
+        self.pd_requests = LoopCounter(
+            "kvgate_pd_requests", "Requests routed with the pd strategy, by how they were served: disaggregated (a "
+            "prefill leg, then the decode engine), aggregated (the decider: the decode engine lacked too little of "
+            "the prompt), no_prefill_pod, fallback (the prefill leg failed on every engine tried: served whole)",
+            ["mode"], registry=registry)
+        self.pd_prefill = LoopCounter(
+            "kvgate_pd_prefill_legs", "Prefill legs kvgate ran, by outcome: ok, refused (an HTTP error), timeout, "
+            "unreachable (connect or transport error), invalid (no usable kv_transfer_params in the answer), cancelled "
+            "(the client left), full (the engine runs its KVGATE_ADMISSION_MAX_RUNNING: not called), error (a defect "
+            "of kvgate's, logged)", ["outcome"], registry=registry)
+        self.pd_prefill_seconds = LoopHistogram(
+            "kvgate_pd_prefill_seconds", "Time of the prefill legs that answered, from the call to the answer", [],
+            buckets=_LATENCY_BUCKETS, registry=registry).labels()
+        self.pd_in_flight = _LoopGauge(
+            "kvgate_pd_prefill_in_flight", "Prefill legs kvgate is waiting on now", registry=registry)
         # Rare events: ordinary prometheus_client metrics.
         self.errors = Counter(
             "kvgate_request_errors", "Requests answered with an error by kvgate, by HTTP status and code",

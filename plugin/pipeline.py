@@ -11,6 +11,8 @@ by the steps of a `Pipeline`, an ordered list of named steps run one after the o
               and placeholders (the block extras; opaque when the engine cannot say)
     pick      the Router's Decision (within the subset hint; shedding a sheddable request under saturation)
     admit     the per-pod running limit (plugin.admit), when one is configured
+    prefill   the `pd` strategy's prefill leg (plugin.pd), when that strategy is served: the pick step then
+              plans a decode and a prefill engine (routing.pd), this step runs the prefill and rewrites the body
     record    the decision's metrics (time, pod, prefix blocks)
     observe   the response's Watch (plugin.observe), when responses are observed
 
@@ -33,6 +35,7 @@ from dataclasses import dataclass, field
 
 from plugin import observe
 from plugin.admit import admit
+from plugin.pd import PD_KINDS, PDHandoff, without_client_params
 from plugin.metrics import GatewayMetrics
 from kvcache.blockkeys import BlockExtras
 from plugin.request import NO_PROMPT, POOLING_PATHS, InferenceRequest, media_extras, parse_body
@@ -41,6 +44,7 @@ from plugin.status import RoutingMix, decision_reason
 from plugin.throttle import LogThrottle
 from routing.errors import NoEligibleEndpointError
 from routing.registry import PodRegistry
+from routing.pd import PDPlan
 from routing.router import Decision, Router, RouteRequest
 from routing.state.admission import Admission
 from tokenizer.types import PromptInput, Rendered, TokenizeInput, Tokenizer, TokenizerError
@@ -108,6 +112,8 @@ class Gateway:
     # hashes and placeholders), for requests whose tokens only a render endpoint gives (InferenceRequest.render);
     # None: no engine to ask (media blocks are then opaque; the rest tokenized as they can be, or not at all).
     render: Callable[..., Awaitable[Rendered]] | None = None
+    # Prefill/decode disaggregation for requests routed with the `pd` strategy (plugin.pd); None: no such strategy.
+    pd: PDHandoff | None = None
     # Running requests per pod over every gateway (Router.running), for the paths passed through by load; None:
     # spread by request id alone.
     running: Callable[[], Mapping[str, int]] | None = None
@@ -125,7 +131,7 @@ class RequestContext:
 
     __slots__ = ("request_id", "path", "kind", "strategy", "objective", "slo", "subset", "watched", "body",
                  "started", "request", "token_ids", "extras", "decision", "admitted", "watch", "session",
-                 "session_rank", "user")
+                 "session_rank", "user", "authorization", "pd_plan", "pd_mode", "body_out")
 
     def __init__(self) -> None:
         # From the transport (the request's headers and the data plane's metadata):
@@ -134,6 +140,7 @@ class RequestContext:
         self.kind = "other"  # chat, completion, models or other: the requests metric's label
         self.strategy: str | None = None  # the routing-strategy header's; `parse` fills in the default
         self.objective = ""  # x-gateway-inference-objective
+        self.authorization = ""  # the client's Authorization header (the pd strategy's prefill leg carries it)
         self.session: str | None = None  # x-session-id, x-session-token or x-aibrix-session-key (session affinity)
         self.session_rank = 0  # which of those headers it came from (the first listed wins)
         self.user: str | None = None  # the `user` header (vtc-basic's per-user fairness)
@@ -149,6 +156,11 @@ class RequestContext:
         self.decision: Decision | None = None
         self.admitted: str | None = None  # the pod admission counted this request on
         self.watch: observe.Watch | None = None
+        # The `pd` strategy's (plugin.pd): the planned pair (the prefill decision is counted until its leg ends),
+        # how the request is served, and the body the decode engine gets instead of the client's (None: the client's).
+        self.pd_plan: PDPlan | None = None
+        self.pd_mode: str | None = None
+        self.body_out: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,6 +225,8 @@ def build(gw: Gateway) -> Pipeline:
     steps = [Step("parse", _Parse(gw).parse), Step("tokenize", _Tokenize(gw).tokenize), Step("pick", _Pick(gw).pick)]
     if gw.admission is not None:
         steps.append(Step("admit", _Admit(gw, gw.admission).admit))
+    if gw.pd is not None:
+        steps.append(Step("prefill", _Prefill(gw.pd).prefill))
     steps.append(Step("record", _Record(gw).record))
     if gw.observer is not None:
         steps.append(Step("observe", _Observe(gw.observer).observe))
@@ -266,7 +280,8 @@ class _Tokenize:
 
     def tokenize(self, ctx: RequestContext) -> Awaitable[None] | None:
         gw = self.gw
-        if not gw.router.needs_tokens(ctx.strategy):
+        # the pd strategy's decider reads the prompt's length whatever its weights read
+        if not gw.router.needs_tokens(ctx.strategy) and not (gw.pd is not None and gw.pd.may_split(ctx.strategy or "")):
             return None
         request = ctx.request
         assert request is not None  # parsed by the step before
@@ -395,12 +410,13 @@ PREVIOUS_RESPONSE = "previous-response"  # the decision's strategy label when ro
 
 
 class _Pick:
-    __slots__ = ("router", "sheddable_objectives", "registry", "responses", "affinity")
+    __slots__ = ("router", "sheddable_objectives", "registry", "responses", "affinity", "pd")
 
     def __init__(self, gw: Gateway) -> None:
         self.router, self.sheddable_objectives = gw.router, gw.sheddable_objectives
         self.registry, self.responses = gw.registry, gw.responses
         self.affinity = gw.metrics.response_affinity
+        self.pd = gw.pd
 
     async def pick(self, ctx: RequestContext) -> None:
         assert ctx.request is not None  # parsed by an earlier step
@@ -427,6 +443,11 @@ class _Pick:
                 self.affinity.labels("routed").inc()
                 ctx.decision = dataclasses.replace(d, strategy=PREVIOUS_RESPONSE)
                 return
+        # a pair for the paths vLLM's disaggregation serves (chat, completions): the decode engine is the pick
+        if self.pd is not None and ctx.kind in PD_KINDS and self.pd.splits(ctx.strategy or "", request.model):
+            plan = ctx.pd_plan = await self.pd.plan(request, ctx.subset, sheddable)
+            ctx.decision, ctx.pd_mode = plan.decode, plan.mode
+            return
         ctx.decision = await self.router.pick(request, subset=ctx.subset, sheddable=sheddable)
 
     def _stored_pod(self, response_id: str, name: str | None, subset: frozenset[str] | None) -> str | None:
@@ -440,6 +461,29 @@ class _Pick:
             self.affinity.labels("not_ready").inc()
             return None
         return pod.endpoint
+
+
+class _Prefill:
+    """The `pd` strategy's prefill leg (plugin.pd), after the decode engine's pick and admission."""
+
+    __slots__ = ("pd",)
+
+    def __init__(self, pd: PDHandoff) -> None:
+        self.pd = pd
+
+    def prefill(self, ctx: RequestContext) -> Awaitable[None] | None:
+        plan = ctx.pd_plan
+        if plan is None:
+            return None
+        if plan.prefill is None:  # served whole: never with kv_transfer_params of the client's own
+            ctx.body_out = without_client_params(ctx.body)
+            return None
+        return self._run(ctx, plan)
+
+    async def _run(self, ctx: RequestContext, plan: PDPlan) -> None:
+        n_tokens = len(ctx.token_ids) if ctx.token_ids is not None else None
+        ctx.pd_mode, ctx.body_out = await self.pd.prefill(plan, ctx.path, ctx.body, ctx.request_id, ctx.kind == "chat",
+                                                          n_tokens, authorization=ctx.authorization)
 
 
 class _Admit:

@@ -55,6 +55,7 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
     cache_salt: str | None = None
+    kv_transfer: dict[str, Any] | None = None  # kv_transfer_params (sim.pd)
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +127,17 @@ def _cache_salt(body: dict[str, Any]) -> str | None:
     return salt
 
 
+def _kv_transfer(body: dict[str, Any]) -> dict[str, Any] | None:
+    """`kv_transfer_params`: an object or null/absent (vLLM's `dict[str, Any] | None`); anything else a 400."""
+    value = body.get("kv_transfer_params")
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ApiError(400, f"kv_transfer_params: Input should be a valid dictionary (got {type(value).__name__})",
+                       "kv_transfer_params")
+    return value
+
+
 def _prompt(value: Any, add_special_tokens: bool) -> PromptInput:
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
         value = value[0]  # a batch of one
@@ -181,7 +193,7 @@ def parse_completion(body: Any, served: ServedModels) -> GenerationRequest:
     item = _prompt(body["prompt"], _typed(body, "add_special_tokens", bool, True))
     stream, include_usage = _stream(body)
     return GenerationRequest("completion", body.get("model") or served.base, lora, item,
-                             _max_tokens(body, "max_tokens"), stream, include_usage, salt)
+                             _max_tokens(body, "max_tokens"), stream, include_usage, salt, _kv_transfer(body))
 
 
 def parse_chat(body: Any, served: ServedModels) -> GenerationRequest:
@@ -191,7 +203,8 @@ def parse_chat(body: Any, served: ServedModels) -> GenerationRequest:
     item = _chat_input(body, generation=True)
     stream, include_usage = _stream(body)
     return GenerationRequest("chat", body.get("model") or served.base, lora, item,
-                             _max_tokens(body, "max_completion_tokens", "max_tokens"), stream, include_usage, salt)
+                             _max_tokens(body, "max_completion_tokens", "max_tokens"), stream, include_usage, salt,
+                             _kv_transfer(body))
 
 
 def parse_tokenize(body: Any, served: ServedModels) -> TokenizeRequest:

@@ -23,7 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from kvcache.blockkeys import MediaItem
 from kvcache.publisher import EventPublisher
-from sim import apis, media, shapes
+from sim import apis, media, pd, shapes
 from sim.engine import Completion, EngineConfig, EngineModel
 from sim.media import PromptTokens
 from sim.metrics import EngineCollector, engine_registry
@@ -60,6 +60,10 @@ class SimOptions:
     retention: str | None = None  # "sparse" | "dense" (sim.shapes.RETENTIONS); None: as `engine` has it
     sliding_window: int = shapes.DEFAULT_SLIDING_WINDOW  # tokens, of the hybrid shape's sliding-window group
     image_tokens: int = 64  # placeholder tokens per image in a chat prompt (sim.media)
+    # Prefill/decode disaggregation (sim.pd): the decode leg's pull time per block, and the NIXL side channel
+    # port a prefill answer names (vLLM's VLLM_NIXL_SIDE_CHANNEL_PORT, 5600 by default).
+    kv_transfer_s_per_block: float = 0.0002
+    side_channel_port: int = 5600
 
     def __post_init__(self) -> None:
         shapes.check(self.model_shape, self.retention, self.sliding_window)
@@ -67,6 +71,8 @@ class SimOptions:
             raise ValueError(f"image_tokens must be an int >= 1, got {self.image_tokens!r}")
         if self.dp_size < 1:
             raise ValueError(f"dp_size must be >= 1, got {self.dp_size}")
+        if not self.kv_transfer_s_per_block >= 0:
+            raise ValueError(f"kv_transfer_s_per_block must be >= 0, got {self.kv_transfer_s_per_block}")
         if self.max_tokens_default < 1:
             raise ValueError(f"max_tokens_default must be >= 1, got {self.max_tokens_default}")
         if not self.model:
@@ -119,9 +125,9 @@ class _Rank:
         self._publish()
 
     def submit(self, req_id: str, tokens: list[int], max_tokens: int, lora: str | None, cache_salt: str | None,
-               mm_items: tuple[MediaItem, ...]) -> asyncio.Future[Completion]:
+               mm_items: tuple[MediaItem, ...], remote_tokens: int = 0) -> asyncio.Future[Completion]:
         self.engine.add_request(req_id, tokens, max_tokens, self._clock(), lora,  # ValueError: bad request
-                                cache_salt=cache_salt, mm_items=mm_items)
+                                cache_salt=cache_salt, mm_items=mm_items, remote_tokens=remote_tokens)
         fut: asyncio.Future[Completion] = asyncio.get_running_loop().create_future()
         self.waiters[req_id] = fut
         self.sync()
@@ -188,6 +194,9 @@ class SimServer:
         self._runner: web.AppRunner | None = None
         self.port: int = options.port
         self.name = options.name or f"sim-{options.port}"
+        # Disaggregated legs served, by kind (sim.pd.Leg: prefill, decode, invalid), and the next block id to name.
+        self.kv_transfers: dict[str, int] = {"prefill": 0, "decode": 0, "invalid": 0}
+        self._next_block_id = 0
         self.responses = apis.ResponseStore()  # vLLM's store (VLLM_ENABLE_RESPONSES_API_STORE=1)
         self.registry = engine_registry(
             EngineCollector(options.model, lambda: [r.engine.metrics() for r in self.ranks],
@@ -231,7 +240,8 @@ class SimServer:
                 web.get("/metrics", self._metrics),
                 web.post("/reset_prefix_cache", self._reset_prefix_cache),
             ])
-            self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
+            # handler_cancellation: a client gone cancels its handler, which aborts its request (as vLLM does)
+            self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0, handler_cancellation=True)
             await self._runner.setup()
             site = web.TCPSite(self._runner, o.host, o.port)
             await site.start()
@@ -605,18 +615,36 @@ class SimServer:
             raise rank
         response_id = self._response_id(request, req)
         engine_id = f"{response_id}-{uuid.uuid4().hex[:8]}"
+        n_prompt = len(prompt.token_ids)
+        leg = pd.leg(req.kv_transfer, n_prompt, self.engine_config.block_size)
+        headers = self._headers(rank)
+        if leg.kind:
+            self.kv_transfers[leg.kind] += 1
+            headers["x-sim-kv-transfer"] = leg.kind
+        if leg.blocks and self.options.kv_transfer_s_per_block:
+            await asyncio.sleep(leg.blocks * self.options.kv_transfer_s_per_block)  # the pull from the prefill engine
         try:
-            fut = rank.submit(engine_id, prompt.token_ids, max_tokens, req.lora, req.cache_salt, prompt.media)
+            fut = rank.submit(engine_id, prompt.token_ids, max_tokens, req.lora, req.cache_salt, prompt.media,
+                              leg.remote_tokens)
         except ValueError as e:
             raise ApiError(400, str(e)) from e
+        answer = None
+        if leg.kind == "prefill":
+            answer = pd.prefill_answer(engine_id=f"{self.name}-rank{rank.index}", request_id=engine_id,
+                                       host=self.options.host, port=self.options.side_channel_port + rank.index,
+                                       n_prompt=n_prompt, block_size=self.engine_config.block_size,
+                                       first_block=self._next_block_id)
+            self._next_block_id += len(answer["remote_block_ids"][0])
         try:
             if req.stream:
-                return await self._stream(request, req, rank, engine_id, fut, response_id)
+                return await self._stream(request, req, rank, engine_id, fut, response_id, headers, answer)
             done = await fut
             text = "".join(self._text(t) for t in done.output_token_ids)
             body = full_body(req, response_id, self.name, text,
                              usage(done.prompt_tokens, len(done.output_token_ids), done.cached_tokens))
-            return web.json_response(body, headers=self._headers(rank))
+            if answer is not None:
+                body["kv_transfer_params"] = answer
+            return web.json_response(body, headers=headers)
         finally:
             if not fut.done():
                 rank.abort(engine_id)
@@ -645,9 +673,11 @@ class SimServer:
         return text if text is not None else self.tokenizer.decode([token_id])
 
     async def _stream(self, request: web.Request, req: GenerationRequest, rank: _Rank, engine_id: str,
-                      fut: asyncio.Future[Completion], response_id: str) -> web.StreamResponse:
+                      fut: asyncio.Future[Completion], response_id: str, headers: dict[str, str],
+                      kv_answer: dict[str, Any] | None) -> web.StreamResponse:
+        """SSE chunks as the tokens come; a prefill leg's kv_transfer_params ride on the last token's chunk."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           **self._headers(rank)})
+                                           **headers})
         await resp.prepare(request)
         created = int(time.time())
         fp = self.name
@@ -664,7 +694,10 @@ class SimServer:
                     if i == 0 and req.kind == "chat":
                         await _send(resp, chunk(req, response_id, created, fp, first=True))
                     last = fut.done() and i == len(out) - 1
-                    await _send(resp, chunk(req, response_id, created, fp, text=self._text(out[i]), finish=last))
+                    body = chunk(req, response_id, created, fp, text=self._text(out[i]), finish=last)
+                    if last and kv_answer is not None:
+                        body["kv_transfer_params"] = kv_answer
+                    await _send(resp, body)
                 sent = len(out)
                 if fut.done():
                     break
