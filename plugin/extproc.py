@@ -171,13 +171,7 @@ class _Stream:
         self.id_reader = IdReader()
         if self.streamed_response or answer.HasField("mode_override"):
             return answer
-        turn_on = observe.body_on(ctype.startswith("text/event-stream"))
-        if not answer.response_headers.HasField("response"):
-            return turn_on
-        out = pb.ProcessingResponse()
-        out.CopyFrom(answer)
-        out.mode_override.CopyFrom(turn_on.mode_override)
-        return out
+        return observe.body_on(ctype.startswith("text/event-stream"), answer)
 
     def _served(self, msg: pb.ProcessingRequest) -> pb.ProcessingResponse:
         """Account the request to the endpoint that served it (a fallback, after a retry) and name

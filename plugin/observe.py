@@ -338,9 +338,17 @@ _CONTINUE_STREAMED = _override(_MODE.STREAMED)
 _CONTINUE_WHOLE = _override(_MODE.BUFFERED_PARTIAL)
 
 
-def body_on(streamed: bool) -> pb.ProcessingResponse:
-    """The answer to response headers that turns the body on (prebuilt, never mutate it)."""
-    return _CONTINUE_STREAMED if streamed else _CONTINUE_WHOLE
+def body_on(streamed: bool, answer: pb.ProcessingResponse | None = None) -> pb.ProcessingResponse:
+    """The answer to response headers that turns the body on: STREAMED for an event stream, BUFFERED_PARTIAL
+    (one message) for anything else; `answer`'s header mutation kept when it has one (a new message: the
+    prebuilt answers are never mutated)."""
+    turn_on = _CONTINUE_STREAMED if streamed else _CONTINUE_WHOLE
+    if answer is None or not answer.response_headers.HasField("response"):
+        return turn_on
+    out = pb.ProcessingResponse()
+    out.CopyFrom(answer)
+    out.mode_override.CopyFrom(turn_on.mode_override)
+    return out
 
 
 def status_and_type(msg: pb.ProcessingRequest) -> tuple[int, str]:
@@ -365,13 +373,7 @@ def response_headers(watch: Watch, msg: pb.ProcessingRequest, answer: pb.Process
     status, ctype = status_and_type(msg)
     if not watch.on_headers(status, ctype) or body_sent:
         return answer
-    turn_on = _CONTINUE_STREAMED if watch.streamed else _CONTINUE_WHOLE
-    if not answer.response_headers.HasField("response"):
-        return turn_on
-    out = pb.ProcessingResponse()
-    out.CopyFrom(answer)
-    out.mode_override.CopyFrom(turn_on.mode_override)
-    return out
+    return body_on(watch.streamed, answer)
 
 
 def milliseconds(text: str) -> float | None:
