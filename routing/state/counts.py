@@ -14,8 +14,8 @@ before any I/O. Writes never wait on the request path (a background writer publi
 heartbeats); with `write_interval_s` a change goes out that long after it was made, with every
 change made meanwhile, and not at all when they undid each other (a request that began and ended
 within it). With `stale_ok_s` > 0 reads do not wait either once a view exists: a pick whose view is
-older than `read_max_age_s` but within `stale_ok_s` starts a background read, unless a write is due
-that brings the view back, and uses what it has. Redis is never awaited for longer than `op_timeout_s`; after a failure a
+older than `read_max_age_s` but within `stale_ok_s` uses what it has and asks the background writer
+for a view: after its interval, the write then due brings it back, or else a read of its own. Redis is never awaited for longer than `op_timeout_s`; after a failure a
 circuit breaker keeps it out of the request path for a back-off, and the next successful
 write republishes the whole local state, so counts reconverge when Redis returns.
 """
@@ -224,6 +224,7 @@ class RedisCounts:
         # What the last successful write left in Redis, and when: a change undone before it went out needs no write.
         self._written: dict[str, int] | None = None
         self._written_at = float("-inf")
+        self._want_view = False  # a pick found the view stale: the writer reads one if it has nothing to write
         self._down_until = 0.0
         self._backoff = backoff_min_s
         self.up = False
@@ -252,8 +253,12 @@ class RedisCounts:
         age = now - self._others_at
         if age <= self._max_age or now < self._down_until:
             return
-        if age <= self._stale_ok and self._writer is not None and (self._dirty.is_set() or self._write_lock.locked()):
-            return  # a write is due or on its way: the view comes back with it, for the next picks
+        if age <= self._stale_ok and self._writer is not None and self._write_interval > 0:
+            # For the next picks, from the background writer once its interval is over (after this pick's answer):
+            # with the write then due, else by a read of its own.
+            self._want_view = True
+            self._dirty.set()
+            return
         if self._reading is None:
             self._reading = asyncio.ensure_future(self._read_others())
         if age <= self._stale_ok:
@@ -303,8 +308,12 @@ class RedisCounts:
                 if self._closing:
                     return
             self._dirty.clear()
+            want_view, self._want_view = self._want_view, False
             if self._local == self._written and time.monotonic() - self._written_at < self._heartbeat_s:
-                continue  # back to what Redis holds (requests that began and ended within the interval)
+                # back to what Redis holds (requests that began and ended within the interval): nothing to write
+                if want_view and time.monotonic() - self._others_at > self._max_age:
+                    await self._read_others()
+                continue
             await self.flush()
 
     async def flush(self) -> bool:

@@ -317,7 +317,7 @@ async def test_every_write_brings_the_other_gateways_counts_back(redis_server):
         await b.close()
 
 
-async def test_a_stale_pick_starts_no_read_while_a_write_is_due_the_write_brings_the_view(redis_server):
+async def test_a_stale_picks_view_comes_from_the_writer_after_its_interval_by_the_write_due_else_a_read(redis_server):
     a = RedisCounts(redis_server.url, "gw-a", **FAST)
     b = RedisCounts(redis_server.url, "gw-b", **{**FAST, "stale_ok_s": 5.0, "write_interval_s": 0.05})
     reads = []
@@ -335,10 +335,10 @@ async def test_a_stale_pick_starts_no_read_while_a_write_is_due_the_write_brings
         a.add("p0", 2)
         assert await a.flush()
         b.add("p1", 1)  # a pick: its change is due to be written
-        await b.refresh()  # the view is stale (read_max_age_s 0), a write is coming: no read
+        await b.refresh()  # the view is stale (read_max_age_s 0), a write is due: it brings the view, no read
         assert await wait_until_async(lambda: b.totals() == {"p0": 2, "p1": 1}, timeout=5)
         assert reads == [1]
-        # nothing to write: a stale pick reads in the background as before
+        # nothing to write: the writer reads, once its interval is over
         assert await wait_until_async(lambda: not b._dirty.is_set() and not b._write_lock.locked(), timeout=5)
         await b.refresh()
         assert await wait_until_async(lambda: len(reads) == 2, timeout=5)
