@@ -484,12 +484,14 @@ def table(r: dict) -> str:
                 f"{r.get('kvgate_decision_mean_ms')} ms, of which tokenizing {r.get('kvgate_tokenize_mean_ms')} ms")
     rows.append(f"ext_proc messages per request (Envoy -> processor / back): {r.get('extproc_msgs_per_request')}")
     f = r.get("floor")
-    if f and f.get("kvgate_added_p50_ms") is not None:
+    if f and f.get("kvgate_added_p50_ms") is not None and f.get("noop_added_p50_ms") is not None:
         cpu = f.get("cpu_us_per_request") or {}
         rows.append(f"processors alone (Envoy answering after ext_proc, {f['samples']} requests each): no-op adds "
                     f"{f['noop_added_p50_ms']:.3f} ms, kvgate {f['kvgate_added_p50_ms']:.3f} ms "
                     f"({f['kvgate_over_noop_ms']:+.3f} over the no-op); CPU per request: no-op {cpu.get('noop')} us, "
                     f"kvgate {cpu.get('kvgate')} us (its replicas together)")
+    elif f:
+        rows.append(f"processors alone: a path without answers (failed requests per path: {f.get('errors')})")
     rows.append(f"added @1 by quarter of the run: kvgate {r['paths']['kvgate']['seq_added_p50_ms_by_quarter']}, "
                 f"no-op {r['paths']['noop']['seq_added_p50_ms_by_quarter']}")
     rows.append(f"(ms; {r['paths']['direct']['seq_samples']} requests per path one at a time, "

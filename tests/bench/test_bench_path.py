@@ -97,3 +97,16 @@ def test_the_floors_envoy_answers_the_chat_route_itself_after_ext_proc_and_witho
     ports = [e["endpoint"]["address"]["socket_address"]["port_value"]
              for e in kvgate["load_assignment"]["endpoints"][0]["lb_endpoints"]]
     assert ports == [5001, 5002]
+
+
+def test_a_floor_path_without_answers_is_said_with_its_errors():
+    ttft = {"envoy_answers": [0.0003], "noop": [0.0012], "kvgate": []}
+    f = path.summarize_floor(ttft, {"envoy_answers": 0, "noop": 0, "kvgate": 5})
+    assert f["kvgate_added_p50_ms"] is None and "kvgate_over_noop_ms" not in f
+    seq, load = path.Samples(), path.Samples()
+    for name in path.PATHS:
+        seq.add(name, 0.004, 200)
+        load.add(name, 0.010, 200)
+    r = path.summarize(seq, load, requests=1, concurrency=8, engines=2, floor=f)
+    assert "processors alone: a path without answers (failed requests per path: {'envoy_answers': 0, 'noop': 0, " \
+           "'kvgate': 5})" in path.table(r)
