@@ -47,7 +47,8 @@ BENCHES: tuple[tuple[str, list[str], str], ...] = (
                     "replicas on this node (issue 14 item 6)"),
     ("path", [], "issue 26: time to first token of streamed chats through the shipped stack (Envoy, 2 kvgate replicas, "
                  "Redis, kv-sync), one request at a time, <= 1.5 ms over straight to the engine at p50; the no-op "
-                 "processor's and Envoy's own added time beside it, and 8 at once"),
+                 "processor's and Envoy's own added time beside it, and 8 at once; then the processors alone (Envoy answering "
+                 "the chat itself after ext_proc: no-op vs kvgate, added time and CPU per request)"),
     ("ingest", [], "live ingestion <= 30 us of CPU per one-block batch in kvgate serve (3 engines, ~1000 "
                    "batches/s in all)"),
     ("request", [], "none of its own: kvgate's own CPU per warm and cold request in process, gRPC left out (the "

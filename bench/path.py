@@ -11,6 +11,11 @@ ways to the same engines:
   `--bodies`: it routes to one engine and answers the very messages Envoy sends kvgate, the same
   responses watched): the least a Python processor adds on this path;
 - `kvgate`: the shipped stack.
+Then the processors alone (`floor`): Envoy answering the chat itself (a one-token event stream, its
+direct_response) after its filters ran, without ext_proc, with the no-op processor and with the same
+kvgate replicas, one request at a time, interleaved; with the processes' CPU per request. No engine
+and no upstream connection on that path, so what separates the three is the ext_proc messages alone,
+measured with far less noise than through the engines.
 Every request is a streamed chat (one of four ~1,200-token system prompts, a user message never
 sent before); its time to first token is from the request's first byte sent to the first chunk
 that carries a token, read by a bare HTTP/1.1 client (asyncio streams, one keep-alive connection
@@ -24,6 +29,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import os
 import re
 import shutil
 import statistics
@@ -34,7 +40,7 @@ from typing import Any
 import httpx
 
 from bench.gateway import extproc_stats, metric, start_envoy
-from devkit.stack import Stack, StackError, free_port, render_envoy_config
+from devkit.stack import Stack, StackError, envoy_routes, free_port, render_envoy_config
 from tokenizer import testdata
 
 MODEL = "path-model"
@@ -47,6 +53,9 @@ _TENANTS = [" ".join([f"You are assistant {t} of tenant {t}; answer briefly and 
 _TOKEN = re.compile(rb'"(?:content|text)":"[^"]')  # a chunk that carries a token (not the role-only one)
 TARGET_ADDED_SEQ_MS = 1.5
 IDLE_GAP_S = 1.5
+FLOOR_PATHS = ("envoy_answers", "noop", "kvgate")
+# What Envoy answers on the floor's chat route: one token, as an engine's first chunk carries it.
+FLOOR_ANSWER = 'data: {"choices":[{"index":0,"delta":{"content":"x"}}]}\n\ndata: [DONE]\n\n'
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -237,7 +246,7 @@ def run(requests: int, concurrency: int, n_engines: int, log, idle: int = 0, rep
             stack.ready(proc, ("127.0.0.1", port))
         pool = [("127.0.0.1", p["port"]) for p in pods]
         noop_port = free_port()
-        stack.start("noop", [sys.executable, "-m", "bench.noop_processor", str(noop_port), f"127.0.0.1:{pods[0]['port']}",
+        noop = stack.start("noop", [sys.executable, "-m", "bench.noop_processor", str(noop_port), f"127.0.0.1:{pods[0]['port']}",
                              "--bodies"], ready_port=("127.0.0.1", noop_port))
         listen = {name: free_port() for name in ("envoy_only", "noop", "kvgate")}
         admin = {name: free_port() for name in ("noop", "kvgate")}
@@ -251,8 +260,16 @@ def run(requests: int, concurrency: int, n_engines: int, log, idle: int = 0, rep
             _envoy_nowait(stack, listen["noop_nowait"], admin["noop_nowait"], noop_port, pool)
         targets: dict[str, Any] = {"direct": pool, **{k: ("127.0.0.1", v) for k, v in listen.items()}}
 
+        floor_ports = {name: free_port() for name in FLOOR_PATHS}
+        _envoy_answering(stack, "floor_envoy", floor_ports["envoy_answers"], pool, None)
+        _envoy_answering(stack, "floor_noop", floor_ports["noop"], pool, [noop_port])
+        _envoy_answering(stack, "floor_kvgate", floor_ports["kvgate"], pool, grpc_ports)
+        floor_pids = {"noop": [noop.popen.pid], "kvgate": [p.popen.pid for p in procs]}
+
         _expect_routed(f"http://127.0.0.1:{listen['kvgate']}")
         seq, load, quiet = asyncio.run(_measure(targets, requests, concurrency, idle, log))
+        floor = asyncio.run(_measure_floor({k: ("127.0.0.1", v) for k, v in floor_ports.items()}, floor_pids,
+                                           requests, log))
         msgs = {name: _messages_per_stream(port) for name, port in admin.items()}
         urls = [f"http://127.0.0.1:{p}/metrics" for p in http_ports]
         decided = _metric_sum(urls, "kvgate_routing_decision_seconds_count")
@@ -263,7 +280,87 @@ def run(requests: int, concurrency: int, n_engines: int, log, idle: int = 0, rep
     return summarize(seq, load, quiet, requests=requests, concurrency=concurrency,
                      engines=n_engines, replicas=replicas, kv_events=events, responses_observed=observed,
                      extproc_msgs_per_request=msgs, kvgate_decision_mean_ms=_round3(decision_ms),
-                     kvgate_tokenize_mean_ms=_round3(tokenize_ms))
+                     kvgate_tokenize_mean_ms=_round3(tokenize_ms), floor=floor)
+
+
+def _envoy_answering(stack: Stack, name: str, port: int, pool: list[tuple[str, int]],
+                     extproc_ports: list[int] | None) -> None:
+    """The shipped config whose chat route Envoy answers itself (FLOOR_ANSWER, an event stream) once its
+    filters ran; ext_proc to `extproc_ports`, or none at all (None)."""
+    ports = extproc_ports or [1]
+    config = render_envoy_config(listen_port=port, admin_port=free_port(), extproc_port=ports[0],
+                                 more_extproc_ports=ports[1:], pool=pool)
+    for route in envoy_routes(config):
+        if route["match"].get("path") == "/v1/chat/completions":
+            route.pop("route")
+            route["direct_response"] = {"status": 200, "body": {"inline_string": FLOOR_ANSWER}}
+            route["response_headers_to_add"] = [{"header": {"key": "content-type", "value": "text/event-stream"},
+                                                 "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
+    if extproc_ports is None:
+        hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.ext_proc"]
+    start_envoy(stack, name, config, port)
+
+
+async def _measure_floor(targets: dict[str, tuple[str, int]], pids: dict[str, list[int]], requests: int,
+                         log) -> dict:
+    """The floor's paths one request at a time, taken in turn (the order rotating); medians, each processor's
+    added time over Envoy answering alone, and each processor's CPU per request (its processes' user + system
+    time over the phase: background work such as engine scrapes included)."""
+    clients = {p: Client(*targets[p]) for p in FLOOR_PATHS}
+    ttft: dict[str, list[float]] = {p: [] for p in FLOOR_PATHS}
+    errors = dict.fromkeys(FLOOR_PATHS, 0)
+    ids = itertools.count(2 * 10**9)
+    try:
+        for client in clients.values():
+            for _ in range(40):
+                await client.chat(body(next(ids)))
+        cpu0 = {name: _cpu_seconds(ps) for name, ps in pids.items()}
+        for k in range(requests):
+            for p in FLOOR_PATHS[k % len(FLOOR_PATHS):] + FLOOR_PATHS[:k % len(FLOOR_PATHS)]:
+                t, status = await clients[p].chat(body(next(ids)))
+                if status == 200:
+                    ttft[p].append(t)
+                else:
+                    errors[p] += 1
+        cpu = {name: _cpu_seconds(ps) for name, ps in pids.items()}
+    finally:
+        for client in clients.values():
+            await client.close()
+    log(f"  processors alone (Envoy answering): {requests} requests per path")
+    out = summarize_floor(ttft, errors)
+    per_request: dict[str, int | None] = {}
+    for name in pids:
+        before, after = cpu0[name], cpu[name]
+        per_request[name] = None if before is None or after is None else round((after - before) / max(1, requests) * 1e6)
+    out["cpu_us_per_request"] = per_request
+    return out
+
+
+def summarize_floor(ttft: dict[str, list[float]], errors: dict[str, int]) -> dict:
+    """Medians of the floor's paths and the processors' added time over Envoy answering alone."""
+    p50 = {p: statistics.median(v) for p, v in ttft.items() if v}
+    base = p50.get("envoy_answers")
+    out: dict[str, Any] = {"envoy_answers_p50_ms": _ms(base) if base is not None else None,
+                           "samples": len(ttft["envoy_answers"]), "errors": errors}
+    for p in ("noop", "kvgate"):
+        out[f"{p}_added_p50_ms"] = _ms(p50[p] - base) if p in p50 and base is not None else None
+    if "noop" in p50 and "kvgate" in p50:
+        out["kvgate_over_noop_ms"] = _ms(p50["kvgate"] - p50["noop"])
+    return out
+
+
+def _cpu_seconds(pids: list[int]) -> float | None:
+    """User + system CPU seconds of the processes (Linux /proc); None where that is not readable."""
+    total = 0.0
+    try:
+        for pid in pids:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+    return total
 
 
 def _envoy_only(stack: Stack, port: int, pool: list[tuple[str, int]]) -> None:
@@ -386,6 +483,15 @@ def table(r: dict) -> str:
     rows.append(f"inside kvgate, from the body to the answer (all phases, both replicas): mean "
                 f"{r.get('kvgate_decision_mean_ms')} ms, of which tokenizing {r.get('kvgate_tokenize_mean_ms')} ms")
     rows.append(f"ext_proc messages per request (Envoy -> processor / back): {r.get('extproc_msgs_per_request')}")
+    f = r.get("floor")
+    if f and f.get("kvgate_added_p50_ms") is not None and f.get("noop_added_p50_ms") is not None:
+        cpu = f.get("cpu_us_per_request") or {}
+        rows.append(f"processors alone (Envoy answering after ext_proc, {f['samples']} requests each): no-op adds "
+                    f"{f['noop_added_p50_ms']:.3f} ms, kvgate {f['kvgate_added_p50_ms']:.3f} ms "
+                    f"({f['kvgate_over_noop_ms']:+.3f} over the no-op); CPU per request: no-op {cpu.get('noop')} us, "
+                    f"kvgate {cpu.get('kvgate')} us (its replicas together)")
+    elif f:
+        rows.append(f"processors alone: a path without answers (failed requests per path: {f.get('errors')})")
     rows.append(f"added @1 by quarter of the run: kvgate {r['paths']['kvgate']['seq_added_p50_ms_by_quarter']}, "
                 f"no-op {r['paths']['noop']['seq_added_p50_ms_by_quarter']}")
     rows.append(f"(ms; {r['paths']['direct']['seq_samples']} requests per path one at a time, "

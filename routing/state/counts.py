@@ -6,12 +6,16 @@ Redis layout (one hash slot, so a Redis Cluster works too):
                              and every heartbeat, so a dead gateway's counts vanish within ttl.
   `{prefix}gateways`         set of gateway ids (readers drop ids whose hash expired).
 A pod's total is this gateway's exact local count plus the sum over the other live
-gateways, read by one Lua script and cached for `read_max_age_s`.
+gateways, read by one Lua script and cached for `read_max_age_s`; the script that writes this
+gateway's state answers with the same sums, so every write refreshes the view too.
 
 The local count changes synchronously at the pick, so the next pick on this gateway sees it
 before any I/O. Writes never wait on the request path (a background writer publishes changes and
-heartbeats); with `stale_ok_s` > 0 reads do not either once a view exists: a pick whose view is
-older than `read_max_age_s` but within `stale_ok_s` starts a background read and uses what it has. Redis is never awaited for longer than `op_timeout_s`; after a failure a
+heartbeats); with `write_interval_s` a change goes out that long after it was made, with every
+change made meanwhile, and not at all when they undid each other (a request that began and ended
+within it). With `stale_ok_s` > 0 reads do not wait either once a view exists: a pick whose view is
+older than `read_max_age_s` but within `stale_ok_s` uses what it has and asks the background writer
+for a view: after its interval, the write then due brings it back, or else a read of its own. Redis is never awaited for longer than `op_timeout_s`; after a failure a
 circuit breaker keeps it out of the request path for a back-off, and the next successful
 write republishes the whole local state, so counts reconverge when Redis returns.
 """
@@ -132,23 +136,17 @@ def default_gateway_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
-_SYNC = """
-redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], '~', '1', unpack(ARGV, 3))
-redis.call('PEXPIRE', KEYS[1], ARGV[1])
-redis.call('SADD', KEYS[2], ARGV[2])
-return 1
-"""
-
-_READ = """
-local ids = redis.call('SMEMBERS', KEYS[1])
+# The other gateways' counts, summed (ARGV[1]: the hashes' key prefix, ARGV[2]: this gateway's id): the reply of
+# both scripts below, so that every write brings the view back with it.
+_SUM_OTHERS = """
+local ids = redis.call('SMEMBERS', KEYS[#KEYS])
 local sums = {}
 local live = 0
 for _, id in ipairs(ids) do
   if id ~= ARGV[2] then
     local h = redis.call('HGETALL', ARGV[1] .. id)
     if #h == 0 then
-      redis.call('SREM', KEYS[1], id)
+      redis.call('SREM', KEYS[#KEYS], id)
     else
       live = live + 1
       for i = 1, #h, 2 do
@@ -161,6 +159,16 @@ local out = {live}
 for k, v in pairs(sums) do out[#out + 1] = k; out[#out + 1] = v end
 return out
 """
+
+_READ = _SUM_OTHERS
+
+# This gateway's whole state (ARGV[3]: the key TTL in ms; ARGV[4..]: pod, count pairs), then the others' sums.
+_SYNC = """
+redis.call('DEL', KEYS[1])
+redis.call('HSET', KEYS[1], '~', '1', unpack(ARGV, 4))
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+redis.call('SADD', KEYS[2], ARGV[2])
+""" + _SUM_OTHERS
 
 
 class RedisCounts:
@@ -195,8 +203,9 @@ class RedisCounts:
         # A pick may use a view up to this old while a fresher one is read in the background: no Redis
         # round trip on the request path once a view exists (0: every stale pick waits for the read).
         self._stale_ok = max(stale_ok_s, read_max_age_s)
-        # At least this long between two background writes: the changes of a burst of picks and releases
-        # go out as one write (other gateways see them at most this much later), not one per change.
+        # A change goes out this long after it was made: the changes of a burst of picks and releases go out
+        # as one write (other gateways see them at most this much later), not one per change, and after
+        # the answer that made the first of them.
         self._write_interval = write_interval_s
         self._timeout = op_timeout_s
         self._backoff_min, self._backoff_max = backoff_min_s, backoff_max_s
@@ -212,6 +221,10 @@ class RedisCounts:
         # One write in flight at a time: each rewrites the whole hash from the state it took, and two
         # writes on two pooled connections could land out of order (the older state last).
         self._write_lock = asyncio.Lock()
+        # What the last successful write left in Redis, and when: a change undone before it went out needs no write.
+        self._written: dict[str, int] | None = None
+        self._written_at = float("-inf")
+        self._want_view = False  # a pick found the view stale: the writer reads one if it has nothing to write
         self._down_until = 0.0
         self._backoff = backoff_min_s
         self.up = False
@@ -240,6 +253,12 @@ class RedisCounts:
         age = now - self._others_at
         if age <= self._max_age or now < self._down_until:
             return
+        if age <= self._stale_ok and self._writer is not None and self._write_interval > 0:
+            # For the next picks, from the background writer once its interval is over (after this pick's answer):
+            # with the write then due, else by a read of its own.
+            self._want_view = True
+            self._dirty.set()
+            return
         if self._reading is None:
             self._reading = asyncio.ensure_future(self._read_others())
         if age <= self._stale_ok:
@@ -252,14 +271,18 @@ class RedisCounts:
         try:
             reply = await asyncio.wait_for(self._read(keys=[self._set_key], args=[self._gw_prefix, self.gateway_id]),
                                            self._timeout)
-            self._live_others = int(reply[0])
-            self._others = {reply[i]: int(reply[i + 1]) for i in range(1, len(reply), 2) if int(reply[i + 1]) > 0}
-            self._others_at = time.monotonic()
+            self._take_view(reply)
             self._ok()
         except Exception as e:
             self._failed("read", e)
         finally:
             self._reading = None
+
+    def _take_view(self, reply: list) -> None:
+        """The other gateways' counts as a script answered them: [live gateways, pod, count, pod, count, ...]."""
+        self._live_others = int(reply[0])
+        self._others = {reply[i]: int(reply[i + 1]) for i in range(1, len(reply), 2) if int(reply[i + 1]) > 0}
+        self._others_at = time.monotonic()
 
     # -- the background writer (heartbeat) -------------------------------------------------------
 
@@ -279,25 +302,38 @@ class RedisCounts:
                 await asyncio.sleep(min(delay, self._heartbeat_s))
                 if time.monotonic() < self._down_until:
                     continue
-            self._dirty.clear()
-            await self.flush()
-            if self._write_interval > 0:
+            if self._dirty.is_set() and self._write_interval > 0:
+                # The burst this change opens goes out as one write, once the answer that made it is gone.
                 await asyncio.sleep(self._write_interval)
+                if self._closing:
+                    return
+            self._dirty.clear()
+            want_view, self._want_view = self._want_view, False
+            if self._local == self._written and time.monotonic() - self._written_at < self._heartbeat_s:
+                # back to what Redis holds (requests that began and ended within the interval): nothing to write
+                if want_view and time.monotonic() - self._others_at > self._max_age:
+                    await self._read_others()
+                continue
+            await self.flush()
 
     async def flush(self) -> bool:
-        """Publish this gateway's whole local state now; False if Redis did not take it. A write
-        already in flight (the background writer's) lands first: the state taken here is never
-        overwritten by an older one."""
+        """Publish this gateway's whole local state now, and take the other gateways' counts from the answer;
+        False if Redis did not take it. A write already in flight (the background writer's) lands first: the
+        state taken here is never overwritten by an older one."""
         async with self._write_lock:
-            args: list[str | int] = [self._ttl_ms, self.gateway_id]
-            for pod, n in self._local.items():
+            state = dict(self._local)
+            args: list[str | int] = [self._gw_prefix, self.gateway_id, self._ttl_ms]
+            for pod, n in state.items():
                 args += [pod, n]
             try:
-                await asyncio.wait_for(self._sync(keys=[self._key, self._set_key], args=args), self._timeout)
+                reply = await asyncio.wait_for(self._sync(keys=[self._key, self._set_key], args=args), self._timeout)
             except Exception as e:
+                self._written = None
                 self._dirty.set()
                 self._failed("write", e)
                 return False
+            self._written, self._written_at = state, time.monotonic()
+            self._take_view(reply)
             self._ok()
             return True
 

@@ -57,3 +57,56 @@ def test_summary_added_time_is_each_paths_median_over_directs_and_the_target_rea
     assert r["paths"]["kvgate"]["seq_added_p50_ms_by_quarter"] == [1.4] * 4
     assert r["targets"]["kvgate_seq_added_p50_le_1.5ms"]
     assert "kvgate adds 1.400 ms" in path.table(r)
+
+
+def test_floor_summary_is_each_processors_median_over_envoy_answering_alone_and_the_table_says_it():
+    ttft = {"envoy_answers": [0.0003, 0.0002, 0.0004], "noop": [0.0012, 0.0011, 0.0013],
+            "kvgate": [0.0016, 0.0015, 0.0017]}
+    f = path.summarize_floor(ttft, dict.fromkeys(path.FLOOR_PATHS, 0))
+    assert (f["envoy_answers_p50_ms"], f["noop_added_p50_ms"], f["kvgate_added_p50_ms"]) == (0.3, 0.9, 1.3)
+    assert f["kvgate_over_noop_ms"] == 0.4 and f["samples"] == 3
+    seq, load = path.Samples(), path.Samples()
+    for name in path.PATHS:
+        seq.add(name, 0.004, 200)
+        load.add(name, 0.010, 200)
+    f["cpu_us_per_request"] = {"noop": 800, "kvgate": 1300}
+    r = path.summarize(seq, load, requests=1, concurrency=8, engines=2, floor=f)
+    assert "no-op adds 0.900 ms, kvgate 1.300 ms (+0.400 over the no-op); CPU per request: no-op 800 us" in path.table(r)
+
+
+def test_the_floors_envoy_answers_the_chat_route_itself_after_ext_proc_and_without_it_has_no_ext_proc(tmp_path):
+    class FakeStack:
+        workdir = tmp_path
+        started: dict = {}
+
+        def start(self, name, argv, **kw):
+            import yaml
+            self.started[name] = yaml.safe_load((tmp_path / f"{name}.yaml").read_text())
+
+    stack = FakeStack()
+    path._envoy_answering(stack, "with", 10001, [("127.0.0.1", 9)], [5001, 5002])
+    path._envoy_answering(stack, "without", 10002, [("127.0.0.1", 9)], None)
+    for name, has_ext in (("with", True), ("without", False)):
+        config = stack.started[name]
+        chat = next(r for r in path.envoy_routes(config) if r["match"].get("path") == "/v1/chat/completions")
+        assert chat["direct_response"]["body"]["inline_string"] == path.FLOOR_ANSWER and "route" not in chat
+        assert path._TOKEN.search(path.FLOOR_ANSWER.encode())  # the client times its first token
+        hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        assert any(f["name"] == "envoy.filters.http.ext_proc" for f in hcm["http_filters"]) == has_ext
+    kvgate = next(c for c in stack.started["with"]["static_resources"]["clusters"] if c["name"] == "kvgate")
+    ports = [e["endpoint"]["address"]["socket_address"]["port_value"]
+             for e in kvgate["load_assignment"]["endpoints"][0]["lb_endpoints"]]
+    assert ports == [5001, 5002]
+
+
+def test_a_floor_path_without_answers_is_said_with_its_errors():
+    ttft = {"envoy_answers": [0.0003], "noop": [0.0012], "kvgate": []}
+    f = path.summarize_floor(ttft, {"envoy_answers": 0, "noop": 0, "kvgate": 5})
+    assert f["kvgate_added_p50_ms"] is None and "kvgate_over_noop_ms" not in f
+    seq, load = path.Samples(), path.Samples()
+    for name in path.PATHS:
+        seq.add(name, 0.004, 200)
+        load.add(name, 0.010, 200)
+    r = path.summarize(seq, load, requests=1, concurrency=8, engines=2, floor=f)
+    assert "processors alone: a path without answers (failed requests per path: {'envoy_answers': 0, 'noop': 0, " \
+           "'kvgate': 5})" in path.table(r)

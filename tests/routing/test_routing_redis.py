@@ -294,6 +294,59 @@ async def test_stale_view_is_reread_in_the_background_without_holding_the_pick(r
         await b.close()
 
 
+async def test_every_write_brings_the_other_gateways_counts_back(redis_server):
+    a = RedisCounts(redis_server.url, "gw-a", **FAST)
+    b = RedisCounts(redis_server.url, "gw-b", **FAST)
+    reads = []
+    real_read = b._read
+
+    async def counting_read(keys, args):
+        reads.append(1)
+        return await real_read(keys=keys, args=args)
+
+    b._read = counting_read
+    try:
+        a.add("p0", 3)
+        assert await a.flush()
+        b.add("p1", 1)
+        assert await b.flush()  # the write's answer is the view: no read of its own
+        assert b.totals() == {"p0": 3, "p1": 1} and b.snapshot()["other_gateways"] == 1 and not reads
+        assert await a.flush() and a.totals() == {"p0": 3, "p1": 1}
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_a_stale_picks_view_comes_from_the_writer_after_its_interval_by_the_write_due_else_a_read(redis_server):
+    a = RedisCounts(redis_server.url, "gw-a", **FAST)
+    b = RedisCounts(redis_server.url, "gw-b", **{**FAST, "stale_ok_s": 5.0, "write_interval_s": 0.05})
+    reads = []
+    real_read = b._read
+
+    async def counting_read(keys, args):
+        reads.append(1)
+        return await real_read(keys=keys, args=args)
+
+    b._read = counting_read
+    try:
+        await b.refresh()  # no view yet: this one waits for a read
+        assert reads == [1]
+        await b.start()
+        a.add("p0", 2)
+        assert await a.flush()
+        b.add("p1", 1)  # a pick: its change is due to be written
+        await b.refresh()  # the view is stale (read_max_age_s 0), a write is due: it brings the view, no read
+        assert await wait_until_async(lambda: b.totals() == {"p0": 2, "p1": 1}, timeout=5)
+        assert reads == [1]
+        # nothing to write: the writer reads, once its interval is over
+        assert await wait_until_async(lambda: not b._dirty.is_set() and not b._write_lock.locked(), timeout=5)
+        await b.refresh()
+        assert await wait_until_async(lambda: len(reads) == 2, timeout=5)
+    finally:
+        await a.close()
+        await b.close()
+
+
 async def test_a_burst_of_changes_goes_out_as_one_write(redis_server):
     a = RedisCounts(redis_server.url, "gw-a", **{**FAST, "write_interval_s": 1.0})
     b = RedisCounts(redis_server.url, "gw-b", **FAST)
@@ -318,6 +371,31 @@ async def test_a_burst_of_changes_goes_out_as_one_write(redis_server):
     finally:
         await a.close()
         await b.close()
+
+
+async def test_a_request_that_begins_and_ends_within_the_write_interval_is_never_written(redis_server):
+    a = RedisCounts(redis_server.url, "gw-a", **{**FAST, "heartbeat_s": 2.0, "write_interval_s": 0.1})
+    writes: list[dict] = []
+    real_flush = a.flush
+
+    async def counting_flush() -> bool:
+        writes.append(a.local())
+        return await real_flush()
+
+    a.flush = counting_flush
+    try:
+        await a.start()
+        assert await wait_until_async(lambda: len(writes) == 1)  # the start-up write
+        a.add("p0", 1)  # picked ...
+        await asyncio.sleep(0.02)
+        a.add("p0", -1)  # ... and released before its change went out
+        await asyncio.sleep(0.4)
+        assert writes == [{}]
+        a.add("p0", 1)  # one that lasts is written, once the interval is over
+        assert await wait_until_async(lambda: len(writes) == 2, timeout=5)
+        assert writes[1] == {"p0": 1}
+    finally:
+        await a.close()
 
 
 async def test_a_flush_is_never_overtaken_by_an_older_write_in_flight(redis_server):
