@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, TypeVar
 
 from routing.learning.profiles import EngineProfiles
+from routing.pods import Pod
 from routing.scheduling.approx import ApproxPrefixTable
 from routing.scheduling.cost import PromptCache, TTFTScorer
 from routing.state.engine_metrics import EngineMetrics, Saturation
@@ -318,6 +319,15 @@ def parse_weights(text: str, source: str = "KVGATE_ROUTING_WEIGHTS") -> dict[str
     return out
 
 
+def engine_queued(engines: EngineMetrics) -> Callable[[Pod], bool | None]:
+    """The load guard's view of whether load costs on a pod: its engine (a data-parallel rank: that rank) has
+    requests waiting for a batch slot or KV blocks, per its last scrape; None without a fresh one."""
+    def queued(pod: Pod) -> bool | None:
+        load = engines.get(pod.pod_name, pod.rank)
+        return None if load is None else load.waiting > 0
+    return queued
+
+
 def build_strategies(config: StrategyConfig, rng: random.Random, *, index: PrefixSource | None = None,
                      engines: EngineMetrics | None = None, capacity: Capacity | None = None,
                      sessions: SessionStore | None = None) -> dict[str, Strategy]:
@@ -339,7 +349,8 @@ def build_strategies(config: StrategyConfig, rng: random.Random, *, index: Prefi
             found = built[name] = SCORERS[name].build(res)
         return found
 
-    guard = LoadGuard(config.guard_abs_slack, config.guard_rel_slack)
+    guard = LoadGuard(config.guard_abs_slack, config.guard_rel_slack,
+                      queued=None if engines is None else engine_queued(engines))
     out = {}
     for name, spec in STRATEGIES.items():
         if any(missing(s) for s, w in spec.weights.items() if w > 0):
