@@ -19,7 +19,7 @@ from routing.scheduling.approx import ApproxPrefixTable
 from routing.scheduling.cost import PromptCache, TTFTScorer
 from routing.state.engine_metrics import EngineMetrics, Saturation
 from routing.scheduling.fairness import TokenFairnessScorer
-from routing.scheduling.scorers import (ApproxPrefixScorer, EngineBusyScorer, FamilyAffinityScorer, KVUtilizationScorer,
+from routing.scheduling.scorers import (AdmissionWait, ApproxPrefixScorer, EngineBusyScorer, FamilyAffinityScorer, KVUtilizationScorer,
                              LatencyScorer, LoadScorer, PrecisePrefixScorer, PrefillBacklog, PrefixSource, QueueScorer,
                              ThroughputScorer)
 from routing.scheduling.sessions import SessionAffinityScorer, SessionStore
@@ -100,7 +100,11 @@ class StrategySpec:
 def _prefix(r: Resources) -> Scorer:
     c = r.config
     assert r.index is not None
-    return PrecisePrefixScorer(r.index, c.medium_weights, backlog=PrefillBacklog(c.prefill_tokens_per_s, c.clock))
+    admission = None
+    if r.engines is not None and r.capacity is not None:
+        admission = AdmissionWait(r.engines, r.capacity.profiles.step_time, r.capacity.predictor.mean_output)
+    return PrecisePrefixScorer(r.index, c.medium_weights, backlog=PrefillBacklog(c.prefill_tokens_per_s, c.clock),
+                               admission=admission, tokens_per_s=c.prefill_tokens_per_s)
 
 
 def _ttft(r: Resources) -> Scorer:
