@@ -194,8 +194,9 @@ class LoadGuard:
     nothing waiting for a batch slot is kept however imbalanced: a request there starts at once, so
     moving it off its cached prefix buys no time and costs the prefill of what it leaves behind. Without a
     fresh scrape (None) the rule alone decides. Bench routing, 1 replica, 3 seeds: W5-medium kv-sync hit
-    83.4 -> 84.0%, TTFT p90 43.3 -> 41.6 ms; W4 hit 61.7 -> 62.5%; W3-medium hit 69.5 -> 70.1% (the guard
-    had set aside warm pods next to an idle newcomer or a flushed engine at 20-35 running of 64 slots)."""
+    83.4 -> 84.0%, TTFT p90 43.3 -> 41.6 ms; W4 hit 61.7 -> 62.5%; W3-medium hit 69.5 -> 70.1%. (W5-medium
+    seed 1: 47 requests went elsewhere than the pod holding their longest prefix, in a run where no request
+    met an engine with requests waiting; the idle newcomer pulled the others' mean down. Now none.)"""
 
     abs_slack: int = 16
     rel_slack: float = 0.7
