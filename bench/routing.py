@@ -64,6 +64,15 @@ capacity from the workload). Workloads (bench.routing_workloads):
   The oracle reads each engine's hit from the engine itself there (EngineModel.prefix_hit: groups, salts,
   media, exactly), and its placement memory keys blocks with their salt and media (no flush memory: these
   workloads have no flushes).
+- W12 (issue 27) agents: each conversation opens with its tenant's tool list and instructions (2,000-8,000
+  tokens, resent each turn) and runs 4-12 turns; a third speak chat, a third Anthropic messages (both resend the
+  history), a third the Responses API, whose turns after the first continue by previous_response_id: every
+  policy sends those to the engine that answered the conversation's previous turn (any other would 404), and
+  kvgate routes them there without tokens (a subset of that pod, as plugin.pipeline does). 15% of decode
+  capacity, KV at 67% of the working set (bench.routing_workloads.w12 says why). Targets, behind 1 and 2
+  replicas: kv-sync's hit rate within 2 points of the oracle's and >= every other policy's + 5 points.
+  Also reported, not a target: `session-affinity` alone (each conversation its session, as a client's
+  x-session-id would name it; the sessions shared by the replicas).
 
 Policies: random, round-robin, least-request, prefix-cache (router-side guess), char-tree
 (bench.chartree: SGLang's model gateway `cache_aware` policy with its published defaults), kv-sync
@@ -156,7 +165,10 @@ TARGET_GATEWAYS = (1, 2)  # the issue-13 targets are read at each of these repli
 # the policies kv-sync must beat (issue 13): every one but the oracle and kv-sync's own variants
 OTHERS = ("char-tree", "prefix-cache", "least-request", "round-robin", "random")
 SHAPED_WORKLOADS = ("W8", "W9", "W10")  # issue 25: the model shapes and request keys kvgate must be exact on
-CHAT_WORKLOADS = ("W3", "W4", "W5", "W7", *SHAPED_WORKLOADS)
+AGENT_WORKLOADS = ("W12",)  # issue 27: tool lists, long conversations, the three APIs
+CHAT_WORKLOADS = ("W3", "W4", "W5", "W7", *SHAPED_WORKLOADS, *AGENT_WORKLOADS)
+AGENT_ORACLE_POINTS = 2.0  # issue 27: kv-sync's hit rate within this many points of the oracle's...
+AGENT_LEAD_POINTS = 5.0  # ...and at least this many above every other policy's
 CEILING_WORKLOADS = ("W3", *SHAPED_WORKLOADS)  # reported with the one-engine ceiling and kv-sync's belief
 BELIEF_POINTS = 2.0  # issue 25: kv-sync's believed cached share within this many points of the real hit rate
 GAP_RECOVERED = 0.85  # issue 25: the share of the round-robin -> ceiling hit-rate gap kv-sync recovers
@@ -203,8 +215,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", default=None,
                         help=f"PNG to write (default {DEFAULT_PLOT}, none with --quick so a smoke run leaves "
                              "the committed plot alone; '' for none)")
-    parser.add_argument("--workload", action="append", choices=("W1", "W2", *SLO_WORKLOADS, *CHAT_WORKLOADS),
-                        help="only these (repeatable)")
+    parser.add_argument("--workload", action="append", choices=("W1", "W2", *SLO_WORKLOADS, *CHAT_WORKLOADS, "W11"),
+                        help="only these (repeatable); W11, the prefill/decode fleet (bench.routing_pd), runs only "
+                             "when named")
     parser.add_argument("--load", action="append", choices=workloads.LOAD_LEVELS,
                         help="W3-W5's load levels to run (repeatable; default heavy: the levels they ran at "
                              "before, reported as W3, W4, W5; the others as W3-light, W3-medium, ...)")
@@ -258,6 +271,9 @@ def shape_policies(shape: workloads.Shape | workloads.ChatShape, gateways: int) 
     if base in SLO_WORKLOADS:
         return (*(Policy(n, n, gateways=gateways) for n in SLO_POLICIES), Policy(ORACLE, ORACLE))
     out = policies(gateways, full=base not in CHAT_WORKLOADS)
+    if base in AGENT_WORKLOADS:  # issue 27: session affinity alone (the conversation is the session), beside
+        out = (*out[:-1], Policy("session-affinity", "session-affinity", gateways=gateways),
+               Policy(row("session-affinity", 1, gateways), "session-affinity", gateways=1), out[-1])
     if getattr(shape, "dp_size", 1) > 1:
         out = (*out[:-1], Policy("kv-sync@no-rank", "kv-sync", gateways=gateways, dp_ranks=False), out[-1])
     return out
@@ -392,6 +408,8 @@ def targets(report: dict) -> dict:
             out[f"{wname}: kv-sync hit rate within 3 points of oracle"] = {"value": round(gap, 2), "met": gap <= 3}
         if workloads.base_name(wname) in TTFT_WORKLOADS:
             out.update(ttft_targets(wname, p, g))
+        if wname in AGENT_WORKLOADS:  # issue 27
+            out.update(agent_targets(wname, p, g))
         if wname in SHAPED_WORKLOADS:  # issue 25
             ks = p.get("kv-sync", {})
             if "believed_share" in ks:
@@ -432,6 +450,28 @@ def targets(report: dict) -> dict:
                 # router reaches a ratio above this one against the same baseline run
                 t["attainable"] = round(w1[worse]["ttft_p90_s"] / floor, 2)
             out[f"W1: TTFT p90 {worse} / {better} >= {need}"] = t
+    return out
+
+
+def agent_targets(wname: str, p: dict, g: int) -> dict:
+    """Issue 27's W12 targets, per replica count in TARGET_GATEWAYS: kv-sync's hit rate within
+    AGENT_ORACLE_POINTS of the oracle's and at least AGENT_LEAD_POINTS above every other policy's."""
+    out: dict = {}
+    for n in TARGET_GATEWAYS:
+        ks = row("kv-sync", n, g)
+        if ks not in p:
+            continue
+        hit = p[ks]["hit_rate"] * 100
+        if ORACLE in p:
+            oracle = p[ORACLE]["hit_rate"] * 100
+            out[f"{wname} @{n}gw: kv-sync hit rate within {AGENT_ORACLE_POINTS:g} points of the oracle"] = {
+                "value": round(hit, 2), "oracle": round(oracle, 2), "met": hit >= oracle - AGENT_ORACLE_POINTS}
+        others = {o: p[row(o, n, g)]["hit_rate"] * 100 for o in OTHERS if row(o, n, g) in p}
+        if others:
+            best = max(others, key=lambda o: others[o])
+            out[f"{wname} @{n}gw: kv-sync hit rate >= every other policy's + {AGENT_LEAD_POINTS:g} points"] = {
+                "value": round(hit, 2), "best_other": row(best, n, g), "best_other_value": round(others[best], 2),
+                "margin": round(hit - others[best], 2), "met": hit >= others[best] + AGENT_LEAD_POINTS}
     return out
 
 
@@ -660,8 +700,15 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"kvgate bench routing: {e}", file=sys.stderr)
         return 2
+    if args.workload and "W11" in args.workload:  # the P/D fleet: its own run and report (bench.routing_pd)
+        from bench import routing_pd
+        code = routing_pd.main(["--seeds", str(seeds), *(["--json"] if args.json else [])])
+        args.workload = [w for w in args.workload if w != "W11"]
+        if not args.workload:
+            return code
     every = (workloads.w1(quick), workloads.w2(quick), workloads.w3(quick), workloads.w4(quick), workloads.w5(quick),
-             workloads.w6(quick), workloads.w7(quick), workloads.w8(quick), workloads.w9(quick), workloads.w10(quick))
+             workloads.w6(quick), workloads.w7(quick), workloads.w8(quick), workloads.w9(quick), workloads.w10(quick),
+             workloads.w12(quick))
     levels = sorted(set(args.load or [workloads.DEFAULT_LOAD_LEVEL]), key=workloads.LOAD_LEVELS.index)
     shapes = [x for s in every if not args.workload or s.name in args.workload
               for x in ([workloads.at_level(s, lv) for lv in levels]

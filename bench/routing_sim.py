@@ -103,6 +103,7 @@ from routing.state.counts import LocalCounts
 from routing.state.engine_metrics import EngineLoad
 from routing.pods import KVEventsEndpoint, Pod
 from routing.registry import PodRegistry
+from routing.scheduling.sessions import SessionStore
 from routing.router import Router
 from routing.learning.predictor import OutputPredictor, bucket as _predict_bucket
 from routing.learning.profiles import EngineProfiles
@@ -300,6 +301,11 @@ class _Oracle:
         self._placed[pod].update(keys)
         return pod, (max_tokens, keys)
 
+    def place(self, pod: str, max_tokens: int) -> tuple:
+        """A request sent to `pod` by necessity (a conversation only it stored): its output counted there."""
+        self._out_tokens[pod] += max_tokens
+        return max_tokens, ()
+
     def finished(self, pod: str, handle: tuple) -> None:
         max_tokens, keys = handle
         self._out_tokens[pod] -= max_tokens
@@ -448,9 +454,12 @@ async def _run(workload: Workload, policy: Policy, seed: int, strategy_config: S
                             OutputPredictor(rng=random.Random(f"predict:{seed}"), clock=lambda: clock[0]),
                             clock=lambda: clock[0], prefill=LocalCounts())
         capacities = [capacity.replica() for _ in range(policy.gateways)]
+        # The sessions (W12's conversations) are shared by the replicas, as through Redis in a deployment.
+        session_store = SessionStore(ttl_s=3600.0, clock=lambda: clock[0])
         routers = [Router(registry, default_strategy=policy.strategy, counts=counts, index=index,
                           engines=loads,  # type: ignore[arg-type]  # EngineMetrics' reads, from the sim engines
-                          config=config, seed=seed if g == 0 else seed * 1000 + g, capacity=capacities[g])
+                          config=config, seed=seed if g == 0 else seed * 1000 + g, capacity=capacities[g],
+                          sessions=session_store)
                    for g in range(policy.gateways)]
     started: dict[str, tuple[int, str]] = {}  # req_id -> (running on its engine at routing, engine)
     prefilling: dict[str, set[str]] = {k: set() for k in names}  # engine -> routed, no first token yet
@@ -525,6 +534,31 @@ async def _run(workload: Workload, policy: Policy, seed: int, strategy_config: S
             elif oracle is not None:
                 oracle.finished(key, handle)
 
+    stored_on: dict[str, str] = {}  # a conversation -> the engine that answered its last turn (W12)
+    # W12's conversations as sessions (x-session-id) for the session-affinity policy only: the others route as
+    # for clients that send no session header (agent frameworks mostly do not)
+    by_session = policy.strategy == "session-affinity"
+
+    async def continue_on(stored: str, r: Any, i: int) -> tuple[str, Any]:
+        """A Responses API turn by previous_response_id, to the pod that stored the conversation: kvgate routes
+        it there without tokens (a subset of that pod: its running count taken, its rank by load); char-tree and
+        the oracle send it there too (it would 404 anywhere else)."""
+        pod = owner[stored][0]
+        if routers:
+            router = routers[i % len(routers)]
+            endpoint = next(p.endpoint for p in all_pods if p.name == pod)
+            decision = await router.pick(RouteRequest(MODEL, None, None, r.req_id,
+                                                      session=r.session if by_session else None),
+                                         subset=frozenset((endpoint,)))
+            key = least_loaded_rank(pod) if decision.rank is None else ranks[pod][decision.rank]
+            return key, (router, decision)
+        if trees:
+            g = i % len(trees)
+            tree_loads[g][pod] += 1
+            return least_loaded_rank(pod), g
+        assert oracle is not None
+        return stored, oracle.place(stored, r.max_tokens)
+
     def least_loaded_rank(pod: str) -> str:
         """The engine's own balancer: its least loaded rank (running + waiting), the first on ties."""
         keys = ranks[pod]
@@ -583,11 +617,15 @@ async def _run(workload: Workload, policy: Policy, seed: int, strategy_config: S
         else:
             r = reqs[i]
             handle: Any  # what finish() needs to release the pick: (router, decision), the replica, the oracle's
-            if routers:
+            stored = stored_on.get(r.session) if r.continues and r.session is not None else None
+            if stored is not None:  # previous_response_id: the engine that stored the conversation, any policy
+                key, handle = await continue_on(stored, r, i)
+            elif routers:
                 router = routers[i % len(routers)]
                 decision = await router.pick(RouteRequest(MODEL, list(r.token_ids), None, r.req_id,
                                                           slo_ttft_s=r.slo_ttft_s or None,
-                                                          slo_tpot_s=r.slo_tpot_s or None, extras=r.extras))
+                                                          slo_tpot_s=r.slo_tpot_s or None, extras=r.extras,
+                                                          session=r.session if by_session else None))
                 pod, handle = decision.pod.name, (router, decision)
                 key = least_loaded_rank(pod) if decision.rank is None else ranks[pod][decision.rank]
                 if feed_index:
@@ -602,6 +640,8 @@ async def _run(workload: Workload, policy: Policy, seed: int, strategy_config: S
                 assert oracle is not None  # routers, trees or the oracle: one of them is set
                 key, handle = oracle.pick(r.token_ids, r.max_tokens, t, r.cache_salt, r.media)
             i += 1
+            if r.session is not None:
+                stored_on[r.session] = key
             inflight[r.req_id] = (key, handle)
             running[key] += 1
             routed[key] += 1

@@ -153,6 +153,10 @@ class ChatShape:
     tenant_images: int = 4  # images per tenant that its users send again and again (Zipf(1)-popular)
     repeat_image_share: float = 0.5  # share of images drawn from the tenant's images; the rest are new
     uuid_share: float = 0.5  # share of the clients (conversations) giving each image a uuid
+    # The APIs the conversations speak, one per conversation drawn uniformly (W12): "chat" and "messages" resend
+    # their history; "responses" continues by previous_response_id after its first turn (the engine that stored
+    # the conversation holds it: such a turn goes there and carries no tokens for kvgate). Empty: all chat.
+    api_mix: tuple[str, ...] = ()
 
     @property
     def kv_groups(self) -> int:
@@ -186,6 +190,8 @@ class ChatShape:
             extra += f"; model {self.model_shape}" + (f" ({self.retention} retention)" if self.model_shape != "dense" else "")
         if self.salted_share > 0:
             extra += f"; {self.salted_share:.0%} of users send a cache_salt of their own"
+        if self.api_mix:
+            extra += f"; each conversation speaks one of {', '.join(self.api_mix)} (responses: by previous_response_id)"
         if self.image_share > 0:
             extra += (f"; {self.image_share:.0%} of turns start with an image ({self.image_tokens} tokens; "
                       f"{self.repeat_image_share:.0%} from {self.tenant_images} per tenant, {self.uuid_share:.0%} "
@@ -205,7 +211,7 @@ class ChatShape:
                 "retention": self.retention if self.model_shape not in (None, "dense") else None,
                 "sliding_window": self.sliding_window if self.model_shape == "hybrid" else None,
                 "salted_share": self.salted_share, "image_share": self.image_share,
-                "image_tokens": self.image_tokens if self.image_share else None}
+                "image_tokens": self.image_tokens if self.image_share else None, "api_mix": list(self.api_mix)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,6 +224,10 @@ class Request:
     slo_tpot_s: float = 0.0
     cache_salt: str | None = None  # the engine gets it; kvgate's request carries it in its BlockExtras
     media: tuple[MediaItem, ...] = ()  # images: the engine's mm_items, and what its render tells kvgate
+    session: str | None = None  # the conversation (W12)
+    # A Responses API turn by previous_response_id: it goes to the engine that answered the conversation's
+    # previous turn (the only one that stored it), and kvgate knows none of its tokens.
+    continues: bool = False
 
     @property
     def extras(self) -> BlockExtras | None:
@@ -441,16 +451,17 @@ def _image(name: str, uuid: bool) -> str:
 
 
 def _chat_prompts(shape: ChatShape, rng: random.Random,
-                  extra: random.Random) -> list[tuple[float, tuple[int, ...], str | None, tuple[MediaItem, ...]]]:
-    """(arrival, prompt, cache_salt, media) of every turn of every conversation, in generation order.
-    Salts and images are drawn from `extra`, so the tokens of the other turns, the times and the tenants
-    are those of the shape without them (`rng` draws the same)."""
+                  extra: random.Random) -> list[tuple[float, tuple[int, ...], str | None, tuple[MediaItem, ...],
+                                                    str, bool]]:
+    """(arrival, prompt, cache_salt, media, conversation, continues) of every turn of every conversation, in
+    generation order. Salts, images and APIs are drawn from `extra`, so the tokens of the other turns, the times
+    and the tenants are those of the shape without them (`rng` draws the same)."""
     systems = [_rand_tokens(rng, rng.randint(*shape.system_tokens)) for _ in range(shape.tenants)]
     weights = [1.0 / (k + 1) ** shape.zipf_s for k in range(shape.tenants)]
     image_weights = [1.0 / (k + 1) for k in range(shape.tenant_images)]
     mean_turns = (shape.turns[0] + shape.turns[1]) / 2
     conv_rate = shape.request_rps / mean_turns
-    out: list[tuple[float, tuple[int, ...], str | None, tuple[MediaItem, ...]]] = []
+    out: list[tuple[float, tuple[int, ...], str | None, tuple[MediaItem, ...], str, bool]] = []
     t = 0.0
     conv = 0
     while True:
@@ -463,6 +474,7 @@ def _chat_prompts(shape: ChatShape, rng: random.Random,
         salt = f"user-{conv}" if shape.salted_share and extra.random() < shape.salted_share else None
         uuids = bool(shape.image_share) and extra.random() < shape.uuid_share
         media: tuple[MediaItem, ...] = ()
+        by_id = bool(shape.api_mix) and extra.choice(shape.api_mix) == "responses"
         at = t
         for turn in range(rng.randint(*shape.turns)):
             if turn:
@@ -476,7 +488,7 @@ def _chat_prompts(shape: ChatShape, rng: random.Random,
                 media += (MediaItem(_image(name, uuids), len(history), shape.image_tokens),)
                 history += (IMAGE_TOKEN,) * shape.image_tokens
             history += _rand_tokens(rng, rng.randint(*shape.user_tokens))
-            out.append((at, history, salt, media))
+            out.append((at, history, salt, media, f"c{conv}", by_id and turn > 0))
 
 
 def _build_chat(shape: ChatShape, seed: int) -> Workload:
@@ -484,8 +496,9 @@ def _build_chat(shape: ChatShape, seed: int) -> Workload:
     rng = random.Random(f"{base}:{seed}")
     extra = random.Random(f"{shape.name}:{seed}:extras")
     turns = sorted(_chat_prompts(shape, rng, extra), key=lambda x: x[0])  # stable: equal times keep their order
-    requests = tuple(Request(f"r{i}", t, p, shape.output_tokens, cache_salt=salt, media=media)
-                     for i, (t, p, salt, media) in enumerate(turns))
+    requests = tuple(Request(f"r{i}", t, p, shape.output_tokens, cache_salt=salt, media=media,
+                             session=conv if shape.api_mix else None, continues=continues)
+                     for i, (t, p, salt, media, conv, continues) in enumerate(turns))
     ws = _distinct_blocks(list(requests))
     prompt_tokens = sum(len(r.token_ids) for r in requests)
     end = requests[-1].arrival if requests else 0.0
@@ -648,3 +661,19 @@ def w6(quick: bool = False) -> SLOShape:
     each engine prefilling one prompt at a time). A chat queued behind a document's prefill misses its
     TTFT target; a crowded decode batch misses TPOT."""
     return SLOShape("W6", duration_s=30.0 if quick else 60.0)
+
+
+def w12(quick: bool = False) -> ChatShape:
+    """Agents (issue 27): every conversation starts with its tenant's tool list and instructions, 2,000-8,000
+    tokens resent each turn, and runs 4-12 turns; a third speak chat, a third Anthropic messages (both resend
+    the history: kvgate renders it), a third the Responses API, continuing by previous_response_id after the
+    first turn (routed to the engine that stored the conversation, by every policy, as any other engine would
+    404; kvgate knows none of its tokens). 20 Zipf(1) tenants, 40-120-token user turns, 100-token replies,
+    turns 2.5-5 s apart, at 15% of decode capacity (a missed tool list is up to 0.8 s of prefill: at W3's 85%
+    every policy's prefill lanes saturate), fleet KV capacity at 67% of the working set (capacity_ratio 1.5).
+    At W3's 73% every policy that keeps a conversation together reaches the compulsory-miss bound (one seed:
+    kv-sync, the oracle, prefix-cache and char-tree behind one replica all 94.7%), so nothing is measured; at
+    50% (ratio 2) or 30% of decode capacity the prefill lanes saturate (TTFT p90 2-38 s) and queueing ranks
+    the policies more than routing."""
+    return _chat_shape("W12", tenants=20, system_tokens=(2000, 8000), turns=(4, 12), load=0.15, capacity_ratio=1.5,
+                       api_mix=("chat", "messages", "responses"))

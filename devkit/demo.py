@@ -37,7 +37,7 @@ from typing import Callable
 import httpx
 
 from devkit.stack import Stack, StackError, free_port
-from devkit.workload import ChatWorkload, Results, WorkloadShape
+from devkit.workload import Results, workload_for
 from routing.scheduling.strategies import NAMES as STRATEGIES
 
 # The comparison the demo runs by default (README's table): kvgate's own and AIBrix's basic ones; any other
@@ -45,6 +45,8 @@ from routing.scheduling.strategies import NAMES as STRATEGIES
 DEFAULT_STRATEGIES = ("random", "round-robin", "least-request", "prefix-cache", "kv-sync", "slo")
 from tokenizer import testdata
 
+# With --pd (a P/D fleet): pd beside two aggregated strategies (which serve on the decode engines).
+PD_DEFAULT = ["least-request", "kv-sync", "pd"]
 MODEL = "demo-model"
 MODEL_SHAPES = ("dense", "hybrid")  # of sim.shapes.MODEL_SHAPES, the ones the demo offers
 BLOCK_SIZE = 16  # the sims' KV block size: kvgate's believed cached blocks times this are tokens
@@ -60,10 +62,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="data-parallel ranks of the last engine (default 2; 1: every engine has one rank)")
     p.add_argument("--gateways", type=int, default=2,
                    help="kvgate replicas behind Envoy, sharing counts through Redis (default 2, as in production)")
-    p.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES),
-                   help=f"comma-separated strategies to compare (default {','.join(DEFAULT_STRATEGIES)}; any of "
-                        f"{', '.join(STRATEGIES)})")
+    p.add_argument("--strategies", default=None,
+                   help=f"comma-separated strategies to compare (default {','.join(DEFAULT_STRATEGIES)}; with --pd "
+                        f"{','.join(PD_DEFAULT)}; any of {', '.join(STRATEGIES)})")
+    p.add_argument("--pd", action="store_true",
+                   help="a prefill/decode fleet: 2 prefill + 2 decode engines (--sims and --dp-size are ignored), "
+                        "the pd strategy beside aggregated ones (which serve on the decode engines only)")
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight (default 8)")
+    p.add_argument("--workload", choices=("chat", "agent", "mix"), default="chat",
+                   help="chat: multi-turn chats sharing system prompts; agent: agents resending a tool list every "
+                        "turn over the three APIs (chat with tools, the Responses API continuing by "
+                        "previous_response_id, Anthropic messages); mix: half the groups each (default chat)")
     p.add_argument("--slices", type=int, default=4,
                    help="run each strategy's traffic in this many slices, alternating between the strategies on "
                         "the same stack so they see the same machine load (default 4; 1: one run per strategy)")
@@ -97,15 +106,23 @@ def sim_args(model_shape: str) -> list[str]:
     return [*_SIM_ARGS, "--model-shape", model_shape]
 
 
-def _start(stack: Stack, n_sims: int, n_gateways: int, log, dp_size: int = 1, model_shape: str = "dense") -> dict:
-    pods = stack.engines(n_sims, model=MODEL, extra=sim_args(model_shape), dp=[1] * (n_sims - 1) + [dp_size])
+def _start(stack: Stack, n_sims: int, n_gateways: int, log, dp_size: int = 1, model_shape: str = "dense",
+           pd: bool = False) -> dict:
+    if pd:  # two prefill engines, two decode engines (kvgate runs the prefill legs: routing.pd, plugin.pd)
+        pods = stack.engines(4, model=MODEL, extra=sim_args(model_shape))
+        for p, role in zip(pods, ("prefill", "prefill", "decode", "decode")):
+            p["role"] = role
+    else:
+        pods = stack.engines(n_sims, model=MODEL, extra=sim_args(model_shape), dp=[1] * (n_sims - 1) + [dp_size])
     engines = [Engine(p["name"], f"http://127.0.0.1:{p['port']}", f"tcp://127.0.0.1:{p['kv_events']['pub_port']}")
                for p in pods]
     for p in pods:
         kv = p["kv_events"]
         dp = kv.get("dp_size", 1)
         ranks = f", {dp} data-parallel ranks on ports + rank" if dp > 1 else ""
-        log(f"  engine {p['name']} on :{p['port']} (KV events :{kv['pub_port']}, replay :{kv['replay_port']}{ranks})")
+        role = f", role {p['role']}" if "role" in p else ""
+        log(f"  engine {p['name']} on :{p['port']} (KV events :{kv['pub_port']}, replay :{kv['replay_port']}{ranks}"
+            f"{role})")
     pods_file = stack.pods_file(pods)
     redis_url = ""
     if shutil.which("redis-server"):
@@ -211,7 +228,8 @@ def slice_order(strategies: list[str], slices: int) -> list[tuple[int, str]]:
 
 
 async def _compare(envoy_url: str, engine_urls: list[str], strategies: list[str], duration: float,
-                   concurrency: int, log, slices: int = 1, gateways: list[str] | None = None) -> dict[str, dict]:
+                   concurrency: int, log, slices: int = 1, gateways: list[str] | None = None,
+                   workload_kind: str = "chat") -> dict[str, dict]:
     """Each strategy gets `duration` seconds of traffic, in `slices` slices alternating between the
     strategies on the same stack (so all of them see the same machine load over the run); each slice
     starts from empty prefix caches and sends its slice's traffic (the same for every strategy).
@@ -230,7 +248,7 @@ async def _compare(envoy_url: str, engine_urls: list[str], strategies: list[str]
             before = await _engine_counters(engine_urls)
         if gateways:
             believed_before = await _gateway_counters(gateways)
-        workload = ChatWorkload(WorkloadShape(concurrency=concurrency), MODEL, seed=1 + k)
+        workload = workload_for(workload_kind, concurrency, MODEL, seed=1 + k)
         last = [0.0]
         done_s = totals[strategy].elapsed_s
 
@@ -292,6 +310,20 @@ def _table(results: dict[str, dict]) -> str:
                      f"{pct(r.get('slo_attainment')):>8} {f(r['ttft_p50_ms'], '12.1f')} "
                      f"{f(r['ttft_p90_ms'], '12.1f')} {r['requests_per_s']:7.1f} {r['requests']:9d} {r['errors']:7d}")
     return "\n".join(lines)
+
+
+async def _pd_modes(gateways: list[str]) -> dict[str, float]:
+    """How the pd strategy served its requests over every replica (kvgate_pd_requests_total by mode)."""
+    out: dict[str, float] = {}
+    async with httpx.AsyncClient(timeout=5.0) as client:
+        answers = await asyncio.gather(*(client.get(g + "/metrics") for g in gateways), return_exceptions=True)
+    for r in answers:
+        if isinstance(r, httpx.Response) and r.status_code == 200:
+            for line in r.text.splitlines():
+                if line.startswith('kvgate_pd_requests_total{mode="'):
+                    mode = line.split('"', 2)[1]
+                    out[mode] = out.get(mode, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
 
 
 async def _slo_model(gateways: list[str]) -> dict[str, dict]:
@@ -427,7 +459,8 @@ def _supervise(stack: Stack, engines: set[str], log) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    strategies = [s for s in args.strategies.split(",") if s]
+    chosen = args.strategies if args.strategies is not None else ",".join(PD_DEFAULT if args.pd else DEFAULT_STRATEGIES)
+    strategies = [s for s in chosen.split(",") if s]
     if args.gateways < 1 or args.sims < 1 or args.dp_size < 1 or args.slices < 1:
         print("kvgate demo: --gateways, --sims, --dp-size and --slices must be at least 1", file=sys.stderr)
         return 2
@@ -442,7 +475,7 @@ def main(args: argparse.Namespace) -> int:
     if args.external:
         engines = [u for u in args.engines.split(",") if u]
         results = asyncio.run(_compare(args.external, engines, strategies, args.duration, args.concurrency, log,
-                                       args.slices))
+                                       args.slices, workload_kind=args.workload))
         print(json.dumps({"strategies": results}) if args.json else _table(results), flush=True)
         return 0
 
@@ -450,21 +483,31 @@ def main(args: argparse.Namespace) -> int:
     signals.install()
     stack = Stack()
     try:
-        log(f"kvgate demo: starting {args.sims} engines ({args.model_shape} model shape), kvgate and Envoy on "
+        fleet = "2 prefill + 2 decode" if args.pd else str(args.sims)
+        log(f"kvgate demo: starting {fleet} engines ({args.model_shape} model shape), kvgate and Envoy on "
             f"loopback (logs in {stack.workdir})")
-        info = _start(stack, args.sims, args.gateways, log, args.dp_size, args.model_shape)
+        info = _start(stack, args.sims, args.gateways, log, args.dp_size, args.model_shape, pd=args.pd)
         if args.no_traffic:
             print(json.dumps(info), flush=True)
             return _supervise(stack, {p["name"] for p in info["pods"]}, log)
-        log(f"kvgate demo: {args.duration:.0f} s of multi-turn chat traffic per strategy: {', '.join(strategies)}")
+        what = {"chat": "multi-turn chat", "agent": "agent (tools; chat, responses, messages)",
+                "mix": "chat and agent"}[args.workload]
+        log(f"kvgate demo: {args.duration:.0f} s of {what} traffic per strategy: {', '.join(strategies)}")
         results = signals.run(_compare(info["envoy_url"], [p["url"] for p in info["pods"]], strategies,
-                                       args.duration, args.concurrency, log, args.slices, info["gateways"]))
+                                       args.duration, args.concurrency, log, args.slices, info["gateways"],
+                                       workload_kind=args.workload))
         tokenizer = asyncio.run(_tokenizer_status(info["gateways"]))
         slo_model = asyncio.run(_slo_model(info["gateways"]))
+        pd_modes = asyncio.run(_pd_modes(info["gateways"])) if "pd" in strategies else {}
         if args.json:
-            print(json.dumps({"strategies": results, "tokenizer": tokenizer, "slo_model": slo_model}), flush=True)
+            print(json.dumps({"strategies": results, "tokenizer": tokenizer, "slo_model": slo_model,
+                              **({"pd_modes": pd_modes} if pd_modes else {})}), flush=True)
         else:
             print(_table(results), flush=True)
+            if pd_modes:
+                print("\npd served its requests: " + ", ".join(f"{m} {n:.0f}" for m, n in sorted(pd_modes.items()))
+                      + " (hit rate: every engine's counters, a decode leg's lookup of its prompt included; "
+                      "aggregated strategies serve on the decode engines only)", flush=True)
             print(f"\nhit rate: prompt tokens served from the engines' prefix caches (their own /metrics); "
                   f"believed: the blocks kvgate believed the chosen engine held (kvgate_prefix_blocks_total, "
                   f"summed over the replicas) times {BLOCK_SIZE} tokens, over the same prompt tokens "

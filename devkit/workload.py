@@ -150,3 +150,168 @@ class ChatWorkload:
         results.slo_met += first <= self.shape.slo_ttft_ms / 1000 and tpot <= self.shape.slo_tpot_ms / 1000
         results.pods[pod] = results.pods.get(pod, 0) + 1
         self.record_answer(user, "".join(pieces))
+
+
+# --- the agent mix -----------------------------------------------------------------------------------
+
+APIS = ("chat", "responses", "messages")
+
+
+@dataclass(frozen=True)
+class AgentShape(WorkloadShape):
+    """Agents: each group shares a system prompt and a tool list resent on every turn; each user speaks one of
+    the three APIs (chat with tools, the Responses API continuing by `previous_response_id`, Anthropic
+    messages), in that rotation."""
+
+    tools: int = 6
+    tool_words: int = 40  # each tool's description
+    question_words: int = 20
+
+
+class AgentWorkload(ChatWorkload):
+    """The agent mix through Envoy, streamed: a chat user re-sends its history with the tools; a Responses user
+    sends only its new input after the first turn (`previous_response_id`: the conversation is on the engine
+    that answered it); a Messages user re-sends its history, Anthropic style. TTFT is the first token event."""
+
+    def __init__(self, shape: AgentShape, model: str, seed: int = 0) -> None:
+        super().__init__(shape, model, seed)
+        self.agent_shape = shape
+        rng = random.Random(seed + 1000)
+        self.tool_sets = [[{"name": f"g{g}_tool{t}", "description": _text(rng, shape.tool_words),
+                            "schema": {"type": "object", "properties": {"query": {"type": "string"}},
+                                       "required": ["query"]}} for t in range(shape.tools)]
+                          for g in range(shape.groups)]
+        self.previous: dict[tuple[int, int], str] = {}  # a Responses user's last response id
+        self.turns: dict[tuple[int, int], int] = {}
+
+    def api_of(self, user: tuple[int, int]) -> str:
+        return APIS[(user[0] * self.shape.users_per_group + user[1]) % len(APIS)]
+
+    def request(self, user: tuple[int, int]) -> tuple[str, dict]:
+        """The next turn of `user`'s conversation: (path, body)."""
+        g = user[0]
+        api = self.api_of(user)
+        tools = self.tool_sets[g]
+        turn = self.turns.get(user, 0)
+        if turn >= self.shape.turns:
+            turn = 0
+            self.histories.pop(user, None)
+            self.previous.pop(user, None)
+        self.turns[user] = turn + 1
+        question = _text(self.rng, self.shape.question_words)
+        max_tokens = self.shape.max_tokens
+        if api == "responses":
+            body: dict = {"model": self.model, "instructions": self.systems[g], "input": question, "stream": True,
+                          "max_output_tokens": max_tokens,
+                          "tools": [{"type": "function", "name": t["name"], "description": t["description"],
+                                     "parameters": t["schema"]} for t in tools]}
+            previous = self.previous.get(user)
+            if previous is not None:
+                body["previous_response_id"] = previous
+            return "/v1/responses", body
+        history = self.histories.get(user) or []
+        if api == "messages":
+            history = history + [{"role": "user", "content": question}]
+            self.histories[user] = history
+            return "/v1/messages", {
+                "model": self.model, "system": self.systems[g], "messages": history, "max_tokens": max_tokens,
+                "stream": True, "tools": [{"name": t["name"], "description": t["description"],
+                                           "input_schema": t["schema"]} for t in tools]}
+        if not history:
+            history = [{"role": "system", "content": self.systems[g]}]
+        history = history + [{"role": "user", "content": question}]
+        self.histories[user] = history
+        return "/v1/chat/completions", {
+            "model": self.model, "messages": history, "max_tokens": max_tokens, "stream": True,
+            "tools": [{"type": "function", "function": {"name": t["name"], "description": t["description"],
+                                                        "parameters": t["schema"]}} for t in tools]}
+
+    async def _one(self, client: httpx.AsyncClient, user: tuple[int, int], headers: dict, results: Results) -> None:
+        path, body = self.request(user)
+        api = self.api_of(user)
+        t0 = time.monotonic()
+        first: float | None = None
+        last, events = 0.0, 0
+        pieces: list[str] = []
+        response_id = None
+        try:
+            async with client.stream("POST", path, json=body, headers=headers) as r:
+                if r.status_code != 200:
+                    await r.aread()
+                    raise RuntimeError(f"{path}: HTTP {r.status_code}: {r.text[:200]}")
+                pod = r.headers.get("x-kvgate-pod", "?")
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    event = json.loads(line[6:])
+                    text = None
+                    if api == "chat":
+                        for choice in event.get("choices", []):
+                            text = (choice.get("delta") or {}).get("content")
+                    elif api == "responses":
+                        if event.get("type") == "response.output_text.delta":
+                            text = event.get("delta")
+                        elif event.get("type") == "response.created":
+                            response_id = event["response"]["id"]
+                    elif event.get("type") == "content_block_delta":
+                        text = (event.get("delta") or {}).get("text")
+                    if text is None:
+                        continue
+                    if first is None:
+                        first = time.monotonic() - t0
+                    last = time.monotonic() - t0
+                    events += 1
+                    pieces.append(text)
+            if first is None:
+                raise RuntimeError(f"{path}: the stream ended without a token")
+        except (httpx.HTTPError, RuntimeError, ValueError, KeyError) as e:
+            results.errors += 1
+            if len(results.error_samples) < 5:
+                results.error_samples.append(str(e) or type(e).__name__)
+            self.histories.pop(user, None)  # start this user's conversation over
+            self.previous.pop(user, None)
+            self.turns.pop(user, None)
+            return
+        results.requests += 1
+        results.ttft_s.append(first)
+        tpot = (last - first) / (events - 1) if events > 1 else 0.0
+        results.slo_met += first <= self.shape.slo_ttft_ms / 1000 and tpot <= self.shape.slo_tpot_ms / 1000
+        results.pods[pod] = results.pods.get(pod, 0) + 1
+        answer = "".join(pieces)
+        if api == "responses":
+            if response_id is not None:
+                self.previous[user] = response_id
+        elif api == "messages":
+            self.histories[user] = self.histories[user] + [{"role": "assistant", "content": answer}]
+        else:
+            self.record_answer(user, answer)
+
+
+def workload_for(kind: str, concurrency: int, model: str, seed: int) -> ChatWorkload:
+    """The demo's workload: `chat` (multi-turn chats sharing system prompts), `agent` (the agent mix) or `mix`
+    (half the groups each)."""
+    if kind == "chat":
+        return ChatWorkload(WorkloadShape(concurrency=concurrency), model, seed=seed)
+    if kind == "agent":
+        return AgentWorkload(AgentShape(concurrency=concurrency), model, seed=seed)
+    if kind == "mix":
+        return MixedWorkload(concurrency, model, seed)
+    raise ValueError(f"unknown workload {kind!r} (chat, agent, mix)")
+
+
+class MixedWorkload(AgentWorkload):
+    """Half the groups chat as ChatWorkload's users do (no tools), half are agents."""
+
+    def __init__(self, concurrency: int, model: str, seed: int) -> None:
+        super().__init__(AgentShape(concurrency=concurrency, groups=8), model, seed)
+
+    def api_of(self, user: tuple[int, int]) -> str:
+        if user[0] % 2 == 0:
+            return "plain"
+        return super().api_of(user)
+
+    async def _one(self, client: httpx.AsyncClient, user: tuple[int, int], headers: dict, results: Results) -> None:
+        if self.api_of(user) == "plain":
+            await ChatWorkload._one(self, client, user, headers, results)
+            return
+        await super()._one(client, user, headers, results)

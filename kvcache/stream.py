@@ -37,7 +37,7 @@ import zmq
 from kvcache.locking import IndexLock
 from kvcache.metrics import PROCESSING_BOUNDS, KVEventMetrics
 from kvcache.sink import EventSink
-from kvcache.wire import WireError, decode_batch
+from kvcache.wire import WireError, batch_ts, decode_batch
 from kvcache.zmtp import Connection
 
 log = logging.getLogger(__name__)
@@ -152,6 +152,8 @@ class Subscriber:
         self.retry_delay = options.reconnect_initial
         self.connect_at: float | None = None  # when to (re)connect, while there is no connection
         self.last_rx = 0.0  # when bytes last came in
+        self.last_message_at = 0.0  # when live messages were last handled (monotonic; 0: never)
+        self.lag_s: float | None = None  # the newest batch's age by its own timestamp when its handling began
         self.ping_at = 0.0
         self.registered = 0  # selector events the connection is registered for
         # Counted locally per batch, written to the metrics by flush_metrics (a prometheus update costs
@@ -175,6 +177,12 @@ class Subscriber:
         s = self.spec
         return {"pod": s.pod, "model": s.model, "rank": s.rank, "endpoint": s.pub_endpoint,
                 "replay_endpoint": s.replay_endpoint, "connected": self.connected, "last_seq": self._last,
+                # the event lag: live messages read and not yet applied, and how long ago the last ones came
+                "backlog": len(self.pending),
+                # how old (by the engine's clock) the newest batch was when kvgate began applying it
+                "lag_s": None if self.lag_s is None else round(self.lag_s, 4),
+                "last_message_age_s": (round(time.monotonic() - self.last_message_at, 3)
+                                       if self.last_message_at else None),
                 **{k: self.counts[k] for k in ("batches", "events", "duplicates", "missed_batches", "drops",
                                                 "replays", "replay_failures", "errors", "reconnects")}}
 
@@ -254,6 +262,13 @@ class Subscriber:
         (MORE), or the next one needs a replay (REPLAY: run replay_held on a worker meanwhile)."""
         pending = self.pending
         counts = self.counts
+        if pending:
+            self.last_message_at = time.monotonic()
+            newest = pending[-1]
+            if type(newest) is tuple:
+                ts = batch_ts(newest[1])
+                if ts is not None:
+                    self.lag_s = time.time() - ts
         while pending:
             msg = pending[0]
             if type(msg) is tuple and self._last is not None and msg[0] == self._last + 1 and not self._unverified:

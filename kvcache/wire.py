@@ -7,6 +7,7 @@ msgspec writes for vLLM's structs in a chosen generation.
 """
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -192,6 +193,22 @@ _ARRAY: dict[Any, Callable[[tuple, dict], KVEvent]] = {
 _MAP: dict[Any, Callable[[dict, dict], KVEvent]] = {
     "BlockStored": _stored_map, "BlockRemoved": _removed_map, "AllBlocksCleared": _cleared_map,
 }
+
+
+_FLOAT64, _FLOAT32 = struct.Struct(">d"), struct.Struct(">f")
+
+
+def batch_ts(payload: bytes) -> float | None:
+    """The batch's own timestamp (the engine's clock, unix s) read from its first bytes without decoding it:
+    vLLM's array form `[ts, events(, rank)]` with a float ts; None for any other form."""
+    if len(payload) < 6 or payload[0] not in (0x92, 0x93):
+        return None
+    kind = payload[1]
+    if kind == 0xCB and len(payload) >= 10:
+        return _FLOAT64.unpack_from(payload, 2)[0]
+    if kind == 0xCA:
+        return _FLOAT32.unpack_from(payload, 2)[0]
+    return None
 
 
 def decode_batch(payload: bytes) -> DecodedBatch:

@@ -14,7 +14,10 @@ It may import every other kvgate package; nothing imports it.
     app         wiring: Settings -> discovery, index, subscriptions, tokenizer, router, gRPC and HTTP servers
     config      every KVGATE_* variable, read once at start-up
     tls         TLS on the gRPC port (KVGATE_GRPC_TLS): a configured or a self-signed certificate
-    http        the HTTP port: /metrics, /healthz, /debug
+    http        the HTTP port: /metrics, /healthz, /debug, the status page /
+    status      what the status page shows beyond the router's snapshot: the routing mix per minute, recent errors
+    statusview  one replica's /debug -> the status page's HTML or `kvgate status`'s text
+    status_cmd  `kvgate status`: that view in the terminal, for one replica or a Service's all
     serve       `kvgate serve`
     events_cmd  `kvgate events`: tail one engine's KV events
     cli         the `kvgate` command and its subcommands

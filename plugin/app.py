@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable
@@ -21,21 +22,25 @@ from kvcache.locking import LockedIndex
 from kvcache.stream import EndpointSpec, SubscriberOptions
 from plugin.config import Settings
 from plugin.extproc import ExternalProcessor
+from plugin.responses import ResponseStore, SharedResponseStore
 from plugin.pipeline import Gateway, Sampler
 from plugin.http import build_http_app
 from plugin.metrics import GatewayMetrics
 from plugin.observe import Observer
+from plugin.pd import PDHandoff
 from plugin.tls import server_credentials
+from plugin.status import RecentErrors, RoutingMix
 from routing.state.admission import Admission, Limiter, LocalLimiter, RedisLimiter
 from routing.state.counts import LocalCounts, RedisCounts, RunningCounts, build_counts
 from routing.discovery.static import StaticSource
-from routing.state.engine_metrics import EngineMetrics, Saturation
+from routing.state.engine_metrics import EngineLoad, EngineMetrics, Saturation
 from routing.discovery.inferencepool import InferencePoolConfig, InferencePoolSource
 from routing.discovery.k8s import KubernetesConfig, KubernetesSource
 from routing.discovery.kube import ApiConfig
 from routing.metrics import RoutingMetrics
 from routing.pods import Pod
 from routing.registry import PodRegistry
+from routing.pd import STRATEGY as PD_STRATEGY, PDConfig, PDPlanner
 from routing.router import Router
 from routing.scheduling.sessions import SessionStore
 from routing.scheduling.strategies import StrategyConfig, parse_weights
@@ -204,7 +209,9 @@ class App:
         self.predictor = OutputPredictor(window_s=s.predict_window_s, step_s=s.predict_step_s,
                                          cold=s.predict_cold_start, max_output=s.predict_max_output)
         self.profiles = EngineProfiles(prefill_tokens_per_s=s.routing_prefill_tokens_per_s)
-        self.engines.on_load = self.profiles.observe_engine
+        self.engines.on_load = self._on_engine_load
+        self.mix = RoutingMix()  # the status page's routing mix and cache shares per minute
+        self.recent_errors = RecentErrors()  # the status page's recent warnings and errors (root logger, once started)
         # The prefill queue the slo strategy reads: exact and shared between replicas when responses are
         # observed (a request's tokens leave at its first token), else each replica's own estimate.
         self.prefill_counts: RunningCounts | None = None
@@ -246,6 +253,20 @@ class App:
                                   on_first_token=self.capacity.first_token)
                          if s.observe_responses else None)
         self.trace_writer: TraceWriter | None = None
+        self.pd: PDHandoff | None = None
+        if PD_STRATEGY in self.router.strategy_names():
+            self.pd = PDHandoff(PDPlanner(self.router, self.pods, PDConfig(
+                threshold_tokens=s.pd_threshold_tokens, prefill_timeout_s=s.pd_prefill_timeout_s)),
+                self.gateway_metrics, admission=self.admission, profiles=self.profiles,
+                strategies=frozenset(n for n in s.pd_strategies.split(",") if n))
+        # Responses API response id -> pod (plugin.responses): shared through Redis when there is one.
+        self.responses: ResponseStore | None = None
+        if s.response_ids and s.redis_url:
+            from redis.asyncio import Redis
+            self.responses = SharedResponseStore(s.response_ids, Redis.from_url(s.redis_url),
+                                                 ttl_s=s.response_id_ttl_s)
+        elif s.response_ids:
+            self.responses = ResponseStore(s.response_ids)
         self.processor = ExternalProcessor(Gateway(
             router=self.router, registry=self.pods, tokenizer=self.tokenizer, metrics=self.gateway_metrics,
             default_strategy=s.routing_strategy, max_body_bytes=s.max_body_bytes,
@@ -257,7 +278,8 @@ class App:
             tokenize_now=self.tokenizer.tokenize_now if isinstance(self.tokenizer, TokenizesNow) else None,
             sheddable_objectives=frozenset(o.strip() for o in s.sheddable_objectives.split(",") if o.strip()),
             observer=self.observer, sampler=Sampler(s.observe_sample), admission=self.admission,
-            render=remote.render_chat if remote is not None else None))
+            render=remote.render if remote is not None else None,
+            responses=self.responses, running=self.router.running, mix=self.mix, pd=self.pd))
         self.pods.add_listener(self._on_pods)
         self._grpc: grpc.aio.Server | None = None
         self.grpc_port: int | None = None  # once serving
@@ -275,6 +297,12 @@ class App:
             except Exception as e:
                 log.warning("reading GPU profiles from Redis failed: %s", e)
             await asyncio.sleep(interval_s)
+
+    def _on_engine_load(self, pod: str, load: EngineLoad) -> None:
+        self.profiles.observe_engine(pod, load)
+        known = self.pods.get(pod)
+        if load.prefix_cache is not None and known is not None:
+            self.mix.engine(pod, known.model, *load.prefix_cache)
 
     def _on_pods(self, added: list[Pod], removed: list[Pod]) -> None:
         # Subscriptions and index entries follow pods in and out of discovery.
@@ -306,6 +334,9 @@ class App:
                                  "models": self.verified_tokenizer.status() if self.verified_tokenizer else {}}
         if self.admission is not None:  # requests waiting for room on a pod, now
             snapshot["admission"] = {"waiting": self.admission.waiting}
+        snapshot["routing_mix"] = self.mix.snapshot()
+        snapshot["recent_errors"] = self.recent_errors.snapshot()
+        snapshot["time"] = time.time()  # when this snapshot was taken (unix s)
         return snapshot
 
     async def set_ready(self, ready: bool) -> None:
@@ -334,6 +365,7 @@ class App:
         if grpc_port == 0:
             raise OSError(f"KVGATE_GRPC_PORT: cannot listen on {address}"
                           + ("" if self._tls is None else " with KVGATE_GRPC_TLS's certificate and key"))
+        logging.getLogger().addHandler(self.recent_errors)
         await self.set_ready(False)
         await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
         await self._grpc.start()
@@ -392,6 +424,8 @@ class App:
         if self._grpc is not None:
             await self._grpc.stop(grace_s)
         await self.processor.drain()
+        if self.pd is not None:
+            await self.pd.aclose()
         if self._http is not None:
             await self._http.cleanup()
         await self.subscriptions.aclose()
@@ -407,7 +441,10 @@ class App:
             await self.predictor_sync.aclose()
         if self.profile_loader is not None:
             self.profile_loader.cancel()
+        if self.responses is not None:
+            await self.responses.close()
         await self.tokenizer.aclose()
+        logging.getLogger().removeHandler(self.recent_errors)
 
 
 def _join(host: str, port: int) -> str:

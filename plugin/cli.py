@@ -14,6 +14,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sim": ("sim.cli", "run a simulated vLLM engine"),
     "demo": ("devkit.demo", "start the whole stack on loopback and compare strategies"),
     "events": ("plugin.events_cmd", "tail one engine's KV events"),
+    "status": ("plugin.status_cmd", "the status page's view in the terminal, for one replica or a Service's all"),
 }
 BENCHES: dict[str, tuple[str, str]] = {
     "index": ("bench.index", "prefix index: ingest rate, match latency, bytes per entry"),

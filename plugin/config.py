@@ -71,6 +71,15 @@ def _fraction(raw: str) -> float:
     return value
 
 
+def _pd_strategies(raw: str) -> str:
+    names = [n.strip() for n in raw.split(",") if n.strip()]
+    for n in names:
+        if n not in STRATEGIES or n == "pd-decode":
+            raise ValueError(f"{n!r} is not a strategy that can choose a prefill engine (known: "
+                             f"{', '.join(s for s in STRATEGIES if s != 'pd-decode')})")
+    return ",".join(names)
+
+
 def _choice(*options: str) -> Callable[[str], str]:
     def parse(raw: str) -> str:
         value = raw.strip()
@@ -128,7 +137,7 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("KVGATE_LISTEN_HOST", "listen_host", _text, "127.0.0.1",
              "Address the gRPC and HTTP servers bind to (`0.0.0.0` or `::` in a cluster)."),
     Variable("KVGATE_GRPC_PORT", "grpc_port", PORT, 50051, "ext_proc gRPC port (also serves gRPC health)."),
-    Variable("KVGATE_HTTP_PORT", "http_port", PORT, 8080, "HTTP port: `/metrics`, `/healthz`, `/debug`."),
+    Variable("KVGATE_HTTP_PORT", "http_port", PORT, 8080, "HTTP port: `/metrics`, `/healthz`, `/debug`, the status page `/`."),
     Variable("KVGATE_GRPC_TLS", "grpc_tls", _choice("off", "self-signed", "files"), "off",
              "TLS on the gRPC port: `off` (plaintext h2c), `self-signed` (a certificate made at start, as the "
              "Inference Extension's picker serves; gateways that dial pickers over TLS, e.g. Envoy AI Gateway, do "
@@ -172,6 +181,17 @@ VARIABLES: tuple[Variable, ...] = (
              "An engine's prefill speed (tokens/s) until its observed responses teach kvgate its own (the "
              "prior of kv-sync's and slo's TTFT model, which an estimate drifts back to while not re-observed); "
              "the prompt tokens kv-sync sent a pod uncached count as still waiting until prefilled at it."),
+    Variable("KVGATE_PD_THRESHOLD_TOKENS", "pd_threshold_tokens", _int_range(0, 10_000_000), 256,
+             "The `pd` strategy's decider: a request is split into a prefill and a decode leg only when the "
+             "picked decode engine lacks at least this many of its prompt tokens (0: always split); else that "
+             "engine serves it whole."),
+    Variable("KVGATE_PD_STRATEGIES", "pd_strategies", _pd_strategies, "",
+             "Strategies besides `pd` that split requests into a prefill and a decode leg when the model has "
+             "prefill engines (`role: prefill`), their own scores choosing the prefill engine: e.g. `kv-sync,slo`. "
+             "Empty: they serve whole requests on the decoding engines."),
+    Variable("KVGATE_PD_PREFILL_TIMEOUT_S", "pd_prefill_timeout_s", _positive_float, 30.0,
+             "The `pd` strategy's bound on one prefill leg (connect to answer), seconds; past it the leg is "
+             "retried once on the next prefill engine, then the decode engine serves the request whole."),
     Variable("KVGATE_SESSION_TTL_S", "session_ttl_s", _positive_float, 1800.0,
              "Session affinity: a session (`x-session-id`, `x-session-token`, `x-aibrix-session-key`) whose pod "
              "kvgate remembers is forgotten this long after its last request (shared through KVGATE_REDIS_URL)..."),
@@ -263,6 +283,15 @@ VARIABLES: tuple[Variable, ...] = (
              "one asks Envoy for none (its response headers are skipped too), is still uncounted when its "
              "stream ends and still tells the trackers it is done (without usage). Requests with the slo "
              "strategy or SLO headers are always watched. 1: every response."),
+    Variable("KVGATE_RESPONSE_IDS", "response_ids", _int_range(0, 10_000_000), 100_000,
+             "Responses API conversations remembered per gateway replica: response id -> the pod that answered "
+             "it (learned from the routed answer; shared with the other replicas through KVGATE_REDIS_URL), so "
+             "a request with that `previous_response_id` goes to the engine that stored the conversation while "
+             "it is ready. Least recently used first out; 0: not learned."),
+    Variable("KVGATE_RESPONSE_ID_TTL_S", "response_id_ttl_s", _positive_float, 3600.0,
+             "With KVGATE_REDIS_URL: how long a learned response id (KVGATE_RESPONSE_IDS) stays in Redis for "
+             "the other gateway replicas (an id one replica did not learn is looked up there, one GET of at "
+             "most 50 ms)."),
     Variable("KVGATE_TRACE_WRITE_INTERVAL_S", "trace_write_interval_s", _positive_float, 10.0,
              "With KVGATE_REDIS_URL: each model's request trace window (AIBrix's format, "
              "`aibrix:<model>_request_trace_<t>`) is written to Redis this often."),
@@ -317,6 +346,9 @@ class Settings:
     routing_guard_slack: int = 16
     routing_guard_ratio: float = 0.7
     routing_prefill_tokens_per_s: float = 10_000.0
+    pd_threshold_tokens: int = 256
+    pd_strategies: str = ""
+    pd_prefill_timeout_s: float = 30.0
     session_ttl_s: float = 1800.0
     session_capacity: int = 100_000
     prefix_cache_block_size: int = 16
@@ -354,6 +386,8 @@ class Settings:
     drain_timeout_s: float = 25.0
     observe_responses: bool = True
     observe_sample: float = 0.1
+    response_ids: int = 100_000
+    response_id_ttl_s: float = 3600.0
     trace_write_interval_s: float = 10.0
     predict_window_s: float = 240.0
     predict_step_s: float = 10.0

@@ -35,11 +35,17 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
-from google.protobuf import struct_pb2
+from google.protobuf import duration_pb2, struct_pb2
 
 from plugin import observe
-from plugin.pipeline import SLO_TPOT_HEADER, SLO_TTFT_HEADER, Gateway, Pipeline, RequestContext, build
-from plugin.request import CHAT, MODELS, ROUTED_POST_PATHS, ClientError, bad_request, parse_body
+from plugin.pd import PD_KINDS
+from plugin.pipeline import (PREVIOUS_RESPONSE, SLO_TPOT_HEADER, SLO_TTFT_HEADER, Gateway, Pipeline, RequestContext,
+                             build)
+from plugin.request import (KINDS, MESSAGES, POOLING_PATHS, READ_ONLY, RESPONSES, ROUTED_POST_PATHS, ClientError,
+                            bad_request, parse_body)
+
+RESPONSE_PREFIX = RESPONSES + "/"
+from plugin.responses import IdReader
 from routing.errors import (NoEligibleEndpointError, NoReadyPodError, RoutingError, SaturatedError,
                             UnknownModelError, UnknownStrategyError)
 from routing.pods import Pod
@@ -72,10 +78,11 @@ SESSION_HEADERS = ("x-session-id", "x-session-token", "x-aibrix-session-key")
 USER_HEADER = "user"
 
 # The request headers kvgate reads (a header's key -> what it is); every other one is passed over.
-_PATH, _METHOD, _STRATEGY, _REQUEST_ID, _OBJECTIVE, _SLO, _SESSION, _USER = range(8)
+_PATH, _METHOD, _STRATEGY, _REQUEST_ID, _OBJECTIVE, _SLO, _SESSION, _USER, _AUTHORIZATION = range(9)
+# authorization: the pd strategy's prefill leg carries the client's credentials, as Envoy does to the decode engine
 _READ_HEADERS = {":path": _PATH, ":method": _METHOD, STRATEGY_HEADER: _STRATEGY, "x-request-id": _REQUEST_ID,
                  OBJECTIVE_HEADER: _OBJECTIVE, SLO_TTFT_HEADER: _SLO, SLO_TPOT_HEADER: _SLO,
-                 **dict.fromkeys(SESSION_HEADERS, _SESSION), USER_HEADER: _USER}
+                 **dict.fromkeys(SESSION_HEADERS, _SESSION), USER_HEADER: _USER, "authorization": _AUTHORIZATION}
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 # The answer to headers that carry nothing to remove: built once, never mutated, shared by streams.
@@ -96,7 +103,7 @@ def _set_header(name: str, value: str) -> base_pb2.HeaderValueOption:
                                       append_action=_OVERWRITE)
 
 
-def _immediate(err: ClientError, request_id: str) -> pb.ProcessingResponse:
+def _immediate(err: ClientError, request_id: str, anthropic: bool = False) -> pb.ProcessingResponse:
     headers = pb.HeaderMutation(set_headers=[
         _set_header("content-type", "application/json"),
         _set_header("x-request-id", request_id),
@@ -104,7 +111,8 @@ def _immediate(err: ClientError, request_id: str) -> pb.ProcessingResponse:
     if err.retry_after is not None:
         headers.set_headers.append(_set_header("retry-after", str(err.retry_after)))
     return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
-        status=http_status_pb2.HttpStatus(code=err.status), headers=headers, body=err.to_json(),
+        status=http_status_pb2.HttpStatus(code=err.status), headers=headers,
+        body=err.to_anthropic_json() if anthropic else err.to_json(),
         details=f"kvgate_{err.code or err.type}"))
 
 
@@ -112,7 +120,7 @@ class _Stream:
     """The protocol state of one HTTP request's ext_proc stream; the request's own state is `ctx`."""
 
     __slots__ = ("gw", "pipeline", "answers", "ctx", "method", "streamed_request", "streamed_response", "chunks",
-                 "held_remove")
+                 "held_remove", "served_pod", "id_reader")
 
     def __init__(self, gw: Gateway, pipeline: Pipeline, answers: dict) -> None:
         self.gw = gw
@@ -128,6 +136,9 @@ class _Stream:
         self.streamed_response = False
         self.chunks: list[bytes] | None = None
         self.held_remove: list[str] | None = None
+        # A Responses API answer's pod and the reader of its id (plugin.responses), while it is looked for.
+        self.served_pod = ""
+        self.id_reader: IdReader | None = None
 
     # --- EPP protocol clauses ------------------------------------------------------------
     def read_context(self, msg: pb.ProcessingRequest) -> None:
@@ -142,9 +153,25 @@ class _Stream:
     def on_response_headers(self, msg: pb.ProcessingRequest) -> pb.ProcessingResponse:
         answer = self._served(msg)
         watch = self.ctx.watch
-        if watch is None:
+        if watch is not None:
+            answer = observe.response_headers(watch, msg, answer, self.streamed_response)
+        if self.ctx.kind == "responses" and self.gw.responses is not None and self.ctx.decision is not None:
+            answer = self._read_response_id(msg, answer)
+        return answer
+
+    def _read_response_id(self, msg: pb.ProcessingRequest, answer: pb.ProcessingResponse) -> pb.ProcessingResponse:
+        """A Responses API answer: its id is read from its body (plugin.responses), which is turned on when
+        nothing else turned it on."""
+        status, ctype = observe.status_and_type(msg)
+        if status != 200:
             return answer
-        return observe.response_headers(watch, msg, answer, self.streamed_response)
+        d = self.ctx.decision
+        assert d is not None  # as on_response_headers found it
+        self.served_pod = self.served_pod or d.pod.name
+        self.id_reader = IdReader()
+        if self.streamed_response or answer.HasField("mode_override"):
+            return answer
+        return observe.body_on(ctype.startswith("text/event-stream"), answer)
 
     def _served(self, msg: pb.ProcessingRequest) -> pb.ProcessingResponse:
         """Account the request to the endpoint that served it (a fallback, after a retry) and name
@@ -162,6 +189,7 @@ class _Stream:
             m.served.labels("unknown").inc()
             return _RESPONSE_HEADERS_CONTINUE
         m.served.labels("fallback").inc()
+        self.served_pod = pod.name
         if self.ctx.watch is not None:
             self.ctx.watch.served_by(pod.name)
         return pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=pb.CommonResponse(
@@ -170,6 +198,15 @@ class _Stream:
     def on_response_body(self, msg: pb.HttpBody) -> pb.ProcessingResponse:
         if self.ctx.watch is not None:
             self.ctx.watch.on_chunk(msg.body)
+        reader = self.id_reader
+        if reader is not None:
+            found = reader.feed(msg.body)
+            if found is not None:
+                assert self.gw.responses is not None  # set only with a store (_read_response_id)
+                self.gw.responses.learn(found, self.served_pod)
+                self.gw.metrics.response_ids.inc()
+            if reader.done:
+                self.id_reader = None
         if not self.streamed_response:
             return _RESPONSE_BODY_CONTINUE
         return pb.ProcessingResponse(response_body=_echo(msg))
@@ -199,8 +236,10 @@ class _Stream:
         raw = b"".join(self.chunks or ())
         self.chunks = None
         d = await self._decide(raw)
+        if self.ctx.body_out is not None:  # the pd strategy's decode body (Envoy drops content-length in this mode)
+            raw, self.ctx.body_out = self.ctx.body_out, None
         head = self._routed(d.pod, d.strategy, body=False, remove=self.held_remove, rank=d.rank,
-                            fallbacks=d.fallbacks, session=self._session_answer(d))
+                            fallbacks=d.fallbacks, session=self._session_answer(d), pd=self.ctx.pd_mode)
         body = pb.ProcessingResponse(request_body=pb.BodyResponse(response=pb.CommonResponse(
             body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
                 body=raw, end_of_stream=end_of_stream)))))
@@ -230,6 +269,8 @@ class _Stream:
                 ctx.request_id = value
             elif which == _OBJECTIVE:
                 ctx.objective = value.strip()
+            elif which == _AUTHORIZATION:
+                ctx.authorization = value
             elif which == _SESSION:
                 value = value.strip()
                 if value and (ctx.session is None or SESSION_HEADERS.index(key) < ctx.session_rank):
@@ -247,14 +288,18 @@ class _Stream:
         if not ctx.request_id:
             ctx.request_id = uuid.uuid4().hex
         path = ctx.path
-        if self.method == "POST" and path in ROUTED_POST_PATHS:
-            ctx.kind = "chat" if path == CHAT else "completion"
+        method = self.method
+        pooling = path in POOLING_PATHS
+        if method == "POST" and (path in ROUTED_POST_PATHS or pooling):
+            ctx.kind = "pooling" if pooling else KINDS[path]
             if msg.end_of_stream:  # no body will follow
                 return self._error(bad_request("request body is empty; expected a JSON object", code="invalid_json"))
             if self.streamed_request:  # the answer to the headers waits for the whole body
                 self.chunks, self.held_remove = [], remove
                 return None
-            if self.gw.observer is not None and not self._watch_response():
+            # A Responses API answer is read for its id (plugin.responses): never unwatched.
+            if self.gw.observer is not None and not (path == RESPONSES and self.gw.responses is not None) \
+                    and not self._watch_response():
                 # Envoy sends nothing of this response (the override is honoured in this answer only)
                 ctx.watched = False
                 if not remove:
@@ -263,11 +308,28 @@ class _Stream:
                 answer.mode_override.CopyFrom(observe.UNWATCHED)
                 return answer
             return _continue_headers(remove)
-        if self.method == "GET" and path == MODELS:
-            ctx.kind = "models"
+        if path.startswith(RESPONSE_PREFIX):  # GET /v1/responses/{id}, POST /v1/responses/{id}/cancel
+            ctx.kind = "read_only"
+            self.gw.metrics.read_only.labels(RESPONSE_PREFIX + "{id}").inc()
+            return self._route_any(remove or [], self._stored(path[len(RESPONSE_PREFIX):].split("/", 1)[0]))
+        if (method, path) in READ_ONLY:
+            ctx.kind = "models" if path == "/v1/models" else "read_only"
+            self.gw.metrics.read_only.labels(path).inc()
             return self._route_any(remove or [])
+        self.gw.metrics.read_only.labels("other").inc()
         self.gw.metrics.requests.labels("other", "passthrough").inc()
         return _continue_headers(remove)
+
+    def longer_timeout(self) -> pb.ProcessingResponse | None:
+        """For a buffered body the `pd` strategy may split, the answer that extends Envoy's wait for the next one
+        (override_message_timeout, bounded by the filter's max_message_timeout): two prefill legs and the rest."""
+        pd = self.gw.pd
+        if pd is None or self.streamed_request or self.ctx.kind not in PD_KINDS:
+            return None
+        if not pd.may_split(self.ctx.strategy or self.gw.default_strategy):
+            return None
+        return pb.ProcessingResponse(override_message_timeout=duration_pb2.Duration(
+            seconds=min(120, int(2 * pd.timeout_s) + 5)))
 
     def _watch_response(self) -> bool:
         """Watch this response? Always for the slo strategy and requests with SLO targets (their
@@ -280,10 +342,14 @@ class _Stream:
     async def on_body(self, msg: pb.HttpBody) -> pb.ProcessingResponse | list[pb.ProcessingResponse] | None:
         if self.streamed_request:
             return await self.on_streamed_body(msg)
-        if self.ctx.kind not in ("chat", "completion"):  # a body on a pass-through path
+        if self.ctx.kind not in _ROUTED_KINDS:  # a body on a pass-through path
             return _BODY_CONTINUE
         d = await self._decide(msg.body)
         session = self._session_answer(d)
+        if self.ctx.pd_mode is not None:  # the pd strategy: how it is served, and the decode body if rewritten
+            body_out, self.ctx.body_out = self.ctx.body_out, None
+            return self._routed(d.pod, d.strategy, body=True, rank=d.rank, fallbacks=d.fallbacks, session=session,
+                                pd=self.ctx.pd_mode, body_out=body_out)
         key = (d.pod.name, d.pod.endpoint, d.strategy, d.rank, d.fallbacks, session)
         response = self.answers.get(key)
         if response is None:
@@ -306,7 +372,18 @@ class _Stream:
         return d
 
     # --- helpers ----------------------------------------------------------------------
-    def _route_any(self, remove: list[str]) -> pb.ProcessingResponse:
+    def _stored(self, response_id: str) -> Pod | None:
+        """The ready pod that stored a Responses API response (plugin.responses), if this gateway learned it."""
+        store = self.gw.responses
+        name = store.pod_of(response_id) if store is not None and response_id else None
+        pod = self.gw.registry.get(name) if name is not None else None
+        return pod if pod is not None and pod.ready else None
+
+    def _route_any(self, remove: list[str], stored: Pod | None = None) -> pb.ProcessingResponse:
+        """A path routed by load (or to `stored`, the pod holding the response it names) at its headers."""
+        if stored is not None and (self.ctx.subset is None or stored.endpoint in self.ctx.subset):
+            self.gw.metrics.response_affinity.labels("routed").inc()
+            return self._routed(stored, PREVIOUS_RESPONSE, body=False, remove=remove)
         pods = [p for p in self.gw.registry.pods() if p.ready]
         subset = self.ctx.subset
         if subset is not None:
@@ -319,14 +396,20 @@ class _Stream:
             pods = [p for p in pods if self.gw.reachable(p.name)] or pods
         if not pods:
             return self._error(ClientError(503, "no ready pod", type_="service_unavailable", code="no_ready_pod"))
-        first = hash(self.ctx.request_id) % len(pods)
-        pod = pods[first]
-        rest = tuple(pods[(first + i) % len(pods)].endpoint for i in range(1, min(len(pods), 4)))
-        self.gw.metrics.requests.labels("models", "routed").inc()
+        # By load: the fewest running requests (this gateway's view of every gateway's counts), ties spread by
+        # the request id; the next ones the fallbacks.
+        running = self.gw.running() if self.gw.running is not None else {}
+        spread = hash(self.ctx.request_id)
+        n = len(pods)
+        order = sorted(range(n), key=lambda i: (running.get(pods[i].name, 0), (i - spread) % n))
+        pod = pods[order[0]]
+        rest = tuple(pods[i].endpoint for i in order[1:4])
+        self.gw.metrics.requests.labels(self.ctx.kind, "routed").inc()
         return self._routed(pod, "any", body=False, remove=remove, fallbacks=rest)
 
     def _routed(self, pod: Pod, strategy: str, *, body: bool, remove: list[str] | None = None,
-                rank: int | None = None, fallbacks: tuple[str, ...] = (), session: bool = False) -> pb.ProcessingResponse:
+                rank: int | None = None, fallbacks: tuple[str, ...] = (), session: bool = False,
+                pd: str | None = None, body_out: bytes | None = None) -> pb.ProcessingResponse:
         # The ranked list, primary first: header and metadata carry the same value (the protocol requires it).
         endpoint = ",".join((pod.endpoint, *fallbacks)) if fallbacks else pod.endpoint
         headers = [_set_header(DESTINATION_HEADER, endpoint), _set_header(RETRIES_HEADER, str(len(fallbacks)))]
@@ -336,9 +419,15 @@ class _Stream:
         if rank is not None:
             headers.append(_set_header(DP_RANK_HEADER, str(rank)))
             ours["rank"] = rank
+        if pd is not None:
+            ours["pd"] = pd
+        if body_out is not None:  # BUFFERED with request headers sent: Envoy keeps content-length, ours to set
+            headers.append(_set_header("content-length", str(len(body_out))))
         if session:
             ours["session_id"] = base64.b64encode(pod.endpoint.encode()).decode()
         common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=headers, remove_headers=remove or []))
+        if body_out is not None:
+            common.body_mutation.body = body_out
         metadata = struct_pb2.Struct()
         metadata.update({LB_NAMESPACE: {DESTINATION_HEADER: endpoint}, KVGATE_NAMESPACE: ours})
         if body:
@@ -348,7 +437,10 @@ class _Stream:
     def _error(self, err: ClientError) -> pb.ProcessingResponse:
         self.gw.metrics.errors.labels(str(err.status), err.code or err.type).inc()
         self.gw.metrics.requests.labels(self.ctx.kind, "rejected").inc()
-        return _immediate(err, self.ctx.request_id)
+        if self.gw.mix is not None:  # the strategy as asked only when it is one: a header's value is the client's
+            strategy = self.ctx.strategy if self.ctx.strategy in self.gw.router.strategy_names() else "-"
+            self.gw.mix.record(strategy or "-", f"rejected:{err.status}:{err.code or err.type}")
+        return _immediate(err, self.ctx.request_id, anthropic=self.ctx.path == MESSAGES)
 
     def error_for(self, exc: BaseException) -> pb.ProcessingResponse:
         if isinstance(exc, ClientError):
@@ -395,6 +487,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                         stream.read_context(msg)
                         response = stream.on_headers(msg.request_headers)
                     elif which == "request_body":
+                        longer = stream.longer_timeout()
+                        if longer is not None:  # the pd strategy's prefill leg may outlast Envoy's message_timeout
+                            yield longer
                         response = await stream.on_body(msg.request_body)
                     elif which == "response_headers":
                         response = stream.on_response_headers(msg)
@@ -422,6 +517,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             self.gw.metrics.active_streams.dec()
             if ctx.watch is not None:
                 ctx.watch.close()
+            if ctx.pd_plan is not None and ctx.pd_plan.prefill is not None:
+                # a prefill leg that never ran (a 429 from admission); idempotent after the leg's own release
+                self.gw.router.release_now(ctx.pd_plan.prefill)
             # A stream cut short (cancelled, failed, closed) must not wait, nor a release that waits be cut:
             # either runs in a task of its own.
             later = ctx.decision is not None and (not ended or (ctx.admitted is not None and not self._releases_now))
@@ -447,6 +545,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         """Wait for pending releases (at shutdown)."""
         if self._releases:
             await asyncio.gather(*list(self._releases), return_exceptions=True)
+
+
+_ROUTED_KINDS = frozenset((*KINDS.values(), "pooling"))
 
 
 def _names_slo(mix: str) -> bool:

@@ -166,10 +166,38 @@ class GatewayMetrics:
         self.released = LoopCounter(
             "kvgate_requests_released", "Routed requests whose HTTP stream ended, by how it ended",
             ["how"], registry=registry)
+        # Prefill/decode disaggregation (the `pd` strategy, plugin.pd).
+        self.pd_requests = LoopCounter(
+            "kvgate_pd_requests", "Requests routed with the pd strategy, by how they were served: disaggregated (a "
+            "prefill leg, then the decode engine), aggregated (the decider: the decode engine lacked too little of "
+            "the prompt), no_prefill_pod, fallback (the prefill leg failed on every engine tried: served whole)",
+            ["mode"], registry=registry)
+        self.pd_prefill = LoopCounter(
+            "kvgate_pd_prefill_legs", "Prefill legs kvgate ran, by outcome: ok, refused (an HTTP error), timeout, "
+            "unreachable (connect or transport error), invalid (no usable kv_transfer_params in the answer), cancelled "
+            "(the client left), full (the engine runs its KVGATE_ADMISSION_MAX_RUNNING: not called), error (a defect "
+            "of kvgate's, logged)", ["outcome"], registry=registry)
+        self.pd_prefill_seconds = LoopHistogram(
+            "kvgate_pd_prefill_seconds", "Time of the prefill legs that answered, from the call to the answer", [],
+            buckets=_LATENCY_BUCKETS, registry=registry).labels()
+        self.pd_in_flight = _LoopGauge(
+            "kvgate_pd_prefill_in_flight", "Prefill legs kvgate is waiting on now", registry=registry)
         # Rare events: ordinary prometheus_client metrics.
         self.errors = Counter(
             "kvgate_request_errors", "Requests answered with an error by kvgate, by HTTP status and code",
             ["status", "code"], registry=registry)
+        self.response_affinity = Counter(
+            "kvgate_response_affinity", "Responses API requests with a previous_response_id, by outcome: routed (to "
+            "the pod that stored it), unknown (an id this gateway did not learn), not_ready (that pod is not ready "
+            "or outside the data plane's subset), not_eligible (not a candidate for the model); the last three are "
+            "routed as any other request", ["outcome"], registry=registry)
+        self.response_ids = Counter(
+            "kvgate_response_ids_learned", "Responses API response ids learned from routed answers (id -> pod)",
+            registry=registry)
+        self.read_only = LoopCounter(
+            "kvgate_read_only_requests", "Requests to the engines' read-only endpoints passed through by load, by "
+            "path (/v1/models, /tokenize, /detokenize, /health, /version; every other path not routed: other)",
+            ["path"], registry=registry)
         self.tokenizer_fallbacks = Counter(
             "kvgate_tokenizer_fallbacks", "Requests routed on load alone because tokenization failed, by reason",
             ["reason"], registry=registry)

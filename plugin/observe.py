@@ -29,13 +29,18 @@ from routing.learning.tracking import TrackerRegistry
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS = (0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
-_PROMPT = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
-_COMPLETION = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+# OpenAI's usage names, and the Responses and Messages APIs' (`input_tokens`, `output_tokens`)
+_PROMPT = re.compile(rb'"(?:prompt|input)_tokens"\s*:\s*(\d+)')
+_COMPLETION = re.compile(rb'"(?:completion|output)_tokens"\s*:\s*(\d+)')
 _EVENT = b"data: {"
 _USAGE = b'"usage"'
 _USAGE_ONLY = b'"choices":[]'
 _ROLE_ONLY = b'"delta":{"role":"assistant","content":""}'  # the chunk opening a chat stream: no token
 _TAIL = 512  # bytes of a JSON response kept for its usage
+# The event carrying output tokens in the Responses and Messages APIs' streams, which open with events that
+# carry none (response.created, message_start, ...): their first token is the first such event, and their
+# tokens are counted as these events (one token each, as vLLM streams them).
+TOKEN_EVENTS = {"responses": b'"type":"response.output_text.delta"', "messages": b'"type":"content_block_delta"'}
 
 
 class ObserveMetrics:
@@ -102,12 +107,14 @@ class Observation:
 class Watch(Observation):
     """One routed response being watched (see the module doc); itself the request's Observation."""
 
-    __slots__ = ("_observer", "_tail", "_done")
+    __slots__ = ("_observer", "_tail", "_done", "_marker")
 
     def __init__(self, observer: "Observer", request_id: str, model: str, pod: str, routed_at: float = 0.0,
                  prompt_tokens: int = 0, uncached_tokens: int = 0, running_at_start: int = 0,
-                 slo_ttft_s: float | None = None, slo_tpot_s: float | None = None, watched: bool = True) -> None:
+                 slo_ttft_s: float | None = None, slo_tpot_s: float | None = None, watched: bool = True,
+                 marker: bytes | None = None) -> None:
         self._observer = observer
+        self._marker = marker  # TOKEN_EVENTS' of the request's API (None: every `data: {` event is a token)
         self._tail = b""
         self._done = False
         self.request_id = request_id
@@ -143,6 +150,9 @@ class Watch(Observation):
         if not body:
             return
         observer = self._observer
+        if self._marker is not None and self.streamed:
+            self._on_events(body)
+            return
         now = observer.clock()
         if not self.last_at and observer.on_first_token is not None:  # the first chunk (first_at only with last_at)
             observer.on_first_token(self.request_id)
@@ -161,6 +171,22 @@ class Watch(Observation):
             tail = self._tail
             self._tail = (tail + body)[-_TAIL:] if tail else body[-_TAIL:]
             self.last_at = now
+
+    def _on_events(self, body: bytes) -> None:
+        """A chunk of a Responses or Messages stream: tokens are its token events alone."""
+        assert self._marker is not None  # as on_chunk found it
+        events = body.count(self._marker)
+        if events:
+            observer = self._observer
+            now = observer.clock()
+            if not self.first_at:
+                self.first_at = now
+                if observer.on_first_token is not None:
+                    observer.on_first_token(self.request_id)
+            self.last_at = now
+            self.events += events
+        if _USAGE in body:
+            self._read_usage(body)
 
     def _read_usage(self, text: bytes) -> None:
         prompt = _PROMPT.findall(text)
@@ -196,7 +222,7 @@ class _Unwatched(Watch):
     __slots__ = ()
 
     def on_chunk(self, body: bytes) -> None:
-        if body and not self.last_at:
+        if body and not self.last_at and (self._marker is None or self._marker in body):
             observer = self._observer
             now = observer.clock()
             if observer.on_first_token is not None:
@@ -223,7 +249,8 @@ class Observer:
         self._observed: dict = {}  # source -> its kvgate_requests_observed child (made at its first use)
 
     def start(self, request_id: str, model: str, pod: str, *, tokens=None, decision=None, running: int = 0,
-              slo_ttft_s: float | None = None, slo_tpot_s: float | None = None, watched: bool = True) -> Watch:
+              slo_ttft_s: float | None = None, slo_tpot_s: float | None = None, watched: bool = True,
+              marker: bytes | None = None) -> Watch:
         """A routed request: `tokens` its prompt's ids if tokenized, `decision` the Router's (how many
         of the prompt's blocks the pod held)."""
         if watched:
@@ -231,9 +258,10 @@ class Observer:
             uncached = prompt
             if prompt and decision is not None and decision.total_blocks:
                 uncached = prompt - prompt * decision.matched_blocks // decision.total_blocks
-            w = Watch(self, request_id, model, pod, self.clock(), prompt, uncached, running, slo_ttft_s, slo_tpot_s)
+            w = Watch(self, request_id, model, pod, self.clock(), prompt, uncached, running, slo_ttft_s, slo_tpot_s,
+                      True, marker)
         else:
-            w = _Unwatched(self, request_id, model, pod, 0.0, 0, 0, running, slo_ttft_s, slo_tpot_s, False)
+            w = _Unwatched(self, request_id, model, pod, 0.0, 0, 0, running, slo_ttft_s, slo_tpot_s, False, marker)
         w.term = self.trackers.add_request_count(w, request_id, model)
         return w
 
@@ -310,16 +338,21 @@ _CONTINUE_STREAMED = _override(_MODE.STREAMED)
 _CONTINUE_WHOLE = _override(_MODE.BUFFERED_PARTIAL)
 
 
-def body_on(streamed: bool) -> pb.ProcessingResponse:
-    """The answer to response headers that turns the body on (prebuilt, never mutate it)."""
-    return _CONTINUE_STREAMED if streamed else _CONTINUE_WHOLE
+def body_on(streamed: bool, answer: pb.ProcessingResponse | None = None) -> pb.ProcessingResponse:
+    """The answer to response headers that turns the body on: STREAMED for an event stream, BUFFERED_PARTIAL
+    (one message) for anything else; `answer`'s header mutation kept when it has one (a new message: the
+    prebuilt answers are never mutated)."""
+    turn_on = _CONTINUE_STREAMED if streamed else _CONTINUE_WHOLE
+    if answer is None or not answer.response_headers.HasField("response"):
+        return turn_on
+    out = pb.ProcessingResponse()
+    out.CopyFrom(answer)
+    out.mode_override.CopyFrom(turn_on.mode_override)
+    return out
 
 
-def response_headers(watch: Watch, msg: pb.ProcessingRequest, answer: pb.ProcessingResponse,
-                     body_sent: bool) -> pb.ProcessingResponse:
-    """Read the response's status and content type into `watch`; when its body is worth watching and
-    Envoy would not send it (`body_sent` False), the answer turns the body on: STREAMED for an event
-    stream, BUFFERED_PARTIAL (one message) for anything else."""
+def status_and_type(msg: pb.ProcessingRequest) -> tuple[int, str]:
+    """The response headers' status and content type (lower case; "" when absent)."""
     status, ctype = 0, ""
     for h in msg.response_headers.headers.headers:
         key = h.key.lower()
@@ -329,15 +362,18 @@ def response_headers(watch: Watch, msg: pb.ProcessingRequest, answer: pb.Process
         elif key == "content-type":
             raw = h.raw_value
             ctype = (raw.decode("latin-1") if raw else h.value).lower()
+    return status, ctype
+
+
+def response_headers(watch: Watch, msg: pb.ProcessingRequest, answer: pb.ProcessingResponse,
+                     body_sent: bool) -> pb.ProcessingResponse:
+    """Read the response's status and content type into `watch`; when its body is worth watching and
+    Envoy would not send it (`body_sent` False), the answer turns the body on: STREAMED for an event
+    stream, BUFFERED_PARTIAL (one message) for anything else."""
+    status, ctype = status_and_type(msg)
     if not watch.on_headers(status, ctype) or body_sent:
         return answer
-    turn_on = _CONTINUE_STREAMED if watch.streamed else _CONTINUE_WHOLE
-    if not answer.response_headers.HasField("response"):
-        return turn_on
-    out = pb.ProcessingResponse()
-    out.CopyFrom(answer)
-    out.mode_override.CopyFrom(turn_on.mode_override)
-    return out
+    return body_on(watch.streamed, answer)
 
 
 def milliseconds(text: str) -> float | None:

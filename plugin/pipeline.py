@@ -11,6 +11,8 @@ by the steps of a `Pipeline`, an ordered list of named steps run one after the o
               and placeholders (the block extras; opaque when the engine cannot say)
     pick      the Router's Decision (within the subset hint; shedding a sheddable request under saturation)
     admit     the per-pod running limit (plugin.admit), when one is configured
+    prefill   the `pd` strategy's prefill leg (plugin.pd), when that strategy is served: the pick step then
+              plans a decode and a prefill engine (routing.pd), this step runs the prefill and rewrites the body
     record    the decision's metrics (time, pod, prefix blocks)
     observe   the response's Watch (plugin.observe), when responses are observed
 
@@ -25,18 +27,24 @@ It owns `Gateway` (what the pipeline and the transport need, built once by plugi
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from plugin import observe
 from plugin.admit import admit
+from plugin.pd import PD_KINDS, PDHandoff, without_client_params
 from plugin.metrics import GatewayMetrics
 from kvcache.blockkeys import BlockExtras
-from plugin.request import InferenceRequest, media_extras, parse_body
+from plugin.request import NO_PROMPT, POOLING_PATHS, InferenceRequest, media_extras, parse_body
+from plugin.responses import ResponseStore
+from plugin.status import RoutingMix, decision_reason
 from plugin.throttle import LogThrottle
+from routing.errors import NoEligibleEndpointError
 from routing.registry import PodRegistry
+from routing.pd import PDPlan
 from routing.router import Decision, Router, RouteRequest
 from routing.state.admission import Admission
 from tokenizer.types import PromptInput, Rendered, TokenizeInput, Tokenizer, TokenizerError
@@ -100,9 +108,22 @@ class Gateway:
     sampler: Sampler = field(default_factory=lambda: Sampler(1.0))
     # A per-pod running limit, checked and counted atomically after the pick; None: no limit.
     admission: Admission | None = None
-    # The engine's render of a chat body (RemoteTokenizer.render_chat: token ids, media hashes and placeholders), for
-    # chats with media parts; None: no engine to ask (their blocks are then opaque).
+    # The engine's render of a request body (RemoteTokenizer.render(model, body, path, base_url=): token ids, media
+    # hashes and placeholders), for requests whose tokens only a render endpoint gives (InferenceRequest.render);
+    # None: no engine to ask (media blocks are then opaque; the rest tokenized as they can be, or not at all).
     render: Callable[..., Awaitable[Rendered]] | None = None
+    # Prefill/decode disaggregation for requests routed with the `pd` strategy (plugin.pd); None: no such strategy.
+    pd: PDHandoff | None = None
+    # Running requests per pod over every gateway (Router.running), for the paths passed through by load; None:
+    # spread by request id alone.
+    running: Callable[[], Mapping[str, int]] | None = None
+    # Response id -> the pod that stored it (Responses API `previous_response_id`); None: not learned.
+    responses: ResponseStore | None = None
+    # How long a render endpoint an engine refused as missing (403/404/405/501: vLLM without
+    # --enable-scale-out) is not asked again.
+    render_retry_s: float = 30.0
+    # The status page's per-minute routing mix (decisions by strategy and reason); None: not kept.
+    mix: RoutingMix | None = None
 
 
 class RequestContext:
@@ -110,7 +131,7 @@ class RequestContext:
 
     __slots__ = ("request_id", "path", "kind", "strategy", "objective", "slo", "subset", "watched", "body",
                  "started", "request", "token_ids", "extras", "decision", "admitted", "watch", "session",
-                 "session_rank", "user")
+                 "session_rank", "user", "authorization", "pd_plan", "pd_mode", "body_out")
 
     def __init__(self) -> None:
         # From the transport (the request's headers and the data plane's metadata):
@@ -119,6 +140,7 @@ class RequestContext:
         self.kind = "other"  # chat, completion, models or other: the requests metric's label
         self.strategy: str | None = None  # the routing-strategy header's; `parse` fills in the default
         self.objective = ""  # x-gateway-inference-objective
+        self.authorization = ""  # the client's Authorization header (the pd strategy's prefill leg carries it)
         self.session: str | None = None  # x-session-id, x-session-token or x-aibrix-session-key (session affinity)
         self.session_rank = 0  # which of those headers it came from (the first listed wins)
         self.user: str | None = None  # the `user` header (vtc-basic's per-user fairness)
@@ -134,6 +156,11 @@ class RequestContext:
         self.decision: Decision | None = None
         self.admitted: str | None = None  # the pod admission counted this request on
         self.watch: observe.Watch | None = None
+        # The `pd` strategy's (plugin.pd): the planned pair (the prefill decision is counted until its leg ends),
+        # how the request is served, and the body the decode engine gets instead of the client's (None: the client's).
+        self.pd_plan: PDPlan | None = None
+        self.pd_mode: str | None = None
+        self.body_out: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,6 +225,8 @@ def build(gw: Gateway) -> Pipeline:
     steps = [Step("parse", _Parse(gw).parse), Step("tokenize", _Tokenize(gw).tokenize), Step("pick", _Pick(gw).pick)]
     if gw.admission is not None:
         steps.append(Step("admit", _Admit(gw, gw.admission).admit))
+    if gw.pd is not None:
+        steps.append(Step("prefill", _Prefill(gw.pd).prefill))
     steps.append(Step("record", _Record(gw).record))
     if gw.observer is not None:
         steps.append(Step("observe", _Observe(gw.observer).observe))
@@ -216,6 +245,9 @@ class _Parse:
 
     def parse(self, ctx: RequestContext) -> None:
         request = ctx.request = parse_body(ctx.path, ctx.body, self.max_body_bytes)
+        if ctx.path in POOLING_PATHS:  # one pass over the input, nothing cached worth routing to: by load
+            ctx.strategy = POOLING_STRATEGY
+            return
         ctx.strategy = ctx.strategy or self.default_strategy
         extras = request.extras
         if extras is not None or request.media is not None:  # not for plain requests
@@ -228,6 +260,9 @@ class _Parse:
                 self.media.inc()
 
 
+POOLING_STRATEGY = "least-request"
+
+
 class _Tokenize:
     """Token ids only for a strategy that reads them: a cached answer, or one the tokenizer gives without a
     wait, needs no timer; a call that waits runs under the tokenizer timeout. A failure or a timeout routes
@@ -235,27 +270,37 @@ class _Tokenize:
     instead (token ids, media identifiers and placeholders in one call, under the same timeout); when that
     fails, or there is no engine to render, its blocks are opaque and the tokenizer is asked as for any other."""
 
-    __slots__ = ("gw", "fallback_log", "opaque")
+    __slots__ = ("gw", "fallback_log", "opaque", "render_off")
 
     def __init__(self, gw: Gateway) -> None:
         self.gw = gw
         self.fallback_log = LogThrottle(10.0)  # one warning per 10 s and kind, with a count of the rest
         self.opaque = gw.metrics.request_extras.labels("opaque")
+        self.render_off: dict[tuple[str, str], float] = {}  # (engine URL, render path) -> not asked until then
 
     def tokenize(self, ctx: RequestContext) -> Awaitable[None] | None:
         gw = self.gw
-        if not gw.router.needs_tokens(ctx.strategy):
+        # the pd strategy's decider reads the prompt's length whatever its weights read
+        if not gw.router.needs_tokens(ctx.strategy) and not (gw.pd is not None and gw.pd.may_split(ctx.strategy or "")):
             return None
         request = ctx.request
         assert request is not None  # parsed by the step before
         item = request.item
-        if isinstance(item, PromptInput) and item.token_ids is not None:
-            ctx.token_ids = list(item.token_ids)
-            return None
-        if gw.tokenizer is None and request.media is None:
-            return None
+        render = request.render
+        if render is None:
+            if item is NO_PROMPT:
+                return None  # a continued Responses conversation: no endpoint renders it
+            if isinstance(item, PromptInput) and item.token_ids is not None:
+                ctx.token_ids = list(item.token_ids)
+                return None
+            if gw.tokenizer is None:
+                return None
+        elif gw.render is None and (gw.tokenizer is None or item is NO_PROMPT):
+            if request.media is not None:
+                self._unrendered(ctx)
+            return None  # only a render gives these tokens: none to ask
         started = time.perf_counter()
-        if request.media is None and gw.cached_tokens is not None:
+        if render is None and gw.cached_tokens is not None:
             ids = gw.cached_tokens(request.model, item)
             if ids is not None:
                 gw.metrics.tokenize_seconds.observe(time.perf_counter() - started)
@@ -267,11 +312,13 @@ class _Tokenize:
             if not pods:
                 return None  # pick answers 404 or 503
             base_url = pods[hash(ctx.request_id) % len(pods)].base_url
-        if request.media is not None:
-            if gw.render is not None:
+        if render is not None:
+            if gw.render is not None and self._render_on(base_url, render):
                 return self._render_wait(ctx, item, base_url, started)
-            self._unrendered(ctx)
-            if gw.tokenizer is None:
+            if request.media is not None:
+                self._unrendered(ctx)
+            if gw.tokenizer is None or item is NO_PROMPT:
+                self._fallback("render_unavailable", None)
                 return None
         if gw.tokenize_now is not None:
             try:
@@ -300,24 +347,44 @@ class _Tokenize:
         gw.metrics.tokenize_seconds.observe(time.perf_counter() - started)
         ctx.token_ids = ids
 
+    def _render_on(self, base_url: str, path: str) -> bool:
+        """Whether to ask this engine's render endpoint (not while it was lately refused as missing)."""
+        until = self.render_off.get((base_url, path))
+        if until is None:
+            return True
+        if time.monotonic() < until:
+            return False
+        del self.render_off[(base_url, path)]
+        return True
+
     async def _render_wait(self, ctx: RequestContext, item: TokenizeInput, base_url: str, started: float) -> None:
-        """The engine's render of a chat with media: its token ids, and block extras from its media items."""
+        """The engine's render of the request: its token ids and, for a chat with media, block extras from its
+        media items. When the render fails: a chat is tokenized as the tokenizer can (its media blocks opaque);
+        a Responses or Messages body is routed on load alone."""
         gw = self.gw
         request = ctx.request
-        assert request is not None and request.media is not None and gw.render is not None  # as tokenize found them
+        assert request is not None and request.render is not None and gw.render is not None  # as tokenize found them
         deadline = asyncio.get_running_loop().time() + gw.tokenizer_timeout_s
         try:
             async with asyncio.timeout_at(deadline):
-                rendered = await gw.render(request.model, ctx.body, base_url=base_url)
+                rendered = await gw.render(request.model, ctx.body, request.render, base_url=base_url)
         except (TimeoutError, TokenizerError) as e:
-            self.fallback_log.log(log, logging.WARNING, "render", "render failed (%s: %s); the request's blocks are "
-                                "opaque", "timeout" if isinstance(e, asyncio.TimeoutError) else "error", e)
-            self._unrendered(ctx)
-            if gw.tokenizer is not None:  # the token ids still weigh the request's prefill
+            timeout = isinstance(e, asyncio.TimeoutError)
+            if not timeout and getattr(e, "status", None) in MISSING_ENDPOINT:
+                self.render_off[(base_url, request.render)] = time.monotonic() + gw.render_retry_s
+            self.fallback_log.log(log, logging.WARNING, "render", "render failed (%s: %s)",
+                                  "timeout" if timeout else "error", e)
+            if request.media is not None:
+                self._unrendered(ctx)
+            if gw.tokenizer is not None and item is not NO_PROMPT:  # the token ids still weigh the request's prefill
                 await self._tokenize_wait(ctx, item, base_url, started, deadline)
+            else:
+                self._fallback("render_timeout" if timeout else "render_error", None)
             return
         gw.metrics.tokenize_seconds.observe(time.perf_counter() - started)
         ctx.token_ids = rendered.token_ids
+        if request.media is None:
+            return
         salt = request.extras.cache_salt if request.extras is not None else None
         ctx.extras = extras = media_extras(salt, request.media, rendered)
         if extras is not None and extras.opaque:
@@ -329,27 +396,94 @@ class _Tokenize:
         ctx.extras = BlockExtras(cache_salt=extras.cache_salt if extras is not None else None, opaque=True)
         self.opaque.inc()
 
-    def _fallback(self, reason: str, e: BaseException) -> None:
+    def _fallback(self, reason: str, e: BaseException | None) -> None:
         self.gw.metrics.tokenizer_fallbacks.labels(reason).inc()
-        self.fallback_log.log(log, logging.WARNING, "tokenizer", "tokenization failed (%s: %s); routing on load alone",
-                              reason, e)
+        if e is not None:
+            self.fallback_log.log(log, logging.WARNING, "tokenizer", "tokenization failed (%s: %s); routing on load "
+                                  "alone", reason, e)
+
+
+# A render endpoint's answers meaning it is not there (vLLM serves the render API only with --enable-scale-out and
+# answers 403 without it; older engines have no such route).
+MISSING_ENDPOINT = frozenset((403, 404, 405, 501))
+PREVIOUS_RESPONSE = "previous-response"  # the decision's strategy label when routed to a stored conversation
 
 
 class _Pick:
-    __slots__ = ("router", "sheddable_objectives")
+    __slots__ = ("router", "sheddable_objectives", "registry", "responses", "affinity", "pd")
 
     def __init__(self, gw: Gateway) -> None:
         self.router, self.sheddable_objectives = gw.router, gw.sheddable_objectives
+        self.registry, self.responses = gw.registry, gw.responses
+        self.affinity = gw.metrics.response_affinity
+        self.pd = gw.pd
 
     async def pick(self, ctx: RequestContext) -> None:
         assert ctx.request is not None  # parsed by an earlier step
         slo = ctx.slo or {}
         objective = ctx.objective
-        ctx.decision = await self.router.pick(RouteRequest(
+        subset = ctx.subset
+        stored = None
+        previous = ctx.request.previous_response_id
+        if previous is not None and self.responses is not None:
+            stored = self._stored_pod(previous, await self.responses.lookup(previous), subset)
+            if stored is not None:
+                subset = frozenset((stored,))
+        request = RouteRequest(
             model=ctx.request.model, token_ids=ctx.token_ids, strategy=ctx.strategy, request_id=ctx.request_id,
             slo_ttft_s=slo.get(SLO_TTFT_HEADER), slo_tpot_s=slo.get(SLO_TPOT_HEADER), extras=ctx.extras,
-            session=ctx.session, user=ctx.user),
-            subset=ctx.subset, sheddable=bool(objective) and objective in self.sheddable_objectives)
+            session=ctx.session, user=ctx.user)
+        sheddable = bool(objective) and objective in self.sheddable_objectives
+        if stored is not None:
+            try:
+                d = await self.router.pick(request, subset=subset, sheddable=sheddable)
+            except NoEligibleEndpointError:  # the pod is not a candidate for this model: routed as any other
+                self.affinity.labels("not_eligible").inc()
+            else:
+                self.affinity.labels("routed").inc()
+                ctx.decision = dataclasses.replace(d, strategy=PREVIOUS_RESPONSE)
+                return
+        # a pair for the paths vLLM's disaggregation serves (chat, completions): the decode engine is the pick
+        if self.pd is not None and ctx.kind in PD_KINDS and self.pd.splits(ctx.strategy or "", request.model):
+            plan = ctx.pd_plan = await self.pd.plan(request, ctx.subset, sheddable)
+            ctx.decision, ctx.pd_mode = plan.decode, plan.mode
+            return
+        ctx.decision = await self.router.pick(request, subset=ctx.subset, sheddable=sheddable)
+
+    def _stored_pod(self, response_id: str, name: str | None, subset: frozenset[str] | None) -> str | None:
+        """The endpoint of `name`, the pod that stored `response_id`, when it is ready (and within the data plane's
+        subset), counted by outcome; None: routed as any other request."""
+        if name is None:
+            self.affinity.labels("unknown").inc()
+            return None
+        pod = self.registry.get(name)
+        if pod is None or not pod.ready or (subset is not None and pod.endpoint not in subset):
+            self.affinity.labels("not_ready").inc()
+            return None
+        return pod.endpoint
+
+
+class _Prefill:
+    """The `pd` strategy's prefill leg (plugin.pd), after the decode engine's pick and admission."""
+
+    __slots__ = ("pd",)
+
+    def __init__(self, pd: PDHandoff) -> None:
+        self.pd = pd
+
+    def prefill(self, ctx: RequestContext) -> Awaitable[None] | None:
+        plan = ctx.pd_plan
+        if plan is None:
+            return None
+        if plan.prefill is None:  # served whole: never with kv_transfer_params of the client's own
+            ctx.body_out = without_client_params(ctx.body)
+            return None
+        return self._run(ctx, plan)
+
+    async def _run(self, ctx: RequestContext, plan: PDPlan) -> None:
+        n_tokens = len(ctx.token_ids) if ctx.token_ids is not None else None
+        ctx.pd_mode, ctx.body_out = await self.pd.prefill(plan, ctx.path, ctx.body, ctx.request_id, ctx.kind == "chat",
+                                                          n_tokens, authorization=ctx.authorization)
 
 
 class _Admit:
@@ -369,11 +503,12 @@ class _Admit:
 class _Record:
     """The decision's metrics, their label children memoized by (strategy, pod, kind)."""
 
-    __slots__ = ("metrics", "children")
+    __slots__ = ("metrics", "children", "mix")
 
     def __init__(self, gw: Gateway) -> None:
         self.metrics = gw.metrics
         self.children: dict = {}
+        self.mix = gw.mix
 
     def record(self, ctx: RequestContext) -> None:
         d = ctx.decision
@@ -395,6 +530,10 @@ class _Record:
         if d.total_blocks:
             total_blocks.inc(d.total_blocks)
             cached_blocks.inc(d.matched_blocks)
+        if self.mix is not None:
+            assert ctx.request is not None  # parsed by an earlier step
+            self.mix.record(d.strategy, decision_reason(d.matched_blocks, d.total_blocks), ctx.request.model,
+                            d.matched_blocks, d.total_blocks)
 
 
 class _Observe:
@@ -410,4 +549,5 @@ class _Observe:
         # running: the batch the engine profiles learn the decode step time at
         ctx.watch = self.observer.start(ctx.request_id, ctx.request.model, d.pod.name, tokens=ctx.token_ids,
                                         decision=d, running=d.running, slo_ttft_s=slo.get(SLO_TTFT_HEADER),
-                                        slo_tpot_s=slo.get(SLO_TPOT_HEADER), watched=ctx.watched)
+                                        slo_tpot_s=slo.get(SLO_TPOT_HEADER), watched=ctx.watched,
+                                        marker=observe.TOKEN_EVENTS.get(ctx.kind))

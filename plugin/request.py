@@ -1,8 +1,19 @@
-"""OpenAI request bodies -> typed inference requests, with the client errors they can raise.
+"""OpenAI and Anthropic request bodies -> typed inference requests, with the client errors they can raise.
 
 Only what routing needs is read (`model`, `stream`, the prompt or messages, and what the engine's block
 hashes carry besides the tokens: `cache_salt`, media parts and their `uuid`s, prompt embeddings);
 every other field is left to the engine, which sees the body unchanged.
+
+Which tokens a request has is the engine's to say. A completion, and a chat whose fields vLLM's `/tokenize`
+takes (messages, tools, template and its kwargs), are tokenized as that endpoint tokenizes them (locally
+once verified against it). The rest name the engine's render endpoint (`InferenceRequest.render`, vLLM
+0.33's scale-out render API): a chat with media parts, or with a field vLLM's chat renderer hands the
+template and `/tokenize` has no room for (`reasoning_effort`, `documents`, `response_format`, a
+`tool_choice` other than "auto" with tools: vLLM's build_chat_params; the Kimi K3 and Cohere renderers read
+the last two), a `/v1/responses` body and a `/v1/messages` body (vLLM turns each into a chat by its own
+rules; the render endpoints apply them). A Responses body with `previous_response_id` continues a
+conversation the engine stored; no endpoint renders it (vLLM's render refuses the field), so it carries
+no tokens and is routed to the engine that stored it (plugin.responses).
 """
 from __future__ import annotations
 
@@ -16,8 +27,23 @@ from tokenizer.types import ChatInput, PromptInput, Rendered, TokenizeInput
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
+RESPONSES = "/v1/responses"
+MESSAGES = "/v1/messages"
 MODELS = "/v1/models"
-ROUTED_POST_PATHS = (COMPLETIONS, CHAT)
+ROUTED_POST_PATHS = (COMPLETIONS, CHAT, RESPONSES, MESSAGES)
+# The requests metric's `kind` label of each routed path.
+KINDS = {COMPLETIONS: "completion", CHAT: "chat", RESPONSES: "responses", MESSAGES: "messages"}
+# The engine's render endpoint for each: the same body in, vLLM's GenerateRequest (token ids, media) out.
+RENDER_PATHS = {COMPLETIONS: "/v1/completions/render", CHAT: "/v1/chat/completions/render",
+                RESPONSES: "/v1/responses/render", MESSAGES: "/v1/messages/render"}
+# Pooling endpoints (one forward pass over the input, nothing cached worth routing to): by load.
+POOLING_PATHS = frozenset(("/v1/embeddings", "/v2/embed", "/pooling", "/classify", "/score", "/v1/score", "/rerank",
+                           "/v1/rerank", "/v2/rerank"))
+# The engine's read-only endpoints a client may call through the gateway: by load, counted by path.
+READ_ONLY = frozenset((("GET", MODELS), ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/health"),
+                       ("GET", "/version"), ("POST", "/v1/messages/count_tokens")))
+# Chat fields vLLM's chat renderer hands the template that /tokenize cannot carry (see the module doc).
+_RENDER_ONLY_CHAT_FIELDS = ("reasoning_effort", "documents", "response_format")
 
 # Token ids are 32-bit in every vLLM tokenizer; larger or negative ones are malformed.
 MAX_TOKEN_ID = 2**31 - 1
@@ -46,6 +72,16 @@ class ClientError(Exception):
     def to_json(self) -> bytes:
         return json.dumps({"error": {"message": self.message, "type": self.type,
                                      "code": self.code, "param": self.param}}).encode()
+
+    def to_anthropic_json(self) -> bytes:
+        """The error in Anthropic's shape, as vLLM answers /v1/messages (its translate_error_response)."""
+        kind = _ANTHROPIC_TYPES.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
+        return json.dumps({"type": "error", "error": {"type": kind, "message": self.message}}).encode()
+
+
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                    503: "overloaded_error"}
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ClientError:
@@ -86,6 +122,10 @@ class InferenceRequest:
     extras: BlockExtras | None = None
     # A chat's media parts in message order; their identifiers and placeholders come from the engine's render.
     media: tuple[MediaPart, ...] | None = None
+    # The engine's render endpoint that gives this request's tokens (None: the tokenizer does); see the module doc.
+    render: str | None = None
+    # A Responses request continuing a stored conversation: routed to the engine that stored it.
+    previous_response_id: str | None = None
 
 
 def nests_deeper_than(body: bytes, limit: int) -> bool:
@@ -192,6 +232,10 @@ def parse_body(path: str, body: bytes, max_bytes: int) -> InferenceRequest:
     salt = data.get("cache_salt")
     if salt is not None:
         _check_salt(salt)
+    if path == RESPONSES or path == MESSAGES:
+        return _api_request(path, data, model, stream, salt)
+    if path in POOLING_PATHS:
+        return InferenceRequest(path, model, stream, NO_PROMPT)  # routed by load: nothing else is read
     if path == COMPLETIONS:
         embeds = data.get("prompt_embeds")
         if embeds is not None and embeds != [] and embeds != "":
@@ -203,10 +247,85 @@ def parse_body(path: str, body: bytes, max_bytes: int) -> InferenceRequest:
         item, media = _chat_item(data)
         if media is _OPAQUE_MEDIA:
             return InferenceRequest(path, model, stream, item, OPAQUE)
+        if media is None and _render_only(data, item):
+            return InferenceRequest(path, model, stream, item,
+                                    BlockExtras(cache_salt=salt) if salt is not None else None, None, CHAT_RENDER)
     if salt is None and media is None:
         return InferenceRequest(path, model, stream, item)  # positional: the fields' order
     return InferenceRequest(path, model, stream, item, BlockExtras(cache_salt=salt) if salt is not None else None,
-                            tuple(media) if media is not None else None)
+                            tuple(media) if media is not None else None,
+                            CHAT_RENDER if media is not None else None)
+
+
+CHAT_RENDER = RENDER_PATHS[CHAT]
+NO_PROMPT = PromptInput()  # a request whose tokens only a render endpoint gives (no text, no ids)
+
+
+def _render_only(data: dict[str, Any], item: ChatInput) -> bool:
+    """Whether a chat (without media) has a field the template sees that /tokenize cannot carry."""
+    for field in _RENDER_ONLY_CHAT_FIELDS:
+        if data.get(field) is not None:
+            return True
+    choice = data.get("tool_choice")
+    return item.tools is not None and choice is not None and choice != "auto"
+
+
+def _api_request(path: str, data: dict[str, Any], model: str, stream: bool, salt: str | None) -> InferenceRequest:
+    """A /v1/responses or /v1/messages body, checked as far as vLLM's request models refuse it with 400: its
+    tokens come from the engine's render endpoint (no previous_response_id), else it is routed to the engine
+    that stored the conversation."""
+    extras = BlockExtras(cache_salt=salt) if salt is not None else None
+    if path == MESSAGES:
+        max_tokens = data.get("max_tokens")
+        if max_tokens is None:
+            raise bad_request("`max_tokens` is required", param="max_tokens")
+        if type(max_tokens) is not int:
+            raise bad_request("`max_tokens` must be an integer", param="max_tokens")
+        messages = data.get("messages")
+        if messages is None:
+            raise bad_request("`messages` is required", param="messages")
+        if type(messages) is not list:
+            raise bad_request("`messages` must be a list", param="messages")
+        for i, m in enumerate(messages):
+            if type(m) is not dict or type(m.get("role")) is not str:
+                raise bad_request(f"`messages[{i}]` must be an object with a string `role`", param="messages")
+            content = m.get("content")
+            if type(content) is not str and type(content) is not list:
+                raise bad_request(f"`messages[{i}].content` must be a string or a list of content blocks",
+                                  param="messages")
+        system = data.get("system")
+        if system is not None and type(system) is not str and type(system) is not list:
+            raise bad_request("`system` must be a string or a list of content blocks", param="system")
+        _check_list_of_objects(data, "tools")
+        return InferenceRequest(path, model, stream, NO_PROMPT, extras, None, RENDER_PATHS[MESSAGES])
+    value = data.get("input")
+    if value is None:
+        raise bad_request("`input` is required", param="input")
+    if type(value) is not str and type(value) is not list:
+        raise bad_request("`input` must be a string or a list of input items", param="input")
+    if type(value) is list and not all(type(v) is dict for v in value):
+        raise bad_request("`input` items must be objects", param="input")
+    for field in ("instructions", "previous_response_id"):
+        v = data.get(field)
+        if v is not None and type(v) is not str:
+            raise bad_request(f"`{field}` must be a string", param=field)
+    store = data.get("store")
+    if store is not None and store is not True and store is not False:
+        raise bad_request("`store` must be true or false", param="store")
+    _check_list_of_objects(data, "tools")
+    previous = data.get("previous_response_id")
+    if previous is not None:
+        if data.get("previous_input_messages") is not None:
+            raise bad_request("Only one of `previous_input_messages` and `previous_response_id` can be set.",
+                              param="previous_response_id")
+        return InferenceRequest(path, model, stream, NO_PROMPT, extras, None, None, previous)
+    return InferenceRequest(path, model, stream, NO_PROMPT, extras, None, RENDER_PATHS[RESPONSES])
+
+
+def _check_list_of_objects(data: dict[str, Any], field: str) -> None:
+    value = data.get(field)
+    if value is not None and not (type(value) is list and all(type(t) is dict for t in value)):
+        raise bad_request(f"`{field}` must be a list of objects", param=field)
 
 
 def _check_salt(salt: Any) -> None:

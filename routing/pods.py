@@ -14,6 +14,9 @@ class KVEventsEndpoint:
     dp_size: int = 1
 
 
+ROLES = ("both", "prefill", "decode")  # a pod's part in prefill/decode disaggregation (routing.pd)
+
+
 @dataclass(frozen=True, slots=True)
 class Pod:
     name: str
@@ -23,6 +26,10 @@ class Pod:
     lora: tuple[str, ...] = ()  # adapter names this pod serves
     kv_events: KVEventsEndpoint | None = None
     ready: bool = True
+    # Prefill/decode disaggregation: "prefill", "decode" or "both" (serves whole requests, the default), and the
+    # group (AIBrix's roleset) whose prefill and decode engines exchange KV blocks ("": any engine of the model).
+    role: str = "both"
+    roleset: str = ""
     # Set on a routing target for one data-parallel rank of pod `parent` (see rank_targets()):
     # the router scores and counts each rank of a DP pod as a target of its own.
     rank: int | None = None
@@ -32,6 +39,8 @@ class Pod:
     endpoint: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"pod {self.name}: role must be one of {', '.join(ROLES)}, got {self.role!r}")
         host = f"[{self.address}]" if ":" in self.address else self.address
         object.__setattr__(self, "endpoint", f"{host}:{self.port}")
 
@@ -54,6 +63,16 @@ class Pod:
     @property
     def base_url(self) -> str:
         return f"http://{self.endpoint}"
+
+    @property
+    def prefills(self) -> bool:
+        """May run a disaggregated request's prefill leg."""
+        return self.role != "decode"
+
+    @property
+    def decodes(self) -> bool:
+        """May run a disaggregated request's decode leg, or a whole request."""
+        return self.role != "prefill"
 
     def serves(self, model: str) -> bool:
         return model == self.model or model in self.lora

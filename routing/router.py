@@ -72,6 +72,7 @@ class Router:
         # Data-parallel pods by name: (the pod object the targets were made from, its rank targets).
         self._targets: dict[str, tuple[Pod, tuple[Pod, ...]]] = {}
         self._dp = any(p.dp_size > 1 for p in registry.pods())  # False: pick never looks for ranks
+        self._prefill_only = any(p.role == "prefill" for p in registry.pods())
         registry.add_listener(self._on_pods)
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -143,6 +144,8 @@ class Router:
         if subset is not None:  # the data plane's subset hint: only these endpoints may be picked
             serving = [p for p in serving if p.endpoint in subset]
             ready = [p for p in serving if p.ready]
+        elif self._prefill_only:  # a prefill engine (routing.pd) serves whole requests only when named
+            ready = [p for p in ready if p.role != "prefill"] or ready
         if not ready:
             if subset is not None:
                 raise NoEligibleEndpointError(model, subset)
@@ -275,6 +278,10 @@ class Router:
     async def release(self, decision: Decision) -> None:
         """The request's stream ended (finished, cancelled or failed); idempotent. It never waits (the
         count changes here, RunningCounts shares it in the background): the request path releases inline."""
+        self.release_now(decision)
+
+    def release_now(self, decision: Decision) -> None:
+        """`release` where no await may be (a stream's cleanup)."""
         pod = self._active.pop(decision.ticket, None)
         if pod is not None:
             self._counts.add(pod, -1)
@@ -291,6 +298,7 @@ class Router:
         for p in removed:
             self._targets.pop(p.name, None)
         self._dp = any(p.dp_size > 1 for p in self._registry.pods())
+        self._prefill_only = any(p.role == "prefill" for p in self._registry.pods())
         # a removed data-parallel pod's rank targets go too (scorers keep per-target state by name)
         removed = removed + [t for p in removed if p.dp_size > 1 for t in p.rank_targets()]
         for scorer in self._scorers:
@@ -322,7 +330,7 @@ class Router:
         for p in sorted(self._registry.pods(), key=lambda p: p.name):
             entry: dict[str, Any] = {
                 "name": p.name, "endpoint": p.endpoint, "model": p.model, "lora": list(p.lora),
-                "ready": p.ready, "running": totals.get(p.name, 0), "running_here": local.get(p.name, 0),
+                "ready": p.ready, "role": p.role, "roleset": p.roleset, "running": totals.get(p.name, 0), "running_here": local.get(p.name, 0),
                 "kv_events": None if p.kv_events is None else {
                     "pub_port": p.kv_events.pub_port, "replay_port": p.kv_events.replay_port,
                     "dp_size": p.kv_events.dp_size},

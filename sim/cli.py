@@ -52,6 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help=f"decode step time with an empty batch (default {d.tpot_base_s * 1e3:g})")
     a("--tpot-ms-per-seq", type=float, default=d.tpot_per_seq_s * 1e3,
       help=f"added decode step time per running request (default {d.tpot_per_seq_s * 1e3:g})")
+    a("--kv-transfer-ms-per-block", type=float, default=0.2,
+      help="prefill/decode disaggregation: a decode leg's pull time per KV block (default 0.2)")
     a("--max-tokens-default", type=int, default=16, help="output tokens when a request sets none (default 16)")
     a("--dp-size", type=int, default=1, help="data-parallel ranks; rank r publishes on ports + r; a request's "
       "X-data-parallel-rank header picks its rank, as in vLLM (default 1)")
@@ -79,7 +81,7 @@ def options_from_args(args: argparse.Namespace) -> SimOptions:
         replay_port=args.replay_port or None, kv_events_generation=args.kv_events_generation,
         max_tokens_default=args.max_tokens_default, tokenizer_path=args.tokenizer,
         model_shape=args.model_shape, retention=args.retention, sliding_window=args.sliding_window,
-        image_tokens=args.image_tokens,
+        image_tokens=args.image_tokens, kv_transfer_s_per_block=args.kv_transfer_ms_per_block / 1e3,
     )
 
 

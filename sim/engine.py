@@ -183,7 +183,7 @@ class _Request:
     __slots__ = (
         "req_id", "tokens", "max_tokens", "lora", "arrival", "root", "digests", "keys", "seq", "packed",
         "held", "freed", "reserved", "cached_tokens", "first_token_time", "join_step", "finish_step", "state",
-        "salt", "media", "junction",
+        "salt", "media", "junction", "remote_tokens",
     )
 
     def __init__(self, req_id: str, tokens: tuple[int, ...], packed: bytes, max_tokens: int, lora: str | None,
@@ -206,6 +206,7 @@ class _Request:
         self.salt = salt
         self.media = media
         self.junction = 0  # vLLM's shared_prefix_boundary: a shared prefix a sparse group had not cached
+        self.remote_tokens = 0  # leading prompt tokens whose KV a remote prefill engine computed (P/D decode leg)
         self.reserved = 0  # blocks reserved but not (yet) cached
         self.cached_tokens = 0
         self.first_token_time = 0.0
@@ -258,9 +259,12 @@ class EngineModel:
 
     def add_request(self, req_id: str, token_ids: list[int] | tuple[int, ...], max_tokens: int, now: float,
                     lora: str | None = None, *, cache_salt: str | None = None,
-                    mm_items: tuple[MediaItem, ...] = ()) -> None:
+                    mm_items: tuple[MediaItem, ...] = (), remote_tokens: int = 0) -> None:
         """Queue a request at time `now` (not before the last `advance`). `cache_salt` and `mm_items` (media
-        placeholders, by prompt position) enter the block hashes as in vLLM. Raises ValueError on bad input."""
+        placeholders, by prompt position) enter the block hashes as in vLLM. `remote_tokens`: the decode leg of
+        a disaggregated request, its leading prompt tokens' KV already pulled from the prefill engine (not
+        computed here, still stored and published here as the engine's own blocks once its prefill step ends;
+        not counted as prefix cache hits). Raises ValueError on bad input."""
         if isinstance(token_ids, (str, bytes, bytearray)):  # array() would read bytes as raw machine words
             raise ValueError("token ids must be a sequence of ints")
         try:
@@ -273,8 +277,11 @@ class EngineModel:
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
         self._run_until(now)
+        if type(remote_tokens) is not int or remote_tokens < 0:
+            raise ValueError(f"remote_tokens must be an int >= 0, got {remote_tokens!r}")
         req = _Request(req_id, tokens, packed.tobytes(), max_tokens, lora, now, self._roots[lora],
                        len(self._groups), cache_salt, tuple(media))
+        req.remote_tokens = min(remote_tokens, len(tokens) - 1)  # the last prompt token is always computed
         self._extend_keys(req, len(tokens) // self._bs)
         self._live[req_id] = req
         self._peak_live = max(self._peak_live, len(self._live))
@@ -567,7 +574,8 @@ class EngineModel:
             req.state = "prefill"
             self._running[req.req_id] = req
             start = max(now, self._prefill_free_at)
-            self._prefill_free_at = start + c.prefill_s_per_token * (len(req.tokens) - req.cached_tokens)
+            computed = len(req.tokens) - max(req.cached_tokens, req.remote_tokens)
+            self._prefill_free_at = start + c.prefill_s_per_token * computed
             self._prefilling.append((self._prefill_free_at + c.ttft_overhead_s, req))
 
     def _key(self, req: _Request, g: int, i: int) -> BlockHash:

@@ -18,14 +18,16 @@ _ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 409: "ConflictErro
 class ApiError(Exception):
     """A request the engine refuses; rendered in vLLM's OpenAI error shape."""
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, type_: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.type_ = type_  # None: by the status, as vLLM's create_error_response defaults it
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": _ERROR_TYPES.get(self.status, "BadRequestError"),
+        return {"error": {"message": self.message,
+                          "type": self.type_ or _ERROR_TYPES.get(self.status, "BadRequestError"),
                           "param": self.param, "code": self.status}}
 
 
@@ -53,6 +55,7 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
     cache_salt: str | None = None
+    kv_transfer: dict[str, Any] | None = None  # kv_transfer_params (sim.pd)
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +127,17 @@ def _cache_salt(body: dict[str, Any]) -> str | None:
     return salt
 
 
+def _kv_transfer(body: dict[str, Any]) -> dict[str, Any] | None:
+    """`kv_transfer_params`: an object or null/absent (vLLM's `dict[str, Any] | None`); anything else a 400."""
+    value = body.get("kv_transfer_params")
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ApiError(400, f"kv_transfer_params: Input should be a valid dictionary (got {type(value).__name__})",
+                       "kv_transfer_params")
+    return value
+
+
 def _prompt(value: Any, add_special_tokens: bool) -> PromptInput:
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
         value = value[0]  # a batch of one
@@ -138,7 +152,23 @@ def _prompt(value: Any, add_special_tokens: bool) -> PromptInput:
     raise ApiError(400, "`prompt` must be a non-empty string or a non-empty list of token ids", "prompt")
 
 
-def _chat_input(body: dict[str, Any]) -> ChatInput:
+def reasoning_kwargs(kwargs: dict[str, Any] | None, effort: Any) -> dict[str, Any] | None:
+    """vLLM's build_chat_params: a reasoning effort joins the template kwargs as `reasoning_effort`, and
+    `enable_thinking` (effort != "none") unless the request's own kwargs set it."""
+    if effort is None:
+        return kwargs
+    if not isinstance(effort, str):
+        raise ApiError(400, "`reasoning_effort` must be a string", "reasoning_effort")
+    out = dict(kwargs or {})
+    out["reasoning_effort"] = effort  # the request field wins over its kwargs (merge_kwargs)
+    out.setdefault("enable_thinking", effort != "none")
+    return out
+
+
+
+def _chat_input(body: dict[str, Any], generation: bool = False) -> ChatInput:
+    """The chat of a body; `generation`: a chat completion's (its `reasoning_effort` joins the template
+    kwargs, as vLLM's build_chat_params does; /tokenize has no such field)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
         raise ApiError(400, "`messages` must be a non-empty list of message objects", "messages")
@@ -147,7 +177,8 @@ def _chat_input(body: dict[str, Any]) -> ChatInput:
         messages=tuple(messages),
         tools=tuple(tools) if tools else None,
         chat_template=_typed(body, "chat_template", str, None),
-        chat_template_kwargs=_typed(body, "chat_template_kwargs", dict, None),
+        chat_template_kwargs=reasoning_kwargs(_typed(body, "chat_template_kwargs", dict, None),
+                                              body.get("reasoning_effort") if generation else None),
         add_generation_prompt=_typed(body, "add_generation_prompt", bool, True),
         continue_final_message=_typed(body, "continue_final_message", bool, False),
     )
@@ -162,17 +193,18 @@ def parse_completion(body: Any, served: ServedModels) -> GenerationRequest:
     item = _prompt(body["prompt"], _typed(body, "add_special_tokens", bool, True))
     stream, include_usage = _stream(body)
     return GenerationRequest("completion", body.get("model") or served.base, lora, item,
-                             _max_tokens(body, "max_tokens"), stream, include_usage, salt)
+                             _max_tokens(body, "max_tokens"), stream, include_usage, salt, _kv_transfer(body))
 
 
 def parse_chat(body: Any, served: ServedModels) -> GenerationRequest:
     body = _object(body)
     salt = _cache_salt(body)
     lora = served.resolve(body.get("model"))
-    item = _chat_input(body)
+    item = _chat_input(body, generation=True)
     stream, include_usage = _stream(body)
     return GenerationRequest("chat", body.get("model") or served.base, lora, item,
-                             _max_tokens(body, "max_completion_tokens", "max_tokens"), stream, include_usage, salt)
+                             _max_tokens(body, "max_completion_tokens", "max_tokens"), stream, include_usage, salt,
+                             _kv_transfer(body))
 
 
 def parse_tokenize(body: Any, served: ServedModels) -> TokenizeRequest:

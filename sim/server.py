@@ -23,7 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from kvcache.blockkeys import MediaItem
 from kvcache.publisher import EventPublisher
-from sim import media, shapes
+from sim import apis, media, pd, shapes
 from sim.engine import Completion, EngineConfig, EngineModel
 from sim.media import PromptTokens
 from sim.metrics import EngineCollector, engine_registry
@@ -60,6 +60,10 @@ class SimOptions:
     retention: str | None = None  # "sparse" | "dense" (sim.shapes.RETENTIONS); None: as `engine` has it
     sliding_window: int = shapes.DEFAULT_SLIDING_WINDOW  # tokens, of the hybrid shape's sliding-window group
     image_tokens: int = 64  # placeholder tokens per image in a chat prompt (sim.media)
+    # Prefill/decode disaggregation (sim.pd): the decode leg's pull time per block, and the NIXL side channel
+    # port a prefill answer names (vLLM's VLLM_NIXL_SIDE_CHANNEL_PORT, 5600 by default).
+    kv_transfer_s_per_block: float = 0.0002
+    side_channel_port: int = 5600
 
     def __post_init__(self) -> None:
         shapes.check(self.model_shape, self.retention, self.sliding_window)
@@ -67,6 +71,8 @@ class SimOptions:
             raise ValueError(f"image_tokens must be an int >= 1, got {self.image_tokens!r}")
         if self.dp_size < 1:
             raise ValueError(f"dp_size must be >= 1, got {self.dp_size}")
+        if not self.kv_transfer_s_per_block >= 0:
+            raise ValueError(f"kv_transfer_s_per_block must be >= 0, got {self.kv_transfer_s_per_block}")
         if self.max_tokens_default < 1:
             raise ValueError(f"max_tokens_default must be >= 1, got {self.max_tokens_default}")
         if not self.model:
@@ -119,9 +125,9 @@ class _Rank:
         self._publish()
 
     def submit(self, req_id: str, tokens: list[int], max_tokens: int, lora: str | None, cache_salt: str | None,
-               mm_items: tuple[MediaItem, ...]) -> asyncio.Future[Completion]:
+               mm_items: tuple[MediaItem, ...], remote_tokens: int = 0) -> asyncio.Future[Completion]:
         self.engine.add_request(req_id, tokens, max_tokens, self._clock(), lora,  # ValueError: bad request
-                                cache_salt=cache_salt, mm_items=mm_items)
+                                cache_salt=cache_salt, mm_items=mm_items, remote_tokens=remote_tokens)
         fut: asyncio.Future[Completion] = asyncio.get_running_loop().create_future()
         self.waiters[req_id] = fut
         self.sync()
@@ -188,6 +194,10 @@ class SimServer:
         self._runner: web.AppRunner | None = None
         self.port: int = options.port
         self.name = options.name or f"sim-{options.port}"
+        # Disaggregated legs served, by kind (sim.pd.Leg: prefill, decode, invalid), and the next block id to name.
+        self.kv_transfers: dict[str, int] = {"prefill": 0, "decode": 0, "invalid": 0}
+        self._next_block_id = 0
+        self.responses = apis.ResponseStore()  # vLLM's store (VLLM_ENABLE_RESPONSES_API_STORE=1)
         self.registry = engine_registry(
             EngineCollector(options.model, lambda: [r.engine.metrics() for r in self.ranks],
                             self.engine_config.block_size), registry)
@@ -216,13 +226,22 @@ class SimServer:
                 web.post("/v1/chat/completions", self._chat),
                 web.post("/v1/completions/render", self._completions_render),
                 web.post("/v1/chat/completions/render", self._chat_render),
+                web.post("/v1/responses", self._responses),
+                web.post("/v1/responses/render", self._responses_render),
+                web.get("/v1/responses/{response_id}", self._response_get),
+                web.post("/v1/messages", self._messages),
+                web.post("/v1/messages/render", self._messages_render),
+                *(web.post(path, self._pooling) for path in apis.POOLING_PATHS),
                 web.get("/v1/models", self._models),
                 web.post("/tokenize", self._tokenize),
+                web.post("/detokenize", self._detokenize),
                 web.get("/health", self._health),
+                web.get("/version", self._version),
                 web.get("/metrics", self._metrics),
                 web.post("/reset_prefix_cache", self._reset_prefix_cache),
             ])
-            self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
+            # handler_cancellation: a client gone cancels its handler, which aborts its request (as vLLM does)
+            self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0, handler_cancellation=True)
             await self._runner.setup()
             site = web.TCPSite(self._runner, o.host, o.port)
             await site.start()
@@ -289,6 +308,250 @@ class SimServer:
         """vLLM's /v1/chat/completions/render: one GenerateRequest."""
         return await self._render(request, parse_chat(await _json(request), self._served), listed=False)
 
+    async def _responses_render(self, request: web.Request) -> web.Response:
+        """vLLM's /v1/responses/render: stateless (a previous_response_id is refused with 400)."""
+        call = apis.parse_responses(await _json(request), self._served, None)
+        return await self._render(request, call.gen, listed=False)
+
+    async def _messages_render(self, request: web.Request) -> web.Response:
+        return await self._render(request, apis.parse_messages(await _json(request, apis.AnthropicError),
+                                                               self._served), listed=False)
+
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        """vLLM's /v1/responses: the conversation of a previous_response_id comes from this engine's store
+        (404 when this engine did not store it); a response is stored unless `store` is false."""
+        call = apis.parse_responses(await _json(request), self._served, self.responses)
+        response_id = apis.new_response_id()
+        out = await self._run(request, call.gen)
+        if isinstance(out, web.StreamResponse):
+            return out
+        rank, engine_id, fut, prompt, max_tokens = out
+        try:
+            if call.gen.stream:
+                return await self._stream_responses(request, call, rank, engine_id, fut, response_id, max_tokens)
+            done = await fut
+            text = "".join(self._text(t) for t in done.output_token_ids)
+            if call.store:
+                self.responses.put(response_id, call.messages, text)
+            u = apis.response_usage(done.prompt_tokens, len(done.output_token_ids), done.cached_tokens)
+            return web.json_response(apis.response_body(call, response_id, text, u, max_tokens),
+                                     headers=self._headers(rank))
+        finally:
+            if not fut.done():
+                rank.abort(engine_id)
+
+    async def _response_get(self, request: web.Request) -> web.Response:
+        response_id = request.match_info["response_id"]
+        if self.responses.get(response_id) is None:
+            raise apis.not_found(response_id)
+        return web.json_response({"id": response_id, "object": "response", "status": "completed"},
+                                 headers=self._headers())
+
+    async def _messages(self, request: web.Request) -> web.StreamResponse:
+        req = apis.parse_messages(await _json(request, apis.AnthropicError), self._served)
+        message_id = f"msg_{request.headers.get('X-Request-Id') or uuid.uuid4().hex}"
+        try:
+            out = await self._run(request, req)
+        except ApiError as e:
+            raise apis.AnthropicError(e.status, e.message, e.param) from None
+        if isinstance(out, web.StreamResponse):
+            return out
+        rank, engine_id, fut, prompt, max_tokens = out
+        try:
+            if req.stream:
+                return await self._stream_messages(request, req, rank, engine_id, fut, message_id)
+            done = await fut
+            text = "".join(self._text(t) for t in done.output_token_ids)
+            return web.json_response(apis.message_body(req, message_id, text, done.prompt_tokens,
+                                                       len(done.output_token_ids), done.cached_tokens),
+                                     headers=self._headers(rank))
+        finally:
+            if not fut.done():
+                rank.abort(engine_id)
+
+    async def _pooling(self, request: web.Request) -> web.Response:
+        """The pooling endpoints: each input's tokens prefilled (one output token, as a pooling run holds the
+        engine), answered in vLLM's shapes with a deterministic vector or score per input."""
+        lora, prompts = apis.pooling_inputs(request.path, await _json(request), self._served)
+        rank = min(self.ranks, key=_Rank.load)
+        results = []
+        total = 0
+        for p in prompts:
+            tokens = (await self._encode(p, True, request.content_length)).token_ids
+            if not tokens:
+                raise ApiError(400, "the input encodes to no tokens", "input")
+            if len(tokens) + 1 > self.engine_config.max_model_len:
+                raise ApiError(400, f"This model's maximum context length is {self.engine_config.max_model_len} "
+                                    f"tokens. However, you requested {len(tokens)} tokens in the input.")
+            engine_id = f"pool-{uuid.uuid4().hex}"
+            fut = rank.submit(engine_id, list(tokens), 1, lora, None, ())
+            try:
+                await fut
+            finally:
+                if not fut.done():
+                    rank.abort(engine_id)
+            total += len(tokens)
+            results.append(apis.vector(list(tokens)))
+        model = (await _json(request)).get("model") or self.options.model
+        created = int(time.time())
+        path = request.path
+        u = {"prompt_tokens": total, "total_tokens": total, "completion_tokens": 0, "prompt_tokens_details": None}
+        if path == "/v1/embeddings":
+            body: dict[str, Any] = {"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": created,
+                                    "model": model, "data": [{"index": i, "object": "embedding", "embedding": v}
+                                                             for i, v in enumerate(results)], "usage": u}
+        elif path == "/pooling":
+            body = {"id": f"pool-{uuid.uuid4().hex}", "object": "list", "created": created, "model": model,
+                    "data": [{"index": i, "object": "pooling", "data": v} for i, v in enumerate(results)], "usage": u}
+        elif path == "/classify":
+            body = {"id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": created, "model": model,
+                    "data": [{"index": i, "label": "LABEL_0" if v[0] < 0 else "LABEL_1", "probs": [0.5, 0.5],
+                              "num_classes": 2} for i, v in enumerate(results)], "usage": u}
+        elif path == "/score":
+            body = {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": created, "model": model,
+                    "data": [{"index": i, "object": "score", "score": v[0] + 0.5} for i, v in enumerate(results)],
+                    "usage": u}
+        else:
+            docs = (await _json(request))["documents"]
+            body = {"id": f"rerank-{uuid.uuid4().hex}", "model": model, "usage": {"total_tokens": total},
+                    "results": sorted(({"index": i, "document": {"text": docs[i]}, "relevance_score": v[0] + 0.5}
+                                       for i, v in enumerate(results)), key=lambda r: -r["relevance_score"])}
+        return web.json_response(body, headers=self._headers(rank))
+
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        body = await _json(request)
+        tokens = body.get("tokens") if isinstance(body, dict) else None
+        if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < self._vocab_size for t in tokens):
+            raise ApiError(400, "`tokens` must be a list of token ids in the vocabulary", "tokens")
+        self._served.resolve(body.get("model"))
+        return web.json_response({"prompt": self.tokenizer.decode(tokens)}, headers=self._headers())
+
+    async def _version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": self.options.kv_events_generation + ".0-sim"}, headers=self._headers())
+
+    async def _run(self, request: web.Request, req: GenerationRequest) -> Any:
+        """A generation submitted to its rank: (rank, engine id, future, prompt, max_tokens), or the streamed
+        error answer of a bad rank pin."""
+        prompt, max_tokens = await self._prompt(request, req)
+        rank = self._rank_for(request)
+        if isinstance(rank, ApiError):
+            if req.stream:
+                return await self._stream_error(request, rank)
+            raise rank
+        engine_id = f"{req.kind}-{uuid.uuid4().hex}"
+        try:
+            fut = rank.submit(engine_id, prompt.token_ids, max_tokens, req.lora, req.cache_salt, prompt.media)
+        except ValueError as e:
+            raise ApiError(400, str(e)) from e
+        return rank, engine_id, fut, prompt, max_tokens
+
+    async def _deltas(self, rank: _Rank, engine_id: str, fut: asyncio.Future[Completion]) -> Any:
+        """The output's texts as the engine produces them (an async generator); its last value is the
+        Completion itself."""
+        sent = 0
+        while True:
+            rank.sync()
+            if fut.done():
+                out = fut.result().output_token_ids
+            else:
+                out = rank.engine.output_so_far(engine_id, self._clock()) or ()
+            for i in range(sent, len(out)):
+                yield self._text(out[i])
+            sent = len(out)
+            if fut.done():
+                yield fut.result()
+                return
+            await asyncio.wait((fut,), timeout=max(_MIN_POLL_S, rank.engine.step_time()))
+
+    async def _event_stream(self, request: web.Request, rank: _Rank) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           **self._headers(rank)})
+        await resp.prepare(request)
+        return resp
+
+    async def _stream_responses(self, request: web.Request, call: apis.ResponsesCall, rank: _Rank, engine_id: str,
+                                fut: asyncio.Future[Completion], response_id: str, max_tokens: int) -> web.StreamResponse:
+        """The Responses API's event stream as vLLM's simple (non-harmony) path sends it."""
+        resp = await self._event_stream(request, rank)
+        seq = 0
+
+        async def send(event: str, data: dict[str, Any]) -> None:
+            nonlocal seq
+            await resp.write(apis.sse(event, {"type": event, "sequence_number": seq, **data}))
+            seq += 1
+
+        pending = apis.response_body(call, response_id, "", {}, max_tokens, status="in_progress")
+        item_id = f"msg_{uuid.uuid4().hex}"
+        try:
+            await send("response.created", {"response": pending})
+            await send("response.in_progress", {"response": pending})
+            await send("response.output_item.added", {"output_index": 0, "item": {
+                "id": item_id, "content": [], "role": "assistant", "status": "in_progress", "type": "message"}})
+            await send("response.content_part.added", {"output_index": 0, "item_id": item_id, "content_index": 0,
+                                                       "part": {"type": "output_text", "text": "", "annotations": [],
+                                                                "logprobs": []}})
+            texts = []
+            async for delta in self._deltas(rank, engine_id, fut):
+                if isinstance(delta, Completion):
+                    done = delta
+                    break
+                texts.append(delta)
+                await send("response.output_text.delta", {"item_id": item_id, "output_index": 0,
+                                                          "content_index": 0, "delta": delta, "logprobs": []})
+            text = "".join(texts)
+            part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": [], "logprobs": None}
+            await send("response.output_text.done", {"item_id": item_id, "output_index": 0, "content_index": 0,
+                                                     "text": text, "logprobs": []})
+            await send("response.content_part.done", {"item_id": item_id, "output_index": 0, "content_index": 0,
+                                                      "part": part})
+            await send("response.output_item.done", {"output_index": 0, "item": {
+                "id": item_id, "content": [part], "role": "assistant", "status": "completed", "type": "message"}})
+            if call.store:
+                self.responses.put(response_id, call.messages, text)
+            u = apis.response_usage(done.prompt_tokens, len(done.output_token_ids), done.cached_tokens)
+            final = apis.response_body(call, response_id, text, u, max_tokens)
+            final["output"][0]["id"] = item_id
+            await send("response.completed", {"response": final})
+            await resp.write_eof()
+        except (ConnectionError, asyncio.CancelledError):
+            if not fut.done():
+                rank.abort(engine_id)
+            raise
+        return resp
+
+    async def _stream_messages(self, request: web.Request, req: GenerationRequest, rank: _Rank, engine_id: str,
+                               fut: asyncio.Future[Completion], message_id: str) -> web.StreamResponse:
+        """Anthropic's event stream as vLLM sends it: message_start, content_block_start, ping,
+        content_block_delta (text_delta) per token, content_block_stop, message_delta (stop reason and
+        usage), message_stop."""
+        resp = await self._event_stream(request, rank)
+
+        async def send(event: str, data: dict[str, Any]) -> None:
+            await resp.write(apis.sse(event, {"type": event, **data}))
+
+        try:
+            await send("message_start", {"message": {
+                "id": message_id, "type": "message", "role": "assistant", "content": [], "model": req.model,
+                "stop_reason": None, "stop_sequence": None, "usage": apis.message_usage(0, 0, 0)}})
+            await send("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+            await send("ping", {})
+            async for delta in self._deltas(rank, engine_id, fut):
+                if isinstance(delta, Completion):
+                    done = delta
+                    break
+                await send("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": delta}})
+            await send("content_block_stop", {"index": 0})
+            await send("message_delta", {"delta": {"stop_reason": "max_tokens", "stop_sequence": None},
+                                         "usage": apis.message_usage(done.prompt_tokens, len(done.output_token_ids),
+                                                                     done.cached_tokens)})
+            await send("message_stop", {})
+            await resp.write_eof()
+        except (ConnectionError, asyncio.CancelledError):
+            if not fut.done():
+                rank.abort(engine_id)
+            raise
+        return resp
+
     async def _render(self, request: web.Request, req: GenerationRequest, listed: bool) -> web.Response:
         prompt, max_tokens = await self._prompt(request, req)
         body = render_body(self._response_id(request, req), req.model, prompt.token_ids, prompt.media, max_tokens,
@@ -352,18 +615,36 @@ class SimServer:
             raise rank
         response_id = self._response_id(request, req)
         engine_id = f"{response_id}-{uuid.uuid4().hex[:8]}"
+        n_prompt = len(prompt.token_ids)
+        leg = pd.leg(req.kv_transfer, n_prompt, self.engine_config.block_size)
+        headers = self._headers(rank)
+        if leg.kind:
+            self.kv_transfers[leg.kind] += 1
+            headers["x-sim-kv-transfer"] = leg.kind
+        if leg.blocks and self.options.kv_transfer_s_per_block:
+            await asyncio.sleep(leg.blocks * self.options.kv_transfer_s_per_block)  # the pull from the prefill engine
         try:
-            fut = rank.submit(engine_id, prompt.token_ids, max_tokens, req.lora, req.cache_salt, prompt.media)
+            fut = rank.submit(engine_id, prompt.token_ids, max_tokens, req.lora, req.cache_salt, prompt.media,
+                              leg.remote_tokens)
         except ValueError as e:
             raise ApiError(400, str(e)) from e
+        answer = None
+        if leg.kind == "prefill":
+            answer = pd.prefill_answer(engine_id=f"{self.name}-rank{rank.index}", request_id=engine_id,
+                                       host=self.options.host, port=self.options.side_channel_port + rank.index,
+                                       n_prompt=n_prompt, block_size=self.engine_config.block_size,
+                                       first_block=self._next_block_id)
+            self._next_block_id += len(answer["remote_block_ids"][0])
         try:
             if req.stream:
-                return await self._stream(request, req, rank, engine_id, fut, response_id)
+                return await self._stream(request, req, rank, engine_id, fut, response_id, headers, answer)
             done = await fut
             text = "".join(self._text(t) for t in done.output_token_ids)
             body = full_body(req, response_id, self.name, text,
                              usage(done.prompt_tokens, len(done.output_token_ids), done.cached_tokens))
-            return web.json_response(body, headers=self._headers(rank))
+            if answer is not None:
+                body["kv_transfer_params"] = answer
+            return web.json_response(body, headers=headers)
         finally:
             if not fut.done():
                 rank.abort(engine_id)
@@ -392,9 +673,11 @@ class SimServer:
         return text if text is not None else self.tokenizer.decode([token_id])
 
     async def _stream(self, request: web.Request, req: GenerationRequest, rank: _Rank, engine_id: str,
-                      fut: asyncio.Future[Completion], response_id: str) -> web.StreamResponse:
+                      fut: asyncio.Future[Completion], response_id: str, headers: dict[str, str],
+                      kv_answer: dict[str, Any] | None) -> web.StreamResponse:
+        """SSE chunks as the tokens come; a prefill leg's kv_transfer_params ride on the last token's chunk."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           **self._headers(rank)})
+                                           **headers})
         await resp.prepare(request)
         created = int(time.time())
         fp = self.name
@@ -411,7 +694,10 @@ class SimServer:
                     if i == 0 and req.kind == "chat":
                         await _send(resp, chunk(req, response_id, created, fp, first=True))
                     last = fut.done() and i == len(out) - 1
-                    await _send(resp, chunk(req, response_id, created, fp, text=self._text(out[i]), finish=last))
+                    body = chunk(req, response_id, created, fp, text=self._text(out[i]), finish=last)
+                    if last and kv_answer is not None:
+                        body["kv_transfer_params"] = kv_answer
+                    await _send(resp, body)
                 sent = len(out)
                 if fut.done():
                     break
@@ -482,11 +768,11 @@ def _pinned_rank(value: str | None) -> int | None:
         return None
 
 
-async def _json(request: web.Request) -> Any:
+async def _json(request: web.Request, error: type[ApiError] = ApiError) -> Any:
     try:
         return await request.json(loads=json.loads)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"the request body is not valid JSON: {e}") from e
+        raise error(400, f"the request body is not valid JSON: {e}") from e
 
 
 async def _send(resp: web.StreamResponse, body: dict[str, Any]) -> None:

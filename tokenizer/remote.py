@@ -118,11 +118,17 @@ class RemoteTokenizer:
         return await self._call(f"{base}/tokenize", body, model, parse_response)
 
     async def render_chat(self, model: str, body: bytes, *, base_url: str | None = None) -> Rendered:
-        """The engine's rendering of a chat request (`POST /v1/chat/completions/render`): its token ids and media
-        items with the engine's hashes and placeholder ranges. `body` is the client's own /v1/chat/completions
-        body (a JSON object), sent as it came, asking the engine to leave the processed media tensors out of its
-        answer (`return_mm_kwargs: false`; engines that do not know the field ignore it). Same retries and time
-        budget as `tokenize`; raises TokenizerError."""
+        """The engine's rendering of a chat request (`POST /v1/chat/completions/render`), see `render`."""
+        return await self.render(model, body, "/v1/chat/completions/render", base_url=base_url)
+
+    async def render(self, model: str, body: bytes, path: str, *, base_url: str | None = None) -> Rendered:
+        """The engine's rendering of a request at its render endpoint `path` (vLLM 0.33:
+        /v1/chat/completions/render, /v1/responses/render, /v1/messages/render, each taking its API's body and
+        answering one GenerateRequest): its token ids and media items with the engine's hashes and placeholder
+        ranges. `body` is the client's own body (a JSON object), sent as it came, asking the engine to leave the
+        processed media tensors out of its answer (`return_mm_kwargs: false`, the alias of `mm_payload: "none"`
+        every 0.33 render request model reads; engines that do not know the field ignore it). Same retries and
+        time budget as `tokenize`; raises TokenizerError (with the HTTP status of a refusal)."""
         base = self._base(model, base_url)
         start = body.find(b"{")
         if start < 0:
@@ -130,7 +136,7 @@ class RemoteTokenizer:
         rest = body[start + 1:].lstrip()
         # The client's own field, if it sent one, comes later in the object and wins (the last duplicate key).
         body = b'{"return_mm_kwargs":false' + (b"}" if rest[:1] == b"}" else b"," + rest)
-        return await self._call(f"{base}/v1/chat/completions/render", body, model, parse_render_response)
+        return await self._call(f"{base}{path}", body, model, parse_render_response)
 
     def _base(self, model: str, base_url: str | None) -> str:
         base = self._endpoints.get(model) or (base_url.rstrip("/") if base_url else None)
@@ -209,7 +215,7 @@ class RemoteTokenizer:
         if status != 200:
             self._metrics.attempts.labels("refused").inc()
             text = content[:200].decode("utf-8", "replace")
-            raise TokenizerError(f"tokenizer at {url} refused the request: HTTP {status}: {text}")
+            raise TokenizerError(f"tokenizer at {url} refused the request: HTTP {status}: {text}", status)
         self._metrics.ok.inc()
         return content
 

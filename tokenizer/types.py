@@ -52,7 +52,12 @@ class Rendered:
 
 
 class TokenizerError(Exception):
-    """Tokenization failed (backend down, slow or refused); routing falls back to load only."""
+    """Tokenization failed (backend down, slow or refused); routing falls back to load only. `status`: the HTTP
+    status of an engine's refusal (None for any other failure)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class Tokenizer(Protocol):

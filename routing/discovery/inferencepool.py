@@ -22,7 +22,7 @@ import httpx
 
 from routing.errors import DiscoveryError
 from routing.discovery.k8s import (KV_EVENTS_LABEL, LORA_LABEL, MODEL_LABEL, PUB_PORT_ANNOTATION, _int,
-                         kv_events_from_annotations)
+                         kv_events_from_annotations, role_from_labels)
 from routing.discovery.kube import Api, ApiConfig, ListWatch
 from routing.metrics import RoutingMetrics
 from routing.pods import KVEventsEndpoint, Pod
@@ -76,6 +76,8 @@ class Member:
     ready: bool
     kv_events: KVEventsEndpoint | None
     labelled: tuple[str, tuple[str, ...]] | None = None  # models from the pod's labels, if it has them
+    role: str = "both"  # prefill/decode role and group from its labels (k8s.role_from_labels)
+    roleset: str = ""
 
 
 def member_from_object(obj: Mapping[str, Any]) -> Member | None:
@@ -95,7 +97,9 @@ def member_from_object(obj: Mapping[str, Any]) -> Member | None:
     if labels.get(MODEL_LABEL):
         raw = ",".join(x for x in (labels.get(LORA_LABEL, ""), annotations.get(LORA_LABEL, "")) if x)
         labelled = (str(labels[MODEL_LABEL]), tuple(dict.fromkeys(x.strip() for x in raw.split(",") if x.strip())))
-    return Member(name=meta.get("name") or "", ip=ip, ready=ready, kv_events=kv, labelled=labelled)
+    role, roleset = role_from_labels(labels)
+    return Member(name=meta.get("name") or "", ip=ip, ready=ready, kv_events=kv, labelled=labelled, role=role,
+                  roleset=roleset)
 
 
 def parse_models(body: Any) -> tuple[str, tuple[str, ...]]:
@@ -340,7 +344,8 @@ class InferencePoolSource:
                     kv = replace(kv, pub_port=kv.pub_port + i,
                                  replay_port=None if kv.replay_port is None else kv.replay_port + i)
                 out.append(Pod(name=m.name if len(ports) == 1 else f"{m.name}:{port}", address=m.ip, port=port,
-                               model=models[0], lora=models[1], kv_events=kv, ready=m.ready))
+                               model=models[0], lora=models[1], kv_events=kv, ready=m.ready, role=m.role,
+                               roleset=m.roleset))
         return out
 
     def _publish(self) -> None:

@@ -5,7 +5,9 @@ deletion timestamp; it is `ready` (routable) when its Ready condition is True to
 Labels (AIBrix's): `model.aibrix.ai/name` (base model), `model.aibrix.ai/port` (default
 8000), `model.aibrix.ai/kv-events-enabled` ("true"), `model.aibrix.ai/lora-id`
 (comma-separated adapters; the same key as an annotation also counts, since label values
-cannot hold commas). Annotations (ours): `kvgate.io/dp-size`, `kvgate.io/kv-events-pub-port`,
+cannot hold commas). Prefill/decode roles: AIBrix's `role-name` (`prefill` or `decode`; another role name serves
+whole requests) grouped by `roleset-name`, or llm-d's `llm-d.ai/role` (`prefill`, `decode`, `both`; llm-d's
+`prefill-decode` too). Annotations (ours): `kvgate.io/dp-size`, `kvgate.io/kv-events-pub-port`,
 `kvgate.io/kv-events-replay-port` ("none" for no replay socket).
 """
 from __future__ import annotations
@@ -28,6 +30,9 @@ MODEL_LABEL = "model.aibrix.ai/name"
 PORT_LABEL = "model.aibrix.ai/port"
 KV_EVENTS_LABEL = "model.aibrix.ai/kv-events-enabled"
 LORA_LABEL = "model.aibrix.ai/lora-id"
+ROLE_LABEL = "role-name"  # AIBrix StormService
+ROLESET_LABEL = "roleset-name"
+LLMD_ROLE_LABEL = "llm-d.ai/role"
 DP_SIZE_ANNOTATION = "kvgate.io/dp-size"
 PUB_PORT_ANNOTATION = "kvgate.io/kv-events-pub-port"
 REPLAY_PORT_ANNOTATION = "kvgate.io/kv-events-replay-port"
@@ -64,6 +69,16 @@ def kv_events_from_annotations(annotations: Mapping[str, Any], where: str) -> KV
     return kv_events_from_fields(spec, where)
 
 
+def role_from_labels(labels: Mapping[str, Any]) -> tuple[str, str]:
+    """(role, roleset) from a pod's labels: llm-d's `llm-d.ai/role`, else AIBrix's `role-name` and `roleset-name`.
+    A value that names neither prefill nor decode is a pod that serves whole requests ("both")."""
+    raw = labels.get(LLMD_ROLE_LABEL) or labels.get(ROLE_LABEL) or ""
+    role = str(raw).strip().lower()
+    if role not in ("prefill", "decode"):
+        role = "both"
+    return role, str(labels.get(ROLESET_LABEL) or "").strip()
+
+
 def pod_from_object(obj: Mapping[str, Any], *, qualify: bool = False) -> Pod | None:
     """The Pod for a Kubernetes pod object, or None while it cannot take traffic at all.
     Raises DiscoveryError for labels or annotations that cannot be used."""
@@ -83,6 +98,7 @@ def pod_from_object(obj: Mapping[str, Any], *, qualify: bool = False) -> Pod | N
         kv = kv_events_from_annotations(annotations, where)
     lora_raw = ",".join(x for x in (labels.get(LORA_LABEL, ""), annotations.get(LORA_LABEL, "")) if x)
     lora = tuple(dict.fromkeys(x.strip() for x in lora_raw.split(",") if x.strip()))
+    role, roleset = role_from_labels(labels)
     return Pod(
         name=f"{meta.get('namespace')}/{name}" if qualify else name,
         address=ip,
@@ -91,6 +107,8 @@ def pod_from_object(obj: Mapping[str, Any], *, qualify: bool = False) -> Pod | N
         lora=lora,
         kv_events=kv,
         ready=ready,
+        role=role,
+        roleset=roleset,
     )
 
 

@@ -16,7 +16,7 @@ import yaml
 
 from routing.errors import DiscoveryError
 from routing.metrics import RoutingMetrics
-from routing.pods import KVEventsEndpoint, Pod
+from routing.pods import ROLES, KVEventsEndpoint, Pod
 from routing.registry import PodRegistry
 
 log = logging.getLogger(__name__)
@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 # ---- parsing --------------------------------------------------------------------------------
 
-_POD_KEYS = {"name", "address", "port", "model", "kv_events", "lora", "ready"}
+_POD_KEYS = {"name", "address", "port", "model", "kv_events", "lora", "ready", "role", "roleset"}
 _KV_KEYS = {"pub_port", "replay_port", "dp_size"}
 
 
@@ -88,6 +88,12 @@ def pod_from_mapping(raw: Any, where: str) -> Pod:
     if not isinstance(ready, bool):
         raise DiscoveryError(f"{where}.ready: expected true or false, got {ready!r}")
     address = _text(raw["address"], f"{where}.address").strip("[]")
+    role = raw.get("role", "both")
+    if role not in ROLES:
+        raise DiscoveryError(f"{where}.role: expected one of {', '.join(ROLES)}, got {role!r}")
+    roleset = raw.get("roleset", "")
+    if not isinstance(roleset, str):
+        raise DiscoveryError(f"{where}.roleset: expected a string, got {roleset!r}")
     return Pod(
         name=_text(raw["name"], f"{where}.name"),
         address=address,
@@ -96,6 +102,8 @@ def pod_from_mapping(raw: Any, where: str) -> Pod:
         lora=tuple(_text(x, f"{where}.lora[{i}]") for i, x in enumerate(lora)),
         kv_events=kv_events_from_mapping(raw.get("kv_events"), f"{where}.kv_events"),
         ready=ready,
+        role=role,
+        roleset=roleset.strip(),
     )
 
 
@@ -140,9 +148,10 @@ def _split_host_port(hp: str, where: str) -> tuple[str, int]:
     return host, int(port_s)
 
 
-def _oneliner_options(query: str, where: str) -> tuple[KVEventsEndpoint | None, tuple[str, ...]]:
+def _oneliner_options(query: str, where: str) -> tuple[KVEventsEndpoint | None, tuple[str, ...], str]:
     kv: dict[str, Any] = {}
     lora: tuple[str, ...] = ()
+    role = "both"
     for part in filter(None, query.split("&")):
         key, _, value = part.partition("=")
         try:
@@ -154,15 +163,20 @@ def _oneliner_options(query: str, where: str) -> tuple[KVEventsEndpoint | None, 
                 kv["dp_size"] = int(value)
             elif key == "lora":
                 lora = tuple(x for x in value.split("+") if x)
+            elif key == "role":
+                if value not in ROLES:
+                    raise DiscoveryError(f"{where}: role={value!r}: expected one of {', '.join(ROLES)}")
+                role = value
             else:
-                raise DiscoveryError(f"{where}: unknown option {key!r} (known: kv, replay, dp, lora)")
+                raise DiscoveryError(f"{where}: unknown option {key!r} (known: kv, replay, dp, lora, role)")
         except ValueError:
             raise DiscoveryError(f"{where}: option {key}={value!r} is not a number") from None
-    return (kv_events_from_mapping(kv, where) if kv else None), lora
+    return (kv_events_from_mapping(kv, where) if kv else None), lora, role
 
 
 def parse_pods_line(line: str, source: str = "KVGATE_PODS") -> list[Pod]:
-    """`name=host:port/model[?kv[=pub]&replay=port|none&dp=N&lora=a+b],...`; IPv6 as `[::1]:8000`."""
+    """`name=host:port/model[?kv[=pub]&replay=port|none&dp=N&lora=a+b&role=prefill|decode|both],...`; IPv6 as
+    `[::1]:8000`."""
     pods = []
     for i, item in enumerate(x.strip() for x in line.split(",")):
         if not item:
@@ -179,8 +193,8 @@ def parse_pods_line(line: str, source: str = "KVGATE_PODS") -> list[Pod]:
         model, _, query = rest[slash + 1:].partition("?")
         if not model:
             raise DiscoveryError(f"{where}: empty model")
-        kv, lora = _oneliner_options(query, where)
-        pods.append(Pod(name=name.strip(), address=host, port=port, model=model, lora=lora, kv_events=kv))
+        kv, lora, role = _oneliner_options(query, where)
+        pods.append(Pod(name=name.strip(), address=host, port=port, model=model, lora=lora, kv_events=kv, role=role))
     return _unique(pods, source)
 
 

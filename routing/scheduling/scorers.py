@@ -404,6 +404,24 @@ class KVUtilizationScorer(Scorer):
         return out
 
 
+class KVFreeScorer(Scorer):
+    """kv-util where engine metrics may be off (the pd-decode strategy must run without them): 1 - the engine's
+    scraped KV usage; unknown pods, or every pod without scraping, 0.5."""
+
+    name = "kv-free"
+    needs_tokens = False
+
+    def __init__(self, engines: EngineMetrics | None) -> None:
+        self._engines = engines
+
+    def score(self, ctx: PickContext, pods: Sequence[Pod]) -> dict[str, float]:
+        if self._engines is None:
+            return {p.name: 0.5 for p in pods}
+        out = {}
+        for p in pods:
+            load = self._engines.get(p.pod_name, p.rank)
+            out[p.name] = 0.5 if load is None or load.kv_usage is None else 1.0 - load.kv_usage
+        return out
 def _least(values: Mapping[str, float], pods: Sequence[Pod]) -> dict[str, float]:
     """Min-max over the pods with a value (the least 1, the most 0, all equal 1), as AIBrix normalizes its
     "least-*" metrics; a pod without a value (no fresh scrape) 0.5."""

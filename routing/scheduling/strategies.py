@@ -19,8 +19,9 @@ from routing.scheduling.approx import ApproxPrefixTable
 from routing.scheduling.cost import PromptCache, TTFTScorer
 from routing.state.engine_metrics import EngineMetrics, Saturation
 from routing.scheduling.fairness import TokenFairnessScorer
-from routing.scheduling.scorers import (AdmissionWait, ApproxPrefixScorer, EngineBusyScorer, FamilyAffinityScorer, KVUtilizationScorer,
-                             LatencyScorer, LoadScorer, PrecisePrefixScorer, PrefillBacklog, PrefixSource, QueueScorer,
+from routing.scheduling.scorers import (AdmissionWait, ApproxPrefixScorer, EngineBusyScorer, FamilyAffinityScorer,
+                                        KVFreeScorer, KVUtilizationScorer, LatencyScorer, LoadScorer,
+                                        PrecisePrefixScorer, PrefillBacklog, PrefixSource, QueueScorer,
                              ThroughputScorer)
 from routing.scheduling.sessions import SessionAffinityScorer, SessionStore
 from routing.scheduling.slo import Capacity, SLOScorer
@@ -147,6 +148,8 @@ SCORERS: dict[str, ScorerSpec] = {s.name: s for s in (
                "fewer waiting requests (`vllm:num_requests_waiting`, scraped)"),
     ScorerSpec("kv-util", lambda r: KVUtilizationScorer(_given(r.engines)), ("engines",),
                "more free KV cache (1 - `vllm:kv_cache_usage_perc` or `gpu_cache_usage_perc`, scraped)"),
+    ScorerSpec("kv-free", lambda r: KVFreeScorer(r.engines), (),
+               "`kv-util` where scraping may be off (then 0.5 for every pod): the decode engine's free KV cache"),
     ScorerSpec("session", lambda r: SessionAffinityScorer(
                    r.sessions if r.sessions is not None else SessionStore(), r.engines, r.config.saturation), (),
                "1 for the pod of the request's session (`x-session-id` / `x-session-token` naming a pod, or the "
@@ -229,6 +232,18 @@ STRATEGIES: dict[str, StrategySpec] = {s.name: s for s in (
                  "defaults) with the most headroom, else the least violation", {"slo": 1.0},
                  aibrix="AIBrix's slo family plans against profiled GPU capacity; kvgate predicts TTFT and TPOT "
                         "from learned engine profiles. In a mix it stands alone, as in AIBrix"),
+    # Prefill/decode disaggregation (routing.pd): `pd` plans the pair; its weights choose the prefill engine.
+    StrategySpec("pd", MaxScorePicker, "max score, random tie-break",
+                 "prefill/decode disaggregation: the decode engine by `pd-decode`, then, unless it lacks fewer than "
+                 "`KVGATE_PD_THRESHOLD_TOKENS` of the prompt (served there whole), the prefill engine by these "
+                 "scores among the `role: prefill` pods (kvgate runs the prefill leg itself)",
+                 {"ttft": 3.0, "load": 1.0, "affinity": 0.5}, guard=True,
+                 aibrix="AIBrix's pd always splits and picks the prefill engine first by its prefix guess and load; "
+                        "kvgate picks the decode engine first, splits only where it pays, and prices the prefill "
+                        "engines on the event-fed index. In a mix: its scores, no split"),
+    StrategySpec("pd-decode", MaxScorePicker, "max score, random tie-break",
+                 "the decode engine of a `pd` request, among the decoding pods: running requests, free KV cache "
+                 "and what it holds of the prompt", {"load": 2.0, "kv-free": 1.0, "prefix": 1.0}),
 )}
 
 NAMES = tuple(STRATEGIES)

@@ -26,6 +26,8 @@ TTFT = "vllm:time_to_first_token_seconds"
 # Token counters (cumulative): their rate between two scrapes is the engine's token throughput
 PROMPT_TOKENS = "vllm:prompt_tokens_total"
 GENERATION_TOKENS = "vllm:generation_tokens_total"
+# vLLM's prefix cache counters (prompt tokens looked up, and found cached): the engine's real hit rate
+PREFIX_QUERIES, PREFIX_HITS = "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +48,8 @@ class EngineLoad:
     token_rate: tuple[float, float] | None = None
     ttft_mean: float | None = None
     tpot_mean: float | None = None
+    # vLLM's prefix cache counters summed over the engine's series: (queries, hits) in tokens, None if not exported
+    prefix_cache: tuple[float, float] | None = None
 
 
 def _mean(now: tuple[float, float] | None, before: tuple[float, float] | None, last: float | None) -> float | None:
@@ -102,12 +106,17 @@ def parse_engine_metrics(text: str, at: float = 0.0) -> EngineLoad:
     per: dict[str, list] = {}  # engine label -> [waiting, running, usage samples]
     hist: dict[str, list[float]] = {}  # TPOT / TTFT -> [sum, count]
     tokens: list[float] | None = None  # [prompt, generation], summed over the engine's series
+    prefix: list[float] | None = None  # [queries, hits]
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name in (PROMPT_TOKENS, GENERATION_TOKENS):
                 if tokens is None:
                     tokens = [0.0, 0.0]
                 tokens[s.name == GENERATION_TOKENS] += s.value
+                continue
+            if s.name in (PREFIX_QUERIES, PREFIX_HITS):
+                prefix = prefix or [0.0, 0.0]
+                prefix[0 if s.name == PREFIX_QUERIES else 1] += s.value
                 continue
             if s.name.endswith(("_sum", "_count")):
                 base, _, part = s.name.rpartition("_")
@@ -136,10 +145,12 @@ def parse_engine_metrics(text: str, at: float = 0.0) -> EngineLoad:
     tpot = _sum_count(hist.get("tpot"))
     ttft = _sum_count(hist.get("ttft"))
     counted = (tokens[0], tokens[1]) if tokens is not None else None
+    cache = _sum_count(prefix)
     if len(per) < 2:
-        return EngineLoad(whole.waiting, whole.running, whole.kv_usage, at, None, tpot, ttft, counted)
+        return EngineLoad(whole.waiting, whole.running, whole.kv_usage, at, None, tpot, ttft, counted,
+                          prefix_cache=cache)
     ranks = {engine: _load(w, r, u, at) for engine, (w, r, u) in per.items()}
-    return EngineLoad(whole.waiting, whole.running, whole.kv_usage, at, ranks, tpot, ttft, counted)
+    return EngineLoad(whole.waiting, whole.running, whole.kv_usage, at, ranks, tpot, ttft, counted, prefix_cache=cache)
 
 
 class EngineMetrics:
@@ -237,6 +248,9 @@ class EngineMetrics:
         now = time.monotonic()
         out: dict = {name: {"waiting": load.waiting, "running": load.running, "kv_usage": load.kv_usage,
                             "age_s": round(now - load.at, 3)} for name, load in self._loads.items()}
+        for name, load in self._loads.items():
+            if load.prefix_cache is not None:  # cumulative, in prompt tokens, as the engine counts them
+                out[name]["prefix_cache_queries"], out[name]["prefix_cache_hits"] = load.prefix_cache
         for name in self._down:
             out[name] = {"unreachable": True}
         return out

@@ -583,3 +583,28 @@ def test_issue_26_targets_compare_kv_sync_ttft_mean_p50_and_hit_rate_with_the_be
     table = bench.ttft_summary(report)
     assert len(table) == 2 + 2 and "W3-light @1gw" in table[2] and "W6" not in "".join(table)
     assert table[2].count("<") == 1 and table[3].count("<") == 2  # the hit rate at 1gw; mean and p50 at 2gw
+
+
+@pytest.mark.parametrize("policy", ["random", "kv-sync", "char-tree", ORACLE])
+def test_w12_continued_conversations_go_to_the_engine_that_stored_them(monkeypatch, policy):
+    """W12's Responses API turns by previous_response_id run on the engine that answered the conversation's
+    previous turn, whatever the policy (any other engine would 404); the other turns are the policy's."""
+    shape = dataclasses.replace(workloads.w12(), duration_s=3.0, turns=(4, 6))
+    wl = workloads.build(shape, 1)
+    assert {r.session is not None for r in wl.requests} == {True}
+    continued = [r for r in wl.requests if r.continues]
+    assert continued and len(continued) < len(wl.requests)
+    where: dict[str, int] = {}
+    add = EngineModel.add_request
+
+    def spy(self, req_id, *a, **kw):
+        where[req_id] = id(self)
+        return add(self, req_id, *a, **kw)
+
+    monkeypatch.setattr(EngineModel, "add_request", spy)
+    run(wl, Policy(policy, policy), 1)
+    last: dict[str, int] = {}
+    for r in wl.requests:
+        if r.continues:
+            assert where[r.req_id] == last[r.session], r.req_id
+        last[r.session] = where[r.req_id]  # type: ignore[index]

@@ -109,8 +109,13 @@ def test_models_and_passthrough(env):
     assert r.status_code == 200 and r.headers["x-kvgate-pod"] in env.sims
     assert r.json()["data"][0]["id"] == MODEL
     r = env.client.get("/health", headers={"x-gateway-destination-endpoint": f"127.0.0.1:{env.canary_port}"})
-    assert r.status_code == 200  # the default pool (sim0), not the header
-    assert "x-kvgate-pod" not in r.headers
+    assert r.status_code == 200 and r.headers["x-kvgate-pod"] in env.sims  # read-only: by load, not the header
+    # a public path kvgate does not route: the default pool (sim0), not the header
+    canary = env.canary_hits()
+    r = env.client.post("/v1/chat/completions/batch", json={"model": MODEL},
+                        headers={"x-gateway-destination-endpoint": f"127.0.0.1:{env.canary_port}"})
+    assert "x-envoy-upstream-service-time" in r.headers and "x-kvgate-pod" not in r.headers
+    assert env.canary_hits() == canary
 
 
 def test_sse_streams_incrementally(env):

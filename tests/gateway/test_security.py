@@ -1,7 +1,7 @@
 """Security on the real stack: clients cannot choose the upstream, reach none of the engines' admin
 endpoints (only the paths of envoy/vllm-paths.yaml's allow-list reach an engine), bodies are bounded,
 Redis AUTH and TLS work, and no secret (Authorization headers, Redis passwords) reaches kvgate's log,
-/debug or /metrics. kvgate runs at log level debug here, its chattiest.
+/debug, /metrics or the status page. kvgate runs at log level debug here, its chattiest.
 
 Extends tests/gateway/test_gateway_envoy.py (spoofed headers on the three routed paths, fail-closed when
 kvgate is down) and tests/routing/test_routing_redis.py (AUTH at the RedisCounts level).
@@ -159,8 +159,9 @@ def test_body_over_envoy_buffer_gets_413_and_the_gateway_keeps_serving(env):
 def _no_secret(env: Env, *secrets: str) -> None:
     log = env.kvgate.log_path.read_text(errors="replace")
     debug, metrics = env.debug_text(), env.metrics()
+    page = httpx.get(f"http://127.0.0.1:{env.http_port}/", timeout=5).text  # the status page: /debug and log lines
     for secret in secrets:
-        for where, text in (("log", log), ("/debug", debug), ("/metrics", metrics)):
+        for where, text in (("log", log), ("/debug", debug), ("/metrics", metrics), ("the status page", page)):
             assert secret not in text, f"{secret[:6]}... appears in kvgate's {where}"
 
 

@@ -187,3 +187,14 @@ def test_decoder_never_fails_otherwise_than_with_wire_error(payload):
     except WireError:
         return
     assert all(type(e) in (BlockStored, BlockRemoved, AllBlocksCleared) for e in d.batch.events)
+
+
+def test_batch_ts_reads_the_timestamp_of_the_array_form_without_decoding():
+    from kvcache.wire import batch_ts
+    for generation in GENERATIONS:
+        payload = encode_batch(EventBatch(ts=1234.5, events=(STORED,)), generation=generation)
+        assert batch_ts(payload) == 1234.5, generation  # every generation publishes the batch as an array
+    assert batch_ts(b"\x93" + TS + b"\x90" + NIL) == 1.5
+    assert batch_ts(b"\x92\xca" + struct.pack(">f", 2.5) + b"\x90") == 2.5
+    assert batch_ts(msgpack.packb([7, [], None])) is None  # an int ts: decode_batch's business
+    assert batch_ts(b"\x93\xcb\x00") is None and batch_ts(b"") is None

@@ -21,9 +21,11 @@ class FakeRender:
     def __init__(self, answer: Rendered | Exception) -> None:
         self.answer = answer
         self.calls: list[tuple[str, bytes, str | None]] = []
+        self.paths: list[str] = []
 
-    async def __call__(self, model: str, body: bytes, *, base_url: str | None = None) -> Rendered:
+    async def __call__(self, model: str, body: bytes, path: str, *, base_url: str | None = None) -> Rendered:
         self.calls.append((model, body, base_url))
+        self.paths.append(path)
         if isinstance(self.answer, Exception):
             raise self.answer
         return self.answer

@@ -65,6 +65,9 @@ class FakeRegistry:
     def pods(self):
         return self._pods
 
+    def get(self, name):
+        return next((p for p in self._pods if p.name == name), None)
+
     def ready_pods(self, model):
         return [p for p in self._pods if p.ready and p.serves(model)]
 
@@ -157,9 +160,13 @@ async def test_rank_of_the_decision_is_set_and_the_clients_rank_stripped():
         assert hs == {"x-gateway-destination-endpoint": "10.0.0.7:8000", "target-pod": "10.0.0.7:8000",
                       "x-data-parallel-rank": "1", "x-envoy-max-retries": "0"}
         assert out[1].dynamic_metadata["kvgate"]["rank"] == 1
-    # Unrouted paths drop a client's rank too: the engine behind them must not be steered either.
+    # Paths routed by load drop a client's rank too: the engine behind them must not be steered either.
     for method, path in (("GET", "/v1/models"), ("GET", "/health"), ("POST", "/v1/embeddings")):
-        out = await run_stream(gw, [headers(method, path, [("x-data-parallel-rank", "0")], eos=True)])
+        if method == "POST":  # a pooling body: its headers' answer carries the removal, the body's the pick
+            out = await run_stream(gw, [headers(method, path, [("x-data-parallel-rank", "0")]),
+                                        body({"model": "m", "input": "hi"})])
+        else:
+            out = await run_stream(gw, [headers(method, path, [("x-data-parallel-rank", "0")], eos=True)])
         mutation = out[0].request_headers.response.header_mutation
         assert list(mutation.remove_headers) == ["x-data-parallel-rank"], path
         assert "x-data-parallel-rank" not in set_headers(out[0].request_headers.response)
@@ -227,7 +234,9 @@ async def test_models_any_ready_pod_and_passthrough():
     assert set_headers(out[0].request_headers.response)["x-gateway-destination-endpoint"] == "10.0.0.7:8000"
     out = await run_stream(gateway(pods=()), [headers("GET", "/v1/models", eos=True)])
     assert out[0].immediate_response.status.code == 503
-    out = await run_stream(gateway(), [headers("GET", "/health", [("target-pod", "x")], eos=True)])
+    out = await run_stream(gateway(), [headers("GET", "/health", eos=True)])  # read-only: by load too
+    assert set_headers(out[0].request_headers.response)["x-gateway-destination-endpoint"] == "10.0.0.7:8000"
+    out = await run_stream(gateway(), [headers("GET", "/not-an-engine-path", [("target-pod", "x")], eos=True)])
     common = out[0].request_headers.response
     assert not common.header_mutation.set_headers and list(common.header_mutation.remove_headers) == ["target-pod"]
     assert not out[0].HasField("dynamic_metadata")
@@ -304,7 +313,7 @@ async def test_cache_probe_answers_without_a_tokenize_call():
 
 async def test_pass_through_headers_without_reserved_ones_share_one_answer():
     gw = gateway()
-    a = await run_stream(gw, [headers("GET", "/health", eos=True)])
+    a = await run_stream(gw, [headers("GET", "/not-an-engine-path", eos=True)])
     assert a[0].request_headers.response.header_mutation == pb.HeaderMutation()
     assert gw.metrics.requests.labels("other", "passthrough").value == 1
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import collections
+import dataclasses
 import time
 
 import pytest
@@ -32,8 +33,8 @@ def pods(*names):
 def fleet(loads: dict[str, EngineLoad] | None = None, names=("a", "b", "c"), **kw):
     reg = PodRegistry(pods(*names))
     engines = EngineMetrics(reg, interval_s=60)
-    for name, load in (loads or {}).items():
-        engines.put(name, load)
+    for name, load in (loads or {}).items():  # scraped now (a parametrized load is made at collection)
+        engines.put(name, dataclasses.replace(load, at=time.monotonic()))
     metrics = RoutingMetrics()
     return Router(reg, default_strategy="least-request", engines=engines, seed=3, metrics=metrics, **kw), reg, metrics
 

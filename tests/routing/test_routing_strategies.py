@@ -371,7 +371,8 @@ async def test_errors_and_needs_tokens():
         r.needs_tokens("fastest")
     assert {s: r.needs_tokens(s) for s in r.strategy_names()} == {
         "random": False, "round-robin": False, "least-request": False, "power-of-two": False,
-        "session-affinity": False, "vtc-basic": True, "prefix-cache": True, "kv-sync": True, "slo": True}
+        "session-affinity": False, "vtc-basic": True, "prefix-cache": True, "kv-sync": True, "slo": True,
+        "pd": True, "pd-decode": True}
     assert r.needs_tokens(None) is True
     assert r.running() == {}
 
