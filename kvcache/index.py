@@ -131,6 +131,10 @@ class PrefixIndex:
             t = type(ev)
             try:
                 if t is BlockRemoved:
+                    if sparse:  # the batch's sparse stores so far go in first: a removal after them wins
+                        waiting: list[tuple[int, tuple[BlockHash, ...]]] = []
+                        self._resolve(slot, model_id, sparse, waiting)
+                        sparse.extend(waiting)  # still waiting for their dense store
                     self._remove(slot, model_id, ev)
                 elif t is BlockStored:
                     self._store(slot, model, model_id, ev, sparse)

@@ -173,7 +173,8 @@ VARIABLES: tuple[Variable, ...] = (
              f"(scorers: {', '.join(SCORERS)}; 0 removes one)."),
     Variable("KVGATE_ROUTING_GUARD_SLACK", "routing_guard_slack", _int_range(0, 1_000_000), 16,
              "Load guard: a pod running this many more requests than the mean of the other pods (or four "
-             "times that beyond the least loaded one) is set aside..."),
+             "times that beyond the least loaded one) is set aside (with engine metrics scraped: only while its "
+             "engine reports requests waiting)..."),
     Variable("KVGATE_ROUTING_GUARD_RATIO", "routing_guard_ratio", _positive_float, 0.7,
              "...or this fraction of that mean (of the least loaded one's count), whichever is larger."),
     Variable("KVGATE_ROUTING_PREFILL_TOKENS_PER_S", "routing_prefill_tokens_per_s", _positive_float, 10_000.0,

@@ -148,6 +148,18 @@ class OutputPredictor(Tracker):
             cursor -= n
         return 1 << (self.buckets - 1)
 
+    def mean_output(self, model: str) -> float | None:
+        """The mean output length over the model's window (bucket values, log2-rounded), None before any."""
+        self.advance()
+        w = self._models.get(model)
+        if w is None:
+            return None
+        n = total = 0
+        for (_, out), count in w.totals.items():
+            n += count
+            total += count << out
+        return total / n if n > 0 else None
+
     def _cold(self, input_tokens: int) -> int:
         if self.cold == "random":
             return self._rng.randint(1, self.max_output)

@@ -102,6 +102,29 @@ class PrefillBacklog:
             self._piles.pop(pod, None)
 
 
+class AdmissionWait:
+    """Seconds a request sent to a pod now waits for a batch slot: none while the pod's engine reports
+    nothing waiting (per its last scrape); else the requests waiting and this one, a slot freeing every
+    decode step x mean output / running (the decoding batch drains one request per that). The step time
+    is the pod's learned one at its running batch (routing.learning.profiles), the mean output the
+    model's recent one (routing.learning.predictor; `default_output` before any)."""
+
+    def __init__(self, engines: EngineMetrics, step_time: Callable[[str, float], float],
+                 mean_output: Callable[[str], float | None], default_output: float = 128.0) -> None:
+        self._engines = engines
+        self._step_time = step_time
+        self._mean_output = mean_output
+        self._default_output = default_output
+
+    def __call__(self, ctx: PickContext, pod: Pod) -> float:
+        load = self._engines.get(pod.pod_name, pod.rank)
+        if load is None or load.waiting <= 0:
+            return 0.0
+        running = max(load.running, 1.0)
+        out = self._mean_output(ctx.base_model) or self._default_output
+        return (load.waiting + 1) * self._step_time(pod.pod_name, running) * out / running
+
+
 class MediumWeights:
     """What a cached block is worth by the medium holding it (GPU 1.0, CPU 0.8 by default; a medium not
     named counts at the lowest weight): blocks on slower media count partly uncached."""
@@ -182,8 +205,11 @@ class PrecisePrefixScorer(Scorer):
 
     def __init__(self, index: PrefixSource, medium_weights: Mapping[str, float] | None = None,
                  other_medium_weight: float = 0.8, backlog: PrefillBacklog | None = None,
-                 uncached_weight: float = 2.0) -> None:
+                 uncached_weight: float = 2.0, admission: AdmissionWait | None = None,
+                 tokens_per_s: float = 10_000.0) -> None:
         self._index = index
+        self._admission = admission
+        self._tokens_per_s = tokens_per_s
         self._media = MediumWeights(medium_weights, other_medium_weight)
         self.backlog = backlog
         self._uncached_weight = uncached_weight
@@ -213,7 +239,13 @@ class PrecisePrefixScorer(Scorer):
         backlog = self.backlog.get
         now = self.backlog.now()
         k = self._uncached_weight
-        return _relative({name: k * u + backlog(name, now) for name, u in uncached.items()}, k * n)
+        costs = {name: k * u + backlog(name, now) for name, u in uncached.items()}
+        if self._admission is not None:  # a batch slot's wait, in the prompt tokens prefilled meanwhile
+            wait, rate = self._admission, self._tokens_per_s
+            for p in pods:
+                if p.name in costs:
+                    costs[p.name] += wait(ctx, p) * rate
+        return _relative(costs, k * n)
 
     def picked(self, ctx: PickContext, pod: Pod) -> None:
         uncached = ctx.state.get(self.name)

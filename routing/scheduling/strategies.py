@@ -14,12 +14,14 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, TypeVar
 
 from routing.learning.profiles import EngineProfiles
+from routing.pods import Pod
 from routing.scheduling.approx import ApproxPrefixTable
 from routing.scheduling.cost import PromptCache, TTFTScorer
 from routing.state.engine_metrics import EngineMetrics, Saturation
 from routing.scheduling.fairness import TokenFairnessScorer
-from routing.scheduling.scorers import (ApproxPrefixScorer, EngineBusyScorer, FamilyAffinityScorer, KVFreeScorer,
-                             KVUtilizationScorer, LatencyScorer, LoadScorer, PrecisePrefixScorer, PrefillBacklog, PrefixSource, QueueScorer,
+from routing.scheduling.scorers import (AdmissionWait, ApproxPrefixScorer, EngineBusyScorer, FamilyAffinityScorer,
+                                        KVFreeScorer, KVUtilizationScorer, LatencyScorer, LoadScorer,
+                                        PrecisePrefixScorer, PrefillBacklog, PrefixSource, QueueScorer,
                              ThroughputScorer)
 from routing.scheduling.sessions import SessionAffinityScorer, SessionStore
 from routing.scheduling.slo import Capacity, SLOScorer
@@ -99,7 +101,11 @@ class StrategySpec:
 def _prefix(r: Resources) -> Scorer:
     c = r.config
     assert r.index is not None
-    return PrecisePrefixScorer(r.index, c.medium_weights, backlog=PrefillBacklog(c.prefill_tokens_per_s, c.clock))
+    admission = None
+    if r.engines is not None and r.capacity is not None:
+        admission = AdmissionWait(r.engines, r.capacity.profiles.step_time, r.capacity.predictor.mean_output)
+    return PrecisePrefixScorer(r.index, c.medium_weights, backlog=PrefillBacklog(c.prefill_tokens_per_s, c.clock),
+                               admission=admission, tokens_per_s=c.prefill_tokens_per_s)
 
 
 def _ttft(r: Resources) -> Scorer:
@@ -119,7 +125,9 @@ SCORERS: dict[str, ScorerSpec] = {s.name: s for s in (
     ScorerSpec("prefix", _prefix, ("index",),
                "estimated prefill wait from the event-fed index: the prompt tokens the pod does not hold "
                "(GPU blocks 1.0, CPU 0.8; counted twice: this request and whoever queues behind it) plus "
-               "the pod's prefill backlog (`KVGATE_ROUTING_PREFILL_TOKENS_PER_S`)"),
+               "the pod's prefill backlog (`KVGATE_ROUTING_PREFILL_TOKENS_PER_S`); with engine metrics and observed "
+               "responses, plus the wait for a batch slot where the engine reports requests waiting (waiting + 1 "
+               "slots, one per learned decode step x mean output / running)"),
     ScorerSpec("ttft", _ttft, ("index",),
                "expected time to first token: (this gateway's prefill backlog on the pod + this request's "
                "uncached tokens from the index) / the pod's learned prefill rate + its learned TTFT overhead at "
@@ -332,6 +340,15 @@ def parse_weights(text: str, source: str = "KVGATE_ROUTING_WEIGHTS") -> dict[str
     return out
 
 
+def engine_queued(engines: EngineMetrics) -> Callable[[Pod], bool | None]:
+    """The load guard's view of whether load costs on a pod: its engine (a data-parallel rank: that rank) has
+    requests waiting for a batch slot or KV blocks, per its last scrape; None without a fresh one."""
+    def queued(pod: Pod) -> bool | None:
+        load = engines.get(pod.pod_name, pod.rank)
+        return None if load is None else load.waiting > 0
+    return queued
+
+
 def build_strategies(config: StrategyConfig, rng: random.Random, *, index: PrefixSource | None = None,
                      engines: EngineMetrics | None = None, capacity: Capacity | None = None,
                      sessions: SessionStore | None = None) -> dict[str, Strategy]:
@@ -353,7 +370,8 @@ def build_strategies(config: StrategyConfig, rng: random.Random, *, index: Prefi
             found = built[name] = SCORERS[name].build(res)
         return found
 
-    guard = LoadGuard(config.guard_abs_slack, config.guard_rel_slack)
+    guard = LoadGuard(config.guard_abs_slack, config.guard_rel_slack,
+                      queued=None if engines is None else engine_queued(engines))
     out = {}
     for name, spec in STRATEGIES.items():
         if any(missing(s) for s, w in spec.weights.items() if w > 0):

@@ -87,6 +87,22 @@ def test_window_blocks_removed_from_their_group_only():
     assert hit_tokens(ix, p) == 0
 
 
+def test_a_window_block_removed_in_the_batch_that_stored_it_stays_removed():
+    """An engine step that stores a window tail and then frees blocks leaving the window publishes both in
+    one batch (bench routing W8: stores of blocks 4-11, removals of 5-10 in one step). The sparse store waits
+    for the batch's dense one; the removal after it must still win, as the events' order says."""
+    ix = PrefixIndex()
+    p = prompt(840)
+    ix.apply("a", "m", 0, [window_tail(p, range(44, 52)), full(p), BlockRemoved((hashes(p)[47],), "GPU", group_idx=0)])
+    assert hit_tokens(ix, p) == 0  # as test_window_blocks_removed_from_their_group_only, in one batch
+    assert not ix.stats()["skipped"]
+    # and a removal before the store in the same batch does not undo the store
+    ix2 = PrefixIndex()
+    ix2.apply("a", "m", 0, [full(p)])
+    ix2.apply("a", "m", 0, [BlockRemoved((hashes(p)[47],), "GPU", group_idx=0), window_tail(p, range(44, 52))])
+    assert hit_tokens(ix2, p) == 832
+
+
 def test_sparse_hashes_no_group_stored_densely_are_counted_never_guessed():
     ix = PrefixIndex()
     p = prompt(840)

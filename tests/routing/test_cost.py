@@ -143,3 +143,55 @@ async def test_kv_sync_tells_the_profiles_what_it_predicted_so_responses_teach_t
     assert d.pod.name == "a"
     profiles.observe("a", ttft=0.0508, running=1, request_id="q")  # 8 tokens predicted: 0.8 ms; 50 ms more seen
     assert profiles.ttft_overhead("a", 1) == pytest.approx(0.050)
+
+
+def test_mean_output_is_the_windows_mean_bucket():
+    pred = OutputPredictor(rng=random.Random(0), clock=Clock(0.0))
+    assert pred.mean_output("m") is None
+    pred.add("m", 1000, 100)  # bucket 2**7
+    pred.add("m", 1000, 400)  # bucket 2**9
+    assert pred.mean_output("m") == pytest.approx((128 + 512) / 2)
+    assert pred.mean_output("other") is None
+
+
+def test_admission_wait_is_zero_until_requests_wait_then_a_slot_per_drain_step():
+    import time
+    from routing.scheduling.scoring import PickContext
+    from routing.scheduling.scorers import AdmissionWait
+    from routing.state.engine_metrics import EngineLoad, EngineMetrics
+    reg = PodRegistry([Pod(n, f"10.0.0.{i + 1}", 8000, "m") for i, n in enumerate("ab")])
+    engines = EngineMetrics(reg, interval_s=60)
+    now = time.monotonic()
+    engines.put("a", EngineLoad(waiting=0, running=60, kv_usage=0.5, at=now))
+    engines.put("b", EngineLoad(waiting=2, running=8, kv_usage=0.9, at=now))
+    wait = AdmissionWait(engines, lambda pod, running: 0.01, lambda model: 100.0)
+    ctx = PickContext(request=RouteRequest("m"), base_model="m", lora=None, running={})
+    a, b = reg.pods()
+    assert wait(ctx, a) == 0.0  # 60 running, nothing waiting: a batch slot is free
+    assert wait(ctx, b) == pytest.approx(3 * 0.01 * 100 / 8)  # 2 waiting and this one, a slot every 0.125 s
+    assert AdmissionWait(engines, lambda pod, running: 0.01, lambda model: None)(ctx, b) == pytest.approx(
+        3 * 0.01 * 128 / 8)  # no output history yet: the default output length
+
+
+async def test_kv_sync_prices_a_full_batch_against_the_prompts_prefill():
+    """The default kv-sync (`prefix` scorer) with engine metrics and profiles: the pod holding the prompt keeps
+    it while its engine has a free slot, whatever it runs; once requests wait there for a slot longer than
+    the prompt's prefill elsewhere takes, the request goes elsewhere."""
+    import time
+    from routing.state.engine_metrics import EngineLoad, EngineMetrics
+    clock = Clock(0.0)
+    reg = PodRegistry([Pod(n, f"10.0.0.{i + 1}", 8000, "m") for i, n in enumerate("ab")])
+    engines = EngineMetrics(reg, interval_s=60)
+    cap = Capacity(EngineProfiles(prefill_tokens_per_s=10_000.0, clock=clock),
+                   OutputPredictor(rng=random.Random(0), clock=clock), clock=clock)
+    for _ in range(5):
+        cap.predictor.add("m", 1000, 100)
+    r = Router(reg, default_strategy="kv-sync", index=HeldBy("a"), engines=engines, capacity=cap, seed=0,
+               config=StrategyConfig(clock=clock))
+    engines.put("a", EngineLoad(waiting=0, running=12, kv_usage=0.5, at=time.monotonic()))
+    engines.put("b", EngineLoad(waiting=0, running=0, kv_usage=0.1, at=time.monotonic()))
+    assert (await r.pick(RouteRequest("m", PROMPT, request_id="q1"))).pod.name == "a"
+    # a full batch with 10 waiting: 11 slots x 42 ms (the prior step at 64) x 128 / 64 = 0.9 s, against 0.1 s of
+    # prefill on b
+    engines.put("a", EngineLoad(waiting=10, running=64, kv_usage=0.99, at=time.monotonic()))
+    assert (await r.pick(RouteRequest("m", PROMPT, request_id="q2"))).pod.name == "b"

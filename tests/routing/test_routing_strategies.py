@@ -268,6 +268,48 @@ def test_load_guard_matches_its_rule_on_random_loads(abs_slack, rel_slack):
         ctx = PickContext(request=RouteRequest("m"), base_model="m", lora=None, running=running)
         assert {p.name for p in guard.filter(ctx, pods(*running))} == _guard_rule(guard, running), running
 
+GUARD_QUEUED_TABLE = [
+    # (case, running, engine says requests wait there (None: no fresh scrape), kept)
+    ("a hot spot whose engine has nothing waiting is kept: its load costs nothing yet",
+     {"a": 40, "b": 10, "c": 10}, {"a": False, "b": False, "c": False}, {"a", "b", "c"}),
+    ("a hot spot whose engine has requests waiting is set aside",
+     {"a": 40, "b": 10, "c": 10}, {"a": True, "b": False, "c": False}, {"b", "c"}),
+    ("no fresh scrape: the rule alone decides", {"a": 40, "b": 10, "c": 10}, {}, {"b", "c"}),
+    ("warm pods next to an idle newcomer stay while nothing waits on them",
+     {"a": 64, "b": 64, "c": 64, "d": 0}, {"a": False, "b": True, "c": None, "d": False}, {"a", "d"}),
+    ("a balanced fleet is never filtered, waiting or not", {"a": 40, "b": 39}, {"a": True, "b": True}, {"a", "b"}),
+]
+
+
+@pytest.mark.parametrize("case, running, waiting, kept", GUARD_QUEUED_TABLE, ids=[c[0] for c in GUARD_QUEUED_TABLE])
+def test_load_guard_sets_aside_only_pods_with_requests_waiting(case, running, waiting, kept):
+    ctx = PickContext(request=RouteRequest("m"), base_model="m", lora=None, running=running)
+    guard = LoadGuard(queued=lambda pod: waiting.get(pod.name))
+    assert {p.name for p in guard.filter(ctx, pods(*running))} == kept, case
+
+
+async def test_kv_sync_keeps_a_warm_pod_its_engine_says_has_room():
+    """The shared guard reads the engines' scraped queues: a pod holding the prompt and running 30 more
+    than the others keeps the request while its engine has nothing waiting, and loses it once it has."""
+    import time
+    reg = PodRegistry(pods("a", "b", "c"))
+    engines = EngineMetrics(reg, interval_s=60)
+    index = FakeIndex({"a": (4, {"GPU": 4})})
+    r = Router(reg, default_strategy="kv-sync", index=index, engines=engines, seed=0)
+    for _ in range(30):
+        r._counts.add("a", 1)
+    for name in "abc":
+        engines.put(name, EngineLoad(waiting=0, running=30 if name == "a" else 0, kv_usage=0.3, at=time.monotonic()))
+    assert (await r.pick(RouteRequest("m", token_ids=TOKENS))).pod.name == "a"
+    engines.put("a", EngineLoad(waiting=2, running=31, kv_usage=0.9, at=time.monotonic()))
+    assert (await r.pick(RouteRequest("m", token_ids=TOKENS))).pod.name != "a"
+    # without engine metrics (no scraping), the guard's rule alone: set aside
+    plain = Router(PodRegistry(pods("a", "b", "c")), default_strategy="kv-sync", index=index, seed=0)
+    for _ in range(31):
+        plain._counts.add("a", 1)
+    assert (await plain.pick(RouteRequest("m", token_ids=TOKENS))).pod.name != "a"
+
+
 def test_prefill_backlog_drains_at_its_rate():
     now = [0.0]
     b = PrefillBacklog(10_000, clock=lambda: now[0])
