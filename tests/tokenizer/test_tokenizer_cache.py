@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import copy as copy_module
 import json
+import threading
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -571,7 +572,25 @@ def _nested_tools(depth: int, leaf: object = 1) -> tuple:
 
 @pytest.mark.parametrize("depth", [10, 30, 31, 32, 33, 300, 450, 600, 950])
 def test_deeply_nested_input_is_keyed_and_never_an_internal_error(local, depth) -> None:
-    """JSON nests as deep as the parser allows (about 1000 levels); keys still tell inputs apart."""
+    """JSON nests as deep as the parser allows (about 1000 levels); keys still tell inputs apart. Run on a
+    thread of its own: the request path's stack is shallow, a test runner's (pytest-xdist's worker) is not."""
+    done: list[BaseException | None] = []
+
+    def body() -> None:
+        try:
+            _nested_input_is_keyed(local, depth)
+        except BaseException as e:  # re-raised on the test's thread
+            done.append(e)
+        else:
+            done.append(None)
+    t = threading.Thread(target=body)
+    t.start()
+    t.join()
+    if done[0] is not None:
+        raise done[0]
+
+
+def _nested_input_is_keyed(local, depth: int) -> None:
     msgs = ({"role": "user", "content": "x"},)
     a, b = ChatInput(messages=msgs, tools=_nested_tools(depth)), ChatInput(messages=msgs, tools=_nested_tools(depth, 2))
     ka, kb = _request_key(a), _request_key(b)
