@@ -138,18 +138,26 @@ class ChatWorkload:
             if first is None:
                 raise RuntimeError("stream ended without data")
         except (httpx.HTTPError, RuntimeError, ValueError) as e:
-            results.errors += 1
-            if len(results.error_samples) < 5:
-                results.error_samples.append(str(e) or type(e).__name__)
+            self._failed(results, e)
             # Start this user's conversation over: its history was not answered.
             self.histories.pop(user, None)
             return
+        self._served(results, pod, first, last, events)
+        self.record_answer(user, "".join(pieces))
+
+    @staticmethod
+    def _failed(results: Results, e: BaseException) -> None:
+        results.errors += 1
+        if len(results.error_samples) < 5:
+            results.error_samples.append(str(e) or type(e).__name__)
+
+    def _served(self, results: Results, pod: str, first: float, last: float, events: int) -> None:
+        """A streamed answer's count, TTFT, SLO check (TPOT: the mean gap after the first event) and pod."""
         results.requests += 1
         results.ttft_s.append(first)
         tpot = (last - first) / (events - 1) if events > 1 else 0.0
         results.slo_met += first <= self.shape.slo_ttft_ms / 1000 and tpot <= self.shape.slo_tpot_ms / 1000
         results.pods[pod] = results.pods.get(pod, 0) + 1
-        self.record_answer(user, "".join(pieces))
 
 
 # --- the agent mix -----------------------------------------------------------------------------------
@@ -265,18 +273,12 @@ class AgentWorkload(ChatWorkload):
             if first is None:
                 raise RuntimeError(f"{path}: the stream ended without a token")
         except (httpx.HTTPError, RuntimeError, ValueError, KeyError) as e:
-            results.errors += 1
-            if len(results.error_samples) < 5:
-                results.error_samples.append(str(e) or type(e).__name__)
+            self._failed(results, e)
             self.histories.pop(user, None)  # start this user's conversation over
             self.previous.pop(user, None)
             self.turns.pop(user, None)
             return
-        results.requests += 1
-        results.ttft_s.append(first)
-        tpot = (last - first) / (events - 1) if events > 1 else 0.0
-        results.slo_met += first <= self.shape.slo_ttft_ms / 1000 and tpot <= self.shape.slo_tpot_ms / 1000
-        results.pods[pod] = results.pods.get(pod, 0) + 1
+        self._served(results, pod, first, last, events)
         answer = "".join(pieces)
         if api == "responses":
             if response_id is not None:
