@@ -43,8 +43,6 @@ from plugin.pipeline import (PREVIOUS_RESPONSE, SLO_TPOT_HEADER, SLO_TTFT_HEADER
                              build)
 from plugin.request import (KINDS, MESSAGES, POOLING_PATHS, READ_ONLY, RESPONSES, ROUTED_POST_PATHS, ClientError,
                             bad_request, parse_body)
-
-RESPONSE_PREFIX = RESPONSES + "/"
 from plugin.responses import IdReader
 from routing.errors import (NoEligibleEndpointError, NoReadyPodError, RoutingError, SaturatedError,
                             UnknownModelError, UnknownStrategyError)
@@ -52,6 +50,8 @@ from routing.pods import Pod
 from routing.router import Decision
 
 log = logging.getLogger("kvgate.extproc")
+
+RESPONSE_PREFIX = RESPONSES + "/"  # GET /v1/responses/{id}, POST /v1/responses/{id}/cancel
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 TARGET_POD_HEADER = "target-pod"
@@ -273,8 +273,9 @@ class _Stream:
                 ctx.authorization = value
             elif which == _SESSION:
                 value = value.strip()
-                if value and (ctx.session is None or SESSION_HEADERS.index(key) < ctx.session_rank):
-                    ctx.session, ctx.session_rank = value, SESSION_HEADERS.index(key)
+                rank = SESSION_HEADERS.index(key)
+                if value and (ctx.session is None or rank < ctx.session_rank):
+                    ctx.session, ctx.session_rank = value, rank
             elif which == _USER:
                 ctx.user = value.strip() or None
             else:  # an SLO target
