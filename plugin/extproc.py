@@ -89,6 +89,7 @@ _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _HEADERS_CONTINUE = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
 _HEADERS_UNWATCHED = pb.ProcessingResponse(request_headers=pb.HeadersResponse(), mode_override=observe.UNWATCHED)
 _BODY_CONTINUE = pb.ProcessingResponse(request_body=pb.BodyResponse())
+LOOKUP = pb.ProcessingResponse()  # on_headers' word that its answer needs an await (on_stored_lookup)
 _RESPONSE_HEADERS_CONTINUE = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
 _RESPONSE_BODY_CONTINUE = pb.ProcessingResponse(response_body=pb.BodyResponse())
 FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
@@ -120,7 +121,7 @@ class _Stream:
     """The protocol state of one HTTP request's ext_proc stream; the request's own state is `ctx`."""
 
     __slots__ = ("gw", "pipeline", "answers", "ctx", "method", "streamed_request", "streamed_response", "chunks",
-                 "held_remove", "served_pod", "id_reader")
+                 "held_remove", "served_pod", "id_reader", "lookup_id")
 
     def __init__(self, gw: Gateway, pipeline: Pipeline, answers: dict) -> None:
         self.gw = gw
@@ -136,6 +137,7 @@ class _Stream:
         self.streamed_response = False
         self.chunks: list[bytes] | None = None
         self.held_remove: list[str] | None = None
+        self.lookup_id: str | None = None  # a stored response's id to look up before the headers' answer
         # A Responses API answer's pod and the reader of its id (plugin.responses), while it is looked for.
         self.served_pod = ""
         self.id_reader: IdReader | None = None
@@ -312,7 +314,13 @@ class _Stream:
         if path.startswith(RESPONSE_PREFIX):  # GET /v1/responses/{id}, POST /v1/responses/{id}/cancel
             ctx.kind = "read_only"
             self.gw.metrics.read_only.labels(RESPONSE_PREFIX + "{id}").inc()
-            return self._route_any(remove or [], self._stored(path[len(RESPONSE_PREFIX):].split("/", 1)[0]))
+            response_id = path[len(RESPONSE_PREFIX):].split("/", 1)[0]
+            store = self.gw.responses
+            if store is not None and response_id and store.pod_of(response_id) is None:
+                self.held_remove = remove  # learned by another replica, perhaps: Process awaits on_stored_lookup
+                self.lookup_id = response_id
+                return LOOKUP
+            return self._route_any(remove or [], self._stored(response_id))
         if (method, path) in READ_ONLY:
             ctx.kind = "models" if path == "/v1/models" else "read_only"
             self.gw.metrics.read_only.labels(path).inc()
@@ -373,10 +381,20 @@ class _Stream:
         return d
 
     # --- helpers ----------------------------------------------------------------------
+    async def on_stored_lookup(self) -> pb.ProcessingResponse:
+        """The headers' answer for a stored response's path whose id this replica has not learned: the store
+        looks it up where the replicas share ids (plugin.responses; bounded wait), else routed by load."""
+        store = self.gw.responses
+        assert store is not None and self.lookup_id is not None  # set together in on_headers
+        name = await store.lookup(self.lookup_id)
+        return self._route_any(self.held_remove or [], self._ready(name))
+
     def _stored(self, response_id: str) -> Pod | None:
         """The ready pod that stored a Responses API response (plugin.responses), if this gateway learned it."""
         store = self.gw.responses
-        name = store.pod_of(response_id) if store is not None and response_id else None
+        return self._ready(store.pod_of(response_id) if store is not None and response_id else None)
+
+    def _ready(self, name: str | None) -> Pod | None:
         pod = self.gw.registry.get(name) if name is not None else None
         return pod if pod is not None and pod.ready else None
 
@@ -487,6 +505,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                     if which == "request_headers":
                         stream.read_context(msg)
                         response = stream.on_headers(msg.request_headers)
+                        if response is LOOKUP:
+                            response = await stream.on_stored_lookup()
                     elif which == "request_body":
                         longer = stream.longer_timeout()
                         if longer is not None:  # the pd strategy's prefill leg may outlast Envoy's message_timeout

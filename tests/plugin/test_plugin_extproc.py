@@ -502,3 +502,34 @@ async def test_session_and_user_headers_reach_the_pick_and_the_session_pod_goes_
     out = await run_stream(gw, [headers("POST", "/v1/completions", [("routing-strategy", "session-affinity")]),
                                 body({"model": "m", "prompt": "x"})])
     assert "session_id" in out[1].dynamic_metadata["kvgate"]
+
+
+class ElsewhereStore:
+    """A response id store whose ids were learned by another replica: nothing here, found on lookup."""
+
+    def __init__(self, ids):
+        self.ids, self.lookups = ids, []
+
+    def pod_of(self, response_id):
+        return None
+
+    async def lookup(self, response_id):
+        self.lookups.append(response_id)
+        return self.ids.get(response_id)
+
+
+async def test_a_stored_response_read_through_another_replica_goes_to_the_pod_that_stored_it():
+    other = Pod("p1", "10.0.0.8", 8000, "m")
+    store = ElsewhereStore({"resp_x": "p1"})
+    gw = gateway(pods=(POD, other), responses=store)
+    out = await run_stream(gw, [headers("GET", "/v1/responses/resp_x", eos=True)])
+    assert set_headers(out[0].request_headers.response)["x-gateway-destination-endpoint"] == "10.0.0.8:8000"
+    out = await run_stream(gw, [headers("POST", "/v1/responses/resp_x/cancel", eos=True)])
+    assert set_headers(out[0].request_headers.response)["x-gateway-destination-endpoint"] == "10.0.0.8:8000"
+    assert store.lookups == ["resp_x", "resp_x"]
+    out = await run_stream(gw, [headers("GET", "/v1/responses/resp_nobody", eos=True)])  # by load, as any other
+    ranked = set_headers(out[0].request_headers.response)["x-gateway-destination-endpoint"].split(",")
+    assert sorted(ranked) == ["10.0.0.7:8000", "10.0.0.8:8000"]
+    outcomes = {s.labels["outcome"]: s.value for m in gw.metrics.response_affinity.collect() for s in m.samples
+                if s.name.endswith("_total")}
+    assert outcomes["routed"] == 2
