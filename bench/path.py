@@ -69,6 +69,7 @@ PHASE_HEADER = "x-bench-phase"  # which phase sent a request, for the access log
 # filter state (`rh:<us>:<status>,rb:<calls>:<total us>:<status>,...`: request headers, request body, ...).
 ACCESS_LOG_FORMAT = (f"%REQ({PHASE_HEADER.upper()})% %COMMON_DURATION(DS_RX_BEG:US_TX_BEG:us)% "
                      "%FILTER_STATE(envoy.filters.http.ext_proc:PLAIN)%\n")
+FLUSH_LOGS = ("--file-flush-interval-msec", "200")  # Envoy writes file logs out every 10 s by default
 # What Envoy answers on the floor's chat route: one token, as an engine's first chunk carries it.
 FLOOR_ANSWER = 'data: {"choices":[{"index":0,"delta":{"content":"x"}}]}\n\ndata: [DONE]\n\n'
 
@@ -271,7 +272,7 @@ def run(requests: int, concurrency: int, n_engines: int, log, idle: int = 0, rep
         for name, ports in (("kvgate", grpc_ports), ("noop", [noop_port])):
             config = render_envoy_config(listen_port=listen[name], admin_port=admin[name], extproc_port=ports[0],
                                          more_extproc_ports=ports[1:], pool=pool)
-            start_envoy(stack, f"envoy_{name}", with_access_log(config, logs[name]), listen[name])
+            start_envoy(stack, f"envoy_{name}", with_access_log(config, logs[name]), listen[name], FLUSH_LOGS)
         _envoy_only(stack, listen["envoy_only"], pool)
         if "noop_nowait" in PATHS:
             listen["noop_nowait"], admin["noop_nowait"] = free_port(), free_port()
@@ -324,7 +325,10 @@ def _envoy_answering(stack: Stack, name: str, port: int, pool: list[tuple[str, i
     if extproc_ports is None:
         hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
         hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.ext_proc"]
-    start_envoy(stack, name, with_access_log(config, access_log) if access_log else config, port)
+    if access_log is None:
+        start_envoy(stack, name, config, port)
+    else:
+        start_envoy(stack, name, with_access_log(config, access_log), port, FLUSH_LOGS)
 
 
 def with_access_log(config: dict, path: Path) -> dict:
@@ -337,8 +341,8 @@ def with_access_log(config: dict, path: Path) -> dict:
 
 
 def _read_logs(logs: dict[str, Path], requests: int, wait_s: float = 5.0) -> dict[str, str]:
-    """The access logs' text once Envoy wrote them out (it flushes a file log every second or so): until each
-    floor log holds its `paced` requests, at most `wait_s`."""
+    """The access logs' text once Envoy wrote them out (FLUSH_LOGS): until each floor log holds its `paced`
+    requests, at most `wait_s`."""
     deadline = time.monotonic() + wait_s
     while True:
         texts = {name: log.read_text() if log.exists() else "" for name, log in logs.items()}
