@@ -100,12 +100,13 @@ def _envoy_only_config(listen: int, admin: int, upstream: int) -> dict:
     return config
 
 
-def start_envoy(stack: Stack, name: str, config: dict, port: int) -> None:
-    """An Envoy named `name` running `config` (written to the stack's work dir), one worker, ready on `port`."""
+def start_envoy(stack: Stack, name: str, config: dict, port: int, args: tuple[str, ...] = ()) -> None:
+    """An Envoy named `name` running `config` (written to the stack's work dir), one worker, ready on `port`;
+    `args`: more command-line options."""
     path = stack.workdir / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     stack.start(name, [find_envoy(), "-c", str(path), "--concurrency", "1", "--log-level", "warning",
-                       "--disable-hot-restart"], ready_port=("127.0.0.1", port), ready_timeout=60)
+                       "--disable-hot-restart", *args], ready_port=("127.0.0.1", port), ready_timeout=60)
 
 
 _COLD_LUA = """wrk.method = "POST"

@@ -15,7 +15,12 @@ Then the processors alone (`floor`): Envoy answering the chat itself (a one-toke
 direct_response) after its filters ran, without ext_proc, with the no-op processor and with the same
 kvgate replicas, one request at a time, interleaved; with the processes' CPU per request. No engine
 and no upstream connection on that path, so what separates the three is the ext_proc messages alone,
-measured with far less noise than through the engines.
+measured with far less noise than through the engines. Back to back, though, every process on that path is
+warm; through the engines each path's requests come ~20-30 ms apart (the other paths' turns) and its processes
+wake from idle each time, which costs a Python processor about as much again: so the floor is run a second
+time `paced` (FLOOR_PACE_S before every request). The Envoys in front of the processors keep an access log
+(ACCESS_LOG_FORMAT): per phase, the ext_proc filter's own timing of the request headers' and body's round
+trips and the time from the request's first byte to the upstream request.
 Every request is a streamed chat (one of four ~1,200-token system prompts, a user message never
 sent before); its time to first token is from the request's first byte sent to the first chunk
 that carries a token, read by a bare HTTP/1.1 client (asyncio streams, one keep-alive connection
@@ -35,7 +40,8 @@ import shutil
 import statistics
 import sys
 import time
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable
 
 import httpx
 
@@ -54,6 +60,16 @@ _TOKEN = re.compile(rb'"(?:content|text)":"[^"]')  # a chunk that carries a toke
 TARGET_ADDED_SEQ_MS = 1.5
 IDLE_GAP_S = 1.5
 FLOOR_PATHS = ("envoy_answers", "noop", "kvgate")
+# The floor again with this pause before every request: through the engines each path waits ~20-30 ms between
+# its requests (the other paths' turns), so its processes wake from idle; back to back they are warm.
+FLOOR_PACE_S = 0.02
+PHASE_HEADER = "x-bench-phase"  # which phase sent a request, for the access logs
+# The access log of the Envoys in front of processors: the phase, the time from the request's first byte to the
+# upstream request (through the engines) and the ext_proc filter's own timing of each call it waited on, from its
+# filter state (`rh:<us>:<status>,rb:<calls>:<total us>:<status>,...`: request headers, request body, ...).
+ACCESS_LOG_FORMAT = (f"%REQ({PHASE_HEADER.upper()})% %COMMON_DURATION(DS_RX_BEG:US_TX_BEG:us)% "
+                     "%FILTER_STATE(envoy.filters.http.ext_proc:PLAIN)%\n")
+FLUSH_LOGS = ("--file-flush-interval-msec", "200")  # Envoy writes file logs out every 10 s by default
 # What Envoy answers on the floor's chat route: one token, as an engine's first chunk carries it.
 FLOOR_ANSWER = 'data: {"choices":[{"index":0,"delta":{"content":"x"}}]}\n\ndata: [DONE]\n\n'
 
@@ -101,10 +117,11 @@ class Client:
                 pass
             self.writer = self.reader = None
 
-    async def chat(self, payload: bytes) -> tuple[float, int]:
-        """(seconds to the first token, status); reads the whole response."""
+    async def chat(self, payload: bytes, phase: str = "") -> tuple[float, int]:
+        """(seconds to the first token, status); reads the whole response. `phase`: named in PHASE_HEADER."""
         reader, writer = await self._connect()
-        head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
+        marked = f"{PHASE_HEADER}: {phase}\r\n" if phase else ""
+        head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n{marked}"
                 f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n").encode()
         started = time.perf_counter()
         writer.write(head + payload)
@@ -173,12 +190,12 @@ class Samples:
 
 
 async def _measure(targets: dict[str, Any], requests: int, concurrency: int, idle: int,
-                   log) -> tuple[Samples, Samples, Samples]:
+                   log, warmed: Callable[[], None] = lambda: None) -> tuple[Samples, Samples, Samples]:
     """Both phases, the paths interleaved so that each sees the machine as the others do: one request at a
     time, the paths taken in turn request by request (the order rotating); then bursts of `concurrency`
     clients sending ten requests each, the paths taken in turn burst by burst; then `idle` requests each
     to direct and kvgate, every one after a pause of IDLE_GAP_S (longer than the running counts' view is
-    fresh: 1 s)."""
+    fresh: 1 s). `warmed` is called once the warm-up is over."""
     ids = itertools.count()
     seq_clients = {p: _clients(targets[p], len(targets[p]) if p == "direct" else 1) for p in PATHS}
     load_clients = {p: _clients(targets[p], concurrency) for p in PATHS}
@@ -187,16 +204,17 @@ async def _measure(targets: dict[str, Any], requests: int, concurrency: int, idl
         for warm in seq_clients.values():  # warm up: kvgate verifies its tokenizer, connections open
             for i in range(40):
                 await warm[i % len(warm)].chat(body(next(ids)))
+        warmed()
         for k in range(requests):
             for path in PATHS[k % len(PATHS):] + PATHS[:k % len(PATHS)]:
                 clients = seq_clients[path]
-                seq.add(path, *await clients[k % len(clients)].chat(body(next(ids))))
+                seq.add(path, *await clients[k % len(clients)].chat(body(next(ids)), "seq"))
         log(f"  one at a time: {requests} requests per path")
         burst = 10
 
         async def worker(path: str, client: Client) -> None:
             for _ in range(burst):
-                load.add(path, *await client.chat(body(next(ids))))
+                load.add(path, *await client.chat(body(next(ids)), "load"))
         for k in range(max(1, requests // burst)):
             for path in PATHS[k % len(PATHS):] + PATHS[:k % len(PATHS)]:
                 await asyncio.gather(*(worker(path, c) for c in load_clients[path]))
@@ -205,7 +223,7 @@ async def _measure(targets: dict[str, Any], requests: int, concurrency: int, idl
             for path in ("direct", "kvgate")[k % 2:] + ("direct", "kvgate")[:k % 2]:
                 await asyncio.sleep(IDLE_GAP_S)
                 clients = seq_clients[path]
-                quiet.add(path, *await clients[k % len(clients)].chat(body(next(ids))))
+                quiet.add(path, *await clients[k % len(clients)].chat(body(next(ids)), "idle"))
         if idle:
             log(f"  after {IDLE_GAP_S} s pauses: {idle} requests, direct and kvgate")
     finally:
@@ -250,10 +268,11 @@ def run(requests: int, concurrency: int, n_engines: int, log, idle: int = 0, rep
                              "--bodies"], ready_port=("127.0.0.1", noop_port))
         listen = {name: free_port() for name in ("envoy_only", "noop", "kvgate")}
         admin = {name: free_port() for name in ("noop", "kvgate")}
-        stack.envoy(name="envoy_kvgate", listen_port=listen["kvgate"], extproc_port=grpc_ports[0],
-                    more_extproc_ports=grpc_ports[1:], pool=pool, admin_port=admin["kvgate"])
-        stack.envoy(name="envoy_noop", listen_port=listen["noop"], extproc_port=noop_port, pool=pool,
-                    admin_port=admin["noop"])
+        logs = {name: stack.workdir / f"{name}.access.log" for name in ("kvgate", "noop", "floor_noop", "floor_kvgate")}
+        for name, ports in (("kvgate", grpc_ports), ("noop", [noop_port])):
+            config = render_envoy_config(listen_port=listen[name], admin_port=admin[name], extproc_port=ports[0],
+                                         more_extproc_ports=ports[1:], pool=pool)
+            start_envoy(stack, f"envoy_{name}", with_access_log(config, logs[name]), listen[name], FLUSH_LOGS)
         _envoy_only(stack, listen["envoy_only"], pool)
         if "noop_nowait" in PATHS:
             listen["noop_nowait"], admin["noop_nowait"] = free_port(), free_port()
@@ -262,31 +281,38 @@ def run(requests: int, concurrency: int, n_engines: int, log, idle: int = 0, rep
 
         floor_ports = {name: free_port() for name in FLOOR_PATHS}
         _envoy_answering(stack, "floor_envoy", floor_ports["envoy_answers"], pool, None)
-        _envoy_answering(stack, "floor_noop", floor_ports["noop"], pool, [noop_port])
-        _envoy_answering(stack, "floor_kvgate", floor_ports["kvgate"], pool, grpc_ports)
+        _envoy_answering(stack, "floor_noop", floor_ports["noop"], pool, [noop_port], logs["floor_noop"])
+        _envoy_answering(stack, "floor_kvgate", floor_ports["kvgate"], pool, grpc_ports, logs["floor_kvgate"])
         floor_pids = {"noop": [noop.popen.pid], "kvgate": [p.popen.pid for p in procs]}
 
         _expect_routed(f"http://127.0.0.1:{listen['kvgate']}")
-        seq, load, quiet = asyncio.run(_measure(targets, requests, concurrency, idle, log))
+        urls = [f"http://127.0.0.1:{p}/metrics" for p in http_ports]
+        inside = ("kvgate_routing_decision_seconds_sum", "kvgate_routing_decision_seconds_count",
+                  "kvgate_tokenize_seconds_sum", "kvgate_tokenize_seconds_count")
+        warm: dict[str, float] = {}
+
+        def warmed() -> None:  # kvgate's own times from here: the warm-up's tokenizer verification waits apart
+            warm.update((name, _metric_sum(urls, name)) for name in inside)
+        seq, load, quiet = asyncio.run(_measure(targets, requests, concurrency, idle, log, warmed))
         floor = asyncio.run(_measure_floor({k: ("127.0.0.1", v) for k, v in floor_ports.items()}, floor_pids,
                                            requests, log))
         msgs = {name: _messages_per_stream(port) for name, port in admin.items()}
-        urls = [f"http://127.0.0.1:{p}/metrics" for p in http_ports]
-        decided = _metric_sum(urls, "kvgate_routing_decision_seconds_count")
-        decision_ms = _metric_sum(urls, "kvgate_routing_decision_seconds_sum") / decided * 1e3 if decided else None
-        tokenize_ms = (_metric_sum(urls, "kvgate_tokenize_seconds_sum")
-                       / max(1.0, _metric_sum(urls, "kvgate_tokenize_seconds_count")) * 1e3)
+        sums, counts = (_metric_sum(urls, name) - warm.get(name, 0.0) for name in inside[:2])
+        decision_ms = sums / counts * 1e3 if counts else None
+        sums, counts = (_metric_sum(urls, name) - warm.get(name, 0.0) for name in inside[2:])
+        tokenize_ms = sums / max(1.0, counts) * 1e3
         observed = _metric_sum([f"http://127.0.0.1:{p}/metrics" for p in http_ports], "kvgate_requests_observed_total")
-    return summarize(seq, load, quiet, requests=requests, concurrency=concurrency,
+        waited = {name: extproc_timings(text) for name, text in _read_logs(logs, requests).items()}
+    return summarize(seq, load, quiet, requests=requests, concurrency=concurrency, extproc_us=waited,
                      engines=n_engines, replicas=replicas, kv_events=events, responses_observed=observed,
                      extproc_msgs_per_request=msgs, kvgate_decision_mean_ms=_round3(decision_ms),
                      kvgate_tokenize_mean_ms=_round3(tokenize_ms), floor=floor)
 
 
 def _envoy_answering(stack: Stack, name: str, port: int, pool: list[tuple[str, int]],
-                     extproc_ports: list[int] | None) -> None:
+                     extproc_ports: list[int] | None, access_log: Path | None = None) -> None:
     """The shipped config whose chat route Envoy answers itself (FLOOR_ANSWER, an event stream) once its
-    filters ran; ext_proc to `extproc_ports`, or none at all (None)."""
+    filters ran; ext_proc to `extproc_ports`, or none at all (None); its access log to `access_log`."""
     ports = extproc_ports or [1]
     config = render_envoy_config(listen_port=port, admin_port=free_port(), extproc_port=ports[0],
                                  more_extproc_ports=ports[1:], pool=pool)
@@ -299,36 +325,99 @@ def _envoy_answering(stack: Stack, name: str, port: int, pool: list[tuple[str, i
     if extproc_ports is None:
         hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
         hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.ext_proc"]
-    start_envoy(stack, name, config, port)
+    if access_log is None:
+        start_envoy(stack, name, config, port)
+    else:
+        start_envoy(stack, name, with_access_log(config, access_log), port, FLUSH_LOGS)
+
+
+def with_access_log(config: dict, path: Path) -> dict:
+    """`config` (a rendered envoy.yaml) with its listener's access log (ACCESS_LOG_FORMAT) written to `path`."""
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    hcm["access_log"] = [{"name": "envoy.access_loggers.file", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog", "path": str(path),
+        "log_format": {"text_format_source": {"inline_string": ACCESS_LOG_FORMAT}}}}]
+    return config
+
+
+def _read_logs(logs: dict[str, Path], requests: int, wait_s: float = 5.0) -> dict[str, str]:
+    """The access logs' text once Envoy wrote them out (FLUSH_LOGS): until each floor log holds its `paced`
+    requests, at most `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        texts = {name: log.read_text() if log.exists() else "" for name, log in logs.items()}
+        written = all(text.count("paced ") >= requests for name, text in texts.items() if name.startswith("floor"))
+        if written or time.monotonic() > deadline:
+            return texts
+        time.sleep(0.2)
+
+
+def extproc_timings(log: str) -> dict[str, dict[str, float | int | None]]:
+    """Per phase (PHASE_HEADER) of an ACCESS_LOG_FORMAT log: medians of the ext_proc calls Envoy waited on, in us
+    (the request headers' round trip, the request body's, all calls of the request together) and of the time from
+    the request's first byte to the upstream request (None where no upstream was asked: Envoy answered)."""
+    rows: dict[str, dict[str, list[int]]] = {}
+    for line in log.splitlines():
+        phase, upstream, state = (line.split(" ", 2) + ["", ""])[:3]
+        if phase == "-":
+            continue
+        row = rows.setdefault(phase, {"headers_us": [], "body_us": [], "calls_us": [], "to_upstream_us": []})
+        total = 0
+        for part in state.split(","):
+            kind, _, rest = part.partition(":")
+            numbers = rest.split(":")
+            if kind in ("rh", "sh", "rt", "st") and numbers[0].isdigit():  # headers/trailers: latency:status
+                total += int(numbers[0])
+                if kind == "rh":
+                    row["headers_us"].append(int(numbers[0]))
+            elif kind in ("rb", "sb") and len(numbers) > 1 and numbers[1].isdigit():  # calls:total latency:status
+                total += int(numbers[1])
+                if kind == "rb":
+                    row["body_us"].append(int(numbers[1]))
+        row["calls_us"].append(total)
+        if upstream.isdigit():
+            row["to_upstream_us"].append(int(upstream))
+    return {phase: {**{k: (round(statistics.median(v)) if v else None) for k, v in row.items()},
+                    "samples": len(row["calls_us"])} for phase, row in rows.items()}
 
 
 async def _measure_floor(targets: dict[str, tuple[str, int]], pids: dict[str, list[int]], requests: int,
                          log) -> dict:
     """The floor's paths one request at a time, taken in turn (the order rotating); medians, each processor's
     added time over Envoy answering alone, and each processor's CPU per request (its processes' user + system
-    time over the phase: background work such as engine scrapes included)."""
+    time over the phase: background work such as engine scrapes included). Then the same paced (`paced`):
+    FLOOR_PACE_S before every request, so that each path's processes wake from idle as through the engines."""
     clients = {p: Client(*targets[p]) for p in FLOOR_PATHS}
-    ttft: dict[str, list[float]] = {p: [] for p in FLOOR_PATHS}
-    errors = dict.fromkeys(FLOOR_PATHS, 0)
     ids = itertools.count(2 * 10**9)
+
+    async def one_pass(phase: str, pause: float) -> tuple[dict[str, list[float]], dict[str, int]]:
+        ttft: dict[str, list[float]] = {p: [] for p in FLOOR_PATHS}
+        errors = dict.fromkeys(FLOOR_PATHS, 0)
+        for k in range(requests):
+            for p in FLOOR_PATHS[k % len(FLOOR_PATHS):] + FLOOR_PATHS[:k % len(FLOOR_PATHS)]:
+                if pause:
+                    await asyncio.sleep(pause)
+                t, status = await clients[p].chat(body(next(ids)), phase)
+                if status == 200:
+                    ttft[p].append(t)
+                else:
+                    errors[p] += 1
+        return ttft, errors
     try:
         for client in clients.values():
             for _ in range(40):
                 await client.chat(body(next(ids)))
         cpu0 = {name: _cpu_seconds(ps) for name, ps in pids.items()}
-        for k in range(requests):
-            for p in FLOOR_PATHS[k % len(FLOOR_PATHS):] + FLOOR_PATHS[:k % len(FLOOR_PATHS)]:
-                t, status = await clients[p].chat(body(next(ids)))
-                if status == 200:
-                    ttft[p].append(t)
-                else:
-                    errors[p] += 1
+        ttft, errors = await one_pass("floor", 0.0)
         cpu = {name: _cpu_seconds(ps) for name, ps in pids.items()}
+        paced = await one_pass("paced", FLOOR_PACE_S)
     finally:
         for client in clients.values():
             await client.close()
-    log(f"  processors alone (Envoy answering): {requests} requests per path")
+    log(f"  processors alone (Envoy answering): {requests} requests per path, back to back and paced")
     out = summarize_floor(ttft, errors)
+    out["paced"] = summarize_floor(*paced)
+    out["paced"]["pause_s"] = FLOOR_PACE_S
     per_request: dict[str, int | None] = {}
     for name in pids:
         before, after = cpu0[name], cpu[name]
@@ -457,6 +546,13 @@ def summarize(seq: Samples, load: Samples, quiet: Samples | None = None, **run: 
     return out
 
 
+def _waited(waited: dict, name: str, phase: str) -> str:
+    t = waited.get(name, {}).get(phase) or {}
+    upstream = f" ({t['to_upstream_us']})" if t.get("to_upstream_us") is not None else ""
+    label = f"{name.removeprefix('floor_')} {'one at a time' if phase == 'seq' else 'alone' if phase == 'floor' else phase}"
+    return f"{label} {t.get('headers_us')} / {t.get('body_us')}{upstream}"
+
+
 def _quarter(values: list[float], q: int) -> list[float]:
     n = len(values)
     return values[q * n // 4:(q + 1) * n // 4]
@@ -480,7 +576,7 @@ def table(r: dict) -> str:
         i = r["idle"]
         rows.append(f"after {i['gap_s']} s pauses ({i['samples']} requests): direct {i['direct_p50_ms']:.3f} ms, kvgate "
                     f"{i['kvgate_p50_ms']:.3f} ms, added {i['kvgate_added_p50_ms']:+.3f} ms")
-    rows.append(f"inside kvgate, from the body to the answer (all phases, both replicas): mean "
+    rows.append(f"inside kvgate, from the body to the answer (all phases after the warm-up, both replicas): mean "
                 f"{r.get('kvgate_decision_mean_ms')} ms, of which tokenizing {r.get('kvgate_tokenize_mean_ms')} ms")
     rows.append(f"ext_proc messages per request (Envoy -> processor / back): {r.get('extproc_msgs_per_request')}")
     f = r.get("floor")
@@ -492,6 +588,17 @@ def table(r: dict) -> str:
                     f"kvgate {cpu.get('kvgate')} us (its replicas together)")
     elif f:
         rows.append(f"processors alone: a path without answers (failed requests per path: {f.get('errors')})")
+    paced = (f or {}).get("paced") or {}
+    if paced.get("kvgate_added_p50_ms") is not None and paced.get("noop_added_p50_ms") is not None:
+        rows.append(f"processors alone, paced ({paced['pause_s'] * 1e3:.0f} ms before every request, as each path waits "
+                    f"through the engines): no-op adds {paced['noop_added_p50_ms']:.3f} ms, kvgate "
+                    f"{paced['kvgate_added_p50_ms']:.3f} ms (Envoy answering alone {paced['envoy_answers_p50_ms']:.3f} ms)")
+    waited = r.get("extproc_us")
+    if waited:
+        rows.append("ext_proc calls Envoy waited on, p50 us (request headers / request body; first byte to upstream): "
+                    + "; ".join(_waited(waited, name, phase) for name, phase in (
+                        ("kvgate", "seq"), ("noop", "seq"), ("floor_kvgate", "floor"), ("floor_noop", "floor"),
+                        ("floor_kvgate", "paced"), ("floor_noop", "paced"))))
     rows.append(f"added @1 by quarter of the run: kvgate {r['paths']['kvgate']['seq_added_p50_ms_by_quarter']}, "
                 f"no-op {r['paths']['noop']['seq_added_p50_ms_by_quarter']}")
     rows.append(f"(ms; {r['paths']['direct']['seq_samples']} requests per path one at a time, "

@@ -110,3 +110,63 @@ def test_a_floor_path_without_answers_is_said_with_its_errors():
     r = path.summarize(seq, load, requests=1, concurrency=8, engines=2, floor=f)
     assert "processors alone: a path without answers (failed requests per path: {'envoy_answers': 0, 'noop': 0, " \
            "'kvgate': 5})" in path.table(r)
+
+
+def test_extproc_timings_are_per_phase_medians_of_the_filter_states_calls_and_the_wait_for_the_upstream():
+    log = "\n".join([
+        "seq 1500 rh:900:0,rb:1:300:0,bs:4962,br:178,os:0,ds:kvgate",
+        "seq 1700 rh:700:0,rb:1:500:0,sh:200:0,sb:1:100:0,bs:5273,br:212,os:0,ds:kvgate",
+        "seq 1600 rh:800:0,rb:2:400:0,bs:4962,br:178,os:0,ds:kvgate",
+        "floor - rh:500:0,rb:1:200:0,bs:4962,br:178,os:0,ds:kvgate",
+        "- - rh:1:0,rb:1:1:0",  # a request without the phase header (the warm-up): left out
+    ])
+    t = path.extproc_timings(log)
+    assert set(t) == {"seq", "floor"}
+    assert t["seq"] == {"headers_us": 800, "body_us": 400, "calls_us": 1200, "to_upstream_us": 1600, "samples": 3}
+    assert t["floor"] == {"headers_us": 500, "body_us": 200, "calls_us": 700, "to_upstream_us": None, "samples": 1}
+
+
+def test_the_access_log_and_the_phase_header_name_the_same_header(tmp_path):
+    config = path.with_access_log({"static_resources": {"listeners": [{"filter_chains": [{"filters": [
+        {"typed_config": {}}]}]}]}}, tmp_path / "a.log")
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    (entry,) = hcm["access_log"]
+    fmt = entry["typed_config"]["log_format"]["text_format_source"]["inline_string"]
+    assert entry["typed_config"]["path"] == str(tmp_path / "a.log") and fmt.endswith("\n")
+    assert fmt.startswith(f"%REQ({path.PHASE_HEADER.upper()})% ")
+
+    async def go():
+        sent = []
+
+        class Writer:
+            def write(self, data):
+                sent.append(data)
+
+            def is_closing(self):
+                return False
+        client = path.Client("127.0.0.1", 9)
+        reader = asyncio.StreamReader()
+        reader.feed_data(HEAD + _chunked(TOKEN))
+        client.reader, client.writer = reader, Writer()  # type: ignore[assignment]
+        await client.chat(b"{}", "paced")
+        return sent[0]
+    assert f"\r\n{path.PHASE_HEADER}: paced\r\n".encode() in asyncio.run(go())
+
+
+def test_the_table_says_the_paced_floor_and_the_round_trips_envoy_waited_on():
+    ttft = {"envoy_answers": [0.0003], "noop": [0.0012], "kvgate": [0.0016]}
+    f = path.summarize_floor(ttft, dict.fromkeys(path.FLOOR_PATHS, 0))
+    f["paced"] = path.summarize_floor({"envoy_answers": [0.0005], "noop": [0.0023], "kvgate": [0.0031]},
+                                      dict.fromkeys(path.FLOOR_PATHS, 0))
+    f["paced"]["pause_s"] = path.FLOOR_PACE_S
+    seq, load = path.Samples(), path.Samples()
+    for name in path.PATHS:
+        seq.add(name, 0.004, 200)
+        load.add(name, 0.010, 200)
+    waited = {"kvgate": {"seq": {"headers_us": 930, "body_us": 934, "to_upstream_us": 2266}},
+              "floor_noop": {"paced": {"headers_us": 1003, "body_us": 310, "to_upstream_us": None}}}
+    text = path.table(path.summarize(seq, load, requests=1, concurrency=8, engines=2, floor=f, extproc_us=waited))
+    assert "paced (20 ms before every request, as each path waits through the engines): no-op adds 1.800 ms, " \
+           "kvgate 2.600 ms (Envoy answering alone 0.500 ms)" in text
+    assert "kvgate one at a time 930 / 934 (2266)" in text and "noop paced 1003 / 310;" not in text
+    assert text.split("first byte to upstream): ")[1].split("\n")[0].endswith("noop paced 1003 / 310")
