@@ -126,8 +126,9 @@ SCORERS: dict[str, ScorerSpec] = {s.name: s for s in (
                "estimated prefill wait from the event-fed index: the prompt tokens the pod does not hold "
                "(GPU blocks 1.0, CPU 0.8; counted twice: this request and whoever queues behind it) plus "
                "the pod's prefill backlog (`KVGATE_ROUTING_PREFILL_TOKENS_PER_S`); with engine metrics and observed "
-               "responses, plus the wait for a batch slot where the engine reports requests waiting (waiting + 1 "
-               "slots, one per learned decode step x mean output / running)"),
+               "responses, plus the wait to be admitted where the engine reports requests waiting (waiting + 1 "
+               "finishes of the running requests, a learned decode step x mean output / (running + 1) each), on a "
+               "pod holding some of the prompt only beyond the prefill of what it holds"),
     ScorerSpec("ttft", _ttft, ("index",),
                "expected time to first token: (this gateway's prefill backlog on the pod + this request's "
                "uncached tokens from the index) / the pod's learned prefill rate + its learned TTFT overhead at "

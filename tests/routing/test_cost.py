@@ -154,7 +154,7 @@ def test_mean_output_is_the_windows_mean_bucket():
     assert pred.mean_output("other") is None
 
 
-def test_admission_wait_is_zero_until_requests_wait_then_a_slot_per_drain_step():
+def test_admission_wait_is_zero_until_requests_wait_then_one_finish_each():
     import time
     from routing.scheduling.scoring import PickContext
     from routing.scheduling.scorers import AdmissionWait
@@ -168,9 +168,47 @@ def test_admission_wait_is_zero_until_requests_wait_then_a_slot_per_drain_step()
     ctx = PickContext(request=RouteRequest("m"), base_model="m", lora=None, running={})
     a, b = reg.pods()
     assert wait(ctx, a) == 0.0  # 60 running, nothing waiting: a batch slot is free
-    assert wait(ctx, b) == pytest.approx(3 * 0.01 * 100 / 8)  # 2 waiting and this one, a slot every 0.125 s
+    # 2 waiting and this one: the 3rd of 8 running requests, spread over their 1 s outputs, finishes after 3/9 s
+    assert wait(ctx, b) == pytest.approx(3 * 0.01 * 100 / 9)
     assert AdmissionWait(engines, lambda pod, running: 0.01, lambda model: None)(ctx, b) == pytest.approx(
-        3 * 0.01 * 128 / 8)  # no output history yet: the default output length
+        3 * 0.01 * 128 / 9)  # no output history yet: the default output length
+    # an engine waiting for KV blocks behind one long running request: the one waiting and this one, two
+    # finishes, the first half an output away (2 / 2 outputs; the old running-only estimate said 2)
+    engines.put("b", EngineLoad(waiting=1, running=1, kv_usage=0.95, at=now))
+    assert wait(ctx, b) == pytest.approx(2 * 0.01 * 100 / 2)
+
+
+def test_prefix_scorer_counts_a_holders_wait_beyond_the_prefill_of_what_it_holds():
+    """Leaving the pod that holds 992 of the prompt's 1000 tokens costs their prefill again elsewhere (and
+    the eviction of as much there): its wait to be admitted counts only beyond that; a pod holding nothing
+    pays its whole wait."""
+    import time
+    from routing.scheduling.scoring import PickContext
+    from routing.scheduling.scorers import AdmissionWait, PrecisePrefixScorer, PrefillBacklog
+    from routing.state.engine_metrics import EngineLoad, EngineMetrics
+    reg = PodRegistry([Pod(n, f"10.0.0.{i + 1}", 8000, "m") for i, n in enumerate("abc")])
+    engines = EngineMetrics(reg, interval_s=60)
+    wait = AdmissionWait(engines, lambda pod, running: 0.01, lambda model: 10.0)  # an output: 0.1 s
+    scorer = PrecisePrefixScorer(HeldBy("a"), backlog=PrefillBacklog(10_000, clock=Clock(0.0)), admission=wait,
+                                 tokens_per_s=10_000)
+    a, b, c = reg.pods()
+
+    def scores(waiting_a: int, waiting_c: int = 0) -> dict[str, float]:
+        now = time.monotonic()
+        engines.put("a", EngineLoad(waiting=waiting_a, running=1, kv_usage=0.95, at=now))
+        engines.put("b", EngineLoad(waiting=0, running=1, kv_usage=0.5, at=now))
+        engines.put("c", EngineLoad(waiting=waiting_c, running=1, kv_usage=0.5, at=now))
+        ctx = PickContext(request=RouteRequest("m", PROMPT), base_model="m", lora=None, running={})
+        return scorer.score(ctx, [a, b, c])
+
+    # 4 waiting on a: 5 finishes x 0.01 s x 10 / 2 = 0.25 s, 2,500 tokens' prefill at 10k tokens/s; a:
+    # 2 x 8 + (2,500 - 992) = 1,524 < b: 2 x 1,000 (counted in full, 2 x 8 + 2,500 would have sent it to b)
+    s = scores(waiting_a=4)
+    assert s["a"] == 1.0 and s["b"] < 1.0, s
+    s = scores(waiting_a=6)  # 3,500 tokens: a: 16 + 2,508 = 2,524 > 2,000
+    assert s["b"] == 1.0 and s["a"] < 1.0, s
+    s = scores(waiting_a=0, waiting_c=4)  # c holds nothing: its whole wait counts (2,000 + 2,500 against b's 2,000)
+    assert s["a"] == 1.0 and s["b"] - s["c"] == pytest.approx(2_500 / 4_484), s
 
 
 async def test_kv_sync_prices_a_full_batch_against_the_prompts_prefill():
@@ -191,7 +229,7 @@ async def test_kv_sync_prices_a_full_batch_against_the_prompts_prefill():
     engines.put("a", EngineLoad(waiting=0, running=12, kv_usage=0.5, at=time.monotonic()))
     engines.put("b", EngineLoad(waiting=0, running=0, kv_usage=0.1, at=time.monotonic()))
     assert (await r.pick(RouteRequest("m", PROMPT, request_id="q1"))).pod.name == "a"
-    # a full batch with 10 waiting: 11 slots x 42 ms (the prior step at 64) x 128 / 64 = 0.9 s, against 0.1 s of
-    # prefill on b
+    # a full batch with 10 waiting: 11 finishes x 42 ms (the prior step at 64) x 128 / 65 = 0.9 s, 0.8 s beyond
+    # the prefill of the 992 tokens a holds, against 0.1 s of prefill on b
     engines.put("a", EngineLoad(waiting=10, running=64, kv_usage=0.99, at=time.monotonic()))
     assert (await r.pick(RouteRequest("m", PROMPT, request_id="q2"))).pod.name == "b"
