@@ -418,10 +418,12 @@ async def test_batches_published_before_the_subscription_took_hold_are_replayed(
         assert pub.recv() == b"\x01"
         held.append((2, batch(2)))
         pub.send_multipart([b"", (2).to_bytes(8, "big"), held[-1][1]])
-        while router.poll(3000):  # the repair
-            client, _, start = router.recv_multipart()
-            answer(client, int.from_bytes(start, "big"))
+        while not done.is_set():  # the repair, and any later request, until the test is over
+            if router.poll(20):
+                client, _, start = router.recv_multipart()
+                answer(client, int.from_bytes(start, "big"))
 
+    done = threading.Event()
     t = threading.Thread(target=serve)
     t.start()
     sink = RecordingSink()
@@ -434,6 +436,7 @@ async def test_batches_published_before_the_subscription_took_hold_are_replayed(
         assert st["missed_batches"] == 0 and sink.drops() == 0
     finally:
         await manager.aclose()
+        done.set()
         t.join()
         pub.close(0)
         router.close(0)
