@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import fcntl
 import os
 import random
 import shutil
@@ -37,32 +38,86 @@ class StackError(RuntimeError):
     pass
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+# Ports for the stack's servers are drawn below Linux's ephemeral range (32768-60999), so that no outgoing
+# connection takes one between its choice and its server's bind, and each is claimed for _CLAIM_S seconds
+# with a lock on its byte of one shared file (fcntl record locks: every process on the machine that draws
+# ports here, pytest-xdist's workers and CI's two suites side by side included, skips a port another one
+# drew and has not bound yet; a lock goes with the process that held it). Within a process, a port drawn
+# is not drawn again for _CLAIM_S seconds either.
+_PORTS = (20000, 32000)
+_CLAIM_S = 60.0
+_LOCK_FILE = Path(tempfile.gettempdir()) / "kvgate-ports.lock"
+_claims: dict[int, float] = {}  # port -> when it was drawn, in this process
+_claims_lock = threading.Lock()
+_lock_fd: int | None = None
+_rng = random.Random()
+
+
+def _lockf(op: int, port: int) -> bool:
+    """fcntl.lockf on `port`'s byte of the shared file: True if done (or if there is no such file to be had:
+    then only this process's own claims hold)."""
+    global _lock_fd
+    if _lock_fd is None:
+        try:
+            _lock_fd = os.open(_LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError:
+            _lock_fd = -1
+    if _lock_fd < 0:
+        return True
+    try:
+        fcntl.lockf(_lock_fd, op, 1, port)
+        return True
+    except OSError:
+        return False
+
+
+def _claim_run(n: int, host: str) -> int | None:
+    """The first of `n` consecutive ports drawn at random, claimed and bindable now; None if these were not."""
+    base = _rng.randrange(_PORTS[0], _PORTS[1] - n)
+    ports = range(base, base + n)
+    if any(p in _claims for p in ports):
+        return None
+    claimed: list[int] = []
+    socks: list[socket.socket] = []
+    try:
+        for port in ports:
+            if not _lockf(fcntl.LOCK_EX | fcntl.LOCK_NB, port):
+                return None
+            claimed.append(port)
+            s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+            socks.append(s)
+            s.bind((host, port))
+        now = time.monotonic()
+        _claims.update((p, now) for p in ports)
+        claimed.clear()
+        return base
+    except OSError:
+        return None
+    finally:
+        for s in socks:
+            s.close()
+        for port in claimed:  # not all of them: let the others go
+            _lockf(fcntl.LOCK_UN, port)
 
 
 def free_port_run(n: int, host: str = "127.0.0.1") -> int:
-    """The first of `n` consecutive free ports (a data-parallel engine's rank r binds base + r), drawn
-    below Linux's ephemeral range so that outgoing connections do not take them meanwhile."""
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(20000, 32000 - n)
-        socks = []
-        try:
-            for port in range(base, base + n):
-                s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-                socks.append(s)
-                s.bind((host, port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
+    """The first of `n` consecutive free ports (a data-parallel engine's rank r binds base + r), claimed
+    for the next minute against every other draw here (see _PORTS)."""
+    with _claims_lock:
+        now = time.monotonic()
+        for port in [p for p, t in _claims.items() if now - t > _CLAIM_S]:
+            del _claims[port]
+            _lockf(fcntl.LOCK_UN, port)
+        for _ in range(1000):
+            base = _claim_run(n, host)
+            if base is not None:
+                return base
     raise StackError(f"no run of {n} free ports found")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A free port, claimed for the next minute against every other draw here (see _PORTS)."""
+    return free_port_run(1, host)
 
 
 def wait_for_port(host: str, port: int, timeout: float, proc: subprocess.Popen | None = None,
@@ -136,16 +191,20 @@ def open_path_route(config: dict, path: str) -> dict:
 def render_envoy_config(*, listen_port: int, admin_port: int, extproc_port: int,
                         pool: Iterable[tuple[str, int]], extproc_host: str = "127.0.0.1",
                         failure_mode_allow: bool | None = None, more_extproc_ports: Iterable[int] = (),
-                        open_paths: Iterable[str] = ()) -> dict:
+                        open_paths: Iterable[str] = (), reuse_port: bool = False) -> dict:
     """The shipped envoy/envoy.yaml with only ports and the pool's endpoints changed (`pool`: every
     engine kvgate may pick, since override_host only picks among them; `more_extproc_ports`: further
     kvgate replicas, Envoy spreads ext_proc streams over them), and `open_paths` (open_path_route)
-    routed to the pool as well, ahead of the gateway's 404 for every path it does not serve."""
+    routed to the pool as well, ahead of the gateway's 404 for every path it does not serve.
+    The listener binds without SO_REUSEPORT unless `reuse_port` (Envoy's default, the shipped file's, for
+    several workers): on loopback a second Envoy given a port in use must fail, not share it silently."""
     config = yaml.safe_load(ENVOY_CONFIG.read_text())
     config = copy.deepcopy(config)
     config["admin"]["address"]["socket_address"]["port_value"] = admin_port
     listener = config["static_resources"]["listeners"][0]
     listener["address"]["socket_address"]["port_value"] = listen_port
+    if not reuse_port:
+        listener["enable_reuse_port"] = False
     clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
     clusters["kvgate"]["load_assignment"]["endpoints"][0]["lb_endpoints"] = [
         {"endpoint": {"address": {"socket_address": {"address": extproc_host, "port_value": port}}}}
@@ -408,7 +467,7 @@ def _render_main(argv: list[str] | None = None) -> int:
         config = render_envoy_config(listen_port=args.listen_port, admin_port=args.admin_port,
                                      extproc_port=args.extproc[1], extproc_host=args.extproc[0],
                                      pool=[hostport(x) for x in args.pool.split(",") if x],
-                                     open_paths=args.open_path)
+                                     open_paths=args.open_path, reuse_port=True)
     except ValueError as e:
         p.error(str(e))
     config["static_resources"]["listeners"][0]["address"]["socket_address"]["address"] = args.listen_host

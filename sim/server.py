@@ -243,7 +243,9 @@ class SimServer:
             # handler_cancellation: a client gone cancels its handler, which aborts its request (as vLLM does)
             self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0, handler_cancellation=True)
             await self._runner.setup()
-            site = web.TCPSite(self._runner, o.host, o.port)
+            # backlog: uvicorn's default, vLLM's API server's; aiohttp's 128 overflowed when a test's Envoy
+            # opened 1,000 connections at once on a busy machine (SYNs dropped, Envoy's connects timed out)
+            site = web.TCPSite(self._runner, o.host, o.port, backlog=2048)
             await site.start()
             self.port = self._runner.addresses[0][1]  # the real port when o.port == 0
             self.name = o.name or f"sim-{self.port}"

@@ -99,16 +99,8 @@ class Clock:
 # re-exported here so that tests take every port from one place.
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """`n` different free ports: all bound at once, then released (two free_port() calls may repeat one)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    socks = [socket.socket(family, socket.SOCK_STREAM) for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind((host, 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """`n` different free ports (free_port's: none is drawn twice within a minute)."""
+    return [free_port(host) for _ in range(n)]
 
 
 async def serve_app(app: web.Application, host: str = "127.0.0.1", port: int = 0,

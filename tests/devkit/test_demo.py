@@ -184,7 +184,7 @@ def test_an_engine_exit_is_reported_and_the_others_keep_serving(tmp_path):
 
 
 def test_short_comparison_prints_the_json_summary():
-    proc = subprocess.run([sys.executable, "-m", "plugin.cli", "demo", "--duration", "2", "--slices", "2", "--json",
+    proc = subprocess.run([sys.executable, "-m", "plugin.cli", "demo", "--duration", "1", "--slices", "2", "--json",
                            "--sims", "2", "--strategies", "round-robin,kv-sync,slo"], capture_output=True, text=True,
                           timeout=240, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -286,4 +286,4 @@ def test_a_stop_signal_while_the_demo_exits_does_not_kill_it():
         return proc.wait()
 
     assert [exit_status("ignore") for _ in range(rounds)] == [0] * rounds
-    assert -signal.SIGINT in [exit_status("keep") for _ in range(rounds)]
+    assert any(exit_status("keep") == -signal.SIGINT for _ in range(rounds))  # up to the first one killed

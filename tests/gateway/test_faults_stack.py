@@ -155,7 +155,7 @@ interval = per_batch / blocks_per_s
 sent = 0
 start = time.monotonic()
 next_at = start
-while time.monotonic() - start < seconds:
+while time.monotonic() - start < seconds and not os.path.exists(go + ".stop"):  # until the test's probe is over
     root = rng.getrandbits(60)
     hashes = tuple(root + i for i in range(per_batch))
     tokens = tuple(rng.randrange(1000) for _ in range(16 * per_batch))
@@ -524,7 +524,7 @@ def test_event_flood_while_serving_is_ingested_during_the_probe_and_fails_no_req
     flood_rate = 10 * max(normal_blocks_s, 500.0)
     go = env.stack.workdir / "flood.go"
     flood = env.stack.start("flood", [sys.executable, "-c", FLOOD_SCRIPT, str(env.flood_ports[0]),
-                                      str(env.flood_ports[1]), str(flood_rate), "8", str(go)])
+                                      str(env.flood_ports[1]), str(flood_rate), "30", str(go)])
     assert wait_until(lambda: metric(env.metrics(), "kvgate_kvevents_connection_status", pod="flood") == 1)
     go.touch()
     assert wait_until(lambda: metric(env.metrics(), "kvgate_kvevents_batches_received", pod="flood") > 0)
@@ -537,6 +537,7 @@ def test_event_flood_while_serving_is_ingested_during_the_probe_and_fails_no_req
     ingested = metric(m3, "kvgate_kvevents_batches_received", pod="flood") - before
     # The flood's last event (AllBlocksCleared) had not come yet: the whole probe ran under the flood.
     assert metric(m3, "kvgate_kvevents_events_applied", type="AllBlocksCleared") == cleared_before
+    (go.parent / (go.name + ".stop")).touch()  # the flood ends with that event (at 30 s at the latest)
     assert wait_until(lambda: metric(env.metrics(), "kvgate_kvevents_events_applied", type="AllBlocksCleared")
                       > cleared_before)
     (go.parent / (go.name + ".done")).touch()

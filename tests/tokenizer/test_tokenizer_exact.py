@@ -236,7 +236,7 @@ def test_direct_render_equals_apply_chat_template(name) -> None:
     error, on every chat of the corpus, the demo and PLAIN; and it serves every plain chat there (a render
     that quietly fell back each time would pass the first check and save nothing)."""
     directory = _directory(name)
-    fast, slow = LocalTokenizer.from_path(directory), LocalTokenizer.from_path(directory, fast=False)
+    fast, slow = _local(directory), LocalTokenizer.from_path(directory, fast=False)  # the module's loaded one
     assert fast.renders_directly and not slow.renders_directly
     chats = [(label, item) for label, item in CORPUS + demo_requests() + PLAIN if isinstance(item, ChatInput)]
     differ = [label for label, item in chats if _render_or_error(fast, item) != _render_or_error(slow, item)]
