@@ -301,7 +301,7 @@ def run(requests: int, concurrency: int, n_engines: int, log, idle: int = 0, rep
         decision_ms = sums / counts * 1e3 if counts else None
         sums, counts = (_metric_sum(urls, name) - warm.get(name, 0.0) for name in inside[2:])
         tokenize_ms = sums / max(1.0, counts) * 1e3
-        observed = _metric_sum([f"http://127.0.0.1:{p}/metrics" for p in http_ports], "kvgate_requests_observed_total")
+        observed = _metric_sum(urls, "kvgate_requests_observed_total")
         waited = {name: extproc_timings(text) for name, text in _read_logs(logs, requests).items()}
     return summarize(seq, load, quiet, requests=requests, concurrency=concurrency, extproc_us=waited,
                      engines=n_engines, replicas=replicas, kv_events=events, responses_observed=observed,

@@ -117,11 +117,16 @@ def _immediate(err: ClientError, request_id: str, anthropic: bool = False) -> pb
         details=f"kvgate_{err.code or err.type}"))
 
 
+def _stored_id(path: str) -> str:
+    """The response id in a RESPONSE_PREFIX path (`/v1/responses/{id}[/cancel]`)."""
+    return path[len(RESPONSE_PREFIX):].split("/", 1)[0]
+
+
 class _Stream:
     """The protocol state of one HTTP request's ext_proc stream; the request's own state is `ctx`."""
 
     __slots__ = ("gw", "pipeline", "answers", "ctx", "method", "streamed_request", "streamed_response", "chunks",
-                 "held_remove", "served_pod", "id_reader", "lookup_id")
+                 "held_remove", "served_pod", "id_reader")
 
     def __init__(self, gw: Gateway, pipeline: Pipeline, answers: dict) -> None:
         self.gw = gw
@@ -137,7 +142,6 @@ class _Stream:
         self.streamed_response = False
         self.chunks: list[bytes] | None = None
         self.held_remove: list[str] | None = None
-        self.lookup_id: str | None = None  # a stored response's id to look up before the headers' answer
         # A Responses API answer's pod and the reader of its id (plugin.responses), while it is looked for.
         self.served_pod = ""
         self.id_reader: IdReader | None = None
@@ -314,13 +318,14 @@ class _Stream:
         if path.startswith(RESPONSE_PREFIX):  # GET /v1/responses/{id}, POST /v1/responses/{id}/cancel
             ctx.kind = "read_only"
             self.gw.metrics.read_only.labels(RESPONSE_PREFIX + "{id}").inc()
-            response_id = path[len(RESPONSE_PREFIX):].split("/", 1)[0]
-            store = self.gw.responses
-            if store is not None and response_id and store.pod_of(response_id) is None:
-                self.held_remove = remove  # learned by another replica, perhaps: Process awaits on_stored_lookup
-                self.lookup_id = response_id
+            store, response_id = self.gw.responses, _stored_id(path)
+            if store is None or not response_id:
+                return self._route_any(remove or [])
+            name = store.pod_of(response_id)
+            if name is None:  # learned by another replica, perhaps: Process awaits on_stored_lookup
+                self.held_remove = remove
                 return LOOKUP
-            return self._route_any(remove or [], self._stored(response_id))
+            return self._route_any(remove or [], self._ready(name))
         if (method, path) in READ_ONLY:
             ctx.kind = "models" if path == "/v1/models" else "read_only"
             self.gw.metrics.read_only.labels(path).inc()
@@ -385,16 +390,12 @@ class _Stream:
         """The headers' answer for a stored response's path whose id this replica has not learned: the store
         looks it up where the replicas share ids (plugin.responses; bounded wait), else routed by load."""
         store = self.gw.responses
-        assert store is not None and self.lookup_id is not None  # set together in on_headers
-        name = await store.lookup(self.lookup_id)
+        assert store is not None  # on_headers answers LOOKUP only with a store
+        name = await store.lookup(_stored_id(self.ctx.path))
         return self._route_any(self.held_remove or [], self._ready(name))
 
-    def _stored(self, response_id: str) -> Pod | None:
-        """The ready pod that stored a Responses API response (plugin.responses), if this gateway learned it."""
-        store = self.gw.responses
-        return self._ready(store.pod_of(response_id) if store is not None and response_id else None)
-
     def _ready(self, name: str | None) -> Pod | None:
+        """The pod named `name` (one that stored a Responses API response, plugin.responses) if it is ready."""
         pod = self.gw.registry.get(name) if name is not None else None
         return pod if pod is not None and pod.ready else None
 
