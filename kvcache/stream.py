@@ -15,7 +15,8 @@ the sink with `drop(pod, rank)`, counted and logged:
   applied before (otherwise the engine restarted);
 - seq going backwards: the engine restarted; drop, replay the new stream from 0;
 - reconnect without any replay: continuity cannot be verified, drop;
-- a hole inside a replay (vLLM's ROUTER drops replies past its queue): ask again.
+- a hole inside a replay (vLLM's ROUTER drops replies past its queue): ask again; so too a replay
+  that stops answering after some batches (the dropped tail took its end marker).
 The batches of one read that continue the stream in order are applied in runs, one call of the
 sink's apply_run each (one hold of the lock); the others one by one, a large one in parts.
 """
@@ -420,6 +421,11 @@ class Subscriber:
                     break
                 self._take(seq, payload)
                 self._recent[seq] = hash(payload)
+        except _ReplayFailed as failed:
+            # The ROUTER dropped the reply's tail with its end marker: ask again from where it stopped.
+            if failed.reason == "timeout" and got_any and retry_holes:
+                return True
+            raise
         finally:
             replies.close()
         self._m.replay_successes.labels(*self._labels).inc()
