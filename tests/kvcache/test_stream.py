@@ -428,12 +428,12 @@ async def test_a_3000_batch_replay_past_the_routers_queue_is_applied_complete_an
     n = 3000
     for i in range(n):
         e.pub.publish([BlockRemoved((i,))])
-    # 2 s without a frame before giving up on a reply (CI's four suite workers on two cores once starved
+    # 5 s without a frame before giving up on a reply (CI's four suite workers on two cores once starved
     # one for 2 s): a reply that stopped after some batches is asked again from there; one that never
     # started is not (no live batch follows here to show the gap)
-    sink, manager = make(options=SubscriberOptions(replay_timeout=2.0))
+    sink, manager = make(options=SubscriberOptions(replay_timeout=5.0))
     manager.sync([e.spec])
-    await wait_until_async(lambda: status(manager)["last_seq"] == n - 1, timeout=30)
+    await wait_until_async(lambda: status(manager)["last_seq"] == n - 1, timeout=60)
     assert [x[4].block_hashes[0] for x in sink.log] == list(range(n))
     st = status(manager)
     assert st["missed_batches"] == 0 and sink.drops() == 0
