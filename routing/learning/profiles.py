@@ -6,7 +6,13 @@ Learned (a RequestTracker: fed by every completed request, its ctx an `Observati
 scrape of the engine's own inter-token histogram, `observe_engine`):
 - prefill tokens/s: a slowly decaying maximum of uncached prompt tokens / TTFT over requests with at
   least `min_prefill_tokens` uncached. Queueing only ever makes that ratio smaller, so the maximum
-  tracks the engine's own speed, not its queue.
+  tracks the engine's own speed, not its queue; an uncached count too large makes it larger, so the
+  tracker counts only the ones the index answered: the count the cost model read when it routed the
+  request (`expect`; slo, the ttft scorer). Another strategy's Decision counts the whole prompt (random,
+  round-robin, least-request look up nothing) or its own guess (prefix-cache); on the `./dev demo`'s
+  10,000-token/s engines those mostly cached prompts gave up to 45,000 tokens/s and the learned rates
+  ended at 19,000-41,000, so slo under-predicted every prefill by half and the TTFT overhead took the
+  rest, large on whichever pod had served long prompts.
 - decode step seconds = a + b * running: a least-squares line over (running requests at routing,
   TPOT) samples with exponential forgetting (each sample's weight decays by `decay` per sample).
 - TTFT overhead seconds = c + d * running: the part of a request's TTFT that neither its queue nor its
@@ -18,7 +24,11 @@ scrape of the engine's own inter-token histogram, `observe_engine`):
   the model is off, for /debug and the demo.
 Before any sample, the configured priors answer (overhead: `ttft_overhead_s` + `ttft_overhead_per_request_s`
 per running request, 0 + 1 ms by default: a batch slows an engine's prefill a little, as vLLM's chunked prefill
-shares each step with the decoding requests, so without observed responses load still counts, mildly).
+shares each step with the decoding requests, so without observed responses load still counts, mildly). The
+overhead line starts from that prior as `overhead_prior_weight` samples (4, at 1 and 8 running), forgotten
+like samples: one response does not make a pod's overhead (the demo's first slo response from an engine
+came 80-130 ms late, a cold start, the later ones ~10 ms; learned from that one, slo avoided the engine for
+the rest of its slice), while a true overhead is most of the way after 5 responses and within 10% after 40.
 
 Decayed and re-explored, so a bad early estimate heals: each sample weighs `decay` times less per later
 sample (recent observations weigh more), a line is never read beyond the largest batch it was observed at
@@ -94,21 +104,37 @@ class GPUProfile:
 
 class _Line:
     """y = a + b x, least squares with exponential forgetting; `clamped`: read no further than the largest x
-    seen (a line that is not a law of the engine: the TTFT overhead)."""
+    seen (a line that is not a law of the engine: the TTFT overhead). `prior`: points (x, y) that start the
+    sums as `prior_weight` samples spread over them, forgotten like samples (`prior_w`: their weight left)."""
 
-    __slots__ = ("w", "sx", "sy", "sxx", "sxy", "decay", "xmax", "at_time")
+    __slots__ = ("w", "sx", "sy", "sxx", "sxy", "decay", "xmax", "at_time", "prior_w")
 
-    def __init__(self, decay: float, clamped: bool = False) -> None:
+    def __init__(self, decay: float, clamped: bool = False, prior: tuple[tuple[float, float], ...] = (),
+                 prior_weight: float = 0.0, now: float = 0.0) -> None:
         self.w = self.sx = self.sy = self.sxx = self.sxy = 0.0
         self.xmax = 0.0 if clamped else math.inf
-        self.at_time = 0.0  # when the last sample came (the profiles' clock)
+        self.at_time = now  # when the last sample came (the profiles' clock)
         self.decay = decay
+        self.prior_w = prior_weight if prior else 0.0
+        for x, y in prior:
+            k = self.prior_w / len(prior)
+            self.w += k
+            self.sx += k * x
+            self.sy += k * y
+            self.sxx += k * x * x
+            self.sxy += k * x * y
+
+    @property
+    def samples(self) -> float:
+        """The decayed weight of the observed samples (the prior's left out)."""
+        return self.w - self.prior_w
 
     def add(self, x: float, y: float, now: float = 0.0, half_life: float = math.inf) -> None:
         d = self.decay
         if now > self.at_time and self.w > 0:  # samples not re-observed for a while weigh less, too
             d *= 0.5 ** ((now - self.at_time) / half_life)
         self.w = self.w * d + 1
+        self.prior_w *= d
         self.sx = self.sx * d + x
         self.sy = self.sy * d + y
         self.sxx = self.sxx * d + x * x
@@ -118,7 +144,7 @@ class _Line:
         self.at_time = now
 
     def at(self, x: float, floor: float = 1e-6) -> float | None:
-        if self.w < 1:
+        if self.samples < 1 - 1e-9:
             return None
         if x > self.xmax:  # not observed that far: the line's value at the largest batch seen
             x = self.xmax
@@ -134,10 +160,12 @@ class EngineProfiles(Tracker):
     def __init__(self, *, prefill_tokens_per_s: float = 10_000.0, decode_base_s: float = 0.01,
                  decode_per_request_s: float = 0.0005, min_prefill_tokens: int = 256,
                  decay: float = 0.995, ttft_overhead_s: float = 0.0, ttft_overhead_per_request_s: float = 0.001,
-                 explore_s: float = 60.0,
+                 explore_s: float = 60.0, overhead_prior_weight: float = 4.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if not explore_s > 0:
             raise ValueError("explore_s must be positive")
+        if not overhead_prior_weight >= 0:
+            raise ValueError("overhead_prior_weight must not be negative")
         self.prior_rate = prefill_tokens_per_s
         self.prior_overhead = ttft_overhead_s
         self.prior_overhead_per = ttft_overhead_per_request_s
@@ -145,6 +173,7 @@ class EngineProfiles(Tracker):
         self.min_prefill_tokens = min_prefill_tokens
         self.decay = decay
         self.explore_s = explore_s
+        self.overhead_prior_weight = overhead_prior_weight
         self.clock = clock
         self._rate: dict[str, float] = {}
         self._rate_at: dict[str, float] = {}  # pod -> when its rate was last sampled
@@ -152,8 +181,9 @@ class EngineProfiles(Tracker):
         self._gpu: dict[tuple[str, str], GPUProfile] = {}  # (model, deployment)
         self._scrapes: dict[str, Any] = {}  # pod -> last EngineLoad seen
         self._overhead: dict[str, _Line] = {}
-        # request id -> (pod, target, predicted queue wait + own prefill s, predicted overhead s), by `expect`
-        self._expected: dict[str, tuple[str, str, float, float]] = {}
+        # request id -> (pod, target, predicted queue wait + own prefill s, predicted overhead s, uncached
+        # prompt tokens the prediction counted or None), by `expect`
+        self._expected: dict[str, tuple[str, str, float, float, float | None]] = {}
         self._error: dict[str, list[float]] = {}  # pod -> [weight, sum of errors, sum of |errors|] (decayed)
 
     # --- answers ---------------------------------------------------------------------------
@@ -216,7 +246,7 @@ class EngineProfiles(Tracker):
         err = self.ttft_error(pod)
         return {"prefill_tokens_per_s": self._rate.get(pod), "samples": 0 if line is None else round(line.w, 1),
                 "ttft_overhead_ms": {n: round(self.ttft_overhead(pod, n) * 1000, 2) for n in (1, 8)},
-                "ttft_samples": 0 if over is None else round(over.w, 1),
+                "ttft_samples": 0 if over is None else round(over.samples, 1),
                 "ttft_error_ms": None if err is None else {"mean": round(err[0] * 1000, 2),
                                                           "mean_abs": round(err[1] * 1000, 2)}}
 
@@ -224,24 +254,28 @@ class EngineProfiles(Tracker):
         return sorted(set(self._rate) | set(self._decode) | set(self._overhead))
 
     # --- learning ----------------------------------------------------------------------------
-    def expect(self, request_id: str, pod: str, work_s: float, overhead_s: float, target: str = "") -> None:
+    def expect(self, request_id: str, pod: str, work_s: float, overhead_s: float, target: str = "",
+               uncached: float | None = None) -> None:
         """The slo scorer routed `request_id` to `pod` (its data-parallel rank `target`, `<pod>#<rank>`, if
-        any) predicting its TTFT as `work_s` (queue wait and own prefill) + `overhead_s`; its observed TTFT
-        (`observe` with the same id, by the pod or the rank's name) teaches the pod's overhead."""
+        any) predicting its TTFT as `work_s` (queue wait and own prefill of its `uncached` prompt tokens, the
+        index's count) + `overhead_s`; its observed TTFT (`observe` with the same id, by the pod or the rank's
+        name) teaches the pod's overhead, and, through the tracker, its prefill rate."""
         if not request_id:
             return
         if len(self._expected) > 100_000:  # requests never completed (a bug elsewhere): do not grow
             self._expected.clear()
-        self._expected[request_id] = (pod, target or pod, work_s, overhead_s)
+        self._expected[request_id] = (pod, target or pod, work_s, overhead_s, uncached)
 
     def observe(self, pod: str, *, uncached_tokens: int = 0, ttft: float | None = None, tpot: float | None = None,
                 running: int = 0, request_id: str = "") -> None:
         expected = self._expected.pop(request_id, None) if request_id else None
         if expected is not None and ttft is not None and ttft > 0 and pod in expected[:2]:
-            key, _, work, over = expected  # served where routed (not by a fallback): learned under the pod's name
+            key, _, work, over, _ = expected  # served where routed (not by a fallback): learned under the pod's name
             line = self._overhead.get(key)
-            if line is None:
-                line = self._overhead[key] = _Line(self.decay, clamped=True)
+            if line is None:  # starting from the prior, as `overhead_prior_weight` samples at 1 and 8 running
+                prior = tuple((x, self.prior_overhead + self.prior_overhead_per * x) for x in (1.0, 8.0))
+                line = self._overhead[key] = _Line(self.decay, clamped=True, prior=prior,
+                                                   prior_weight=self.overhead_prior_weight, now=self.clock())
             line.add(float(max(running, 1)), ttft - work, self.clock(), self.explore_s)
             err = ttft - work - over
             e = self._error.setdefault(key, [0.0, 0.0, 0.0])
@@ -308,5 +342,14 @@ class EngineProfiles(Tracker):
                            term: int) -> None:
         if ctx is None:
             return
-        self.observe(ctx.pod, uncached_tokens=ctx.uncached_tokens, ttft=ctx.ttft, tpot=ctx.tpot,
+        # The prefill rate learns only from an uncached count the index answered for the serving pod: the one
+        # the cost model (slo, the ttft scorer) read when it routed the request. Any other request's count is
+        # its Decision's: the whole prompt where the strategy looks up nothing (random, round-robin,
+        # least-request), its own guess for prefix-cache; mostly cached at the engine, such prompts gave
+        # tokens / TTFT up to 45,000/s on the demo's 10,000-token/s engines, and the decaying maximum kept it.
+        expected = self._expected.get(request_id)
+        uncached = 0.0
+        if expected is not None and ctx.pod in expected[:2]:
+            uncached = expected[4] if expected[4] is not None else ctx.uncached_tokens
+        self.observe(ctx.pod, uncached_tokens=int(uncached), ttft=ctx.ttft, tpot=ctx.tpot,
                      running=ctx.running_at_start, request_id=request_id)

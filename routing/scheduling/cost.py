@@ -140,4 +140,4 @@ class TTFTScorer(Scorer):
         if plan is None:
             return
         self.backlog.add(pod.name, plan.uncached)
-        self.profiles.expect(ctx.request.request_id, pod.pod_name, plan.work_s, plan.overhead, pod.name)
+        self.profiles.expect(ctx.request.request_id, pod.pod_name, plan.work_s, plan.overhead, pod.name, plan.uncached)

@@ -226,7 +226,7 @@ class SLOScorer(Scorer):
         rate, uncached, start, end, work, overhead = plan
         now = self.cap.clock()
         # what this pick predicted, for the profiles to learn the TTFT overhead from its observed TTFT
-        self.cap.profiles.expect(ctx.request.request_id, pod.pod_name, work, overhead, pod.name)
+        self.cap.profiles.expect(ctx.request.request_id, pod.pod_name, work, overhead, pod.name, uncached)
         if self.cap.prefill is not None:
             self.cap.queue(pod.name, int(uncached), ctx.request.request_id)
         else:

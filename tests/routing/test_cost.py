@@ -30,7 +30,7 @@ def teach_overhead(p: EngineProfiles, pod: str, seconds: float, running: int, n:
 
 
 def test_recent_observations_weigh_more():
-    p = EngineProfiles(ttft_overhead_per_request_s=0.0, decay=0.9, clock=Clock(0.0))
+    p = EngineProfiles(ttft_overhead_per_request_s=0.0, decay=0.9, overhead_prior_weight=0.0, clock=Clock(0.0))
     teach_overhead(p, "a", 0.300, running=4, n=20)
     assert p.ttft_overhead("a", 4) == pytest.approx(0.300)
     teach_overhead(p, "a", 0.010, running=4, n=40, start=20)  # the engine got faster: the old samples fade
@@ -41,7 +41,8 @@ def test_a_bad_early_overhead_drifts_back_to_the_prior_while_nothing_reobserves_
     """A bad start (1,744 ms at 8 running, as the demo's slo once learned) sends traffic away from the pod, so
     nothing would correct it; unobserved, it drifts back to the prior by half every explore_s."""
     clock = Clock(100.0)
-    p = EngineProfiles(ttft_overhead_s=0.005, ttft_overhead_per_request_s=0.0, explore_s=30.0, clock=clock)
+    p = EngineProfiles(ttft_overhead_s=0.005, ttft_overhead_per_request_s=0.0, explore_s=30.0,
+                       overhead_prior_weight=0.0, clock=clock)
     teach_overhead(p, "a", 1.744, running=8, n=3)
     assert p.ttft_overhead("a", 8) == pytest.approx(1.744)
     clock.t += 30.0
@@ -66,8 +67,61 @@ def test_a_slow_rate_heals_the_same_way_and_a_fresh_one_does_not_drift():
     assert p.prefill_rate("b") == 8000.0
 
 
+@dataclass
+class Served:
+    """What the tracker hands the profiles for a completed request (plugin.observe.Observation's fields)."""
+
+    pod: str
+    uncached_tokens: int
+    ttft: float
+    tpot: float | None = None
+    running_at_start: int = 1
+
+
+def test_the_prefill_rate_learns_only_from_uncached_counts_the_cost_model_read():
+    """`./dev demo`: every strategy's responses taught the rate, each with the uncached count its Decision
+    carried: random's the whole prompt (it looks up nothing), prefix-cache's its own guess. Those prompts
+    were mostly cached at the engine, so their tokens / TTFT reached 45,000 tokens/s; the decaying maximum
+    kept it, the learned rates ended at 19,000-41,000 against the engines' 10,000 (slo's own responses never
+    above 9,537), and slo under-predicted every prefill by half."""
+    p = EngineProfiles(prefill_tokens_per_s=10_000.0, clock=Clock(0.0))
+    # another strategy's request: its 1000-token prompt counted uncached, 900 tokens were cached: 15 ms
+    p.done_request_trace(Served("a", 1000, 0.015), "other", "m", 1000, 10, 0)
+    assert p.prefill_rate("a") == 10_000.0
+    # slo's: the index said 800 of its 1000 tokens uncached there; 800 tokens took 95 ms
+    p.expect("r1", "a", 0.08, 0.0, uncached=800)
+    p.done_request_trace(Served("a", 1000, 0.095), "r1", "m", 1000, 10, 0)
+    assert p.prefill_rate("a") == pytest.approx(800 / 0.095)
+    # a caller that knows its count (the pd handoff's prefill leg) teaches it directly
+    p.observe("b", uncached_tokens=1000, ttft=0.125)
+    assert p.prefill_rate("b") == pytest.approx(8000.0)
+
+
+def test_one_cold_first_response_does_not_make_the_overhead_estimate():
+    """`./dev demo`: kvgate0's first slo response from sim0 came 119 ms after its predicted prefill (a cold
+    start; the pod's later ones 9-20 ms). Learned from that one sample, sim0's overhead was 119 ms, every
+    other pod's ~25, and slo sent sim0 4 requests in the next 9.5 s. The prior counts as a few samples, so one
+    sample moves the estimate only part of the way, and the truth takes over within a few more."""
+    p = EngineProfiles(ttft_overhead_s=0.005, ttft_overhead_per_request_s=0.001, clock=Clock(0.0))
+    teach_overhead(p, "a", 0.119, running=1, n=1)
+    assert p.ttft_overhead("a", 1) < 0.040
+    teach_overhead(p, "a", 0.015, running=1, n=10, start=1)
+    assert p.ttft_overhead("a", 1) == pytest.approx(0.015, abs=0.006)
+    assert p.learned("a")["ttft_samples"] == pytest.approx(11, abs=0.5)  # the prior's weight is no sample
+
+
+def test_a_true_overhead_is_still_learned_and_the_prior_weighs_nothing_once_it_is():
+    p = EngineProfiles(ttft_overhead_s=0.005, ttft_overhead_per_request_s=0.001, clock=Clock(0.0))
+    teach_overhead(p, "a", 0.300, running=4, n=5)
+    assert p.ttft_overhead("a", 4) > 0.150  # most of the way after 5 samples
+    teach_overhead(p, "a", 0.300, running=4, n=35, start=5)
+    assert p.ttft_overhead("a", 4) == pytest.approx(0.300, rel=0.1)
+    teach_overhead(p, "a", 0.300, running=4, n=400, start=40)
+    assert p.ttft_overhead("a", 4) == pytest.approx(0.300, rel=0.01)
+
+
 def test_the_overhead_is_not_extrapolated_past_the_largest_batch_observed():
-    p = EngineProfiles(ttft_overhead_per_request_s=0.0, clock=Clock(0.0))
+    p = EngineProfiles(ttft_overhead_per_request_s=0.0, overhead_prior_weight=0.0, clock=Clock(0.0))
     teach_overhead(p, "a", 0.010, running=1, n=1)
     teach_overhead(p, "a", 0.050, running=2, n=1, start=1)  # two samples: a slope of 40 ms per request
     assert p.ttft_overhead("a", 2) == pytest.approx(0.050, rel=0.05)
@@ -137,7 +191,8 @@ async def test_kv_sync_packs_while_load_costs_nothing_and_spreads_once_it_does()
 
 async def test_kv_sync_tells_the_profiles_what_it_predicted_so_responses_teach_the_overhead():
     clock = Clock(0.0)
-    profiles = EngineProfiles(prefill_tokens_per_s=10_000.0, ttft_overhead_per_request_s=0.0, clock=clock)
+    profiles = EngineProfiles(prefill_tokens_per_s=10_000.0, ttft_overhead_per_request_s=0.0,
+                              overhead_prior_weight=0.0, clock=clock)
     r = kv_sync(clock, profiles)
     d = await r.pick(RouteRequest("m", PROMPT, request_id="q"))
     assert d.pod.name == "a"

@@ -261,7 +261,7 @@ def test_decode_step_is_learned_from_vllms_own_inter_token_histogram():
 
 
 def test_ttft_overhead_is_learned_as_a_line_in_running_from_what_slo_predicted():
-    p = EngineProfiles(ttft_overhead_per_request_s=0.0)
+    p = EngineProfiles(ttft_overhead_per_request_s=0.0, overhead_prior_weight=0.0)
     assert p.ttft_overhead("a", 4) == 0.0  # the prior
     for i in range(60):
         n = 1 + i % 8
@@ -281,7 +281,7 @@ def test_ttft_overhead_is_learned_as_a_line_in_running_from_what_slo_predicted()
 
 
 def test_ttft_overhead_learns_only_from_slo_predictions_served_where_routed():
-    p = EngineProfiles(ttft_overhead_per_request_s=0.0)
+    p = EngineProfiles(ttft_overhead_per_request_s=0.0, overhead_prior_weight=0.0)
     p.observe("a", ttft=0.5, running=1, request_id="other-strategy")  # no prediction: nothing learned
     p.expect("r1", "a", 0.01, 0.0)
     p.observe("b", ttft=0.5, running=1, request_id="r1")  # served by a fallback pod: nothing learned
@@ -305,5 +305,5 @@ async def test_slo_adds_the_learned_ttft_overhead_and_tells_the_profiles_what_it
     # 1000 tokens: 0.1 s of prefill anywhere; a's overhead breaks a 0.3 s target, b's prior does not
     d = await r.pick(RouteRequest("m", token_ids=list(range(1000)), slo_ttft_s=0.3, request_id="q"))
     assert d.pod.name == "b"
-    pod, target, work, over = cap_profiles._expected["q"]
-    assert (pod, over) == ("b", 0.0) and work == pytest.approx(0.1)
+    pod, target, work, over, uncached = cap_profiles._expected["q"]
+    assert (pod, over, uncached) == ("b", 0.0, 1000) and work == pytest.approx(0.1)
