@@ -199,6 +199,7 @@ class DirectRender:
         self._compile = compile_template
         self._consumed = consumed  # keyword names apply_chat_template takes itself (never template variables)
         self._templates: dict[str, tuple[Any, dict[str, Any]]] = {}
+        self._special: dict[str, Any] | None = None  # the tokenizer's special tokens map, read once
 
     @classmethod
     def for_tokenizer(cls, local: LocalTokenizer, source: str = "") -> DirectRender | None:
@@ -250,7 +251,10 @@ class DirectRender:
             compiled, flat_globals = self._compiled(template)
             variables = dict(flat_globals)
             variables.update(messages=messages, tools=None, documents=None, add_generation_prompt=generation)
-            variables.update(self._hf.special_tokens_map)
+            special = self._special
+            if special is None:  # transformers builds this map afresh at each read; nothing here changes it
+                special = self._special = dict(self._hf.special_tokens_map)
+            variables.update(special)
             variables.update(extra)
             # Template.new_context(variables, shared=True), with the flattened globals standing for the ChainMap
             # (Context only takes the set of their names from it, iterated in Python for a ChainMap).

@@ -58,6 +58,9 @@ class SpecialAffixes:
     suffix: tuple[int, ...] = ()
 
 
+NO_AFFIXES = SpecialAffixes()  # a chat's and a prompt's without special tokens (frozen: shared)
+
+
 class Segmenter:
     """Cuts prompts and rendered chats into plain pieces and added-token ids, exactly."""
 
@@ -143,11 +146,11 @@ class Segmenter:
         Raises ValueError for a chat the template refuses.
         """
         if isinstance(item, ChatInput):
-            return self.split(self._local.render_chat(item)), SpecialAffixes()
+            return self.split(self._local.render_chat(item)), NO_AFFIXES
         if not isinstance(item, PromptInput) or item.text is None:
             return None
         if not item.add_special_tokens:
-            return self.split(item.text), SpecialAffixes()
+            return self.split(item.text), NO_AFFIXES
         if self._affixes is None:
             return None
         return self.split(item.text), self._affixes
