@@ -153,8 +153,10 @@ async def test_replicas_share_learned_ids_through_redis_and_route_without_it():
     server = RedisServer()
     server.start()
     try:
-        a = SharedResponseStore(10, Redis.from_url(server.url), ttl_s=60)
-        b = SharedResponseStore(10, Redis.from_url(server.url), ttl_s=60)
+        # reads may take 2 s, not the request path's 50 ms: CI's saturated cores once held a GET 57 ms (a
+        # dead Redis still answers at once: the connection is refused)
+        a = SharedResponseStore(10, Redis.from_url(server.url), ttl_s=60, timeout_s=2.0)
+        b = SharedResponseStore(10, Redis.from_url(server.url), ttl_s=60, timeout_s=2.0)
         a.learn("resp_x", "p1")
 
         async def shared() -> bool:
