@@ -704,8 +704,11 @@ def _bucket(tokens: int) -> int:
 
 
 def _attainment(workload: Workload, completions: list[Completion]) -> tuple[float | None, dict]:
-    """Share of the requests with targets that met both (TTFT, and TPOT over the tokens after the first)."""
-    targets = {r.req_id: (r.slo_ttft_s, r.slo_tpot_s) for r in workload.requests if r.slo_ttft_s > 0}
+    """Share of the requests that met both their targets (TTFT, and TPOT over the tokens after the first); a
+    request naming none is held to the defaults a kvgate replica holds it to (the slo scorer's, KVGATE_SLO_TARGETS'
+    default), so every workload reports attainment."""
+    default = Capacity.default_targets
+    targets = {r.req_id: (r.slo_ttft_s, r.slo_tpot_s) if r.slo_ttft_s > 0 else default for r in workload.requests}
     if not targets:
         return None, {}
     met: Counter = Counter()

@@ -315,8 +315,10 @@ def test_pressure_evicts_and_the_count_is_reported():
 def test_chat_workloads_run_every_compared_policy_at_both_replica_counts():
     names = [p.name for p in bench.shape_policies(workloads.w3(), 2)]
     for n in bench.TARGET_GATEWAYS:
-        for o in (*bench.OTHERS, "kv-sync"):
+        for o in (*bench.OTHERS, "kv-sync", "slo"):  # slo: issue 26 holds it to kv-sync in every scenario
             assert bench.row(o, n, 2) in names
+    assert "slo" in [p.name for p in bench.shape_policies(workloads.w1(), 2)]
+    assert "slo" not in [p.name for p in bench.shape_policies(workloads.w12(), 2)]  # not an issue-26 scenario
     assert ORACLE in names and not any("delay" in n or "@4gw" in n for n in names)
 
 
@@ -608,3 +610,36 @@ def test_w12_continued_conversations_go_to_the_engine_that_stored_them(monkeypat
         if r.continues:
             assert where[r.req_id] == last[r.session], r.req_id
         last[r.session] = where[r.req_id]  # type: ignore[index]
+
+
+def test_requests_without_targets_are_held_to_the_default_ones_a_replica_uses():
+    """Issue 26's slo target needs attainment in every scenario: a request naming no targets is held to
+    the slo scorer's defaults (KVGATE_SLO_TARGETS' default, 1000/100 ms), as a kvgate replica holds it."""
+    from routing.scheduling.slo import Capacity
+    assert Capacity.default_targets == (1.0, 0.1)
+    shape = dataclasses.replace(workloads.w3(), duration_s=3.0)
+    wl = workloads.build(shape, 1)
+    assert not any(r.slo_ttft_s > 0 for r in wl.requests)
+    r = run(wl, Policy("kv-sync", "kv-sync"), seed=1)
+    assert r.slo_attainment is not None and 0.0 < r.slo_attainment <= 1.0
+    assert list(r.slo_by_class) == ["1000ms/100ms"]
+
+
+def test_issue_26_holds_slo_to_kv_sync_attainment_everywhere_and_hit_rate_where_no_slo_is_at_risk():
+    def m(hit, att):
+        return {"hit_rate": hit, "ttft_p50_s": 0.02, "ttft_mean_s": 0.03, "ttft_p90_s": 0.05, "slo_attainment": att}
+    p = {"kv-sync": m(0.80, 1.0), "slo": m(0.795, 1.0), "char-tree": m(0.70, 0.9),
+         "kv-sync@1gw": m(0.80, 0.95), "slo@1gw": m(0.75, 0.97), "char-tree@1gw": m(0.70, 0.9)}
+    t = bench.targets({"gateways": 2, "workloads": {"W3-light": {"policies": p}}})
+    att2 = t["W3-light @2gw: slo SLO attainment >= kv-sync's"]
+    assert att2["met"] and att2["value"] == 100.0 and att2["best_other_value"] == 100.0
+    hit2 = t["W3-light @2gw: slo hit rate within 1 point of kv-sync's where no SLO is at risk"]
+    assert hit2["met"] and hit2["margin"] == -0.5 and hit2["at_risk"] is False
+    assert t["W3-light @1gw: slo SLO attainment >= kv-sync's"]["met"]
+    hit1 = t["W3-light @1gw: slo hit rate within 1 point of kv-sync's where no SLO is at risk"]
+    assert hit1["met"] and hit1["at_risk"] is True and hit1["margin"] == -5.0  # kv-sync missed 5%: at risk
+    p["slo"]["slo_attainment"] = 0.99
+    t = bench.targets({"gateways": 2, "workloads": {"W3-light": {"policies": p}}})
+    assert not t["W3-light @2gw: slo SLO attainment >= kv-sync's"]["met"]
+    table = bench.ttft_summary({"gateways": 2, "workloads": {"W3-light": {"policies": p}}})
+    assert "slo / kv-sync" in table[1] and any(line.endswith("< 99.0 / 100.0     79.5 /  80.0") for line in table)
