@@ -92,6 +92,7 @@ class StrategySpec:
     guard: bool = False  # the load guard filter (KVGATE_ROUTING_GUARD_SLACK / _RATIO) runs first
     aibrix: str = ""  # where it differs from AIBrix's strategy of the same name ("" : not an AIBrix name)
     mixed_as: Mapping[str, float] | None = None  # its scorers in a weighted mix, where its picker ignores weights
+    optional: frozenset[str] = frozenset()  # scorers left out where what they need is missing (not the strategy)
 
     @property
     def weighted(self) -> bool:
@@ -172,7 +173,8 @@ SCORERS: dict[str, ScorerSpec] = {s.name: s for s in (
     ScorerSpec("slo", lambda r: SLOScorer(_given(r.capacity), r.index, r.config.medium_weights), ("capacity",),
                "predicted TTFT (the `ttft` model, its queue the one shared by every gateway: (queued prefill + "
                "this request's uncached tokens from the index) / the pod's prefill rate + its overhead) and TPOT (decode step at the running batch, weighted by predicted outputs) against the "
-               "request's targets: 0.5..1 with headroom, below 0.5 by violation"),
+               "request's targets: 1 within half of both (no SLO at risk), else 0.5..1 with headroom, below 0.5 by "
+               "violation"),
 )}
 
 _MAX = "max score, random tie-break"
@@ -230,7 +232,10 @@ STRATEGIES: dict[str, StrategySpec] = {s.name: s for s in (
                  {"prefix": 3.0, "load": 1.0, "affinity": 0.5}, guard=True),
     StrategySpec("slo", MaxScorePicker, "max score, random tie-break",
                  "meets the request's TTFT and TPOT targets (`x-slo-ttft-ms`, `x-slo-tpot-ms` or the model's "
-                 "defaults) with the most headroom, else the least violation", {"slo": 1.0},
+                 "defaults): among the pods predicted safely within both (half of each or less) kv-sync's choice "
+                 "(its scorers, far below the slo scorer's weight), else the most headroom, else the least "
+                 "violation", {"slo": 1000.0, "prefix": 3.0, "load": 1.0, "affinity": 0.5},
+                 optional=frozenset({"prefix"}),
                  aibrix="AIBrix's slo family plans against profiled GPU capacity; kvgate predicts TTFT and TPOT "
                         "from learned engine profiles. In a mix it stands alone, as in AIBrix"),
     # Prefill/decode disaggregation (routing.pd): `pd` plans the pair; its weights choose the prefill engine.
@@ -375,9 +380,10 @@ def build_strategies(config: StrategyConfig, rng: random.Random, *, index: Prefi
                       queued=None if engines is None else engine_queued(engines))
     out = {}
     for name, spec in STRATEGIES.items():
-        if any(missing(s) for s, w in spec.weights.items() if w > 0):
+        if any(missing(s) for s, w in spec.weights.items() if w > 0 and s not in spec.optional):
             continue
-        weights = {**spec.weights, **config.weights.get(name, {})}
+        weights = {s: w for s, w in {**spec.weights, **config.weights.get(name, {})}.items()
+                   if not (s in spec.optional and missing(s))}
         scorers = tuple((scorer(s, name), w) for s, w in weights.items() if w > 0)
         filters: tuple[Filter, ...] = (guard,) if spec.guard else ()
         out[name] = Strategy(name, spec.picker(rng), scorers, filters)

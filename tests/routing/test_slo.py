@@ -307,3 +307,31 @@ async def test_slo_adds_the_learned_ttft_overhead_and_tells_the_profiles_what_it
     assert d.pod.name == "b"
     pod, target, work, over, uncached = cap_profiles._expected["q"]
     assert (pod, over, uncached) == ("b", 0.0, 1000) and work == pytest.approx(0.1)
+
+
+async def test_where_no_slo_is_at_risk_slo_picks_as_kv_sync_and_where_one_is_by_headroom():
+    """Both pods predicted within half of both targets: slo takes kv-sync's choice (the pod holding the prompt),
+    not the one with the most TPOT headroom (the idle pod, which would prefill it all again); a TPOT target the
+    holder's batch would break moves the request to the pod that meets it."""
+    from kvcache.index import PrefixIndex
+    from routing.scheduling.strategies import StrategyConfig
+    from tests.routing.test_routing_kv_sync import Engines, family, prompt
+    index, clock = PrefixIndex(), Clock(50.0)
+    Engines(index).store("a", family(1))  # 640 tokens held on a
+    profiles = EngineProfiles(prefill_tokens_per_s=10_000.0, decode_base_s=0.01, decode_per_request_s=0.001)
+    cap = Capacity(profiles, OutputPredictor(cold="input", rng=random.Random(0)), {"*": (1.0, 0.1)}, clock=clock)
+    counts = LocalCounts()
+    registry = PodRegistry(PODS)
+    slo = Router(registry, default_strategy="slo", capacity=cap, counts=counts, index=index, seed=0,
+                 config=StrategyConfig(clock=clock))
+    kv = Router(registry, default_strategy="kv-sync", counts=counts, index=index, seed=0,
+                config=StrategyConfig(clock=clock))
+    counts.add("a", 6)  # a: 17 ms a step with this request, b 11 ms: b has the most TPOT headroom
+    tokens = prompt(family(1), 1)
+    assert (await kv.pick(RouteRequest("m", token_ids=tokens))).pod.name == "a"
+    d = await slo.pick(RouteRequest("m", token_ids=tokens))
+    assert d.pod.name == "a"
+    scorer = next(sc for st in slo._strategies.values() for sc, _ in st.scorers if sc.name == "slo")
+    assert scorer.last["b"][1] < scorer.last["a"][1] <= 0.05  # both safe: kv-sync's scorers decided
+    d = await slo.pick(RouteRequest("m", token_ids=tokens, slo_tpot_s=0.015))  # a's 18 ms now breaks it
+    assert d.pod.name == "b"
