@@ -63,7 +63,7 @@ class Router:
         # strategies that weigh it, when other gateways' shares live elsewhere (Redis).
         prefill = getattr(capacity, "prefill", None)
         self._prefill = prefill if prefill is not None and type(prefill).refresh is not LocalCounts.refresh else None
-        self._reads_prefill = {name: any(sc.name == "slo" for sc, _ in st.scorers)
+        self._reads_prefill = {name: any(sc.reads_prefill for sc, w in st.scorers if w > 0)
                                for name, st in self._strategies.items()}
         self._reads_sessions = {name: any(sc.name == "session" for sc, w in st.scorers if w > 0)
                                 for name, st in self._strategies.items()}
@@ -124,7 +124,7 @@ class Router:
             raise UnknownStrategyError(f"{name} ({e})", self.strategy_names()) from None
         self._mixes[canonical] = self._mixes[name] = mix
         self._needs_tokens[name] = self._needs_tokens[canonical] = mix.needs_tokens
-        self._reads_prefill[canonical] = any(sc.name == "slo" for sc, _ in mix.scorers)
+        self._reads_prefill[canonical] = any(sc.reads_prefill for sc, w in mix.scorers if w > 0)
         self._reads_sessions[canonical] = any(sc.name == "session" for sc, w in mix.scorers if w > 0)
         return canonical
 

@@ -82,6 +82,7 @@ class Scorer:
 
     name: str = ""
     needs_tokens: bool = False
+    reads_prefill: bool = False  # reads the replicas' shared prefill counts (the Router refreshes them first)
 
     def score(self, ctx: PickContext, pods: Sequence[Pod]) -> dict[str, float]:
         """0..1 per pod name (missing names count 0); higher is better."""

@@ -144,6 +144,7 @@ def default_capacity() -> Capacity:
 class SLOScorer(Scorer):
     name = "slo"
     needs_tokens = True
+    reads_prefill = True
 
     def __init__(self, capacity: Capacity, index: PrefixSource | None = None,
                  medium_weights: Mapping[str, float] | None = None, safe: float = 0.5) -> None:

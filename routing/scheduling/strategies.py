@@ -105,7 +105,10 @@ def _prefix(r: Resources) -> Scorer:
     admission = None
     if r.engines is not None and r.capacity is not None:
         admission = AdmissionWait(r.engines, r.capacity.profiles.step_time, r.capacity.predictor.mean_output)
-    return PrecisePrefixScorer(r.index, c.medium_weights, backlog=PrefillBacklog(c.prefill_tokens_per_s, c.clock),
+    # the backlog every replica made, where the replicas share prefill counts (plugin.app: observing responses)
+    shared = r.capacity.prefill if r.capacity is not None else None
+    backlog = PrefillBacklog(c.prefill_tokens_per_s, c.clock, shared=shared)
+    return PrecisePrefixScorer(r.index, c.medium_weights, backlog=backlog,
                                admission=admission, tokens_per_s=c.prefill_tokens_per_s)
 
 
@@ -126,7 +129,8 @@ SCORERS: dict[str, ScorerSpec] = {s.name: s for s in (
     ScorerSpec("prefix", _prefix, ("index",),
                "estimated prefill wait from the event-fed index: the prompt tokens the pod does not hold "
                "(GPU blocks 1.0, CPU 0.8; counted twice: this request and whoever queues behind it) plus "
-               "the pod's prefill backlog (`KVGATE_ROUTING_PREFILL_TOKENS_PER_S`); with engine metrics and observed "
+               "the pod's prefill backlog (`KVGATE_ROUTING_PREFILL_TOKENS_PER_S`; every replica's picks, shared "
+               "through KVGATE_REDIS_URL when responses are observed); with engine metrics and observed "
                "responses, plus the wait to be admitted where the engine reports requests waiting (waiting + 1 "
                "finishes of the running requests, a learned decode step x mean output / (running + 1) each), on a "
                "pod holding some of the prompt only beyond the prefill of what it holds"),

@@ -14,8 +14,9 @@ from routing.pods import KVEventsEndpoint, Pod
 from routing.registry import PodRegistry
 from routing.router import Router
 from routing.scheduling.approx import ApproxPrefixTable
-from routing.scheduling.scorers import ApproxPrefixScorer, PrecisePrefixScorer, PrefillBacklog
+from routing.scheduling.scorers import ROUTED, ApproxPrefixScorer, PrecisePrefixScorer, PrefillBacklog
 from routing.scheduling.scoring import LoadGuard, PickContext, RouteRequest, Scorer
+from helpers import wait_until_async
 from routing.scheduling.strategies import NAMES, SCORERS, STRATEGIES, ScorerSpec, StrategyConfig, parse_weights
 
 TOKENS = list(range(67))  # 4 blocks of 16 and 3 tokens (a hit never covers the last one)
@@ -325,6 +326,66 @@ def test_prefill_backlog_drains_at_its_rate():
         PrefillBacklog(0)
 
 
+def test_a_shared_prefill_backlog_piles_every_gateways_picks_from_the_shared_counter():
+    """Two replicas' backlogs over one shared count (Redis between replicas): each sees the other's picks, a
+    counter's history before it first looked is no backlog, and a counter that went back (a replica's share
+    expired) is taken as it is now."""
+    from routing.state.counts import LocalCounts
+    now = [0.0]
+    shared = LocalCounts()
+    shared.add("a" + ROUTED, 50_000)  # routed before these replicas looked: long prefilled
+    one = PrefillBacklog(10_000, clock=lambda: now[0], shared=shared)
+    two = PrefillBacklog(10_000, clock=lambda: now[0], shared=shared)
+    one.sync(), two.sync()
+    assert one.get("a") == 0 and two.get("a") == 0
+    one.add("a", 1000)
+    two.sync()
+    assert two.get("a") == pytest.approx(1000)  # the other replica's pick
+    two.add("a", 500)
+    one.sync(), two.sync()  # each pick syncs first: both see 1,500 at t = 0
+    now[0] = 0.05
+    assert one.get("a") == pytest.approx(1000) and two.get("a") == pytest.approx(1000)  # 500 drained since
+    shared.add("a" + ROUTED, -51_000)  # a replica's share expired
+    one.sync()
+    assert one.get("a") == pytest.approx(1000)  # nothing added, nothing lost
+    one.add("a", 200)
+    one.sync()
+    assert one.get("a") == pytest.approx(1200)
+    shared.add("a" + ROUTED, 10_000_000)  # the others' view back after Redis was out of reach: history
+    shared.add("b" + ROUTED, 700)  # a pod's first routed tokens: news
+    one.sync()
+    assert one.get("a") == pytest.approx(1200) and one.get("b") == pytest.approx(700)
+
+
+async def test_kv_sync_replicas_sharing_the_prefill_counts_see_each_others_backlog():
+    """Two Routers (gateway replicas) with one shared prefill count: a long prompt one sends to a pod is backlog
+    the other weighs, so the next request goes to the other pod; each replica alone would pile onto it."""
+    from routing.learning.predictor import OutputPredictor
+    from routing.learning.profiles import EngineProfiles
+    from routing.scheduling.slo import Capacity
+    from routing.state.counts import LocalCounts
+    now = [0.0]
+    from kvcache.index import PrefixIndex
+    from tests.routing.test_routing_kv_sync import Engines, family
+    index = PrefixIndex()
+    Engines(index).store("b", family(7))  # the engines have published (the index knows their block size)
+    shared = LocalCounts()
+    cap = Capacity(EngineProfiles(), OutputPredictor(), clock=lambda: now[0], prefill=shared)
+    registry = PodRegistry(pods("a", "b"))
+    running = LocalCounts()  # the running counts too, as through Redis
+    routers = [Router(registry, default_strategy="kv-sync", index=index, seed=g, capacity=cap.replica(),
+                      counts=running, config=StrategyConfig(clock=lambda: now[0])) for g in range(2)]
+    await routers[1].release(await routers[1].pick(RouteRequest("m", token_ids=list(range(500, 520)))))  # it has read
+    doc = list(range(1000, 9000))  # 8,000 tokens no pod holds
+    first = await routers[0].pick(RouteRequest("m", token_ids=doc))
+    await routers[0].release(first)  # not running any more, and its prefill not done: the backlog alone decides
+    for k in range(5):  # five prompt families, each its own tie-break order between the pods
+        d = await routers[1].pick(RouteRequest("m", token_ids=list(range(20_000 + 1000 * k, 20_300 + 1000 * k))))
+        await routers[1].release(d)
+        assert d.pod.name != first.pod.name
+    assert shared.totals()[first.pod.name + ROUTED] >= 8000
+
+
 async def test_kv_sync_weighs_prefill_backlog_against_cache_hits():
     """A pod holding 1 of 4 blocks saves 16 of 64 prompt tokens; each request sent there still
     leaves 48 tokens to prefill. With the clock frozen the backlog piles up and the next requests go
@@ -530,3 +591,41 @@ async def test_strategies_and_weights_come_from_the_one_table():
     weighted = [n for n, spec in STRATEGIES.items() if spec.weighted]
     text = ";".join(f"{n}:" + ",".join(f"{sc}=0" for sc in SCORERS) for n in weighted)
     assert parse_weights(text) == {n: dict.fromkeys(SCORERS, 0.0) for n in weighted}
+
+
+@pytest.mark.integration
+async def test_kv_sync_backlog_reaches_the_other_replica_through_redis(redis_server):
+    """The shipped wiring: each replica's prefill counts in Redis (plugin.app), kv-sync's backlog read from them."""
+    from kvcache.index import PrefixIndex
+    from routing.learning.predictor import OutputPredictor
+    from routing.learning.profiles import EngineProfiles
+    from routing.scheduling.slo import Capacity
+    from routing.state.counts import RedisCounts
+    from tests.routing.test_routing_kv_sync import Engines, family
+    counts = [RedisCounts(redis_server.url, f"gw{i}", key_prefix="kvgate:{prefill}:", ttl_s=5.0, heartbeat_s=1.0,
+                          stale_ok_s=1.0, write_interval_s=0.005) for i in range(2)]
+    try:
+        for c in counts:
+            await c.start()
+        now = [0.0]
+        index = PrefixIndex()
+        Engines(index).store("b", family(7))  # the engines have published (the index knows their block size)
+        ra, rb = (Router(PodRegistry(pods("a", "b")), default_strategy="kv-sync", index=index, seed=0,
+                         capacity=Capacity(EngineProfiles(), OutputPredictor(), clock=lambda: now[0], prefill=c),
+                         config=StrategyConfig(clock=lambda: now[0])) for c in counts)
+        await rb.release(await rb.pick(RouteRequest("m", token_ids=list(range(500, 520)))))  # b has read once
+        doc = await ra.pick(RouteRequest("m", token_ids=list(range(1000, 9000))))
+        await ra.release(doc)
+
+        async def b_saw_the_document() -> bool:  # each pick of b's reads the others' shares for the next one
+            if counts[1].totals().get(doc.pod.name + ROUTED, 0) >= 8000:
+                return True
+            await rb.release(await rb.pick(RouteRequest("m", token_ids=[1, 2, 3])))
+            return False
+        await wait_until_async(b_saw_the_document, timeout=5.0, interval=0.01,
+                               what="replica b to see the document's routed tokens")
+        chat = await rb.pick(RouteRequest("m", token_ids=list(range(20_000, 20_300))))
+        assert chat.pod.name != doc.pod.name  # b keeps its chat off the 0.8 s of prefill a put there
+    finally:
+        for c in counts:
+            await c.close()
