@@ -14,7 +14,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Callable, Iterable
 
 import httpx
 import pytest
@@ -83,6 +84,22 @@ async def wait_until_async(predicate: Callable[[], Any], timeout: float = 15.0, 
 
 
 # --- time ------------------------------------------------------------------------------------
+
+@asynccontextmanager
+async def prefill_counts(redis_url: str, n: int = 2) -> AsyncIterator[list]:
+    """`n` gateway replicas' prefill counts in one Redis, started, as plugin.app builds them (a quick write
+    interval and a short key TTL for tests); closed on the way out."""
+    from routing.state.counts import RedisCounts
+    counts = [RedisCounts(redis_url, f"gw{i}", key_prefix="kvgate:{prefill}:", ttl_s=5.0, heartbeat_s=1.0,
+                          stale_ok_s=1.0, write_interval_s=0.005) for i in range(n)]
+    try:
+        for c in counts:
+            await c.start()
+        yield counts
+    finally:
+        for c in counts:
+            await c.close()
+
 
 class Clock:
     """A clock that moves only when the test moves it (`clock.t += 1.0`); calling it gives the time."""

@@ -116,8 +116,8 @@ class _Line:
         self.at_time = now  # when the last sample came (the profiles' clock)
         self.decay = decay
         self.prior_w = prior_weight if prior else 0.0
+        k = self.prior_w / len(prior) if prior else 0.0  # each prior point's share
         for x, y in prior:
-            k = self.prior_w / len(prior)
             self.w += k
             self.sx += k * x
             self.sy += k * y

@@ -106,8 +106,9 @@ class PrefillBacklog:
             return
         now = self._clock()
         first = self._seen is None
-        seen: dict[str, int] = {} if first else self._seen  # type: ignore[assignment]
-        self._seen = seen
+        if self._seen is None:
+            self._seen = {}
+        seen = self._seen
         for key, total in self.shared.totals().items():
             if not key.endswith(ROUTED):
                 continue

@@ -182,6 +182,8 @@ SCORERS: dict[str, ScorerSpec] = {s.name: s for s in (
 )}
 
 _MAX = "max score, random tie-break"
+# kv-sync's scorers, also slo's choice among the pods safely within the targets (under the slo scorer's weight)
+_KV_SYNC = {"prefix": 3.0, "load": 1.0, "affinity": 0.5}
 
 STRATEGIES: dict[str, StrategySpec] = {s.name: s for s in (
     StrategySpec("random", RandomPicker, "uniform", "uniform among ready pods",
@@ -233,12 +235,12 @@ STRATEGIES: dict[str, StrategySpec] = {s.name: s for s in (
                         "guard and load weight"),
     StrategySpec("kv-sync", MaxScorePicker, "max score, random tie-break",
                  "the event-fed index's estimated prefill wait, combined with load (the default)",
-                 {"prefix": 3.0, "load": 1.0, "affinity": 0.5}, guard=True),
+                 _KV_SYNC, guard=True),
     StrategySpec("slo", MaxScorePicker, "max score, random tie-break",
                  "meets the request's TTFT and TPOT targets (`x-slo-ttft-ms`, `x-slo-tpot-ms` or the model's "
                  "defaults): among the pods predicted safely within both (half of each or less) kv-sync's choice "
                  "(its scorers, far below the slo scorer's weight), else the most headroom, else the least "
-                 "violation", {"slo": 1000.0, "prefix": 3.0, "load": 1.0, "affinity": 0.5},
+                 "violation", {"slo": 1000.0, **_KV_SYNC},
                  optional=frozenset({"prefix"}),
                  aibrix="AIBrix's slo family plans against profiled GPU capacity; kvgate predicts TTFT and TPOT "
                         "from learned engine profiles. In a mix it stands alone, as in AIBrix"),

@@ -16,7 +16,7 @@ from routing.router import Router
 from routing.scheduling.approx import ApproxPrefixTable
 from routing.scheduling.scorers import ROUTED, ApproxPrefixScorer, PrecisePrefixScorer, PrefillBacklog
 from routing.scheduling.scoring import LoadGuard, PickContext, RouteRequest, Scorer
-from helpers import wait_until_async
+from helpers import prefill_counts, wait_until_async
 from routing.scheduling.strategies import NAMES, SCORERS, STRATEGIES, ScorerSpec, StrategyConfig, parse_weights
 
 TOKENS = list(range(67))  # 4 blocks of 16 and 3 tokens (a hit never covers the last one)
@@ -600,13 +600,8 @@ async def test_kv_sync_backlog_reaches_the_other_replica_through_redis(redis_ser
     from routing.learning.predictor import OutputPredictor
     from routing.learning.profiles import EngineProfiles
     from routing.scheduling.slo import Capacity
-    from routing.state.counts import RedisCounts
     from tests.routing.test_routing_kv_sync import Engines, family
-    counts = [RedisCounts(redis_server.url, f"gw{i}", key_prefix="kvgate:{prefill}:", ttl_s=5.0, heartbeat_s=1.0,
-                          stale_ok_s=1.0, write_interval_s=0.005) for i in range(2)]
-    try:
-        for c in counts:
-            await c.start()
+    async with prefill_counts(redis_server.url) as counts:
         now = [0.0]
         index = PrefixIndex()
         Engines(index).store("b", family(7))  # the engines have published (the index knows their block size)
@@ -626,6 +621,3 @@ async def test_kv_sync_backlog_reaches_the_other_replica_through_redis(redis_ser
                                what="replica b to see the document's routed tokens")
         chat = await rb.pick(RouteRequest("m", token_ids=list(range(20_000, 20_300))))
         assert chat.pod.name != doc.pod.name  # b keeps its chat off the 0.8 s of prefill a put there
-    finally:
-        for c in counts:
-            await c.close()

@@ -15,7 +15,7 @@ from routing.registry import PodRegistry
 from routing.router import Router
 from routing.scheduling.scoring import RouteRequest
 from routing.scheduling.slo import Capacity, parse_targets
-from helpers import Clock, wait_until_async
+from helpers import Clock, prefill_counts, wait_until_async
 
 
 
@@ -178,12 +178,7 @@ async def test_prefill_queue_is_shared_by_replicas_and_leaves_at_the_first_token
 
 @pytest.mark.integration
 async def test_prefill_queue_reaches_the_other_replica_through_redis(redis_server):
-    from routing.state.counts import RedisCounts
-    counts = [RedisCounts(redis_server.url, f"gw{i}", key_prefix="kvgate:{prefill}:", ttl_s=5.0, heartbeat_s=1.0,
-                          stale_ok_s=1.0, write_interval_s=0.005) for i in range(2)]
-    try:
-        for c in counts:
-            await c.start()
+    async with prefill_counts(redis_server.url) as counts:
         clock = Clock(50.0)
         profiles = EngineProfiles(prefill_tokens_per_s=10_000.0)
         caps = [Capacity(profiles, OutputPredictor(cold="input"), {"*": (0.5, 1.0)}, clock=clock, prefill=c)
@@ -202,9 +197,6 @@ async def test_prefill_queue_reaches_the_other_replica_through_redis(redis_serve
                                what="replica b to see the document's queued tokens")
         chat = await rb.pick(RouteRequest("m", token_ids=list(range(300)), request_id="chat"))
         assert chat.pod.name != doc.pod.name  # b keeps its chat off the 0.8 s queue a put there
-    finally:
-        for c in counts:
-            await c.close()
 
 
 def test_decision_carries_the_running_count_on_its_target_this_request_included():
