@@ -50,7 +50,9 @@ from devkit.stack import Stack, StackError, envoy_routes, free_port, render_envo
 from tokenizer import testdata
 
 MODEL = "path-model"
-PATHS = ("direct", "envoy_only", "noop", "noop_nowait", "kvgate")
+PATHS = ("direct", "envoy_only", "noop", "noop_nowait", "kvgate", "kvgate_two")
+# kvgate_two: the same kvgate replicas behind the shipped config with every request in two ext_proc messages
+# (headers, then body: runtime key kvgate.one_message_percent 0), as before the one-message routes.
 # Engines that take no time: what remains of a request's time to first token is the path.
 SIM_ARGS = ["--ttft-overhead-ms", "0", "--prefill-ms-per-token", "0", "--tpot-ms", "1", "--tpot-ms-per-seq", "0",
             "--max-tokens-default", "4"]
@@ -266,12 +268,14 @@ def run(requests: int, concurrency: int, n_engines: int, log, idle: int = 0, rep
         noop_port = free_port()
         noop = stack.start("noop", [sys.executable, "-m", "bench.noop_processor", str(noop_port), f"127.0.0.1:{pods[0]['port']}",
                              "--bodies"], ready_port=("127.0.0.1", noop_port))
-        listen = {name: free_port() for name in ("envoy_only", "noop", "kvgate")}
-        admin = {name: free_port() for name in ("noop", "kvgate")}
-        logs = {name: stack.workdir / f"{name}.access.log" for name in ("kvgate", "noop", "floor_noop", "floor_kvgate")}
-        for name, ports in (("kvgate", grpc_ports), ("noop", [noop_port])):
+        listen = {name: free_port() for name in ("envoy_only", "noop", "kvgate", "kvgate_two")}
+        admin = {name: free_port() for name in ("noop", "kvgate", "kvgate_two")}
+        logs = {name: stack.workdir / f"{name}.access.log"
+                for name in ("kvgate", "kvgate_two", "noop", "floor_noop", "floor_kvgate")}
+        for name, ports in (("kvgate", grpc_ports), ("kvgate_two", grpc_ports), ("noop", [noop_port])):
             config = render_envoy_config(listen_port=listen[name], admin_port=admin[name], extproc_port=ports[0],
-                                         more_extproc_ports=ports[1:], pool=pool)
+                                         more_extproc_ports=ports[1:], pool=pool,
+                                         one_message_percent=0 if name == "kvgate_two" else None)
             start_envoy(stack, f"envoy_{name}", with_access_log(config, logs[name]), listen[name], FLUSH_LOGS)
         _envoy_only(stack, listen["envoy_only"], pool)
         if "noop_nowait" in PATHS:
@@ -541,6 +545,9 @@ def summarize(seq: Samples, load: Samples, quiet: Samples | None = None, **run: 
                        "kvgate_added_p50_ms": _ms(statistics.median(quiet.ttft["kvgate"]) - direct),
                        "samples": len(quiet.ttft["kvgate"]), "gap_s": IDLE_GAP_S,
                        "errors": quiet.errors["kvgate"]}
+    for phase in ("seq", "load"):  # one message against two, side by side
+        out[f"kvgate_{phase}_one_over_two_message_ms"] = round(paths["kvgate"][f"{phase}_p50_ms"]
+                                                              - paths["kvgate_two"][f"{phase}_p50_ms"], 3)
     out["targets"] = {"kvgate_seq_added_p50_le_1.5ms": out["kvgate_seq_added_p50_ms"] <= TARGET_ADDED_SEQ_MS}
     out.update(run)
     return out
@@ -572,6 +579,10 @@ def table(r: dict) -> str:
                 f"Envoy alone {r['envoy_only_seq_added_p50_ms']:.3f} ms; kvgate over the no-op: "
                 f"{r['kvgate_seq_added_over_noop_ms']:.3f} ms @1, {r['kvgate_load_added_over_noop_ms']:.3f} ms "
                 f"@{r['concurrency']}")
+    if r.get("kvgate_seq_one_over_two_message_ms") is not None:
+        rows.append(f"one ext_proc message (the shipped routes) against two (kvgate_two): "
+                    f"{r['kvgate_seq_one_over_two_message_ms']:+.3f} ms @1, "
+                    f"{r['kvgate_load_one_over_two_message_ms']:+.3f} ms @{r['concurrency']}")
     if r.get("idle"):
         i = r["idle"]
         rows.append(f"after {i['gap_s']} s pauses ({i['samples']} requests): direct {i['direct_p50_ms']:.3f} ms, kvgate "

@@ -282,7 +282,9 @@ VARIABLES: tuple[Variable, ...] = (
              "watched response costs two more ext_proc messages (about 300 us of kvgate CPU); an unwatched "
              "one asks Envoy for none (its response headers are skipped too), is still uncounted when its "
              "stream ends and still tells the trackers it is done (without usage). Requests with the slo "
-             "strategy or SLO headers are always watched. 1: every response."),
+             "strategy or SLO headers are always watched. 1: every response. Requests Envoy sends in one "
+             "message (envoy/envoy.yaml, runtime key `kvgate.one_message_percent`) cannot be watched: kvgate "
+             "watches more of the others to keep this share of all."),
     Variable("KVGATE_RESPONSE_IDS", "response_ids", _int_range(0, 10_000_000), 100_000,
              "Responses API conversations remembered per gateway replica: response id -> the pod that answered "
              "it (learned from the routed answer; shared with the other replicas through KVGATE_REDIS_URL), so "

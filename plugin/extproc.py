@@ -2,7 +2,9 @@
 Inference Extension's Endpoint Picker protocol (v1.0.0).
 
 Headers arrive first (the client's routing headers are stripped there), then the
-buffered body; the answer to the body names the upstream pod, followed by the next-best
+buffered body; or, on envoy/envoy.yaml's one-message routes, the body alone, carrying the headers
+kvgate reads as Envoy attributes (request headers skipped; a buffer filter holds them for the router,
+which sets the headers named below from the answer's metadata). The answer to the body names the upstream pod, followed by the next-best
 pods to retry on (`ip:port,ip:port,...`, the same list in the
 `x-gateway-destination-endpoint` header and in `envoy.lb` dynamic metadata) and, by
 default, the pod alone in AIBrix's `target-pod` header; for a data-parallel pod it also names the
@@ -84,6 +86,10 @@ _READ_HEADERS = {":path": _PATH, ":method": _METHOD, STRATEGY_HEADER: _STRATEGY,
                  OBJECTIVE_HEADER: _OBJECTIVE, SLO_TTFT_HEADER: _SLO, SLO_TPOT_HEADER: _SLO,
                  **dict.fromkeys(SESSION_HEADERS, _SESSION), USER_HEADER: _USER, "authorization": _AUTHORIZATION}
 
+# One message: the Envoy attributes (a route's request_attributes) standing for headers kvgate reads.
+_ATTRIBUTE_HEADERS = {"request.path": ":path", "request.method": ":method", "request.id": "x-request-id"}
+_HEADER_ATTRIBUTE = "request.headers['"  # request.headers['routing-strategy'], ...
+
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 # The answer to headers that carry nothing to remove: built once, never mutated, shared by streams.
 _HEADERS_CONTINUE = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
@@ -126,7 +132,7 @@ class _Stream:
     """The protocol state of one HTTP request's ext_proc stream; the request's own state is `ctx`."""
 
     __slots__ = ("gw", "pipeline", "answers", "ctx", "method", "streamed_request", "streamed_response", "chunks",
-                 "held_remove", "served_pod", "id_reader")
+                 "held_remove", "served_pod", "id_reader", "one_message")
 
     def __init__(self, gw: Gateway, pipeline: Pipeline, answers: dict) -> None:
         self.gw = gw
@@ -145,6 +151,7 @@ class _Stream:
         # A Responses API answer's pod and the reader of its id (plugin.responses), while it is looked for.
         self.served_pod = ""
         self.id_reader: IdReader | None = None
+        self.one_message = False  # the body came first (on_attributes): Envoy sends nothing more, applies no header
 
     # --- EPP protocol clauses ------------------------------------------------------------
     def read_context(self, msg: pb.ProcessingRequest) -> None:
@@ -252,8 +259,7 @@ class _Stream:
         return [head, body]
 
     # --- phases -----------------------------------------------------------------------
-    def on_headers(self, msg: pb.HttpHeaders) -> pb.ProcessingResponse:
-        ctx = self.ctx
+    def on_headers(self, msg: pb.HttpHeaders) -> pb.ProcessingResponse | None:
         remove: list[str] | None = None
         for h in msg.headers.headers:
             key = h.key.lower()
@@ -264,34 +270,66 @@ class _Stream:
                         remove = []
                     remove.append(h.key)
                 continue
-            value = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
-            if which == _PATH:
-                ctx.path = value.split("?", 1)[0]
-            elif which == _METHOD:
-                self.method = value
-            elif which == _STRATEGY:
-                ctx.strategy = value.strip() or None
-            elif which == _REQUEST_ID:
-                ctx.request_id = value
-            elif which == _OBJECTIVE:
-                ctx.objective = value.strip()
-            elif which == _AUTHORIZATION:
-                ctx.authorization = value
-            elif which == _SESSION:
-                value = value.strip()
-                rank = SESSION_HEADERS.index(key)
-                if value and (ctx.session is None or rank < ctx.session_rank):
-                    ctx.session, ctx.session_rank = value, rank
-            elif which == _USER:
-                ctx.user = value.strip() or None
-            else:  # an SLO target
-                ms = observe.milliseconds(value)
-                if ms is None:
-                    return self._error(bad_request(f"{key}: expected a positive number of milliseconds",
-                                                   code="invalid_slo", param=key))
-                if ctx.slo is None:
-                    ctx.slo = {}
-                ctx.slo[key] = ms / 1000.0
+            if not self._read(which, key, h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value):
+                return self._bad_slo(key)
+        return self._on_path(remove, msg.end_of_stream)
+
+    def on_attributes(self, msg: pb.ProcessingRequest) -> pb.ProcessingResponse | None:
+        """One message: the body came first, the headers kvgate reads as the route's Envoy attributes (whatever
+        the filter's name they are filed under). None: the body decides; else the answer, given on the body."""
+        self.one_message = True
+        self.gw.metrics.one_message.inc()
+        for struct in msg.attributes.values():
+            for name, value in struct.fields.items():
+                key = _ATTRIBUTE_HEADERS.get(name)
+                if key is None:
+                    if not (name.startswith(_HEADER_ATTRIBUTE) and name.endswith("']")):
+                        continue
+                    key = name[len(_HEADER_ATTRIBUTE):-2].lower()
+                which = _READ_HEADERS.get(key)
+                if which is not None and value.WhichOneof("kind") == "string_value" \
+                        and not self._read(which, key, value.string_value):
+                    return self._bad_slo(key)
+        return self._on_path(None, False)
+
+    def _read(self, which: int, key: str, value: str) -> bool:
+        """One header kvgate reads into the request's context; False: an SLO target that is not one."""
+        ctx = self.ctx
+        if which == _PATH:
+            ctx.path = value.split("?", 1)[0]
+        elif which == _METHOD:
+            self.method = value
+        elif which == _STRATEGY:
+            ctx.strategy = value.strip() or None
+        elif which == _REQUEST_ID:
+            ctx.request_id = value
+        elif which == _OBJECTIVE:
+            ctx.objective = value.strip()
+        elif which == _AUTHORIZATION:
+            ctx.authorization = value
+        elif which == _SESSION:
+            value = value.strip()
+            rank = SESSION_HEADERS.index(key)
+            if value and (ctx.session is None or rank < ctx.session_rank):
+                ctx.session, ctx.session_rank = value, rank
+        elif which == _USER:
+            ctx.user = value.strip() or None
+        else:  # an SLO target
+            ms = observe.milliseconds(value)
+            if ms is None:
+                return False
+            if ctx.slo is None:
+                ctx.slo = {}
+            ctx.slo[key] = ms / 1000.0
+        return True
+
+    def _bad_slo(self, key: str) -> pb.ProcessingResponse:
+        return self._error(bad_request(f"{key}: expected a positive number of milliseconds",
+                                       code="invalid_slo", param=key))
+
+    def _on_path(self, remove: list[str] | None, end_of_stream: bool) -> pb.ProcessingResponse | None:
+        """What the request's path and method ask, once its headers are read."""
+        ctx = self.ctx
         if not ctx.request_id:
             ctx.request_id = uuid.uuid4().hex
         path = ctx.path
@@ -299,8 +337,15 @@ class _Stream:
         pooling = path in POOLING_PATHS
         if method == "POST" and (path in ROUTED_POST_PATHS or pooling):
             ctx.kind = "pooling" if pooling else KINDS[path]
-            if msg.end_of_stream:  # no body will follow
+            if end_of_stream:  # no body will follow
                 return self._error(bad_request("request body is empty; expected a JSON object", code="invalid_json"))
+            if self.one_message:  # Envoy sends nothing of this response: unwatched, whatever the sampler says
+                ctx.watched = False
+                if self.gw.observer is not None and self.gw.sampler.passed():
+                    log.warning("Envoy sends requests in one ext_proc message (envoy/envoy.yaml's one-message routes): "
+                                "their responses cannot be watched, though KVGATE_OBSERVE_SAMPLE=1 asks for every one; "
+                                "set Envoy's runtime key kvgate.one_message_percent to 0")
+                return None
             if self.streamed_request:  # the answer to the headers waits for the whole body
                 self.chunks, self.held_remove = [], remove
                 return None
@@ -435,7 +480,12 @@ class _Stream:
         headers = [_set_header(DESTINATION_HEADER, endpoint), _set_header(RETRIES_HEADER, str(len(fallbacks)))]
         if self.gw.target_pod_header:
             headers.append(_set_header(TARGET_POD_HEADER, pod.endpoint))
-        ours: dict[str, object] = {"pod": pod.name, "strategy": strategy}  # the rank stays a number in the Struct
+        # The rank and retries stay numbers in the Struct. What Envoy's route sets as headers from them (one
+        # message: the headers went on before this answer, so its header mutations are not applied): retries,
+        # target_pod, rank.
+        ours: dict[str, object] = {"pod": pod.name, "strategy": strategy, "retries": len(fallbacks)}
+        if self.gw.target_pod_header:
+            ours["target_pod"] = pod.endpoint
         if rank is not None:
             headers.append(_set_header(DP_RANK_HEADER, str(rank)))
             ours["rank"] = rank
@@ -500,6 +550,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         how = "completed"
         ended = False
         try:
+            first = True
             async for msg in request_iterator:
                 which = msg.WhichOneof("request")
                 try:
@@ -509,10 +560,19 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                         if response is LOOKUP:
                             response = await stream.on_stored_lookup()
                     elif which == "request_body":
-                        longer = stream.longer_timeout()
-                        if longer is not None:  # the pd strategy's prefill leg may outlast Envoy's message_timeout
-                            yield longer
-                        response = await stream.on_body(msg.request_body)
+                        response = None
+                        if first:  # one message: the headers kvgate reads came as attributes
+                            stream.read_context(msg)
+                            response = stream.on_attributes(msg)
+                            if response is LOOKUP:
+                                response = await stream.on_stored_lookup()
+                            if response is not None:
+                                response = _on_body(response)
+                        if response is None:
+                            longer = stream.longer_timeout()
+                            if longer is not None:  # the pd strategy's prefill leg may outlast Envoy's message_timeout
+                                yield longer
+                            response = await stream.on_body(msg.request_body)
                     elif which == "response_headers":
                         response = stream.on_response_headers(msg)
                     elif which == "response_body":
@@ -523,6 +583,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                         response = _pass_through(which)
                 except Exception as exc:  # every failure becomes an answer: a request never hangs
                     response = stream.error_for(exc)
+                first = False
                 if type(response) is list:  # a streamed body's pick: the held headers' answer, then the body
                     for r in response:
                         yield r
@@ -575,6 +636,18 @@ _ROUTED_KINDS = frozenset((*KINDS.values(), "pooling"))
 def _names_slo(mix: str) -> bool:
     """A weighted mix naming `slo` is `slo` (AIBrix: exclusive)."""
     return any(part.partition(":")[0].strip() == "slo" for part in mix.split(","))
+
+
+def _on_body(answer: pb.ProcessingResponse) -> pb.ProcessingResponse:
+    """One message: an answer made for the headers (routed by load, passed through), given on the body."""
+    if not answer.HasField("request_headers"):
+        return answer  # an immediate response
+    if not answer.request_headers.HasField("response") and not answer.HasField("dynamic_metadata"):
+        return _BODY_CONTINUE
+    body = pb.ProcessingResponse(request_body=pb.BodyResponse(response=answer.request_headers.response))
+    if answer.HasField("dynamic_metadata"):
+        body.dynamic_metadata.CopyFrom(answer.dynamic_metadata)
+    return body
 
 
 def _continue_headers(remove: list[str] | None) -> pb.ProcessingResponse:

@@ -159,6 +159,10 @@ class GatewayMetrics:
             ["kind"], registry=registry)
         self.active_streams = _LoopGauge(
             "kvgate_active_streams", "ext_proc streams open now (one per HTTP request in flight)", registry=registry)
+        self.one_message = LoopCounter(
+            "kvgate_one_message_requests", "Requests Envoy sent in one message (its body, the headers kvgate reads as "
+            "attributes: envoy/envoy.yaml's one-message routes); their responses are not watched", [],
+            registry=registry).labels()
         self.served = LoopCounter(
             "kvgate_served_requests", "Routed requests by the endpoint the data plane reports served them: the "
             "picked pod, a fallback from the ranked list (the request's count moved there), or an unknown one",

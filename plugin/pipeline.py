@@ -55,24 +55,44 @@ SLO_TTFT_HEADER, SLO_TPOT_HEADER = "x-slo-ttft-ms", "x-slo-tpot-ms"  # the reque
 
 
 class Sampler:
-    """Takes `share` of the calls, evenly spaced (share 0.25: every fourth), deterministically."""
+    """Takes `share` of the calls, evenly spaced (share 0.25: every fourth), deterministically.
 
-    __slots__ = ("share", "_credit")
+    Requests Envoy sends in one message (envoy/envoy.yaml's one-message routes) cannot be watched: `passed()`
+    counts them, and the share of the calls is raised so that `share` of all requests is watched where it can
+    be (Envoy sending a tenth in two messages, share 0.1: every one of those). The counts are halved now and
+    then, so a change of Envoy's split is followed."""
+
+    __slots__ = ("share", "_credit", "_asked", "_passed")
 
     def __init__(self, share: float) -> None:
         self.share = share
         self._credit = 1.0  # the first call is taken
+        self._asked = 0.0
+        self._passed = 0.0
+
+    def passed(self) -> bool:
+        """Count one request Envoy sent in one message; True for the first while every response should be
+        watched (share 1): worth a warning."""
+        first = not self._passed
+        self._passed += 1.0
+        return first and self.share >= 1.0
 
     def take(self) -> bool:
-        if self.share >= 1.0:
+        share = self.share
+        self._asked += 1.0
+        if self._passed:
+            share = min(1.0, share * (self._asked + self._passed) / self._asked)
+        if self._asked + self._passed > 8192.0:
+            self._asked, self._passed = self._asked / 2, self._passed / 2
+        if share >= 1.0:
             return True
-        if self.share <= 0.0:
+        if share <= 0.0:
             return False
         if self._credit >= 1.0 - 1e-9:
             self._credit -= 1.0
-            self._credit += self.share
+            self._credit += share
             return True
-        self._credit += self.share
+        self._credit += share
         return False
 
 

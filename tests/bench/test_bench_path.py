@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from bench import path
 
 
@@ -43,7 +45,7 @@ def test_summary_added_time_is_each_paths_median_over_directs_and_the_target_rea
     seq, load = path.Samples(), path.Samples()
     for i in range(40):
         for name, extra in (("direct", 0.0), ("envoy_only", 0.0002), ("noop", 0.001), ("noop_nowait", 0.0008),
-                            ("kvgate", 0.0014)):
+                            ("kvgate", 0.0014), ("kvgate_two", 0.0019)):
             seq.add(name, 0.004 + extra + i * 1e-6, 200)
             load.add(name, 0.010 + 3 * extra, 200)
     load.add("kvgate", 1.0, 503)
@@ -57,6 +59,10 @@ def test_summary_added_time_is_each_paths_median_over_directs_and_the_target_rea
     assert r["paths"]["kvgate"]["seq_added_p50_ms_by_quarter"] == [1.4] * 4
     assert r["targets"]["kvgate_seq_added_p50_le_1.5ms"]
     assert "kvgate adds 1.400 ms" in path.table(r)
+    # one message against two, side by side
+    assert r["kvgate_seq_one_over_two_message_ms"] == pytest.approx(-0.5, abs=0.002)
+    assert r["kvgate_load_one_over_two_message_ms"] == pytest.approx(-1.5, abs=0.002)
+    assert "against two (kvgate_two): -0.499 ms @1, -1.500 ms @8" in path.table(r)
 
 
 def test_floor_summary_is_each_processors_median_over_envoy_answering_alone_and_the_table_says_it():

@@ -2,6 +2,7 @@
 process, real gRPC) -> simulated vLLM engines (real HTTP), all on loopback."""
 from __future__ import annotations
 
+import base64
 import json
 import socket
 import time
@@ -77,7 +78,7 @@ def test_chat_and_strategy_header(env):
         r = env.client.post("/v1/chat/completions", headers={"routing-strategy": strategy},
                             json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
         assert r.status_code == 200, r.text
-        assert r.headers["x-kvgate-strategy"] == strategy
+        assert r.headers.get("x-kvgate-strategy") == strategy, (strategy, dict(r.headers))
 
 
 @pytest.mark.parametrize("path, body, headers, status, code", [
@@ -375,3 +376,35 @@ def test_session_affinity_and_a_weighted_mix_through_envoy(env):
     assert "x-session-id" not in r.headers  # no session asked for: none given
     r = env.client.post("/v1/chat/completions", json=chat, headers={"routing-strategy": "prefix-cache:2,fastest"})
     assert r.status_code == 400 and _error(r)["code"] == "unknown_routing_strategy"
+
+
+def test_plain_requests_reach_kvgate_in_one_message_and_watched_ones_in_two(env):
+    """envoy/envoy.yaml sends most completions and chats to kvgate as one message (the body, the headers it
+    reads as attributes; the buffer filter holds the request until kvgate's answer), routed as before: the
+    engine kvgate named serves, with the session it was given; requests with SLO targets or the slo strategy
+    take two messages (their responses are watched)."""
+    def one_message() -> float:
+        return _sample(_samples(env), "kvgate_one_message_requests_total")
+
+    before = one_message()
+    for i in range(20):  # no header of kvgate's at all, a session, a strategy
+        headers = [{}, {"x-session-id": f"s{i}"}, {"routing-strategy": "least-request"}][i % 3]
+        r = env.client.post("/v1/chat/completions", headers=headers,
+                            json={"model": MODEL, "messages": [{"role": "user", "content": f"one {i}"}],
+                                  "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        assert r.headers["x-sim-name"] == r.headers["x-kvgate-pod"]
+        assert r.headers["x-kvgate-strategy"] == headers.get("routing-strategy", "kv-sync")
+        if "x-session-id" in headers:  # the session header was read: the session's pod goes back
+            port = base64.b64decode(r.headers["x-session-id"]).decode().rsplit(":", 1)[1]
+            assert int(port) == env.sims[r.headers["x-kvgate-pod"]]
+    plain = one_message() - before
+    assert 12 <= plain <= 20  # 90% by default (runtime key kvgate.one_message_percent): at least 12 of 20
+    for headers in ({"x-slo-ttft-ms": "60000"}, {"x-slo-tpot-ms": "60000"}, {"routing-strategy": "slo"},
+                    {"routing-strategy": "kv-sync:1,slo:1"}):
+        for _ in range(3):
+            r = env.client.post("/v1/completions", headers=headers,
+                                json={"model": MODEL, "prompt": "watched", "max_tokens": 1})
+            assert r.status_code == 200, r.text
+            assert r.headers["x-sim-name"] == r.headers["x-kvgate-pod"]
+    assert one_message() - before == plain  # none of them in one message

@@ -29,12 +29,16 @@ EG_DEFAULT_BUFFER = 32768  # Envoy Gateway 1.9's listener and cluster per_connec
 def envoy_gateway_like(config: dict, listener_buffer: int) -> dict:
     """envoy/envoy.yaml as Envoy Gateway would program it: no per-route body limit (an HTTPRoute has none),
     every cluster's buffer at Envoy Gateway's default, and the listener's at `listener_buffer` (its
-    default, or a ClientTrafficPolicy's connection.bufferLimit)."""
+    default, or a ClientTrafficPolicy's connection.bufferLimit), with neither the one-message routes nor the
+    buffer filter they need (an EnvoyExtensionPolicy's ext_proc takes headers, then the body)."""
     config = copy.deepcopy(config)
     listener = config["static_resources"]["listeners"][0]
     listener["per_connection_buffer_limit_bytes"] = listener_buffer
     hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
-    for route in hcm["route_config"]["virtual_hosts"][0]["routes"]:
+    hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.buffer"]
+    vhost = hcm["route_config"]["virtual_hosts"][0]
+    vhost["routes"] = [r for r in vhost["routes"] if "runtime_fraction" not in r["match"]]
+    for route in vhost["routes"]:
         route.pop("request_body_buffer_limit", None)
     for cluster in config["static_resources"]["clusters"]:
         cluster["per_connection_buffer_limit_bytes"] = EG_DEFAULT_BUFFER

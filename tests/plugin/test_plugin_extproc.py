@@ -533,3 +533,107 @@ async def test_a_stored_response_read_through_another_replica_goes_to_the_pod_th
     outcomes = {s.labels["outcome"]: s.value for m in gw.metrics.response_affinity.collect() for s in m.samples
                 if s.name.endswith("_total")}
     assert outcomes["routed"] == 2
+
+
+# --- one message: the body first, the headers kvgate reads as Envoy attributes (envoy/envoy.yaml's
+# one-message routes: request headers skipped, a buffer filter holding them for the router) ----------------
+
+def first_body(obj, attrs, filter_name="envoy.filters.http.ext_proc"):
+    """The only message of a one-message request: its body, with the route's request_attributes."""
+    from google.protobuf import struct_pb2
+    msg = body(obj)
+    values = struct_pb2.Struct()
+    values.update(attrs)
+    msg.attributes[filter_name].CopyFrom(values)
+    return msg
+
+
+ONE_MESSAGE = {"request.path": "/v1/chat/completions", "request.method": "POST", "request.id": "rid-9"}
+
+
+async def test_one_message_request_is_routed_on_its_body_with_everything_envoy_needs_in_metadata():
+    router = FakeRouter(rank=2)
+    gw = gateway(router, FakeTokenizer())
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    out = await run_stream(gw, [first_body(chat, {**ONE_MESSAGE, "request.headers['x-session-id']": " sid ",
+                                                  "request.headers['user']": "alice",
+                                                  "request.headers['routing-strategy']": "least-request"},
+                                           filter_name="ext_proc_named_otherwise")])
+    assert len(out) == 1 and out[0].HasField("request_body")
+    pick = router.picks[0]
+    assert (pick.request_id, pick.session, pick.user, pick.strategy) == ("rid-9", "sid", "alice", "least-request")
+    md = out[0].dynamic_metadata
+    assert md["envoy.lb"]["x-gateway-destination-endpoint"] == "10.0.0.7:8000"
+    # Envoy cannot apply header mutations to headers it already let go of: its route sets them from these
+    assert (md["kvgate"]["retries"], md["kvgate"]["target_pod"], md["kvgate"]["rank"]) == (0, "10.0.0.7:8000", 2)
+    assert router.running == 0  # released when the stream ended
+    assert gw.metrics.one_message.value == 1
+
+
+async def test_one_message_bad_header_values_and_unknown_paths():
+    gw = gateway(FakeRouter(), FakeTokenizer())
+    out = await run_stream(gw, [first_body({"model": "m", "prompt": "x"},
+                                           {**ONE_MESSAGE, "request.path": "/v1/completions",
+                                            "request.headers['x-slo-ttft-ms']": "soon"})])
+    assert out[0].immediate_response.status.code == 400
+    assert json.loads(out[0].immediate_response.body)["error"]["code"] == "invalid_slo"
+    out = await run_stream(gw, [first_body(b"not json", {**ONE_MESSAGE, "request.path": "/v1/completions"})])
+    assert out[0].immediate_response.status.code == 400
+    # paths routed at their headers, sent in one message by a route configured so: the same answer, on the body
+    out = await run_stream(gw, [first_body(b"{}", {**ONE_MESSAGE, "request.path": "/tokenize"})])
+    assert out[0].dynamic_metadata["kvgate"]["strategy"] == "any"
+    assert out[0].dynamic_metadata["envoy.lb"]["x-gateway-destination-endpoint"] == "10.0.0.7:8000"
+    out = await run_stream(gw, [first_body(b"{}", {**ONE_MESSAGE, "request.path": "/v1/elsewhere"})])
+    assert out[0] == pb.ProcessingResponse(request_body=pb.BodyResponse())  # passed through
+    # no attributes at all (a route without request_attributes): no path, so nothing is routed, nothing fails
+    out = await run_stream(gw, [body({"model": "m", "prompt": "x"})])
+    assert out[0].HasField("request_body") and not out[0].HasField("immediate_response")
+
+
+async def test_one_message_requests_are_unwatched_and_the_sampler_watches_the_rest_for_them():
+    from plugin.pipeline import Sampler
+    from plugin.observe import Observer
+    done = []
+
+    class Tracker:
+        def add_request_count(self, ctx, request_id, model):
+            return 0
+
+        def done_request_count(self, ctx, request_id, model, term):
+            done.append(ctx.watched)
+
+        def done_request_trace(self, ctx, request_id, model, i, o, term):
+            pass
+
+    observer = Observer(CollectorRegistry())
+    observer.trackers.register(Tracker())
+    gw = gateway(FakeRouter(), FakeTokenizer(), observer=observer, sampler=Sampler(0.25))
+    prompt = {"model": "m", "prompt": "x"}
+    one = {**ONE_MESSAGE, "request.path": "/v1/completions"}
+    for _ in range(3):  # Envoy sends three of four in one message: those cannot be watched...
+        await run_stream(gw, [first_body(prompt, one)])
+    two = [await run_stream(gw, [headers("POST", "/v1/completions"), body(prompt)]) for _ in range(2)]
+    # ...so the requests it sends in two are all watched: a quarter of all requests, as KVGATE_OBSERVE_SAMPLE says
+    assert [t[0].HasField("mode_override") for t in two] == [False, False]
+    assert done == [False, False, False, True, True]
+
+
+def test_sampler_raises_its_share_for_the_calls_it_could_not_take():
+    from plugin.pipeline import Sampler
+    s = Sampler(0.1)
+    taken = 0
+    for i in range(1000):
+        if i % 10 < 8:
+            s.passed()  # 80% sent in one message
+        else:
+            taken += s.take()
+    assert 95 <= taken <= 105  # a tenth of all, from the fifth that could be watched
+    full = Sampler(0.1)
+    for _ in range(50):
+        full.passed()
+    assert all(full.take() for _ in range(5))  # fewer watchable than the share: every one
+    plain = Sampler(0.1)
+    assert [i for i in range(30) if plain.take()] == [0, 10, 20]  # none passed: as before
+    # every response asked for, yet some cannot be watched: the first such one is worth a warning, once
+    every = Sampler(1.0)
+    assert [every.passed(), every.passed()] == [True, False] and not Sampler(0.5).passed()
