@@ -388,24 +388,30 @@ def test_sampler_takes_its_share_evenly_spaced():
     assert sum(third.take() for _ in range(300)) == 100
 
 
+class DoneTracker:
+    """A tracker hearing requests done: ("count" or "trace", whether the response was watched) for each."""
+
+    def __init__(self):
+        self.done = []
+
+    def add_request_count(self, ctx, request_id, model):
+        return 0
+
+    def done_request_count(self, ctx, request_id, model, term):
+        self.done.append(("count", ctx.watched))
+
+    def done_request_trace(self, ctx, request_id, model, i, o, term):
+        self.done.append(("trace", ctx.watched))
+
+
 async def test_unsampled_response_asks_envoy_for_nothing_and_tells_trackers_done():
     from plugin.pipeline import Sampler
     from plugin.observe import Observer
-    done = []
-
-    class Tracker:
-        def add_request_count(self, ctx, request_id, model):
-            return 0
-
-        def done_request_count(self, ctx, request_id, model, term):
-            done.append(("count", ctx.watched))
-
-        def done_request_trace(self, ctx, request_id, model, i, o, term):
-            done.append(("trace", ctx.watched))
-
+    tracker = DoneTracker()
+    done = tracker.done
     registry = CollectorRegistry()
     observer = Observer(registry)
-    observer.trackers.register(Tracker())
+    observer.trackers.register(tracker)
     gw = gateway(FakeRouter(), FakeTokenizer(), observer=observer, sampler=Sampler(0.5))
     first = await run_stream(gw, [headers("POST", "/v1/completions"), body({"model": "m", "prompt": "x"})])
     second = await run_stream(gw, [headers("POST", "/v1/completions"), body({"model": "m", "prompt": "x"})])
@@ -593,20 +599,9 @@ async def test_one_message_bad_header_values_and_unknown_paths():
 async def test_one_message_requests_are_unwatched_and_the_sampler_watches_the_rest_for_them():
     from plugin.pipeline import Sampler
     from plugin.observe import Observer
-    done = []
-
-    class Tracker:
-        def add_request_count(self, ctx, request_id, model):
-            return 0
-
-        def done_request_count(self, ctx, request_id, model, term):
-            done.append(ctx.watched)
-
-        def done_request_trace(self, ctx, request_id, model, i, o, term):
-            pass
-
+    tracker = DoneTracker()
     observer = Observer(CollectorRegistry())
-    observer.trackers.register(Tracker())
+    observer.trackers.register(tracker)
     gw = gateway(FakeRouter(), FakeTokenizer(), observer=observer, sampler=Sampler(0.25))
     prompt = {"model": "m", "prompt": "x"}
     one = {**ONE_MESSAGE, "request.path": "/v1/completions"}
@@ -615,7 +610,7 @@ async def test_one_message_requests_are_unwatched_and_the_sampler_watches_the_re
     two = [await run_stream(gw, [headers("POST", "/v1/completions"), body(prompt)]) for _ in range(2)]
     # ...so the requests it sends in two are all watched: a quarter of all requests, as KVGATE_OBSERVE_SAMPLE says
     assert [t[0].HasField("mode_override") for t in two] == [False, False]
-    assert done == [False, False, False, True, True]
+    assert tracker.done == [("count", False)] * 3 + [("count", True)] * 2
 
 
 def test_sampler_raises_its_share_for_the_calls_it_could_not_take():
