@@ -328,6 +328,15 @@ def test_closed_paths_get_the_gateways_404_and_never_reach_an_engine(env):
     assert _prefix_hits(port) == hits["sim0"]
 
 
+def test_a_closed_paths_404_does_not_wait_for_the_body(env):
+    """The gateway's 404 is answered on the headers: a client announcing 8 MiB it never sends is not held (nor is
+    the body buffered: the buffer filter, there for the one-message routes, is off on the 404 route)."""
+    with socket.create_connection(("127.0.0.1", env.listen), timeout=5) as s:
+        s.sendall(b"POST /reset_prefix_cache HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 8388608\r\n\r\n{")
+        assert s.recv(65536).split(b"\r\n", 1)[0] == b"HTTP/1.1 404 Not Found"  # within the 5 s timeout
+
+
 PUBLIC_BODIES = {
     "/v1/completions": {"model": MODEL, "prompt": "hi", "max_tokens": 1},
     "/v1/chat/completions": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
