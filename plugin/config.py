@@ -170,7 +170,8 @@ VARIABLES: tuple[Variable, ...] = (
              "weights, 1 when left out); a request may choose another (or a mix) with the `routing-strategy` header."),
     Variable("KVGATE_ROUTING_WEIGHTS", "routing_weights", _text, "",
              "Scorer weights laid over the defaults: `kv-sync:ttft=3,load=2,queue=1;prefix-cache:...` "
-             f"(scorers: {', '.join(SCORERS)}; 0 removes one)."),
+             f"(scorers: {', '.join(SCORERS)}; 0 removes one). kv-sync's reach slo too, which makes kv-sync's "
+             "choice among the pods safely within their targets."),
     Variable("KVGATE_ROUTING_GUARD_SLACK", "routing_guard_slack", _int_range(0, 1_000_000), 16,
              "Load guard: a pod running this many more requests than the mean of the other pods (or four "
              "times that beyond the least loaded one) is set aside (with engine metrics scraped: only while its "

@@ -93,6 +93,9 @@ class StrategySpec:
     aibrix: str = ""  # where it differs from AIBrix's strategy of the same name ("" : not an AIBrix name)
     mixed_as: Mapping[str, float] | None = None  # its scorers in a weighted mix, where its picker ignores weights
     optional: frozenset[str] = frozenset()  # scorers left out where what they need is missing (not the strategy)
+    # A strategy whose choice this one makes where its own scorer is indifferent: the weights configured for it
+    # (KVGATE_ROUTING_WEIGHTS) are laid over these defaults too, before this strategy's own.
+    choice_of: str = ""
 
     @property
     def weighted(self) -> bool:
@@ -241,7 +244,7 @@ STRATEGIES: dict[str, StrategySpec] = {s.name: s for s in (
                  "defaults): among the pods predicted safely within both (half of each or less) kv-sync's choice "
                  "(its scorers, far below the slo scorer's weight), else the most headroom, else the least "
                  "violation", {"slo": 1000.0, **_KV_SYNC},
-                 optional=frozenset({"prefix"}),
+                 optional=frozenset({"prefix"}), choice_of="kv-sync",
                  aibrix="AIBrix's slo family plans against profiled GPU capacity; kvgate predicts TTFT and TPOT "
                         "from learned engine profiles. In a mix it stands alone, as in AIBrix"),
     # Prefill/decode disaggregation (routing.pd): `pd` plans the pair; its weights choose the prefill engine.
@@ -388,7 +391,12 @@ def build_strategies(config: StrategyConfig, rng: random.Random, *, index: Prefi
     for name, spec in STRATEGIES.items():
         if any(missing(s) for s, w in spec.weights.items() if w > 0 and s not in spec.optional):
             continue
-        weights = {s: w for s, w in {**spec.weights, **config.weights.get(name, {})}.items()
+        inherited = {}
+        if spec.choice_of:  # not this strategy's own scorers (slo's), which the other does not weigh by default
+            other = STRATEGIES[spec.choice_of].weights
+            inherited = {s: w for s, w in config.weights.get(spec.choice_of, {}).items()
+                         if s in other or s not in spec.weights}
+        weights = {s: w for s, w in {**spec.weights, **inherited, **config.weights.get(name, {})}.items()
                    if not (s in spec.optional and missing(s))}
         scorers = tuple((scorer(s, name), w) for s, w in weights.items() if w > 0)
         filters: tuple[Filter, ...] = (guard,) if spec.guard else ()

@@ -621,3 +621,29 @@ async def test_kv_sync_backlog_reaches_the_other_replica_through_redis(redis_ser
                                what="replica b to see the document's routed tokens")
         chat = await rb.pick(RouteRequest("m", token_ids=list(range(20_000, 20_300))))
         assert chat.pod.name != doc.pod.name  # b keeps its chat off the 0.8 s of prefill a put there
+
+
+def test_slo_chooses_among_safe_pods_with_the_operators_kv_sync_weights():
+    """slo's choice among the pods safely within their targets is kv-sync's: KVGATE_ROUTING_WEIGHTS given for
+    kv-sync reach it too (a scorer added, one removed, one reweighted), and slo's own entries come last."""
+    import random
+    from kvcache.index import PrefixIndex
+    from routing.learning.predictor import OutputPredictor
+    from routing.learning.profiles import EngineProfiles
+    from routing.scheduling.slo import Capacity
+    from routing.scheduling.strategies import build_strategies
+
+    def weights(text: str) -> dict[str, dict[str, float]]:
+        built = build_strategies(StrategyConfig(weights=parse_weights(text)), random.Random(0), index=PrefixIndex(),
+                                 capacity=Capacity(EngineProfiles(), OutputPredictor()),
+                                 engines=EngineMetrics(PodRegistry([]), interval_s=60))
+        return {name: {type(sc).__name__: w for sc, w in built[name].scorers} for name in ("kv-sync", "slo")}
+
+    plain = weights("")
+    assert len(plain["slo"]) == len(plain["kv-sync"]) + 1
+    tuned = weights("kv-sync:prefix=4,affinity=0,queue=1")
+    assert tuned["slo"] == {**tuned["kv-sync"], "SLOScorer": 1000.0}
+    assert "QueueScorer" in tuned["slo"] and tuned["slo"]["PrecisePrefixScorer"] == 4.0
+    assert weights("kv-sync:slo=5")["slo"]["SLOScorer"] == 1000.0  # slo's own scorer is not kv-sync's to weigh
+    own = weights("kv-sync:prefix=4;slo:prefix=2")
+    assert own["slo"]["PrecisePrefixScorer"] == 2.0 and own["kv-sync"]["PrecisePrefixScorer"] == 4.0
