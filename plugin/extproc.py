@@ -290,6 +290,11 @@ class _Stream:
                 if which is not None and value.WhichOneof("kind") == "string_value" \
                         and not self._read(which, key, value.string_value):
                     return self._bad_slo(key)
+        if not self.ctx.path:  # Envoy skips the headers but sends none of them: nothing to route by (fail closed)
+            return self._error(ClientError(
+                500, "the gateway is misconfigured: Envoy sent kvgate a request body without its headers and without "
+                "the request.path attribute (ext_proc request_attributes, as in envoy/envoy.yaml)",
+                type_="internal_error", code="gateway_misconfigured"))
         return self._on_path(None, False)
 
     def _read(self, which: int, key: str, value: str) -> bool:

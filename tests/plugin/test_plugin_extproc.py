@@ -591,9 +591,10 @@ async def test_one_message_bad_header_values_and_unknown_paths():
     assert out[0].dynamic_metadata["envoy.lb"]["x-gateway-destination-endpoint"] == "10.0.0.7:8000"
     out = await run_stream(gw, [first_body(b"{}", {**ONE_MESSAGE, "request.path": "/v1/elsewhere"})])
     assert out[0] == pb.ProcessingResponse(request_body=pb.BodyResponse())  # passed through
-    # no attributes at all (a route without request_attributes): no path, so nothing is routed, nothing fails
+    # no attributes at all (headers skipped, no request_attributes): nothing to route by, and never unrouted
     out = await run_stream(gw, [body({"model": "m", "prompt": "x"})])
-    assert out[0].HasField("request_body") and not out[0].HasField("immediate_response")
+    assert out[0].immediate_response.status.code == 500
+    assert json.loads(out[0].immediate_response.body)["error"]["code"] == "gateway_misconfigured"
 
 
 async def test_one_message_requests_are_unwatched_and_the_sampler_watches_the_rest_for_them():
