@@ -2,14 +2,15 @@
 Inference Extension's Endpoint Picker protocol (v1.0.0).
 
 Headers arrive first (the client's routing headers are stripped there), then the
-buffered body; or, on envoy/envoy.yaml's one-message routes, the body alone, carrying the headers
-kvgate reads as Envoy attributes (request headers skipped; a buffer filter holds them for the router,
-which sets the headers named below from the answer's metadata). The answer to the body names the upstream pod, followed by the next-best
-pods to retry on (`ip:port,ip:port,...`, the same list in the
-`x-gateway-destination-endpoint` header and in `envoy.lb` dynamic metadata) and, by
-default, the pod alone in AIBrix's `target-pod` header; for a data-parallel pod it also names the
-rank in `x-data-parallel-rank` (vLLM and SGLang pin the request to that rank). The request counts as running on its
-pod until Envoy closes the stream, which it does when the HTTP request ends.
+buffered body; or, on envoy/envoy.yaml's one-message routes, the body alone, carrying the
+headers kvgate reads as Envoy attributes (request headers skipped; a buffer filter holds them
+for the router, which sets the headers named below from the answer's metadata). The answer to
+the body names the upstream pod, followed by the next-best pods to retry on (`ip:port,ip:port,...`,
+the same list in the `x-gateway-destination-endpoint` header and in `envoy.lb` dynamic metadata)
+and, by default, the pod alone in AIBrix's `target-pod` header; for a data-parallel pod it also
+names the rank in `x-data-parallel-rank` (vLLM and SGLang pin the request to that rank). The
+request counts as running on its pod until Envoy closes the stream, which it does when the HTTP
+request ends.
 
 The protocol's other clauses, one method each: the data plane's subset hint
 (`envoy.lb.subset_hint` metadata) limits the pick (503 when it leaves nothing); a request whose
