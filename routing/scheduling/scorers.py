@@ -5,7 +5,7 @@ import time
 from collections import Counter, OrderedDict
 from typing import Callable, Mapping, Protocol, Sequence
 
-from kvcache.blockkeys import BlockExtras, block_keys
+from kvcache.blockkeys import BlockExtras, block_keys, extra_digest
 from routing.scheduling.approx import ApproxPrefixTable
 from routing.state.engine_metrics import EngineMetrics
 from routing.pods import Pod
@@ -359,8 +359,10 @@ class FamilyAffinityScorer(Scorer):
             return {}
         key = block_keys(ctx.base_model, ctx.lora, tokens[:bs], bs)[0]
         extras = ctx.request.extras
-        if extras:  # a salt (or media in block 0) makes another family: it shares nothing with the plain one
-            key = hash((key, extras.cache_salt, extras.per_block(bs, 1).get(0))) & ((1 << 60) - 1)
+        first = extras.per_block(bs, 1).get(0) if extras else None
+        if first:  # a salt (or media in block 0) makes another family: it shares nothing with the plain one.
+            # The same number in every process (not Python's string hash), so replicas' rendezvous agree.
+            key = (key ^ extra_digest(first)) & ((1 << 60) - 1)
         ctx.family = key
         if not ctx.total_blocks or max(ctx.matched.values(), default=0) > 0:
             return {}  # the index did not answer (no prefix scorer, or it failed), or someone holds a block

@@ -104,3 +104,27 @@ def test_a_salted_prompt_is_a_family_of_its_own():
         FamilyAffinityScorer().score(ctx, [Pod("a", "10.0.0.1", 8000, "m")])
         families.add(ctx.family)
     assert len(families) == 3
+
+
+def test_a_salted_or_media_familys_key_is_the_same_in_every_process():
+    """Gateway replicas place a family nobody holds by the same rendezvous order only if they compute the same
+    family key: for a salted prompt, or one with media in its first block, that key must not depend on the
+    process's string-hash seed (PYTHONHASHSEED). Media past the first block leaves the family the plain one."""
+    import subprocess
+    import sys
+    script = (
+        "from kvcache.blockkeys import BlockExtras, MediaItem\n"
+        "from routing.pods import Pod\n"
+        "from routing.scheduling.scorers import FamilyAffinityScorer\n"
+        "from routing.scheduling.scoring import PickContext, RouteRequest\n"
+        "for extras in (None, BlockExtras(cache_salt='u1'), BlockExtras(media=(MediaItem('img-a', 3, 4),)),\n"
+        "               BlockExtras(media=(MediaItem('img-a', 20, 4),))):\n"
+        "    ctx = PickContext(RouteRequest('m', list(range(40)), extras=extras), 'm', None, {})\n"
+        "    FamilyAffinityScorer().score(ctx, [Pod('a', '10.0.0.1', 8000, 'm')])\n"
+        "    print(ctx.family)\n")
+    runs = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                           env={**__import__("os").environ, "PYTHONHASHSEED": seed}).stdout.split()
+            for seed in ("1", "2")]
+    assert runs[0] == runs[1]
+    plain, salted, media_first, media_later = runs[0]
+    assert len({plain, salted, media_first}) == 3 and media_later == plain
