@@ -133,7 +133,7 @@ class _Stream:
     """The protocol state of one HTTP request's ext_proc stream; the request's own state is `ctx`."""
 
     __slots__ = ("gw", "pipeline", "answers", "ctx", "method", "streamed_request", "streamed_response", "chunks",
-                 "held_remove", "served_pod", "id_reader", "one_message")
+                 "held_remove", "served_pod", "id_reader")
 
     def __init__(self, gw: Gateway, pipeline: Pipeline, answers: dict) -> None:
         self.gw = gw
@@ -152,7 +152,6 @@ class _Stream:
         # A Responses API answer's pod and the reader of its id (plugin.responses), while it is looked for.
         self.served_pod = ""
         self.id_reader: IdReader | None = None
-        self.one_message = False  # the body came first (on_attributes): Envoy sends nothing more, applies no header
 
     # --- EPP protocol clauses ------------------------------------------------------------
     def read_context(self, msg: pb.ProcessingRequest) -> None:
@@ -278,7 +277,6 @@ class _Stream:
     def on_attributes(self, msg: pb.ProcessingRequest) -> pb.ProcessingResponse | None:
         """One message: the body came first, the headers kvgate reads as the route's Envoy attributes (whatever
         the filter's name they are filed under). None: the body decides; else the answer, given on the body."""
-        self.one_message = True
         self.gw.metrics.one_message.inc()
         for struct in msg.attributes.values():
             for name, value in struct.fields.items():
@@ -296,7 +294,7 @@ class _Stream:
                 500, "the gateway is misconfigured: Envoy sent kvgate a request body without its headers and without "
                 "the request.path attribute (ext_proc request_attributes, as in envoy/envoy.yaml)",
                 type_="internal_error", code="gateway_misconfigured"))
-        return self._on_path(None, False)
+        return self._on_path(None, False, one_message=True)
 
     def _read(self, which: int, key: str, value: str) -> bool:
         """One header kvgate reads into the request's context; False: an SLO target that is not one."""
@@ -333,8 +331,10 @@ class _Stream:
         return self._error(bad_request(f"{key}: expected a positive number of milliseconds",
                                        code="invalid_slo", param=key))
 
-    def _on_path(self, remove: list[str] | None, end_of_stream: bool) -> pb.ProcessingResponse | None:
-        """What the request's path and method ask, once its headers are read."""
+    def _on_path(self, remove: list[str] | None, end_of_stream: bool,
+                 one_message: bool = False) -> pb.ProcessingResponse | None:
+        """What the request's path and method ask, once its headers are read (`one_message`: read from the
+        attributes of a body that came first; Envoy sends nothing more of the request and applies no header)."""
         ctx = self.ctx
         if not ctx.request_id:
             ctx.request_id = uuid.uuid4().hex
@@ -345,7 +345,7 @@ class _Stream:
             ctx.kind = "pooling" if pooling else KINDS[path]
             if end_of_stream:  # no body will follow
                 return self._error(bad_request("request body is empty; expected a JSON object", code="invalid_json"))
-            if self.one_message:  # Envoy sends nothing of this response: unwatched, whatever the sampler says
+            if one_message:  # Envoy sends nothing of this response: unwatched, whatever the sampler says
                 ctx.watched = False
                 if self.gw.observer is not None and self.gw.sampler.passed():
                     log.warning("Envoy sends requests in one ext_proc message (envoy/envoy.yaml's one-message routes): "
@@ -573,7 +573,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                             if response is LOOKUP:
                                 response = await stream.on_stored_lookup()
                             if response is not None:
-                                response = _on_body(response)
+                                response = _as_body_answer(response)
                         if response is None:
                             longer = stream.longer_timeout()
                             if longer is not None:  # the pd strategy's prefill leg may outlast Envoy's message_timeout
@@ -644,7 +644,7 @@ def _names_slo(mix: str) -> bool:
     return any(part.partition(":")[0].strip() == "slo" for part in mix.split(","))
 
 
-def _on_body(answer: pb.ProcessingResponse) -> pb.ProcessingResponse:
+def _as_body_answer(answer: pb.ProcessingResponse) -> pb.ProcessingResponse:
     """One message: an answer made for the headers (routed by load, passed through), given on the body."""
     if not answer.HasField("request_headers"):
         return answer  # an immediate response
