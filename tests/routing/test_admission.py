@@ -100,6 +100,7 @@ async def test_burst_of_3x_capacity_over_two_gateways_never_exceeds_limits_loses
         peak = dict.fromkeys(pods, 0)
         done: list[str] = []
         admitted: list[str] = []  # models in the order their requests were admitted
+        by_gateway: list[list[str]] = [[], []]  # the same, per gateway
         # The burst is all there before any room frees: the first admitted hold their pods until every
         # request is admitted or waiting in its queue. (A request is queued only once its first sweep over
         # the pods failed, 4 Redis round trips: on a loaded machine the last ones created, the small ones,
@@ -118,6 +119,7 @@ async def test_burst_of_3x_capacity_over_two_gateways_never_exceeds_limits_loses
             pod = await gw.admit(model, order)
             assert pod is not None, "a request was refused though the burst drains in well under the wait"
             admitted.append(model)
+            by_gateway[i % 2].append(model)
             running[pod] += 1
             peak[pod] = max(peak[pod], running[pod])
             await arrived.wait()
@@ -129,13 +131,17 @@ async def test_burst_of_3x_capacity_over_two_gateways_never_exceeds_limits_loses
         await asyncio.wait_for(asyncio.gather(all_arrived(), *(request(i, m) for i, m in enumerate(models))), 30.0)
         assert len(done) == 48  # nothing lost
         assert max(peak.values()) <= 4  # no pod past its limit, counted over both gateways
-        # Fairness by admission order, not by the clock (a loaded machine stretches every wait alike):
-        # the first 16 admitted at once are big (requests 0-15); first come, first served would then
-        # admit the 8 small ones last (positions 40-47, mean 43.5). A per-model fair queue takes
-        # them in turn with the 24 big ones still waiting.
-        small = [i for i, m in enumerate(admitted) if m == "small"]
-        assert len(small) == 8 and max(small) < 47, admitted  # not left to the end of the big one's queue
-        assert sum(small) / len(small) < 36, admitted
+        # Fairness by admission order, not by the clock (a loaded machine stretches every wait alike),
+        # at each gateway, whose queue it is: of its 24 requests (20 big, 4 small), the first 8 admitted
+        # at once are big (requests 0-15); first come, first served would then admit its 4 small ones
+        # last (its positions 20-23, mean 21.5). A per-model fair queue takes them in turn with its 12
+        # big ones still waiting (8, 10, 12, 14). Not across gateways: room one gateway frees may go to
+        # the other's waiter, so one gateway's queue may drain after the other's (on the fresh-clone CI
+        # of 3264501 the last request admitted of all 48 was a small one, at a gateway that lagged).
+        for seq in by_gateway:
+            small = [i for i, m in enumerate(seq) if m == "small"]
+            assert len(seq) == 24 and len(small) == 4, by_gateway
+            assert max(small) < 20 and sum(small) / len(small) < 16, by_gateway  # not left to the end
     finally:
         for c in clients:
             await c.aclose()
