@@ -119,7 +119,9 @@ async def fleet() -> AsyncIterator[tuple[list[Stub], Router, PDHandoff, GatewayM
             Pod("d0", "127.0.0.1", 1, MODEL, role="decode"), Pod("d1", "127.0.0.1", 2, MODEL, role="decode")]
     router = Router(PodRegistry(pods), default_strategy="pd", config=StrategyConfig(weights=WEIGHTS), index=PrefixIndex(), seed=1)
     metrics = GatewayMetrics(CollectorRegistry())
-    handoff = PDHandoff(PDPlanner(router, router._registry, PDConfig(threshold_tokens=16, prefill_timeout_s=0.3)),
+    # The prefill leg's bound: long enough for a loaded machine to connect and answer (0.3 s was not, once, with
+    # the suite beside other work on 2 cores: p1's ConnectTimeout), short beside the slow stub's 30 s.
+    handoff = PDHandoff(PDPlanner(router, router._registry, PDConfig(threshold_tokens=16, prefill_timeout_s=1.5)),
                         metrics)
     yield stubs, router, handoff, metrics
     await handoff.aclose()
