@@ -89,6 +89,16 @@ class NoopProcessor(pb_grpc.ExternalProcessorServicer):
                 yield self._response_body
 
 
+def native_answers(upstream: str) -> dict[str, str]:
+    """The no-op's answers as bench/native_noop.js sends them, per kind of message Envoy sends (hex of the
+    serialized ProcessingResponse): a request's headers answered as an unwatched request's (nothing of its
+    response sent), its body with the pick."""
+    p = NoopProcessor(upstream)
+    return {name: msg.SerializeToString().hex() for name, msg in (
+        ("request_headers", p._headers_unwatched), ("request_body", p._body),
+        ("response_headers", p._response_headers), ("response_body", p._response_body))}
+
+
 async def _main(port: int, upstream: str, bodies: bool, share: float) -> None:
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     pb_grpc.add_ExternalProcessorServicer_to_server(NoopProcessor(upstream, bodies, share), server)

@@ -13,8 +13,11 @@ ways to the same engines:
 - `kvgate`: the shipped stack.
 Then the processors alone (`floor`): Envoy answering the chat itself (a one-token event stream, its
 direct_response) after its filters ran, without ext_proc, with the no-op processor and with the same
-kvgate replicas, one request at a time, interleaved; with the processes' CPU per request. No engine
-and no upstream connection on that path, so what separates the three is the ext_proc messages alone,
+kvgate replicas, one request at a time, interleaved; with the processes' CPU per request. Beside them, where
+Node is installed, a processor without Python (`native_noop`: bench/native_noop.js, Node's HTTP/2 server in C
+answering with the no-op's answers serialized beforehand): what any processor adds on this machine, Envoy's
+ext_proc and one process hop. No engine
+and no upstream connection on that path, so what separates them is the ext_proc messages alone,
 measured with far less noise than through the engines. Back to back, though, every process on that path is
 warm; through the engines each path's requests come ~20-30 ms apart (the other paths' turns) and its processes
 wake from idle each time, which costs a Python processor about as much again: so the floor is run a second
@@ -46,6 +49,7 @@ from typing import Any, Callable
 import httpx
 
 from bench.gateway import extproc_stats, metric, start_envoy
+from bench.noop_processor import native_answers
 from devkit.stack import Stack, StackError, envoy_routes, free_port, render_envoy_config
 from tokenizer import testdata
 
@@ -61,7 +65,8 @@ _TENANTS = [" ".join([f"You are assistant {t} of tenant {t}; answer briefly and 
 _TOKEN = re.compile(rb'"(?:content|text)":"[^"]')  # a chunk that carries a token (not the role-only one)
 TARGET_ADDED_SEQ_MS = 1.5
 IDLE_GAP_S = 1.5
-FLOOR_PATHS = ("envoy_answers", "noop", "kvgate")
+FLOOR_PATHS = ("envoy_answers", "noop", "native_noop", "kvgate")  # native_noop where Node is installed
+NATIVE_NOOP = Path(__file__).with_name("native_noop.js")
 # The floor again with this pause before every request: through the engines each path waits ~20-30 ms between
 # its requests (the other paths' turns), so its processes wake from idle; back to back they are warm.
 FLOOR_PACE_S = 0.02
@@ -288,6 +293,14 @@ def run(requests: int, concurrency: int, n_engines: int, log, idle: int = 0, rep
         _envoy_answering(stack, "floor_noop", floor_ports["noop"], pool, [noop_port], logs["floor_noop"])
         _envoy_answering(stack, "floor_kvgate", floor_ports["kvgate"], pool, grpc_ports, logs["floor_kvgate"])
         floor_pids = {"noop": [noop.popen.pid], "kvgate": [p.popen.pid for p in procs]}
+        native = _start_native_noop(stack, f"127.0.0.1:{pods[0]['port']}", log)
+        if native is None:
+            del floor_ports["native_noop"]
+        else:
+            logs["floor_native_noop"] = stack.workdir / "floor_native_noop.access.log"
+            _envoy_answering(stack, "floor_native_noop", floor_ports["native_noop"], pool, [native[0]],
+                             logs["floor_native_noop"])
+            floor_pids["native_noop"] = [native[1]]
 
         _expect_routed(f"http://127.0.0.1:{listen['kvgate']}")
         urls = [f"http://127.0.0.1:{p}/metrics" for p in http_ports]
@@ -311,6 +324,19 @@ def run(requests: int, concurrency: int, n_engines: int, log, idle: int = 0, rep
                      engines=n_engines, replicas=replicas, kv_events=events, responses_observed=observed,
                      extproc_msgs_per_request=msgs, kvgate_decision_mean_ms=_round3(decision_ms),
                      kvgate_tokenize_mean_ms=_round3(tokenize_ms), floor=floor)
+
+
+def _start_native_noop(stack: Stack, upstream: str, log) -> tuple[int, int] | None:
+    """bench/native_noop.js started under Node with the no-op's answers: (its port, its pid); None without Node."""
+    node = shutil.which("node")
+    if node is None:
+        log("  no node on PATH: the floor runs without the native no-op processor (Debian's nodejs)")
+        return None
+    answers = stack.workdir / "native_noop.answers.json"
+    answers.write_text(json.dumps(native_answers(upstream)))
+    port = free_port()
+    proc = stack.start("native_noop", [node, str(NATIVE_NOOP), str(port), str(answers)], ready_port=("127.0.0.1", port))
+    return port, proc.popen.pid
 
 
 def _envoy_answering(stack: Stack, name: str, port: int, pool: list[tuple[str, int]],
@@ -391,14 +417,15 @@ async def _measure_floor(targets: dict[str, tuple[str, int]], pids: dict[str, li
     added time over Envoy answering alone, and each processor's CPU per request (its processes' user + system
     time over the phase: background work such as engine scrapes included). Then the same paced (`paced`):
     FLOOR_PACE_S before every request, so that each path's processes wake from idle as through the engines."""
-    clients = {p: Client(*targets[p]) for p in FLOOR_PATHS}
+    paths = [p for p in FLOOR_PATHS if p in targets]
+    clients = {p: Client(*targets[p]) for p in paths}
     ids = itertools.count(2 * 10**9)
 
     async def one_pass(phase: str, pause: float) -> tuple[dict[str, list[float]], dict[str, int]]:
-        ttft: dict[str, list[float]] = {p: [] for p in FLOOR_PATHS}
-        errors = dict.fromkeys(FLOOR_PATHS, 0)
+        ttft: dict[str, list[float]] = {p: [] for p in paths}
+        errors = dict.fromkeys(paths, 0)
         for k in range(requests):
-            for p in FLOOR_PATHS[k % len(FLOOR_PATHS):] + FLOOR_PATHS[:k % len(FLOOR_PATHS)]:
+            for p in paths[k % len(paths):] + paths[:k % len(paths)]:
                 if pause:
                     await asyncio.sleep(pause)
                 t, status = await clients[p].chat(body(next(ids)), phase)
@@ -436,8 +463,9 @@ def summarize_floor(ttft: dict[str, list[float]], errors: dict[str, int]) -> dic
     base = p50.get("envoy_answers")
     out: dict[str, Any] = {"envoy_answers_p50_ms": _ms(base) if base is not None else None,
                            "samples": len(ttft["envoy_answers"]), "errors": errors}
-    for p in ("noop", "kvgate"):
-        out[f"{p}_added_p50_ms"] = _ms(p50[p] - base) if p in p50 and base is not None else None
+    for p in FLOOR_PATHS[1:]:
+        if p in ttft:
+            out[f"{p}_added_p50_ms"] = _ms(p50[p] - base) if p in p50 and base is not None else None
     if "noop" in p50 and "kvgate" in p50:
         out["kvgate_over_noop_ms"] = _ms(p50["kvgate"] - p50["noop"])
     return out
@@ -597,19 +625,27 @@ def table(r: dict) -> str:
                     f"{f['noop_added_p50_ms']:.3f} ms, kvgate {f['kvgate_added_p50_ms']:.3f} ms "
                     f"({f['kvgate_over_noop_ms']:+.3f} over the no-op); CPU per request: no-op {cpu.get('noop')} us, "
                     f"kvgate {cpu.get('kvgate')} us (its replicas together)")
+        if f.get("native_noop_added_p50_ms") is not None:
+            rows.append(f"a processor without Python (native_noop: Node's HTTP/2 in C, answers made beforehand) adds "
+                        f"{f['native_noop_added_p50_ms']:.3f} ms (CPU per request {cpu.get('native_noop')} us): what "
+                        f"any ext_proc processor adds on this machine")
     elif f:
         rows.append(f"processors alone: a path without answers (failed requests per path: {f.get('errors')})")
     paced = (f or {}).get("paced") or {}
     if paced.get("kvgate_added_p50_ms") is not None and paced.get("noop_added_p50_ms") is not None:
         rows.append(f"processors alone, paced ({paced['pause_s'] * 1e3:.0f} ms before every request, as each path waits "
                     f"through the engines): no-op adds {paced['noop_added_p50_ms']:.3f} ms, kvgate "
-                    f"{paced['kvgate_added_p50_ms']:.3f} ms (Envoy answering alone {paced['envoy_answers_p50_ms']:.3f} ms)")
+                    f"{paced['kvgate_added_p50_ms']:.3f} ms"
+                    + (f", native no-op {paced['native_noop_added_p50_ms']:.3f} ms"
+                       if paced.get("native_noop_added_p50_ms") is not None else "")
+                    + f" (Envoy answering alone {paced['envoy_answers_p50_ms']:.3f} ms)")
     waited = r.get("extproc_us")
     if waited:
         rows.append("ext_proc calls Envoy waited on, p50 us (request headers / request body; first byte to upstream): "
                     + "; ".join(_waited(waited, name, phase) for name, phase in (
                         ("kvgate", "seq"), ("noop", "seq"), ("floor_kvgate", "floor"), ("floor_noop", "floor"),
-                        ("floor_kvgate", "paced"), ("floor_noop", "paced"))))
+                        ("floor_native_noop", "floor"), ("floor_kvgate", "paced"), ("floor_noop", "paced"),
+                        ("floor_native_noop", "paced")) if name in waited))
     rows.append(f"added @1 by quarter of the run: kvgate {r['paths']['kvgate']['seq_added_p50_ms_by_quarter']}, "
                 f"no-op {r['paths']['noop']['seq_added_p50_ms_by_quarter']}")
     rows.append(f"(ms; {r['paths']['direct']['seq_samples']} requests per path one at a time, "

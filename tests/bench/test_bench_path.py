@@ -67,17 +67,21 @@ def test_summary_added_time_is_each_paths_median_over_directs_and_the_target_rea
 
 def test_floor_summary_is_each_processors_median_over_envoy_answering_alone_and_the_table_says_it():
     ttft = {"envoy_answers": [0.0003, 0.0002, 0.0004], "noop": [0.0012, 0.0011, 0.0013],
-            "kvgate": [0.0016, 0.0015, 0.0017]}
+            "native_noop": [0.0009, 0.0008, 0.0010], "kvgate": [0.0016, 0.0015, 0.0017]}
     f = path.summarize_floor(ttft, dict.fromkeys(path.FLOOR_PATHS, 0))
     assert (f["envoy_answers_p50_ms"], f["noop_added_p50_ms"], f["kvgate_added_p50_ms"]) == (0.3, 0.9, 1.3)
-    assert f["kvgate_over_noop_ms"] == 0.4 and f["samples"] == 3
+    assert f["kvgate_over_noop_ms"] == 0.4 and f["samples"] == 3 and f["native_noop_added_p50_ms"] == 0.6
+    without = path.summarize_floor({k: v for k, v in ttft.items() if k != "native_noop"}, {})
+    assert "native_noop_added_p50_ms" not in without  # no Node: the path is not there, not None
     seq, load = path.Samples(), path.Samples()
     for name in path.PATHS:
         seq.add(name, 0.004, 200)
         load.add(name, 0.010, 200)
-    f["cpu_us_per_request"] = {"noop": 800, "kvgate": 1300}
+    f["cpu_us_per_request"] = {"noop": 800, "kvgate": 1300, "native_noop": 90}
     r = path.summarize(seq, load, requests=1, concurrency=8, engines=2, floor=f)
     assert "no-op adds 0.900 ms, kvgate 1.300 ms (+0.400 over the no-op); CPU per request: no-op 800 us" in path.table(r)
+    assert "without Python (native_noop: Node's HTTP/2 in C, answers made beforehand) adds 0.600 ms (CPU per " \
+           "request 90 us)" in path.table(r)
 
 
 def test_the_floors_envoy_answers_the_chat_route_itself_after_ext_proc_and_without_it_has_no_ext_proc(tmp_path):
@@ -176,3 +180,48 @@ def test_the_table_says_the_paced_floor_and_the_round_trips_envoy_waited_on():
            "kvgate 2.600 ms (Envoy answering alone 0.500 ms)" in text
     assert "kvgate one at a time 930 / 934 (2266)" in text and "noop paced 1003 / 310;" not in text
     assert text.split("first byte to upstream): ")[1].split("\n")[0].endswith("noop paced 1003 / 310")
+
+
+@pytest.mark.integration
+def test_the_native_noop_answers_each_kind_of_message_as_the_no_op_does_over_real_grpc(tmp_path):
+    """bench/native_noop.js under Node, asked by a grpc.aio client as Envoy asks: each message answered in order
+    with the no-op's own answer to it, trailers answered by nothing, the stream ended with status OK."""
+    import json
+    import shutil
+
+    import grpc
+    from envoy.config.core.v3 import base_pb2
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+    from google.protobuf import struct_pb2
+
+    from bench.noop_processor import native_answers
+    from devkit.stack import Stack, free_port
+
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("no node on PATH (Debian's nodejs; ./dev setup installs npm, which brings it)")
+    answers = native_answers("127.0.0.1:8000")
+    (tmp_path / "answers.json").write_text(json.dumps(answers))
+    attrs = {"envoy.filters.http.ext_proc": struct_pb2.Struct(fields={"request.path": struct_pb2.Value(string_value="/v1/x")})}
+    headers = pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=":path", raw_value=b"/v1/x")]))
+    sent = [pb.ProcessingRequest(request_headers=headers, attributes=attrs),
+            pb.ProcessingRequest(request_trailers=pb.HttpTrailers()),
+            pb.ProcessingRequest(request_body=pb.HttpBody(body=b"{}" * 100, end_of_stream=True), attributes=attrs),
+            pb.ProcessingRequest(response_headers=pb.HttpHeaders()),
+            pb.ProcessingRequest(response_body=pb.HttpBody(body=b"x", end_of_stream=True))]
+
+    async def ask(port: int):
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = pb_grpc.ExternalProcessorStub(channel).Process(iter(sent))
+            return [r async for r in call], await call.code()
+    with Stack() as stack:
+        port = free_port()
+        stack.start("native_noop", [node, str(path.NATIVE_NOOP), str(port), str(tmp_path / "answers.json")],
+                    ready_port=("127.0.0.1", port))
+        got, code = asyncio.run(ask(port))
+    assert code == grpc.StatusCode.OK
+    expect = [answers[k] for k in ("request_headers", "request_body", "response_headers", "response_body")]
+    assert [r.SerializeToString().hex() for r in got] == expect
+    assert got[1].dynamic_metadata.fields["envoy.lb"].struct_value.fields[
+        "x-gateway-destination-endpoint"].string_value == "127.0.0.1:8000"
