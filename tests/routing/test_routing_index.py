@@ -108,7 +108,7 @@ async def test_data_parallel_pod_is_routed_to_the_rank_holding_the_prefix():
 
 
 async def test_each_rank_is_counted_and_balanced_as_a_target():
-    index, r = setup(*dp_fleet())
+    index, r = setup(*dp_fleet(), config=StrategyConfig(clock=lambda: 0.0))  # a burst at one instant (as above)
     index.apply("a", "m", 1, [stored(PROMPT, 8)])
     decisions = await asyncio.gather(*(r.pick(RouteRequest("m", PROMPT, request_id=str(i))) for i in range(100)))
     per_target = collections.Counter(d.pod.name if d.rank is None else f"{d.pod.name}#{d.rank}" for d in decisions)
