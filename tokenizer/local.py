@@ -63,13 +63,11 @@ class LocalTokenizer:
     @classmethod
     def from_path(cls, path: str | Path, *, fast: bool = True) -> LocalTokenizer:
         """Load from a local directory (tokenizer.json, tokenizer_config.json); never touches a hub."""
-        from transformers import AutoTokenizer
-
         directory = Path(path)
         if not directory.is_dir():
             raise ValueError(f"tokenizer path {str(directory)!r} is not a directory")
         try:
-            tok = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+            tok = _load_hf(directory)
         except Exception as e:  # transformers raises many types for unusable files
             raise ValueError(f"cannot load a tokenizer from {str(directory)!r}: {e}") from e
         if not getattr(tok, "is_fast", False):
@@ -321,6 +319,30 @@ def _self_check_chats() -> list[tuple[list[dict[str, str]], dict[str, Any]]]:
     return [([user], plain), ([system, user], plain), ([system, user, answer, again], plain),
             ([system, user, answer], {**plain, "add_generation_prompt": False}),
             ([user], {"enable_thinking": False, **plain}), ([{**user, "name": "ann"}], plain)]
+
+
+# tokenizer_config.json classes AutoTokenizer resolves to transformers' generic fast tokenizer where no model config
+# says otherwise (transformers 5: PreTrainedTokenizerFast is TokenizersBackend).
+_GENERIC_CLASSES = frozenset({"PreTrainedTokenizerFast", "TokenizersBackend"})
+
+
+def _load_hf(directory: Path) -> Any:
+    """transformers' AutoTokenizer on `directory`, or, where AutoTokenizer can only pick the generic fast class, that
+    class without importing AutoTokenizer (its import costs ~0.9 s of CPU more at every start-up of kvgate and of
+    the simulated engine): a directory with no model config (config.json, whose model type AutoTokenizer consults)
+    whose tokenizer_config.json names a generic class and no custom code (auto_map). Anything else goes through
+    AutoTokenizer. tests/tokenizer/test_tokenizer_local.py holds the two to the same tokenizer."""
+    if not (directory / "config.json").exists():
+        try:
+            declared = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            declared = None
+        if (isinstance(declared, dict) and declared.get("tokenizer_class") in _GENERIC_CLASSES
+                and "auto_map" not in declared):
+            from transformers import PreTrainedTokenizerFast
+            return PreTrainedTokenizerFast.from_pretrained(str(directory), local_files_only=True)
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
 
 
 def _size_and_ascii(item: TokenizeInput) -> tuple[int, bool]:

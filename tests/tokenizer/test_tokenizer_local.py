@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import threading
 
@@ -145,3 +146,70 @@ def test_request_fields_win_over_chat_template_kwargs_like_vllm(local) -> None:
 def test_unencodable_text_is_a_value_error(local) -> None:
     with pytest.raises(ValueError, match="cannot encode"):
         local.encode_prompt("a\ud800b")
+
+
+def _tokenizer_dir(name: str):
+    import realtok
+    if name == "test":
+        return testdata.path()
+    try:
+        return realtok.ensure(name)
+    except realtok.Unreachable as e:
+        pytest.skip(f"real tokenizer {name} not available: {e}")
+
+
+_TEXTS = ["", "hello world", "  leading and trailing  ", "Ünïcödé ☕ 漢字 and emoji 🙂", "tabs\tand\nnew lines\r\n",
+          "<|im_start|>user\nhi<|im_end|>", "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>",
+          "numbers 1234567 3.14159 and code: def f(x): return x**2", "a" * 300]
+_CHATS = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"}],
+          [{"role": "user", "content": "one"}, {"role": "assistant", "content": "two"}, {"role": "user", "content": "three"}]]
+
+
+@pytest.mark.parametrize("name", ["test", "llama3_1"])
+def test_a_generic_tokenizer_without_a_model_config_loads_as_autotokenizer_loads_it(name, tmp_path) -> None:
+    """The start-up shortcut (tokenizer.local._load_hf: the generic fast class, not imported through AutoTokenizer)
+    gives the tokenizer AutoTokenizer gives: same class, special tokens, template, added tokens and ids."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from tokenizer.local import _load_hf
+    source = _tokenizer_dir(name)
+    assert not (source / "config.json").exists()  # the case the shortcut takes
+    mine, auto = _load_hf(source), AutoTokenizer.from_pretrained(str(source), local_files_only=True)
+    assert type(mine) is type(auto)
+    assert mine.special_tokens_map == auto.special_tokens_map and mine.model_max_length == auto.model_max_length
+    assert mine.chat_template == auto.chat_template and mine.get_added_vocab() == auto.get_added_vocab()
+    assert {k: str(v) for k, v in mine.added_tokens_decoder.items()} == \
+           {k: str(v) for k, v in auto.added_tokens_decoder.items()}
+    for text in _TEXTS:
+        for special in (True, False):
+            assert mine(text, add_special_tokens=special)["input_ids"] == \
+                   auto(text, add_special_tokens=special)["input_ids"], (text, special)
+    for chat in _CHATS:
+        assert mine.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+               auto.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    # a model config beside it (its model type may change AutoTokenizer's choice), custom code, or a named class:
+    # AutoTokenizer decides, as before
+    import transformers
+    asked = []
+    real = transformers.AutoTokenizer.from_pretrained
+
+    def spy(path, **kw):
+        asked.append(path)
+        return real(path, **kw)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(transformers.AutoTokenizer, "from_pretrained", spy)
+        with_config = tmp_path / "with_config"
+        shutil.copytree(source, with_config)
+        (with_config / "config.json").write_text('{"model_type": "llama"}')
+        _load_hf(with_config)
+        named = tmp_path / "named"
+        shutil.copytree(source, named)
+        config = json.loads((named / "tokenizer_config.json").read_text())
+        (named / "tokenizer_config.json").write_text(json.dumps({**config, "auto_map": {"AutoTokenizer": ["x", None]}}))
+        assert asked == [str(with_config)]
+        _load_hf(named)
+        assert asked == [str(with_config), str(named)]
+        _load_hf(source)  # the shortcut: AutoTokenizer not asked
+        assert asked == [str(with_config), str(named)]
