@@ -87,7 +87,8 @@ class _Tail:
 
 def _replay(ctx: zmq.Context, tail: _Tail, endpoint: str, start: int) -> int | None:
     """Print what the engine still holds from `start`; returns the last seq printed.
-    vLLM's ROUTER drops replies beyond 1000 queued: a reply with a hole is asked again."""
+    vLLM's ROUTER drops replies beyond 1000 queued: a reply with a hole, or one that went silent before its end
+    (the dropped part was its tail), is asked again from the next seq."""
     last, stalls = None, 0
     while stalls < 3:
         before = last
@@ -100,7 +101,9 @@ def _replay(ctx: zmq.Context, tail: _Tail, endpoint: str, start: int) -> int | N
 
 def _replay_once(ctx: zmq.Context, tail: _Tail, endpoint: str, start: int,
                  last: int | None) -> tuple[int | None, bool]:
-    """One replay request: (last seq printed, whether the reply broke off at a hole)."""
+    """One replay request: (last seq printed, whether the reply broke off: at a hole, or silent after some batches
+    and before its end marker)."""
+    heard = False
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.IPV6, 1)
     dealer.setsockopt(zmq.RCVHWM, 100_000)
@@ -111,6 +114,8 @@ def _replay_once(ctx: zmq.Context, tail: _Tail, endpoint: str, start: int,
             wait = _REPLAY_TIMEOUT_S * 1000
             left = tail.left_ms()
             if not dealer.poll(wait if left is None else min(wait, left)):
+                if heard and tail.left_ms() != 0:
+                    return last, True  # its tail was dropped: ask for the rest
                 print(f"replay from {endpoint}: no (complete) answer", file=sys.stderr)
                 break
             frames = dealer.recv_multipart()
@@ -123,7 +128,7 @@ def _replay_once(ctx: zmq.Context, tail: _Tail, endpoint: str, start: int,
             if last is not None and seq > last + 1:
                 return last, True
             tail.emit(seq, frames[-1], replayed=True)
-            last = seq
+            last, heard = seq, True
         return last, False
     finally:
         dealer.close(linger=0)

@@ -101,3 +101,51 @@ def test_long_replay_is_printed_whole(engine):
                       "--timeout", "30")
     assert code == 0
     assert [json.loads(line)["seq"] for line in lines] == list(range(n))
+
+
+def test_a_replay_reply_whose_tail_was_dropped_is_asked_again_from_where_it_stopped():
+    """A ROUTER past its high-water mark drops the rest of a reply, its end marker included: a slow reader then hears
+    nothing more. What was printed stands and the replay is asked again from the next seq (the fresh-clone CI of
+    052a1bb, on a loaded machine, printed 2,000 of 3,000 and stopped)."""
+    import threading
+
+    import zmq
+
+    from kvcache.events import EventBatch
+    from kvcache.wire import encode_batch
+
+    pub_port, replay_port = free_ports(2)
+    n, cut = 3000, 1500
+    payloads = [encode_batch(EventBatch(1.0, (BlockRemoved((i,)),), 0), "0.33") for i in range(n)]
+    asked: list[int] = []
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.bind(f"tcp://127.0.0.1:{replay_port}")
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            if not router.poll(50):
+                continue
+            client, _, start = router.recv_multipart()
+            first = int.from_bytes(start, "big")
+            asked.append(first)
+            last = cut if first < cut else n  # the first reply breaks off after `cut`, its tail and end lost
+            for seq in range(first, last):
+                router.send_multipart((client, b"", seq.to_bytes(8, "big"), payloads[seq]))
+            if last == n:
+                router.send_multipart((client, b"", b"\xff" * 8, b""))
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    try:
+        started = time.monotonic()
+        code, lines = run("--endpoint", f"tcp://127.0.0.1:{pub_port}", "--replay-endpoint",
+                          f"tcp://127.0.0.1:{replay_port}", "--json", "--count", str(n), "--timeout", "20")
+    finally:
+        stop.set()
+        server.join(5)
+        router.close(linger=0)
+        ctx.term()
+    assert code == 0 and asked == [0, cut]
+    assert [json.loads(line)["seq"] for line in lines] == list(range(n))
+    assert time.monotonic() - started < 10  # asked again after one reply timeout, not left to the --timeout
