@@ -13,7 +13,8 @@ from kvcache.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStore
 from kvcache.wire import WireError, decode_batch
 
 _END_SEQ = b"\xff" * 8
-_REPLAY_TIMEOUT_S = 1.0
+_REPLAY_TIMEOUT_S = 1.0  # silence within a reply that ends it (asked again from the next seq if it had batches)
+_REPLAY_FIRST_S = 5.0  # the wait for a reply's first frame: a busy engine (or machine) answers late, not never
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -111,7 +112,7 @@ def _replay_once(ctx: zmq.Context, tail: _Tail, endpoint: str, start: int,
         dealer.connect(endpoint)
         dealer.send_multipart((b"", start.to_bytes(8, "big")))
         while not tail.done():
-            wait = _REPLAY_TIMEOUT_S * 1000
+            wait = (_REPLAY_TIMEOUT_S if heard else _REPLAY_FIRST_S) * 1000
             left = tail.left_ms()
             if not dealer.poll(wait if left is None else min(wait, left)):
                 if heard and tail.left_ms() != 0:
