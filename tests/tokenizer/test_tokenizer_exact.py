@@ -116,12 +116,7 @@ def demo_requests(n: int = 48) -> list[tuple[str, ChatInput]]:
 
 
 def _directory(name: str) -> Path:
-    if name == "test":
-        return testdata.path()
-    try:
-        return realtok.ensure(name)
-    except realtok.Unreachable as e:
-        pytest.skip(f"real tokenizer {name} not available: {e}")
+    return realtok.directory_or_skip(name)
 
 
 @pytest.fixture(scope="module")

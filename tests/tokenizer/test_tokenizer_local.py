@@ -148,16 +148,6 @@ def test_unencodable_text_is_a_value_error(local) -> None:
         local.encode_prompt("a\ud800b")
 
 
-def _tokenizer_dir(name: str):
-    import realtok
-    if name == "test":
-        return testdata.path()
-    try:
-        return realtok.ensure(name)
-    except realtok.Unreachable as e:
-        pytest.skip(f"real tokenizer {name} not available: {e}")
-
-
 _TEXTS = ["", "hello world", "  leading and trailing  ", "Ünïcödé ☕ 漢字 and emoji 🙂", "tabs\tand\nnew lines\r\n",
           "<|im_start|>user\nhi<|im_end|>", "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>",
           "numbers 1234567 3.14159 and code: def f(x): return x**2", "a" * 300]
@@ -174,7 +164,8 @@ def test_a_generic_tokenizer_without_a_model_config_loads_as_autotokenizer_loads
     from transformers import AutoTokenizer
 
     from tokenizer.local import _load_hf
-    source = _tokenizer_dir(name)
+    import realtok
+    source = realtok.directory_or_skip(name)
     assert not (source / "config.json").exists()  # the case the shortcut takes
     mine, auto = _load_hf(source), AutoTokenizer.from_pretrained(str(source), local_files_only=True)
     assert type(mine) is type(auto)
