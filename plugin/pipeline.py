@@ -47,7 +47,7 @@ from routing.registry import PodRegistry
 from routing.pd import PDPlan
 from routing.router import Decision, Router, RouteRequest
 from routing.state.admission import Admission
-from tokenizer.types import PromptInput, Rendered, TokenizeInput, Tokenizer, TokenizerError
+from tokenizer.types import PromptInput, Rendered, TokenizeInput, Tokenizer, TokenizerError, TokenizerTimeout
 
 log = logging.getLogger("kvgate.extproc")  # the name operators know these lines by
 
@@ -361,8 +361,8 @@ class _Tokenize:
         try:
             async with asyncio.timeout_at(deadline):  # no extra task, unlike wait_for
                 ids = await (gw.tokenize_ids or gw.tokenizer.tokenize)(ctx.request.model, item, base_url=base_url)
-        except (TimeoutError, TokenizerError) as e:
-            self._fallback("timeout" if isinstance(e, asyncio.TimeoutError) else "error", e)
+        except (TimeoutError, TokenizerError) as e:  # a TokenizerTimeout: its own budget, the same, ended first
+            self._fallback("timeout" if isinstance(e, (TimeoutError, TokenizerTimeout)) else "error", e)
             return
         gw.metrics.tokenize_seconds.observe(time.perf_counter() - started)
         ctx.token_ids = ids
@@ -389,7 +389,7 @@ class _Tokenize:
             async with asyncio.timeout_at(deadline):
                 rendered = await gw.render(request.model, ctx.body, request.render, base_url=base_url)
         except (TimeoutError, TokenizerError) as e:
-            timeout = isinstance(e, asyncio.TimeoutError)
+            timeout = isinstance(e, (TimeoutError, TokenizerTimeout))
             if not timeout and getattr(e, "status", None) in MISSING_ENDPOINT:
                 self.render_off[(base_url, request.render)] = time.monotonic() + gw.render_retry_s
             self.fallback_log.log(log, logging.WARNING, "render", "render failed (%s: %s)",

@@ -30,7 +30,8 @@ import httpx
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from tokenizer.transport import OneWriteTransport, environment_mounts
-from tokenizer.types import ChatInput, PromptInput, Rendered, RenderedMedia, TokenizeInput, TokenizerError
+from tokenizer.types import (ChatInput, PromptInput, Rendered, RenderedMedia, TokenizeInput, TokenizerError,
+                             TokenizerTimeout)
 
 _JSON_HEADERS = {"content-type": "application/json"}
 _T = TypeVar("_T")
@@ -81,9 +82,10 @@ class _NoCookies(http.cookiejar.CookieJar):
 
 
 class _Retryable(Exception):
-    def __init__(self, reason: str, retry_after: float | None = None) -> None:
+    def __init__(self, reason: str, retry_after: float | None = None, *, timeout: bool = False) -> None:
         super().__init__(reason)
         self.retry_after = retry_after
+        self.timeout = timeout  # the attempt ran out of time (or had none left)
 
 
 class RemoteTokenizer:
@@ -158,7 +160,7 @@ class RemoteTokenizer:
                 delay = self._delay(attempt, e.retry_after)
                 if attempt > self._options.max_retries or time.monotonic() + delay >= deadline:
                     self._metrics.failures.inc()
-                    raise TokenizerError(
+                    raise (TokenizerTimeout if e.timeout else TokenizerError)(
                         f"tokenizer at {url} failed for model {model!r} after {attempt} attempt(s): {e}"
                     ) from None
                 await asyncio.sleep(delay)
@@ -192,7 +194,7 @@ class RemoteTokenizer:
 
     async def _attempt(self, url: str, body: bytes, timeout_s: float) -> bytes:
         if timeout_s <= 0:
-            raise _Retryable("no time left")
+            raise _Retryable("no time left", timeout=True)
         client = self._http()
         try:
             # One bound on the whole attempt: connecting, sending, and reading every byte of the answer.
@@ -200,7 +202,7 @@ class RemoteTokenizer:
                 resp = await client.post(url, content=body, headers=_JSON_HEADERS)
         except (httpx.TimeoutException, TimeoutError):
             self._metrics.attempts.labels("timeout").inc()
-            raise _Retryable(f"timed out after {timeout_s * 1000:.0f} ms") from None
+            raise _Retryable(f"timed out after {timeout_s * 1000:.0f} ms", timeout=True) from None
         except (httpx.UnsupportedProtocol, httpx.InvalidURL, ValueError) as e:  # no retry helps
             self._metrics.attempts.labels("refused").inc()
             raise TokenizerError(f"tokenizer URL {url!r} is not usable: {e}") from None

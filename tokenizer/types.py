@@ -60,6 +60,11 @@ class TokenizerError(Exception):
         self.status = status
 
 
+class TokenizerTimeout(TokenizerError):
+    """Tokenization gave up for want of time: its backend did not answer within the budget (counted as a timeout,
+    like the caller's own deadline)."""
+
+
 class Tokenizer(Protocol):
     async def tokenize(self, model: str, item: TokenizeInput, *, base_url: str | None = None) -> list[int]:
         """Token ids the engine serving `model` would see for `item`.

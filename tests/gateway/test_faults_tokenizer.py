@@ -108,4 +108,4 @@ def test_tokenizer_slow_times_out_within_budget_and_routes_on_load(gw):
     responses = _requests(gw)  # the server never answers in time: each is routed once kvgate gives up
     assert [r.status_code for r in responses] == [200] * 4, [r.text[:200] for r in responses]
     # Each request waited kvgate's budget and no longer: its timeout fired, counted once per request.
-    assert _metric(gw.metrics_url, "timeout") >= before + 4
+    assert _metric(gw.metrics_url, "timeout") >= before + 4, {"error": _metric(gw.metrics_url, "error")}

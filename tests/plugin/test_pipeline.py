@@ -14,7 +14,7 @@ from plugin.observe import Observer
 from plugin.pipeline import Pipeline, RequestContext, Step, build
 from routing.pods import Pod
 from routing.state.admission import Admission, LocalLimiter
-from tokenizer.types import TokenizerError
+from tokenizer.types import TokenizerError, TokenizerTimeout
 
 from test_plugin_extproc import (POD, FakeRouter, InstantTokenizer, WaitingTokenizer, body, gateway, headers,
                                  run_stream, set_headers)
@@ -140,6 +140,29 @@ async def test_tokenize_now_failing_routes_on_load_and_counts_an_error():
     assert out[-1].HasField("request_body")
     assert router.picks[0].token_ids is None and not tok.called
     assert fallbacks(gw) == {"error": 1}
+
+
+class GivingUpTokenizer(InstantTokenizer):
+    """A tokenizer whose own budget ends first: it raises after attempts that timed out."""
+
+    def __init__(self, error: TokenizerError):
+        self.error = error
+
+    async def tokenize(self, model, item, *, base_url=None):
+        raise self.error
+
+
+@pytest.mark.parametrize("error, reason", [(TokenizerTimeout("timed out after 250 ms"), "timeout"),
+                                           (TokenizerError("HTTP 500"), "error")])
+async def test_a_tokenizer_giving_up_on_its_own_budget_is_counted_as_a_timeout(error, reason):
+    # A remote tokenizer's budget is the pipeline's, started a little later: on a stalled loop its attempt's
+    # timeout can be seen first, and with no time left for another attempt it gives up before the pipeline's
+    # deadline fires. That is the tokenizer being slow, and counted so.
+    router = FakeRouter()
+    gw = gateway(router, GivingUpTokenizer(error))
+    await run_stream(gw, [headers("POST", "/v1/completions"), body({"model": "m", "prompt": "x"})])
+    assert router.picks[0].token_ids is None
+    assert fallbacks(gw) == {reason: 1}
 
 
 async def test_a_call_that_waits_past_the_timeout_falls_back_with_the_now_path_too():

@@ -17,7 +17,7 @@ from tokenizer.local import LocalTokenizer
 from tokenizer.remote import RemoteOptions, RemoteTokenizer, parse_retry_after, request_body
 from tokenizer.transport import OneWriteTransport, _OneWrite, environment_mounts
 from devkit.tokenizer_stub import make_app
-from tokenizer.types import ChatInput, PromptInput, TokenizerError
+from tokenizer.types import ChatInput, PromptInput, TokenizerError, TokenizerTimeout
 from helpers import serve_app
 
 MODEL = "test-model"
@@ -146,8 +146,9 @@ async def test_gives_up_after_max_retries() -> None:
     registry = CollectorRegistry()
     remote = RemoteTokenizer({MODEL: url}, options=FAST, registry=registry)
     try:
-        with pytest.raises(TokenizerError, match="after 4 attempt"):
+        with pytest.raises(TokenizerError, match="after 4 attempt") as failed:
             await remote.tokenize(MODEL, PromptInput(text="x"))
+        assert not isinstance(failed.value, TokenizerTimeout)  # it answered, with 500s: not a timeout
         assert len(seen) == 4
         assert registry.get_sample_value("kvgate_tokenizer_remote_failures_total") == 1
     finally:
@@ -161,7 +162,8 @@ async def test_slow_server_is_bounded_by_total_timeout() -> None:
     options = RemoteOptions(total_timeout_s=0.3, attempt_timeout_s=0.2, max_retries=5, backoff_base_s=0.001)
     remote = RemoteTokenizer({MODEL: url}, options=options)
     try:
-        with pytest.raises(TokenizerError, match="timed out|no time left"):
+        # Given up on its own budget after attempts that timed out: a timeout, as the caller's own would be.
+        with pytest.raises(TokenizerTimeout, match="timed out|no time left"):
             await asyncio.wait_for(remote.tokenize(MODEL, PromptInput(text="x")), timeout=10)
     finally:
         await remote.aclose()
@@ -247,7 +249,7 @@ async def test_slow_drip_answer_is_bounded_by_the_attempt_timeout() -> None:
     options = RemoteOptions(total_timeout_s=0.3, attempt_timeout_s=0.3, max_retries=0)
     remote = RemoteTokenizer({MODEL: url}, options=options)
     try:
-        with pytest.raises(TokenizerError, match="timed out"):
+        with pytest.raises(TokenizerTimeout, match="timed out"):
             await asyncio.wait_for(remote.tokenize(MODEL, PromptInput(text="x")), timeout=10)
     finally:
         await remote.aclose()
