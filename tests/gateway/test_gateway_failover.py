@@ -12,11 +12,11 @@ import time
 
 import httpx
 import pytest
-import yaml
 
 from helpers import (Kvgate, Load, envoy_pool, free_port, free_ports, join_all, start_kvgate, start_threads,
                      wait_until)
-from devkit.stack import Stack, find_envoy, render_envoy_config
+from bench.gateway import start_envoy
+from devkit.stack import Stack, render_envoy_config
 
 pytestmark = pytest.mark.integration
 
@@ -147,10 +147,7 @@ def test_2000_requests_in_flight_at_once_get_no_5xx_from_circuit_breaking():
         hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
         ext = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")["typed_config"]
         ext["message_timeout"] = "60s"
-        path = stack.workdir / "envoy-2000.yaml"
-        path.write_text(yaml.safe_dump(config, sort_keys=False))
-        stack.start("envoy", [find_envoy(), "-c", str(path), "--concurrency", "1", "--log-level", "warning",
-                              "--disable-hot-restart"], ready_port=("127.0.0.1", listen), ready_timeout=60)
+        start_envoy(stack, "envoy-2000", config, listen)
         odd: list[bytes] = []
         statuses, most = asyncio.run(_hold_open(listen, n, deadline_s=120, odd=odd))
         assert most == n  # all of them in flight at the same time
@@ -246,10 +243,7 @@ def test_streamed_bodies_and_the_subset_hint_through_real_envoy(engines):
             "request_rules": [{"header": "x-test-subset", "remove": True, "on_header_present": {
                 "metadata_namespace": "envoy.lb.subset_hint", "key": "x-gateway-destination-endpoint-subset",
                 "type": "STRING"}}]}})
-        path = stack.workdir / "envoy-streamed.yaml"
-        path.write_text(yaml.safe_dump(config, sort_keys=False))
-        stack.start("envoy", [find_envoy(), "-c", str(path), "--concurrency", "1", "--log-level", "warning",
-                              "--disable-hot-restart"], ready_port=("127.0.0.1", listen), ready_timeout=60)
+        start_envoy(stack, "envoy-streamed", config, listen)
         names = {p["name"] for p in pods}
         with httpx.Client(base_url=f"http://127.0.0.1:{listen}", timeout=30) as c:
             # a body large enough to reach kvgate in several chunks: gathered, routed, forwarded whole
