@@ -147,6 +147,11 @@ class CacheMetrics:
         return [lookups, tokens, hit_ratio, size, mismatches, entries]  # the order they were registered in before
 
 
+class _FetcherGone(TokenizerError):
+    """A piece's fetch ended because the request fetching it was cancelled: a request waiting on it fetches the
+    piece itself."""
+
+
 class CachedTokenizer:
     """Tokenizer protocol: `inner`'s tokens, served from a cache of whole requests and of pieces.
 
@@ -423,16 +428,26 @@ class CachedTokenizer:
                     fetched[text] = ids = kept
                 futures[text].set_result(ids)
         except BaseException as e:
+            if isinstance(e, asyncio.CancelledError):
+                failure: TokenizerError = _FetcherGone("the request fetching this piece was cancelled")
+            else:
+                failure = e if isinstance(e, TokenizerError) else TokenizerError(f"piece fetch failed: {e!r}")
             for f in futures.values():
                 if not f.done():
-                    f.set_exception(e if isinstance(e, TokenizerError) else TokenizerError(f"piece fetch failed: {e!r}"))
+                    f.set_exception(failure)
                     f.exception()  # retrieved: no "never retrieved" warning when nobody waits
             raise
         finally:
             for t in own:
                 self._inflight.pop((model, t), None)
+        again = []
         for text, fut in waits.items():
-            fetched[text] = await asyncio.shield(fut)
+            try:
+                fetched[text] = await asyncio.shield(fut)
+            except _FetcherGone:  # its deadline or its client, not the backend: this request has its own time
+                again.append(text)
+        if again:
+            fetched.update(await self._fetch_once(model, segmenter, again, base_url))
         return fetched
 
     async def _fetch(self, model: str, segmenter: Segmenter, texts: list[str],

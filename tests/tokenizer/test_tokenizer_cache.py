@@ -16,7 +16,7 @@ from tokenizer import testdata
 from tokenizer.cache import ByteLRU, CachedTokenizer, CacheOptions, _request_key
 from tokenizer.local import LocalBackend, LocalTokenizer
 from tokenizer.segments import NotSegmentable, Segmenter, SpecialAffixes
-from tokenizer.types import ChatInput, PromptInput, TokenizerError
+from tokenizer.types import ChatInput, PromptInput, TokenizerError, TokenizerTimeout
 
 MODEL = "m"
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
@@ -426,6 +426,45 @@ async def test_failed_fetch_reaches_every_waiter(local) -> None:
     results = await asyncio.gather(*(cached.tokenize(MODEL, item) for _ in range(3)), return_exceptions=True)
     assert all(isinstance(r, TokenizerError) for r in results)
     assert cached._inflight == {}
+
+
+async def test_a_waiter_fetches_the_piece_itself_when_its_fetcher_is_cancelled(local) -> None:
+    # The request fetching a piece was cancelled (its deadline, or its client gone) while another waited on the
+    # fetch: the waiter has its own time left and gets its tokens, not the other's cancellation as an error.
+    class Slow(CountingBackend):
+        started: list = []
+
+        async def tokenize(self, model, item, *, base_url=None):
+            self.started.append(item)
+            await asyncio.sleep(0.05)
+            return await super().tokenize(model, item, base_url=base_url)
+
+    inner = Slow({MODEL: local})
+    cached = CachedTokenizer(inner, segmenters={MODEL: Segmenter.from_local(local)}, options=NO_VERIFY)
+    system = {"role": "system", "content": "Shared instructions. " * 40}
+    first, second = (ChatInput(messages=(system, {"role": "user", "content": q})) for q in ("q1", "q2"))
+    owner = asyncio.create_task(cached.tokenize(MODEL, first))
+    await asyncio.sleep(0.01)  # the owner's fetch of the system prompt is under way
+    waiter = asyncio.create_task(cached.tokenize(MODEL, second))
+    await asyncio.sleep(0.01)  # the waiter waits on it
+    owner.cancel()
+    assert await waiter == local.encode_chat(second)
+    assert owner.cancelled()
+    assert sum("Shared instructions" in c.text for c in inner.started) == 2  # asked again by the waiter
+    assert sum("Shared instructions" in c.text for c in inner.calls) == 1  # the owner's call never got its answer
+    assert cached._inflight == {}
+
+
+async def test_a_fetch_that_timed_out_reaches_its_waiters_as_a_timeout(local) -> None:
+    class Slow(LocalBackend):
+        async def tokenize(self, model, item, *, base_url=None):
+            await asyncio.sleep(0.02)
+            raise TokenizerTimeout("timed out after 20 ms")
+
+    cached = CachedTokenizer(Slow({MODEL: local}), segmenters={MODEL: Segmenter.from_local(local)})
+    item = PromptInput(text="same text", add_special_tokens=False)
+    results = await asyncio.gather(*(cached.tokenize(MODEL, item) for _ in range(3)), return_exceptions=True)
+    assert all(isinstance(r, TokenizerTimeout) for r in results), results
 
 
 async def test_default_segmenter_applies_to_unlisted_models(local) -> None:
