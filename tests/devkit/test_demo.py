@@ -195,10 +195,14 @@ def test_short_comparison_prints_the_json_summary():
         assert 0.0 <= r["slo_attainment"] <= 1.0
         assert r["requests"] > 0 and r["errors"] == 0, (name, r)
         assert 0.0 <= r["hit_rate"] <= 1.0 and r["ttft_p50_ms"] <= r["ttft_p90_ms"]
-    # what kvgate believed cached, beside the engines' real hits: only strategies that look up prefixes
+    # what kvgate believed cached, beside the engines' real hits: only strategies that look up prefixes (a
+    # number only when the replicas' counters of looked-up blocks moved in the strategy's slices). Not more
+    # than 0: one second on a loaded machine may route only first visits (the fresh-clone CI of c329133: TTFT
+    # p50 373 ms, no hit on the engines and none believed); here ~45 requests a strategy and ~30% believed.
     assert result["strategies"]["round-robin"]["believed_hit_rate"] is None
     for name in ("kv-sync", "slo"):
-        assert 0.0 < result["strategies"][name]["believed_hit_rate"] <= 1.0, result["strategies"][name]
+        believed = result["strategies"][name]["believed_hit_rate"]
+        assert believed is not None and 0.0 <= believed <= 1.0, result["strategies"][name]
     assert "kv-sync" in proc.stderr  # progress was shown
     # The replicas tokenize locally with the sims' own files, verified first against the sims' /tokenize.
     assert set(result["tokenizer"]) == {"kvgate0", "kvgate1"}

