@@ -283,6 +283,12 @@ class _Parse:
 POOLING_STRATEGY = "least-request"
 
 
+def _timed_out(e: BaseException) -> bool:
+    """Whether a tokenize or render failure was a timeout: the request's budget (TimeoutError) or the
+    tokenizer's own, which can end first (TokenizerTimeout)."""
+    return isinstance(e, (TimeoutError, TokenizerTimeout))
+
+
 class _Tokenize:
     """Token ids only for a strategy that reads them: a cached answer, or one the tokenizer gives without a
     wait, needs no timer; a call that waits runs under the tokenizer timeout. A failure or a timeout routes
@@ -361,8 +367,8 @@ class _Tokenize:
         try:
             async with asyncio.timeout_at(deadline):  # no extra task, unlike wait_for
                 ids = await (gw.tokenize_ids or gw.tokenizer.tokenize)(ctx.request.model, item, base_url=base_url)
-        except (TimeoutError, TokenizerError) as e:  # a TokenizerTimeout: its own budget, the same, ended first
-            self._fallback("timeout" if isinstance(e, (TimeoutError, TokenizerTimeout)) else "error", e)
+        except (TimeoutError, TokenizerError) as e:
+            self._fallback("timeout" if _timed_out(e) else "error", e)
             return
         gw.metrics.tokenize_seconds.observe(time.perf_counter() - started)
         ctx.token_ids = ids
@@ -389,7 +395,7 @@ class _Tokenize:
             async with asyncio.timeout_at(deadline):
                 rendered = await gw.render(request.model, ctx.body, request.render, base_url=base_url)
         except (TimeoutError, TokenizerError) as e:
-            timeout = isinstance(e, (TimeoutError, TokenizerTimeout))
+            timeout = _timed_out(e)
             if not timeout and getattr(e, "status", None) in MISSING_ENDPOINT:
                 self.render_off[(base_url, request.render)] = time.monotonic() + gw.render_retry_s
             self.fallback_log.log(log, logging.WARNING, "render", "render failed (%s: %s)",

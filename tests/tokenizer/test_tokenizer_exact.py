@@ -115,10 +115,6 @@ def demo_requests(n: int = 48) -> list[tuple[str, ChatInput]]:
     return out
 
 
-def _directory(name: str) -> Path:
-    return realtok.directory_or_skip(name)
-
-
 @pytest.fixture(scope="module")
 def engines():
     """One `kvgate sim --tokenizer DIR` per tokenizer, started together; name -> (directory, URL)."""
@@ -162,7 +158,7 @@ def _local(directory: Path) -> LocalTokenizer:
 
 
 def _engine(engines, name: str) -> tuple[Path, str]:
-    _directory(name)  # skips, saying why, when the files cannot be had
+    realtok.directory_or_skip(name)  # skips, saying why, when the files cannot be had
     return engines[name]
 
 
@@ -230,7 +226,7 @@ def test_direct_render_equals_apply_chat_template(name) -> None:
     """The gateway's plain-chat render (tokenizer.local.DirectRender) gives apply_chat_template's text, or its
     error, on every chat of the corpus, the demo and PLAIN; and it serves every plain chat there (a render
     that quietly fell back each time would pass the first check and save nothing)."""
-    directory = _directory(name)
+    directory = realtok.directory_or_skip(name)
     fast, slow = _local(directory), LocalTokenizer.from_path(directory, fast=False)  # the module's loaded one
     assert fast.renders_directly and not slow.renders_directly
     chats = [(label, item) for label, item in CORPUS + demo_requests() + PLAIN if isinstance(item, ChatInput)]
