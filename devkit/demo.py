@@ -382,7 +382,8 @@ class _StopSignals:
     """SIGINT and SIGTERM: the first raises _Stop where the demo runs (unwinding to the stack's
     shutdown), or, while traffic runs on an event loop, cancels its main task (an exception raised
     in the middle of a task would end that task only); any later one, once `stopping` is set, only
-    sets `hurry`."""
+    sets `hurry`. _Stop can land in library code that catches Exception and raises something else
+    (threading.Thread.start does): once `stopping` is set, main() takes any exception for the stop."""
 
     def __init__(self) -> None:
         self.stopping = False
@@ -435,11 +436,13 @@ class _StopSignals:
         return result
 
 
-def _supervise(stack: Stack, engines: set[str], log) -> int:
+def _supervise(stack: Stack, engines: set[str], log, signals: _StopSignals) -> int:
     """Until a stop signal: report engines that exit (the others keep serving); return 1 when
     something else (Envoy, Redis, a kvgate replica) or the last engine exits."""
     gone: set[str] = set()
     while True:
+        if signals.stopping:  # its _Stop landed in code that swallowed it
+            raise _Stop(signals.reason)
         for proc in stack.procs:
             if proc.name in gone or proc.alive():
                 continue
@@ -489,7 +492,7 @@ def main(args: argparse.Namespace) -> int:
         info = _start(stack, args.sims, args.gateways, log, args.dp_size, args.model_shape, pd=args.pd)
         if args.no_traffic:
             print(json.dumps(info), flush=True)
-            return _supervise(stack, {p["name"] for p in info["pods"]}, log)
+            return _supervise(stack, {p["name"] for p in info["pods"]}, log, signals)
         what = {"chat": "multi-turn chat", "agent": "agent (tools; chat, responses, messages)",
                 "mix": "chat and agent"}[args.workload]
         log(f"kvgate demo: {args.duration:.0f} s of {what} traffic per strategy: {', '.join(strategies)}")
@@ -519,9 +522,15 @@ def main(args: argparse.Namespace) -> int:
     except _Stop as e:
         log(f"kvgate demo: {e}: stopping (another stop signal stops it at once)")
         return 130 if not args.no_traffic else 0
-    except StackError as e:
-        log(f"kvgate demo: {e}")
-        return 1
+    except Exception as e:
+        if signals.stopping:  # the stop's exception, turned into another by the code it landed in
+            log(f"kvgate demo: {signals.reason}: stopping (another stop signal stops it at once; where the "
+                f"signal landed it became {type(e).__name__}: {e})")
+            return 130 if not args.no_traffic else 0
+        if isinstance(e, StackError):
+            log(f"kvgate demo: {e}")
+            return 1
+        raise
     finally:
         while True:
             try:
