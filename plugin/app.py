@@ -37,7 +37,7 @@ from routing.state.engine_metrics import EngineLoad, EngineMetrics, Saturation
 from routing.discovery.inferencepool import InferencePoolConfig, InferencePoolSource
 from routing.discovery.k8s import KubernetesConfig, KubernetesSource
 from routing.discovery.kube import ApiConfig
-from routing.metrics import RoutingMetrics
+from routing.metrics import AdmissionCollector, RoutingMetrics
 from routing.pods import Pod
 from routing.registry import PodRegistry
 from routing.pd import STRATEGY as PD_STRATEGY, PDConfig, PDPlanner
@@ -237,13 +237,19 @@ class App:
             limiter: Limiter
             if s.redis_url:
                 from redis.asyncio import Redis
-                self._admission_redis = Redis.from_url(s.redis_url)
+                from redis.asyncio.retry import Retry
+                from redis.backoff import NoBackoff
+                # On the request path: a Redis that does not answer within this costs a request 0.2 s, then the
+                # replica admits on its own counts (routing.state.admission).
+                self._admission_redis = Redis.from_url(s.redis_url, socket_timeout=0.2, socket_connect_timeout=0.2,
+                                                       retry=Retry(NoBackoff(), 0))
                 limiter = RedisLimiter(self._admission_redis, s.gateway_id, ttl_s=s.redis_key_ttl_s)
             else:
                 limiter = LocalLimiter()
             self.admission = Admission(limiter, max_running=s.admission_max_running,
                                        max_wait_s=s.admission_max_wait_s, retry_after_s=s.admission_retry_after_s,
                                        deleted_keep_s=s.admission_deleted_keep_s)
+            AdmissionCollector(self.admission.stats, s.admission_max_running, self.registry)
         self.trace_windows = TraceWindows(s.trace_write_interval_s)
         # The trace windows have one reader, the TraceWriter (to Redis): without Redis they are not kept.
         self.trackers = TrackerRegistry(((self.trace_windows,) if s.redis_url else ()) + (self.predictor, self.profiles))
@@ -332,8 +338,8 @@ class App:
         snapshot["profiles"] = {pod: self.profiles.learned(pod) for pod in self.profiles.pods()}
         snapshot["tokenizer"] = {"mode": self.settings.tokenizer,
                                  "models": self.verified_tokenizer.status() if self.verified_tokenizer else {}}
-        if self.admission is not None:  # requests waiting for room on a pod, now
-            snapshot["admission"] = {"waiting": self.admission.waiting}
+        if self.admission is not None:  # requests by outcome, waiting for room on a pod now, seconds waited
+            snapshot["admission"] = self.admission.stats()
         snapshot["routing_mix"] = self.mix.snapshot()
         snapshot["recent_errors"] = self.recent_errors.snapshot()
         snapshot["time"] = time.time()  # when this snapshot was taken (unix s)

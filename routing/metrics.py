@@ -1,7 +1,10 @@
 """Prometheus metrics of the routing layer, created on a registry the caller passes."""
 from __future__ import annotations
 
+from typing import Callable, Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 
 class RoutingMetrics:
@@ -35,3 +38,37 @@ class RoutingMetrics:
                                 ["outcome"], registry=r)
         self.scrape_errors = Counter("kvgate_engine_metrics_scrape_errors_total",
                                      "Failed scrapes of an engine's /metrics.", registry=r)
+
+
+class AdmissionCollector:
+    """Admission (KVGATE_ADMISSION_MAX_RUNNING) as it went, read from Admission.stats() at scrape time:
+    requests by outcome, those waiting now, the seconds waited (a wait adds to the request's time to
+    first token: their rate over the after_wait and timed_out rates is the mean wait), and the limit."""
+
+    def __init__(self, stats: Callable[[], dict], max_running: int, registry: CollectorRegistry | None = None) -> None:
+        self._stats = stats
+        self._max_running = max_running
+        if registry is not None:
+            registry.register(self)
+
+    def describe(self) -> list[Metric]:
+        return []  # collected on demand: no samples at registration time
+
+    def collect(self) -> Iterable[Metric]:
+        stats = self._stats()
+        outcomes = CounterMetricFamily(
+            "kvgate_admission_requests", "Requests through admission, by outcome: at_once (a pod had room), "
+            "after_wait (admitted after waiting in its model's queue), timed_out (answered 429 after the wait), "
+            "cancelled (the client left while it waited)", labels=("outcome",))
+        for outcome in ("at_once", "after_wait", "timed_out", "cancelled"):
+            outcomes.add_metric((outcome,), stats[outcome])
+        waiting = GaugeMetricFamily("kvgate_admission_waiting", "Requests waiting for room on a pod now",
+                                    value=stats["waiting"])
+        waited = CounterMetricFamily("kvgate_admission_wait_seconds", "Seconds requests waited for room on a pod, "
+                                     "in all (each waiting request's own wait)", value=stats["wait_seconds"])
+        errors = CounterMetricFamily("kvgate_admission_limiter_errors", "Failed Redis operations of the admission "
+                                     "counts the replicas share: each time this replica decided on its own requests "
+                                     "alone (the limit then holds per replica)", value=stats["limiter_errors"])
+        limit = GaugeMetricFamily("kvgate_admission_max_running", "Requests a pod may run, over every replica "
+                                  "(KVGATE_ADMISSION_MAX_RUNNING)", value=self._max_running)
+        return [outcomes, waiting, waited, errors, limit]

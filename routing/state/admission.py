@@ -6,7 +6,10 @@ eligible pod is full.
   `try_acquire(pod, limit)` / `release(pod)`. In Redis one Lua script sums the pod's count over every
   live gateway's hash (`<prefix>gw:<id>`, listed in `<prefix>gateways`; a gateway's hash expires when
   it stops heartbeating) and increments this gateway's only when the sum is below the limit: the
-  check and the count are one atomic step.
+  check and the count are one atomic step. While Redis fails (down, unreachable, too slow) a replica
+  admits on its own requests alone, the limit holding per replica (counted in `errors`, logged once
+  per outage); those requests' releases touch nothing in Redis, and a release Redis missed is paid by
+  the heartbeat once it answers, so no count is left behind.
 - `Admission.admit(model, candidates)` takes the first candidate with room; when none has room the
   request waits, in its model's FIFO queue, for up to `max_wait_s`. Every release wakes one waiter,
   the models taking turns (round robin), so a model with a long queue cannot starve another. A
@@ -25,6 +28,8 @@ import time
 from collections import OrderedDict, deque
 from typing import Any, Callable, Protocol, Sequence
 
+from redis.exceptions import RedisError
+
 from routing.background import BackgroundLoop
 
 log = logging.getLogger(__name__)
@@ -34,6 +39,7 @@ class Limiter(Protocol):
     # True when `release` completes without waiting (the counts live in this process): a caller may then
     # release where a cancellation could otherwise cut a round trip short.
     releases_without_wait: bool
+    errors: int  # failed operations of a shared store (each time the replica decided on its own counts)
 
     async def try_acquire(self, pod: str, limit: int) -> bool: ...
 
@@ -46,6 +52,7 @@ class Limiter(Protocol):
 
 class LocalLimiter:
     releases_without_wait = True
+    errors = 0
 
     def __init__(self) -> None:
         self._counts: dict[str, int] = {}
@@ -89,11 +96,13 @@ redis.call('PEXPIRE', KEYS[2], ARGV[4])
 redis.call('SADD', KEYS[1], ARGV[5])
 return 1
 """
+# KEYS[1] this gateway's hash; ARGV: pod, how many requests ended
 _RELEASE = """
-local n = redis.call('HINCRBY', KEYS[1], ARGV[1], -1)
+local n = redis.call('HINCRBY', KEYS[1], ARGV[1], -tonumber(ARGV[2]))
 if n <= 0 then redis.call('HDEL', KEYS[1], ARGV[1]) end
 return n
 """
+_FAILED = (RedisError, OSError, asyncio.TimeoutError)  # Redis down, unreachable, or slower than the client's timeout
 
 
 class RedisLimiter(BackgroundLoop):
@@ -110,12 +119,25 @@ class RedisLimiter(BackgroundLoop):
         self._ttl_ms = int(ttl_s * 1000)
         self._acquire = client.register_script(_ACQUIRE)
         self._release = client.register_script(_RELEASE)
-        self._mine: dict[str, int] = {}
+        self._mine: dict[str, int] = {}  # requests this gateway admitted and that still run, by pod
+        self._local: dict[str, int] = {}  # of those, admitted while Redis failed: not counted there
+        self._owed: dict[str, int] = {}  # releases Redis missed, paid by the heartbeat
         self._task: asyncio.Task | None = None
+        self.errors = 0
+        self._failing = False
 
     async def try_acquire(self, pod: str, limit: int) -> bool:
-        ok = await self._acquire(keys=[self._set, self._key],
-                                 args=[self._prefix, pod, limit, self._ttl_ms, self.gateway_id])
+        try:
+            ok = await self._acquire(keys=[self._set, self._key],
+                                     args=[self._prefix, pod, limit, self._ttl_ms, self.gateway_id])
+        except _FAILED as e:
+            self._failed("admit", e)
+            if self._mine.get(pod, 0) >= limit:  # the limit over this replica's own requests
+                return False
+            self._local[pod] = self._local.get(pod, 0) + 1
+            ok = 1
+        else:
+            self._answered()
         if ok:
             self._mine[pod] = self._mine.get(pod, 0) + 1
         return bool(ok)
@@ -124,23 +146,57 @@ class RedisLimiter(BackgroundLoop):
         if self._mine.get(pod, 0) <= 0:
             return
         self._mine[pod] -= 1
-        await self._release(keys=[self._key], args=[pod])
+        if self._local.get(pod, 0) > 0:  # one Redis never counted (which request ends does not matter)
+            self._local[pod] -= 1
+            return
+        try:
+            await self._release(keys=[self._key], args=[pod, 1])
+        except _FAILED as e:
+            self._failed("release", e)
+            self._owed[pod] = self._owed.get(pod, 0) + 1
+        else:
+            self._answered()
 
     def running(self) -> dict[str, int]:
         return {p: n for p, n in self._mine.items() if n > 0}
 
     async def forget(self, pod: str) -> None:
-        self._mine.pop(pod, None)
-        await self._r.hdel(self._key, pod)
+        for counts in (self._mine, self._local, self._owed):
+            counts.pop(pod, None)
+        try:
+            await self._r.hdel(self._key, pod)
+        except _FAILED as e:
+            self._failed("forget", e)
 
-    async def _run(self) -> None:  # the heartbeat
+    def _failed(self, op: str, e: BaseException) -> None:
+        self.errors += 1
+        if not self._failing:
+            self._failing = True
+            log.warning("admission: Redis failed (%s: %s): this replica admits on its own requests alone, the "
+                        "limit holding per replica, until Redis answers", op, str(e) or type(e).__name__)
+
+    def _answered(self) -> None:
+        if self._failing:
+            self._failing = False
+            log.info("admission: Redis answers again: admission counts are shared")
+
+    async def _run(self) -> None:  # the heartbeat, and the releases Redis missed
         while True:
             await asyncio.sleep(self._ttl_ms / 5000)
             try:
+                for pod, n in list(self._owed.items()):
+                    await self._release(keys=[self._key], args=[pod, n])
+                    self._answered()
+                    left = self._owed.get(pod, 0) - n  # more missed meanwhile, or the pod forgotten
+                    if left > 0:
+                        self._owed[pod] = left
+                    else:
+                        self._owed.pop(pod, None)
                 if any(self._mine.values()):
                     await self._r.pexpire(self._key, self._ttl_ms)
-            except Exception as e:
-                log.warning("admission heartbeat to Redis failed: %s", e)
+                    self._answered()
+            except _FAILED as e:
+                self._failed("heartbeat", e)
 
 
 
@@ -158,7 +214,8 @@ class Admission:
         self._queues: OrderedDict[str, deque[asyncio.Future]] = OrderedDict()  # model -> waiters
         self._deleted: dict[str, float] = {}  # pod -> when it left discovery
         self._woken: set[asyncio.Future] = set()  # waiters woken by a release here, not done trying yet
-        self.admitted = self.waited = self.rejected = 0
+        self._outcomes = {"at_once": 0, "after_wait": 0, "timed_out": 0, "cancelled": 0}  # by how admit() ended
+        self._wait_s = 0.0  # seconds waited in all, by the requests that waited
 
     @property
     def releases_without_wait(self) -> bool:
@@ -168,6 +225,13 @@ class Admission:
     @property
     def waiting(self) -> int:
         return sum(len(q) for q in self._queues.values())
+
+    def stats(self) -> dict:
+        """Requests by how admission ended for them (at_once, after_wait, timed_out: answered 429, cancelled:
+        the client left while it waited), those waiting now, the seconds waited in all (wait_seconds), and the
+        limiter's failed operations of its shared store (limiter_errors)."""
+        return {**self._outcomes, "waiting": self.waiting, "wait_seconds": self._wait_s,
+                "limiter_errors": self.limiter.errors}
 
     async def _try(self, candidates: Sequence[str]) -> str | None:
         for pod in candidates:
@@ -180,11 +244,11 @@ class Admission:
         model's queue while none has; None after `max_wait_s`."""
         got = await self._try(candidates) if not self.waiting else None  # no overtaking anyone waiting
         if got is not None:
-            self.admitted += 1
+            self._outcomes["at_once"] += 1
             return got
-        deadline = self._clock() + self.max_wait_s
+        began = self._clock()
+        deadline = began + self.max_wait_s
         queue = self._queues.setdefault(model, deque())
-        self.waited += 1
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         queue.append(fut)
@@ -208,18 +272,22 @@ class Admission:
                 got = await self._try(candidates)
                 self._woken.discard(fut)
                 if got is not None:
-                    self.admitted += 1
+                    self._outcomes["after_wait"] += 1
                     return got
                 fut = loop.create_future()  # another gateway took the room: first in line for the next
                 queue = self._queues.setdefault(model, deque())  # (emptied and dropped meanwhile, maybe)
                 queue.appendleft(fut)
                 self._queues.move_to_end(model, last=False)  # and the turn stays this model's
+        except asyncio.CancelledError:
+            self._outcomes["cancelled"] += 1
+            raise
         finally:
             self._woken.discard(fut)
             if fut in queue:
                 queue.remove(fut)
             self._drop_empty(model)
-        self.rejected += 1
+            self._wait_s += self._clock() - began
+        self._outcomes["timed_out"] += 1
         return None
 
     def _my_turn(self, model: str, fut: asyncio.Future) -> bool:

@@ -151,3 +151,11 @@ def test_full_pods_answer_429_with_retry_after_once_the_wait_is_over(env):
     join_all(holders)
     assert [o[1] for o in out[:4]] == [200] * 4
     assert max(env.peaks().values()) <= LIMIT
+    # Each replica's /metrics: the two answered 429 counted as timed out, with their wait (summed over both).
+    timed_out = sum(_metric(r.metrics(), 'kvgate_admission_requests_total{outcome="timed_out"}') for r in env.replicas)
+    waited = sum(_metric(r.metrics(), "kvgate_admission_wait_seconds_total") for r in env.replicas)
+    assert timed_out >= 2 and waited >= 2 * WAIT_S * 0.9, (timed_out, waited)
+
+
+def _metric(text: str, sample: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(sample + " "))

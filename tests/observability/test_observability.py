@@ -214,7 +214,8 @@ def run():
         (wrong / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
         pods_file = stack.pods_file(pods)
         common = {"KVGATE_REDIS_URL": redis_url, "KVGATE_TOKENIZER_PATH": str(wrong), "KVGATE_PODS_POLL_S": "0.2",
-                  "KVGATE_ENGINE_METRICS_INTERVAL_S": "0.2"}
+                  "KVGATE_ENGINE_METRICS_INTERVAL_S": "0.2",
+                  "KVGATE_ADMISSION_MAX_RUNNING": "64"}  # never reached here: its metrics served
         a = start_kvgate(stack, pods_file, {**common, "KVGATE_GATEWAY_ID": "a"}, name="kvgate-a", wait=False)
         b = start_kvgate(stack, pods_file, {**common, "KVGATE_GATEWAY_ID": "b", "KVGATE_TOKENIZER": "local",
                                             "KVGATE_INDEX_MAX_ENTRIES": str(B_INDEX_BOUND)}, name="kvgate-b", wait=False)
@@ -371,7 +372,8 @@ def registry_names() -> set[str]:
     from kvcache.metrics import IndexCollector, KVEventMetrics
     from plugin.metrics import GatewayMetrics
     from plugin.observe import ObserveMetrics
-    from routing.metrics import RoutingMetrics
+    from routing.metrics import AdmissionCollector, RoutingMetrics
+    from routing.state.admission import Admission, LocalLimiter
     from tokenizer.cache import CacheMetrics
     from tokenizer.remote import RemoteMetrics
     from tokenizer.verified import VerifyMetrics
@@ -380,6 +382,7 @@ def registry_names() -> set[str]:
                     CacheMetrics):
         metrics(registry)
     IndexCollector(PrefixIndex(16).stats, registry)
+    AdmissionCollector(Admission(LocalLimiter(), max_running=1).stats, 1, registry)
     return {f.name + suffix for f in registry.collect() for suffix in SUFFIXES[f.type]}
 
 
@@ -453,7 +456,7 @@ def test_the_dashboard_is_importable_with_its_datasource_a_variable(tmp_path) ->
     for shown in ("kvgate_routed_requests_total", "vllm:prefix_cache_hits_total", "kvgate_request_ttft_seconds_bucket",
                   "kvgate_request_tpot_seconds_bucket", "kvgate_kvevents_missed_batches_total",
                   "kvgate_tokenize_seconds_bucket", "kvgate_tokenizer_fallbacks_total", "kvgate_request_errors_total",
-                  "kvgate_counts_redis_up", "kvgate_index_max_entries"):
+                  "kvgate_counts_redis_up", "kvgate_index_max_entries", "kvgate_admission_wait_seconds_total"):
         assert shown in text, shown
 
 

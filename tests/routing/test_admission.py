@@ -22,7 +22,32 @@ async def test_limit_holds_a_waiter_gets_the_released_room_and_a_late_one_gets_n
     assert await asyncio.wait_for(waiter, 1.0) == "a"
     assert adm.limiter.running() == {"a": 2}
     assert await adm.admit("m", ["a"]) is None  # waited 0.5 s, nothing released
-    assert adm.rejected == 1 and adm.waiting == 0
+    assert adm.waiting == 0
+
+
+async def test_stats_count_each_request_by_how_it_was_admitted_and_the_time_waited():
+    """What an operator reads (kvgate_admission_*): admitted at once, after a wait, or timed out (the 429),
+    requests waiting now, and the seconds waited in all (the wait adds to their time to first token)."""
+    adm = Admission(LocalLimiter(), max_running=1, max_wait_s=0.3)
+    assert adm.stats() == {"at_once": 0, "after_wait": 0, "timed_out": 0, "cancelled": 0, "waiting": 0,
+                           "wait_seconds": 0.0, "limiter_errors": 0}
+    assert await adm.admit("m", ["a"]) == "a"
+    waiter = asyncio.create_task(adm.admit("m", ["a"]))
+    await wait_until_async(lambda: adm.waiting == 1)
+    assert adm.stats()["waiting"] == 1
+    await asyncio.sleep(0.1)
+    await adm.release("a")
+    assert await asyncio.wait_for(waiter, 1.0) == "a"
+    assert await adm.admit("m", ["a"]) is None  # the pod stays full: waits 0.3 s, then times out
+    left = asyncio.create_task(adm.admit("m", ["a"]))  # a client that leaves while it waits
+    await wait_until_async(lambda: adm.waiting == 1)
+    left.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await left
+    stats = adm.stats()
+    assert {k: stats[k] for k in ("at_once", "after_wait", "timed_out", "cancelled", "waiting")} == {
+        "at_once": 1, "after_wait": 1, "timed_out": 1, "cancelled": 1, "waiting": 0}
+    assert 0.4 <= stats["wait_seconds"] < 2.0  # ~0.1 s, the 0.3 s waited out, and the cancelled one's moment
 
 
 async def test_waiting_models_take_turns_whatever_their_queue_lengths():
@@ -44,6 +69,26 @@ async def test_waiting_models_take_turns_whatever_their_queue_lengths():
     await asyncio.wait_for(asyncio.gather(*tasks), 5.0)
     assert order.index("small") <= 1  # served first or second, not after big's five
     assert sorted(order) == ["big"] * 5 + ["small"]
+
+
+async def test_the_collector_exports_the_stats_at_scrape_time():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from routing.metrics import AdmissionCollector
+    adm = Admission(LocalLimiter(), max_running=1, max_wait_s=0.05)
+    registry = CollectorRegistry()
+    AdmissionCollector(adm.stats, 1, registry)
+    assert await adm.admit("m", ["a"]) == "a"
+    assert await adm.admit("m", ["a"]) is None
+    lines = generate_latest(registry).decode().splitlines()
+    samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in lines if not line.startswith("#")}
+    assert {k: v for k, v in samples.items() if k.startswith("kvgate_admission_requests_total")} == {
+        'kvgate_admission_requests_total{outcome="at_once"}': 1.0,
+        'kvgate_admission_requests_total{outcome="after_wait"}': 0.0,
+        'kvgate_admission_requests_total{outcome="timed_out"}': 1.0,
+        'kvgate_admission_requests_total{outcome="cancelled"}': 0.0}
+    assert samples["kvgate_admission_waiting"] == 0 and samples["kvgate_admission_max_running"] == 1
+    assert 0.05 <= samples["kvgate_admission_wait_seconds_total"] < 1.0
 
 
 async def test_recently_deleted_pod_keeps_its_count_and_loses_it_after_the_window():
@@ -83,6 +128,48 @@ async def test_two_gateways_never_admit_past_the_limit_in_redis(redis_server):
     finally:
         await ca.aclose()
         await cb.aclose()
+
+
+@pytest.mark.integration
+async def test_a_failing_redis_leaves_each_gateway_its_own_limit_and_no_count_behind(redis_server):
+    """Redis stopped (SIGSTOP: it neither answers nor loses its keys) with one request counted there: the
+    gateway admits on its own requests alone, up to the limit, and raises nothing; releases Redis missed
+    are paid once it answers again, so its counts come back to exactly what still runs."""
+    import os
+    import signal
+
+    from redis.asyncio import Redis
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+    client = Redis.from_url(redis_server.url, socket_timeout=0.2, socket_connect_timeout=0.2,
+                            retry=Retry(NoBackoff(), 0))
+    check = Redis.from_url(redis_server.url, decode_responses=True)
+    lim = RedisLimiter(client, "gw-a", ttl_s=0.5)  # heartbeat every 0.1 s
+    lim.start()
+    adm = Admission(lim, max_running=2, max_wait_s=0.3)
+    try:
+        assert await adm.admit("m", ["p"]) == "p"  # counted in Redis
+        assert await check.hgetall("kvgate:{admit}:gw:gw-a") == {"p": "1"}
+        os.kill(redis_server.proc.pid, signal.SIGSTOP)
+        try:
+            assert await adm.admit("m", ["p"]) == "p"  # 1 of this gateway's own running: room for a second
+            assert await adm.admit("m", ["p"]) is None  # 2: full, waits, 429
+            assert lim.running() == {"p": 2} and adm.stats()["limiter_errors"] >= 2
+            await adm.release("p")  # the one Redis never counted: nothing to tell it
+            await adm.release("p")  # the one it counted: the release is owed
+        finally:
+            os.kill(redis_server.proc.pid, signal.SIGCONT)
+        assert lim.running() == {}
+        await wait_until_async(lambda: _is_empty(check.hgetall("kvgate:{admit}:gw:gw-a")), timeout=5)  # paid
+        assert await adm.admit("m", ["p"]) == "p" and await check.hgetall("kvgate:{admit}:gw:gw-a") == {"p": "1"}
+    finally:
+        await lim.aclose()
+        await client.aclose()
+        await check.aclose()
+
+
+async def _is_empty(awaitable) -> bool:
+    return not await awaitable
 
 
 @pytest.mark.integration
