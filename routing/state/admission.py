@@ -6,10 +6,11 @@ eligible pod is full.
   `try_acquire(pod, limit)` / `release(pod)`. In Redis one Lua script sums the pod's count over every
   live gateway's hash (`<prefix>gw:<id>`, listed in `<prefix>gateways`; a gateway's hash expires when
   it stops heartbeating) and increments this gateway's only when the sum is below the limit: the
-  check and the count are one atomic step. While Redis fails (down, unreachable, too slow) a replica
-  admits on its own requests alone, the limit holding per replica (counted in `errors`, logged once
-  per outage); those requests' releases touch nothing in Redis, and a release Redis missed is paid by
-  the heartbeat once it answers, so no count is left behind.
+  check and the count are one atomic step. Once a Redis operation fails (down, unreachable, too slow)
+  a replica admits on its own requests alone, the limit holding per replica, without asking Redis
+  until its heartbeat finds it answering again (failures counted in `errors`, logged once per
+  outage); those requests' releases touch nothing in Redis, and the releases Redis missed are paid
+  by the heartbeat, so no count is left behind.
 - `Admission.admit(model, candidates)` takes the first candidate with room; when none has room the
   request waits, in its model's FIFO queue, for up to `max_wait_s`. Every release wakes one waiter,
   the models taking turns (round robin), so a model with a long queue cannot starve another. A
@@ -127,20 +128,23 @@ class RedisLimiter(BackgroundLoop):
         self._failing = False
 
     async def try_acquire(self, pod: str, limit: int) -> bool:
-        try:
-            ok = await self._acquire(keys=[self._set, self._key],
-                                     args=[self._prefix, pod, limit, self._ttl_ms, self.gateway_id])
-        except _FAILED as e:
-            self._failed("admit", e)
-            if self._mine.get(pod, 0) >= limit:  # the limit over this replica's own requests
-                return False
-            self._local[pod] = self._local.get(pod, 0) + 1
-            ok = 1
-        else:
-            self._answered()
-        if ok:
-            self._mine[pod] = self._mine.get(pod, 0) + 1
-        return bool(ok)
+        if not self._failing:
+            try:
+                ok = await self._acquire(keys=[self._set, self._key],
+                                         args=[self._prefix, pod, limit, self._ttl_ms, self.gateway_id])
+            except _FAILED as e:
+                self._failed("admit", e)
+            else:
+                if ok:
+                    self._mine[pod] = self._mine.get(pod, 0) + 1
+                return bool(ok)
+        # Redis failing (the heartbeat probes it; requests do not wait on it meanwhile): the limit holds over
+        # this replica's own requests.
+        if self._mine.get(pod, 0) >= limit:
+            return False
+        self._local[pod] = self._local.get(pod, 0) + 1
+        self._mine[pod] = self._mine.get(pod, 0) + 1
+        return True
 
     async def release(self, pod: str) -> None:
         if self._mine.get(pod, 0) <= 0:
@@ -149,16 +153,21 @@ class RedisLimiter(BackgroundLoop):
         if self._local.get(pod, 0) > 0:  # one Redis never counted (which request ends does not matter)
             self._local[pod] -= 1
             return
-        try:
-            await self._release(keys=[self._key], args=[pod, 1])
-        except _FAILED as e:
-            self._failed("release", e)
-            self._owed[pod] = self._owed.get(pod, 0) + 1
-        else:
-            self._answered()
+        if not self._failing:
+            try:
+                await self._release(keys=[self._key], args=[pod, 1])
+                return
+            except _FAILED as e:
+                self._failed("release", e)
+        self._owed[pod] = self._owed.get(pod, 0) + 1
 
     def running(self) -> dict[str, int]:
         return {p: n for p, n in self._mine.items() if n > 0}
+
+    @property
+    def failing(self) -> bool:
+        """Whether this replica admits on its own requests alone, Redis having failed (until it answers)."""
+        return self._failing
 
     async def forget(self, pod: str) -> None:
         for counts in (self._mine, self._local, self._owed):
@@ -180,13 +189,14 @@ class RedisLimiter(BackgroundLoop):
             self._failing = False
             log.info("admission: Redis answers again: admission counts are shared")
 
-    async def _run(self) -> None:  # the heartbeat, and the releases Redis missed
+    async def _run(self) -> None:  # the heartbeat, the releases Redis missed, and the probe while it fails
         while True:
             await asyncio.sleep(self._ttl_ms / 5000)
             try:
+                if self._failing:
+                    await self._r.ping()
                 for pod, n in list(self._owed.items()):
                     await self._release(keys=[self._key], args=[pod, n])
-                    self._answered()
                     left = self._owed.get(pod, 0) - n  # more missed meanwhile, or the pod forgotten
                     if left > 0:
                         self._owed[pod] = left
@@ -194,10 +204,10 @@ class RedisLimiter(BackgroundLoop):
                         self._owed.pop(pod, None)
                 if any(self._mine.values()):
                     await self._r.pexpire(self._key, self._ttl_ms)
-                    self._answered()
             except _FAILED as e:
                 self._failed("heartbeat", e)
-
+            else:
+                self._answered()
 
 
 class Admission:
