@@ -122,8 +122,17 @@ def build_view(debug: dict) -> StatusView:
     if "sessions" in debug:  # session affinity: sessions this replica remembers, and whether Redis shares them
         summary.append(("sessions here", _at(debug, ("sessions", "remembered_here"))))
         summary.append(("sessions shared", _at(debug, ("sessions", "shared"))))
-    if "admission" in debug:
-        summary.append(("waiting for admission", _at(debug, ("admission", "waiting"))))
+    if "admission" in debug:  # KVGATE_ADMISSION_MAX_RUNNING: requests by how admission went, and its shared counts
+        admission = debug["admission"]
+        summary += [
+            ("waiting for admission", _at(debug, ("admission", "waiting"), metric=("kvgate_admission_waiting", {}))),
+            ("admitted after a wait", _at(debug, ("admission", "after_wait"), metric=(
+                "kvgate_admission_requests_total", {"outcome": "after_wait"}))),
+            ("admission timeouts (429)", _at(debug, ("admission", "timed_out"), cls="bad" if admission.get(
+                "timed_out") else "", metric=("kvgate_admission_requests_total", {"outcome": "timed_out"}))),
+            ("admission on own counts", _at(debug, ("admission", "limiter_failing"), cls="bad" if admission.get(
+                "limiter_failing") else "")),
+        ]
     # the routing mix first: the page shows it beside its chart
     tables = [_mix_table(debug), _fleet(debug), _events(debug), _cache_share(debug), _tokenizer(debug),
               _profiles(debug), _errors(debug)]

@@ -40,7 +40,10 @@ class Limiter(Protocol):
     # True when `release` completes without waiting (the counts live in this process): a caller may then
     # release where a cancellation could otherwise cut a round trip short.
     releases_without_wait: bool
-    errors: int  # failed operations of a shared store (each time the replica decided on its own counts)
+    errors: int  # failed operations of a shared store
+
+    @property
+    def failing(self) -> bool: ...  # deciding on this replica's own counts, the shared store having failed
 
     async def try_acquire(self, pod: str, limit: int) -> bool: ...
 
@@ -54,6 +57,7 @@ class Limiter(Protocol):
 class LocalLimiter:
     releases_without_wait = True
     errors = 0
+    failing = False
 
     def __init__(self) -> None:
         self._counts: dict[str, int] = {}
@@ -239,9 +243,10 @@ class Admission:
     def stats(self) -> dict:
         """Requests by how admission ended for them (at_once, after_wait, timed_out: answered 429, cancelled:
         the client left while it waited), those waiting now, the seconds waited in all (wait_seconds), and the
-        limiter's failed operations of its shared store (limiter_errors)."""
+        limiter's failed operations of its shared store (limiter_errors) and whether it decides on this
+        replica's own counts now, that store having failed (limiter_failing)."""
         return {**self._outcomes, "waiting": self.waiting, "wait_seconds": self._wait_s,
-                "limiter_errors": self.limiter.errors}
+                "limiter_errors": self.limiter.errors, "limiter_failing": self.limiter.failing}
 
     async def _try(self, candidates: Sequence[str]) -> str | None:
         for pod in candidates:

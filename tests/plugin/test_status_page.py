@@ -53,7 +53,8 @@ class Env(GatewayEnv):
         self.pods_file = stack.pods_file(self.pods)
         common = {"KVGATE_REDIS_URL": self.redis_url, "KVGATE_TOKENIZER_PATH": TOKENIZER,
                   "KVGATE_OBSERVE_SAMPLE": "1", "KVGATE_ENGINE_METRICS_INTERVAL_S": "0.2",
-                  "KVGATE_KV_EVENTS_BACKOFF_MIN_S": "0.1"}
+                  "KVGATE_KV_EVENTS_BACKOFF_MIN_S": "0.1",
+                  "KVGATE_ADMISSION_MAX_RUNNING": "1000"}  # never reached: the page's admission rows shown
         gates = [start_kvgate(stack, self.pods_file, {**common, "KVGATE_GATEWAY_ID": gid}, name=name, wait=False)
                  for gid, name in (("gw-a", "kvgate"), ("gw-b", "kvgate-b"))]
         self.listen = free_port()

@@ -30,7 +30,7 @@ async def test_stats_count_each_request_by_how_it_was_admitted_and_the_time_wait
     requests waiting now, and the seconds waited in all (the wait adds to their time to first token)."""
     adm = Admission(LocalLimiter(), max_running=1, max_wait_s=0.3)
     assert adm.stats() == {"at_once": 0, "after_wait": 0, "timed_out": 0, "cancelled": 0, "waiting": 0,
-                           "wait_seconds": 0.0, "limiter_errors": 0}
+                           "wait_seconds": 0.0, "limiter_errors": 0, "limiter_failing": False}
     assert await adm.admit("m", ["a"]) == "a"
     waiter = asyncio.create_task(adm.admit("m", ["a"]))
     await wait_until_async(lambda: adm.waiting == 1)
