@@ -15,6 +15,15 @@ eligible pod is full.
   request waits, in its model's FIFO queue, for up to `max_wait_s`. Every release wakes one waiter,
   the models taking turns (round robin), so a model with a long queue cannot starve another. A
   request that waited out its time gets None: the caller answers 429 with `Retry-After`.
+- Over replicas sharing Redis the turns are the fleet's, not each replica's (a replica's releases wake
+  its own waiters at once, and the others' only find room by polling: per-replica turns let the
+  models queued where rooms free take them all). The same script keeps the models wanting room (a
+  sorted set: each model's claim lapses `want_s` after its last refusal unless its first waiter, who
+  tries every `poll_s`, renews it) and the model last admitted from a wait: a waiter is admitted only
+  when its model is the next wanting one after that (by name, cyclically), and a new request only
+  when no model wants room anywhere. Room whose turn belongs to a model waiting at another replica
+  stays free until that replica's waiter polls (`poll_s`). While Redis fails, each replica's own
+  queues take the turns again.
 - A pod that leaves discovery keeps its count for `deleted_keep_s` (AIBrix keeps a snapshot of
   recently deleted pods): re-created within that window, it starts with the requests still running
   on it, and their releases count against it.
@@ -45,7 +54,12 @@ class Limiter(Protocol):
     @property
     def failing(self) -> bool: ...  # deciding on this replica's own counts, the shared store having failed
 
-    async def try_acquire(self, pod: str, limit: int) -> bool: ...
+    @property
+    def shares_turns(self) -> bool: ...  # the models' turns kept with the counts, over every replica
+
+    async def try_acquire(self, pod: str, limit: int, model: str = "", waiter: bool = False) -> bool | None:
+        """True: admitted on `pod`. False: `pod` is full. None (limiters that share turns): not this
+        request's turn, on any pod (another model's waiter is due, or, for a new request, someone waits)."""
 
     async def release(self, pod: str) -> None: ...
 
@@ -58,11 +72,12 @@ class LocalLimiter:
     releases_without_wait = True
     errors = 0
     failing = False
+    shares_turns = False  # one process: Admission's own queues take the turns
 
     def __init__(self) -> None:
         self._counts: dict[str, int] = {}
 
-    async def try_acquire(self, pod: str, limit: int) -> bool:
+    async def try_acquire(self, pod: str, limit: int, model: str = "", waiter: bool = False) -> bool | None:
         n = self._counts.get(pod, 0)
         if n >= limit:
             return False
@@ -83,8 +98,40 @@ class LocalLimiter:
         self._counts.pop(pod, None)
 
 
-# KEYS[1] the gateways set, KEYS[2] this gateway's hash; ARGV: prefix, pod, limit, ttl ms, gateway id
+# KEYS[1] the gateways set, KEYS[2] this gateway's hash, KEYS[3] the models wanting room (a sorted set, each
+# scored with when its claim lapses), KEYS[4] the model whose waiter was admitted last.
+# ARGV: prefix, pod, limit, ttl ms, gateway id, model ('' : none, a plain check), '1' for a waiter, want ms.
+# Returns 1 (admitted), 0 (the pod is full) or -1 (not this request's turn: another model's, or someone waits).
 _ACQUIRE = """
+local model, waiter, want = ARGV[6], ARGV[7] == '1', tonumber(ARGV[8])
+if model ~= '' then
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+  local names, others = {model}, false
+  for _, m in ipairs(redis.call('ZRANGE', KEYS[3], 0, -1)) do
+    if m ~= model then table.insert(names, m); others = true end
+  end
+  local turn = true
+  if waiter then
+    if others then
+      table.sort(names)
+      local last = redis.call('GET', KEYS[4]) or ''
+      local nxt = names[1]
+      for _, m in ipairs(names) do
+        if m > last then nxt = m; break end
+      end
+      turn = nxt == model
+    end
+  elseif redis.call('ZCARD', KEYS[3]) > 0 then
+    turn = false
+  end
+  if not turn then
+    redis.call('ZADD', KEYS[3], now + want, model)
+    redis.call('PEXPIRE', KEYS[3], want * 10)
+    return -1
+  end
+end
 local total = 0
 local ids = redis.call('SMEMBERS', KEYS[1])
 for _, id in ipairs(ids) do
@@ -95,10 +142,21 @@ for _, id in ipairs(ids) do
     redis.call('SREM', KEYS[1], id)
   end
 end
-if total >= tonumber(ARGV[3]) then return 0 end
+if total >= tonumber(ARGV[3]) then
+  if waiter and model ~= '' then
+    local t = redis.call('TIME')
+    redis.call('ZADD', KEYS[3], tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + want, model)
+    redis.call('PEXPIRE', KEYS[3], want * 10)
+  end
+  return 0
+end
 redis.call('HINCRBY', KEYS[2], ARGV[2], 1)
 redis.call('PEXPIRE', KEYS[2], ARGV[4])
 redis.call('SADD', KEYS[1], ARGV[5])
+if waiter and model ~= '' then
+  redis.call('SET', KEYS[4], model, 'PX', 60000)
+  redis.call('ZREM', KEYS[3], model)
+end
 return 1
 """
 # KEYS[1] this gateway's hash; ARGV: pod, how many requests ended
@@ -115,12 +173,15 @@ class RedisLimiter(BackgroundLoop):
 
     releases_without_wait = False  # a round trip to Redis
 
-    def __init__(self, client: Any, gateway_id: str = "", *, prefix: str = "kvgate:{admit}:", ttl_s: float = 5.0) -> None:
+    def __init__(self, client: Any, gateway_id: str = "", *, prefix: str = "kvgate:{admit}:", ttl_s: float = 5.0,
+                 want_s: float = 0.5) -> None:
         self._r = client
+        self._want_ms = int(want_s * 1000)  # a model's claim to a turn lapses unless a waiter of it renews it
         self.gateway_id = gateway_id or f"{socket.gethostname()}-{os.getpid()}"
         self._prefix = prefix
         self._set = f"{prefix}gateways"
         self._key = f"{prefix}gw:{self.gateway_id}"
+        self._turn_keys = [f"{prefix}wanting", f"{prefix}turn"]
         self._ttl_ms = int(ttl_s * 1000)
         self._acquire = client.register_script(_ACQUIRE)
         self._release = client.register_script(_RELEASE)
@@ -131,17 +192,22 @@ class RedisLimiter(BackgroundLoop):
         self.errors = 0
         self._failing = False
 
-    async def try_acquire(self, pod: str, limit: int) -> bool:
+    @property
+    def shares_turns(self) -> bool:
+        return not self._failing
+
+    async def try_acquire(self, pod: str, limit: int, model: str = "", waiter: bool = False) -> bool | None:
         if not self._failing:
             try:
-                ok = await self._acquire(keys=[self._set, self._key],
-                                         args=[self._prefix, pod, limit, self._ttl_ms, self.gateway_id])
+                ok = await self._acquire(keys=[self._set, self._key, *self._turn_keys],
+                                         args=[self._prefix, pod, limit, self._ttl_ms, self.gateway_id, model,
+                                               "1" if waiter else "0", self._want_ms])
             except _FAILED as e:
                 self._failed("admit", e)
             else:
-                if ok:
+                if ok == 1:
                     self._mine[pod] = self._mine.get(pod, 0) + 1
-                return bool(ok)
+                return None if ok == -1 else ok == 1
         # Redis failing (the heartbeat probes it; requests do not wait on it meanwhile): the limit holds over
         # this replica's own requests.
         if self._mine.get(pod, 0) >= limit:
@@ -248,16 +314,20 @@ class Admission:
         return {**self._outcomes, "waiting": self.waiting, "wait_seconds": self._wait_s,
                 "limiter_errors": self.limiter.errors, "limiter_failing": self.limiter.failing}
 
-    async def _try(self, candidates: Sequence[str]) -> str | None:
+    async def _try(self, candidates: Sequence[str], model: str, waiter: bool) -> str | None:
         for pod in candidates:
-            if await self.limiter.try_acquire(pod, self.max_running):
+            got = await self.limiter.try_acquire(pod, self.max_running, model, waiter)
+            if got:
                 return pod
+            if got is None:  # not this request's turn, on any pod
+                return None
         return None
 
     async def admit(self, model: str, candidates: Sequence[str]) -> str | None:
         """The first candidate pod with room (counted as running until `release`), waiting in the
         model's queue while none has; None after `max_wait_s`."""
-        got = await self._try(candidates) if not self.waiting else None  # no overtaking anyone waiting
+        # No overtaking anyone waiting, here or (a limiter that shares turns) at another replica.
+        got = await self._try(candidates, model, waiter=False) if not self.waiting else None
         if got is not None:
             self._outcomes["at_once"] += 1
             return got
@@ -276,15 +346,17 @@ class Admission:
                     await asyncio.wait_for(asyncio.shield(fut), min(left, self.poll_s))
                 except asyncio.TimeoutError:
                     # Room may have been freed by another gateway (its releases wake no one here):
-                    # the waiter whose turn it is tries, as if woken; not while a waiter woken here
-                    # tries (that room is the woken one's: racing it for it would take its model's turn).
-                    if fut not in self._woken and (self._woken or not self._my_turn(model, fut)):
+                    # the waiter whose turn it is tries, as if woken (where the limiter shares the
+                    # turns, the first waiter of each model: the limiter says whose turn it is); not
+                    # while a waiter woken here tries (that room is the woken one's: racing it for it
+                    # would take its model's turn).
+                    if fut not in self._woken and (self._woken or not self._may_try(model, fut)):
                         continue
                     if fut not in self._woken:
                         self._queues.move_to_end(model)
                 if fut in queue:
                     queue.remove(fut)
-                got = await self._try(candidates)
+                got = await self._try(candidates, model, waiter=True)
                 self._woken.discard(fut)
                 if got is not None:
                     self._outcomes["after_wait"] += 1
@@ -304,6 +376,11 @@ class Admission:
             self._wait_s += self._clock() - began
         self._outcomes["timed_out"] += 1
         return None
+
+    def _may_try(self, model: str, fut: asyncio.Future) -> bool:
+        if self.limiter.shares_turns:
+            return self._queues[model][0] is fut
+        return self._my_turn(model, fut)
 
     def _my_turn(self, model: str, fut: asyncio.Future) -> bool:
         first = next((m for m, q in self._queues.items() if q), None)

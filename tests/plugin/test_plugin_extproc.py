@@ -433,11 +433,13 @@ class SharedLimiter:
     """An admission limiter shared over the network: its release waits for the round trip."""
 
     releases_without_wait = False
+    errors = 0
+    failing = shares_turns = False
 
     def __init__(self):
         self.counts = {}
 
-    async def try_acquire(self, pod, limit):
+    async def try_acquire(self, pod, limit, model="", waiter=False):
         self.counts[pod] = self.counts.get(pod, 0) + 1
         return True
 
