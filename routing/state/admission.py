@@ -19,11 +19,13 @@ eligible pod is full.
   its own waiters at once, and the others' only find room by polling: per-replica turns let the
   models queued where rooms free take them all). The same script keeps the models wanting room (a
   sorted set: each model's claim lapses `want_s` after its last refusal unless its first waiter, who
-  tries every `poll_s`, renews it) and the model last admitted from a wait: a waiter is admitted only
-  when its model is the next wanting one after that (by name, cyclically), and a new request only
-  when no model wants room anywhere. Room whose turn belongs to a model waiting at another replica
-  stays free until that replica's waiter polls (`poll_s`). While Redis fails, each replica's own
-  queues take the turns again.
+  tries every `poll_s`, renews it; an admitted waiter's claim stays while its replica has more of its
+  model waiting, and a replica whose last waiter of a model gives up drops the claim) and the model
+  last admitted from a wait: a waiter is admitted only when its model is the next wanting one after
+  that (by name, cyclically), and a new request only when no model wants room anywhere. Room whose
+  turn belongs to a model waiting at another replica stays free until that replica's waiter polls
+  (`poll_s`). While Redis fails, each replica's own queues take the turns again. A cancellation the
+  Redis client swallowed (see _cancel_swallowed) still ends the request's wait.
 - A pod that leaves discovery keeps its count for `deleted_keep_s` (AIBrix keeps a snapshot of
   recently deleted pods): re-created within that window, it starts with the requests still running
   on it, and their releases count against it.
@@ -57,11 +59,18 @@ class Limiter(Protocol):
     @property
     def shares_turns(self) -> bool: ...  # the models' turns kept with the counts, over every replica
 
-    async def try_acquire(self, pod: str, limit: int, model: str = "", waiter: bool = False) -> bool | None:
+    async def try_acquire(self, pod: str, limit: int, model: str = "", waiter: bool = False,
+                          more: bool = False) -> bool | None:
         """True: admitted on `pod`. False: `pod` is full. None (limiters that share turns): not this
-        request's turn, on any pod (another model's waiter is due, or, for a new request, someone waits)."""
+        request's turn, on any pod (another model's waiter is due, or, for a new request, someone waits).
+        `more`: this replica has more waiters of `model` (a waiter admitted keeps its model's claim)."""
 
     async def release(self, pod: str) -> None: ...
+
+    def withdraw(self, model: str) -> None:
+        """The last waiter of `model` at this replica gave up (timed out, or its client left): a limiter that
+        shares turns drops the model's claim to one now (waiters of it elsewhere claim it again when they try)
+        rather than hold room for it until the claim lapses."""
 
     def running(self) -> dict[str, int]: ...
 
@@ -77,12 +86,16 @@ class LocalLimiter:
     def __init__(self) -> None:
         self._counts: dict[str, int] = {}
 
-    async def try_acquire(self, pod: str, limit: int, model: str = "", waiter: bool = False) -> bool | None:
+    async def try_acquire(self, pod: str, limit: int, model: str = "", waiter: bool = False,
+                          more: bool = False) -> bool | None:
         n = self._counts.get(pod, 0)
         if n >= limit:
             return False
         self._counts[pod] = n + 1
         return True
+
+    def withdraw(self, model: str) -> None:
+        pass
 
     async def release(self, pod: str) -> None:
         n = self._counts.get(pod, 0) - 1
@@ -100,7 +113,8 @@ class LocalLimiter:
 
 # KEYS[1] the gateways set, KEYS[2] this gateway's hash, KEYS[3] the models wanting room (a sorted set, each
 # scored with when its claim lapses), KEYS[4] the model whose waiter was admitted last.
-# ARGV: prefix, pod, limit, ttl ms, gateway id, model ('' : none, a plain check), '1' for a waiter, want ms.
+# ARGV: prefix, pod, limit, ttl ms, gateway id, model ('' : none, a plain check), '1' for a waiter, want ms,
+# '1' when this gateway has more waiters of the model (an admitted waiter's claim is then kept, else dropped).
 # Returns 1 (admitted), 0 (the pod is full) or -1 (not this request's turn: another model's, or someone waits).
 _ACQUIRE = """
 local model, waiter, want = ARGV[6], ARGV[7] == '1', tonumber(ARGV[8])
@@ -155,7 +169,12 @@ redis.call('PEXPIRE', KEYS[2], ARGV[4])
 redis.call('SADD', KEYS[1], ARGV[5])
 if waiter and model ~= '' then
   redis.call('SET', KEYS[4], model, 'PX', 60000)
-  redis.call('ZREM', KEYS[3], model)
+  if ARGV[9] == '1' then
+    local t = redis.call('TIME')
+    redis.call('ZADD', KEYS[3], tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + want, model)
+  else
+    redis.call('ZREM', KEYS[3], model)
+  end
 end
 return 1
 """
@@ -189,6 +208,7 @@ class RedisLimiter(BackgroundLoop):
         self._local: dict[str, int] = {}  # of those, admitted while Redis failed: not counted there
         self._owed: dict[str, int] = {}  # releases Redis missed, paid by the heartbeat
         self._task: asyncio.Task | None = None
+        self._withdrawing: set[asyncio.Task] = set()
         self.errors = 0
         self._failing = False
 
@@ -196,12 +216,13 @@ class RedisLimiter(BackgroundLoop):
     def shares_turns(self) -> bool:
         return not self._failing
 
-    async def try_acquire(self, pod: str, limit: int, model: str = "", waiter: bool = False) -> bool | None:
+    async def try_acquire(self, pod: str, limit: int, model: str = "", waiter: bool = False,
+                          more: bool = False) -> bool | None:
         if not self._failing:
             try:
                 ok = await self._acquire(keys=[self._set, self._key, *self._turn_keys],
                                          args=[self._prefix, pod, limit, self._ttl_ms, self.gateway_id, model,
-                                               "1" if waiter else "0", self._want_ms])
+                                               "1" if waiter else "0", self._want_ms, "1" if more else "0"])
             except _FAILED as e:
                 self._failed("admit", e)
             else:
@@ -233,6 +254,19 @@ class RedisLimiter(BackgroundLoop):
 
     def running(self) -> dict[str, int]:
         return {p: n for p, n in self._mine.items() if n > 0}
+
+    def withdraw(self, model: str) -> None:
+        if self._failing:
+            return
+        task = asyncio.get_running_loop().create_task(self._withdraw(model))
+        self._withdrawing.add(task)  # kept until done (the loop holds tasks weakly)
+        task.add_done_callback(self._withdrawing.discard)
+
+    async def _withdraw(self, model: str) -> None:
+        try:
+            await self._r.zrem(self._turn_keys[0], model)
+        except _FAILED as e:
+            self._failed("withdraw", e)
 
     @property
     def failing(self) -> bool:
@@ -280,6 +314,14 @@ class RedisLimiter(BackgroundLoop):
                 self._answered()
 
 
+def _cancel_swallowed() -> bool:
+    """Whether this task was asked to stop though no CancelledError reached here: redis-py's asyncio client
+    (8.1 measured: a task cancelled in a loop of script calls ran on after 15 of 20 cancels, of PINGs 12) can swallow one
+    mid-call. A request whose client left must not go on waiting, nor be admitted."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 class Admission:
     def __init__(self, limiter: Limiter, *, max_running: int, max_wait_s: float = 3.0, retry_after_s: int = 1,
                  deleted_keep_s: float = 30.0, poll_s: float = 0.05,
@@ -315,8 +357,13 @@ class Admission:
                 "limiter_errors": self.limiter.errors, "limiter_failing": self.limiter.failing}
 
     async def _try(self, candidates: Sequence[str], model: str, waiter: bool) -> str | None:
+        more = bool(self._queues.get(model))  # (a waiter trying is out of its queue)
         for pod in candidates:
-            got = await self.limiter.try_acquire(pod, self.max_running, model, waiter)
+            got = await self.limiter.try_acquire(pod, self.max_running, model, waiter, more)
+            if _cancel_swallowed():
+                if got:
+                    await self.limiter.release(pod)
+                raise asyncio.CancelledError
             if got:
                 return pod
             if got is None:  # not this request's turn, on any pod
@@ -337,6 +384,7 @@ class Admission:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         queue.append(fut)
+        admitted = False
         try:
             while True:
                 left = deadline - self._clock()
@@ -360,6 +408,7 @@ class Admission:
                 self._woken.discard(fut)
                 if got is not None:
                     self._outcomes["after_wait"] += 1
+                    admitted = True
                     return got
                 fut = loop.create_future()  # another gateway took the room: first in line for the next
                 queue = self._queues.setdefault(model, deque())  # (emptied and dropped meanwhile, maybe)
@@ -374,6 +423,8 @@ class Admission:
                 queue.remove(fut)
             self._drop_empty(model)
             self._wait_s += self._clock() - began
+            if not admitted and model not in self._queues:  # its last waiter here gave up
+                self.limiter.withdraw(model)
         self._outcomes["timed_out"] += 1
         return None
 

@@ -439,7 +439,10 @@ class SharedLimiter:
     def __init__(self):
         self.counts = {}
 
-    async def try_acquire(self, pod, limit, model="", waiter=False):
+    def withdraw(self, model):
+        pass
+
+    async def try_acquire(self, pod, limit, model="", waiter=False, more=False):
         self.counts[pod] = self.counts.get(pod, 0) + 1
         return True
 

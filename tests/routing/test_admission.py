@@ -207,7 +207,7 @@ async def test_models_take_turns_over_the_gateways_not_only_within_each(redis_se
         await wait_until_async(lambda: a.waiting == 4)
         tasks += [asyncio.create_task(one(b, "small")) for _ in range(2)]
         await wait_until_async(lambda: b.waiting == 2)
-        await asyncio.sleep(0.1)  # B's waiters have polled: their model's claim to a turn is in Redis
+        await wait_until_async(lambda: clients[0].zscore("kvgate:{admit}:wanting", "small"))  # B's waiter claimed
         await a.release("p")
         await a.release("p")
         await asyncio.wait_for(asyncio.gather(*tasks), 10.0)
@@ -216,6 +216,36 @@ async def test_models_take_turns_over_the_gateways_not_only_within_each(redis_se
     finally:
         for c in clients:
             await c.aclose()
+
+
+@pytest.mark.integration
+async def test_a_model_whose_last_waiter_left_holds_no_room_for_its_turn(redis_server):
+    """A waiter at B whose client leaves was its model's last: its claim to a turn goes with it, so a new
+    request at A finding room is admitted at once (with the claim left to lapse, it would queue behind a
+    model nobody waits for: up to want_s, here 5 s)."""
+    from redis.asyncio import Redis
+    clients = [Redis.from_url(redis_server.url, decode_responses=True) for _ in range(2)]
+    wanting = "kvgate:{admit}:wanting"
+    try:
+        a, b = (Admission(RedisLimiter(c, f"gw-{n}", ttl_s=5.0, want_s=5.0), max_running=1, max_wait_s=10.0,
+                          poll_s=0.02) for n, c in zip("ab", clients))
+        assert await a.admit("y", ["p"]) == "p"  # the pod is full
+        left = asyncio.create_task(b.admit("x", ["p"]))
+        await wait_until_async(lambda: clients[0].zscore(wanting, "x"))  # x waits, and claims a turn
+        left.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await left
+        await wait_until_async(lambda: _is_none(clients[0].zscore(wanting, "x")))  # the claim went with it
+        await a.release("p")
+        assert await a.admit("y", ["p"]) == "p"
+        assert a.stats()["at_once"] == 2 and a.stats()["after_wait"] == 0 and b.stats()["cancelled"] == 1
+    finally:
+        for c in clients:
+            await c.aclose()
+
+
+async def _is_none(awaitable) -> bool:
+    return await awaitable is None
 
 
 @pytest.mark.integration
