@@ -108,10 +108,14 @@ def test_burst_of_3x_capacity_never_puts_a_pod_past_its_limit_loses_nothing_and_
     them in turn. The holders' 2 s leave the adapter's requests time to reach the queues on a loaded
     machine (behind holders of 0.8 s they once arrived after the room had gone to the base model)."""
     out: list = [None] * 12
+
+    def state() -> str:  # for a failure: each replica's admission, the engines' running, the answers so far
+        return (f"admission {[r.debug()['admission'] for r in env.replicas]}, running {env.running()}, "
+                f"answers {[o[:3] if o else None for o in out]}")
     big = _burst(env.url, [(BIG, 100)] * 4, out)
-    assert wait_until(lambda: env.running() >= 4, timeout=10)  # the pods are full: the rest wait
+    assert wait_until(lambda: env.running() >= 4, timeout=10, detail=state)  # the pods are full: the rest wait
     big += _burst(env.url, [(BIG, 40)] * 4, out, offset=4)
-    assert wait_until(lambda: env.waiting() >= 4, timeout=10)  # the base model's waiters queue first
+    assert wait_until(lambda: env.waiting() >= 4, timeout=10, detail=state)  # the base model's waiters queue first
     small = _burst(env.url, [(SMALL, 5)] * 4, out, offset=8)
     join_all(big + small)
     assert all(o is not None for o in out), out
