@@ -7,7 +7,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable
+from typing import Any, Callable
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
@@ -172,14 +172,18 @@ def strategy_config(s: Settings) -> StrategyConfig:
                           saturation=Saturation(s.saturation_queue, s.saturation_kv_usage))
 
 
+def request_path_redis(url: str) -> Any:
+    """A Redis client for calls a request waits on: an operation not answered within 0.2 s fails at once (no
+    retry), and its caller goes on without Redis (sessions: local only; admission: this replica's own counts)."""
+    from redis.asyncio import Redis
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+    return Redis.from_url(url, socket_timeout=0.2, socket_connect_timeout=0.2, retry=Retry(NoBackoff(), 0))
+
+
 def session_store(s: Settings) -> SessionStore:
     """Session -> pod: shared through Redis when KVGATE_REDIS_URL is set (a failing Redis: local only)."""
-    redis = None
-    if s.redis_url:
-        from redis.asyncio import Redis
-        from redis.asyncio.retry import Retry
-        from redis.backoff import NoBackoff
-        redis = Redis.from_url(s.redis_url, socket_timeout=0.2, socket_connect_timeout=0.2, retry=Retry(NoBackoff(), 0))
+    redis = request_path_redis(s.redis_url) if s.redis_url else None
     return SessionStore(s.session_ttl_s, s.session_capacity, redis=redis, owns_redis=True)
 
 
@@ -236,13 +240,7 @@ class App:
         if s.admission_max_running > 0:
             limiter: Limiter
             if s.redis_url:
-                from redis.asyncio import Redis
-                from redis.asyncio.retry import Retry
-                from redis.backoff import NoBackoff
-                # On the request path: a Redis that does not answer within this costs a request 0.2 s, then the
-                # replica admits on its own counts (routing.state.admission).
-                self._admission_redis = Redis.from_url(s.redis_url, socket_timeout=0.2, socket_connect_timeout=0.2,
-                                                       retry=Retry(NoBackoff(), 0))
+                self._admission_redis = request_path_redis(s.redis_url)
                 limiter = RedisLimiter(self._admission_redis, s.gateway_id, ttl_s=s.redis_key_ttl_s)
             else:
                 limiter = LocalLimiter()

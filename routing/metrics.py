@@ -43,7 +43,8 @@ class RoutingMetrics:
 class AdmissionCollector:
     """Admission (KVGATE_ADMISSION_MAX_RUNNING) as it went, read from Admission.stats() at scrape time:
     requests by outcome, those waiting now, the seconds waited (a wait adds to the request's time to
-    first token: their rate over the after_wait and timed_out rates is the mean wait), and the limit."""
+    first token: their rate over the rate of every outcome but at_once is the mean wait), the limiter's
+    failures and the limit."""
 
     def __init__(self, stats: Callable[[], dict], max_running: int, registry: CollectorRegistry | None = None) -> None:
         self._stats = stats
@@ -67,8 +68,9 @@ class AdmissionCollector:
         waited = CounterMetricFamily("kvgate_admission_wait_seconds", "Seconds requests waited for room on a pod, "
                                      "in all (each waiting request's own wait)", value=stats["wait_seconds"])
         errors = CounterMetricFamily("kvgate_admission_limiter_errors", "Failed Redis operations of the admission "
-                                     "counts the replicas share: each time this replica decided on its own requests "
-                                     "alone (the limit then holds per replica)", value=stats["limiter_errors"])
+                                     "counts the replicas share (from the first of an outage until Redis answers "
+                                     "this replica admits on its own requests alone, the limit holding per replica)",
+                                     value=stats["limiter_errors"])
         limit = GaugeMetricFamily("kvgate_admission_max_running", "Requests a pod may run, over every replica "
                                   "(KVGATE_ADMISSION_MAX_RUNNING)", value=self._max_running)
         return [outcomes, waiting, waited, errors, limit]

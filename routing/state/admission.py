@@ -118,9 +118,14 @@ class LocalLimiter:
 # Returns 1 (admitted), 0 (the pod is full) or -1 (not this request's turn: another model's, or someone waits).
 _ACQUIRE = """
 local model, waiter, want = ARGV[6], ARGV[7] == '1', tonumber(ARGV[8])
+local now = 0
+local function claim()  -- the model wants room: its claim to a turn, renewed
+  redis.call('ZADD', KEYS[3], now + want, model)
+  redis.call('PEXPIRE', KEYS[3], want * 10)
+end
 if model ~= '' then
   local t = redis.call('TIME')
-  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
   local names, others = {model}, false
   for _, m in ipairs(redis.call('ZRANGE', KEYS[3], 0, -1)) do
@@ -141,8 +146,7 @@ if model ~= '' then
     turn = false
   end
   if not turn then
-    redis.call('ZADD', KEYS[3], now + want, model)
-    redis.call('PEXPIRE', KEYS[3], want * 10)
+    claim()
     return -1
   end
 end
@@ -157,11 +161,7 @@ for _, id in ipairs(ids) do
   end
 end
 if total >= tonumber(ARGV[3]) then
-  if waiter and model ~= '' then
-    local t = redis.call('TIME')
-    redis.call('ZADD', KEYS[3], tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + want, model)
-    redis.call('PEXPIRE', KEYS[3], want * 10)
-  end
+  if waiter and model ~= '' then claim() end
   return 0
 end
 redis.call('HINCRBY', KEYS[2], ARGV[2], 1)
@@ -170,8 +170,7 @@ redis.call('SADD', KEYS[1], ARGV[5])
 if waiter and model ~= '' then
   redis.call('SET', KEYS[4], model, 'PX', 60000)
   if ARGV[9] == '1' then
-    local t = redis.call('TIME')
-    redis.call('ZADD', KEYS[3], tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + want, model)
+    claim()
   else
     redis.call('ZREM', KEYS[3], model)
   end
@@ -212,10 +211,6 @@ class RedisLimiter(BackgroundLoop):
         self.errors = 0
         self._failing = False
 
-    @property
-    def shares_turns(self) -> bool:
-        return not self._failing
-
     async def try_acquire(self, pod: str, limit: int, model: str = "", waiter: bool = False,
                           more: bool = False) -> bool | None:
         if not self._failing:
@@ -255,6 +250,15 @@ class RedisLimiter(BackgroundLoop):
     def running(self) -> dict[str, int]:
         return {p: n for p, n in self._mine.items() if n > 0}
 
+    @property
+    def failing(self) -> bool:
+        """Whether this replica admits on its own requests alone, Redis having failed (until it answers)."""
+        return self._failing
+
+    @property
+    def shares_turns(self) -> bool:
+        return not self._failing
+
     def withdraw(self, model: str) -> None:
         if self._failing:
             return
@@ -267,11 +271,6 @@ class RedisLimiter(BackgroundLoop):
             await self._r.zrem(self._turn_keys[0], model)
         except _FAILED as e:
             self._failed("withdraw", e)
-
-    @property
-    def failing(self) -> bool:
-        """Whether this replica admits on its own requests alone, Redis having failed (until it answers)."""
-        return self._failing
 
     async def forget(self, pod: str) -> None:
         for counts in (self._mine, self._local, self._owed):

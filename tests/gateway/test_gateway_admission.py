@@ -12,6 +12,7 @@ import time
 import httpx
 import pytest
 
+from bench.gateway import metric
 from devkit.stack import Stack, wait_for_port
 from helpers import (GatewayEnv, envoy_pool, free_port, join_all, stack_fixture, start_kvgate, start_threads,
                      wait_until)
@@ -156,10 +157,6 @@ def test_full_pods_answer_429_with_retry_after_once_the_wait_is_over(env):
     assert [o[1] for o in out[:4]] == [200] * 4
     assert max(env.peaks().values()) <= LIMIT
     # Each replica's /metrics: the two answered 429 counted as timed out, with their wait (summed over both).
-    timed_out = sum(_metric(r.metrics(), 'kvgate_admission_requests_total{outcome="timed_out"}') for r in env.replicas)
-    waited = sum(_metric(r.metrics(), "kvgate_admission_wait_seconds_total") for r in env.replicas)
+    timed_out = sum(metric(r.metrics(), "kvgate_admission_requests_total", outcome="timed_out") for r in env.replicas)
+    waited = sum(metric(r.metrics(), "kvgate_admission_wait_seconds_total") for r in env.replicas)
     assert timed_out >= 2 and waited >= 2 * WAIT_S * 0.9, (timed_out, waited)
-
-
-def _metric(text: str, sample: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(sample + " "))
