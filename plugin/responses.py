@@ -23,6 +23,7 @@ from collections import OrderedDict
 from typing import Any
 
 from plugin.throttle import LogThrottle
+from routing.background import cancel_swallowed
 
 log = logging.getLogger("kvgate.responses")
 
@@ -125,6 +126,8 @@ class SharedResponseStore(ResponseStore):
         except Exception as e:
             self._failed("read", e, time.monotonic() - started)
             return None
+        if cancel_swallowed():  # the client left during the read, and Redis's client went on
+            raise asyncio.CancelledError
         if raw is None:
             return None
         pod = raw.decode() if isinstance(raw, bytes) else str(raw)

@@ -19,6 +19,7 @@ import time
 from collections import OrderedDict
 from typing import Any, Callable, Sequence
 
+from routing.background import cancel_swallowed
 from routing.pods import Pod
 from routing.scheduling.scoring import PickContext, Scorer
 from routing.state.engine_metrics import EngineMetrics, Saturation
@@ -124,6 +125,8 @@ class SessionStore:
         except Exception as e:  # noqa: BLE001 - any Redis failure: local answers, checked again later
             self._failed("get", e)
             return
+        if cancel_swallowed():  # the client left during the read, and Redis's client went on
+            raise asyncio.CancelledError
         if value is None:
             if entry is not None:  # another gateway's TTL ran out, or ours never reached it: ours stands
                 self._map[key] = (entry[0], entry[1], now)

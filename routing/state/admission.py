@@ -25,7 +25,7 @@ eligible pod is full.
   that (by name, cyclically), and a new request only when no model wants room anywhere. Room whose
   turn belongs to a model waiting at another replica stays free until that replica's waiter polls
   (`poll_s`). While Redis fails, each replica's own queues take the turns again. A cancellation the
-  Redis client swallowed (see _cancel_swallowed) still ends the request's wait.
+  Redis client swallowed (routing.background.cancel_swallowed) still ends the request's wait.
 - A pod that leaves discovery keeps its count for `deleted_keep_s` (AIBrix keeps a snapshot of
   recently deleted pods): re-created within that window, it starts with the requests still running
   on it, and their releases count against it.
@@ -42,7 +42,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 from redis.exceptions import RedisError
 
-from routing.background import BackgroundLoop
+from routing.background import BackgroundLoop, cancel_swallowed
 
 log = logging.getLogger(__name__)
 
@@ -313,14 +313,6 @@ class RedisLimiter(BackgroundLoop):
                 self._answered()
 
 
-def _cancel_swallowed() -> bool:
-    """Whether this task was asked to stop though no CancelledError reached here: redis-py's asyncio client
-    (8.1 measured: a task cancelled in a loop of script calls ran on after 15 of 20 cancels, of PINGs 12) can swallow one
-    mid-call. A request whose client left must not go on waiting, nor be admitted."""
-    task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0
-
-
 class Admission:
     def __init__(self, limiter: Limiter, *, max_running: int, max_wait_s: float = 3.0, retry_after_s: int = 1,
                  deleted_keep_s: float = 30.0, poll_s: float = 0.05,
@@ -359,7 +351,7 @@ class Admission:
         more = bool(self._queues.get(model))  # (a waiter trying is out of its queue)
         for pod in candidates:
             got = await self.limiter.try_acquire(pod, self.max_running, model, waiter, more)
-            if _cancel_swallowed():
+            if cancel_swallowed():
                 if got:
                     await self.limiter.release(pod)
                 raise asyncio.CancelledError

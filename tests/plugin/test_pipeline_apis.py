@@ -4,6 +4,7 @@ cannot express), what happens when it fails or is missing, previous_response_id 
 the conversation, pooling by load, and the client errors in each API's shape."""
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -206,3 +207,28 @@ def test_a_responses_or_messages_stream_times_its_first_token_event(kind, openin
     w.on_chunk(delta + final)
     assert firsts == ["r1"] and w.events == 2
     assert w.ttft == pytest.approx(0.1) and (w.prompt_tokens, w.completion_tokens) == (40, 2)
+
+
+async def test_a_lookup_cancelled_while_redis_is_read_ends_though_the_client_swallowed_it():
+    """redis-py 8.1's asyncio client can swallow a cancellation mid-call and answer (tests/routing/
+    test_admission.py): the request whose client left must end all the same."""
+    from plugin.responses import SharedResponseStore
+
+    gets = []
+
+    class Swallowing:
+        async def get(self, key: str) -> bytes:
+            gets.append(key)
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:
+                pass
+            return b"p1"
+
+    store = SharedResponseStore(10, Swallowing(), ttl_s=60, timeout_s=30.0)
+    task = asyncio.create_task(store.lookup("resp_x"))
+    while not gets:
+        await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, 2.0)
