@@ -3,13 +3,15 @@
 The stack is the one kvgate ships and the demo runs: a real Envoy with envoy/envoy.yaml, two `kvgate
 serve` replicas (kv-sync, running counts shared through redis-server, local tokenizer once verified,
 responses watched as by default) and simulated engines publishing KV events. The engines are told
-to take no time (no TTFT overhead, no prefill, 1 ms per token), so what is left is the path. Four
-ways to the same engines:
+to take no time (no TTFT overhead, no prefill, 1 ms per token), so what is left is the path. The
+ways to the same engines (PATHS):
 - `direct`: straight to an engine (the engines taken in turn);
 - `envoy_only`: Envoy without ext_proc (the pool's round robin): Envoy's own share;
 - `noop`: Envoy with the shipped filter settings and a no-op Python processor (bench.noop_processor
   `--bodies`: it routes to one engine and answers the very messages Envoy sends kvgate, the same
   responses watched): the least a Python processor adds on this path;
+- `native_noop` (where Node is installed): the same, with a processor without Python (bench/native_noop.js,
+  below) in the no-op's place: what any processor adds on this path, on this machine;
 - `kvgate`: the shipped stack.
 Then the processors alone (`floor`): Envoy answering the chat itself (a one-token event stream, its
 direct_response) after its filters ran, without ext_proc, with the no-op processor and with the same
@@ -44,7 +46,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import httpx
 
@@ -54,7 +56,7 @@ from devkit.stack import Stack, StackError, envoy_routes, free_port, render_envo
 from tokenizer import testdata
 
 MODEL = "path-model"
-PATHS = ("direct", "envoy_only", "noop", "noop_nowait", "kvgate", "kvgate_two")
+PATHS = ("direct", "envoy_only", "noop", "native_noop", "noop_nowait", "kvgate", "kvgate_two")  # native_noop: with Node
 # kvgate_two: the same kvgate replicas behind the shipped config with every request in two ext_proc messages
 # (headers, then body: runtime key kvgate.one_message_percent 0), as before the one-message routes.
 # Engines that take no time: what remains of a request's time to first token is the path.
@@ -185,9 +187,9 @@ def _clients(target: tuple[str, int] | list[tuple[str, int]], n: int) -> list[Cl
 class Samples:
     """Times to first token per path (seconds), with failed requests counted apart."""
 
-    def __init__(self) -> None:
-        self.ttft: dict[str, list[float]] = {p: [] for p in PATHS}
-        self.errors = dict.fromkeys(PATHS, 0)
+    def __init__(self, paths: Sequence[str] = PATHS) -> None:
+        self.ttft: dict[str, list[float]] = {p: [] for p in paths}
+        self.errors = dict.fromkeys(paths, 0)
 
     def add(self, path: str, ttft: float, status: int) -> None:
         if status == 200:
@@ -204,16 +206,17 @@ async def _measure(targets: dict[str, Any], requests: int, concurrency: int, idl
     to direct and kvgate, every one after a pause of IDLE_GAP_S (longer than the running counts' view is
     fresh: 1 s). `warmed` is called once the warm-up is over."""
     ids = itertools.count()
-    seq_clients = {p: _clients(targets[p], len(targets[p]) if p == "direct" else 1) for p in PATHS}
-    load_clients = {p: _clients(targets[p], concurrency) for p in PATHS}
-    seq, load, quiet = Samples(), Samples(), Samples()
+    paths = [p for p in PATHS if p in targets]
+    seq_clients = {p: _clients(targets[p], len(targets[p]) if p == "direct" else 1) for p in paths}
+    load_clients = {p: _clients(targets[p], concurrency) for p in paths}
+    seq, load, quiet = Samples(paths), Samples(paths), Samples(paths)
     try:
         for warm in seq_clients.values():  # warm up: kvgate verifies its tokenizer, connections open
             for i in range(40):
                 await warm[i % len(warm)].chat(body(next(ids)))
         warmed()
         for k in range(requests):
-            for path in PATHS[k % len(PATHS):] + PATHS[:k % len(PATHS)]:
+            for path in paths[k % len(paths):] + paths[:k % len(paths)]:
                 clients = seq_clients[path]
                 seq.add(path, *await clients[k % len(clients)].chat(body(next(ids)), "seq"))
         log(f"  one at a time: {requests} requests per path")
@@ -223,7 +226,7 @@ async def _measure(targets: dict[str, Any], requests: int, concurrency: int, idl
             for _ in range(burst):
                 load.add(path, *await client.chat(body(next(ids)), "load"))
         for k in range(max(1, requests // burst)):
-            for path in PATHS[k % len(PATHS):] + PATHS[:k % len(PATHS)]:
+            for path in paths[k % len(paths):] + paths[:k % len(paths)]:
                 await asyncio.gather(*(worker(path, c) for c in load_clients[path]))
         log(f"  {concurrency} at once: {len(load.ttft['direct'])} requests per path")
         for k in range(idle):  # after a pause: what a request meets on a quiet gateway
@@ -273,11 +276,14 @@ def run(requests: int, concurrency: int, n_engines: int, log, idle: int = 0, rep
         noop_port = free_port()
         noop = stack.start("noop", [sys.executable, "-m", "bench.noop_processor", str(noop_port), f"127.0.0.1:{pods[0]['port']}",
                              "--bodies"], ready_port=("127.0.0.1", noop_port))
-        listen = {name: free_port() for name in ("envoy_only", "noop", "kvgate", "kvgate_two")}
-        admin = {name: free_port() for name in ("noop", "kvgate", "kvgate_two")}
-        logs = {name: stack.workdir / f"{name}.access.log"
-                for name in ("kvgate", "kvgate_two", "noop", "floor_noop", "floor_kvgate")}
-        for name, ports in (("kvgate", grpc_ports), ("kvgate_two", grpc_ports), ("noop", [noop_port])):
+        native = _start_native_noop(stack, f"127.0.0.1:{pods[0]['port']}", log)
+        processors = {"kvgate": grpc_ports, "kvgate_two": grpc_ports, "noop": [noop_port]}
+        if native is not None:
+            processors["native_noop"] = [native[0]]
+        listen = {name: free_port() for name in ("envoy_only", *processors)}
+        admin = {name: free_port() for name in processors}
+        logs = {name: stack.workdir / f"{name}.access.log" for name in (*processors, "floor_noop", "floor_kvgate")}
+        for name, ports in processors.items():
             config = render_envoy_config(listen_port=listen[name], admin_port=admin[name], extproc_port=ports[0],
                                          more_extproc_ports=ports[1:], pool=pool,
                                          one_message_percent=0 if name == "kvgate_two" else None)
@@ -293,7 +299,6 @@ def run(requests: int, concurrency: int, n_engines: int, log, idle: int = 0, rep
         _envoy_answering(stack, "floor_noop", floor_ports["noop"], pool, [noop_port], logs["floor_noop"])
         _envoy_answering(stack, "floor_kvgate", floor_ports["kvgate"], pool, grpc_ports, logs["floor_kvgate"])
         floor_pids = {"noop": [noop.popen.pid], "kvgate": [p.popen.pid for p in procs]}
-        native = _start_native_noop(stack, f"127.0.0.1:{pods[0]['port']}", log)
         if native is None:
             del floor_ports["native_noop"]
         else:
@@ -541,10 +546,11 @@ def _pct(values: list[float], q: float) -> float | None:
 def summarize(seq: Samples, load: Samples, quiet: Samples | None = None, **run: Any) -> dict:
     """Medians (and p90) per path and phase, each path's added time over `direct`, the added time per
     quarter of the run (its spread), and the target."""
-    out: dict[str, Any] = {"paths": {p: {"errors": seq.errors[p] + load.errors[p]} for p in PATHS}}
+    names = list(seq.ttft)  # the paths measured (native_noop only with Node)
+    out: dict[str, Any] = {"paths": {p: {"errors": seq.errors[p] + load.errors[p]} for p in names}}
     for phase, samples in (("seq", seq.ttft), ("load", load.ttft)):
         direct = statistics.median(samples["direct"])
-        for name in PATHS:
+        for name in names:
             row = out["paths"][name]
             values = samples[name]
             p50 = statistics.median(values)
@@ -567,6 +573,8 @@ def summarize(seq: Samples, load: Samples, quiet: Samples | None = None, **run: 
             out[f"{name}_{phase}_added_p50_ms"] = paths[name][f"{phase}_added_p50_ms"]
         out[f"kvgate_{phase}_added_over_noop_ms"] = round(paths["kvgate"][f"{phase}_p50_ms"]
                                                           - paths["noop"][f"{phase}_p50_ms"], 3)
+        if "native_noop" in paths:  # what any processor adds on this path: the floor under the target
+            out[f"native_noop_{phase}_added_p50_ms"] = paths["native_noop"][f"{phase}_added_p50_ms"]
     if quiet is not None and quiet.ttft["kvgate"] and quiet.ttft["direct"]:
         direct = statistics.median(quiet.ttft["direct"])
         out["idle"] = {"direct_p50_ms": _ms(direct), "kvgate_p50_ms": _ms(statistics.median(quiet.ttft["kvgate"])),
@@ -596,8 +604,7 @@ def _quarter(values: list[float], q: int) -> list[float]:
 def table(r: dict) -> str:
     rows = [f"{'path':<11} {'TTFT p50 @1':>12} {'p90 @1':>8} {'added @1':>9} {'p50 @' + str(r['concurrency']):>9} "
             f"{'p90':>8} {'added':>8} {'ratio':>6} {'errors':>6}"]
-    for name in PATHS:
-        p = r["paths"][name]
+    for name, p in r["paths"].items():
         rows.append(f"{name:<11} {p['seq_p50_ms']:>12.3f} {p['seq_p90_ms']:>8.3f} {p['seq_added_p50_ms']:>+9.3f} "
                     f"{p['load_p50_ms']:>9.3f} {p['load_p90_ms']:>8.3f} {p['load_added_p50_ms']:>+8.3f} "
                     f"{p['load_over_direct']:>6.2f} {p['errors']:>6}")
@@ -607,6 +614,10 @@ def table(r: dict) -> str:
                 f"Envoy alone {r['envoy_only_seq_added_p50_ms']:.3f} ms; kvgate over the no-op: "
                 f"{r['kvgate_seq_added_over_noop_ms']:.3f} ms @1, {r['kvgate_load_added_over_noop_ms']:.3f} ms "
                 f"@{r['concurrency']}")
+    if r.get("native_noop_seq_added_p50_ms") is not None:
+        rows.append(f"a processor without Python in the no-op's place (native_noop) adds "
+                    f"{r['native_noop_seq_added_p50_ms']:.3f} ms @1: what any ext_proc processor adds on this path, "
+                    f"on this machine")
     if r.get("kvgate_seq_one_over_two_message_ms") is not None:
         rows.append(f"one ext_proc message (the shipped routes) against two (kvgate_two): "
                     f"{r['kvgate_seq_one_over_two_message_ms']:+.3f} ms @1, "

@@ -44,8 +44,8 @@ def test_an_error_with_a_length_and_connection_close_is_read_whole():
 def test_summary_added_time_is_each_paths_median_over_directs_and_the_target_reads_it():
     seq, load = path.Samples(), path.Samples()
     for i in range(40):
-        for name, extra in (("direct", 0.0), ("envoy_only", 0.0002), ("noop", 0.001), ("noop_nowait", 0.0008),
-                            ("kvgate", 0.0014), ("kvgate_two", 0.0019)):
+        for name, extra in (("direct", 0.0), ("envoy_only", 0.0002), ("noop", 0.001), ("native_noop", 0.0007),
+                            ("noop_nowait", 0.0008), ("kvgate", 0.0014), ("kvgate_two", 0.0019)):
             seq.add(name, 0.004 + extra + i * 1e-6, 200)
             load.add(name, 0.010 + 3 * extra, 200)
     load.add("kvgate", 1.0, 503)
@@ -63,6 +63,20 @@ def test_summary_added_time_is_each_paths_median_over_directs_and_the_target_rea
     assert r["kvgate_seq_one_over_two_message_ms"] == pytest.approx(-0.5, abs=0.002)
     assert r["kvgate_load_one_over_two_message_ms"] == pytest.approx(-1.5, abs=0.002)
     assert "against two (kvgate_two): -0.499 ms @1, -1.500 ms @8" in path.table(r)
+    # a processor without Python through the same stack: the floor under the target, beside it
+    assert r["native_noop_seq_added_p50_ms"] == 0.7 and r["native_noop_load_added_p50_ms"] == 2.1
+    assert "a processor without Python in the no-op's place (native_noop) adds 0.700 ms @1" in path.table(r)
+
+
+def test_without_node_the_summary_has_no_native_path_and_says_nothing_of_it():
+    paths = [p for p in path.PATHS if p != "native_noop"]
+    seq, load = path.Samples(paths), path.Samples(paths)
+    for name in paths:
+        seq.add(name, 0.004, 200)
+        load.add(name, 0.010, 200)
+    r = path.summarize(seq, load, requests=1, concurrency=8, engines=2)
+    assert "native_noop" not in r["paths"] and "native_noop_seq_added_p50_ms" not in r
+    assert "native_noop" not in path.table(r)
 
 
 def test_floor_summary_is_each_processors_median_over_envoy_answering_alone_and_the_table_says_it():
