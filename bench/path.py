@@ -11,7 +11,8 @@ ways to the same engines (PATHS):
   `--bodies`: it routes to one engine and answers the very messages Envoy sends kvgate, the same
   responses watched): the least a Python processor adds on this path;
 - `native_noop` (where Node is installed): the same, with a processor without Python (bench/native_noop.js,
-  below) in the no-op's place: what any processor adds on this path, on this machine;
+  below) in the no-op's place, answering as the no-op answers a request it does not watch: what any processor
+  adds on this path, on this machine;
 - `kvgate`: the shipped stack.
 Then the processors alone (`floor`): Envoy answering the chat itself (a one-token event stream, its
 direct_response) after its filters ran, without ext_proc, with the no-op processor and with the same
