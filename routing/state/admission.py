@@ -327,6 +327,9 @@ class Admission:
         self._queues: OrderedDict[str, deque[asyncio.Future]] = OrderedDict()  # model -> waiters
         self._deleted: dict[str, float] = {}  # pod -> when it left discovery
         self._woken: set[asyncio.Future] = set()  # waiters woken by a release here, not done trying yet
+        # model -> its waiters here, in its queue or out of it trying (a waiter tries out of the queue, and the
+        # next one, then the queue's first, may try meanwhile): what `more` and `withdraw` are told
+        self._waiters: dict[str, int] = {}
         self._outcomes = {"at_once": 0, "after_wait": 0, "timed_out": 0, "cancelled": 0}  # by how admit() ended
         self._wait_s = 0.0  # seconds waited in all, by the requests that waited
 
@@ -348,7 +351,7 @@ class Admission:
                 "limiter_errors": self.limiter.errors, "limiter_failing": self.limiter.failing}
 
     async def _try(self, candidates: Sequence[str], model: str, waiter: bool) -> str | None:
-        more = bool(self._queues.get(model))  # (a waiter trying is out of its queue)
+        more = self._waiters.get(model, 0) > (1 if waiter else 0)  # waiters of the model here besides this one
         for pod in candidates:
             got = await self.limiter.try_acquire(pod, self.max_running, model, waiter, more)
             if cancel_swallowed():
@@ -375,6 +378,7 @@ class Admission:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         queue.append(fut)
+        self._waiters[model] = self._waiters.get(model, 0) + 1
         admitted = False
         try:
             while True:
@@ -414,8 +418,13 @@ class Admission:
                 queue.remove(fut)
             self._drop_empty(model)
             self._wait_s += self._clock() - began
-            if not admitted and model not in self._queues:  # its last waiter here gave up
-                self.limiter.withdraw(model)
+            left = self._waiters[model] - 1
+            if left:
+                self._waiters[model] = left
+            else:
+                del self._waiters[model]
+                if not admitted:  # its last waiter here gave up
+                    self.limiter.withdraw(model)
         self._outcomes["timed_out"] += 1
         return None
 

@@ -342,3 +342,55 @@ async def test_a_cancel_the_limiter_swallowed_still_ends_the_request_and_gives_i
         await asyncio.wait_for(left, 2.0)
     assert limiter.calls == 1  # not asked for the next pod
     assert limiter.running() in ({}, {"a": 0})  # the place the swallowed call got, given back
+
+
+class _GatedTurns(LocalLimiter):
+    """A limiter that shares turns (as RedisLimiter does) and holds each waiter's try until its own gate opens,
+    recording what each asked: (model, waiter, more)."""
+
+    shares_turns = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, bool, bool]] = []
+        self.gates: list[asyncio.Event] = []  # one per waiter's try, in order
+        self.withdrawn: list[str] = []
+
+    async def try_acquire(self, pod: str, limit: int, model: str = "", waiter: bool = False,
+                          more: bool = False) -> bool | None:
+        self.calls.append((model, waiter, more))
+        if waiter:
+            gate = asyncio.Event()
+            self.gates.append(gate)
+            await gate.wait()
+        return await super().try_acquire(pod, limit, model, waiter, more)
+
+    def withdraw(self, model: str) -> None:
+        self.withdrawn.append(model)
+
+
+async def test_a_waiter_admitted_while_another_of_its_model_tries_says_the_replica_has_more():
+    """A waiter is out of its model's queue while it tries, so the next one is the queue's first and polls too:
+    both can be inside a try at once. Whichever is admitted must say this replica has more of its model
+    (the Redis limiter then keeps the model's claim to a turn); told none, the claim went, and the other
+    models took the turns until the one left behind claimed again (CI, 3.13: ['big', 'big', 'small', 'small',
+    'big', 'big']; beside three busy loops: ['small', 'big', 'big', 'big', 'small', 'big'])."""
+    limiter = _GatedTurns()
+    adm = Admission(limiter, max_running=1, max_wait_s=5.0, poll_s=0.01)
+    assert await adm.admit("m", ["p"]) == "p"  # the pod full
+    first = asyncio.create_task(adm.admit("m", ["p"]))
+    second = asyncio.create_task(adm.admit("m", ["p"]))
+    await wait_until_async(lambda: len(limiter.gates) >= 2)  # both waiters inside a try at once
+    await limiter.release("p")
+    waiter_calls = [c for c in limiter.calls if c[1]]
+    limiter.gates[1].set()  # the second's try first: it takes the room
+    done, pending = await asyncio.wait([first, second], timeout=2.0, return_when=asyncio.FIRST_COMPLETED)
+    assert done == {second}, limiter.calls
+    assert waiter_calls[1] == ("m", True, True), limiter.calls  # the first still waits: more of "m" here
+    limiter.gates[0].set()
+    await asyncio.sleep(0.05)
+    assert not first.done() and limiter.withdrawn == []  # the first waits on (the pod full): the claim stays
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    assert limiter.withdrawn == ["m"]  # its last waiter gone: the claim goes
