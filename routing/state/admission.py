@@ -340,7 +340,8 @@ class Admission:
 
     @property
     def waiting(self) -> int:
-        return sum(len(q) for q in self._queues.values())
+        """Requests waiting for room here: in their model's queue, or out of it asking the limiter."""
+        return sum(self._waiters.values())
 
     def stats(self) -> dict:
         """Requests by how admission ended for them (at_once, after_wait, timed_out: answered 429, cancelled:

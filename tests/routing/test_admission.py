@@ -396,3 +396,25 @@ async def test_a_waiter_admitted_while_another_of_its_model_tries_says_the_repli
     with pytest.raises(asyncio.CancelledError):
         await first
     assert limiter.withdrawn == ["m"]  # its last waiter gone: the claim goes
+
+
+async def test_a_waiter_inside_its_try_still_waits_and_is_not_overtaken_by_a_new_request():
+    """A waiter is out of its model's queue while it tries (its limiter's call may take a round trip): it still
+    counts as waiting (stats, kvgate_admission_waiting), and a request that comes meanwhile queues behind it
+    rather than trying at once for the room that waiter is asking for."""
+    limiter = _GatedTurns()
+    adm = Admission(limiter, max_running=1, max_wait_s=5.0, poll_s=0.01)
+    assert await adm.admit("m", ["p"]) == "p"  # the pod full
+    first = asyncio.create_task(adm.admit("m", ["p"]))
+    await wait_until_async(lambda: len(limiter.gates) >= 1)  # the waiter inside its try
+    assert adm.waiting == 1 and adm.stats()["waiting"] == 1
+    await limiter.release("p")  # room, which the waiter inside its try is asking for
+    late = asyncio.create_task(adm.admit("m", ["p"]))
+    await asyncio.sleep(0.05)
+    assert not late.done() and [c for c in limiter.calls[2:] if not c[1]] == []  # no try at once: it queued
+    for gate in limiter.gates:
+        gate.set()
+    assert await asyncio.wait_for(first, 2.0) == "p"  # the room went to the waiter
+    late.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await late
