@@ -26,6 +26,15 @@ TOKEN = b'data: {"choices":[{"delta":{"content":" hi"}}]}\n\n'
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 
 
+def _flat(paths: tuple[str, ...] | list[str] = path.PATHS) -> tuple[path.Samples, path.Samples]:
+    """One request per path, one at a time (4 ms) and at load (10 ms): every path adding nothing."""
+    seq, load = path.Samples(paths), path.Samples(paths)
+    for name in paths:
+        seq.add(name, 0.004, 200)
+        load.add(name, 0.010, 200)
+    return seq, load
+
+
 def test_the_first_token_is_the_first_chunk_carrying_content_not_the_role_chunk():
     status, first, keep = _read(HEAD + _chunked(ROLE, TOKEN, b"data: [DONE]\n\n"))
     assert status == 200 and first is not None and keep
@@ -70,10 +79,7 @@ def test_summary_added_time_is_each_paths_median_over_directs_and_the_target_rea
 
 def test_without_node_the_summary_has_no_native_path_and_says_nothing_of_it():
     paths = [p for p in path.PATHS if p != "native_noop"]
-    seq, load = path.Samples(paths), path.Samples(paths)
-    for name in paths:
-        seq.add(name, 0.004, 200)
-        load.add(name, 0.010, 200)
+    seq, load = _flat(paths)
     r = path.summarize(seq, load, requests=1, concurrency=8, engines=2)
     assert "native_noop" not in r["paths"] and "native_noop_seq_added_p50_ms" not in r
     assert "native_noop" not in path.table(r)
@@ -87,10 +93,7 @@ def test_floor_summary_is_each_processors_median_over_envoy_answering_alone_and_
     assert f["kvgate_over_noop_ms"] == 0.4 and f["samples"] == 3 and f["native_noop_added_p50_ms"] == 0.6
     without = path.summarize_floor({k: v for k, v in ttft.items() if k != "native_noop"}, {})
     assert "native_noop_added_p50_ms" not in without  # no Node: the path is not there, not None
-    seq, load = path.Samples(), path.Samples()
-    for name in path.PATHS:
-        seq.add(name, 0.004, 200)
-        load.add(name, 0.010, 200)
+    seq, load = _flat()
     f["cpu_us_per_request"] = {"noop": 800, "kvgate": 1300, "native_noop": 90}
     r = path.summarize(seq, load, requests=1, concurrency=8, engines=2, floor=f)
     assert "no-op adds 0.900 ms, kvgate 1.300 ms (+0.400 over the no-op); CPU per request: no-op 800 us" in path.table(r)
@@ -127,10 +130,7 @@ def test_a_floor_path_without_answers_is_said_with_its_errors():
     ttft = {"envoy_answers": [0.0003], "noop": [0.0012], "kvgate": []}
     f = path.summarize_floor(ttft, {"envoy_answers": 0, "noop": 0, "kvgate": 5})
     assert f["kvgate_added_p50_ms"] is None and "kvgate_over_noop_ms" not in f
-    seq, load = path.Samples(), path.Samples()
-    for name in path.PATHS:
-        seq.add(name, 0.004, 200)
-        load.add(name, 0.010, 200)
+    seq, load = _flat()
     r = path.summarize(seq, load, requests=1, concurrency=8, engines=2, floor=f)
     assert "processors alone: a path without answers (failed requests per path: {'envoy_answers': 0, 'noop': 0, " \
            "'kvgate': 5})" in path.table(r)
@@ -183,10 +183,7 @@ def test_the_table_says_the_paced_floor_and_the_round_trips_envoy_waited_on():
     f["paced"] = path.summarize_floor({"envoy_answers": [0.0005], "noop": [0.0023], "kvgate": [0.0031]},
                                       dict.fromkeys(path.FLOOR_PATHS, 0))
     f["paced"]["pause_s"] = path.FLOOR_PACE_S
-    seq, load = path.Samples(), path.Samples()
-    for name in path.PATHS:
-        seq.add(name, 0.004, 200)
-        load.add(name, 0.010, 200)
+    seq, load = _flat()
     waited = {"kvgate": {"seq": {"headers_us": 930, "body_us": 934, "to_upstream_us": 2266}},
               "floor_noop": {"paced": {"headers_us": 1003, "body_us": 310, "to_upstream_us": None}}}
     text = path.table(path.summarize(seq, load, requests=1, concurrency=8, engines=2, floor=f, extproc_us=waited))

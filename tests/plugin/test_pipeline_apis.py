@@ -212,22 +212,13 @@ def test_a_responses_or_messages_stream_times_its_first_token_event(kind, openin
 async def test_a_lookup_cancelled_while_redis_is_read_ends_though_the_client_swallowed_it():
     """redis-py 8.1's asyncio client can swallow a cancellation mid-call and answer (tests/routing/
     test_admission.py): the request whose client left must end all the same."""
+    from helpers import SwallowingRedis
     from plugin.responses import SharedResponseStore
 
-    gets = []
-
-    class Swallowing:
-        async def get(self, key: str) -> bytes:
-            gets.append(key)
-            try:
-                await asyncio.sleep(10)
-            except asyncio.CancelledError:
-                pass
-            return b"p1"
-
-    store = SharedResponseStore(10, Swallowing(), ttl_s=60, timeout_s=30.0)
+    client = SwallowingRedis(b"p1")
+    store = SharedResponseStore(10, client, ttl_s=60, timeout_s=30.0)
     task = asyncio.create_task(store.lookup("resp_x"))
-    while not gets:
+    while client.gets == 0:
         await asyncio.sleep(0.01)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):

@@ -304,25 +304,9 @@ async def test_a_dead_redis_leaves_sessions_local():
         await client.aclose()
 
 
-class _SwallowingRedis:
-    """A Redis client that swallows a cancellation mid-GET and answers all the same (redis-py 8.1's asyncio
-    client was measured to: tests/routing/test_admission.py)."""
-
-    def __init__(self, value: bytes | None) -> None:
-        self.value = value
-        self.gets = 0
-
-    async def get(self, key: str) -> bytes | None:
-        self.gets += 1
-        try:
-            await asyncio.sleep(10)
-        except asyncio.CancelledError:
-            pass
-        return self.value
-
-
 async def test_a_request_cancelled_while_its_session_is_read_ends_though_the_client_swallowed_it():
-    client = _SwallowingRedis(b"b")
+    from helpers import SwallowingRedis
+    client = SwallowingRedis(b"b")
     store = SessionStore(60.0, redis=client, recheck_s=0.0, op_timeout_s=30.0)
     task = asyncio.create_task(store.load("chat-1"))
     while client.gets == 0:
