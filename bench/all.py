@@ -49,6 +49,9 @@ BENCHES: tuple[tuple[str, list[str], str], ...] = (
                  "Redis, kv-sync), one request at a time, <= 1.5 ms over straight to the engine at p50; the no-op "
                  "processor's and Envoy's own added time beside it, and 8 at once; then the processors alone (Envoy answering "
                  "the chat itself after ext_proc: no-op vs kvgate, added time and CPU per request)"),
+    ("watch", [], "issue 26 item 3: watching a response need not hold it: on the watched routes (one message, the "
+                  "response read from a stream of its own that Envoy never waits on) TTFT and TPOT as unwatched "
+                  "responses', side by side with watching in the request's own stream; kvgate CPU per request beside"),
     ("ingest", [], "live ingestion <= 30 us of CPU per one-block batch in kvgate serve (3 engines, ~1000 "
                    "batches/s in all)"),
     ("request", [], "none of its own: kvgate's own CPU per warm and cold request in process, gRPC left out (the "

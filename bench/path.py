@@ -287,7 +287,8 @@ def run(requests: int, concurrency: int, n_engines: int, log, idle: int = 0, rep
         for name, ports in processors.items():
             config = render_envoy_config(listen_port=listen[name], admin_port=admin[name], extproc_port=ports[0],
                                          more_extproc_ports=ports[1:], pool=pool,
-                                         one_message_percent=0 if name == "kvgate_two" else None)
+                                         one_message_percent=0 if name == "kvgate_two" else None,
+                                         watch_percent=0 if name == "kvgate_two" else None)
             start_envoy(stack, f"envoy_{name}", with_access_log(config, logs[name]), listen[name], FLUSH_LOGS)
         _envoy_only(stack, listen["envoy_only"], pool)
         if "noop_nowait" in PATHS:

@@ -192,7 +192,7 @@ def render_envoy_config(*, listen_port: int, admin_port: int, extproc_port: int,
                         pool: Iterable[tuple[str, int]], extproc_host: str = "127.0.0.1",
                         failure_mode_allow: bool | None = None, more_extproc_ports: Iterable[int] = (),
                         open_paths: Iterable[str] = (), reuse_port: bool = False,
-                        one_message_percent: int | None = None) -> dict:
+                        one_message_percent: int | None = None, watch_percent: int | None = None) -> dict:
     """The shipped envoy/envoy.yaml with only ports and the pool's endpoints changed (`pool`: every
     engine kvgate may pick, since override_host only picks among them; `more_extproc_ports`: further
     kvgate replicas, Envoy spreads ext_proc streams over them), and `open_paths` (open_path_route)
@@ -200,7 +200,9 @@ def render_envoy_config(*, listen_port: int, admin_port: int, extproc_port: int,
     The listener binds without SO_REUSEPORT unless `reuse_port` (Envoy's default, the shipped file's, for
     several workers): on loopback a second Envoy given a port in use must fail, not share it silently.
     `one_message_percent`: the share of plain completions and chats sent to kvgate in one message (the file's
-    runtime key kvgate.one_message_percent, 90; 0: every response can be watched)."""
+    runtime key kvgate.one_message_percent, 100; 0: two messages, each response watched from its own stream if
+    sampled); `watch_percent`: the share of them on the watched routes, one message whose response a stream of
+    its own reads (runtime key kvgate.watch_percent, 10; 0: none)."""
     config = yaml.safe_load(ENVOY_CONFIG.read_text())
     config = copy.deepcopy(config)
     config["admin"]["address"]["socket_address"]["port_value"] = admin_port
@@ -220,11 +222,13 @@ def render_envoy_config(*, listen_port: int, admin_port: int, extproc_port: int,
             if f["name"] == "envoy.filters.http.ext_proc":
                 f["typed_config"]["failure_mode_allow"] = failure_mode_allow
     routes = envoy_routes(config)
-    if one_message_percent is not None:
+    for key, percent in (("kvgate.one_message_percent", one_message_percent), ("kvgate.watch_percent", watch_percent)):
+        if percent is None:
+            continue
         for route in routes:
             share = route["match"].get("runtime_fraction")
-            if share is not None and share["runtime_key"] == "kvgate.one_message_percent":
-                share["default_value"]["numerator"] = one_message_percent
+            if share is not None and share["runtime_key"] == key:
+                share["default_value"]["numerator"] = percent
     routes[-1:-1] = [open_path_route(config, path) for path in open_paths]
     return config
 
@@ -333,12 +337,12 @@ class Stack:
     def envoy(self, *, listen_port: int, extproc_port: int, pool: Iterable[tuple[str, int]],
               admin_port: int | None = None, failure_mode_allow: bool | None = None, name: str = "envoy",
               more_extproc_ports: Iterable[int] = (), open_paths: Iterable[str] = (),
-              one_message_percent: int | None = None) -> Proc:
+              one_message_percent: int | None = None, watch_percent: int | None = None) -> Proc:
         admin_port = admin_port or free_port()
         config = render_envoy_config(listen_port=listen_port, admin_port=admin_port, extproc_port=extproc_port,
                                      pool=pool, failure_mode_allow=failure_mode_allow,
                                      more_extproc_ports=more_extproc_ports, open_paths=open_paths,
-                                     one_message_percent=one_message_percent)
+                                     one_message_percent=one_message_percent, watch_percent=watch_percent)
         path = self.workdir / f"{name}.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
         argv = [find_envoy(), "-c", str(path), "--concurrency", "1", "--log-level", "warning",

@@ -29,9 +29,10 @@ from plugin.metrics import GatewayMetrics
 from plugin.observe import Observer
 from plugin.pd import PDHandoff
 from plugin.tls import server_credentials
+from plugin.watch import RedisWords, WatchRelay
 from plugin.status import RecentErrors, RoutingMix
 from routing.state.admission import Admission, Limiter, LocalLimiter, RedisLimiter
-from routing.state.counts import LocalCounts, RedisCounts, RunningCounts, build_counts
+from routing.state.counts import LocalCounts, RedisCounts, RunningCounts, build_counts, default_gateway_id
 from routing.discovery.static import StaticSource
 from routing.state.engine_metrics import EngineLoad, EngineMetrics, Saturation
 from routing.discovery.inferencepool import InferencePoolConfig, InferencePoolSource
@@ -271,6 +272,15 @@ class App:
                                                  ttl_s=s.response_id_ttl_s)
         elif s.response_ids:
             self.responses = ResponseStore(s.response_ids)
+        # Watched routes (one message, the response read by a watch stream on any replica): their words between
+        # replicas go through Redis (plugin.watch).
+        self.relay = (WatchRelay(s.gateway_id or default_gateway_id(), served=self.router.served,
+                                 registry=self.registry, wait_s=s.watch_wait_s)
+                      if self.observer is not None else None)
+        self.relay_words: RedisWords | None = None
+        if self.relay is not None and s.redis_url:
+            from redis.asyncio import Redis
+            self.relay_words = RedisWords(Redis.from_url(s.redis_url), self.relay)
         self.processor = ExternalProcessor(Gateway(
             router=self.router, registry=self.pods, tokenizer=self.tokenizer, metrics=self.gateway_metrics,
             default_strategy=s.routing_strategy, max_body_bytes=s.max_body_bytes,
@@ -283,7 +293,7 @@ class App:
             sheddable_objectives=frozenset(o.strip() for o in s.sheddable_objectives.split(",") if o.strip()),
             observer=self.observer, sampler=Sampler(s.observe_sample), admission=self.admission,
             render=remote.render if remote is not None else None,
-            responses=self.responses, running=self.router.running, mix=self.mix, pd=self.pd))
+            responses=self.responses, running=self.router.running, mix=self.mix, pd=self.pd, relay=self.relay))
         self.pods.add_listener(self._on_pods)
         self._grpc: grpc.aio.Server | None = None
         self.grpc_port: int | None = None  # once serving
@@ -338,6 +348,8 @@ class App:
                                  "models": self.verified_tokenizer.status() if self.verified_tokenizer else {}}
         if self.admission is not None:  # requests by outcome, waiting for room on a pod now, seconds waited
             snapshot["admission"] = self.admission.stats()
+        if self.relay is not None:  # routed requests whose Watch waits for the words of a watch stream
+            snapshot["watch"] = {"waiting": self.relay.waiting, "gateway_id": self.relay.gateway_id}
         snapshot["routing_mix"] = self.mix.snapshot()
         snapshot["recent_errors"] = self.recent_errors.snapshot()
         snapshot["time"] = time.time()  # when this snapshot was taken (unix s)
@@ -394,6 +406,8 @@ class App:
             await self.prefill_counts.start()
         if self.admission is not None and isinstance(self.admission.limiter, RedisLimiter):
             self.admission.limiter.start()
+        if self.relay_words is not None:
+            self.relay_words.start()
         if s.redis_url and self.observer is not None:
             from redis.asyncio import Redis
             self.trace_writer = TraceWriter(self.trace_windows, Redis.from_url(s.redis_url))
@@ -428,6 +442,10 @@ class App:
         if self._grpc is not None:
             await self._grpc.stop(grace_s)
         await self.processor.drain()
+        if self.relay is not None:
+            await self.relay.aclose()
+        if self.relay_words is not None:
+            await self.relay_words.aclose()
         if self.pd is not None:
             await self.pd.aclose()
         if self._http is not None:

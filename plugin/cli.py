@@ -22,6 +22,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "routing": ("bench.routing", "routing policies on simulated engines, virtual clock"),
     "gateway": ("bench.gateway", "the full path through a real Envoy"),
     "path": ("bench.path", "time to first token through the shipped stack against straight to the engine"),
+    "watch": ("bench.watch", "what watching a response costs the request and kvgate, three ways through Envoy"),
     "ingest": ("bench.ingest", "live KV event ingestion: kvgate serve's CPU per batch"),
     "request": ("bench.request_cost", "kvgate's own CPU per routed request, in process, by phase"),
     "soak": ("bench.soak", "mixed traffic through Envoy for a long run"),

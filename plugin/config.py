@@ -279,13 +279,19 @@ VARIABLES: tuple[Variable, ...] = (
              "Watch routed responses (Envoy streams their bodies through kvgate once the response headers "
              "are seen): TTFT, TPOT and tokens per model and pod, request traces, output-length history."),
     Variable("KVGATE_OBSERVE_SAMPLE", "observe_sample", _fraction, 0.1,
-             "With KVGATE_OBSERVE_RESPONSES: the share of routed responses watched (kept evenly spaced). A "
-             "watched response costs two more ext_proc messages (about 300 us of kvgate CPU); an unwatched "
-             "one asks Envoy for none (its response headers are skipped too), is still uncounted when its "
-             "stream ends and still tells the trackers it is done (without usage). Requests with the slo "
-             "strategy or SLO headers are always watched. 1: every response. Requests Envoy sends in one "
-             "message (envoy/envoy.yaml, runtime key `kvgate.one_message_percent`) cannot be watched: kvgate "
-             "watches more of the others to keep this share of all."),
+             "With KVGATE_OBSERVE_RESPONSES: the share of routed responses watched (kept evenly spaced) among "
+             "those Envoy sends in two messages. A watched response costs two more ext_proc messages (about "
+             "300 us of kvgate CPU); an unwatched one asks Envoy for none (its response headers are skipped "
+             "too), is still uncounted when its stream ends and still tells the trackers it is done (without "
+             "usage). Requests with the slo strategy or SLO headers are always watched. 1: every response. "
+             "Envoy chooses for the requests it sends in one message (envoy/envoy.yaml: runtime key "
+             "`kvgate.watch_percent`, 10, of them on the watched routes, read from a stream of their own): "
+             "kvgate watches as many two-message ones as keep this share of all."),
+    Variable("KVGATE_WATCH_WAIT_S", "watch_wait_s", _float_range(0.1, 300.0), 5.0,
+             "With KVGATE_OBSERVE_RESPONSES, a request on envoy/envoy.yaml's watched routes (one message; its response "
+             "read by a watch stream Envoy never waits on, perhaps on another replica, which tells the routing one "
+             "what it read through KVGATE_REDIS_URL): how long after the request's end its routing replica waits for "
+             "that word before counting the response as cut (kvgate_watch_waits_total{outcome=\"expired\"})."),
     Variable("KVGATE_RESPONSE_IDS", "response_ids", _int_range(0, 10_000_000), 100_000,
              "Responses API conversations remembered per gateway replica: response id -> the pod that answered "
              "it (learned from the routed answer; shared with the other replicas through KVGATE_REDIS_URL), so "
@@ -389,6 +395,7 @@ class Settings:
     drain_timeout_s: float = 25.0
     observe_responses: bool = True
     observe_sample: float = 0.1
+    watch_wait_s: float = 5.0
     response_ids: int = 100_000
     response_id_ttl_s: float = 3600.0
     trace_write_interval_s: float = 10.0

@@ -47,6 +47,7 @@ from plugin.pipeline import (PREVIOUS_RESPONSE, SLO_TPOT_HEADER, SLO_TTFT_HEADER
 from plugin.request import (KINDS, MESSAGES, POOLING_PATHS, READ_ONLY, RESPONSES, ROUTED_POST_PATHS, ClientError,
                             bad_request, parse_body)
 from plugin.responses import IdReader
+from plugin.watch import GATEWAY_KEY, ROUTE_ATTRIBUTE, WATCHED_ROUTE_PREFIX
 from routing.errors import (NoEligibleEndpointError, NoReadyPodError, RoutingError, SaturatedError,
                             UnknownModelError, UnknownStrategyError)
 from routing.pods import Pod
@@ -278,10 +279,14 @@ class _Stream:
         """One message: the body came first, the headers kvgate reads as the route's Envoy attributes (whatever
         the filter's name they are filed under). None: the body decides; else the answer, given on the body."""
         self.gw.metrics.one_message.inc()
+        watched_route = False
         for struct in msg.attributes.values():
             for name, value in struct.fields.items():
                 key = _ATTRIBUTE_HEADERS.get(name)
                 if key is None:
+                    if name == ROUTE_ATTRIBUTE:  # a watched route: a stream of its own reads the response
+                        watched_route = value.string_value.startswith(WATCHED_ROUTE_PREFIX)
+                        continue
                     if not (name.startswith(_HEADER_ATTRIBUTE) and name.endswith("']")):
                         continue
                     key = name[len(_HEADER_ATTRIBUTE):-2].lower()
@@ -294,7 +299,7 @@ class _Stream:
                 500, "the gateway is misconfigured: Envoy sent kvgate a request body without its headers and without "
                 "the request.path attribute (ext_proc request_attributes, as in envoy/envoy.yaml)",
                 type_="internal_error", code="gateway_misconfigured"))
-        return self._on_path(None, False, one_message=True)
+        return self._on_path(None, False, one_message=True, watched_route=watched_route)
 
     def _read(self, which: int, key: str, value: str) -> bool:
         """One header kvgate reads into the request's context; False: an SLO target that is not one."""
@@ -331,12 +336,14 @@ class _Stream:
         return self._error(bad_request(f"{key}: expected a positive number of milliseconds",
                                        code="invalid_slo", param=key))
 
-    def _on_path(self, remove: list[str] | None, end_of_stream: bool,
-                 one_message: bool = False) -> pb.ProcessingResponse | None:
+    def _on_path(self, remove: list[str] | None, end_of_stream: bool, one_message: bool = False,
+                 watched_route: bool = False) -> pb.ProcessingResponse | None:
         """What the request's path and method ask, once its headers are read (`one_message`: read from the
-        attributes of a body that came first; Envoy sends nothing more of the request and applies no header)."""
+        attributes of a body that came first; Envoy sends nothing more of the request and applies no header;
+        `watched_route`: its response is read by a watch stream of its own, plugin.watch)."""
         ctx = self.ctx
-        if not ctx.request_id:
+        envoy_id = bool(ctx.request_id)  # Envoy's request id, which the watch stream is told too
+        if not envoy_id:
             ctx.request_id = uuid.uuid4().hex
         path = ctx.path
         method = self.method
@@ -345,12 +352,16 @@ class _Stream:
             ctx.kind = "pooling" if pooling else KINDS[path]
             if end_of_stream:  # no body will follow
                 return self._error(bad_request("request body is empty; expected a JSON object", code="invalid_json"))
-            if one_message:  # Envoy sends nothing of this response: unwatched, whatever the sampler says
+            if one_message:  # Envoy sends nothing of this response: a watch stream reads it on a watched route
+                if watched_route and self.gw.relay is not None and self.gw.observer is not None and envoy_id:
+                    ctx.relayed = True
+                    self.gw.sampler.relayed()
+                    return None
                 ctx.watched = False
                 if self.gw.observer is not None and self.gw.sampler.passed():
-                    log.warning("Envoy sends requests in one ext_proc message (envoy/envoy.yaml's one-message routes): "
-                                "their responses cannot be watched, though KVGATE_OBSERVE_SAMPLE=1 asks for every one; "
-                                "set Envoy's runtime key kvgate.one_message_percent to 0")
+                    log.warning("Envoy sends requests in one ext_proc message, unwatched (envoy/envoy.yaml's one-message "
+                                "routes), though KVGATE_OBSERVE_SAMPLE=1 asks for every response: set Envoy's runtime "
+                                "key kvgate.watch_percent to 100 (each response read from a stream of its own)")
                 return None
             if self.streamed_request:  # the answer to the headers waits for the whole body
                 self.chunks, self.held_remove = [], remove
@@ -490,6 +501,8 @@ class _Stream:
         # message: the headers went on before this answer, so its header mutations are not applied): retries,
         # target_pod, rank.
         ours: dict[str, object] = {"pod": pod.name, "strategy": strategy, "retries": len(fallbacks)}
+        if self.gw.relay is not None:  # the replica a watch stream tells what it read (plugin.watch)
+            ours[GATEWAY_KEY] = self.gw.relay.gateway_id
         if self.gw.target_pod_header:
             ours["target_pod"] = pod.endpoint
         if rank is not None:
@@ -559,6 +572,10 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             first = True
             async for msg in request_iterator:
                 which = msg.WhichOneof("request")
+                if first and msg.observability_mode:  # a watched route's watch stream: read, never answered
+                    if self.gw.relay is not None and which == "response_headers":
+                        await self.gw.relay.read(msg, served_endpoint(msg), request_iterator)
+                    break
                 try:
                     if which == "request_headers":
                         stream.read_context(msg)
@@ -605,7 +622,10 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         finally:
             self.gw.metrics.active_streams.dec()
             if ctx.watch is not None:
-                ctx.watch.close()
+                if ctx.relayed and self.gw.relay is not None:  # its watch stream's end word closes it
+                    self.gw.relay.routed_end(ctx.request_id)
+                else:
+                    ctx.watch.close()
             if ctx.pd_plan is not None and ctx.pd_plan.prefill is not None:
                 # a prefill leg that never ran (a 429 from admission); idempotent after the leg's own release
                 self.gw.router.release_now(ctx.pd_plan.prefill)

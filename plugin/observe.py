@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Callable
+from typing import Callable, Protocol
 
 from prometheus_client import CollectorRegistry
 
@@ -104,12 +104,21 @@ class Observation:
         return f"{type(self).__name__}({', '.join(f'{k}={getattr(self, k)!r}' for k in Observation.__slots__)})"
 
 
+class Sink(Protocol):
+    """Whom a Watch tells what it read: the Observer, or plugin.watch's side reading another replica's response."""
+
+    clock: Callable[[], float]
+    on_first_token: Callable[[str], None] | None
+
+    def finish(self, o: "Watch") -> None: ...
+
+
 class Watch(Observation):
     """One routed response being watched (see the module doc); itself the request's Observation."""
 
     __slots__ = ("_observer", "_tail", "_done", "_marker")
 
-    def __init__(self, observer: "Observer", request_id: str, model: str, pod: str, routed_at: float = 0.0,
+    def __init__(self, observer: Sink, request_id: str, model: str, pod: str, routed_at: float = 0.0,
                  prompt_tokens: int = 0, uncached_tokens: int = 0, running_at_start: int = 0,
                  slo_ttft_s: float | None = None, slo_tpot_s: float | None = None, watched: bool = True,
                  marker: bytes | None = None) -> None:
@@ -196,6 +205,36 @@ class Watch(Observation):
                 self.prompt_tokens = int(prompt[-1])
                 self.completion_tokens = int(completion[-1])
                 self.usage = True
+
+    def relayed_first(self, streamed: bool) -> None:
+        """The stream reading this response for another (plugin.watch) counted its first token: now."""
+        if self.last_at or self._done:
+            return
+        observer = self._observer
+        now = observer.clock()
+        self.status = 200
+        self.streamed = streamed
+        if streamed:
+            self.first_at = now
+        self.last_at = now
+        if observer.on_first_token is not None:
+            observer.on_first_token(self.request_id)
+
+    def relayed_end(self, status: int, streamed: bool, usage: bool, prompt_tokens: int, completion_tokens: int,
+                    span_s: float) -> None:
+        """The stream reading this response for another (plugin.watch) saw its end: what it counted (`span_s`:
+        its first to last token, timed there), then closed as if read here."""
+        if self._done:
+            return
+        self.status = status
+        self.streamed = streamed
+        if usage:
+            self.usage = True
+            self.prompt_tokens = prompt_tokens
+        self.completion_tokens = completion_tokens
+        if streamed and self.first_at:
+            self.last_at = self.first_at + span_s
+        self.close()
 
     def close(self) -> None:
         """The HTTP stream ended: record what was seen and tell the trackers (once)."""

@@ -41,6 +41,7 @@ from kvcache.blockkeys import BlockExtras
 from plugin.request import NO_PROMPT, POOLING_PATHS, InferenceRequest, media_extras, parse_body
 from plugin.responses import ResponseStore
 from plugin.status import RoutingMix, decision_reason
+from plugin.watch import WatchRelay
 from plugin.throttle import LogThrottle
 from routing.errors import NoEligibleEndpointError
 from routing.registry import PodRegistry
@@ -57,33 +58,41 @@ SLO_TTFT_HEADER, SLO_TPOT_HEADER = "x-slo-ttft-ms", "x-slo-tpot-ms"  # the reque
 class Sampler:
     """Takes `share` of the calls, evenly spaced (share 0.25: every fourth), deterministically.
 
-    Requests Envoy sends in one message (envoy/envoy.yaml's one-message routes) cannot be watched: `passed()`
-    counts them, and the share of the calls is raised so that `share` of all requests is watched where it can
-    be (Envoy sending a tenth in two messages, share 0.1: every one of those). The counts are halved now and
-    then, so a change of Envoy's split is followed."""
+    Requests Envoy sends in one message (envoy/envoy.yaml's one-message routes) cannot be watched from their own
+    stream: `passed()` counts those left unwatched, `relayed()` those a watch stream of their own reads (the
+    watched routes, plugin.watch), and the share of the calls is set so that `share` of all requests is watched
+    where it can be (Envoy sending a tenth in two messages and no watched route, share 0.1: every one of those;
+    a tenth on the watched routes: none of them). The counts are halved now and then, so a change of Envoy's
+    split is followed."""
 
-    __slots__ = ("share", "_credit", "_asked", "_passed")
+    __slots__ = ("share", "_credit", "_asked", "_passed", "_relayed")
 
     def __init__(self, share: float) -> None:
         self.share = share
         self._credit = 1.0  # the first call is taken
         self._asked = 0.0
         self._passed = 0.0
+        self._relayed = 0.0
 
     def passed(self) -> bool:
-        """Count one request Envoy sent in one message; True for the first while every response should be
-        watched (share 1): worth a warning."""
+        """Count one request Envoy sent in one message, unwatched; True for the first while every response
+        should be watched (share 1): worth a warning."""
         first = not self._passed
         self._passed += 1.0
         return first and self.share >= 1.0
 
+    def relayed(self) -> None:
+        """Count one request whose response a watch stream of its own reads."""
+        self._relayed += 1.0
+
     def take(self) -> bool:
         share = self.share
         self._asked += 1.0
-        if self._passed:
-            share = min(1.0, share * (self._asked + self._passed) / self._asked)
-        if self._asked + self._passed > 8192.0:
-            self._asked, self._passed = self._asked / 2, self._passed / 2
+        asked, passed, relayed = self._asked, self._passed, self._relayed
+        if passed or relayed:
+            share = max(0.0, min(1.0, (share * (asked + passed + relayed) - relayed) / asked))
+        if asked + passed + relayed > 8192.0:
+            self._asked, self._passed, self._relayed = asked / 2, passed / 2, relayed / 2
         if share >= 1.0:
             return True
         if share <= 0.0:
@@ -144,6 +153,9 @@ class Gateway:
     render_retry_s: float = 30.0
     # The status page's per-minute routing mix (decisions by strategy and reason); None: not kept.
     mix: RoutingMix | None = None
+    # Watching from a stream of its own (envoy/envoy.yaml's watched routes, plugin.watch): both its sides here;
+    # None: those routes' responses are not watched.
+    relay: WatchRelay | None = None
 
 
 class RequestContext:
@@ -151,7 +163,7 @@ class RequestContext:
 
     __slots__ = ("request_id", "path", "kind", "strategy", "objective", "slo", "subset", "watched", "body",
                  "started", "request", "token_ids", "extras", "decision", "admitted", "watch", "session",
-                 "session_rank", "user", "authorization", "pd_plan", "pd_mode", "body_out")
+                 "session_rank", "user", "authorization", "pd_plan", "pd_mode", "body_out", "relayed")
 
     def __init__(self) -> None:
         # From the transport (the request's headers and the data plane's metadata):
@@ -167,6 +179,7 @@ class RequestContext:
         self.slo: dict[str, float] | None = None  # latency target header -> seconds
         self.subset: frozenset[str] | None = None  # the data plane's subset hint (None: any pod of the pool)
         self.watched = True  # the response will be watched (if there is an observer)
+        self.relayed = False  # ... by a watch stream of its own, which tells this Watch what it read (plugin.watch)
         self.body = b""
         # From the steps (the body, request and token ids only while the pipeline runs):
         self.started = 0.0  # perf_counter() when the pipeline started (the decision's time is from there)
@@ -249,7 +262,7 @@ def build(gw: Gateway) -> Pipeline:
         steps.append(Step("prefill", _Prefill(gw.pd).prefill))
     steps.append(Step("record", _Record(gw).record))
     if gw.observer is not None:
-        steps.append(Step("observe", _Observe(gw.observer).observe))
+        steps.append(Step("observe", _Observe(gw.observer, gw.relay).observe))
     return Pipeline(steps)
 
 
@@ -563,10 +576,11 @@ class _Record:
 
 
 class _Observe:
-    __slots__ = ("observer",)
+    __slots__ = ("observer", "relay")
 
-    def __init__(self, observer: observe.Observer) -> None:
+    def __init__(self, observer: observe.Observer, relay: WatchRelay | None) -> None:
         self.observer = observer
+        self.relay = relay
 
     def observe(self, ctx: RequestContext) -> None:
         d = ctx.decision
@@ -577,3 +591,5 @@ class _Observe:
                                         decision=d, running=d.running, slo_ttft_s=slo.get(SLO_TTFT_HEADER),
                                         slo_tpot_s=slo.get(SLO_TPOT_HEADER), watched=ctx.watched,
                                         marker=observe.TOKEN_EVENTS.get(ctx.kind))
+        if ctx.relayed and self.relay is not None and not self.relay.expect(ctx.request_id, ctx.watch, d):
+            ctx.relayed = False  # its Watch closes at its stream's end, having read nothing

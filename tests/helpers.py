@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import socket
 import subprocess
 import sys
@@ -418,3 +419,37 @@ class RedisServer:
             self.proc.kill()
             self.proc.wait(5)
             self.proc = None
+
+
+# --- kvgate.watch streams (plugin.watch) ------------------------------------------------------
+
+def watch_headers(request_id: str = "r1", gateway: str = "gw-a", status: int = 200,
+                  ctype: str = "text/event-stream", path: str = "/v1/chat/completions", served: str = ""):
+    """The first message of a kvgate.watch stream (envoy/envoy.yaml): the response headers, the request's id and path
+    as attributes, the routing replica in the forwarded kvgate metadata (and the served endpoint, if given)."""
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+    from google.protobuf import struct_pb2
+    msg = pb.ProcessingRequest(observability_mode=True)
+    for k, v in ((":status", str(status)), ("content-type", ctype)):
+        msg.response_headers.headers.headers.add(key=k, raw_value=v.encode())
+    attrs = struct_pb2.Struct()
+    if request_id:
+        attrs.update({"request.id": request_id, "request.path": path})
+    msg.attributes["kvgate.watch"].CopyFrom(attrs)
+    if gateway:
+        msg.metadata_context.filter_metadata["kvgate"].update({"gw": gateway, "pod": "p0"})
+    if served:
+        msg.metadata_context.filter_metadata["envoy.lb"].update({"x-gateway-destination-endpoint-served": served})
+    return msg
+
+
+def watch_chunk(body: bytes, end: bool = False):
+    """A body chunk of a kvgate.watch stream."""
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+    return pb.ProcessingRequest(observability_mode=True,
+                                response_body=pb.HttpBody(body=body, end_of_stream=end))
+
+
+def sse(obj) -> bytes:
+    """One server-sent event carrying `obj` as JSON."""
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"

@@ -11,8 +11,8 @@ import httpx
 import pytest
 import yaml
 
-from helpers import GatewayEnv, refused_port, stack_fixture, wait_until
-from devkit.stack import Stack
+from helpers import GatewayEnv, envoy_pool, refused_port, stack_fixture, wait_until
+from devkit.stack import Stack, free_port, wait_for_port
 
 pytestmark = pytest.mark.integration
 
@@ -399,7 +399,7 @@ def test_plain_requests_reach_kvgate_in_one_message_and_watched_ones_in_two(env)
             port = base64.b64decode(r.headers["x-session-id"]).decode().rsplit(":", 1)[1]
             assert int(port) == env.sims[r.headers["x-kvgate-pod"]]
     plain = one_message() - before
-    assert 12 <= plain <= 20  # 90% by default (runtime key kvgate.one_message_percent): at least 12 of 20
+    assert plain == 20  # every one (runtime key kvgate.one_message_percent, 100; a tenth on the watched routes)
     for headers in ({"x-slo-ttft-ms": "60000"}, {"x-slo-tpot-ms": "60000"}, {"routing-strategy": "slo"},
                     {"routing-strategy": "kv-sync:1,slo:1"}):
         for _ in range(3):
@@ -408,3 +408,60 @@ def test_plain_requests_reach_kvgate_in_one_message_and_watched_ones_in_two(env)
             assert r.status_code == 200, r.text
             assert r.headers["x-sim-name"] == r.headers["x-kvgate-pod"]
     assert one_message() - before == plain  # none of them in one message
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_watched_route_is_one_message_and_its_response_read_from_a_stream_envoy_never_waits_on(env, stream):
+    """On envoy/envoy.yaml's watched routes (here every request: runtime key kvgate.watch_percent 100) the request
+    reaches kvgate in one message, and the kvgate.watch filter sends its response to kvgate on a stream of its
+    own (observability mode): TTFT and TPOT (streamed), prompt and completion tokens reach kvgate's metrics as
+    when it read the response in the request's own stream, the word going from the watch stream to the
+    routing replica's Watch in-process (one replica); SSE still streams token by token."""
+    listen = free_port()
+    envoy = env.stack.envoy(listen_port=listen, extproc_port=env.grpc_port, pool=envoy_pool(env.pods),
+                            name=f"envoy_watched_{stream}", watch_percent=100)
+    try:
+        wait_for_port("127.0.0.1", listen, timeout=10)
+        before = _samples(env)
+        body = {"model": MODEL, "messages": [{"role": "user", "content": f"watched route {stream}"}],
+                "max_tokens": 12, "stream": stream}
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        arrivals, raw = [], b""
+        t0 = time.monotonic()
+        with httpx.stream("POST", f"http://127.0.0.1:{listen}/v1/chat/completions", json=body, timeout=30) as r:
+            assert r.status_code == 200
+            pod = r.headers["x-kvgate-pod"]
+            assert r.headers["x-sim-name"] == pod
+            for chunk in r.iter_bytes():
+                arrivals.append(time.monotonic() - t0)
+                raw += chunk
+        if stream:
+            assert arrivals[-1] - arrivals[0] >= 0.15, "the stream was buffered"
+            prompt = next(json.loads(line[6:])["usage"]["prompt_tokens"] for line in raw.decode().splitlines()
+                          if line.startswith("data: {") and '"usage"' in line and '"choices":[]' in line)
+        else:
+            prompt = json.loads(raw)["usage"]["prompt_tokens"]
+        labels = {"model": MODEL, "pod": pod}
+        after = wait_until(lambda: (s := _samples(env)) and _sample(s, "kvgate_requests_observed_total", source="usage")
+                           > _sample(before, "kvgate_requests_observed_total", source="usage") and s, timeout=10)
+
+        def grew(name, **kv):
+            return _sample(after, name, **kv) - _sample(before, name, **kv)
+
+        assert grew("kvgate_one_message_requests_total") == 1
+        assert grew("kvgate_request_completion_tokens_total", **labels) == 12
+        assert grew("kvgate_request_prompt_tokens_total", **labels) == prompt
+        assert grew("kvgate_watch_streams_total", outcome="read") == 1
+        assert grew("kvgate_watch_words_total", word="e", outcome="local") == 1
+        assert grew("kvgate_watch_words_total", word="e", outcome="applied") == 1
+        assert grew("kvgate_watch_waits_total", outcome="ended") == 1
+        if stream:
+            assert grew("kvgate_watch_words_total", word="f", outcome="applied") == 1
+            assert grew("kvgate_request_ttft_seconds_count", **labels) == 1
+            assert 0.015 <= grew("kvgate_request_tpot_seconds_sum", **labels) <= 0.2  # the sim's 20 ms per token
+        else:
+            assert grew("kvgate_request_ttft_seconds_count", **labels) == 0  # one JSON body: no first token
+        assert wait_until(env.counts_are_zero, detail=env.debug)
+    finally:
+        envoy.stop()

@@ -57,11 +57,11 @@ def test_engine_picked_next_is_sigkilled_and_the_next_40_requests_all_succeed(en
         # the fallback path (Envoy's retry to the next endpoint of kvgate's list). Every response
         # watched: the served endpoint is read from the response headers, which Envoy sends kvgate
         # only for watched responses (KVGATE_OBSERVE_SAMPLE; every request in two messages, as README says
-        # for it: Envoy sends kvgate nothing of a one-message request's response)
+        # for it: Envoy sends kvgate nothing of a one-message request's response; its watch stream cannot answer)
         gw, = start_kvgates(stack, 1, stack.pods_file(pods), KVGATE_ENGINE_METRICS_INTERVAL_S="60",
                             KVGATE_OBSERVE_SAMPLE="1")
         listen = free_port()
-        stack.envoy(listen_port=listen, extproc_port=gw.grpc_port, pool=envoy_pool(pods), one_message_percent=0)
+        stack.envoy(listen_port=listen, extproc_port=gw.grpc_port, pool=envoy_pool(pods), one_message_percent=0, watch_percent=0)
         body = {"model": MODEL, "prompt": "the same long shared prefix " * 20, "max_tokens": 2}
         with httpx.Client(base_url=f"http://127.0.0.1:{listen}", timeout=30) as client:
             first = client.post("/v1/completions", json=body)

@@ -638,3 +638,57 @@ def test_sampler_raises_its_share_for_the_calls_it_could_not_take():
     # every response asked for, yet some cannot be watched: the first such one is worth a warning, once
     every = Sampler(1.0)
     assert [every.passed(), every.passed()] == [True, False] and not Sampler(0.5).passed()
+
+
+async def test_a_watched_route_routes_in_one_message_and_its_watch_stream_fills_in_the_watch():
+    """On a watched route (xds.route_name kvgate-watched-*) the one-message answer names this replica in the
+    kvgate metadata and the request's Watch waits for its watch stream (observability mode: read, never
+    answered), whose end gives the trackers the response's tokens; without Envoy's request id the two
+    streams cannot be matched, so such a request is unwatched as on any one-message route."""
+    from plugin.observe import Observer
+    from plugin.watch import WatchRelay
+    from helpers import sse, watch_chunk as chunk, watch_headers
+    tracker = DoneTracker()
+    observer = Observer(CollectorRegistry())
+    observer.trackers.register(tracker)
+    relay = WatchRelay("gw-here", served=lambda d, e: None, registry=CollectorRegistry())
+    gw = gateway(FakeRouter(), FakeTokenizer(), observer=observer, relay=relay)
+    prompt = {"model": "m", "prompt": "x"}
+    watched = {**ONE_MESSAGE, "request.path": "/v1/completions", "xds.route_name": "kvgate-watched-completions"}
+    out = await run_stream(gw, [first_body(prompt, watched)])
+    assert out[0].dynamic_metadata.fields["kvgate"].struct_value.fields["gw"].string_value == "gw-here"
+    assert relay.waiting == 1 and tracker.done == []  # the request ended; its Watch waits for the word
+    usage = sse({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}})
+    answers = await run_stream(gw, [watch_headers("rid-9", "gw-here", path="/v1/completions"),
+                                    chunk(sse({"choices": [{"text": "a"}]})),
+                                    chunk(sse({"choices": [{"text": "b"}]}) + usage, end=True)])
+    assert answers == [] and relay.waiting == 0
+    assert tracker.done == [("trace", True)]
+    assert observer.metrics.observed.labels("usage").value == 1
+    unnamed = {k: v for k, v in watched.items() if k != "request.id"}
+    await run_stream(gw, [first_body(prompt, unnamed)])
+    assert relay.waiting == 0 and tracker.done == [("trace", True), ("count", False)]
+
+
+def test_sampler_counts_responses_watched_from_their_own_stream():
+    from plugin.pipeline import Sampler
+    s = Sampler(0.1)
+    taken = 0
+    for i in range(1000):  # a tenth on the watched routes, 80% one message unwatched, a tenth in two messages
+        if i % 10 == 0:
+            s.relayed()
+        elif i % 10 < 9:
+            s.passed()
+        else:
+            taken += s.take()
+    assert taken <= 2  # the watched routes give the share already
+    more = Sampler(0.2)
+    taken = 0
+    for i in range(1000):
+        if i % 10 == 0:
+            more.relayed()
+        elif i % 10 < 9:
+            more.passed()
+        else:
+            taken += more.take()
+    assert 95 <= taken <= 105  # the other tenth of all from the two-message ones

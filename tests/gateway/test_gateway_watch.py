@@ -1,0 +1,76 @@
+"""Watched routes across replicas: a real Envoy spreading its ext_proc streams over two `kvgate serve` replicas
+that share a real redis-server; on the watched routes (here every request: runtime key kvgate.watch_percent 100)
+a response's watch stream lands on either replica, and the one that did not route the request tells the one
+that did through Redis (plugin.watch)."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import httpx
+import pytest
+
+from bench.gateway import metric
+from devkit.stack import Stack, wait_for_port
+from helpers import GatewayEnv, envoy_pool, free_port, stack_fixture, start_kvgate, wait_until
+
+pytestmark = [pytest.mark.integration,
+              pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")]
+
+MODEL = "m"
+REQUESTS = 16
+
+
+class Env(GatewayEnv):
+    def __init__(self, stack: Stack):
+        super().__init__(stack)
+        pods = stack.engines(2, model=MODEL, extra=["--tpot-ms", "5", "--ttft-overhead-ms", "2"])
+        _, redis_url = stack.redis()
+        pods_file = stack.pods_file(pods)
+        self.replicas = [start_kvgate(stack, pods_file, {
+            "KVGATE_REDIS_URL": redis_url, "KVGATE_GATEWAY_ID": f"kvgate{g}", "KVGATE_OBSERVE_SAMPLE": "0"},
+            name=f"kvgate{g}", wait=False) for g in range(2)]
+        for r in self.replicas:
+            stack.ready(r.proc, ("127.0.0.1", r.grpc_port))
+            wait_for_port("127.0.0.1", r.http_port, timeout=10)
+        listen = free_port()
+        self.envoy = stack.envoy(listen_port=listen, extproc_port=self.replicas[0].grpc_port, watch_percent=100,
+                                 more_extproc_ports=[r.grpc_port for r in self.replicas[1:]], pool=envoy_pool(pods))
+        wait_for_port("127.0.0.1", listen, timeout=10)
+        self.url = f"http://127.0.0.1:{listen}"
+
+    def total(self, name: str, **labels: str) -> float:
+        """A counter summed over both replicas."""
+        return sum(metric(r.metrics(), name, **labels) for r in self.replicas)
+
+
+env = stack_fixture(Env)
+
+
+def test_a_response_read_on_the_other_replica_reaches_the_routing_one_through_redis(env):
+    bodies = []
+    with httpx.Client(base_url=env.url, timeout=30) as client:
+        for i in range(REQUESTS):
+            body = {"model": MODEL, "messages": [{"role": "user", "content": f"watched across replicas {i}"}],
+                    "max_tokens": 6, "stream": True, "stream_options": {"include_usage": True}}
+            with client.stream("POST", "/v1/chat/completions", json=body) as r:
+                assert r.status_code == 200
+                bodies.append(b"".join(r.iter_bytes()))
+    completion = sum(json.loads(line[6:])["usage"]["completion_tokens"] for raw in bodies
+                     for line in raw.decode().splitlines() if line.startswith("data: {") and '"choices":[]' in line)
+    assert completion == 6 * REQUESTS
+    # every response's end word applied where it was routed, whichever replica read it
+    assert wait_until(lambda: env.total("kvgate_watch_waits_total", outcome="ended") == REQUESTS, timeout=10,
+                      detail=lambda: [r.metrics() for r in env.replicas])
+    assert env.total("kvgate_watch_streams_total", outcome="read") == REQUESTS
+    assert env.total("kvgate_watch_words_total", word="e", outcome="applied") == REQUESTS
+    assert env.total("kvgate_watch_words_total", word="f", outcome="applied") == REQUESTS
+    # Envoy spreads the two streams of a request independently: 1 in 2**16 to see none go through Redis
+    sent = env.total("kvgate_watch_words_total", word="e", outcome="sent")
+    assert sent >= 1 and sent + env.total("kvgate_watch_words_total", word="e", outcome="local") == REQUESTS
+    assert env.total("kvgate_watch_waits_total", outcome="expired") == 0
+    assert env.total("kvgate_requests_observed_total", source="usage") == REQUESTS
+    assert env.total("kvgate_request_completion_tokens_total", model=MODEL, pod="sim0") + env.total(
+        "kvgate_request_completion_tokens_total", model=MODEL, pod="sim1") == completion
+    assert env.total("kvgate_request_ttft_seconds_count", model=MODEL, pod="sim0") + env.total(
+        "kvgate_request_ttft_seconds_count", model=MODEL, pod="sim1") == REQUESTS

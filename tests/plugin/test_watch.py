@@ -1,0 +1,182 @@
+"""Watching from a stream of its own (plugin.watch), as a unit: a watch stream's messages in, the routing
+replica's Watch, the trackers and the counters out."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+from prometheus_client import CollectorRegistry
+
+from plugin.observe import Observer
+from plugin.watch import END, FIRST, WatchRelay, _parse
+from routing.pods import Pod
+from routing.router import Decision
+from helpers import Clock, sse, watch_chunk as chunk, watch_headers as headers
+
+GW = "gw-a"
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.calls: list = []
+
+    def add_request_count(self, ctx, request_id, model):
+        return 1
+
+    def done_request_count(self, ctx, request_id, model, term):
+        self.calls.append(("done", request_id))
+
+    def done_request_trace(self, ctx, request_id, model, i, o, term):
+        self.calls.append(("trace", request_id, i, o))
+
+
+class Side:
+    """One replica: its observer (trackers, metrics) and relay, on a test clock."""
+
+    def __init__(self, gateway: str = GW, wait_s: float = 0.05, served=None) -> None:
+        from routing.learning.tracking import TrackerRegistry
+        self.clock = Clock(100.0)
+        self.recorder = Recorder()
+        self.registry = CollectorRegistry()
+        self.firsts: list[str] = []
+        self.observer = Observer(self.registry, TrackerRegistry((self.recorder,)), clock=self.clock,
+                                 on_first_token=self.firsts.append)
+        self.served_calls: list = []
+
+        def on_served(decision, endpoint):
+            self.served_calls.append(endpoint)
+            return served
+        self.relay = WatchRelay(gateway, served=on_served, registry=self.registry, wait_s=wait_s, clock=self.clock)
+
+    def route(self, request_id: str, pod: Pod, prompt: int = 40):
+        w = self.observer.start(request_id, "m", pod.name, tokens=list(range(prompt)))
+        self.relay.expect(request_id, w, Decision(pod=pod, strategy="kv-sync"))
+        return w
+
+    def value(self, name: str, **labels) -> float:
+        return self.registry.get_sample_value(name, labels) or 0.0
+
+
+def pod(name: str, port: int) -> Pod:
+    return Pod(name=name, address="10.0.0.1", port=port, model="m")
+
+
+def tokens(n: int) -> list[bytes]:
+    return [sse({"choices": [{"index": 0, "delta": {"content": "x"}}]}) for _ in range(n)]
+
+
+async def stream_of(messages, clock: Clock, step: float = 0.02):
+    for m in messages:
+        clock.t += step
+        yield m
+        await asyncio.sleep(0)
+
+
+async def test_a_response_read_here_fills_in_the_routing_watch_and_its_trackers():
+    side = Side()
+    p0 = pod("p0", 8000)
+    w = side.route("r1", p0)
+    side.clock.t += 0.1
+    usage = sse({"choices": [], "usage": {"prompt_tokens": 40, "completion_tokens": 4, "total_tokens": 44}})
+    body = [chunk(t) for t in tokens(4)] + [chunk(usage + b"data: [DONE]\n\n", end=True)]
+    side.relay.routed_end("r1")  # the request's own stream ended first: the Watch waits for the end word
+    await side.relay.read(headers(), "10.0.0.1:8000", stream_of(body, side.clock))
+    assert set(side.firsts) == {"r1"}  # at the first token (and again, idempotent, at the end)
+    assert side.recorder.calls == [("trace", "r1", 40, 4)]
+    assert w.status == 200 and w.usage and w.completion_tokens == 4
+    assert abs(w.ttft - 0.12) < 1e-9  # routed at 100.0, the first token read at 100.12 (one step after the headers)
+    # first token to the last chunk (the usage's), 4 steps timed by the reading side, over 3 tokens after the first
+    assert abs(w.tpot - 0.08 / 3) < 1e-9
+    assert side.value("kvgate_watch_words_total", word=FIRST, outcome="local") == 1
+    assert side.value("kvgate_watch_waits_total", outcome="ended") == 1
+    assert side.relay.waiting == 0
+    assert side.served_calls == []  # served by the picked pod: no count moves
+
+
+async def test_no_end_word_closes_the_watch_as_cut_after_the_wait_and_a_late_word_is_dropped():
+    side = Side(wait_s=0.05)
+    w = side.route("r2", pod("p0", 8000))
+    side.relay.routed_end("r2")
+    await asyncio.sleep(0.15)
+    assert side.recorder.calls == [("done", "r2")]  # done, without usage
+    assert side.value("kvgate_watch_waits_total", outcome="expired") == 1
+    assert side.value("kvgate_requests_observed_total", source="none") == 1
+    side.relay.apply([END, "r2", 200, True, True, 40, 4, 0.1])
+    assert side.value("kvgate_watch_words_total", word=END, outcome="unknown") == 1
+    assert w.completion_tokens == 0 and side.recorder.calls == [("done", "r2")]
+
+
+async def test_a_fallback_served_moves_the_count_when_the_first_word_names_it():
+    fallback = pod("p1", 8001)
+    side = Side(served=fallback)
+    w = side.route("r3", pod("p0", 8000))
+    side.relay.apply([FIRST, "r3", True, "10.0.0.1:8001"])
+    assert side.served_calls == ["10.0.0.1:8001"] and w.pod == "p1"
+
+
+async def test_a_failed_response_ends_its_watch_without_usage():
+    side = Side()
+    side.route("r4", pod("p0", 8000))
+    await side.relay.read(headers("r4", status=503, ctype="application/json"), "",
+                          stream_of([chunk(b'{"error": "busy"}', end=True)], side.clock))
+    assert side.recorder.calls == [("done", "r4")]
+    assert side.value("kvgate_requests_observed_total", source="none") == 1
+    assert set(side.firsts) == {"r4"}  # the prefill queue lets it go at its end
+
+
+async def test_a_stream_naming_no_request_or_replica_is_not_read():
+    side = Side()
+    side.route("r5", pod("p0", 8000))
+    for msg in (headers(request_id=""), headers(gateway="")):
+        await side.relay.read(msg, "", stream_of([chunk(b"data: {}\n\n", end=True)], side.clock))
+    assert side.value("kvgate_watch_streams_total", outcome="unnamed") == 2
+    assert side.relay.waiting == 1 and side.recorder.calls == []
+
+
+async def test_words_for_another_replica_go_out_or_are_counted_when_they_cannot():
+    side = Side()
+    side.relay.send("gw-b", [END, "r6", 200, True, False, 0, 3, 0.1])  # no Redis
+    assert side.value("kvgate_watch_words_total", word=END, outcome="unreachable") == 1
+    sent: list = []
+
+    async def publish(gateway, data):
+        if gateway == "gw-down":
+            raise ConnectionError("Redis is down")
+        sent.append((gateway, json.loads(data)))
+    side.relay.publish = publish
+    side.relay.send("gw-b", [FIRST, "r6", True, ""])
+    side.relay.send("gw-down", [FIRST, "r7", True, ""])
+    await side.relay.aclose()
+    assert sent == [("gw-b", [FIRST, "r6", True, ""])]
+    assert side.value("kvgate_watch_words_total", word=FIRST, outcome="sent") == 1
+    assert side.value("kvgate_watch_words_total", word=FIRST, outcome="failed") == 1
+
+
+async def test_a_word_from_redis_is_checked_before_it_is_applied():
+    side = Side()
+    w = side.route("r8", pod("p0", 8000))
+    for bad in (b"", b"not json", b"{}", b'["f"]', b'["f","r8",1,""]', b'["e","r8",200,true,true,-1,4,0.1]',
+                b'["e","r8",200,true,true,40,4]', b'["x","r8"]', b'\xff\xfe'):
+        side.relay.apply_data(bad)
+    assert side.value("kvgate_watch_words_total", word="?", outcome="bad") == 9
+    assert side.relay.waiting == 1 and not w.last_at
+    side.relay.apply_data(b'["f","r8",true,""]')
+    side.relay.apply_data(b'["e","r8",200,true,false,0,5,0.08]')
+    assert side.recorder.calls == [("trace", "r8", 40, 5)] and abs(w.tpot - 0.02) < 1e-9
+
+
+def test_parse_takes_exactly_the_two_words():
+    assert _parse(b'["f","r",false,"1.2.3.4:80"]') == [FIRST, "r", False, "1.2.3.4:80"]
+    assert _parse(b'["e","r",200,false,true,1,2,0]') == [END, "r", 200, False, True, 1, 2, 0]
+    assert _parse(b'["e","r",200,false,true,1,2,"0"]') is None
+    assert _parse(b'["f",1,false,""]') is None
+
+
+async def test_a_second_request_of_a_waiting_id_is_not_watched_from_a_stream_of_its_own():
+    side = Side()
+    first = side.route("dup", pod("p0", 8000))
+    second = side.observer.start("dup", "m", "p0", tokens=[1, 2])
+    assert not side.relay.expect("dup", second, Decision(pod=pod("p0", 8000), strategy="kv-sync"))
+    assert side.value("kvgate_watch_waits_total", outcome="duplicate") == 1
+    side.relay.apply([END, "dup", 200, True, False, 0, 3, 0.0])
+    assert first.completion_tokens == 3 and second.completion_tokens == 0
