@@ -12,9 +12,9 @@ in front of the same two replicas (KVGATE_OBSERVE_SAMPLE=1: a request in two mes
   (kvgate.watch_percent 100; plugin/watch.py), read by either replica.
 Per request, as a bare HTTP/1.1 client sees it: the time to the first token and the time per output token (the
 mean gap between the chunks carrying tokens), one request at a time with the paths interleaved request by
-request, then `--concurrency` clients at once, burst by burst. Then kvgate's CPU per request on each path (the
-paths one after another, the same requests at `--concurrency`, both replicas' CPU from /proc, until every
-response's end is accounted). Checked on the way: every watched response's end reached the replica that routed
+request, then `--concurrency` clients at once, burst by burst. Then the CPU per request on each path, both
+kvgate replicas' and that path's Envoy's (the paths one after another, the same requests at `--concurrency`,
+CPU from /proc, until every response's end is accounted). Checked on the way: every watched response's end reached the replica that routed
 it (kvgate_watch_waits_total ended), none expired, and kvgate's metrics saw each path's tokens.
 """
 from __future__ import annotations
@@ -194,18 +194,22 @@ def run(requests: int, concurrency: int, log) -> dict:
         pids = [p.popen.pid for p in procs]
         ids = itertools.count()
         seq, load = asyncio.run(_latency(ports, requests, concurrency, ids, log))
+        envoys = {p.name: p.popen.pid for p in stack.procs if p.name.startswith("envoy_")}
         cpu: dict[str, float | None] = {}
+        envoy_cpu: dict[str, float | None] = {}
         for path in PATHS:
             observed = _sum(urls, "kvgate_requests_observed_total")
-            before = _cpu_seconds(pids)
+            before, envoy_before = _cpu_seconds(pids), _cpu_seconds([envoys[f"envoy_{path}"]])
             asyncio.run(_cpu(ports[path], requests, concurrency, ids))
             sent = requests // concurrency * concurrency
             if path != "unwatched":  # every response's end accounted (a watch stream's trails the request)
                 deadline = time.monotonic() + 30
                 while _sum(urls, "kvgate_requests_observed_total") < observed + sent and time.monotonic() < deadline:
                     time.sleep(0.05)
-            after = _cpu_seconds(pids)
+            after, envoy_after = _cpu_seconds(pids), _cpu_seconds([envoys[f"envoy_{path}"]])
             cpu[path] = None if before is None or after is None else round((after - before) / sent * 1e6)
+            envoy_cpu[path] = (None if envoy_before is None or envoy_after is None
+                               else round((envoy_after - envoy_before) / sent * 1e6))
             log(f"  CPU: {path}, {sent} requests at {concurrency} at once")
         checks = {"watch_waits_ended": _sum(urls, "kvgate_watch_waits_total", outcome="ended"),
                   "watch_waits_expired": _sum(urls, "kvgate_watch_waits_total", outcome="expired"),
@@ -213,7 +217,7 @@ def run(requests: int, concurrency: int, log) -> dict:
                   "watch_words_local": _sum(urls, "kvgate_watch_words_total", word="e", outcome="local"),
                   "observed": {s: _sum(urls, "kvgate_requests_observed_total", source=s)
                                for s in ("usage", "counted", "none", "unsampled")}}
-    return summarize(seq, load, cpu, requests=requests, concurrency=concurrency, checks=checks)
+    return summarize(seq, load, cpu, envoy_cpu, requests=requests, concurrency=concurrency, checks=checks)
 
 
 def _ms(values: list[float], q: float | None = None) -> float | None:
@@ -222,10 +226,12 @@ def _ms(values: list[float], q: float | None = None) -> float | None:
     return round((statistics.median(values) if q is None else _pct(values, q) or 0.0) * 1e3, 3)
 
 
-def summarize(seq: Samples, load: Samples, cpu: dict[str, float | None], **run: Any) -> dict:
+def summarize(seq: Samples, load: Samples, cpu: dict[str, float | None], envoy_cpu: dict[str, float | None],
+              **run: Any) -> dict:
     out: dict[str, Any] = {"paths": {}, **run}
     for path in PATHS:
-        row: dict[str, Any] = {"errors": seq.errors[path] + load.errors[path], "cpu_us_per_request": cpu.get(path)}
+        row: dict[str, Any] = {"errors": seq.errors[path] + load.errors[path], "cpu_us_per_request": cpu.get(path),
+                               "envoy_cpu_us_per_request": envoy_cpu.get(path)}
         for phase, s in (("seq", seq), ("load", load)):
             row[f"{phase}_ttft_p50_ms"] = _ms(s.ttft[path])
             row[f"{phase}_ttft_p90_ms"] = _ms(s.ttft[path], 0.9)
@@ -245,12 +251,13 @@ def table(r: dict) -> str:
     lines = [f"kvgate bench watch: {r['requests']} requests per path, {r['concurrency']} at once at load; "
              f"engines {TPOT_MS} ms per token, {TOKENS} tokens",
              "| path | TTFT p50 / p90 one at a time (ms) | TPOT p50 / p90 one at a time (ms) | TTFT p50 / p90 at load "
-             "| TPOT p50 / p90 at load | kvgate CPU per request (us) | errors |",
+             "| TPOT p50 / p90 at load | CPU per request, kvgate / Envoy (us) | errors |",
              "|---|---|---|---|---|---|---|"]
     for path, row in r["paths"].items():
         lines.append(f"| {path} | {row['seq_ttft_p50_ms']} / {row['seq_ttft_p90_ms']} | {row['seq_tpot_p50_ms']} / "
                      f"{row['seq_tpot_p90_ms']} | {row['load_ttft_p50_ms']} / {row['load_ttft_p90_ms']} | "
-                     f"{row['load_tpot_p50_ms']} / {row['load_tpot_p90_ms']} | {row['cpu_us_per_request']} | "
+                     f"{row['load_tpot_p50_ms']} / {row['load_tpot_p90_ms']} | {row['cpu_us_per_request']} / "
+                     f"{row['envoy_cpu_us_per_request']} | "
                      f"{row['errors']} |")
     for path in ("own_stream", "watch_stream"):
         added = r["paths"][path]["added_over_unwatched_ms"]

@@ -54,11 +54,11 @@ def test_the_summary_says_what_each_way_of_watching_adds_over_none_and_the_table
             load.add(path, 200, ttft * 3, tpot)
     load.add("own_stream", 503, None, None)
     r = watch.summarize(seq, load, {"unwatched": 3000, "own_stream": 8000, "watch_stream": 5000},
-                        requests=3, concurrency=8, checks={"watch_waits_expired": 0})
+                        {"unwatched": 1000, "own_stream": 1500, "watch_stream": 1400}, requests=3, concurrency=8, checks={"watch_waits_expired": 0})
     assert r["paths"]["own_stream"]["added_over_unwatched_ms"] == {
         "seq_ttft_p50_ms": 2.0, "seq_tpot_p50_ms": 0.5, "load_ttft_p50_ms": 6.0, "load_tpot_p50_ms": 0.5}
     assert r["paths"]["watch_stream"]["added_over_unwatched_ms"]["seq_ttft_p50_ms"] == 0.0
     assert r["paths"]["own_stream"]["errors"] == 1 and r["paths"]["watch_stream"]["cpu_us_per_request"] == 5000
     text = watch.table(r)
-    assert "| own_stream | 12.0 / 12.0 | 2.5 / 2.5 | 36.0 / 36.0 | 2.5 / 2.5 | 8000 | 1 |" in text
+    assert "| own_stream | 12.0 / 12.0 | 2.5 / 2.5 | 36.0 / 36.0 | 2.5 / 2.5 | 8000 / 1500 | 1 |" in text
     assert "watch_stream over unwatched (p50 ms): seq_ttft_p50_ms +0.0" in text
