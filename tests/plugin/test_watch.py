@@ -180,3 +180,51 @@ async def test_a_second_request_of_a_waiting_id_is_not_watched_from_a_stream_of_
     assert side.value("kvgate_watch_waits_total", outcome="duplicate") == 1
     side.relay.apply([END, "dup", 200, True, False, 0, 3, 0.0])
     assert first.completion_tokens == 3 and second.completion_tokens == 0
+
+
+async def test_words_cross_replicas_through_a_real_redis_and_again_after_it_restarts(redis_server):
+    """Two replicas' relays over a real redis-server: a word for the other replica reaches its Watch; with Redis
+    down a word fails, counted, and the Watch it was for closes as cut after its wait; Redis back (same port,
+    every key lost), each replica subscribes again and words flow."""
+    from redis.asyncio import Redis
+
+    from helpers import wait_until_async
+    from plugin.watch import RedisWords
+    a, b = Side("gw-a"), Side("gw-b", wait_s=0.3)
+    words = [RedisWords(Redis.from_url(redis_server.url), side.relay, retry_s=0.1) for side in (a, b)]
+    for w in words:
+        w.start()
+    try:
+        async def subscribed() -> bool:  # the channel has its reader (PUBSUB NUMSUB)
+            client = Redis.from_url(redis_server.url)
+            try:
+                counts = dict(await client.pubsub_numsub("kvgate:watch:gw-b"))
+                return counts.get(b"kvgate:watch:gw-b", 0) == 1
+            except OSError:
+                return False
+            finally:
+                await client.aclose()
+
+        async def delivered(side: Side, request_id: str) -> bool:
+            w = side.route(request_id, pod("p0", 8000))
+            a.relay.send("gw-b", [END, request_id, 200, True, True, 40, 5, 0.0])
+            return await wait_until_async(lambda: w.completion_tokens == 5, timeout=5)
+
+        assert await wait_until_async(subscribed, timeout=5)
+        assert await delivered(b, "x1")
+        redis_server.kill()
+        lost = b.route("x2", pod("p0", 8000))
+        b.relay.routed_end("x2")
+        a.relay.send("gw-b", [END, "x2", 200, True, True, 40, 5, 0.0])
+        assert await wait_until_async(lambda: a.value("kvgate_watch_words_total", word=END, outcome="failed") == 1,
+                                      timeout=5)
+        assert await wait_until_async(lambda: b.value("kvgate_watch_waits_total", outcome="expired") == 1, timeout=5)
+        assert lost.completion_tokens == 0 and ("done", "x2") in b.recorder.calls
+        redis_server.start()
+        assert await wait_until_async(subscribed, timeout=10)
+        assert await delivered(b, "x3")
+    finally:
+        for w in words:
+            await w.aclose()
+        await a.relay.aclose()
+        await b.relay.aclose()
