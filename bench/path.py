@@ -59,7 +59,8 @@ from tokenizer import testdata
 MODEL = "path-model"
 PATHS = ("direct", "envoy_only", "noop", "native_noop", "noop_nowait", "kvgate", "kvgate_two")  # native_noop: with Node
 # kvgate_two: the same kvgate replicas behind the shipped config with every request in two ext_proc messages
-# (headers, then body: runtime key kvgate.one_message_percent 0), as before the one-message routes.
+# (headers, then body: runtime keys kvgate.one_message_percent and kvgate.watch_percent 0), as before the
+# one-message routes.
 # Engines that take no time: what remains of a request's time to first token is the path.
 SIM_ARGS = ["--ttft-overhead-ms", "0", "--prefill-ms-per-token", "0", "--tpot-ms", "1", "--tpot-ms-per-seq", "0",
             "--max-tokens-default", "4"]

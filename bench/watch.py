@@ -7,7 +7,7 @@ in front of the same two replicas (KVGATE_OBSERVE_SAMPLE=1: a request in two mes
 - `unwatched`: one message, nothing of the response sent to kvgate (runtime key kvgate.watch_percent 0);
 - `own_stream`: two messages, and the response's headers and every chunk through kvgate in the request's own
   stream, each waited on by Envoy (kvgate.one_message_percent 0, kvgate.watch_percent 0): watching as kvgate did
-  before the watched routes, and still does for requests with SLO targets;
+  before the watched routes (requests with SLO targets included);
 - `watch_stream`: one message, the response sent to kvgate on a stream of its own that Envoy never waits on
   (kvgate.watch_percent 100; plugin/watch.py), read by either replica.
 Per request, as a bare HTTP/1.1 client sees it: the time to the first token and the time per output token (the

@@ -284,9 +284,9 @@ VARIABLES: tuple[Variable, ...] = (
              "300 us of kvgate CPU); an unwatched one asks Envoy for none (its response headers are skipped "
              "too), is still uncounted when its stream ends and still tells the trackers it is done (without "
              "usage). Requests with the slo strategy or SLO headers are always watched. 1: every response. "
-             "Envoy chooses for the requests it sends in one message (envoy/envoy.yaml: runtime key "
-             "`kvgate.watch_percent`, 10, of them on the watched routes, read from a stream of their own): "
-             "kvgate watches as many two-message ones as keep this share of all."),
+             "Envoy chooses for the requests it sends in one message (envoy/envoy.yaml: those with SLO targets or "
+             "the slo strategy, and runtime key `kvgate.watch_percent`, 10, of the rest, on the watched routes, "
+             "read from a stream of their own): kvgate watches as many two-message ones as keep this share of all."),
     Variable("KVGATE_WATCH_WAIT_S", "watch_wait_s", _float_range(0.1, 300.0), 5.0,
              "With KVGATE_OBSERVE_RESPONSES, a request on envoy/envoy.yaml's watched routes (one message; its response "
              "read by a watch stream Envoy never waits on, perhaps on another replica, which tells the routing one "

@@ -220,6 +220,12 @@ class Watch(Observation):
         if observer.on_first_token is not None:
             observer.on_first_token(self.request_id)
 
+    def request_ended(self) -> None:
+        """The request's own stream ended while another stream reads its response (plugin.watch): its prefill is
+        over whatever that stream says later (the first-token hook, idempotent: the slo strategy's queue)."""
+        if not self._done and self._observer.on_first_token is not None:
+            self._observer.on_first_token(self.request_id)
+
     def relayed_end(self, status: int, streamed: bool, usage: bool, prompt_tokens: int, completion_tokens: int,
                     span_s: float) -> None:
         """The stream reading this response for another (plugin.watch) saw its end: what it counted (`span_s`:

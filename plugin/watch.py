@@ -133,6 +133,7 @@ class WatchRelay:
         waiting = self._waiting.get(request_id)
         if waiting is None or waiting.timer is not None:
             return
+        waiting.watch.request_ended()
         waiting.timer = asyncio.get_running_loop().call_later(self.wait_s, self._expire, request_id)
 
     def _expire(self, request_id: str) -> None:

@@ -378,11 +378,11 @@ def test_session_affinity_and_a_weighted_mix_through_envoy(env):
     assert r.status_code == 400 and _error(r)["code"] == "unknown_routing_strategy"
 
 
-def test_plain_requests_reach_kvgate_in_one_message_and_watched_ones_in_two(env):
+def test_requests_reach_kvgate_in_one_message_and_slo_ones_are_watched_from_a_stream_of_their_own(env):
     """envoy/envoy.yaml sends most completions and chats to kvgate as one message (the body, the headers it
     reads as attributes; the buffer filter holds the request until kvgate's answer), routed as before: the
     engine kvgate named serves, with the session it was given; requests with SLO targets or the slo strategy
-    take two messages (their responses are watched)."""
+    too, on the watched routes: their responses are read from a stream of their own (plugin.watch)."""
     def one_message() -> float:
         return _sample(_samples(env), "kvgate_one_message_requests_total")
 
@@ -400,6 +400,8 @@ def test_plain_requests_reach_kvgate_in_one_message_and_watched_ones_in_two(env)
             assert int(port) == env.sims[r.headers["x-kvgate-pod"]]
     plain = one_message() - before
     assert plain == 20  # every one (runtime key kvgate.one_message_percent, 100; a tenth on the watched routes)
+    assert wait_until(lambda: env.debug()["watch"]["waiting"] == 0)  # the watched share's words all in
+    watched = _sample(_samples(env), "kvgate_watch_waits_total", outcome="ended")
     for headers in ({"x-slo-ttft-ms": "60000"}, {"x-slo-tpot-ms": "60000"}, {"routing-strategy": "slo"},
                     {"routing-strategy": "kv-sync:1,slo:1"}):
         for _ in range(3):
@@ -407,7 +409,8 @@ def test_plain_requests_reach_kvgate_in_one_message_and_watched_ones_in_two(env)
                                 json={"model": MODEL, "prompt": "watched", "max_tokens": 1})
             assert r.status_code == 200, r.text
             assert r.headers["x-sim-name"] == r.headers["x-kvgate-pod"]
-    assert one_message() - before == plain  # none of them in one message
+    assert one_message() - before == plain + 12  # all of them in one message...
+    assert wait_until(lambda: _sample(_samples(env), "kvgate_watch_waits_total", outcome="ended") - watched == 12)
 
 
 @pytest.mark.parametrize("stream", [True, False])

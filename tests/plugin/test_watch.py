@@ -97,6 +97,7 @@ async def test_no_end_word_closes_the_watch_as_cut_after_the_wait_and_a_late_wor
     side = Side(wait_s=0.05)
     w = side.route("r2", pod("p0", 8000))
     side.relay.routed_end("r2")
+    assert side.firsts == ["r2"] and side.recorder.calls == []  # its prefill is over: the slo queue lets it go now
     await asyncio.sleep(0.15)
     assert side.recorder.calls == [("done", "r2")]  # done, without usage
     assert side.value("kvgate_watch_waits_total", outcome="expired") == 1
