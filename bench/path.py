@@ -53,7 +53,7 @@ import httpx
 
 from bench.gateway import extproc_stats, metric, start_envoy
 from bench.noop_processor import native_answers
-from devkit.stack import Stack, StackError, envoy_routes, free_port, render_envoy_config
+from devkit.stack import Proc, Stack, StackError, envoy_routes, free_port, render_envoy_config
 from tokenizer import testdata
 
 MODEL = "path-model"
@@ -261,19 +261,7 @@ def run(requests: int, concurrency: int, n_engines: int, log, idle: int = 0, rep
                 del p["kv_events"]
         pods_file = stack.pods_file(pods)
         redis_url = stack.redis()[1] if replicas > 1 else ""
-        grpc_ports, http_ports, procs = [], [], []
-        for g in range(replicas):
-            grpc_port, http_port = free_port(), free_port()
-            procs.append(stack.kvgate(name=f"kvgate{g}", grpc_port=grpc_port, wait=False, env={
-                "KVGATE_PODS_FILE": str(pods_file), "KVGATE_GRPC_PORT": str(grpc_port),
-                "KVGATE_HTTP_PORT": str(http_port), "KVGATE_REDIS_URL": redis_url,
-                "KVGATE_ROUTING_STRATEGY": "kv-sync", "KVGATE_GATEWAY_ID": f"kvgate{g}",
-                "KVGATE_TOKENIZER_PATH": str(testdata.path()), "KVGATE_LOG_LEVEL": "warning",
-                "KVGATE_DRAIN_DELAY_S": "0"}))
-            grpc_ports.append(grpc_port)
-            http_ports.append(http_port)
-        for proc, port in zip(procs, grpc_ports):
-            stack.ready(proc, ("127.0.0.1", port))
+        grpc_ports, http_ports, procs = start_replicas(stack, pods_file, redis_url, replicas)
         pool = [("127.0.0.1", p["port"]) for p in pods]
         noop_port = free_port()
         noop = stack.start("noop", [sys.executable, "-m", "bench.noop_processor", str(noop_port), f"127.0.0.1:{pods[0]['port']}",
@@ -332,6 +320,26 @@ def run(requests: int, concurrency: int, n_engines: int, log, idle: int = 0, rep
                      engines=n_engines, replicas=replicas, kv_events=events, responses_observed=observed,
                      extproc_msgs_per_request=msgs, kvgate_decision_mean_ms=_round3(decision_ms),
                      kvgate_tokenize_mean_ms=_round3(tokenize_ms), floor=floor)
+
+
+def start_replicas(stack: Stack, pods_file: Path, redis_url: str, n: int,
+                   env: dict[str, str] | None = None) -> tuple[list[int], list[int], list[Proc]]:
+    """`n` kvgate replicas as shipped (kv-sync, the local tokenizer, counts through `redis_url` if any), `env` on
+    top; returned ready: (gRPC ports, HTTP ports, processes)."""
+    grpc_ports, http_ports, procs = [], [], []
+    for g in range(n):
+        grpc_port, http_port = free_port(), free_port()
+        procs.append(stack.kvgate(name=f"kvgate{g}", grpc_port=grpc_port, wait=False, env={
+            "KVGATE_PODS_FILE": str(pods_file), "KVGATE_GRPC_PORT": str(grpc_port),
+            "KVGATE_HTTP_PORT": str(http_port), "KVGATE_REDIS_URL": redis_url,
+            "KVGATE_ROUTING_STRATEGY": "kv-sync", "KVGATE_GATEWAY_ID": f"kvgate{g}",
+            "KVGATE_TOKENIZER_PATH": str(testdata.path()), "KVGATE_LOG_LEVEL": "warning",
+            "KVGATE_DRAIN_DELAY_S": "0", **(env or {})}))
+        grpc_ports.append(grpc_port)
+        http_ports.append(http_port)
+    for proc, port in zip(procs, grpc_ports):
+        stack.ready(proc, ("127.0.0.1", port))
+    return grpc_ports, http_ports, procs
 
 
 def _start_native_noop(stack: Stack, upstream: str, log) -> tuple[int, int] | None:

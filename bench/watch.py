@@ -32,9 +32,8 @@ from typing import Any
 import httpx
 
 from bench.gateway import metric, start_envoy
-from bench.path import _TENANTS, _TOKEN, MODEL, _cpu_seconds, _pct
+from bench.path import _TENANTS, _TOKEN, MODEL, _cpu_seconds, _pct, start_replicas
 from devkit.stack import Stack, StackError, free_port, render_envoy_config
-from tokenizer import testdata
 
 PATHS = ("unwatched", "own_stream", "watch_stream")
 # the Envoy runtime keys of each path: (kvgate.one_message_percent, kvgate.watch_percent)
@@ -170,19 +169,7 @@ def run(requests: int, concurrency: int, log) -> dict:
         pods = stack.engines(2, model=MODEL, extra=SIM_ARGS)
         pods_file = stack.pods_file(pods)
         redis_url = stack.redis()[1]
-        grpc_ports, http_ports, procs = [], [], []
-        for g in range(2):
-            grpc_port, http_port = free_port(), free_port()
-            procs.append(stack.kvgate(name=f"kvgate{g}", grpc_port=grpc_port, wait=False, env={
-                "KVGATE_PODS_FILE": str(pods_file), "KVGATE_GRPC_PORT": str(grpc_port),
-                "KVGATE_HTTP_PORT": str(http_port), "KVGATE_REDIS_URL": redis_url,
-                "KVGATE_ROUTING_STRATEGY": "kv-sync", "KVGATE_GATEWAY_ID": f"kvgate{g}",
-                "KVGATE_TOKENIZER_PATH": str(testdata.path()), "KVGATE_LOG_LEVEL": "warning",
-                "KVGATE_OBSERVE_SAMPLE": "1", "KVGATE_DRAIN_DELAY_S": "0"}))
-            grpc_ports.append(grpc_port)
-            http_ports.append(http_port)
-        for proc, port in zip(procs, grpc_ports):
-            stack.ready(proc, ("127.0.0.1", port))
+        grpc_ports, http_ports, procs = start_replicas(stack, pods_file, redis_url, 2, {"KVGATE_OBSERVE_SAMPLE": "1"})
         pool = [("127.0.0.1", p["port"]) for p in pods]
         ports = {path: free_port() for path in PATHS}
         for path, (one_message, watch) in KEYS.items():
