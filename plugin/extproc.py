@@ -573,8 +573,11 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             async for msg in request_iterator:
                 which = msg.WhichOneof("request")
                 if first and msg.observability_mode:  # a watched route's watch stream: read, never answered
-                    if self.gw.relay is not None and which == "response_headers":
-                        await self.gw.relay.read(msg, served_endpoint(msg), request_iterator)
+                    if self.gw.relay is not None:
+                        if which == "response_headers":
+                            await self.gw.relay.read(msg, served_endpoint(msg), request_iterator)
+                        else:
+                            self.gw.relay.unread(which)
                     break
                 try:
                     if which == "request_headers":

@@ -68,8 +68,9 @@ class WatchMetrics:
             "duplicate (another request of its id waited already: closed at its own end, as cut)",
             ["outcome"], registry=registry)
         self.streams = LoopCounter(
-            "kvgate_watch_streams", "Watch streams read (kvgate.watch, observability mode), by outcome: read, "
-            "unnamed (no request id or routing replica: not read)", ["outcome"], registry=registry)
+            "kvgate_watch_streams", "Watch streams (kvgate.watch, observability mode), by outcome: read, unnamed "
+            "(no request id or routing replica: not read), unread (not opened by the response headers: a filter "
+            "not configured as envoy/envoy.yaml's)", ["outcome"], registry=registry)
 
 
 class _Waiting:
@@ -199,6 +200,15 @@ class WatchRelay:
         except Exception as e:  # Redis down: the routing replica's Watch closes after its wait
             self.metrics.words.labels(word[0], "failed").inc()
             log.warning("watch: could not tell replica %s about request %s: %s", gateway, word[1], e)
+
+    def unread(self, which: str | None) -> None:
+        """A watch stream whose first message is not the response headers (envoy/envoy.yaml's filter skips the
+        request's): not read; told once in the log."""
+        if not self.metrics.streams.labels("unread").value:
+            log.warning("watch: a kvgate.watch stream opened with %s, not the response headers: not read (its "
+                        "filter must skip the request's messages, request_header_mode SKIP, as envoy/envoy.yaml's)",
+                        which)
+        self.metrics.streams.labels("unread").inc()
 
     async def read(self, first: pb.ProcessingRequest, served: str, rest: AsyncIterator[pb.ProcessingRequest]) -> None:
         """A kvgate.watch stream (Envoy waits for no answer): its first message the response headers, with the

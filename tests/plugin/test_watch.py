@@ -229,3 +229,12 @@ async def test_words_cross_replicas_through_a_real_redis_and_again_after_it_rest
             await w.aclose()
         await a.relay.aclose()
         await b.relay.aclose()
+
+
+def test_a_watch_stream_opened_by_a_request_message_is_counted_and_told_once(caplog):
+    side = Side()
+    with caplog.at_level("WARNING", logger="kvgate.watch"):
+        side.relay.unread("request_headers")
+        side.relay.unread("request_headers")
+    assert side.value("kvgate_watch_streams_total", outcome="unread") == 2
+    assert len([r for r in caplog.records if "request_header_mode SKIP" in r.getMessage()]) == 1
