@@ -210,15 +210,16 @@ def _ingest_us(stack: Stack, pids: list[int], http_ports: list[int], pod: str, p
         proc.wait(10)
 
 
-def extproc_stats(admin_port: int) -> dict[str, int]:
+def extproc_stats(admin_port: int, scope: str = "") -> dict[str, int]:
     """Envoy's ext_proc counters (streams started, messages sent to the processor and received from it) from
-    its admin port."""
+    its admin port: the routing filter's, or with `scope` the filter of that stat_prefix's (envoy/envoy.yaml's
+    kvgate.watch: `kvgate_watch`)."""
     text = httpx.get(f"http://127.0.0.1:{admin_port}/stats", params={"filter": r"ext_proc\."}, timeout=5).text
     out = {"streams_started": 0, "stream_msgs_sent": 0, "stream_msgs_received": 0}
     for line in text.splitlines():
         name, _, value = line.partition(": ")
-        key = name.rsplit(".", 1)[-1]
-        if key in out and value.strip().isdigit():
+        where, _, key = name.partition("ext_proc.")[2].rpartition(".")
+        if key in out and where == scope and value.strip().isdigit():
             out[key] += int(value)
     return out
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import httpx
 
-from bench.gateway import metric, start_envoy
+from bench.gateway import extproc_stats, metric, start_envoy
 from bench.path import _TENANTS, _TOKEN, MODEL, _cpu_seconds, _pct, start_replicas
 from devkit.stack import Stack, StackError, free_port, render_envoy_config
 
@@ -172,9 +172,10 @@ def run(requests: int, concurrency: int, log) -> dict:
         grpc_ports, http_ports, procs = start_replicas(stack, pods_file, redis_url, 2, {"KVGATE_OBSERVE_SAMPLE": "1"})
         pool = [("127.0.0.1", p["port"]) for p in pods]
         ports = {path: free_port() for path in PATHS}
+        admins = {path: free_port() for path in PATHS}
         for path, (one_message, watch) in KEYS.items():
             start_envoy(stack, f"envoy_{path}", render_envoy_config(
-                listen_port=ports[path], admin_port=free_port(), extproc_port=grpc_ports[0],
+                listen_port=ports[path], admin_port=admins[path], extproc_port=grpc_ports[0],
                 more_extproc_ports=grpc_ports[1:], pool=pool, one_message_percent=one_message,
                 watch_percent=watch), ports[path])
         urls = [f"http://127.0.0.1:{p}/metrics" for p in http_ports]
@@ -198,13 +199,24 @@ def run(requests: int, concurrency: int, log) -> dict:
             envoy_cpu[path] = (None if envoy_before is None or envoy_after is None
                                else round((envoy_after - envoy_before) / sent * 1e6))
             log(f"  CPU: {path}, {sent} requests at {concurrency} at once")
+        messages = {path: {"routing": extproc_stats(admins[path]), "watch": extproc_stats(admins[path], "kvgate_watch")}
+                    for path in PATHS}
         checks = {"watch_waits_ended": _sum(urls, "kvgate_watch_waits_total", outcome="ended"),
                   "watch_waits_expired": _sum(urls, "kvgate_watch_waits_total", outcome="expired"),
                   "watch_words_through_redis": _sum(urls, "kvgate_watch_words_total", word="e", outcome="sent"),
                   "watch_words_local": _sum(urls, "kvgate_watch_words_total", word="e", outcome="local"),
                   "observed": {s: _sum(urls, "kvgate_requests_observed_total", source=s)
                                for s in ("usage", "counted", "none", "unsampled")}}
-    return summarize(seq, load, cpu, envoy_cpu, requests=requests, concurrency=concurrency, checks=checks)
+    return summarize(seq, load, cpu, envoy_cpu, requests=requests, concurrency=concurrency, checks=checks,
+                     extproc_msgs_per_request={path: _per_request(m) for path, m in messages.items()})
+
+
+def _per_request(m: dict[str, dict[str, int]]) -> dict[str, float]:
+    """Envoy's ext_proc messages per request, sent to kvgate and answered, on the routing filter's streams and on
+    the watch filter's (which opens one per watched request and waits for no answer)."""
+    requests = m["routing"]["streams_started"] or 1
+    return {f"{filt}_{way}": round(m[filt][f"stream_msgs_{way}"] / requests, 2)
+            for filt in ("routing", "watch") for way in ("sent", "received")}
 
 
 def _ms(values: list[float], q: float | None = None) -> float | None:
@@ -250,6 +262,10 @@ def table(r: dict) -> str:
         added = r["paths"][path]["added_over_unwatched_ms"]
         lines.append(f"{path} over unwatched (p50 ms): " + ", ".join(f"{k} {v:+}" if v is not None else f"{k} -"
                                                                      for k, v in added.items()))
+    if "extproc_msgs_per_request" in r:
+        lines.append("ext_proc messages per request (routing filter sent/answered, watch filter sent/answered): " + "; ".join(
+            f"{path} {m['routing_sent']}/{m['routing_received']}, {m['watch_sent']}/{m['watch_received']}"
+            for path, m in r["extproc_msgs_per_request"].items()))
     lines.append(f"checks: {json.dumps(r['checks'])}")
     return "\n".join(lines)
 
