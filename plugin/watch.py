@@ -255,6 +255,7 @@ class RedisWords(BackgroundLoop):
         self._client = client
         self._relay = relay
         self._retry_s = retry_s
+        self._failing = False  # told once in the log until it reads again
         relay.publish = self.publish
 
     async def publish(self, gateway: str, data: bytes) -> None:
@@ -266,13 +267,19 @@ class RedisWords(BackgroundLoop):
             pubsub = self._client.pubsub(ignore_subscribe_messages=True)
             try:
                 await pubsub.subscribe(channel)
+                if self._failing:
+                    self._failing = False
+                    log.info("watch: reading Redis channel %s again", channel)
                 async for message in pubsub.listen():
                     if message.get("type") == "message":
                         self._relay.apply_data(message["data"])
             except asyncio.CancelledError:
                 raise
             except Exception as e:
-                log.warning("watch: reading Redis channel %s failed (%s); again in %.0f s", channel, e, self._retry_s)
+                (log.debug if self._failing else log.warning)(
+                    "watch: reading Redis channel %s failed (%s); again every %.1f s, words from other replicas lost "
+                    "meanwhile", channel, e, self._retry_s)
+                self._failing = True
             finally:
                 try:
                     await pubsub.aclose()

@@ -183,7 +183,7 @@ async def test_a_second_request_of_a_waiting_id_is_not_watched_from_a_stream_of_
     assert first.completion_tokens == 3 and second.completion_tokens == 0
 
 
-async def test_words_cross_replicas_through_a_real_redis_and_again_after_it_restarts(redis_server):
+async def test_words_cross_replicas_through_a_real_redis_and_again_after_it_restarts(redis_server, caplog):
     """Two replicas' relays over a real redis-server: a word for the other replica reaches its Watch; with Redis
     down a word fails, counted, and the Watch it was for closes as cut after its wait; Redis back (same port,
     every key lost), each replica subscribes again and words flow."""
@@ -191,6 +191,7 @@ async def test_words_cross_replicas_through_a_real_redis_and_again_after_it_rest
 
     from helpers import wait_until_async
     from plugin.watch import RedisWords
+    caplog.set_level("INFO", logger="kvgate.watch")
     a, b = Side("gw-a"), Side("gw-b", wait_s=0.3)
     words = [RedisWords(Redis.from_url(redis_server.url), side.relay, retry_s=0.1) for side in (a, b)]
     for w in words:
@@ -224,6 +225,11 @@ async def test_words_cross_replicas_through_a_real_redis_and_again_after_it_rest
         redis_server.start()
         assert await wait_until_async(subscribed, timeout=10)
         assert await delivered(b, "x3")
+        # told once while it failed (retried every 0.1 s), and once when it read again
+        failed = [r for r in caplog.records if "failed" in r.getMessage() and r.levelname == "WARNING"
+                  and r.name == "kvgate.watch" and "channel" in r.getMessage()]
+        assert len({r.getMessage().split(" failed")[0] for r in failed}) == 2 and len(failed) == 2
+        assert any("again" in r.getMessage() and r.levelname == "INFO" for r in caplog.records)
     finally:
         for w in words:
             await w.aclose()
