@@ -108,11 +108,13 @@ class WatchRelay:
 
     def __init__(self, gateway_id: str, *, served: Callable[[Decision, str], Pod | None],
                  registry: CollectorRegistry | None = None, wait_s: float = 5.0,
-                 clock: Callable[[], float] | None = None) -> None:
+                 clock: Callable[[], float] | None = None, served_metric: LoopCounter | None = None) -> None:
         self.gateway_id = gateway_id
         self.wait_s = wait_s
         self.metrics = WatchMetrics(registry)
         self._served = served
+        # kvgate_served_requests_total (plugin.metrics), counted here as the request's own stream counts it
+        self._served_metric = served_metric
         self.clock = clock if clock is not None else time.perf_counter
         self._waiting: dict[str, _Waiting] = {}
         self.publish: Callable[[str, bytes], Any] | None = None  # (replica, data) -> awaitable; RedisWords'
@@ -159,10 +161,16 @@ class WatchRelay:
         if kind == FIRST:
             watch.relayed_first(word[2])
             served = word[3]
-            if served and served != waiting.decision.pod.endpoint:  # a fallback after a retry: the count moves
+            if not served:
+                return
+            outcome = "picked"
+            if served != waiting.decision.pod.endpoint:  # a fallback after a retry: the count moves
                 pod = self._served(waiting.decision, served)
+                outcome = "unknown" if pod is None else "fallback"
                 if pod is not None:
                     watch.served_by(pod.name)
+            if self._served_metric is not None:
+                self._served_metric.labels(outcome).inc()
             return
         del self._waiting[word[1]]
         if waiting.timer is not None:

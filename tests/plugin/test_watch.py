@@ -108,11 +108,20 @@ async def test_no_end_word_closes_the_watch_as_cut_after_the_wait_and_a_late_wor
 
 
 async def test_a_fallback_served_moves_the_count_when_the_first_word_names_it():
+    from plugin.metrics import GatewayMetrics
     fallback = pod("p1", 8001)
     side = Side(served=fallback)
+    served = GatewayMetrics(side.registry).served
+    side.relay = WatchRelay(GW, served=lambda d, e: side.served_calls.append(e) or fallback, clock=side.clock,
+                            served_metric=served)
     w = side.route("r3", pod("p0", 8000))
     side.relay.apply([FIRST, "r3", True, "10.0.0.1:8001"])
     assert side.served_calls == ["10.0.0.1:8001"] and w.pod == "p1"
+    side.route("r3b", pod("p0", 8000))
+    side.relay.apply([FIRST, "r3b", True, "10.0.0.1:8000"])  # the picked pod: nothing moves
+    assert side.served_calls == ["10.0.0.1:8001"]
+    assert side.value("kvgate_served_requests_total", endpoint="fallback") == 1
+    assert side.value("kvgate_served_requests_total", endpoint="picked") == 1
 
 
 async def test_a_failed_response_ends_its_watch_without_usage():
