@@ -4,14 +4,17 @@ a response's watch stream lands on either replica, and the one that did not rout
 that did through Redis (plugin.watch)."""
 from __future__ import annotations
 
+import copy
 import json
 import shutil
+import threading
+import time
 
 import httpx
 import pytest
 
-from bench.gateway import metric
-from devkit.stack import Stack, wait_for_port
+from bench.gateway import metric, start_envoy
+from devkit.stack import Stack, render_envoy_config, wait_for_port
 from helpers import GatewayEnv, envoy_pool, free_port, stack_fixture, start_kvgate, wait_until
 
 pytestmark = [pytest.mark.integration,
@@ -28,11 +31,14 @@ class Env(GatewayEnv):
         _, redis_url = stack.redis()
         pods_file = stack.pods_file(pods)
         self.replicas = [start_kvgate(stack, pods_file, {
-            "KVGATE_REDIS_URL": redis_url, "KVGATE_GATEWAY_ID": f"kvgate{g}", "KVGATE_OBSERVE_SAMPLE": "0"},
+            "KVGATE_REDIS_URL": redis_url, "KVGATE_GATEWAY_ID": f"kvgate{g}", "KVGATE_OBSERVE_SAMPLE": "0",
+            "KVGATE_WATCH_WAIT_S": "1"},
             name=f"kvgate{g}", wait=False) for g in range(2)]
         for r in self.replicas:
             stack.ready(r.proc, ("127.0.0.1", r.grpc_port))
             wait_for_port("127.0.0.1", r.http_port, timeout=10)
+        self.kvgate = self.replicas[0].proc
+        self.pods = pods
         listen = free_port()
         self.envoy = stack.envoy(listen_port=listen, extproc_port=self.replicas[0].grpc_port, watch_percent=100,
                                  more_extproc_ports=[r.grpc_port for r in self.replicas[1:]], pool=envoy_pool(pods))
@@ -74,3 +80,64 @@ def test_a_response_read_on_the_other_replica_reaches_the_routing_one_through_re
         "kvgate_request_completion_tokens_total", model=MODEL, pod="sim1") == completion
     assert env.total("kvgate_request_ttft_seconds_count", model=MODEL, pod="sim0") + env.total(
         "kvgate_request_ttft_seconds_count", model=MODEL, pod="sim1") == REQUESTS
+
+
+def _stream(url: str, i: int, first: threading.Event, out: list) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": f"a long answer {i}"}], "max_tokens": 120,
+            "stream": True}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as r:
+        raw = b""
+        for chunk in r.iter_bytes():
+            raw += chunk
+            first.set()
+        out.append((r.status_code, raw.count(b'"delta":{"content":"'), raw.rstrip().endswith(b"data: [DONE]")))
+
+
+def test_the_replica_reading_the_watch_streams_dying_fails_no_request(env):
+    """The routing filter on replica 0 alone and the watch filter on replica 1 alone (a cluster each); replica 1
+    SIGKILLed while 8 streamed chats run: every chat completes whole (the watch filter fails open), replica 0's
+    Watches of them close after their wait, counted expired; replica 1 back, a watched request is read again."""
+    a, b = env.replicas
+    listen = free_port()
+    config = render_envoy_config(listen_port=listen, admin_port=free_port(), extproc_port=a.grpc_port,
+                                 pool=envoy_pool(env.pods), watch_percent=100)
+    clusters = config["static_resources"]["clusters"]
+    watch = copy.deepcopy(next(c for c in clusters if c["name"] == "kvgate"))
+    watch["name"] = watch["load_assignment"]["cluster_name"] = "kvgate_watch"
+    watch["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"][
+        "port_value"] = b.grpc_port
+    clusters.append(watch)
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    next(f for f in hcm["http_filters"] if f["name"] == "kvgate.watch")["typed_config"]["grpc_service"][
+        "envoy_grpc"]["cluster_name"] = "kvgate_watch"
+    start_envoy(env.stack, "envoy_split", config, listen)
+    url = f"http://127.0.0.1:{listen}"
+    expired = metric(a.metrics(), "kvgate_watch_waits_total", outcome="expired")
+    out: list = []
+    firsts = [threading.Event() for _ in range(8)]
+    threads = [threading.Thread(target=_stream, args=(url, i, firsts[i], out)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for e in firsts:
+        assert e.wait(10)
+    b.proc.kill()
+    for t in threads:
+        t.join(30)
+    assert out == [(200, 120, True)] * 8
+    assert wait_until(lambda: metric(a.metrics(), "kvgate_watch_waits_total", outcome="expired") - expired == 8,
+                      timeout=10)
+    assert wait_until(lambda: a.debug()["watch"]["waiting"] == 0)
+    b.proc = env.stack.restart(b.proc, env=b.env, ready_port=("127.0.0.1", b.grpc_port))
+    ended = metric(a.metrics(), "kvgate_watch_waits_total", outcome="ended")
+
+    def read_again() -> bool:  # until Envoy's health checks see replica 1 back, its watch streams fail open
+        r = httpx.post(url + "/v1/chat/completions", timeout=30, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "again"}], "max_tokens": 2})
+        assert r.status_code == 200
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline:
+            if metric(a.metrics(), "kvgate_watch_waits_total", outcome="ended") > ended:
+                return True
+            time.sleep(0.05)
+        return False
+    assert wait_until(read_again, timeout=20)
