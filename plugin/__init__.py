@@ -9,6 +9,8 @@ It may import every other kvgate package; nothing imports it.
     request     OpenAI request bodies -> typed inference requests, and the client errors they raise
     admit       the request path's side of admission: the admitted pod, or 429 after the wait
     observe     watching routed responses: TTFT, TPOT, tokens; fed to Prometheus and the request trackers
+    watch       watching from a stream Envoy never waits on (the watched routes): its reading, and the words
+                to the replica that routed the request (in-process or through Redis)
     metrics     the gateway's own Prometheus metrics
     throttle    a recurring failure logged at most once per interval
     app         wiring: Settings -> discovery, index, subscriptions, tokenizer, router, gRPC and HTTP servers
