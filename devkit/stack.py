@@ -192,7 +192,8 @@ def render_envoy_config(*, listen_port: int, admin_port: int, extproc_port: int,
                         pool: Iterable[tuple[str, int]], extproc_host: str = "127.0.0.1",
                         failure_mode_allow: bool | None = None, more_extproc_ports: Iterable[int] = (),
                         open_paths: Iterable[str] = (), reuse_port: bool = False,
-                        one_message_percent: int | None = None, watch_percent: int | None = None) -> dict:
+                        one_message_percent: int | None = None, watch_percent: int | None = None,
+                        watch_extproc_ports: Iterable[int] = ()) -> dict:
     """The shipped envoy/envoy.yaml with only ports and the pool's endpoints changed (`pool`: every
     engine kvgate may pick, since override_host only picks among them; `more_extproc_ports`: further
     kvgate replicas, Envoy spreads ext_proc streams over them), and `open_paths` (open_path_route)
@@ -202,7 +203,8 @@ def render_envoy_config(*, listen_port: int, admin_port: int, extproc_port: int,
     `one_message_percent`: the share of plain completions and chats sent to kvgate in one message (the file's
     runtime key kvgate.one_message_percent, 100; 0: two messages for all but the watched share, a response
     watched in the request's own stream if sampled); `watch_percent`: the share of them on the watched routes, one message whose response a stream of
-    its own reads (runtime key kvgate.watch_percent, 10; 0: none)."""
+    its own reads (runtime key kvgate.watch_percent, 10; 0: none); `watch_extproc_ports`: the kvgate replicas the
+    kvgate.watch filter's streams go to (a cluster `kvgate_watch` of their own), instead of the routing ones."""
     config = yaml.safe_load(ENVOY_CONFIG.read_text())
     config = copy.deepcopy(config)
     config["admin"]["address"]["socket_address"]["port_value"] = admin_port
@@ -216,8 +218,18 @@ def render_envoy_config(*, listen_port: int, admin_port: int, extproc_port: int,
         for port in (extproc_port, *more_extproc_ports)]
     endpoints = [{"endpoint": {"address": {"socket_address": {"address": h, "port_value": p}}}} for h, p in pool]
     clusters["pool"]["load_assignment"]["endpoints"] = [{"lb_endpoints": endpoints}]
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    watch_ports = list(watch_extproc_ports)
+    if watch_ports:
+        watch = copy.deepcopy(clusters["kvgate"])
+        watch["name"] = watch["load_assignment"]["cluster_name"] = "kvgate_watch"
+        watch["load_assignment"]["endpoints"][0]["lb_endpoints"] = [
+            {"endpoint": {"address": {"socket_address": {"address": extproc_host, "port_value": port}}}}
+            for port in watch_ports]
+        config["static_resources"]["clusters"].append(watch)
+        next(f for f in hcm["http_filters"] if f["name"] == "kvgate.watch")["typed_config"]["grpc_service"][
+            "envoy_grpc"]["cluster_name"] = "kvgate_watch"
     if failure_mode_allow is not None:
-        hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
         for f in hcm["http_filters"]:
             if f["name"] == "envoy.filters.http.ext_proc":
                 f["typed_config"]["failure_mode_allow"] = failure_mode_allow
@@ -337,12 +349,14 @@ class Stack:
     def envoy(self, *, listen_port: int, extproc_port: int, pool: Iterable[tuple[str, int]],
               admin_port: int | None = None, failure_mode_allow: bool | None = None, name: str = "envoy",
               more_extproc_ports: Iterable[int] = (), open_paths: Iterable[str] = (),
-              one_message_percent: int | None = None, watch_percent: int | None = None) -> Proc:
+              one_message_percent: int | None = None, watch_percent: int | None = None,
+              watch_extproc_ports: Iterable[int] = ()) -> Proc:
         admin_port = admin_port or free_port()
         config = render_envoy_config(listen_port=listen_port, admin_port=admin_port, extproc_port=extproc_port,
                                      pool=pool, failure_mode_allow=failure_mode_allow,
                                      more_extproc_ports=more_extproc_ports, open_paths=open_paths,
-                                     one_message_percent=one_message_percent, watch_percent=watch_percent)
+                                     one_message_percent=one_message_percent, watch_percent=watch_percent,
+                                     watch_extproc_ports=watch_extproc_ports)
         path = self.workdir / f"{name}.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
         argv = [find_envoy(), "-c", str(path), "--concurrency", "1", "--log-level", "warning",

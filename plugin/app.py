@@ -408,6 +408,11 @@ class App:
             self.admission.limiter.start()
         if self.relay_words is not None:
             self.relay_words.start()
+            try:  # words published before this replica reads its channel are lost: a moment for the first try
+                await asyncio.wait_for(self.relay_words.first_try.wait(), timeout=2.0)
+            except asyncio.TimeoutError:
+                log.warning("watch: no answer from Redis to the channel's subscription within 2 s; serving (words from "
+                            "other replicas lost until it is read)")
         if s.redis_url and self.observer is not None:
             from redis.asyncio import Redis
             self.trace_writer = TraceWriter(self.trace_windows, Redis.from_url(s.redis_url))

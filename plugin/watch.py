@@ -264,6 +264,9 @@ class RedisWords(BackgroundLoop):
         self._relay = relay
         self._retry_s = retry_s
         self._failing = False  # told once in the log until it reads again
+        # set once the first subscription to this replica's channel succeeded or failed (App.start waits a moment
+        # for it: words published before it reads are lost)
+        self.first_try = asyncio.Event()
         relay.publish = self.publish
 
     async def publish(self, gateway: str, data: bytes) -> None:
@@ -275,6 +278,7 @@ class RedisWords(BackgroundLoop):
             pubsub = self._client.pubsub(ignore_subscribe_messages=True)
             try:
                 await pubsub.subscribe(channel)
+                self.first_try.set()
                 if self._failing:
                     self._failing = False
                     log.info("watch: reading Redis channel %s again", channel)
@@ -284,6 +288,7 @@ class RedisWords(BackgroundLoop):
             except asyncio.CancelledError:
                 raise
             except Exception as e:
+                self.first_try.set()
                 (log.debug if self._failing else log.warning)(
                     "watch: reading Redis channel %s failed (%s); again every %.1f s, words from other replicas lost "
                     "meanwhile", channel, e, self._retry_s)

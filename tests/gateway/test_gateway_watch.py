@@ -4,7 +4,6 @@ a response's watch stream lands on either replica, and the one that did not rout
 that did through Redis (plugin.watch)."""
 from __future__ import annotations
 
-import copy
 import json
 import shutil
 import threading
@@ -13,8 +12,8 @@ import time
 import httpx
 import pytest
 
-from bench.gateway import metric, start_envoy
-from devkit.stack import Stack, render_envoy_config, wait_for_port
+from bench.gateway import metric
+from devkit.stack import Stack, wait_for_port
 from helpers import GatewayEnv, envoy_pool, free_port, stack_fixture, start_kvgate, wait_until
 
 pytestmark = [pytest.mark.integration,
@@ -99,18 +98,8 @@ def test_the_replica_reading_the_watch_streams_dying_fails_no_request(env):
     Watches of them close after their wait, counted expired; replica 1 back, a watched request is read again."""
     a, b = env.replicas
     listen = free_port()
-    config = render_envoy_config(listen_port=listen, admin_port=free_port(), extproc_port=a.grpc_port,
-                                 pool=envoy_pool(env.pods), watch_percent=100)
-    clusters = config["static_resources"]["clusters"]
-    watch = copy.deepcopy(next(c for c in clusters if c["name"] == "kvgate"))
-    watch["name"] = watch["load_assignment"]["cluster_name"] = "kvgate_watch"
-    watch["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"][
-        "port_value"] = b.grpc_port
-    clusters.append(watch)
-    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-    next(f for f in hcm["http_filters"] if f["name"] == "kvgate.watch")["typed_config"]["grpc_service"][
-        "envoy_grpc"]["cluster_name"] = "kvgate_watch"
-    start_envoy(env.stack, "envoy_split", config, listen)
+    env.stack.envoy(listen_port=listen, extproc_port=a.grpc_port, pool=envoy_pool(env.pods), watch_percent=100,
+                    watch_extproc_ports=[b.grpc_port], name="envoy_split")
     url = f"http://127.0.0.1:{listen}"
     expired = metric(a.metrics(), "kvgate_watch_waits_total", outcome="expired")
     out: list = []
