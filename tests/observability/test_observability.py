@@ -56,6 +56,7 @@ FIRING = {
     "KvgateRedisDown": {},
     "KvgateIndexAtBound": {"instance": "kvgate-b"},
     "KvgateReplicasDisagree": {},
+    "KvgateWatchWordsLost": {},
 }
 # alerts that must not fire in phase 2 either (label matchers): the conditions hold elsewhere only
 NOT_FIRING = {"KvgateEngineSilent": 'pod!="sim2"', "KvgateIndexAtBound": 'instance="kvgate-a"'}
@@ -215,15 +216,18 @@ def run():
         pods_file = stack.pods_file(pods)
         common = {"KVGATE_REDIS_URL": redis_url, "KVGATE_TOKENIZER_PATH": str(wrong), "KVGATE_PODS_POLL_S": "0.2",
                   "KVGATE_ENGINE_METRICS_INTERVAL_S": "0.2",
-                  "KVGATE_ADMISSION_MAX_RUNNING": "64"}  # never reached here: its metrics served
+                  "KVGATE_ADMISSION_MAX_RUNNING": "64",  # never reached here: its metrics served
+                  "KVGATE_WATCH_WAIT_S": "0.3"}  # words lost with Redis (phase 2) expire within a scrape or two
         a = start_kvgate(stack, pods_file, {**common, "KVGATE_GATEWAY_ID": "a"}, name="kvgate-a", wait=False)
         b = start_kvgate(stack, pods_file, {**common, "KVGATE_GATEWAY_ID": "b", "KVGATE_TOKENIZER": "local",
                                             "KVGATE_INDEX_MAX_ENTRIES": str(B_INDEX_BOUND)}, name="kvgate-b", wait=False)
         pool = envoy_pool([*pods, silent])
         urls = {}
-        for name, gate in (("a", a), ("b", b)):
+        for name, gate, other in (("a", a, b), ("b", b, a)):
+            # every response watched, its watch stream read by the other replica: its words go through Redis
             listen = free_port()
-            stack.envoy(listen_port=listen, extproc_port=gate.grpc_port, pool=pool, name=f"envoy-{name}")
+            stack.envoy(listen_port=listen, extproc_port=gate.grpc_port, pool=pool, name=f"envoy-{name}",
+                        watch_percent=100, watch_extproc_ports=[other.grpc_port])
             urls[name] = f"http://127.0.0.1:{listen}"
         for proc, port in engines:
             stack.ready(proc, ("127.0.0.1", port))
