@@ -275,7 +275,8 @@ class App:
         # Watched routes (one message, the response read by a watch stream on any replica): their words between
         # replicas go through Redis (plugin.watch).
         self.relay = (WatchRelay(s.gateway_id or default_gateway_id(), served=self.router.served,
-                                 registry=self.registry, wait_s=s.watch_wait_s, served_metric=self.gateway_metrics.served)
+                                 served_metric=self.gateway_metrics.served, registry=self.registry,
+                                 wait_s=s.watch_wait_s)
                       if self.observer is not None else None)
         self.relay_words: RedisWords | None = None
         if self.relay is not None and s.redis_url:

@@ -194,15 +194,9 @@ class _Stream:
         d = self.ctx.decision
         if not served or d is None:
             return _RESPONSE_HEADERS_CONTINUE
-        m = self.gw.metrics
-        if served == d.pod.endpoint:
-            m.served.labels("picked").inc()
-            return _RESPONSE_HEADERS_CONTINUE
-        pod = self.gw.router.served(d, served)
+        pod = observe.served_fallback(self.gw.router.served, self.gw.metrics.served, d, served)
         if pod is None:
-            m.served.labels("unknown").inc()
             return _RESPONSE_HEADERS_CONTINUE
-        m.served.labels("fallback").inc()
         self.served_pod = pod.name
         if self.ctx.watch is not None:
             self.ctx.watch.served_by(pod.name)

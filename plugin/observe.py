@@ -20,12 +20,16 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from prometheus_client import CollectorRegistry
 
 from plugin.metrics import LoopCounter, LoopHistogram
 from routing.learning.tracking import TrackerRegistry
+
+if TYPE_CHECKING:
+    from routing.pods import Pod
+    from routing.router import Decision
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS = (0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
@@ -419,6 +423,19 @@ def response_headers(watch: Watch, msg: pb.ProcessingRequest, answer: pb.Process
     if not watch.on_headers(status, ctype) or body_sent:
         return answer
     return body_on(watch.streamed, answer)
+
+
+def served_fallback(served: Callable[["Decision", str], "Pod | None"], metric: LoopCounter, decision: "Decision",
+                    endpoint: str) -> "Pod | None":
+    """The data plane named `endpoint` as the one that served `decision`'s request: counted in `metric`
+    (kvgate_served_requests_total: picked, fallback, unknown) and, for a fallback, its pod, which `served`
+    (Router.served) moved the request's running count to; None for the picked pod or an unknown endpoint."""
+    if endpoint == decision.pod.endpoint:
+        metric.labels("picked").inc()
+        return None
+    pod = served(decision, endpoint)
+    metric.labels("unknown" if pod is None else "fallback").inc()
+    return pod
 
 
 def milliseconds(text: str) -> float | None:

@@ -106,9 +106,9 @@ class WatchRelay:
     """Both sides of watching from another stream: the routed requests waiting for words (`expect`,
     `routed_end`, `apply`) and the reading of watch streams (`read`)."""
 
-    def __init__(self, gateway_id: str, *, served: Callable[[Decision, str], Pod | None],
+    def __init__(self, gateway_id: str, *, served: Callable[[Decision, str], Pod | None], served_metric: LoopCounter,
                  registry: CollectorRegistry | None = None, wait_s: float = 5.0,
-                 clock: Callable[[], float] | None = None, served_metric: LoopCounter | None = None) -> None:
+                 clock: Callable[[], float] | None = None) -> None:
         self.gateway_id = gateway_id
         self.wait_s = wait_s
         self.metrics = WatchMetrics(registry)
@@ -160,17 +160,10 @@ class WatchRelay:
         watch = waiting.watch
         if kind == FIRST:
             watch.relayed_first(word[2])
-            served = word[3]
-            if not served:
-                return
-            outcome = "picked"
-            if served != waiting.decision.pod.endpoint:  # a fallback after a retry: the count moves
-                pod = self._served(waiting.decision, served)
-                outcome = "unknown" if pod is None else "fallback"
+            if word[3]:  # the endpoint that served it (a fallback after a retry: the count moves)
+                pod = observe.served_fallback(self._served, self._served_metric, waiting.decision, word[3])
                 if pod is not None:
                     watch.served_by(pod.name)
-            if self._served_metric is not None:
-                self._served_metric.labels(outcome).inc()
             return
         del self._waiting[word[1]]
         if waiting.timer is not None:

@@ -651,7 +651,8 @@ async def test_a_watched_route_routes_in_one_message_and_its_watch_stream_fills_
     tracker = DoneTracker()
     observer = Observer(CollectorRegistry())
     observer.trackers.register(tracker)
-    relay = WatchRelay("gw-here", served=lambda d, e: None, registry=CollectorRegistry())
+    relay = WatchRelay("gw-here", served=lambda d, e: None, served_metric=GatewayMetrics(CollectorRegistry()).served,
+                       registry=CollectorRegistry())
     gw = gateway(FakeRouter(), FakeTokenizer(), observer=observer, relay=relay)
     prompt = {"model": "m", "prompt": "x"}
     watched = {**ONE_MESSAGE, "request.path": "/v1/completions", "xds.route_name": "kvgate-watched-completions"}

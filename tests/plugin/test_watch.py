@@ -7,6 +7,7 @@ import json
 
 from prometheus_client import CollectorRegistry
 
+from plugin.metrics import GatewayMetrics
 from plugin.observe import Observer
 from plugin.watch import END, FIRST, WatchRelay, _parse
 from routing.pods import Pod
@@ -46,7 +47,8 @@ class Side:
         def on_served(decision, endpoint):
             self.served_calls.append(endpoint)
             return served
-        self.relay = WatchRelay(gateway, served=on_served, registry=self.registry, wait_s=wait_s, clock=self.clock)
+        self.relay = WatchRelay(gateway, served=on_served, served_metric=GatewayMetrics(self.registry).served,
+                                registry=self.registry, wait_s=wait_s, clock=self.clock)
 
     def route(self, request_id: str, pod: Pod, prompt: int = 40):
         w = self.observer.start(request_id, "m", pod.name, tokens=list(range(prompt)))
@@ -108,12 +110,8 @@ async def test_no_end_word_closes_the_watch_as_cut_after_the_wait_and_a_late_wor
 
 
 async def test_a_fallback_served_moves_the_count_when_the_first_word_names_it():
-    from plugin.metrics import GatewayMetrics
     fallback = pod("p1", 8001)
     side = Side(served=fallback)
-    served = GatewayMetrics(side.registry).served
-    side.relay = WatchRelay(GW, served=lambda d, e: side.served_calls.append(e) or fallback, clock=side.clock,
-                            served_metric=served)
     w = side.route("r3", pod("p0", 8000))
     side.relay.apply([FIRST, "r3", True, "10.0.0.1:8001"])
     assert side.served_calls == ["10.0.0.1:8001"] and w.pod == "p1"
