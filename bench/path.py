@@ -130,21 +130,30 @@ class Client:
 
     async def chat(self, payload: bytes, phase: str = "") -> tuple[float, int]:
         """(seconds to the first token, status); reads the whole response. `phase`: named in PHASE_HEADER."""
+        status, started, first, _ = await self.timed_chat(payload, phase)
+        return (first or time.perf_counter()) - started, status
+
+    async def timed_chat(self, payload: bytes, phase: str = "",
+                         tokens: list[float] | None = None) -> tuple[int, float, float | None, bool]:
+        """One chat: (status, perf_counter() when sent, at its first token or None, whether the connection
+        stays open); `tokens`, if given, gets the time of every chunk carrying a token."""
         reader, writer = await self._connect()
         marked = f"{PHASE_HEADER}: {phase}\r\n" if phase else ""
         head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n{marked}"
                 f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n").encode()
         started = time.perf_counter()
         writer.write(head + payload)
-        status, first, keep = await read_response(reader)
+        status, first, keep = await read_response(reader, tokens)
         if not keep:
             await self.close()
-        return (first or time.perf_counter()) - started, status
+        return status, started, first, keep
 
 
-async def read_response(reader: asyncio.StreamReader) -> tuple[int, float | None, bool]:
+async def read_response(reader: asyncio.StreamReader,
+                        tokens: list[float] | None = None) -> tuple[int, float | None, bool]:
     """One HTTP/1.1 response: (status, perf_counter() at the first chunk carrying a token or None, whether
-    the connection stays open). Chunked or Content-Length bodies."""
+    the connection stays open). Chunked or Content-Length bodies. `tokens`, if given, gets the time of every
+    chunk in which a token's marker ends."""
     status_line = await reader.readline()
     if not status_line:
         raise ConnectionError("connection closed before a response")
@@ -167,6 +176,8 @@ async def read_response(reader: asyncio.StreamReader) -> tuple[int, float | None
         data = await reader.readexactly(length)
         if _TOKEN.search(data):
             first = time.perf_counter()
+            if tokens is not None:
+                tokens.append(first)
         return status, first, keep
     tail = b""  # the end of the previous chunk: a token's marker may straddle two chunks
     while True:
@@ -175,8 +186,11 @@ async def read_response(reader: asyncio.StreamReader) -> tuple[int, float | None
             await reader.readline()  # the CRLF after the last chunk (no trailers)
             return status, first, keep
         data = (await reader.readexactly(size + 2))[:-2]  # the chunk less its CRLF
-        if first is None and _TOKEN.search(tail + data):
-            first = time.perf_counter()
+        if (first is None or tokens is not None) and any(m.end() > len(tail) for m in _TOKEN.finditer(tail + data)):
+            now = time.perf_counter()
+            first = first or now
+            if tokens is not None:
+                tokens.append(now)
         tail = data[-32:]
 
 

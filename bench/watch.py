@@ -32,7 +32,7 @@ from typing import Any
 import httpx
 
 from bench.gateway import extproc_stats, metric, start_envoy
-from bench.path import _TENANTS, _TOKEN, MODEL, _cpu_seconds, _pct, start_replicas
+from bench.path import _TENANTS, MODEL, Client, _cpu_seconds, _pct, start_replicas
 from devkit.stack import Stack, StackError, free_port, render_envoy_config
 
 PATHS = ("unwatched", "own_stream", "watch_stream")
@@ -58,48 +58,14 @@ def body(n: int) -> bytes:
         {"role": "user", "content": f"Question {n}: how much does watching cost?"}]}).encode()
 
 
-class Client:
-    """One keep-alive HTTP/1.1 connection: streamed chats, each token chunk's arrival timed."""
-
-    def __init__(self, port: int) -> None:
-        self.port = port
-        self.reader: asyncio.StreamReader | None = None
-        self.writer: asyncio.StreamWriter | None = None
-
-    async def chat(self, payload: bytes) -> tuple[int, float | None, float | None]:
-        """(status, seconds to the first token, mean seconds between token chunks after it)."""
-        if self.writer is None or self.writer.is_closing():
-            self.reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port)
-        reader, writer = self.reader, self.writer
-        assert reader is not None
-        writer.write((f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                      f"Content-Length: {len(payload)}\r\n\r\n").encode() + payload)
-        started = time.perf_counter()
-        status = int((await reader.readline()).split()[1])
-        chunked, length = False, 0
-        while (line := await reader.readline()) not in (b"\r\n", b""):
-            name, _, value = line.decode("latin-1").partition(":")
-            if name.strip().lower() == "transfer-encoding" and "chunked" in value.lower():
-                chunked = True
-            elif name.strip().lower() == "content-length":
-                length = int(value)
-        if not chunked:
-            await reader.readexactly(length)
-            return status, None, None
-        tokens: list[float] = []
-        while size := int((await reader.readline()).split(b";")[0], 16):
-            if _TOKEN.search(await reader.readexactly(size + 2)):
-                tokens.append(time.perf_counter())
-        await reader.readline()
-        if not tokens:
-            return status, None, None
-        gap = (tokens[-1] - tokens[0]) / (len(tokens) - 1) if len(tokens) > 1 else None
-        return status, tokens[0] - started, gap
-
-    async def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = self.reader = None
+async def chat(client: Client, payload: bytes) -> tuple[int, float | None, float | None]:
+    """One streamed chat: (status, seconds to the first token, mean seconds between token chunks after it)."""
+    tokens: list[float] = []
+    status, started, first, _ = await client.timed_chat(payload, tokens=tokens)
+    if first is None:
+        return status, None, None
+    gap = (tokens[-1] - tokens[0]) / (len(tokens) - 1) if len(tokens) > 1 else None
+    return status, first - started, gap
 
 
 class Samples:
@@ -119,21 +85,21 @@ class Samples:
 
 async def _latency(ports: dict[str, int], requests: int, concurrency: int, ids: itertools.count,
                    log) -> tuple[Samples, Samples]:
-    seq_clients = {p: Client(ports[p]) for p in PATHS}
-    load_clients = {p: [Client(ports[p]) for _ in range(concurrency)] for p in PATHS}
+    seq_clients = {p: Client("127.0.0.1", ports[p]) for p in PATHS}
+    load_clients = {p: [Client("127.0.0.1", ports[p]) for _ in range(concurrency)] for p in PATHS}
     seq, load = Samples(), Samples()
     try:
         for path in PATHS:  # warm up: the tokenizer verified, connections open
             for _ in range(20):
-                await seq_clients[path].chat(body(next(ids)))
+                await chat(seq_clients[path], body(next(ids)))
         for k in range(requests):
             for path in PATHS[k % 3:] + PATHS[:k % 3]:
-                seq.add(path, *await seq_clients[path].chat(body(next(ids))))
+                seq.add(path, *await chat(seq_clients[path], body(next(ids))))
         log(f"  one at a time: {requests} requests per path")
 
         async def worker(path: str, client: Client, n: int) -> None:
             for _ in range(n):
-                load.add(path, *await client.chat(body(next(ids))))
+                load.add(path, *await chat(client, body(next(ids))))
         per_client = max(1, requests // concurrency // 5)
         for k in range(5):
             for path in PATHS[k % 3:] + PATHS[:k % 3]:
@@ -146,11 +112,11 @@ async def _latency(ports: dict[str, int], requests: int, concurrency: int, ids: 
 
 
 async def _cpu(port: int, requests: int, concurrency: int, ids: itertools.count) -> None:
-    clients = [Client(port) for _ in range(concurrency)]
+    clients = [Client("127.0.0.1", port) for _ in range(concurrency)]
 
     async def worker(client: Client, n: int) -> None:
         for _ in range(n):
-            await client.chat(body(next(ids)))
+            await chat(client, body(next(ids)))
     try:
         await asyncio.gather(*(worker(c, requests // concurrency) for c in clients))
     finally:

@@ -202,9 +202,10 @@ def render_envoy_config(*, listen_port: int, admin_port: int, extproc_port: int,
     several workers): on loopback a second Envoy given a port in use must fail, not share it silently.
     `one_message_percent`: the share of plain completions and chats sent to kvgate in one message (the file's
     runtime key kvgate.one_message_percent, 100; 0: two messages for all but the watched share, a response
-    watched in the request's own stream if sampled); `watch_percent`: the share of them on the watched routes, one message whose response a stream of
-    its own reads (runtime key kvgate.watch_percent, 10; 0: none); `watch_extproc_ports`: the kvgate replicas the
-    kvgate.watch filter's streams go to (a cluster `kvgate_watch` of their own), instead of the routing ones."""
+    watched in the request's own stream if sampled); `watch_percent`: the share of them on the watched routes,
+    one message whose response a stream of its own reads (runtime key kvgate.watch_percent, 10; 0: none);
+    `watch_extproc_ports`: the kvgate replicas the kvgate.watch filter's streams go to (a cluster `kvgate_watch`
+    of their own), instead of the routing ones."""
     config = yaml.safe_load(ENVOY_CONFIG.read_text())
     config = copy.deepcopy(config)
     config["admin"]["address"]["socket_address"]["port_value"] = admin_port

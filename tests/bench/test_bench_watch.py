@@ -33,9 +33,9 @@ def test_the_client_times_the_first_token_and_the_gaps_between_token_chunks_over
     async def go():
         server = await asyncio.start_server(handle, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
-        client = watch.Client(port)
+        client = watch.Client("127.0.0.1", port)
         try:
-            return [await client.chat(b"{}") for _ in range(2)]
+            return [await watch.chat(client, b"{}") for _ in range(2)]
         finally:
             await client.close()
             server.close()
