@@ -52,6 +52,11 @@ BENCHES: tuple[tuple[str, list[str], str], ...] = (
     ("watch", [], "issue 26 item 3: watching a response need not hold it: on the watched routes (one message, the "
                   "response read from a stream of its own that Envoy never waits on) TTFT and TPOT as unwatched "
                   "responses', side by side with watching in the request's own stream; kvgate CPU per request beside"),
+    ("bakeoff", [], "issue 26, on the live stack: kvgate as shipped (Envoy, 2 replicas, Redis) against SGLang's model "
+                    "gateway (cache_aware, its defaults) on the same 3 simulated engines, a multi-turn chat (Zipf "
+                    "tenants, ~1,200-token system prompts, 2-4 turns, 8 conversations at a time): in each scenario "
+                    "(steady, evicting, one engine flushed every 20 requests at random or in turn) kv-sync's TTFT "
+                    "mean, p50 and p90 <= SGLang's and its hit rate >= SGLang's - 0.5 point"),
     ("ingest", [], "live ingestion <= 30 us of CPU per one-block batch in kvgate serve (3 engines, ~1000 "
                    "batches/s in all)"),
     ("request", [], "none of its own: kvgate's own CPU per warm and cold request in process, gRPC left out (the "
@@ -128,6 +133,17 @@ def render(name: str, data: dict) -> str:
         if rest:
             out.append(render("_", rest))
         return "\n".join(out)
+    if name == "bakeoff" and isinstance(data.get("scenarios"), dict):
+        cols = ["hit_rate", "ttft_mean_ms", "ttft_p50_ms", "ttft_p90_ms", "errors", "router_cpu_ms_per_request",
+                "system_missed", "history_lost", "engines"]
+        out = ["| scenario | router | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
+        for scenario, routers in data["scenarios"].items():
+            for router, r in routers.items():
+                out.append(f"| {scenario} | {router} | " + " | ".join(_fmt(r.get(c)) for c in cols) + " |")
+        out += ["", "| target | met |", "|---|---|"]
+        out += [f"| {t} | {'met' if ok else '**MISSED**'} |" for t, ok in (data.get("targets") or {}).items()]
+        rest = {k: v for k, v in data.items() if k not in ("scenarios", "targets")}
+        return "\n".join(out) + "\n\n" + render("_", rest)
     if name == "request" and isinstance(data.get("warm"), dict) and isinstance(data.get("cold"), dict):
         warm, cold = data["warm"], data["cold"]
         out = ["| measure | warm | cold |", "|---|---|---|"]

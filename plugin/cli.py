@@ -23,6 +23,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "gateway": ("bench.gateway", "the full path through a real Envoy"),
     "path": ("bench.path", "time to first token through the shipped stack against straight to the engine"),
     "watch": ("bench.watch", "what watching a response costs the request and kvgate, three ways through Envoy"),
+    "bakeoff": ("bench.bakeoff", "kvgate as shipped against SGLang's model gateway on the same engines, multi-turn chat"),
     "ingest": ("bench.ingest", "live KV event ingestion: kvgate serve's CPU per batch"),
     "request": ("bench.request_cost", "kvgate's own CPU per routed request, in process, by phase"),
     "soak": ("bench.soak", "mixed traffic through Envoy for a long run"),
