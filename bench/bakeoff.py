@@ -111,6 +111,7 @@ def make_plan(seed: int, requests: int, w: Workload = WORKLOAD) -> Plan:
 @dataclass
 class RunResult:
     ttft_s: list[float] = field(default_factory=list)
+    tpot_s: list[float] = field(default_factory=list)  # per request: the mean gap between its token chunks
     engines: dict[str, int] = field(default_factory=dict)
     errors: int = 0
     error_samples: list[str] = field(default_factory=list)
@@ -153,7 +154,7 @@ async def _turn(client: httpx.AsyncClient, url: str, messages: list[dict], heade
     pieces: list[str] = []
     usage: dict = {}
     started = time.perf_counter()
-    first = None
+    first = last = None
     try:
         async with client.stream("POST", url, json=body, headers=headers) as r:
             if r.status_code != 200:
@@ -168,8 +169,9 @@ async def _turn(client: httpx.AsyncClient, url: str, messages: list[dict], heade
                 for choice in chunk.get("choices", []):
                     text = choice.get("delta", {}).get("content")
                     if text:
+                        last = time.perf_counter() - started
                         if first is None:
-                            first = time.perf_counter() - started
+                            first = last
                         pieces.append(text)
         if first is None:
             raise RuntimeError("the stream carried no token")
@@ -180,6 +182,8 @@ async def _turn(client: httpx.AsyncClient, url: str, messages: list[dict], heade
             result.error_samples.append(str(e) or type(e).__name__)
         return None
     result.ttft_s.append(first)
+    if len(pieces) > 1 and last is not None:
+        result.tpot_s.append((last - first) / (len(pieces) - 1))
     result.engines[engine] = result.engines.get(engine, 0) + 1
     return "".join(pieces), prompt, cached
 
@@ -326,6 +330,7 @@ def _ms(v: float | None) -> float | None:
 
 def summarize_router(runs: list[RunResult]) -> dict[str, Any]:
     ttft = [t for r in runs for t in r.ttft_s]
+    tpot = [t for r in runs for t in r.tpot_s]
     queries, hits = sum(r.queries for r in runs), sum(r.hits for r in runs)
     engines: dict[str, int] = {}
     for r in runs:
@@ -340,6 +345,7 @@ def summarize_router(runs: list[RunResult]) -> dict[str, Any]:
         "hit_rate_runs": [round(_ratio(r.hits, r.queries), 4) for r in runs],
         "ttft_mean_ms": _ms(statistics.fmean(ttft)) if ttft else None,
         "ttft_p50_ms": _ms(_pct(ttft, 0.5)), "ttft_p90_ms": _ms(_pct(ttft, 0.9)),
+        "tpot_p50_ms": _ms(_pct(tpot, 0.5)), "tpot_p90_ms": _ms(_pct(tpot, 0.9)),
         "engines": dict(sorted(engines.items())),
         "flushes": sum(r.flushes for r in runs),
         "system_missed": sum(r.system_missed for r in runs), "history_lost": sum(r.history_lost for r in runs),
@@ -386,17 +392,17 @@ def run(scenarios: list[str], routers: list[str], requests: int, reps: int, log,
 def table(result: dict) -> str:
     lines = [f"bakeoff: {result['reps']} runs of {result['requests_per_run']} streamed chats per router and scenario "
              f"({result['seconds']:.0f} s)",
-             f"  {'scenario':<13} {'router':<7} {'hit %':>6} {'mean':>7} {'p50':>7} {'p90':>7}  {'errors':>6} "
+             f"  {'scenario':<13} {'router':<7} {'hit %':>6} {'mean':>7} {'p50':>7} {'p90':>7} {'TPOT':>5}  {'errors':>6} "
              f"{'CPU/req':>8} {'sys':>4} {'hist':>4}  requests per engine"]
     floor = next((s["system_missed_floor"] for routers in result["scenarios"].values() for s in routers.values()), None)
     for name, routers in result["scenarios"].items():
         for router, s in routers.items():
             cpu = s["router_cpu_ms_per_request"]
             lines.append(f"  {name:<13} {router:<7} {s['hit_rate'] * 100:6.1f} {s['ttft_mean_ms'] or 0:7.1f} "
-                         f"{s['ttft_p50_ms'] or 0:7.1f} {s['ttft_p90_ms'] or 0:7.1f}  {s['errors']:>6} "
+                         f"{s['ttft_p50_ms'] or 0:7.1f} {s['ttft_p90_ms'] or 0:7.1f} {s['tpot_p50_ms'] or 0:5.2f}  {s['errors']:>6} "
                          f"{'-' if cpu is None else f'{cpu:.2f}':>8} {s['system_missed']:>4} {s['history_lost']:>4}  "
                          + " / ".join(str(n) for n in s["engines"].values()))
-    lines.append(f"  (TTFT in ms; CPU: the router's processes over the run, ms per request; sys: requests whose engine "
+    lines.append(f"  (TTFT in ms: mean, p50, p90; TPOT: p50 of each request's mean gap between token chunks, ms; CPU: the router's processes over the run, ms per request; sys: requests whose engine "
                  f"held not even their system prompt, of which {floor} were their tenant's first in the run; hist: later turns "
                  "that lost the turns before)")
     for what, ok in result["targets"].items():

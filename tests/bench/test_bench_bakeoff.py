@@ -40,13 +40,15 @@ def test_flushes_take_the_engines_in_turn_or_drawn_the_same_for_every_router():
 
 
 def _run(ttft_ms, engines, hits, queries, cpu_s=0.1):
-    return bakeoff.RunResult(ttft_s=[t / 1e3 for t in ttft_ms], engines=engines, hits=hits, queries=queries, cpu_s=cpu_s)
+    return bakeoff.RunResult(ttft_s=[t / 1e3 for t in ttft_ms], tpot_s=[t / 1e4 for t in ttft_ms], engines=engines,
+                             hits=hits, queries=queries, cpu_s=cpu_s)
 
 
 def test_the_summary_pools_the_runs_and_the_targets_compare_kv_sync_with_sglang():
     ours = bakeoff.summarize_router([_run([10, 20, 30], {"sim0": 3}, 70, 100), _run([40], {"sim1": 1}, 10, 100)])
     assert ours["requests"] == 4 and ours["hit_rate"] == 0.4 and ours["hit_rate_runs"] == [0.7, 0.1]
     assert (ours["ttft_mean_ms"], ours["ttft_p50_ms"], ours["ttft_p90_ms"]) == (25.0, 30.0, 40.0)
+    assert (ours["tpot_p50_ms"], ours["tpot_p90_ms"]) == (3.0, 4.0)
     assert ours["engines"] == {"sim0": 3, "sim1": 1} and ours["router_cpu_ms_per_request"] == 50.0
     theirs = bakeoff.summarize_router([_run([5, 25, 28, 45], {"sim0": 4}, 403, 1000, cpu_s=None)])
     assert theirs["router_cpu_ms_per_request"] is None
@@ -60,7 +62,7 @@ def test_the_summary_pools_the_runs_and_the_targets_compare_kv_sync_with_sglang(
         summary["system_missed_floor"] = 1
     text = bakeoff.table({"scenarios": {"steady": {"kv-sync": ours, "sglang": theirs}}, "requests_per_run": 4,
                           "reps": 1, "seconds": 1.0, "targets": t})
-    assert "steady        kv-sync   40.0    25.0    30.0    40.0       0    50.00    0    0  3 / 1" in text
+    assert "steady        kv-sync   40.0    25.0    30.0    40.0  3.00       0    50.00    0    0  3 / 1" in text
     assert "target steady: kv-sync ttft_p50_ms <= sglang's: MISSED" in text
 
 
@@ -75,6 +77,7 @@ def test_a_short_bakeoff_runs_every_request_through_kvgate_and_sglang_with_the_f
         assert sum(r["engines"].values()) == 40 and set(r["engines"]) <= {"sim0", "sim1", "sim2"}
         assert 0.3 < r["hit_rate"] < 1.0  # later turns hit their history; the first of each tenant cannot
         assert 0 < r["ttft_p50_ms"] <= r["ttft_p90_ms"] and r["router_cpu_ms_per_request"] > 0
+        assert 2.0 <= r["tpot_p50_ms"] <= r["tpot_p90_ms"]  # the engines take 2 ms a token, more with a batch
         # every tenant's first request misses; turns after a flush of their engine may lose their history too
         assert r["system_missed_floor"] <= r["system_missed"] < 40 and 0 <= r["history_lost"] < 40
     assert set(result["targets"]) == {f"flush-rotate: kv-sync {m}" for m in (
