@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import importlib.util
 import json
 import math
@@ -390,8 +391,8 @@ def run(scenarios: list[str], routers: list[str], requests: int, reps: int, log,
 
 
 def table(result: dict) -> str:
-    lines = [f"bakeoff: {result['reps']} runs of {result['requests_per_run']} streamed chats per router and scenario "
-             f"({result['seconds']:.0f} s)",
+    lines = [f"bakeoff: {result['reps']} runs of {result['requests_per_run']} streamed chats per router and scenario, "
+             f"{result['workload']['conversations_at_once']} conversations at a time ({result['seconds']:.0f} s)",
              f"  {'scenario':<13} {'router':<7} {'hit %':>6} {'mean':>7} {'p50':>7} {'p90':>7} {'TPOT':>5}  {'errors':>6} "
              f"{'CPU/req':>8} {'sys':>4} {'hist':>4}  requests per engine"]
     floor = next((s["system_missed_floor"] for routers in result["scenarios"].values() for s in routers.values()), None)
@@ -418,6 +419,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"a router to run (repeatable; default all: {', '.join(ROUTERS)})")
     p.add_argument("--requests", type=int, default=168, help="streamed chats per run (default 168)")
     p.add_argument("--reps", type=int, default=3, help="runs per router and scenario, each its own plan (default 3)")
+    p.add_argument("--conversations", type=int, default=WORKLOAD.conversations_at_once,
+                   help=f"conversations at a time (default {WORKLOAD.conversations_at_once}, the issue's; more loads "
+                        "the engines)")
     p.add_argument("--kvgate-env", action="append", default=[], metavar="KVGATE_X=VALUE",
                    help="a setting of both kvgate replicas beyond the shipped ones (repeatable), to compare variants")
 
@@ -426,8 +430,8 @@ def main(args: argparse.Namespace) -> int:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    if args.requests < 1 or args.reps < 1:
-        print("kvgate bench bakeoff: --requests and --reps must be at least 1", file=sys.stderr)
+    if args.requests < 1 or args.reps < 1 or args.conversations < 1:
+        print("kvgate bench bakeoff: --requests, --reps and --conversations must be at least 1", file=sys.stderr)
         return 2
     routers = [r for r in ROUTERS if r in (args.router or ROUTERS)]
     env = dict(item.partition("=")[::2] for item in args.kvgate_env)
@@ -435,7 +439,8 @@ def main(args: argparse.Namespace) -> int:
         print("kvgate bench bakeoff: --kvgate-env takes KVGATE_X=VALUE", file=sys.stderr)
         return 2
     try:
-        result = run(args.scenario or list(SCENARIOS), routers, args.requests, args.reps, log, kvgate_env=env)
+        result = run(args.scenario or list(SCENARIOS), routers, args.requests, args.reps, log,
+                     dataclasses.replace(WORKLOAD, conversations_at_once=args.conversations), kvgate_env=env)
     except StackError as e:
         print(f"kvgate bench bakeoff: {e}", file=sys.stderr)
         return 1
