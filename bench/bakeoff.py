@@ -35,6 +35,7 @@ import shutil
 import statistics
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -119,6 +120,7 @@ class RunResult:
     flushes: int = 0
     system_missed: int = 0  # requests whose engine held not even their system prompt
     history_lost: int = 0  # later turns whose engine held their system prompt but not the turns before
+    tenants: dict[int, Counter] = field(default_factory=dict)  # tenant -> its requests per engine
     queries: float = 0.0  # the engines' prefix-cache counters over the run
     hits: float = 0.0
     cpu_s: float | None = None
@@ -147,9 +149,9 @@ class Flusher:
 
 
 async def _turn(client: httpx.AsyncClient, url: str, messages: list[dict], headers: dict[str, str],
-                w: Workload, result: RunResult) -> tuple[str, int, int] | None:
+                w: Workload, result: RunResult) -> tuple[str, int, int, str] | None:
     """One streamed chat; its TTFT and engine recorded; (the answer's text, prompt tokens, cached prompt tokens
-    by the engine's usage), or None where it failed."""
+    by the engine's usage, the engine), or None where it failed."""
     body = {"model": MODEL, "messages": messages, "stream": True, "max_tokens": w.max_tokens,
             "stream_options": {"include_usage": True}}
     pieces: list[str] = []
@@ -186,7 +188,7 @@ async def _turn(client: httpx.AsyncClient, url: str, messages: list[dict], heade
     if len(pieces) > 1 and last is not None:
         result.tpot_s.append((last - first) / (len(pieces) - 1))
     result.engines[engine] = result.engines.get(engine, 0) + 1
-    return "".join(pieces), prompt, cached
+    return "".join(pieces), prompt, cached, engine
 
 
 async def drive(base_url: str, headers: dict[str, str], plan: Plan, w: Workload, engine_urls: list[str],
@@ -209,7 +211,8 @@ async def drive(base_url: str, headers: dict[str, str], plan: Plan, w: Workload,
                     answered = await _turn(client, base_url + "/v1/chat/completions", messages, headers, w, result)
                     if answered is None:
                         break  # the conversation's history was not answered: it ends here
-                    answer, prompt, cached = answered
+                    answer, prompt, cached, engine = answered
+                    result.tenants.setdefault(c.tenant, Counter())[engine] += 1
                     if turn == 0:
                         first_prompt = prompt
                     # the system prompt is most of a first turn's prompt; a later turn's history is the turn
@@ -272,7 +275,7 @@ def flush_order(scenario: str, seed: int, engines: int, requests: int) -> list[i
 
 
 def run_scenario(scenario: str, routers: list[str], plans: list[Plan], w: Workload, log,
-                 kvgate_env: dict[str, str] | None = None) -> dict[str, list[RunResult]]:
+                 kvgate_env: dict[str, str] | None = None, replicas: int = 2) -> dict[str, list[RunResult]]:
     n_engines = 3
     blocks = engine_blocks(scenario, plans, w, n_engines)
     out: dict[str, list[RunResult]] = {r: [] for r in routers}
@@ -283,7 +286,7 @@ def run_scenario(scenario: str, routers: list[str], plans: list[Plan], w: Worklo
         envoy_url, kvgate_pids = "", []
         if any(r in KVGATE_ROUTERS for r in routers):
             _, redis_url = stack.redis()
-            grpc_ports, _, procs = start_replicas(stack, stack.pods_file(pods), redis_url, 2, kvgate_env)
+            grpc_ports, _, procs = start_replicas(stack, stack.pods_file(pods), redis_url, replicas, kvgate_env)
             listen = free_port()
             envoy = stack.envoy(listen_port=listen, extproc_port=grpc_ports[0], more_extproc_ports=grpc_ports[1:],
                                 pool=pool)
@@ -350,6 +353,9 @@ def summarize_router(runs: list[RunResult]) -> dict[str, Any]:
         "engines": dict(sorted(engines.items())),
         "flushes": sum(r.flushes for r in runs),
         "system_missed": sum(r.system_missed for r in runs), "history_lost": sum(r.history_lost for r in runs),
+        # how a router keeps a tenant together: the share of the requests on each tenant's busiest engine
+        "tenant_home_share": round(_ratio(sum(max(c.values()) for r in runs for c in r.tenants.values()),
+                                          sum(sum(c.values()) for r in runs for c in r.tenants.values())), 4),
         "router_cpu_ms_per_request": (round(sum(c for c in cpu if c is not None) / served * 1e3, 3)
                                       if served and None not in cpu else None),
     }
@@ -369,7 +375,7 @@ def targets(scenarios: dict[str, dict[str, dict]]) -> dict[str, bool]:
 
 
 def run(scenarios: list[str], routers: list[str], requests: int, reps: int, log, w: Workload = WORKLOAD,
-        kvgate_env: dict[str, str] | None = None) -> dict:
+        kvgate_env: dict[str, str] | None = None, replicas: int = 2) -> dict:
     if "sglang" in routers and importlib.util.find_spec("sglang_router") is None:
         raise StackError("sglang-router is not installed (a bench dependency: ./dev setup installs it)")
     if any(r in KVGATE_ROUTERS for r in routers) and not shutil.which("redis-server"):
@@ -378,12 +384,12 @@ def run(scenarios: list[str], routers: list[str], requests: int, reps: int, log,
     started = time.monotonic()
     out: dict[str, dict[str, dict]] = {}
     for scenario in scenarios:
-        results = run_scenario(scenario, routers, plans, w, log, kvgate_env)
+        results = run_scenario(scenario, routers, plans, w, log, kvgate_env, replicas)
         out[scenario] = {r: summarize_router(runs) for r, runs in results.items()}
         for summary in out[scenario].values():  # each tenant's first request finds its system prompt nowhere
             summary["system_missed_floor"] = sum(len({c.tenant for c in p.conversations}) for p in plans)
     return {"scenarios": out, "engine_blocks": {s: engine_blocks(s, plans, w, 3) for s in scenarios},
-            "kvgate_env": kvgate_env or {}, "requests_per_run": requests, "reps": reps, "flush_every": FLUSH_EVERY,
+            "kvgate_env": kvgate_env or {}, "kvgate_replicas": replicas, "requests_per_run": requests, "reps": reps, "flush_every": FLUSH_EVERY,
             "workload": {"tenants": w.tenants, "zipf": w.zipf, "system_words": w.system_words,
                          "turns": list(w.turns), "think_s": list(w.think_s),
                          "conversations_at_once": w.conversations_at_once, "max_tokens": w.max_tokens},
@@ -394,18 +400,18 @@ def table(result: dict) -> str:
     lines = [f"bakeoff: {result['reps']} runs of {result['requests_per_run']} streamed chats per router and scenario, "
              f"{result['workload']['conversations_at_once']} conversations at a time ({result['seconds']:.0f} s)",
              f"  {'scenario':<13} {'router':<7} {'hit %':>6} {'mean':>7} {'p50':>7} {'p90':>7} {'TPOT':>5}  {'errors':>6} "
-             f"{'CPU/req':>8} {'sys':>4} {'hist':>4}  requests per engine"]
+             f"{'CPU/req':>8} {'sys':>4} {'hist':>4} {'home':>5}  requests per engine"]
     floor = next((s["system_missed_floor"] for routers in result["scenarios"].values() for s in routers.values()), None)
     for name, routers in result["scenarios"].items():
         for router, s in routers.items():
             cpu = s["router_cpu_ms_per_request"]
             lines.append(f"  {name:<13} {router:<7} {s['hit_rate'] * 100:6.1f} {s['ttft_mean_ms'] or 0:7.1f} "
                          f"{s['ttft_p50_ms'] or 0:7.1f} {s['ttft_p90_ms'] or 0:7.1f} {s['tpot_p50_ms'] or 0:5.2f}  {s['errors']:>6} "
-                         f"{'-' if cpu is None else f'{cpu:.2f}':>8} {s['system_missed']:>4} {s['history_lost']:>4}  "
+                         f"{'-' if cpu is None else f'{cpu:.2f}':>8} {s['system_missed']:>4} {s['history_lost']:>4} {s['tenant_home_share']:5.2f}  "
                          + " / ".join(str(n) for n in s["engines"].values()))
     lines.append(f"  (TTFT in ms: mean, p50, p90; TPOT: p50 of each request's mean gap between token chunks, ms; CPU: the router's processes over the run, ms per request; sys: requests whose engine "
                  f"held not even their system prompt, of which {floor} were their tenant's first in the run; hist: later turns "
-                 "that lost the turns before)")
+                 "that lost the turns before; home: the share of each tenant's requests on its busiest engine)")
     for what, ok in result["targets"].items():
         lines.append(f"  target {what}: {'met' if ok else 'MISSED'}")
     return "\n".join(lines)
@@ -422,6 +428,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--conversations", type=int, default=WORKLOAD.conversations_at_once,
                    help=f"conversations at a time (default {WORKLOAD.conversations_at_once}, the issue's; more loads "
                         "the engines)")
+    p.add_argument("--replicas", type=int, default=2, help="kvgate replicas behind Envoy (default 2, as shipped)")
     p.add_argument("--kvgate-env", action="append", default=[], metavar="KVGATE_X=VALUE",
                    help="a setting of both kvgate replicas beyond the shipped ones (repeatable), to compare variants")
 
@@ -430,8 +437,9 @@ def main(args: argparse.Namespace) -> int:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    if args.requests < 1 or args.reps < 1 or args.conversations < 1:
-        print("kvgate bench bakeoff: --requests, --reps and --conversations must be at least 1", file=sys.stderr)
+    if min(args.requests, args.reps, args.conversations, args.replicas) < 1:
+        print("kvgate bench bakeoff: --requests, --reps, --conversations and --replicas must be at least 1",
+              file=sys.stderr)
         return 2
     routers = [r for r in ROUTERS if r in (args.router or ROUTERS)]
     env = dict(item.partition("=")[::2] for item in args.kvgate_env)
@@ -440,7 +448,8 @@ def main(args: argparse.Namespace) -> int:
         return 2
     try:
         result = run(args.scenario or list(SCENARIOS), routers, args.requests, args.reps, log,
-                     dataclasses.replace(WORKLOAD, conversations_at_once=args.conversations), kvgate_env=env)
+                     dataclasses.replace(WORKLOAD, conversations_at_once=args.conversations), kvgate_env=env,
+                     replicas=args.replicas)
     except StackError as e:
         print(f"kvgate bench bakeoff: {e}", file=sys.stderr)
         return 1

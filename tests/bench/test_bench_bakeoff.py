@@ -62,7 +62,7 @@ def test_the_summary_pools_the_runs_and_the_targets_compare_kv_sync_with_sglang(
         summary["system_missed_floor"] = 1
     text = bakeoff.table({"scenarios": {"steady": {"kv-sync": ours, "sglang": theirs}}, "requests_per_run": 4,
                           "reps": 1, "seconds": 1.0, "targets": t, "workload": {"conversations_at_once": 8}})
-    assert "steady        kv-sync   40.0    25.0    30.0    40.0  3.00       0    50.00    0    0  3 / 1" in text
+    assert "steady        kv-sync   40.0    25.0    30.0    40.0  3.00       0    50.00    0    0  0.00  3 / 1" in text
     assert "target steady: kv-sync ttft_p50_ms <= sglang's: MISSED" in text
 
 
@@ -80,6 +80,7 @@ def test_a_short_bakeoff_runs_every_request_through_kvgate_and_sglang_with_the_f
         assert 2.0 <= r["tpot_p50_ms"] <= r["tpot_p90_ms"]  # the engines take 2 ms a token, more with a batch
         # every tenant's first request misses; turns after a flush of their engine may lose their history too
         assert r["system_missed_floor"] <= r["system_missed"] < 40 and 0 <= r["history_lost"] < 40
+        assert 1 / 3 <= r["tenant_home_share"] <= 1
     assert set(result["targets"]) == {f"flush-rotate: kv-sync {m}" for m in (
         "ttft_mean_ms <= sglang's", "ttft_p50_ms <= sglang's", "ttft_p90_ms <= sglang's",
         "hit_rate >= sglang's - 0.5 point")}
