@@ -44,7 +44,7 @@ import httpx
 from bench.path import _cpu_seconds, _pct, start_replicas
 from devkit.demo import BLOCK_SIZE, _engine_counters, _reset_caches
 from devkit.stack import Proc, Stack, StackError, free_port
-from devkit.workload import _text
+from devkit.workload import _text, sse_events
 
 MODEL = "bakeoff-model"
 ROUTERS = ("kv-sync", "slo", "sglang")
@@ -164,10 +164,7 @@ async def _turn(client: httpx.AsyncClient, url: str, messages: list[dict], heade
                 await r.aread()
                 raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
             engine = r.headers.get("x-sim-name", "?")
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
+            async for chunk in sse_events(r):
                 usage = chunk.get("usage") or usage
                 for choice in chunk.get("choices", []):
                     text = choice.get("delta", {}).get("content")

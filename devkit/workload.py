@@ -10,7 +10,7 @@ import asyncio
 import json
 import random
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -18,6 +18,13 @@ import httpx
 _WORDS = ("the model cache block prefix token engine router request stream latency replica gateway "
           "event index memory batch prompt answer question system user chat fleet pod metric shared "
           "history context window sequence attention layer decode prefill queue load balance score").split()
+
+
+async def sse_events(r: httpx.Response) -> AsyncIterator[dict]:
+    """The JSON of each `data:` event of a streamed response, as it arrives (the closing [DONE] left out)."""
+    async for line in r.aiter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[6:])
 
 
 def _text(rng: random.Random, words: int) -> str:
@@ -125,14 +132,11 @@ class ChatWorkload:
                     await r.aread()
                     raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
                 pod = r.headers.get("x-kvgate-pod", "?")
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
+                async for chunk in sse_events(r):
                     if first is None:
                         first = time.monotonic() - t0
                     last = time.monotonic() - t0
                     events += 1
-                    chunk = json.loads(line[6:])
                     for choice in chunk.get("choices", []):
                         pieces.append(choice.get("delta", {}).get("content") or "")
             if first is None:
@@ -248,10 +252,7 @@ class AgentWorkload(ChatWorkload):
                     await r.aread()
                     raise RuntimeError(f"{path}: HTTP {r.status_code}: {r.text[:200]}")
                 pod = r.headers.get("x-kvgate-pod", "?")
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    event = json.loads(line[6:])
+                async for event in sse_events(r):
                     text = None
                     if api == "chat":
                         for choice in event.get("choices", []):
