@@ -135,7 +135,7 @@ def render(name: str, data: dict) -> str:
         return "\n".join(out)
     if name == "bakeoff" and isinstance(data.get("scenarios"), dict):
         cols = ["hit_rate", "ttft_mean_ms", "ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "tpot_p90_ms", "errors", "router_cpu_ms_per_request",
-                "system_missed", "history_lost", "engines"]
+                "system_missed", "history_lost", "tenant_home_share", "engines"]
         out = ["| scenario | router | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
         for scenario, routers in data["scenarios"].items():
             for router, r in routers.items():
