@@ -118,6 +118,7 @@ class RunResult:
     errors: int = 0
     error_samples: list[str] = field(default_factory=list)
     flushes: int = 0
+    flush_errors: int = 0  # resets an engine did not take
     system_missed: int = 0  # requests whose engine held not even their system prompt
     history_lost: int = 0  # later turns whose engine held their system prompt but not the turns before
     tenants: dict[int, Counter] = field(default_factory=dict)  # tenant -> its requests per engine
@@ -127,22 +128,30 @@ class RunResult:
 
 
 class Flusher:
-    """Every FLUSH_EVERY requests sent, one engine's prefix cache reset: `order` names which, in turn."""
+    """Every FLUSH_EVERY requests sent, one engine's prefix cache reset: `order` names which, in turn. A reset
+    the engine did not take (an error, or not 200) is counted in `result.flush_errors`, not in `flushes`."""
 
     def __init__(self, engine_urls: list[str], order: list[int] | None, result: RunResult) -> None:
         self.urls, self.order, self.result = engine_urls, order, result
         self.sent = 0
-        self.tasks: set[asyncio.Task] = set()
+        self.tasks: list[asyncio.Task] = []
 
     def sending(self, client: httpx.AsyncClient) -> None:
         self.sent += 1
         if self.order is None or self.sent % FLUSH_EVERY:
             return
         url = self.urls[self.order[(self.sent // FLUSH_EVERY - 1) % len(self.order)]]
-        task = asyncio.create_task(client.post(url + "/reset_prefix_cache"))
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
-        self.result.flushes += 1
+        self.tasks.append(asyncio.create_task(self._reset(client, url)))
+
+    async def _reset(self, client: httpx.AsyncClient, url: str) -> None:
+        try:
+            ok = (await client.post(url + "/reset_prefix_cache")).status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        if ok:
+            self.result.flushes += 1
+        else:
+            self.result.flush_errors += 1
 
     async def settle(self) -> None:
         await asyncio.gather(*self.tasks)
@@ -348,7 +357,7 @@ def summarize_router(runs: list[RunResult]) -> dict[str, Any]:
         "ttft_p50_ms": _ms(_pct(ttft, 0.5)), "ttft_p90_ms": _ms(_pct(ttft, 0.9)),
         "tpot_p50_ms": _ms(_pct(tpot, 0.5)), "tpot_p90_ms": _ms(_pct(tpot, 0.9)),
         "engines": dict(sorted(engines.items())),
-        "flushes": sum(r.flushes for r in runs),
+        "flushes": sum(r.flushes for r in runs), "flush_errors": sum(r.flush_errors for r in runs),
         "system_missed": sum(r.system_missed for r in runs), "history_lost": sum(r.history_lost for r in runs),
         # how a router keeps a tenant together: the share of the requests on each tenant's busiest engine
         "tenant_home_share": round(_ratio(sum(max(c.values()) for r in runs for c in r.tenants.values()),

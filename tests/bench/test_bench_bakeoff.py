@@ -2,9 +2,11 @@
 (three simulated engines; kvgate as shipped behind a real Envoy with redis-server; SGLang's model gateway)."""
 from __future__ import annotations
 
+import asyncio
 import shutil
 from collections import Counter
 
+import httpx
 import pytest
 
 from bench import bakeoff
@@ -37,6 +39,29 @@ def test_flushes_take_the_engines_in_turn_or_drawn_the_same_for_every_router():
     drawn = bakeoff.flush_order("flush-random", 1, 3, 100)
     assert drawn == bakeoff.flush_order("flush-random", 1, 3, 100) != bakeoff.flush_order("flush-random", 2, 3, 100)
     assert len(drawn) == 6 and set(drawn) <= {0, 1, 2}
+
+
+def test_a_reset_the_engine_refuses_or_never_answers_is_counted_apart_and_loses_no_run():
+    async def go():
+        result = bakeoff.RunResult()
+        transport = httpx.MockTransport(lambda req: httpx.Response(200 if "good" in str(req.url) else 503))
+        async with httpx.AsyncClient(transport=transport) as client:
+            flusher = bakeoff.Flusher(["http://good", "http://bad"], [0, 1], result)
+            for _ in range(2 * bakeoff.FLUSH_EVERY):
+                flusher.sending(client)
+            await flusher.settle()
+        async with httpx.AsyncClient(transport=httpx.MockTransport(_refuse)) as client:
+            flusher = bakeoff.Flusher(["http://down"], [0], result)
+            for _ in range(bakeoff.FLUSH_EVERY):
+                flusher.sending(client)
+            await flusher.settle()
+        return result
+    result = asyncio.run(go())
+    assert (result.flushes, result.flush_errors) == (1, 2)
+
+
+def _refuse(request):
+    raise httpx.ConnectError("refused", request=request)
 
 
 def _run(ttft_ms, engines, hits, queries, cpu_s=0.1):
@@ -73,7 +98,7 @@ def test_a_short_bakeoff_runs_every_request_through_kvgate_and_sglang_with_the_f
     for router in ("kv-sync", "sglang"):
         r = s[router]
         assert r["requests"] == 40 and r["errors"] == 0, r["error_samples"]
-        assert r["flushes"] == 2
+        assert r["flushes"] == 2 and r["flush_errors"] == 0
         assert sum(r["engines"].values()) == 40 and set(r["engines"]) <= {"sim0", "sim1", "sim2"}
         assert 0.3 < r["hit_rate"] < 1.0  # later turns hit their history; the first of each tenant cannot
         assert 0 < r["ttft_p50_ms"] <= r["ttft_p90_ms"] and r["router_cpu_ms_per_request"] > 0
