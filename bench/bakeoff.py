@@ -14,7 +14,8 @@ at a time; every request streamed. Each run sends the same plan (seeded per repe
 the engines' prefix caches emptied before it, the routers' order alternating from one repetition to the next.
 Scenarios (SCENARIOS): `steady` (every prompt fits the fleet's caches), `evicting` (the fleet holds about half of
 the plan's distinct prompt tokens), `flush-random` and `flush-rotate` (one engine's prefix cache reset every
-FLUSH_EVERY requests sent: the engine drawn at random, seeded, or the engines in turn).
+FLUSH_EVERY requests sent: the engine drawn at random, seeded, or the engines in turn; vLLM takes a reset only
+while no request runs on the engine, so it lands at the engine's first idle moment).
 Per router and scenario: the engines' own prefix-cache hit rate over the run (vllm:prefix_cache_hits over
 queries), time to first token (mean, p50, p90: from the request sent to the first chunk carrying a token, read by
 the same client for every router), requests per engine (the engine's x-sim-name header), errors, and the
@@ -51,6 +52,7 @@ ROUTERS = ("kv-sync", "slo", "sglang")
 KVGATE_ROUTERS = ("kv-sync", "slo")
 SCENARIOS = ("steady", "evicting", "flush-random", "flush-rotate")
 FLUSH_EVERY = 20
+FLUSH_RETRY_S, FLUSH_PATIENCE_S = 0.005, 5.0  # a refused reset (requests running) asked again until it lands
 STEADY_BLOCKS = 4096  # per engine: 65,536 tokens, more than any plan's distinct prompt tokens
 # the demo's engine timing (devkit.demo), so TTFT is prefill of what is not cached plus the batch's decode
 SIM_ARGS = ["--block-size", str(BLOCK_SIZE), "--ttft-overhead-ms", "5", "--prefill-ms-per-token", "0.1",
@@ -128,8 +130,9 @@ class RunResult:
 
 
 class Flusher:
-    """Every FLUSH_EVERY requests sent, one engine's prefix cache reset: `order` names which, in turn. A reset
-    the engine did not take (an error, or not 200) is counted in `result.flush_errors`, not in `flushes`."""
+    """Every FLUSH_EVERY requests sent, one engine's prefix cache reset: `order` names which, in turn, at the
+    engine's first moment without running requests (vLLM resets no sooner). A reset the engine did not take (an
+    error, or still refused after FLUSH_PATIENCE_S) is counted in `result.flush_errors`, not in `flushes`."""
 
     def __init__(self, engine_urls: list[str], order: list[int] | None, result: RunResult) -> None:
         self.urls, self.order, self.result = engine_urls, order, result
@@ -144,14 +147,21 @@ class Flusher:
         self.tasks.append(asyncio.create_task(self._reset(client, url)))
 
     async def _reset(self, client: httpx.AsyncClient, url: str) -> None:
-        try:
-            ok = (await client.post(url + "/reset_prefix_cache")).status_code == 200
-        except httpx.HTTPError:
-            ok = False
-        if ok:
-            self.result.flushes += 1
-        else:
-            self.result.flush_errors += 1
+        """vLLM refuses a reset while requests run on the engine (409; so does the sim): asked again every
+        FLUSH_RETRY_S until the engine takes it, at most FLUSH_PATIENCE_S."""
+        deadline = time.monotonic() + FLUSH_PATIENCE_S
+        while True:
+            try:
+                status = (await client.post(url + "/reset_prefix_cache")).status_code
+            except httpx.HTTPError:
+                status = 0
+            if status == 200:
+                self.result.flushes += 1
+                return
+            if status != 409 or time.monotonic() > deadline:
+                self.result.flush_errors += 1
+                return
+            await asyncio.sleep(FLUSH_RETRY_S)
 
     async def settle(self) -> None:
         await asyncio.gather(*self.tasks)
