@@ -52,7 +52,7 @@ ROUTERS = ("kv-sync", "slo", "sglang")
 KVGATE_ROUTERS = ("kv-sync", "slo")
 SCENARIOS = ("steady", "evicting", "flush-random", "flush-rotate")
 FLUSH_EVERY = 20
-FLUSH_RETRY_S, FLUSH_PATIENCE_S = 0.005, 5.0  # a refused reset (requests running) asked again until it lands
+FLUSH_RETRY_S, FLUSH_PATIENCE_S = 0.05, 5.0  # a refused reset (requests running) asked again until it lands
 STEADY_BLOCKS = 4096  # per engine: 65,536 tokens, more than any plan's distinct prompt tokens
 # the demo's engine timing (devkit.demo), so TTFT is prefill of what is not cached plus the batch's decode
 SIM_ARGS = ["--block-size", str(BLOCK_SIZE), "--ttft-overhead-ms", "5", "--prefill-ms-per-token", "0.1",
