@@ -321,9 +321,11 @@ class GatewayEnv:
         self.stack = stack
         self._closers: list[Callable[[], object]] = []
 
-    def start_gateway(self, pods: list[dict], env: dict[str, str], client_timeout: float = 30) -> None:
+    def start_gateway(self, pods: list[dict], env: dict[str, str], client_timeout: float = 30,
+                      watch_percent: int | None = None) -> None:
         """kvgate over `pods` (a pods file), then Envoy in front of it with every pod in its pool (the
-        override_host policy picks only among those)."""
+        override_host policy picks only among those); `watch_percent`: Envoy's runtime key
+        kvgate.watch_percent (None: envoy/envoy.yaml's 10)."""
         self.pods = pods
         self.pods_file = self.stack.pods_file(pods)
         self.canary, self.canary_port = start_canary(self.stack)
@@ -333,7 +335,7 @@ class GatewayEnv:
         wait_for_port("127.0.0.1", self.http_port, timeout=10)
         self.listen, self.envoy_admin = free_port(), free_port()
         self.envoy = self.stack.envoy(listen_port=self.listen, extproc_port=self.grpc_port, pool=envoy_pool(pods),
-                                      admin_port=self.envoy_admin)
+                                      admin_port=self.envoy_admin, watch_percent=watch_percent)
         self.url = f"http://127.0.0.1:{self.listen}"
         self.client = httpx.Client(base_url=self.url, timeout=client_timeout)
         self.on_close(self.client.close)
