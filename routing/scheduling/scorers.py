@@ -7,6 +7,7 @@ from typing import Callable, Mapping, Protocol, Sequence
 
 from kvcache.blockkeys import BlockExtras, block_keys, extra_digest
 from routing.scheduling.approx import ApproxPrefixTable
+from routing.scheduling.family import SharedOpening
 from routing.state.engine_metrics import EngineMetrics
 from routing.pods import Pod
 from routing.scheduling.scoring import PickContext, Scorer, rendezvous
@@ -320,35 +321,49 @@ class PrecisePrefixScorer(Scorer):
 
 
 class FamilyAffinityScorer(Scorer):
-    """Where a prompt's family (the prompts sharing its first block) goes while no pod holds any of
-    the prompt per the index: the pod this gateway last sent the family to, else the family's
-    pod among those this gateway has given the fewest families (rendezvous order breaks the tie).
-    That pod scores 1, the others 0; when some pod holds a block the index decides alone. Reads the index's answer from ctx.matched and ctx.total_blocks, which the
-    `prefix` scorer fills (weigh this one after it); without that answer it gives nothing.
+    """Where a prompt's family lives. The family: the prompts sharing it through its first block past the
+    opening most of the model's prompts begin with (routing.scheduling.family). Its home, scoring 1 (the others
+    0): where some pods but not all hold the family's own blocks per the index, the one holding the most of the
+    prompt (ties: rendezvous order); where none does, the pod this gateway last sent the family to; else a
+    placement (0.5): among the pods this gateway has given the fewest families, rendezvous order. Before the
+    opening is known (the model's first few prompts) the family is the first block, and the scorer is silent
+    wherever a pod holds any of the prompt. Reads the index's answer from ctx.matched and ctx.total_blocks, which
+    the `prefix` scorer fills (weigh this one after it); without that answer it gives nothing.
 
-    Why: a family nobody holds (never seen, evicted everywhere, its engine flushed) left to load
-    alone scatters over the engines, and each one it lands on misses its shared prefix; kept on one
-    pod, one miss re-warms it. A new family goes where the fewest families live: each family brings
-    its prefix's cache demand and its future requests, so homes placed by rendezvous alone (a
-    binomial spread: with 150 families on 8 pods, 18 on one and 26 on another) overfill some caches
-    and some decode batches, and load then moves requests off their prefix (bench routing W1, one
-    replica: evictions 13.7k against 9.8k for a router that places new text on its emptiest pod).
-    Gateway replicas agree without talking: their last decisions followed the same shared index,
-    each replica records every family it routes (so their counts follow the same decisions), and
-    the rendezvous order is the same in every process. Also sets
-    `ctx.family`, so the picker breaks ties the same way. Per replica, at most `capacity` families
-    (least recently picked dropped first)."""
+    Why: the `prefix` scorer prices a pod's cached prefix into this request's wait, not what the placement does
+    to the fleet's cache. Sent off the pod holding its prefix because that pod's prefill backlog is longer, a
+    family gets a second copy of its prefix, which evicts another family's where KV is short, and its next
+    requests split between the copies; left to load while nobody holds it (never seen, evicted everywhere, its
+    engine flushed) it scatters, and each engine it lands on misses its prefix. The home's point (half the
+    load scorer's weight by default, the load of 4 running requests) tips such near calls to the holder, and
+    makes every replica tip the same way. Bench bakeoff, evicting, 24 conversations at a time (the running
+    conversations' KV more than the fleet's): keyed on the first block (a chat template's, so one family for
+    every tenant) and silent wherever a pod held a block, a tenant's requests were on its busiest engine 63% of
+    the time and the engines' hit rate was 43.8%, against SGLang's gateway's 1.00 and 69.9%; now 0.76 and 56.4%,
+    TTFT p50 333 against 550 ms (docs/BENCHMARKS.md, bakeoff). Its price, where decode is the bottleneck: bench
+    routing W3 heavy behind 2 replicas, 12 seeds, TTFT mean 65.3 against 62.2 ms (one seed's 112.5 against
+    69.0; the median seed's 62.0 against 63.3), hit rate 75.3 against 75.0%.
+
+    A new family goes where the fewest families live: each family brings its prefix's cache demand and its
+    future requests, so homes placed by rendezvous alone (a binomial spread: with 150 families on 8 pods, 18 on
+    one and 26 on another) overfill some caches and some decode batches (bench routing W1, one replica:
+    evictions 13.7k against 9.8k for a router that places new text on its emptiest pod). Gateway replicas
+    agree without talking where the index shows the family (the same index, the same rendezvous order in every
+    process); a family nobody holds follows each replica's own last decision, and converges once one of them
+    has warmed a pod. Also sets `ctx.family`, so the picker breaks ties the same way. Per replica, at most
+    `capacity` families (least recently picked dropped first)."""
 
     name = "affinity"
     needs_tokens = True
 
     def __init__(self, block_size: Callable[[str], int | None] | None = None, default_block_size: int = 16,
-                 capacity: int = 100_000) -> None:
+                 capacity: int = 100_000, opening: SharedOpening | None = None) -> None:
         if default_block_size < 1 or capacity < 1:
             raise ValueError("default_block_size and capacity must be positive")
         self._block_size = block_size
         self._default_block_size = default_block_size
         self._capacity = capacity
+        self.opening = opening if opening is not None else SharedOpening()
         self._homes: OrderedDict[int, str] = OrderedDict()  # family key -> pod last sent to
         self._families: Counter[str] = Counter()  # pod -> families whose home it is
 
@@ -357,15 +372,29 @@ class FamilyAffinityScorer(Scorer):
         bs = (self._block_size(ctx.base_model) if self._block_size is not None else None) or self._default_block_size
         if not tokens or len(tokens) < bs:
             return {}
-        key = block_keys(ctx.base_model, ctx.lora, tokens[:bs], bs)[0]
+        head = block_keys(ctx.base_model, ctx.lora, tokens[:min(len(tokens) // bs, self.opening.max_blocks + 1) * bs],
+                          bs)
+        opening = self.opening.depth(ctx.base_model, head)
+        at = min(opening or 0, len(head) - 1)  # the family's block: a prompt no longer than the opening, its last
+        key = head[at]
         extras = ctx.request.extras
         first = extras.per_block(bs, 1).get(0) if extras else None
         if first:  # a salt (or media in block 0) makes another family: it shares nothing with the plain one.
             # The same number in every process (not Python's string hash), so replicas' rendezvous agree.
             key = (key ^ extra_digest(first)) & ((1 << 60) - 1)
         ctx.family = key
-        if not ctx.total_blocks or max(ctx.matched.values(), default=0) > 0:
-            return {}  # the index did not answer (no prefix scorer, or it failed), or someone holds a block
+        if not ctx.total_blocks:
+            return {}  # the index did not answer (no prefix scorer, or it failed)
+        matched = ctx.matched
+        best = max(matched.get(p.name, 0) for p in pods)
+        if opening is None:  # the model's first prompts: keyed on the first block, silent where a pod holds one
+            if best > 0:
+                return {}
+        elif best > at:  # some pod holds the family's own blocks: the one holding the most of the prompt
+            holders = [p for p in pods if matched.get(p.name, 0) == best]
+            if len(holders) == len(pods):
+                return {}  # every pod alike: nothing to keep together
+            return {max(holders, key=lambda p: rendezvous(key, p.name)).name: 1.0}
         home = self._homes.get(key)
         if home is not None and any(p.name == home for p in pods):
             return {home: 1.0}

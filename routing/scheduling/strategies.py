@@ -146,9 +146,11 @@ SCORERS: dict[str, ScorerSpec] = {s.name: s for s in (
                "the priors while not re-observed; before any, `KVGATE_ROUTING_PREFILL_TOKENS_PER_S` and 1 ms "
                "per running request"),
     ScorerSpec("affinity", lambda r: FamilyAffinityScorer(getattr(r.index, "block_size", None)), (),
-               "while the index shows no pod holding any of the prompt: 1 for the pod this gateway last "
-               "sent the prompt's family (first block) to; a family never sent: 0.5 for the pod this gateway "
-               "gave the fewest families (rendezvous order among equals)"),
+               "the prompt's family (the prompt through its first block past the opening most of the model's "
+               "recent prompts share) kept together: 1 for the pod holding the most of the prompt where some "
+               "pods (not all) hold the family's blocks (rendezvous order among equals: every replica alike); "
+               "where none does, 1 for the pod this gateway last sent the family to; a family never sent: 0.5 "
+               "for the pod this gateway gave the fewest families"),
     ScorerSpec("approx-prefix",
                lambda r: ApproxPrefixScorer(ApproxPrefixTable(r.config.approx_block_size, r.config.approx_capacity)),
                (), "leading prompt blocks this gateway sent the pod before (an LRU of chained block keys, "

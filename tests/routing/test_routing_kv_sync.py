@@ -199,3 +199,78 @@ async def test_hot_family_still_spreads(replicas):
     per_pod = {p: got.count(p) for p in "abcd"}
     assert min(per_pod.values()) > 0, per_pod
     assert max(per_pod.values()) - min(per_pod.values()) <= 2 * 16, per_pod
+
+
+TEMPLATE = family(0, context_blocks=1)  # the opening every prompt of the deployment begins with (a chat template's)
+
+
+def tenant(t: int) -> list[int]:
+    return TEMPLATE + family(500 + t, context_blocks=20)
+
+
+async def warm(router: Router, engines: Engines, clock, tenants: int = 12) -> dict[int, str]:
+    """Each tenant's first conversation, one at a time, each prefilled (its blocks stored) before the next, then
+    a second one each, which follows the index there: the model's opening is learnt (routing.scheduling.family;
+    the first few prompts, before it is known, are keyed on their first block) and every tenant has a home."""
+    homes = {}
+    for t in range(tenants):
+        clock.t += 1.0
+        homes[t] = await pick(router, prompt(tenant(t), 0))
+        engines.store(homes[t], prompt(tenant(t), 0))
+    for t in range(tenants):
+        clock.t += 1.0
+        assert await pick(router, prompt(tenant(t), 1)) == homes[t]
+    return homes
+
+
+async def test_tenants_behind_a_shared_template_are_families_of_their_own():
+    """Every prompt begins with the same template block, which every engine holds: a tenant evicted everywhere
+    but for it goes back to its own pod (not where load or backlog is least), and the tenants keep their
+    different homes (keyed on the first block, they were one family)."""
+    (r,), engines, clock, _ = fleet()
+    homes = await warm(r, engines, clock)
+    assert len(set(homes.values())) == 3  # placed over the pods
+    for t in range(12):
+        engines.evict(homes[t], prompt(tenant(t), 0), keep_blocks=1)  # all but the template
+    for name in "abc":
+        engines.store(name, TEMPLATE)
+    await hold(r, {homes[0]: 2})  # its home busier than the others (2 running)
+    got = []
+    for q in range(2, 6):
+        clock.t += 1.0
+        got.append(await pick(r, prompt(tenant(0), q)))
+    assert got == [homes[0]] * 4
+    for t in range(1, 12):
+        clock.t += 1.0
+        assert await pick(r, prompt(tenant(t), 9)) == homes[t], t
+
+
+async def test_replicas_agree_on_a_family_the_index_shows_on_two_pods():
+    """Held alike on two pods (a copy made while one was busy): both replicas send it to the same one, so the
+    other copy ages out instead of both living on."""
+    routers, engines, clock, _ = fleet(replicas=2)
+    for router in routers:
+        await warm(router, engines, clock)
+    ctx = TEMPLATE + family(888, context_blocks=20)
+    engines.store("b", prompt(ctx, 0))
+    engines.store("c", prompt(ctx, 0))
+    got = set()
+    for q in range(1, 9):
+        clock.t += 1.0
+        got.add(await pick(routers[q % 2], prompt(ctx, q)))
+    assert len(got) == 1 and got <= {"b", "c"}, got
+
+
+async def test_a_near_call_goes_to_the_pod_holding_the_family():
+    """The tenant's home kept only its system prompt's first blocks (the rest evicted) and runs a few more requests
+    than the others: the prefix it holds weighs about as much as that load, and the family tips the call there,
+    where its next requests will find the prompt again (without it, load sent it off to make a second copy)."""
+    (r,), engines, clock, _ = fleet()
+    homes = await warm(r, engines, clock)
+    home = homes[0]
+    for name in "abc":
+        engines.store(name, TEMPLATE)
+    engines.evict(home, prompt(tenant(0), 0), keep_blocks=2)  # the template and the tenant's first block
+    await hold(r, {home: 4})
+    clock.t += 1.0
+    assert await pick(r, prompt(tenant(0), 7)) == home
