@@ -329,7 +329,9 @@ VARIABLES: tuple[Variable, ...] = (
              "...with this `Retry-After`."),
     Variable("KVGATE_ADMISSION_DELETED_KEEP_S", "admission_deleted_keep_s", _float_min(0.0), 30.0,
              "A pod that leaves discovery keeps its admitted count this long (re-created within it, the count stands)."),
-    Variable("KVGATE_LOG_LEVEL", "log_level", _choice("debug", "info", "warning", "error"), "info", "Log level."),
+    Variable("KVGATE_LOG_LEVEL", "log_level", _choice("debug", "info", "warning", "error"), "info",
+             "Log level. `debug` adds a line per routing decision: each scorer's scores for each candidate, the "
+             "blocks the index matched on each, the running counts and the pods the load guard set aside."),
 )
 
 

@@ -268,6 +268,7 @@ class Strategy:
                     on_filtered(len(candidates) - len(kept))
                 candidates = kept
         total = dict.fromkeys([p.name for p in candidates], 0.0)
+        parts: dict[str, dict[str, float]] | None = {} if log.isEnabledFor(logging.DEBUG) else None
         for scorer, weight in self._weighing:
             try:
                 part = scorer.score(ctx, candidates)
@@ -277,15 +278,32 @@ class Strategy:
                 if on_error:
                     on_error(scorer.name)
                 continue
+            if parts is not None:
+                parts[scorer.name] = part
             # names outside the candidates are ignored, missing ones count 0; values clamped to 0..1,
             # NaN counting 0
             for name, v in part.items():
                 if name in total:
                     total[name] += weight * (v if 0.0 <= v <= 1.0 else 1.0 if v > 1.0 else 0.0)
         pod = self.picker.pick(ctx, candidates, total)
+        if parts is not None:
+            self._log_pick(ctx, pods, candidates, pod, total, parts)
         for scorer in self._learners:
             try:
                 scorer.picked(ctx, pod)
             except Exception:
                 log.exception("scorer %s failed to record a pick", scorer.name)
         return pod, total
+
+    def _log_pick(self, ctx: PickContext, pods: Sequence[Pod], candidates: Sequence[Pod], pod: Pod,
+                  total: Mapping[str, float], parts: Mapping[str, Mapping[str, float]]) -> None:
+        """At debug level, one line per pick: what each scorer gave each candidate, what the index matched
+        and what ran where: why a request went where it did (a request going off its prefix, a tenant
+        scattering) without a patch."""
+        def rounded(values: Mapping[str, float]) -> dict[str, float]:
+            return {k: round(v, 3) for k, v in values.items()}
+        log.debug("pick %s (%s): %s; scores %s; by scorer %s; blocks matched %s of %d; running %s; set aside %s",
+                  ctx.request.request_id, self.name, pod.name, rounded(total),
+                  {name: rounded(part) for name, part in parts.items()}, dict(ctx.matched), ctx.total_blocks,
+                  {p.name: ctx.running.get(p.name, 0) for p in pods},
+                  sorted({p.name for p in pods} - {p.name for p in candidates}))

@@ -274,3 +274,22 @@ async def test_a_near_call_goes_to_the_pod_holding_the_family():
     await hold(r, {home: 4})
     clock.t += 1.0
     assert await pick(r, prompt(tenant(0), 7)) == home
+
+
+async def test_each_pick_is_explained_at_debug_level(caplog):
+    """KVGATE_LOG_LEVEL=debug: one line per pick with each scorer's scores, the index's matched blocks and the
+    running counts (what took this session a patch to see); nothing at info."""
+    import logging
+    (r,), engines, clock, _ = fleet()
+    ctx = family(3)
+    engines.store("b", prompt(ctx, 0))
+    with caplog.at_level(logging.INFO, logger="routing.scheduling.scoring"):
+        await pick(r, prompt(ctx, 1))
+    assert not caplog.records
+    with caplog.at_level(logging.DEBUG, logger="routing.scheduling.scoring"):
+        await hold(r, {"a": 2})
+        assert await pick(r, prompt(ctx, 2)) == "b"
+    (line,) = [rec.getMessage() for rec in caplog.records]
+    assert line.startswith("pick ") and "(kv-sync): b;" in line  # b holds the 40-block context
+    assert "'prefix': {" in line and "'load': {" in line and "'a': 0.75" in line  # a's load score at 2 running
+    assert "blocks matched {'a': 0, 'b': 40, 'c': 0} of 43" in line and "running {'a': 2, 'b': 0, 'c': 0}" in line
