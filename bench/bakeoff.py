@@ -52,6 +52,7 @@ ROUTERS = ("kv-sync", "slo", "sglang")
 KVGATE_ROUTERS = ("kv-sync", "slo")
 SCENARIOS = ("steady", "evicting", "flush-random", "flush-rotate")
 FLUSH_EVERY = 20
+ENGINES = 3  # the fleet: simulated engines per scenario
 FLUSH_RETRY_S, FLUSH_PATIENCE_S = 0.05, 5.0  # a refused reset (requests running) asked again until it lands
 STEADY_BLOCKS = 4096  # per engine: 65,536 tokens, more than any plan's distinct prompt tokens
 # the demo's engine timing (devkit.demo), so TTFT is prefill of what is not cached plus the batch's decode
@@ -292,11 +293,10 @@ def flush_order(scenario: str, seed: int, engines: int, requests: int) -> list[i
 
 def run_scenario(scenario: str, routers: list[str], plans: list[Plan], w: Workload, log,
                  kvgate_env: dict[str, str] | None = None, replicas: int = 2) -> dict[str, list[RunResult]]:
-    n_engines = 3
-    blocks = engine_blocks(scenario, plans, w, n_engines)
+    blocks = engine_blocks(scenario, plans, w, ENGINES)
     out: dict[str, list[RunResult]] = {r: [] for r in routers}
     with Stack() as stack:
-        pods = stack.engines(n_engines, model=MODEL, extra=[*SIM_ARGS, "--num-blocks", str(blocks)])
+        pods = stack.engines(ENGINES, model=MODEL, extra=[*SIM_ARGS, "--num-blocks", str(blocks)])
         engine_urls = [f"http://127.0.0.1:{p['port']}" for p in pods]
         pool = [("127.0.0.1", p["port"]) for p in pods]
         envoy_url, kvgate_pids = "", []
@@ -311,7 +311,7 @@ def run_scenario(scenario: str, routers: list[str], plans: list[Plan], w: Worklo
             for r in routers:
                 if r in KVGATE_ROUTERS:
                     asyncio.run(_wait_served(envoy_url, {"routing-strategy": r}))
-        log(f"bakeoff {scenario}: 3 engines of {blocks} blocks of {BLOCK_SIZE} tokens")
+        log(f"bakeoff {scenario}: {ENGINES} engines of {blocks} blocks of {BLOCK_SIZE} tokens")
         for rep, plan in enumerate(plans):
             order = routers if rep % 2 == 0 else routers[::-1]
             for router in order:
@@ -327,7 +327,7 @@ def run_scenario(scenario: str, routers: list[str], plans: list[Plan], w: Worklo
                     url, headers, pids = envoy_url, {"routing-strategy": router}, kvgate_pids
                 before, cpu_before = asyncio.run(_engine_counters(engine_urls)), _cpu_seconds(pids)
                 result = asyncio.run(drive(url, headers, plan, w, engine_urls,
-                                           flush_order(scenario, rep, n_engines, plan.requests)))
+                                           flush_order(scenario, rep, ENGINES, plan.requests)))
                 after, cpu_after = asyncio.run(_engine_counters(engine_urls)), _cpu_seconds(pids)
                 result.queries, result.hits = after[0] - before[0], after[1] - before[1]
                 if cpu_before is not None and cpu_after is not None:
@@ -404,7 +404,7 @@ def run(scenarios: list[str], routers: list[str], requests: int, reps: int, log,
         out[scenario] = {r: summarize_router(runs) for r, runs in results.items()}
         for summary in out[scenario].values():  # each tenant's first request finds its system prompt nowhere
             summary["system_missed_floor"] = sum(len({c.tenant for c in p.conversations}) for p in plans)
-    return {"scenarios": out, "engine_blocks": {s: engine_blocks(s, plans, w, 3) for s in scenarios},
+    return {"scenarios": out, "engine_blocks": {s: engine_blocks(s, plans, w, ENGINES) for s in scenarios},
             "kvgate_env": kvgate_env or {}, "kvgate_replicas": replicas, "requests_per_run": requests, "reps": reps, "flush_every": FLUSH_EVERY,
             "workload": {"tenants": w.tenants, "zipf": w.zipf, "system_words": w.system_words,
                          "turns": list(w.turns), "think_s": list(w.think_s),
