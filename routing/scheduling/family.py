@@ -39,15 +39,15 @@ class SharedOpening:
                 self._seen.clear()
             seen = self._seen[model] = (deque(), {})
         prompts, counts = seen
+        mine = keys[:self.max_blocks]
         depth = None
         if len(prompts) >= self.least:
             need = self.share * len(prompts)
             depth = 0
-            for key in keys[:self.max_blocks]:
+            for key in mine:
                 if counts.get(key, 0) < need:
                     break
                 depth += 1
-        mine = keys[:self.max_blocks]
         prompts.append(mine)
         for key in mine:
             counts[key] = counts.get(key, 0) + 1
