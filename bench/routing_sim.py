@@ -160,9 +160,11 @@ class RunResult:
     predict_bucket_error_median: float | None = None
     predict_samples: int = 0
     # kv-sync / slo: prompt tokens the index promised on the picked engine, over prompt tokens (its believed
-    # hit rate), and what that engine would have served at that moment (EngineModel.prefix_hit at the pick)
+    # hit rate), what that engine would have served at that moment (EngineModel.prefix_hit at the pick), and of
+    # that what its events had announced (the blocks of prompts still prefilling are cached, not yet announced)
     believed_share: float | None = None
     at_pick_share: float | None = None
+    announced_share: float | None = None
 
 
 class _CacheMirror:
@@ -483,7 +485,8 @@ async def _run(workload: Workload, policy: Policy, seed: int, strategy_config: S
     deliveries: list[tuple[float, int, str, bytes]] = []
     seq = 0
     published = decoded = lost = evicted = flushed = 0
-    believed = at_pick = 0  # prompt tokens the index promised on the picked engine / that engine's hit then
+    # prompt tokens the index promised on the picked engine / that engine's hit then / of it, what was announced
+    believed = at_pick = announced = 0
     skipped: Counter[str] = Counter()
     next_t = dict.fromkeys(names, math.inf)
     inflight: dict[str, tuple[str, Any]] = {}  # req_id -> (pod, (router, decision), max_tokens or None)
@@ -631,6 +634,8 @@ async def _run(workload: Workload, policy: Policy, seed: int, strategy_config: S
                 if feed_index:
                     believed += decision.matched_blocks * (index.block_size(MODEL) or BLOCK_SIZE)
                     at_pick += engines[key].prefix_hit(r.token_ids, cache_salt=r.cache_salt, mm_items=r.media)
+                    announced += engines[key].prefix_hit(r.token_ids, cache_salt=r.cache_salt, mm_items=r.media,
+                                                         announced=True)
             elif trees:
                 g = i % len(trees)
                 pod, handle = trees[g].pick(r.token_ids, tree_loads[g], t), g
@@ -668,6 +673,7 @@ async def _run(workload: Workload, policy: Policy, seed: int, strategy_config: S
         prompt = sum(len(r.token_ids) for r in reqs)
         out.believed_share = believed / prompt if prompt else 0.0
         out.at_pick_share = at_pick / prompt if prompt else 0.0
+        out.announced_share = announced / prompt if prompt else 0.0
     return out
 
 

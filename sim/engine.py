@@ -17,7 +17,10 @@ The model, and where it simplifies vLLM:
   admitted when blocks for its prompt plus `max_tokens` can be reserved (so no
   preemption). KV usage counts reserved blocks as used.
 - Prefix hits: leading cached full blocks of the prompt, at most `prompt_len - 1`
-  tokens (the last prompt token is always computed, as in vLLM).
+  tokens (the last prompt token is always computed, as in vLLM). An admitted request's
+  full prompt blocks are cached at once, before its prefill computes them (vLLM caches a
+  scheduled request's blocks when it allocates them): a request admitted after it hits
+  them, and its prefill follows that one's in the lane.
 - Prefill: unchunked, one request at a time, alongside decoding (neither slows the
   other): first token = max(admitted, previous prefill done)
   + `prefill_s_per_token` * uncached tokens + `ttft_overhead_s`.
@@ -28,7 +31,7 @@ The model, and where it simplifies vLLM:
   (like greedy decoding), drawn from `output_token_ids`.
 - Events: one EventBatch per engine step with events (ts = engine time): one
   BlockStored per request per step for its newly full blocks (prompt blocks when
-  its prefill completes, output blocks at decode batch boundaries, at most every
+  its prefill completes, though cached since its admission; output blocks at decode batch boundaries, at most every
   `block_size` steps, and at completion), one BlockRemoved per evicted block,
   AllBlocksCleared on `reset_prefix_cache()` (refused while requests run, as in vLLM,
   unless forced: see there).
@@ -183,7 +186,7 @@ class _Request:
     __slots__ = (
         "req_id", "tokens", "max_tokens", "lora", "arrival", "root", "digests", "keys", "seq", "packed",
         "held", "freed", "reserved", "cached_tokens", "first_token_time", "join_step", "finish_step", "state",
-        "salt", "media", "junction", "remote_tokens",
+        "salt", "media", "junction", "remote_tokens", "deferred",
     )
 
     def __init__(self, req_id: str, tokens: tuple[int, ...], packed: bytes, max_tokens: int, lora: str | None,
@@ -213,6 +216,7 @@ class _Request:
         self.join_step = 0
         self.finish_step = 0
         self.state = "waiting"  # waiting | prefill | pending | decode | done | aborted
+        self.deferred: list[KVEvent] = []  # BlockStored of prompt blocks cached at admission, published at prefill's end
 
 
 class EngineModel:
@@ -314,6 +318,9 @@ class EngineModel:
         elif req.state == "waiting":
             self._waiting.remove(req)
         # A request in the prefill lane or pending join is skipped when reached.
+        if req.deferred:  # its prompt blocks stay cached once it is gone: announced now
+            self._events.extend(req.deferred)
+            req.deferred = []
         if req.state != "waiting":
             self._release(req)
         req.state = "aborted"
@@ -356,6 +363,7 @@ class EngineModel:
         if (self._running or self._waiting) and not force:
             return False
         for req in self._running.values():
+            req.deferred = []  # its prompt blocks were never announced, and are not cached any more
             for held in req.held:
                 for i, key in enumerate(held):
                     if key is not None and not isinstance(key, _Private):
@@ -393,6 +401,12 @@ class EngineModel:
         """The keys of every block now in the prefix cache, of any group (for checks)."""
         return {key for _, key in self._blocks}
 
+    def unannounced_block_hashes(self) -> set[BlockHash]:
+        """The keys of the cached blocks whose BlockStored has not left yet: prompt blocks of requests still
+        prefilling (cached at admission, announced when their prefill ends; for checks)."""
+        return {h for req in self._running.values() for ev in req.deferred
+                if isinstance(ev, BlockStored) for h in ev.block_hashes}
+
     def cached_blocks_by_group(self) -> dict[int, set[BlockHash]]:
         """The keys of the blocks now in the prefix cache, per KV cache group (for checks)."""
         out: dict[int, set[BlockHash]] = {g: set() for g in range(len(self._groups))}
@@ -401,10 +415,11 @@ class EngineModel:
         return out
 
     def prefix_hit(self, token_ids: list[int] | tuple[int, ...], lora: str | None = None, *,
-                   cache_salt: str | None = None, mm_items: tuple[MediaItem, ...] = ()) -> int:
+                   cache_salt: str | None = None, mm_items: tuple[MediaItem, ...] = (), announced: bool = False) -> int:
         """The prompt tokens this engine would serve from its prefix cache to such a request admitted now
         (the hit admission computes), without queuing it or touching the cache (for checks and the routing
-        benchmark's oracle)."""
+        benchmark's oracle). `announced`: counting only blocks whose BlockStored has left (what a follower of
+        the events can know), not those of prompts still prefilling."""
         packed = array("I", token_ids)
         tokens = tuple(packed)
         if not tokens:
@@ -413,6 +428,12 @@ class EngineModel:
                        cache_salt, tuple(_checked_media(mm_items, len(tokens))))
         self._extend_keys(req, len(tokens) // self._bs)
         holds = [partial(self._holds, req, g) for g in range(len(self._groups))]
+        if announced:
+            unannounced = {(ev.group_idx or 0, h) for r in self._running.values() for ev in r.deferred
+                           if isinstance(ev, BlockStored) for h in ev.block_hashes}
+            if unannounced:
+                holds = [partial(lambda g, i: (g, self._key(req, g, i)) in self._blocks
+                                 and (g, self._key(req, g, i)) not in unannounced, g) for g in range(len(self._groups))]
         return longest_hit(self._groups, holds, len(tokens) - 1, self._align)[0]
 
     def is_live(self, req_id: str) -> bool:
@@ -491,6 +512,9 @@ class EngineModel:
     def _on_prefill_done(self, req: _Request, t: float) -> None:
         if req.state != "prefill":  # aborted meanwhile
             return
+        if req.deferred:
+            self._events.extend(req.deferred)
+            req.deferred = []
         self._cache_upto(req, len(req.tokens) // self._bs)
         self._free_skipped(req, len(req.tokens))
         req.first_token_time = t
@@ -573,6 +597,15 @@ class EngineModel:
             req.packed += array("I", output).tobytes()
             req.state = "prefill"
             self._running[req.req_id] = req
+            if not req.remote_tokens:
+                # vLLM caches a scheduled request's full prompt blocks when it allocates them, before the
+                # forward pass computes them (KVCacheManager.allocate_slots -> cache_blocks): a request admitted
+                # after this one hits them while this one is still prefilling. Their BlockStored leave after
+                # the step that computed them (here: when the prefill ends). A decode leg's remote KV is cached
+                # once it has arrived (vLLM's delay_cache_blocks): at the prefill's end, as before.
+                events, self._events = self._events, []
+                self._cache_upto(req, len(req.tokens) // self._bs)
+                req.deferred, self._events = self._events, events
             start = max(now, self._prefill_free_at)
             computed = len(req.tokens) - max(req.cached_tokens, req.remote_tokens)
             self._prefill_free_at = start + c.prefill_s_per_token * computed

@@ -286,7 +286,9 @@ def test_flushes_cost_hits_and_are_seen_by_kv_sync():
         assert b.hit_rate < a.hit_rate, policy.name
         assert 0 <= a.repeat_miss_share < b.repeat_miss_share <= 1, policy.name  # flushed prefixes recomputed
         assert b == run(flushed, policy, seed=1)
-    assert run(flushed, Policy("kv-sync", "kv-sync"), seed=1).index_stats["skipped"] == {}
+    # the only blocks the index skips: those a running request cached after a flush on its own blocks made
+    # private by it (EngineModel.reset_prefix_cache, forced), whose parent no event announces any more
+    assert set(run(flushed, Policy("kv-sync", "kv-sync"), seed=1).index_stats["skipped"]) <= {"unknown_parent_blocks"}
 
 
 def test_a_joining_engine_gets_requests_only_after_it_joins():
@@ -521,12 +523,13 @@ def test_shaped_workloads_report_ceiling_belief_and_gap(shape):
 
 @pytest.mark.parametrize("shape", SHAPED, ids=[s.name for s in SHAPED])
 def test_kv_sync_believes_exactly_what_the_picked_engine_holds(shape):
-    # events delivered without delay or loss: at each pick the index's promise on the picked engine is that
-    # engine's own hit at that moment (EngineModel.prefix_hit), request by request summed
+    # events delivered without delay or loss: at each pick the index's promise on the picked engine is what
+    # that engine's events had announced at that moment (EngineModel.prefix_hit, announced only), request by
+    # request summed; the engine's own hit is more where it was prefilling a prompt sharing the prefix
     wl = workloads.build(_tiny_shaped(shape), seed=3)
     r = run(wl, Policy("kv-sync", "kv-sync", gateways=2), seed=3)
     assert r.believed_share is not None and r.believed_share > 0.2
-    assert r.believed_share == r.at_pick_share
+    assert r.believed_share == r.announced_share <= r.at_pick_share
     assert r.index_stats["skipped"] == {} and r.decode_skipped == {}
 
 

@@ -48,6 +48,42 @@ def test_prefix_reuse_counts_full_leading_blocks() -> None:
     assert c.cached_tokens == 0
 
 
+def test_a_request_admitted_while_another_prefills_its_prefix_hits_it() -> None:
+    # vLLM caches a scheduled request's full prompt blocks when it allocates them, before its forward pass
+    # (KVCacheManager.allocate_slots -> cache_blocks); their BlockStored leave after the step that computed them
+    e = EngineModel(config())
+    shared = list(range(100, 132))  # 8 blocks
+    e.add_request("a", shared + [1, 2, 3], 4, now=0.0)
+    assert events(e) == []  # a is prefilling (35 ms): its blocks are cached, not announced
+    assert e.prefix_hit(shared + [7]) == 32 and e.prefix_hit(shared + [7], announced=True) == 0
+    assert len(e.unannounced_block_hashes()) == 8
+    e.add_request("b", shared + [7, 8, 9, 10, 11], 4, now=0.001)
+    done = {c.req_id: c for c in run_idle(e)}
+    assert done["b"].cached_tokens == 32
+    assert done["b"].first_token_time == pytest.approx(0.035 + 0.005 + 0.010)  # after a's prefill, its own 5 tokens
+    stored = [ev for ev in events(e) if isinstance(ev, BlockStored)]
+    assert len(stored[0].block_hashes) == 8 and stored[0].parent_block_hash is None  # a's, first
+    assert stored[1].parent_block_hash == stored[0].block_hashes[-1]  # b's own block, chained on a's
+    assert not e.unannounced_block_hashes()
+
+
+def test_blocks_cached_at_admission_are_announced_if_the_request_is_aborted_and_never_if_flushed() -> None:
+    e = EngineModel(config())
+    shared = list(range(100, 132))
+    e.add_request("a", shared + [1], 4, now=0.0)
+    assert e.abort("a", now=0.001)
+    stored = [ev for ev in events(e) if isinstance(ev, BlockStored)]
+    assert sum(len(ev.block_hashes) for ev in stored) == 8 == len(e.cached_block_hashes())  # cached: announced
+    e.add_request("b", list(range(500, 532)) + [1], 4, now=1.0)
+    b_prompt = e.unannounced_block_hashes()
+    assert len(b_prompt) == 8
+    assert e.reset_prefix_cache(now=1.001, force=True)
+    assert events(e) == [AllBlocksCleared()] and not e.unannounced_block_hashes()
+    run_idle(e)  # b's prompt blocks were made private by the reset: never announced, never hit
+    assert not any(set(ev.block_hashes) & b_prompt for ev in events(e) if isinstance(ev, BlockStored))
+    assert e.prefix_hit(list(range(500, 532)) + [2]) == 0
+
+
 def test_fully_cached_prompt_still_computes_its_last_token() -> None:
     e = EngineModel(config())
     prompt = list(range(16))  # exactly 4 blocks
@@ -208,7 +244,8 @@ def test_event_stream_equals_cache_contents_under_random_load() -> None:
                 else:
                     assert isinstance(ev, AllBlocksCleared)
                     mirror.clear()
-        assert mirror == e.cached_block_hashes()
+        unannounced = e.unannounced_block_hashes()
+        assert unannounced <= e.cached_block_hashes() and mirror == e.cached_block_hashes() - unannounced
         assert len(mirror) <= 40
     for d in run_idle(e):
         finished.append((d, live.pop(d.req_id)))
@@ -340,7 +377,8 @@ def test_any_operation_sequence_keeps_events_and_capacity_consistent(ops: list) 
                 else:
                     mirror.clear()
         m = e.metrics()
-        assert mirror == e.cached_block_hashes()
+        unannounced = e.unannounced_block_hashes()
+        assert unannounced <= e.cached_block_hashes() and mirror == e.cached_block_hashes() - unannounced
         assert 0.0 <= m.kv_usage <= 1.0 and m.running <= 3 and m.cached_blocks <= 16
     run_idle(e)
     m = e.metrics()
