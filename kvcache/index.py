@@ -118,6 +118,7 @@ class PrefixIndex:
         self._lora_roots: dict[str, dict[str, int]] = {}  # model -> LoRA key -> root_key(model, key), as met
         self._applies = 0
         self._skipped: Counter[str] = Counter()
+        self._cleared: Counter[tuple[str, int]] = Counter()  # (pod, rank) -> times its cache was cleared
 
     # --- EventSink (kvcache.sink) ---------------------------------------------------------
 
@@ -261,6 +262,7 @@ class PrefixIndex:
             if owner[0] == pod:
                 del self._slot_owner[s]
                 del self._slot[owner]
+                self._cleared[owner] += 1
         self._core.maintain()
         self._drop_empty_media()
 
@@ -269,6 +271,17 @@ class PrefixIndex:
     def block_size(self, model: str) -> int | None:
         """The block size `model`'s engines publish, once a BlockStored has been seen."""
         return self._block_size.get(model)
+
+    def clears(self, pod: str, rank: int = 0) -> int:
+        """How many times (pod, rank)'s cache was cleared (AllBlocksCleared, a dropped stream, the pod gone):
+        what it held before a change of this number it holds no more."""
+        return self._cleared.get((pod, rank), 0)
+
+    def single_group(self, model: str) -> bool:
+        """Whether `model`'s hits are one leading run of its blocks: no event has shown it several KV cache
+        groups (a hybrid model's hit is their fixed point, kvcache.groups)."""
+        shape = self._shapes.get(model)
+        return shape is None or shape.simple
 
     def match(self, model: str, lora: str | None, token_ids: Sequence[int],
               pods: Iterable[str], extras: BlockExtras | None = None) -> dict[str, PrefixMatch]:
@@ -432,6 +445,7 @@ class PrefixIndex:
         """(pod, rank) holds nothing from now on: its slot is retired (its marks go in the
         background) and a fresh one takes its place. Returns the new slot."""
         s = self._slot.pop((pod, rank))
+        self._cleared[(pod, rank)] += 1
         self._carried.pop((pod, rank), None)  # sparse stores waiting to be placed: gone with the rest
         del self._slot_owner[s]
         self._pod_bits[pod] &= ~(1 << s)

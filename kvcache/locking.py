@@ -103,6 +103,10 @@ class IndexReader(Protocol):
 
     def block_size(self, model: str) -> int | None: ...
 
+    def clears(self, pod: str, rank: int = 0) -> int: ...
+
+    def single_group(self, model: str) -> bool: ...
+
     def stats(self) -> dict: ...
 
 
@@ -163,6 +167,14 @@ class LockedIndex:
 
     def block_size(self, model):
         return self._index.block_size(model)  # a dict the ingest thread changes under the GIL
+
+    def clears(self, pod, rank=0):
+        inner = getattr(self._index, "clears", None)  # a Counter the ingest thread changes under the GIL
+        return inner(pod, rank) if inner is not None else 0
+
+    def single_group(self, model):
+        inner = getattr(self._index, "single_group", None)  # likewise; an index without it: no prompt answers
+        return inner is not None and inner(model)
 
     def stats(self) -> dict:
         if not (self._lock.acquire(False) or self._wait()):

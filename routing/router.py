@@ -6,10 +6,11 @@ from __future__ import annotations
 import itertools
 import logging
 import random
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence, cast
 
 from routing.state.counts import LocalCounts, RunningCounts
 from routing.state.engine_metrics import EngineMetrics, Saturation
+from routing.state.prompts import ClaimSource, RunningPrompts
 from routing.errors import (NoEligibleEndpointError, NoReadyPodError, SaturatedError, UnknownModelError,
                             UnknownStrategyError)
 from routing.metrics import RoutingMetrics
@@ -42,9 +43,13 @@ class Router:
         self.sessions = sessions if sessions is not None else SessionStore()
         self.sessions.on_outcome = lambda outcome: self._metrics.sessions.labels(outcome).inc()
         self._rng = random.Random(seed)
+        # What this gateway's running requests' pods hold or are prefilling, before their KV events say so;
+        # an index without clear counts (a test's stand-in) has none.
+        self._prompts = (RunningPrompts(cast(ClaimSource, index))
+                         if hasattr(index, "clears") and hasattr(index, "single_group") else None)
         self._strategies: dict[str, Strategy] = build_strategies(config or StrategyConfig(), self._rng,
                                                                  index=index, engines=engines, capacity=capacity,
-                                                                 sessions=self.sessions)
+                                                                 sessions=self.sessions, prompts=self._prompts)
         # Weighted mixes (`prefix-cache:2,least-request:1`), built on first use from the strategies' scorers
         self._mixes: dict[str, Strategy] = {}
         # each scorer once, though several strategies may weigh it
@@ -193,6 +198,9 @@ class Router:
         self._counts.add(target.name, 1)
         ticket = next(self._tickets)
         self._active[ticket] = target.name
+        if self._prompts is not None:
+            self._prompts.add(ticket, target.name, target.pod_name, target.rank or 0, base, lora,
+                              request.token_ids, request.extras)
         decided = self._decided.get(name)
         if decided is None:
             decided = self._decided[name] = self._metrics.decisions.labels(name)
@@ -273,6 +281,8 @@ class Router:
                 self._counts.add(old, -1)
                 self._counts.add(new, 1)
                 self._active[decision.ticket] = new
+                if self._prompts is not None:
+                    self._prompts.moved(decision.ticket, new, pod.name, 0 if new == pod.name else decision.rank or 0)
         return pod
 
     async def release(self, decision: Decision) -> None:
@@ -285,6 +295,8 @@ class Router:
         pod = self._active.pop(decision.ticket, None)
         if pod is not None:
             self._counts.add(pod, -1)
+            if self._prompts is not None:
+                self._prompts.remove(decision.ticket)
 
     @staticmethod
     def _resolve_model(model: str, pods: Sequence[Pod]) -> tuple[str, str | None]:

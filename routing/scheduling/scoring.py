@@ -67,6 +67,9 @@ class PickContext:
     state: dict[str, Any] = field(default_factory=dict)
     ranks: bool = False
     family: int | None = None  # the prompt's first block key, where a scorer computed it: ties follow it
+    # Per candidate, the leading blocks it holds (`matched`) or is prefilling for a running request of this
+    # gateway's (routing.state.prompts), where the latter adds any; None: `matched` says it all.
+    placed: dict[str, int] | None = None
 
 
 class Filter(Protocol):

@@ -18,6 +18,7 @@ from routing.pods import Pod
 from routing.scheduling.approx import ApproxPrefixTable
 from routing.scheduling.cost import PromptCache, TTFTScorer
 from routing.state.engine_metrics import EngineMetrics, Saturation
+from routing.state.prompts import RunningPrompts
 from routing.scheduling.fairness import TokenFairnessScorer
 from routing.scheduling.scorers import (AdmissionWait, ApproxPrefixScorer, EngineBusyScorer, FamilyAffinityScorer,
                                         KVFreeScorer, KVUtilizationScorer, LatencyScorer, LoadScorer,
@@ -55,6 +56,7 @@ class Resources:
     engines: EngineMetrics | None = None
     capacity: Capacity | None = None  # engine profiles, output prediction, SLO targets
     sessions: SessionStore | None = None  # session -> pod (the session scorer; a local one when None)
+    prompts: RunningPrompts | None = None  # this gateway's running requests' prompts (routing.state.prompts)
 
 
 _R = TypeVar("_R")
@@ -112,7 +114,7 @@ def _prefix(r: Resources) -> Scorer:
     shared = r.capacity.prefill if r.capacity is not None else None
     backlog = PrefillBacklog(c.prefill_tokens_per_s, c.clock, shared=shared)
     return PrecisePrefixScorer(r.index, c.medium_weights, backlog=backlog,
-                               admission=admission, tokens_per_s=c.prefill_tokens_per_s)
+                               admission=admission, tokens_per_s=c.prefill_tokens_per_s, prompts=r.prompts)
 
 
 def _ttft(r: Resources) -> Scorer:
@@ -136,7 +138,9 @@ SCORERS: dict[str, ScorerSpec] = {s.name: s for s in (
                "through KVGATE_REDIS_URL when responses are observed); with engine metrics and observed "
                "responses, plus the wait to be admitted where the engine reports requests waiting (waiting + 1 "
                "finishes of the running requests, a learned decode step x mean output / (running + 1) each), on a "
-               "pod holding some of the prompt only beyond the prefill of what it holds"),
+               "pod holding some of the prompt only beyond the prefill of what it holds. A pod also holds the "
+               "prompts of this gateway's requests running there (vLLM caches a scheduled request's blocks "
+               "before computing them), until its engine's cache is cleared"),
     ScorerSpec("ttft", _ttft, ("index",),
                "expected time to first token: (this gateway's prefill backlog on the pod + this request's "
                "uncached tokens from the index) / the pod's learned prefill rate + its learned TTFT overhead at "
@@ -368,11 +372,12 @@ def engine_queued(engines: EngineMetrics) -> Callable[[Pod], bool | None]:
 
 def build_strategies(config: StrategyConfig, rng: random.Random, *, index: PrefixSource | None = None,
                      engines: EngineMetrics | None = None, capacity: Capacity | None = None,
-                     sessions: SessionStore | None = None) -> dict[str, Strategy]:
+                     sessions: SessionStore | None = None,
+                     prompts: RunningPrompts | None = None) -> dict[str, Strategy]:
     """Every strategy that can run with what is given: one whose default scorers need a missing
     resource (`kv-sync` without the index) is left out; a configured scorer that does raises
     ValueError. Each scorer is built once and shared by the strategies weighing it."""
-    res = Resources(config, index, engines, capacity, sessions)
+    res = Resources(config, index, engines, capacity, sessions, prompts)
     built: dict[str, Scorer] = {}
 
     def missing(scorer: str) -> str | None:

@@ -10,7 +10,7 @@ from kvcache.index import PrefixIndex
 from routing.pods import Pod
 from routing.registry import PodRegistry
 from routing.router import Router
-from routing.scheduling.scoring import RouteRequest
+from routing.scheduling.scoring import LoadGuard, RouteRequest
 from routing.scheduling.strategies import StrategyConfig
 
 BS = 16
@@ -46,7 +46,9 @@ async def test_gpu_outranks_cpu_for_the_same_prefix():
     index, r = setup()
     index.apply("a", "m", 0, [stored(PROMPT, 8, medium="CPU")])
     index.apply("b", "m", 0, [stored(PROMPT, 8, medium="GPU", first_hash=50)])
-    assert (await r.pick(RouteRequest("m", PROMPT))).pod.name == "b"
+    d = await r.pick(RouteRequest("m", PROMPT))
+    assert d.pod.name == "b"
+    await r.release(d)  # (running, it would be computing the whole prompt on b: routing.state.prompts)
     # CPU with a longer prefix beats GPU with a shorter one: 8 x 0.8 > 5 x 1.0
     index.apply("b", "m", 0, [BlockRemoved(tuple(range(55, 58)), medium="GPU")])
     assert (await r.pick(RouteRequest("m", PROMPT))).pod.name == "a"
@@ -71,11 +73,20 @@ async def test_burst_on_one_cached_prefix_is_spread_by_the_guard():
     decisions = await asyncio.gather(*(r.pick(RouteRequest("m", PROMPT, request_id=str(i))) for i in range(100)))
     per_pod = collections.Counter(d.pod.name for d in decisions)
     assert per_pod.most_common(1)[0][0] == "a"  # affinity kept...
-    least = min(per_pod[p] for p in "abcd")
-    assert per_pod["a"] - least <= max(StrategyConfig().guard_abs_slack, 0.5 * least) and least > 0  # ...within the guard's slack
+    assert within_guard(per_pod, "a") and min(per_pod[p] for p in "abcd") > 0  # ...within the guard's slack
     snap = r.debug_snapshot()
     assert snap["index"]["entries"] == 8
     assert sum(p["running"] for p in snap["pods"]) == 100
+
+
+def within_guard(per_pod: collections.Counter, hot: str) -> bool:
+    """The load guard's hot-spot rule (routing.scheduling.scoring.LoadGuard) holds for `hot` at the end: fewer
+    than a slack beyond the mean of the others. (Once a pod runs a request of the burst it computes the prompt,
+    so the next ones pack there too, routing.state.prompts: how evenly is the guard's business.)"""
+    guard = LoadGuard()
+    others = [n for pod, n in per_pod.items() if pod != hot]
+    mean = sum(others) / len(others)
+    return per_pod[hot] < mean + max(guard.abs_slack, guard.rel_slack * mean)
 
 
 def dp_fleet():
@@ -114,8 +125,7 @@ async def test_each_rank_is_counted_and_balanced_as_a_target():
     per_target = collections.Counter(d.pod.name if d.rank is None else f"{d.pod.name}#{d.rank}" for d in decisions)
     assert set(per_target) == {"a#0", "a#1", "b", "c"}  # four targets, each rank its own
     assert per_target.most_common(1)[0][0] == "a#1"  # affinity to the rank holding the prefix...
-    least = min(per_target.values())
-    assert per_target["a#1"] - least <= max(StrategyConfig().guard_abs_slack, 0.5 * least)  # ...within the guard
+    assert within_guard(per_target, "a#1")  # ...within the guard
     assert r.running() == dict(per_target)
     snap = {p["name"]: p for p in r.debug_snapshot()["pods"]}
     assert snap["a"]["running_by_rank"] == [per_target["a#0"], per_target["a#1"]]

@@ -293,3 +293,26 @@ async def test_each_pick_is_explained_at_debug_level(caplog):
     assert line.startswith("pick ") and "(kv-sync): b;" in line  # b holds the 40-block context
     assert "'prefix': {" in line and "'load': {" in line and "'a': 0.75" in line  # a's load score at 2 running
     assert "blocks matched {'a': 0, 'b': 40, 'c': 0} of 43" in line and "running {'a': 2, 'b': 0, 'c': 0}" in line
+
+
+async def test_a_tenants_burst_follows_its_first_request_before_any_event():
+    """vLLM caches a scheduled request's prompt blocks before computing them, so a request sent where another
+    with its prefix is running hits them; the index learns them only from the events, a queue and a prefill
+    later. A burst of one tenant's conversations goes where its first request is (one copy of its system
+    prompt), not where the prefill backlog is least (a copy on every engine)."""
+    (r,), engines, clock, _ = fleet()
+    engines.store("c", family(999))  # the engines have published: the index knows their block size
+    ctx = family(3)
+    first = await r.pick(RouteRequest(MODEL, prompt(ctx, 0)))
+    burst = [await r.pick(RouteRequest(MODEL, prompt(ctx, q))) for q in (1, 2)]
+    assert [d.pod.name for d in burst] == [first.pod.name] * 2
+    assert [d.matched_blocks for d in burst] == [0, 0]  # what the index says (the Decision reports it)
+    # its engine's cache cleared (AllBlocksCleared): what the running requests were computing is theirs alone
+    engines.flush(first.pod.name)
+    moved = await r.pick(RouteRequest(MODEL, prompt(ctx, 3)))
+    assert moved.pod.name != first.pod.name
+    for d in (first, *burst, moved):
+        await r.release(d)
+    # none running: a prompt nobody holds goes by load and the family's placement alone
+    clock.t += 10.0
+    assert await pick(r, prompt(ctx, 4)) == moved.pod.name  # the family's last pod

@@ -1,0 +1,135 @@
+"""The prompts of this gateway's running requests, per pod: what each pod holds or is about to.
+
+The event-fed index learns a prompt's blocks once its engine has computed them, a queue and a prefill after the
+pick (under load hundreds of milliseconds, seconds where KV is short). Until then the pod a tenant's first
+request went to looks like any other to its second: a burst of one tenant's conversations spreads over every
+engine, each prefilling a copy of the tenant's system prompt, and where KV is short each copy evicts another
+tenant's. A running request's blocks stay in its engine until it ends (vLLM frees them only by preempting it),
+so while it runs its pod holds, or is prefilling, its prompt's full blocks; unless its engine's cache is cleared
+meanwhile (reset_prefix_cache, a restart): a running request's blocks then stay with it, but no other request
+can hit them, so a pod's claims end at the index's next count of its clears (`clears`).
+
+Only this gateway's requests: another replica's reach the index with their events. Only plain prompts of a model
+of one KV cache group: a salted or multimodal prompt's blocks hash more than its tokens, and a hybrid model's hit
+is its groups' fixed point (kvcache.groups), neither of which a prompt's tokens alone answer.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Protocol, Sequence
+
+from kvcache.blockkeys import BlockExtras, block_keys
+
+
+class ClaimSource(Protocol):
+    """What RunningPrompts reads of the index (kvcache.index.PrefixIndex, kvcache.locking.LockedIndex)."""
+
+    def block_size(self, model: str) -> int | None: ...
+
+    def clears(self, pod: str, rank: int = 0) -> int: ...
+
+    def single_group(self, model: str) -> bool: ...
+
+
+class RunningPrompts:
+    """Per target (a pod, or a data-parallel rank `<pod>#<rank>`), the block keys of the prompts of the requests
+    `add`ed to it and not yet `remove`d, counted while the target's engine has not been cleared since."""
+
+    def __init__(self, index: ClaimSource, max_blocks: int = 8192) -> None:
+        self._index = index
+        self._max_blocks = max_blocks  # a prompt's keys counted at most (a 128k-token prompt of 16-token blocks)
+        # target -> (its engine's clear count when these were counted, block key -> running prompts holding it).
+        # A key is its whole prefix's (chained), so a target holding a prompt's block i holds the ones before.
+        self._held: dict[str, tuple[int, dict[int, int]]] = {}
+        self._running: dict[int, tuple[str, int, list[int]]] = {}  # ticket -> (target, clear count, keys)
+        # the last prompt's keys (the pick's held() then add() ask for the same prompt): its token list, model,
+        # adapter and extras, by identity, then the keys
+        self._last: tuple[object, str, str | None, object, list[int] | None] = (None, "", None, None, None)
+
+    def __len__(self) -> int:
+        """Requests whose prompts are counted."""
+        return len(self._running)
+
+    def held(self, model: str, lora: str | None, token_ids: Sequence[int] | None, extras: BlockExtras | None,
+             targets: Iterable[tuple[str, str, int]]) -> dict[str, int]:
+        """Per target (name, pod, rank) where some running prompt begins as this one: how many of this
+        prompt's leading full blocks they hold. {} where none does, or the prompt is not a plain one."""
+        if not self._held or not token_ids:
+            return {}
+        keys = self._keys(model, lora, token_ids, extras)
+        if not keys:
+            return {}
+        first, out = keys[0], {}
+        clears = self._index.clears
+        for name, pod, rank in targets:
+            entry = self._held.get(name)
+            if entry is None or entry[0] != clears(pod, rank):
+                continue
+            held = entry[1]
+            if first not in held:
+                continue
+            lo, hi = 1, len(keys)  # keys[:lo] held, keys[hi:] not: the leading run by bisection
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if keys[mid] in held:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            out[name] = lo
+        return out
+
+    def add(self, ticket: int, target: str, pod: str, rank: int, model: str, lora: str | None,
+            token_ids: Sequence[int] | None, extras: BlockExtras | None) -> None:
+        """Request `ticket` runs on `target` (of `pod`, `rank`)."""
+        keys = self._keys(model, lora, token_ids, extras) if token_ids else None
+        if keys:
+            epoch = self._index.clears(pod, rank)
+            self._running[ticket] = (target, epoch, keys)
+            self._count(target, epoch, keys, 1)
+
+    def moved(self, ticket: int, target: str, pod: str, rank: int) -> None:
+        """Request `ticket` runs on `target` after all (the data plane's fallback served it)."""
+        entry = self._running.get(ticket)
+        if entry is not None and entry[0] != target:
+            self.remove(ticket)
+            epoch = self._index.clears(pod, rank)
+            self._running[ticket] = (target, epoch, entry[2])
+            self._count(target, epoch, entry[2], 1)
+
+    def remove(self, ticket: int) -> None:
+        """Request `ticket` ended (idempotent)."""
+        entry = self._running.pop(ticket, None)
+        if entry is not None:
+            self._count(*entry, -1)
+
+    def _keys(self, model: str, lora: str | None, token_ids: Sequence[int],
+              extras: BlockExtras | None) -> list[int] | None:
+        """The prompt's full blocks' keys, or None where its tokens do not answer (see the module)."""
+        last = self._last
+        if last[0] is token_ids and last[1] == model and last[2] == lora and last[3] is extras:
+            return last[4]
+        keys = None
+        if extras is None and self._index.single_group(model):
+            bs = self._index.block_size(model)
+            if bs:
+                keys = block_keys(model, lora, token_ids[:bs * self._max_blocks], bs)
+        self._last = (token_ids, model, lora, extras, keys)
+        return keys
+
+    def _count(self, target: str, epoch: int, keys: list[int], step: int) -> None:
+        entry = self._held.get(target)
+        if entry is None or entry[0] != epoch:
+            if step < 0:
+                return  # counted before a clear that has since emptied the target's counts
+            if entry is not None and entry[0] > epoch:
+                return  # an add raced past by a clear: nothing to claim
+            entry = self._held[target] = (epoch, {})
+        held = entry[1]
+        for key in keys:
+            n = held.get(key, 0) + step
+            if n > 0:
+                held[key] = n
+            else:
+                del held[key]
+        if not held:
+            del self._held[target]
+

@@ -1,0 +1,118 @@
+"""routing.state.prompts: the prompts of this gateway's running requests, per target, as held blocks."""
+from __future__ import annotations
+
+import random
+
+from kvcache.blockkeys import BlockExtras
+from kvcache.events import AllBlocksCleared, BlockStored
+from kvcache.index import PrefixIndex
+from routing.state.prompts import RunningPrompts
+
+BS = 16
+MODEL = "m"
+
+
+def tokens(seed: int, blocks: int, tail: int = 5) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1000, 60000) for _ in range(blocks * BS + tail)]
+
+
+def indexed() -> PrefixIndex:
+    """An index that has seen one of MODEL's blocks (it knows the block size) and nothing of the prompts here."""
+    index = PrefixIndex()
+    index.apply("z", MODEL, 0, [BlockStored((1,), None, tuple(range(BS)), BS)])
+    return index
+
+
+def at(*names: str) -> list[tuple[str, str, int]]:
+    return [(n, n.partition("#")[0], int(n.partition("#")[2] or 0)) for n in names]
+
+
+def test_a_running_prompt_holds_its_full_blocks_on_its_target_until_it_ends():
+    prompts = RunningPrompts(indexed())
+    system = tokens(1, 10, tail=0)
+    first = system + tokens(2, 3)
+    prompts.add(1, "a", "a", 0, MODEL, None, first, None)
+    second = system + tokens(3, 2)  # shares the system prompt's 10 blocks, not the rest
+    assert prompts.held(MODEL, None, second, None, at("a", "b")) == {"a": 10}
+    assert prompts.held(MODEL, None, first, None, at("a", "b")) == {"a": 13}  # its own full blocks
+    assert prompts.held(MODEL, None, tokens(9, 4), None, at("a", "b")) == {}  # another prompt: nothing
+    assert prompts.held(MODEL, "sql", first, None, at("a")) == {}  # an adapter's blocks are other blocks
+    prompts.add(2, "a", "a", 0, MODEL, None, second, None)
+    prompts.remove(1)
+    assert prompts.held(MODEL, None, first, None, at("a")) == {"a": 10}  # the second still holds the system's
+    prompts.remove(2)
+    prompts.remove(2)  # idempotent
+    assert prompts.held(MODEL, None, first, None, at("a")) == {} and len(prompts) == 0
+
+
+def test_a_cleared_engine_ends_the_claims_made_before_it():
+    index = indexed()
+    prompts = RunningPrompts(index)
+    p = tokens(1, 6)
+    prompts.add(1, "a", "a", 0, MODEL, None, p, None)
+    prompts.add(2, "b", "b", 0, MODEL, None, p, None)
+    index.apply("a", MODEL, 0, [AllBlocksCleared()])  # a's running request keeps its blocks, nobody else hits them
+    assert prompts.held(MODEL, None, p, None, at("a", "b")) == {"b": 6}
+    prompts.add(3, "a", "a", 0, MODEL, None, p, None)  # a request sent after the clear computes them again
+    assert prompts.held(MODEL, None, p, None, at("a", "b")) == {"a": 6, "b": 6}
+    prompts.remove(1)  # the one from before the clear ends: the new one's claim stays
+    assert prompts.held(MODEL, None, p, None, at("a")) == {"a": 6}
+    prompts.remove(3)
+    assert prompts.held(MODEL, None, p, None, at("a")) == {}
+
+
+def test_ranks_are_targets_of_their_own_and_cleared_alone():
+    index = indexed()
+    prompts = RunningPrompts(index)
+    p = tokens(1, 4)
+    prompts.add(1, "a#1", "a", 1, MODEL, None, p, None)
+    assert prompts.held(MODEL, None, p, None, at("a#0", "a#1")) == {"a#1": 4}
+    index.apply("a", MODEL, 0, [AllBlocksCleared()])  # rank 0's cache, not rank 1's
+    assert prompts.held(MODEL, None, p, None, at("a#0", "a#1")) == {"a#1": 4}
+    index.apply("a", MODEL, 1, [AllBlocksCleared()])
+    assert prompts.held(MODEL, None, p, None, at("a#0", "a#1")) == {}
+
+
+def test_a_request_served_elsewhere_moves_its_claim():
+    prompts = RunningPrompts(indexed())
+    p = tokens(1, 4)
+    prompts.add(1, "a", "a", 0, MODEL, None, p, None)
+    prompts.moved(1, "b", "b", 0)
+    assert prompts.held(MODEL, None, p, None, at("a", "b")) == {"b": 4}
+    prompts.remove(1)
+    assert prompts.held(MODEL, None, p, None, at("a", "b")) == {}
+
+
+def test_prompts_their_tokens_do_not_answer_claim_nothing():
+    index = indexed()
+    prompts = RunningPrompts(index)
+    p = tokens(1, 4)
+    prompts.add(1, "a", "a", 0, MODEL, None, p, BlockExtras(cache_salt="s"))  # a salt changes every block's hash
+    prompts.add(2, "a", "a", 0, "unknown-model", None, p, None)  # no block size known yet
+    prompts.add(3, "a", "a", 0, MODEL, None, tokens(2, 0, tail=9), None)  # no full block
+    prompts.add(4, "a", "a", 0, MODEL, None, None, None)  # not tokenized
+    assert len(prompts) == 0
+    prompts.add(5, "a", "a", 0, MODEL, None, p, None)
+    assert prompts.held(MODEL, None, p, BlockExtras(cache_salt="s"), at("a")) == {}
+    assert prompts.held(MODEL, None, p, None, at("a")) == {"a": 4}
+
+
+class OneOfTwoGroups:
+    """An index whose model has several KV cache groups (a hybrid model): a hit is not one run of blocks."""
+
+    def block_size(self, model):
+        return BS
+
+    def clears(self, pod, rank=0):
+        return 0
+
+    def single_group(self, model):
+        return False
+
+
+def test_a_hybrid_models_prompts_claim_nothing():
+    prompts = RunningPrompts(OneOfTwoGroups())
+    p = tokens(1, 4)
+    prompts.add(1, "a", "a", 0, MODEL, None, p, None)
+    assert len(prompts) == 0 and prompts.held(MODEL, None, p, None, at("a")) == {}
