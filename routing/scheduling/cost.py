@@ -23,20 +23,23 @@ from routing.learning.profiles import EngineProfiles
 from routing.pods import Pod
 from routing.scheduling.scoring import PickContext, Scorer
 from routing.scheduling.scorers import (MediumWeights, PrefillBacklog, PrefixSource, _relative, index_matches,
-                                        prompt_block_size, uncached_tokens)
+                                        prompt_block_size, running_prompts_held, uncached_tokens)
+from routing.state.prompts import RunningPrompts
 
 UNCACHED = "\x00uncached"  # ctx.state key: the uncached tokens per candidate, looked up once per pick
 
 
 class PromptCache:
     """Per candidate, this request's prompt tokens the pod does not hold per the event-fed index: blocks on
-    slower media count partly (GPU 1.0, CPU 0.8 by default). Fills ctx.matched and ctx.total_blocks (the
+    slower media count partly (GPU 1.0, CPU 0.8 by default); with `prompts`, less what it is computing for this
+    gateway's running requests (routing.state.prompts, as the `prefix` scorer counts them). Fills ctx.matched and ctx.total_blocks (the
     Decision reports them; the `affinity` scorer reads them) and keeps its answer in ctx.state, so the
     scorers of one pick ask the index once."""
 
     def __init__(self, index: PrefixSource, medium_weights: Mapping[str, float] | None = None,
-                 other_medium_weight: float = 0.8) -> None:
+                 other_medium_weight: float = 0.8, prompts: RunningPrompts | None = None) -> None:
         self._index = index
+        self._prompts = prompts  # this gateway's running requests' prompts: held by their pods too
         self._media = MediumWeights(medium_weights, other_medium_weight)
         size = getattr(index, "block_size", None)  # optional in PrefixSource
         self._index_block_size = size if callable(size) else None
@@ -61,7 +64,8 @@ class PromptCache:
             return out
         n = len(tokens)
         bs = prompt_block_size(self._index_block_size, ctx.base_model, n, total)
-        out.update(uncached_tokens(matches, names, n, bs, self._media, ctx.matched, 1.0))  # the last token always
+        out.update(running_prompts_held(self._prompts, ctx, pods, n, bs,
+                                        uncached_tokens(matches, names, n, bs, self._media, ctx.matched, 1.0)))
         if total > ctx.total_blocks:
             ctx.total_blocks = total
         return out

@@ -245,6 +245,33 @@ def uncached_tokens(matches: Mapping[str, PrefixMatchLike], names: Sequence[str]
     return out
 
 
+def running_prompts_held(prompts: RunningPrompts | None, ctx: PickContext, pods: Sequence[Pod], n: int, bs: int,
+                         uncached: dict[str, float]) -> dict[str, float]:
+    """`uncached` less what each pod is computing for a running request of this gateway's (vLLM caches a
+    scheduled request's prompt blocks before computing them: one admitted after it hits them); where that adds
+    any, ctx.placed gets each pod's leading blocks held or computed (ctx.matched as filled, raised)."""
+    if prompts is None:
+        return uncached
+    tokens = ctx.request.token_ids
+    claimed = prompts.held(ctx.base_model, ctx.lora, tokens, ctx.request.extras,
+                           [(p.name, p.pod_name, p.rank or 0) for p in pods])
+    if not claimed:
+        return uncached
+    cap = (n - 1) // bs
+    left = dict(uncached)
+    placed = ctx.placed = dict(ctx.matched)
+    for name, blocks in claimed.items():
+        u = left.get(name)
+        if u is None:
+            continue
+        blocks = min(blocks, cap)
+        if blocks > placed.get(name, 0):
+            placed[name] = blocks
+        if n - blocks * bs < u:
+            left[name] = n - blocks * bs
+    return left
+
+
 class PrecisePrefixScorer(Scorer):
     """Estimated time to first token, in prompt tokens to prefill: this request's tokens the pod
     does not hold per the event-fed index (blocks on slower media count partly uncached: GPU 1.0,
@@ -305,25 +332,7 @@ class PrecisePrefixScorer(Scorer):
         uncached = uncached_tokens(matches, names, n, bs, self._media, ctx.matched, 0.0)
         if total > ctx.total_blocks:
             ctx.total_blocks = total
-        # `left`: what the pod neither holds nor is computing for a running request of this gateway's (vLLM
-        # caches a scheduled request's prompt blocks before computing them: one admitted after it hits them)
-        left = uncached
-        if self._prompts is not None:
-            claimed = self._prompts.held(ctx.base_model, ctx.lora, tokens, ctx.request.extras,
-                                         [(p.name, p.pod_name, p.rank or 0) for p in pods])
-            if claimed:
-                cap = (n - 1) // bs
-                left = dict(uncached)
-                placed = ctx.placed = dict(ctx.matched)
-                for name, blocks in claimed.items():
-                    u = left.get(name)
-                    if u is None:
-                        continue
-                    blocks = min(blocks, cap)
-                    if blocks > placed.get(name, 0):
-                        placed[name] = blocks
-                    if n - blocks * bs < u:
-                        left[name] = n - blocks * bs
+        left = running_prompts_held(self._prompts, ctx, pods, n, bs, uncached)
         ctx.state[self.name] = left  # for picked(): the chosen pod's prefill joins its backlog
         if self.backlog is None:
             return {name: 1.0 - u / n for name, u in left.items()}

@@ -42,6 +42,7 @@ from routing.pods import Pod
 from routing.learning.predictor import OutputPredictor
 from routing.learning.profiles import EngineProfiles
 from routing.scheduling.cost import PromptCache, estimate
+from routing.state.prompts import RunningPrompts
 from routing.scheduling.scorers import PrefixSource
 from routing.scheduling.scoring import PickContext, Scorer
 
@@ -147,10 +148,11 @@ class SLOScorer(Scorer):
     reads_prefill = True
 
     def __init__(self, capacity: Capacity, index: PrefixSource | None = None,
-                 medium_weights: Mapping[str, float] | None = None, safe: float = 0.5) -> None:
+                 medium_weights: Mapping[str, float] | None = None, safe: float = 0.5,
+                 prompts: RunningPrompts | None = None) -> None:
         self.cap = capacity
         self.safe = safe
-        self._cache = PromptCache(index, medium_weights) if index is not None else None
+        self._cache = PromptCache(index, medium_weights, prompts=prompts) if index is not None else None
         self._queue: dict[str, tuple[float, float]] = {}  # pod -> (uncached tokens queued, as of time)
         self._decoding: dict[str, list[tuple[float, float]]] = {}  # pod -> [(decode start, predicted end)]
         self.last: dict[str, tuple[float, float]] = {}  # the last request's predictions per pod (for tests/debug)

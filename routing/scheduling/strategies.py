@@ -124,7 +124,7 @@ def _ttft(r: Resources) -> Scorer:
         prefill_tokens_per_s=c.prefill_tokens_per_s)
     # the backlog drains at each engine's learned rate (a data-parallel rank's is its pod's)
     backlog = PrefillBacklog(lambda target: profiles.prefill_rate(target.partition("#")[0]), c.clock)
-    return TTFTScorer(PromptCache(_given(r.index), c.medium_weights), profiles, backlog)
+    return TTFTScorer(PromptCache(_given(r.index), c.medium_weights, prompts=r.prompts), profiles, backlog)
 
 
 SCORERS: dict[str, ScorerSpec] = {s.name: s for s in (
@@ -183,7 +183,8 @@ SCORERS: dict[str, ScorerSpec] = {s.name: s for s in (
                "per-user token fairness: the `user` header's prompt tokens over the last ~5 minutes, over the "
                "mean per user (at least 1,000), place the user among the pods in name order; 1 there, falling "
                "with the distance"),
-    ScorerSpec("slo", lambda r: SLOScorer(_given(r.capacity), r.index, r.config.medium_weights), ("capacity",),
+    ScorerSpec("slo", lambda r: SLOScorer(_given(r.capacity), r.index, r.config.medium_weights,
+                                                   prompts=r.prompts), ("capacity",),
                "predicted TTFT (the `ttft` model, its queue the one shared by every gateway: (queued prefill + "
                "this request's uncached tokens from the index) / the pod's prefill rate + its overhead) and TPOT (decode step at the running batch, weighted by predicted outputs) against the "
                "request's targets: 1 within half of both (no SLO at risk), else 0.5..1 with headroom, below 0.5 by "

@@ -316,3 +316,19 @@ async def test_a_tenants_burst_follows_its_first_request_before_any_event():
     # none running: a prompt nobody holds goes by load and the family's placement alone
     clock.t += 10.0
     assert await pick(r, prompt(ctx, 4)) == moved.pod.name  # the family's last pod
+
+
+async def test_slo_predicts_the_hit_on_the_pod_computing_the_prompt():
+    """The one cost model: slo's predicted TTFT counts a pod's running prompts as held too (what it would wait
+    for there is the queue, not the prefix again)."""
+    (r,), engines, clock, _ = fleet()
+    engines.store("c", family(999))  # the index knows the block size
+    ctx = family(4)
+    first = await r.pick(RouteRequest(MODEL, prompt(ctx, 0), strategy="slo"))
+    scorer = next(sc for sc, _ in r._strategies["slo"].scorers if sc.name == "slo")
+    await r.pick(RouteRequest(MODEL, prompt(ctx, 1), strategy="slo"))
+    ttft = {pod: pred[0] for pod, pred in scorer.last.items()}
+    others = [t for pod, t in ttft.items() if pod != first.pod.name]
+    # there: the first's prefill queued (43 blocks), then 3 blocks of its own; elsewhere all 43, no queue;
+    # counting the prefix again there would predict about twice the others'
+    assert ttft[first.pod.name] < 1.25 * min(others)
