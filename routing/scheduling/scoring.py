@@ -305,8 +305,11 @@ class Strategy:
         scattering) without a patch."""
         def rounded(values: Mapping[str, float]) -> dict[str, float]:
             return {k: round(v, 3) for k, v in values.items()}
-        log.debug("pick %s (%s): %s; scores %s; by scorer %s; blocks matched %s of %d; running %s; set aside %s",
+        log.debug("pick %s (%s): %s; scores %s; by scorer %s; blocks matched %s of %d; held or computing %s; "
+                  "running %s; set aside %s; family %s",
                   ctx.request.request_id, self.name, pod.name, rounded(total),
                   {name: rounded(part) for name, part in parts.items()}, dict(ctx.matched), ctx.total_blocks,
+                  dict(ctx.placed) if ctx.placed is not None else "as matched",
                   {p.name: ctx.running.get(p.name, 0) for p in pods},
-                  sorted({p.name for p in pods} - {p.name for p in candidates}))
+                  sorted({p.name for p in pods} - {p.name for p in candidates}),
+                  "-" if ctx.family is None else f"{ctx.family:016x}")

@@ -5,7 +5,9 @@ gateway replicas (each its own Router and state, sharing the index and the count
 family nobody holds."""
 from __future__ import annotations
 
+import ast
 import random
+import re
 
 import pytest
 
@@ -293,6 +295,15 @@ async def test_each_pick_is_explained_at_debug_level(caplog):
     assert line.startswith("pick ") and "(kv-sync): b;" in line  # b holds the 40-block context
     assert "'prefix': {" in line and "'load': {" in line and "'a': 0.75" in line  # a's load score at 2 running
     assert "blocks matched {'a': 0, 'b': 40, 'c': 0} of 43" in line and "running {'a': 2, 'b': 0, 'c': 0}" in line
+    assert "held or computing as matched" in line and re.search(r"family [0-9a-f]{16}$", line)  # the tenant, traceable
+    # a pod computing the prompt for a running request of this gateway: its holdings beside the index's
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="routing.scheduling.scoring"):
+        running = await r.pick(RouteRequest(MODEL, prompt(family(5), 0)))
+        await r.pick(RouteRequest(MODEL, prompt(family(5), 1)))
+    line = caplog.records[-1].getMessage()
+    held = ast.literal_eval(re.search(r"held or computing (\{.*?\});", line).group(1))
+    assert held == {p: 40 if p == running.pod.name else 0 for p in "abc"}
 
 
 async def test_a_tenants_burst_follows_its_first_request_before_any_event():
