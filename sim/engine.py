@@ -428,12 +428,8 @@ class EngineModel:
                        cache_salt, tuple(_checked_media(mm_items, len(tokens))))
         self._extend_keys(req, len(tokens) // self._bs)
         holds = [partial(self._holds, req, g) for g in range(len(self._groups))]
-        if announced:
-            unannounced = {(ev.group_idx or 0, h) for r in self._running.values() for ev in r.deferred
-                           if isinstance(ev, BlockStored) for h in ev.block_hashes}
-            if unannounced:
-                holds = [partial(lambda g, i: (g, self._key(req, g, i)) in self._blocks
-                                 and (g, self._key(req, g, i)) not in unannounced, g) for g in range(len(self._groups))]
+        if announced and (hidden := self.unannounced_block_hashes()):
+            holds = [partial(self._holds_announced, req, hidden, g) for g in range(len(self._groups))]
         return longest_hit(self._groups, holds, len(tokens) - 1, self._align)[0]
 
     def is_live(self, req_id: str) -> bool:
@@ -617,6 +613,10 @@ class EngineModel:
 
     def _holds(self, req: _Request, g: int, i: int) -> bool:
         return (g, self._key(req, g, i)) in self._blocks
+
+    def _holds_announced(self, req: _Request, hidden: set[BlockHash], g: int, i: int) -> bool:
+        key = self._key(req, g, i)
+        return (g, key) in self._blocks and key not in hidden
 
     def _ref(self, entry: tuple[int, BlockHash]) -> None:
         rc = self._blocks[entry]

@@ -245,6 +245,9 @@ def uncached_tokens(matches: Mapping[str, PrefixMatchLike], names: Sequence[str]
     return out
 
 
+_CLAIMED = "\x00claimed"  # ctx.state key: RunningPrompts.held's answer, asked once per pick
+
+
 def running_prompts_held(prompts: RunningPrompts | None, ctx: PickContext, pods: Sequence[Pod], n: int, bs: int,
                          uncached: dict[str, float]) -> dict[str, float]:
     """`uncached` less what each pod is computing for a running request of this gateway's (vLLM caches a
@@ -252,9 +255,10 @@ def running_prompts_held(prompts: RunningPrompts | None, ctx: PickContext, pods:
     any, ctx.placed gets each pod's leading blocks held or computed (ctx.matched as filled, raised)."""
     if prompts is None:
         return uncached
-    tokens = ctx.request.token_ids
-    claimed = prompts.held(ctx.base_model, ctx.lora, tokens, ctx.request.extras,
-                           [(p.name, p.pod_name, p.rank or 0) for p in pods])
+    claimed = ctx.state.get(_CLAIMED)  # slo's pick asks twice: its own cost model, then kv-sync's prefix score
+    if claimed is None:
+        claimed = ctx.state[_CLAIMED] = prompts.held(ctx.base_model, ctx.lora, ctx.request.token_ids,
+                                                     ctx.request.extras, [(p.name, p.pod_name, p.rank or 0) for p in pods])
     if not claimed:
         return uncached
     cap = (n - 1) // bs
