@@ -281,9 +281,12 @@ class Proc:
 
 @dataclass
 class Stack:
-    """Processes started for one run; `close()` stops them all, newest first."""
+    """Processes started for one run; `close()` stops them all, newest first. Their configs and logs are in
+    `workdir`, which a `with` block removes when it ends without an exception (unless `keep`); a failure's logs,
+    and those of a stack closed by hand (the demo's, the soak's: they print where), stay."""
 
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvgate-stack-")))
+    keep: bool = False
     procs: list[Proc] = field(default_factory=list)
     _lock: threading.Condition = field(default_factory=threading.Condition, repr=False)
     _spawning: int = 0
@@ -454,8 +457,10 @@ class Stack:
     def __enter__(self) -> "Stack":
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         self.close()
+        if exc_type is None and not self.keep:
+            shutil.rmtree(self.workdir, ignore_errors=True)
 
 
 def resolve_by_dns(config: dict) -> dict:
