@@ -44,9 +44,12 @@ requests routed per pod, and the share of requests that recomputed at least one 
 some earlier request had computed (served fewer cached tokens than reusable_tokens: sent where
 the prefix was not, or where it had been evicted or flushed).
 
-The oracle (not a Router strategy) knows each engine's cache exactly (a mirror fed by the
-engines' raw events without delay or loss, equal to the engine's cache by construction of
-EngineModel) and the load it created itself. For each pod it predicts this request's TTFT
+The oracle (not a Router strategy) knows each engine's cache exactly (EngineModel.prefix_hit: what the
+engine would hit now, the blocks of prompts it has scheduled and not yet announced included; until
+session 25 it read a mirror of the engines' events, which learns those a prefill later: W4, 3 seeds, 63.45
+-> 63.85%) and the load it created itself. It does not know the flush schedule: on W4, whose flushes
+rotate, the engine just flushed is the one flushed last again, so a policy that keeps a flushed engine's
+tenants there (prefix-cache, char-tree) holds their prefixes longest (docs/BENCHMARKS.md, routing). For each pod it predicts this request's TTFT
 with the engine's own timing model: admission (immediate below max_num_seqs, else the wait
 for enough decoding requests to finish), the serial prefill lane's backlog, the request's
 uncached tokens x prefill time + overhead. Greedy on that alone it spreads what it could keep
@@ -56,7 +59,7 @@ guessers (char-tree, prefix-cache) kept more hits than it in W3 and W4, and afte
 TTFT p90 was worse than kv-sync's (W4, one seed: hit rate 60.0% against char-tree's 62.7%, p90
 0.30 s against kv-sync's 0.20 s). So it also remembers where it placed each prefix: per pod, the
 prompt blocks of its requests not finished yet, and the blocks a flush dropped and no eviction
-has removed since (the mirror keeps them). Its cost for a pod is the predicted TTFT plus the
+has removed since (a mirror fed by the engines' raw events keeps them). Its cost for a pod is the predicted TTFT plus the
 prefill time of the leading prompt tokens that some pod holds, was sent or held before a flush,
 and this pod does not (ORACLE_AFFINITY = 1: a copy is charged again what it costs now). It picks
 the minimum (ties: fewer running, then name). With that memory, W3/W4 seed 1 (`--quick`): hit
@@ -67,9 +70,8 @@ those cases as [info]); the workload-level `compulsory_hit_rate` (every distinct
 once in the cluster) is the hit-rate bound no router can exceed.
 On workloads with a model shape or requests with extra keys (W8-W10) the mirror, keyed by (parent,
 tokens) over one group, cannot follow the engines' blocks (several groups, sparse events whose token ids
-span skipped blocks, salts and media on blocks with equal tokens), so the oracle reads each engine's hit
-from the engine itself (EngineModel.prefix_hit: exact for every group, salt and media), and keys its
-placement memory with salts and media (routing_workloads.request_keys); it keeps no flush memory there.
+span skipped blocks, salts and media on blocks with equal tokens), so the oracle keeps no flush memory
+there, and keys its placement memory with salts and media (routing_workloads.request_keys).
 
 Each finished request reaches the Routers' engine profiles as a watched response reaches the gateway's (its
 uncached tokens, TTFT, TPOT, running count at routing and request id), so the scorers that predicted its TTFT
@@ -242,8 +244,8 @@ class _Oracle:
         self._engines = engines
         self._c = config
         self._affinity = affinity
-        # exact: hits read from the engines themselves (EngineModel.prefix_hit), for models of several KV cache
-        # groups and requests with extra keys, whose blocks the token-keyed mirror cannot follow; no flush memory
+        # exact: for models of several KV cache groups and requests with extra keys, whose blocks the token-keyed
+        # mirror cannot follow: no flush memory
         self._exact = exact
         self.mirror = _CacheMirror(list(engines))
         self._lane_free = dict.fromkeys(engines, 0.0)
@@ -263,12 +265,13 @@ class _Oracle:
     def pick(self, tokens: tuple[int, ...], max_tokens: int, now: float, cache_salt: str | None = None,
              media: tuple[MediaItem, ...] = ()) -> tuple[str, tuple]:
         c = self._c
+        # the engine's own hit: what it holds, the blocks of prompts it has scheduled and not yet announced too
+        hits = {pod: eng.prefix_hit(tokens, cache_salt=cache_salt, mm_items=media) for pod, eng in self._engines.items()}
         if self._exact:
-            hits = {pod: eng.prefix_hit(tokens, cache_salt=cache_salt, mm_items=media)
-                    for pod, eng in self._engines.items()}
             was = hits
-        else:
-            hits, was = self.mirror.hits_and_flushed(tokens)
+        else:  # and the blocks a flush dropped, from the mirror
+            _, flushed = self.mirror.hits_and_flushed(tokens)
+            was = {pod: max(hits[pod], flushed[pod]) for pod in hits}
         extras = BlockExtras(cache_salt=cache_salt, media=media) if cache_salt is not None or media else None
         keys = prefix_keys(tokens, BLOCK_SIZE, extras)[:(len(tokens) - 1) // BLOCK_SIZE]
         have = {}
@@ -354,7 +357,7 @@ def engine_config(workload: Workload) -> EngineConfig:
 
 
 def exact_oracle(workload: Workload) -> bool:
-    """Whether the oracle reads hits from the engines rather than its mirror (see _Oracle)."""
+    """Whether the oracle keeps no flush memory: its mirror cannot follow the workload's blocks (see _Oracle)."""
     return getattr(workload.shape, "model_shape", None) is not None or any(
         r.extras is not None for r in workload.requests)
 

@@ -434,6 +434,21 @@ def test_oracle_rewarms_where_a_flushed_prefix_was_instead_of_anywhere():
     o.finished(pod, handle)
 
 
+def test_oracle_sees_the_prompt_an_engine_scheduled_before_its_events_announce_it():
+    """vLLM caches a scheduled prompt's blocks before computing them; the oracle's view is the engine's, not
+    its events' (which announce them after the prefill): a request sent meanwhile hits them."""
+    from bench.routing_sim import _Oracle
+    from sim.engine import EngineModel
+    cfg = EngineConfig(num_blocks=256)
+    prompt = tuple(range(2000, 2100))  # 6 full blocks + 4 tokens
+    engines = {"pod-0": EngineModel(cfg), "pod-1": EngineModel(cfg)}
+    engines["pod-1"].add_request("r0", list(prompt), 4, now=0.0)  # sent by someone else: not in the oracle's ledger
+    engines["pod-1"].advance(0.0001)
+    assert engines["pod-1"].prefix_hit(prompt + (7,)) == 96 and not engines["pod-1"].drain_events()
+    o = _Oracle(engines, cfg, affinity=0.0)  # greedy TTFT alone: without the hit a tie, broken by name
+    assert o.pick(prompt + (7, 8), 4, now=0.0002)[0] == "pod-1"
+
+
 def test_report_gives_the_joined_pods_share_of_the_requests_after_the_join():
     import dataclasses
     shape = dataclasses.replace(TINY_CHAT, join_at_s=1.0, load=1.5)
