@@ -227,6 +227,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load", action="append", choices=workloads.LOAD_LEVELS,
                         help="W3-W5's load levels to run (repeatable; default heavy: the levels they ran at "
                              "before, reported as W3, W4, W5; the others as W3-light, W3-medium, ...)")
+    parser.add_argument("--flush-order", choices=workloads.FLUSH_ORDERS, default="rotate",
+                        help="which engine each flush of W4 resets: rotate through them (default) or random, "
+                             "reported as W4-random (a rotation rewards keeping a flushed engine's tenants there)")
     parser.add_argument("--gateways", type=int, default=DEFAULT_GATEWAYS,
                         help=f"kvgate replicas in front of the engines (default {DEFAULT_GATEWAYS}, as shipped)")
     d = StrategyConfig()
@@ -750,6 +753,8 @@ def main(args: argparse.Namespace) -> int:
     shapes = [x for s in every if not args.workload or s.name in args.workload
               for x in ([workloads.at_level(s, lv) for lv in levels]
                         if isinstance(s, workloads.ChatShape) and s.name in workloads.LEVELLED_WORKLOADS else [s])]
+    shapes = [workloads.with_flush_order(s, args.flush_order) if isinstance(s, workloads.ChatShape) else s
+              for s in shapes]
     started = time.monotonic()
     report = run_all(shapes, seeds, args.jobs, config=config, gateways=args.gateways)
     report["strategy_config"] = {"guard_slack": config.guard_abs_slack, "guard_ratio": config.guard_rel_slack,

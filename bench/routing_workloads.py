@@ -137,7 +137,8 @@ class ChatShape:
     pods: int  # at the start
     capacity_ratio: float  # working set / KV capacity of the starting pods
     load: float  # request rate / decode capacity of the starting pods
-    flush_every_s: float = 0.0  # > 0: one engine's prefix cache reset this often (rotating, seeded order)
+    flush_every_s: float = 0.0  # > 0: one engine's prefix cache reset this often
+    flush_order: str = "rotate"  # which engine: "rotate" through the pods (seeded order) or "random" (seeded draws)
     join_at_s: float | None = None  # one engine joins at this time
     max_num_seqs: int = 64
     dp_size: int = 1  # > 1: the last starting pod is a data-parallel engine of this many ranks
@@ -180,6 +181,8 @@ class ChatShape:
         extra = ""
         if self.flush_every_s > 0:
             extra += f"; one engine's cache flushed every {self.flush_every_s:g} s"
+            if self.flush_order == "random":
+                extra += " (a random engine)"
         if self.join_at_s is not None:
             extra += f"; an engine joins at {self.join_at_s:g} s"
         if self.dp_size > 1:
@@ -207,6 +210,7 @@ class ChatShape:
                 "turns": list(self.turns), "turn_gap_s": list(self.turn_gap_s), "duration_s": self.duration_s,
                 "pods": self.pods, "capacity_ratio": self.capacity_ratio, "load": self.load,
                 "request_rps": round(self.request_rps, 1), "flush_every_s": self.flush_every_s,
+                "flush_order": self.flush_order if self.flush_every_s > 0 else None,
                 "join_at_s": self.join_at_s, "dp_size": self.dp_size, "model_shape": self.model_shape,
                 "retention": self.retention if self.model_shape not in (None, "dense") else None,
                 "sliding_window": self.sliding_window if self.model_shape == "hybrid" else None,
@@ -507,6 +511,9 @@ def _build_chat(shape: ChatShape, seed: int) -> Workload:
         order = list(range(shape.pods))
         rng.shuffle(order)
         n = int(end // shape.flush_every_s)
+        if shape.flush_order == "random":
+            draw = random.Random(f"flush:{seed}")
+            order = [draw.randrange(shape.pods) for _ in range(n)]
         flushes = tuple(((k + 1) * shape.flush_every_s, order[k % len(order)]) for k in range(n))
     joins = ((shape.join_at_s, shape.pods),) if shape.join_at_s is not None else ()
     return Workload(
@@ -567,6 +574,22 @@ _LEVEL_FLUSH_EVERY_S = {"light": 7.0, "medium": 3.0}
 def base_name(name: str) -> str:
     """The workload a scenario is a level of: "W3-light" -> "W3"."""
     return name.split("-", 1)[0]
+
+
+FLUSH_ORDERS = ("rotate", "random")
+
+
+def with_flush_order(shape: ChatShape, order: str) -> ChatShape:
+    """`shape` with its flushes' engines in `order`, named `<name>-random` for "random"; unchanged without
+    flushes. Rotating (the workloads' own order) the engine just flushed is the one flushed last again, so a
+    policy that keeps a flushed engine's tenants there holds their prefixes longest, which resets that come
+    when they come (a restart, a weight update) do not reward."""
+    if order not in FLUSH_ORDERS:
+        raise ValueError(f"flush order must be one of {', '.join(FLUSH_ORDERS)}, not {order!r}")
+    if shape.flush_every_s <= 0 or order == shape.flush_order:
+        return shape
+    return dataclasses.replace(shape, flush_order=order, seed_name=shape.seed_name or shape.name,  # the same requests
+                               name=shape.name if order == "rotate" else f"{shape.name}-{order}")
 
 
 def at_level(shape: ChatShape, level: str) -> ChatShape:

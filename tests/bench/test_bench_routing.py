@@ -250,6 +250,23 @@ def test_flushes_rotate_over_the_pods_and_a_join_adds_the_next_pod():
     assert wl.joins == ((1.0, 3),) and wl.pods_at_start == 3 and wl.total_pods == 4
 
 
+def test_random_flush_order_draws_each_flushed_engine_and_keeps_the_rest_of_the_workload():
+    """Rotating, the engine just flushed is the one flushed last again: a policy that keeps its tenants there
+    holds their prefixes longest. `flush_order="random"` draws each flush's engine (seeded), as resets come."""
+    rotate = workloads.build(dataclasses.replace(TINY_CHAT, flush_every_s=0.1), seed=2)
+    shape = workloads.with_flush_order(dataclasses.replace(TINY_CHAT, flush_every_s=0.1), "random")
+    assert shape.name == "TC-random" and "random engine" in shape.describe()
+    drawn = workloads.build(shape, seed=2)
+    assert drawn.requests == rotate.requests and len(drawn.flushes) == len(rotate.flushes) > 12
+    assert [t for t, _ in drawn.flushes] == [t for t, _ in rotate.flushes]
+    pods = [p for _, p in drawn.flushes]
+    assert set(pods) == {0, 1, 2} and any(a == b for a, b in zip(pods, pods[1:]))  # not a rotation
+    assert drawn.flushes == workloads.build(shape, seed=2).flushes != workloads.build(shape, seed=3).flushes
+    assert workloads.with_flush_order(TINY_CHAT, "random") == TINY_CHAT  # no flushes: nothing to order
+    with pytest.raises(ValueError, match="rotate, random"):
+        workloads.with_flush_order(shape, "sorted")
+
+
 def test_forced_reset_clears_the_cache_under_load_and_running_requests_still_finish():
     from kvcache.events import AllBlocksCleared
     from sim.engine import EngineModel
