@@ -108,6 +108,10 @@ Metrics per run, then the mean over seeds:
   computed (routing_sim.reusable_tokens): the misses a router could have avoided had every block
   stayed cached, i.e. sent away from its prefix, or to where it was evicted or flushed;
 - evicted_blocks: blocks the engines evicted (BlockRemoved), flushed_blocks: blocks flushes dropped;
+- held_elsewhere_share, held_nowhere_share: at each pick, the prompt tokens another engine held beyond the
+  picked engine's hit (EngineModel.prefix_hit, every engine of the fleet), and those no engine held, over
+  prompt tokens: the misses the pick made, and the misses it could not avoid (never computed, evicted or
+  flushed before it; where a router puts its requests decides how many of these there are);
 - joined_share (W5): the share of the requests arriving after the join that went to the joined pod
   (a quarter would be an even split over 4 pods);
 - believed_share (kv-sync, slo): the prompt tokens the index promised on the picked engine (the Decision's
@@ -157,7 +161,8 @@ from bench.routing_sim import ORACLE, Policy, RunResult, ceiling, run, ttft_floo
 from routing.scheduling.strategies import StrategyConfig, parse_weights
 
 METRICS = ("hit_rate", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "ttft_mean_s", "throughput_tok_s",
-           "max_over_mean_running", "repeat_miss_share", "evicted_blocks", "flushed_blocks")
+           "max_over_mean_running", "repeat_miss_share", "evicted_blocks", "flushed_blocks", "held_elsewhere_share",
+           "held_nowhere_share")
 DEFAULT_PLOT = "docs/bench-routing.png"
 
 
@@ -631,7 +636,8 @@ def format_table(report: dict) -> str:
                      f"hit-rate bound {w['compulsory_hit_rate']:.3f}; TTFT p90 floor {w['ttft_p90_floor_s']:.4f} s"
                      f"{extra}")
         lines.append(f"  {'policy':28}{'hit rate':>9}{'TTFT p50 s':>12}{'TTFT p90 s':>12}{'TTFT p99 s':>12}"
-                     f"{'TTFT mean s':>13}{'out tok/s':>11}{'max/mean run':>14}{'repeat miss':>12}{'evicted':>10}")
+                     f"{'TTFT mean s':>13}{'out tok/s':>11}{'max/mean run':>14}{'repeat miss':>12}{'evicted':>10}"
+                     f"{'elsewhere':>10}{'nowhere':>9}")
         joins = bool(w.get("joins"))
         if joins:
             lines[-1] += f"{'joined pod':>12}"
@@ -646,6 +652,7 @@ def format_table(report: dict) -> str:
                          f"{m['ttft_p99_s']:>12.4f}{m['ttft_mean_s']:>13.4f}"
                          f"{m['throughput_tok_s']:>11.0f}{m['max_over_mean_running']:>14.2f}"
                          f"{m.get('repeat_miss_share', 0):>12.3f}{m.get('evicted_blocks', 0):>10.0f}"
+                         f"{m.get('held_elsewhere_share', 0):>10.3f}{m.get('held_nowhere_share', 0):>9.3f}"
                          + (f"{m.get('joined_share', 0):>12.2f}" if joins else "") + slo)
         if "ceiling_hit_rate" in w:
             lines.append(f"  ceiling (one engine, the fleet's KV capacity): hit rate {w['ceiling_hit_rate']:.3f}"

@@ -167,6 +167,10 @@ class RunResult:
     believed_share: float | None = None
     at_pick_share: float | None = None
     announced_share: float | None = None
+    # every policy: prompt tokens that another engine in the fleet held beyond the picked engine's hit, at the pick
+    # (the pick's own loss), and that no engine held (lost before the pick: never computed, evicted, flushed)
+    held_elsewhere_share: float = 0.0
+    held_nowhere_share: float = 0.0
 
 
 class _CacheMirror:
@@ -490,6 +494,7 @@ async def _run(workload: Workload, policy: Policy, seed: int, strategy_config: S
     published = decoded = lost = evicted = flushed = 0
     # prompt tokens the index promised on the picked engine / that engine's hit then / of it, what was announced
     believed = at_pick = announced = 0
+    elsewhere = nowhere = 0  # prompt tokens at the pick: held by another engine beyond the pick's hit; by none
     skipped: Counter[str] = Counter()
     next_t = dict.fromkeys(names, math.inf)
     inflight: dict[str, tuple[str, Any]] = {}  # req_id -> (pod, (router, decision), max_tokens or None)
@@ -653,6 +658,11 @@ async def _run(workload: Workload, policy: Policy, seed: int, strategy_config: S
             inflight[r.req_id] = (key, handle)
             running[key] += 1
             routed[key] += 1
+            hits = engines[key].prefix_hits([engines[k] for k in active_keys], r.token_ids, cache_salt=r.cache_salt,
+                                            mm_items=r.media)
+            best = max(hits, default=0)
+            elsewhere += best - hits[active_keys.index(key)]
+            nowhere += len(r.token_ids) - best
             engines[key].add_request(r.req_id, r.token_ids, r.max_tokens, t, cache_salt=r.cache_salt, mm_items=r.media)
             if capacity is not None:
                 started[r.req_id] = (running[key], key)
@@ -672,6 +682,10 @@ async def _run(workload: Workload, policy: Policy, seed: int, strategy_config: S
     out.evicted_blocks = evicted
     out.flushed_blocks = flushed
     out.routed = {p: n for p, n in routed.items() if n}
+    prompt_tokens = sum(len(r.token_ids) for r in reqs)
+    if prompt_tokens:
+        out.held_elsewhere_share = elsewhere / prompt_tokens
+        out.held_nowhere_share = nowhere / prompt_tokens
     if feed_index and routers:
         prompt = sum(len(r.token_ids) for r in reqs)
         out.believed_share = believed / prompt if prompt else 0.0

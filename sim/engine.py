@@ -62,6 +62,7 @@ import hashlib
 import heapq
 from array import array
 from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from math import ceil, floor
@@ -420,17 +421,41 @@ class EngineModel:
         (the hit admission computes), without queuing it or touching the cache (for checks and the routing
         benchmark's oracle). `announced`: counting only blocks whose BlockStored has left (what a follower of
         the events can know), not those of prompts still prefilling."""
+        req = self._probe(token_ids, lora, cache_salt, mm_items)
+        return 0 if req is None else self._hit(req, announced)
+
+    def prefix_hits(self, engines: Sequence["EngineModel"], token_ids: list[int] | tuple[int, ...],
+                    lora: str | None = None, *, cache_salt: str | None = None,
+                    mm_items: tuple[MediaItem, ...] = ()) -> list[int]:
+        """prefix_hit on each of `engines`, the prompt's block hashes computed once where an engine hashes as
+        this one does (same hash seed, block size and KV cache groups)."""
+        req = self._probe(token_ids, lora, cache_salt, mm_items)
+        if req is None:
+            return [0] * len(engines)
+        return [e._hit(req, False) if e._same_keys(self) else
+                e.prefix_hit(token_ids, lora, cache_salt=cache_salt, mm_items=mm_items) for e in engines]
+
+    def _same_keys(self, other: "EngineModel") -> bool:
+        a, b = self.config, other.config
+        return (a.hash_seed == b.hash_seed and self._bs == other._bs and a.int_block_hashes == b.int_block_hashes
+                and self._groups == other._groups and self._align == other._align)
+
+    def _probe(self, token_ids: list[int] | tuple[int, ...], lora: str | None, cache_salt: str | None,
+               mm_items: tuple[MediaItem, ...]) -> _Request | None:
         packed = array("I", token_ids)
         tokens = tuple(packed)
         if not tokens:
-            return 0
+            return None
         req = _Request("", tokens, packed.tobytes(), 1, lora, self._clock, self._roots[lora], len(self._groups),
                        cache_salt, tuple(_checked_media(mm_items, len(tokens))))
         self._extend_keys(req, len(tokens) // self._bs)
+        return req
+
+    def _hit(self, req: _Request, announced: bool) -> int:
         holds = [partial(self._holds, req, g) for g in range(len(self._groups))]
         if announced and (hidden := self.unannounced_block_hashes()):
             holds = [partial(self._holds_announced, req, hidden, g) for g in range(len(self._groups))]
-        return longest_hit(self._groups, holds, len(tokens) - 1, self._align)[0]
+        return longest_hit(self._groups, holds, len(req.tokens) - 1, self._align)[0]
 
     def is_live(self, req_id: str) -> bool:
         return req_id in self._live

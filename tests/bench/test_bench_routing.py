@@ -308,6 +308,23 @@ def test_flushes_cost_hits_and_are_seen_by_kv_sync():
     assert set(run(flushed, Policy("kv-sync", "kv-sync"), seed=1).index_stats["skipped"]) <= {"unknown_parent_blocks"}
 
 
+def test_misses_split_into_the_picks_own_and_those_no_engine_could_serve():
+    """held_elsewhere_share: prompt tokens another engine held beyond the picked one's hit, at the pick;
+    held_nowhere_share: those no engine held. With the picked engine's own hit they make the whole prompt."""
+    flushed = workloads.build(dataclasses.replace(TINY_CHAT, flush_every_s=0.25), seed=3)
+    kv = run(flushed, Policy("kv-sync", "kv-sync"), seed=1)
+    rr = run(flushed, Policy("round-robin", "round-robin"), seed=1)
+    assert kv.at_pick_share is not None
+    assert abs(kv.at_pick_share + kv.held_elsewhere_share + kv.held_nowhere_share - 1.0) < 1e-9
+    assert rr.held_elsewhere_share > max(0.1, 3 * kv.held_elsewhere_share)  # round-robin ignores where prefixes are
+    assert 0 < kv.held_nowhere_share < 1 and 0 < rr.held_nowhere_share < 1
+    report = bench.run_all([dataclasses.replace(TINY_CHAT, flush_every_s=0.25)], seeds=1, jobs=1,
+                           chosen=(Policy("round-robin", "round-robin"),))
+    m = report["workloads"]["TC"]["policies"]["round-robin"]
+    assert 0.1 < m["held_elsewhere_share"] < 1 and 0 < m["held_nowhere_share"] < 1
+    assert "elsewhere" in bench.format_table(report)
+
+
 def test_a_joining_engine_gets_requests_only_after_it_joins():
     import dataclasses
     wl = workloads.build(dataclasses.replace(TINY_CHAT, join_at_s=1.0, load=1.5), seed=4)  # saturated before

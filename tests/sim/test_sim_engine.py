@@ -48,6 +48,22 @@ def test_prefix_reuse_counts_full_leading_blocks() -> None:
     assert c.cached_tokens == 0
 
 
+def test_prefix_hits_answers_for_several_engines_as_prefix_hit_does_each() -> None:
+    shared = list(range(100, 132))  # 8 blocks
+    a, b, c = EngineModel(config()), EngineModel(config()), EngineModel(config())
+    other_seed = EngineModel(config(hash_seed="other"))  # hashes its own way: asked apart
+    a.add_request("x", shared[:16] + [1], 4, now=0.0)
+    b.add_request("y", shared + [2], 4, now=0.0)
+    other_seed.add_request("z", shared + [3], 4, now=0.0)
+    engines = [a, b, c, other_seed]
+    salted = shared[:8] + [7]
+    for prompt in (shared + [9], shared[:12], [5], salted):
+        assert a.prefix_hits(engines, prompt) == [e.prefix_hit(prompt) for e in engines]
+    assert a.prefix_hits(engines, shared + [9]) == [16, 32, 0, 32]
+    assert c.prefix_hits(engines, salted, cache_salt="s") == [0, 0, 0, 0]
+    assert a.prefix_hits(engines, []) == [0, 0, 0, 0]
+
+
 def test_a_request_admitted_while_another_prefills_its_prefix_hits_it() -> None:
     # vLLM caches a scheduled request's full prompt blocks when it allocates them, before its forward pass
     # (KVCacheManager.allocate_slots -> cache_blocks); their BlockStored leave after the step that computed them
