@@ -117,7 +117,6 @@ def make_plan(seed: int, requests: int, w: Workload = WORKLOAD) -> Plan:
 class RunResult:
     ttft_s: list[float] = field(default_factory=list)
     tpot_s: list[float] = field(default_factory=list)  # per request: the mean gap between its token chunks
-    engines: dict[str, int] = field(default_factory=dict)
     errors: int = 0
     error_samples: list[str] = field(default_factory=list)
     flushes: int = 0
@@ -204,7 +203,6 @@ async def _turn(client: httpx.AsyncClient, url: str, messages: list[dict], heade
     result.ttft_s.append(first)
     if len(pieces) > 1 and last is not None:
         result.tpot_s.append((last - first) / (len(pieces) - 1))
-    result.engines[engine] = result.engines.get(engine, 0) + 1
     return "".join(pieces), prompt, cached, engine
 
 
@@ -352,10 +350,7 @@ def summarize_router(runs: list[RunResult]) -> dict[str, Any]:
     ttft = [t for r in runs for t in r.ttft_s]
     tpot = [t for r in runs for t in r.tpot_s]
     queries, hits = sum(r.queries for r in runs), sum(r.hits for r in runs)
-    engines: dict[str, int] = {}
-    for r in runs:
-        for name, n in r.engines.items():
-            engines[name] = engines.get(name, 0) + n
+    engines = sum((c for r in runs for c in r.tenants.values()), Counter())  # every answered request's engine
     cpu = [r.cpu_s for r in runs]
     served = len(ttft)
     return {

@@ -274,15 +274,14 @@ class Router:
             return None
         old = self._active.get(decision.ticket)
         if old is not None:
-            new = pod.name
-            if decision.rank is not None and pod.dp_size > decision.rank:
-                new = f"{pod.name}#{decision.rank}"
+            rank = decision.rank if decision.rank is not None and pod.dp_size > decision.rank else None
+            new = pod.name if rank is None else f"{pod.name}#{rank}"
             if new != old:
                 self._counts.add(old, -1)
                 self._counts.add(new, 1)
                 self._active[decision.ticket] = new
                 if self._prompts is not None:
-                    self._prompts.moved(decision.ticket, new, pod.name, 0 if new == pod.name else decision.rank or 0)
+                    self._prompts.moved(decision.ticket, new, pod.name, rank or 0)
         return pod
 
     async def release(self, decision: Decision) -> None:

@@ -67,8 +67,8 @@ def _refuse(request):
 
 
 def _run(ttft_ms, engines, hits, queries, cpu_s=0.1):
-    return bakeoff.RunResult(ttft_s=[t / 1e3 for t in ttft_ms], tpot_s=[t / 1e4 for t in ttft_ms], engines=engines,
-                             hits=hits, queries=queries, cpu_s=cpu_s)
+    return bakeoff.RunResult(ttft_s=[t / 1e3 for t in ttft_ms], tpot_s=[t / 1e4 for t in ttft_ms],
+                             tenants={0: Counter(engines)}, hits=hits, queries=queries, cpu_s=cpu_s)
 
 
 def test_the_summary_pools_the_runs_and_the_targets_compare_kv_sync_with_sglang():
@@ -89,7 +89,7 @@ def test_the_summary_pools_the_runs_and_the_targets_compare_kv_sync_with_sglang(
         summary["system_missed_floor"] = 1
     text = bakeoff.table({"scenarios": {"steady": {"kv-sync": ours, "sglang": theirs}}, "requests_per_run": 4,
                           "reps": 1, "seconds": 1.0, "targets": t, "workload": {"conversations_at_once": 8}})
-    assert "steady        kv-sync   40.0    25.0    30.0    40.0  3.00       0    50.00    0    0  0.00  3 / 1" in text
+    assert "steady        kv-sync   40.0    25.0    30.0    40.0  3.00       0    50.00    0    0  1.00  3 / 1" in text
     assert "target steady: kv-sync ttft_p50_ms <= sglang's: MISSED" in text
 
 
