@@ -202,11 +202,25 @@ class MediumWeights:
         return score + (blocks - covered) * self._floor
 
 
+_MATCHES = "\x00matches"  # ctx.state key: the index's answer and the names it is for, asked once per pick
+
+
 def index_matches(index: PrefixSource, ctx: PickContext, tokens: Sequence[int], pods: Sequence[Pod],
                   names: Sequence[str]) -> Mapping[str, PrefixMatchLike]:
     """The index's answer per candidate name: per pod, or per rank where the candidates are data-parallel
     rank targets. The prompt's extra keys go with it only when it has some (a plain prompt, most of them:
-    the call as it always was)."""
+    the call as it always was). Asked once per pick: slo's cost model asks first, then kv-sync's prefix score
+    among slo's safe pods (a subset), which reads the same answer (a pod's match depends on that pod only)."""
+    asked = ctx.state.get(_MATCHES)
+    if asked is not None and asked[0] is tokens and asked[1].issuperset(names):
+        return {n: m for n in names if (m := asked[2].get(n)) is not None}
+    matches = _ask_index(index, ctx, tokens, pods, names)
+    ctx.state[_MATCHES] = (tokens, frozenset(names), matches)
+    return matches
+
+
+def _ask_index(index: PrefixSource, ctx: PickContext, tokens: Sequence[int], pods: Sequence[Pod],
+               names: Sequence[str]) -> Mapping[str, PrefixMatchLike]:
     extras = ctx.request.extras
     if ctx.ranks:  # data-parallel rank targets among the candidates: what each rank holds
         targets = [(p.pod_name, p.rank or 0) for p in pods]

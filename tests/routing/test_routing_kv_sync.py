@@ -343,3 +343,20 @@ async def test_slo_predicts_the_hit_on_the_pod_computing_the_prompt():
     # there: the first's prefill queued (43 blocks), then 3 blocks of its own; elsewhere all 43, no queue;
     # counting the prefix again there would predict about twice the others'
     assert ttft[first.pod.name] < 1.25 * min(others)
+
+
+async def test_an_slo_pick_asks_the_index_once():
+    """slo's cost model and kv-sync's prefix score, which slo weighs among its safe pods, read the same answer."""
+    (r,), engines, _, _ = fleet()
+    ctx = family(5)
+    engines.store("b", prompt(ctx, 0))
+    calls = []
+    match = engines.index.match
+
+    def counted(*args, **kw):
+        calls.append(args[3])
+        return match(*args, **kw)
+    engines.index.match = counted
+    d = await r.pick(RouteRequest(MODEL, prompt(ctx, 1), strategy="slo"))
+    assert d.pod.name == "b" and d.matched_blocks > 0
+    assert len(calls) == 1, calls
