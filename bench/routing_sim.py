@@ -106,6 +106,7 @@ from routing.state.engine_metrics import EngineLoad
 from routing.pods import KVEventsEndpoint, Pod
 from routing.registry import PodRegistry
 from routing.scheduling.sessions import SessionStore
+from routing.state.prompt_relay import LocalRelay
 from routing.router import Router
 from routing.learning.predictor import OutputPredictor, bucket as _predict_bucket
 from routing.learning.profiles import EngineProfiles
@@ -470,6 +471,10 @@ async def _run(workload: Workload, policy: Policy, seed: int, strategy_config: S
                           config=config, seed=seed if g == 0 else seed * 1000 + g, capacity=capacities[g],
                           sessions=session_store)
                    for g in range(policy.gateways)]
+        relay = LocalRelay()  # the replicas' running prompts, shared as through Redis in a deployment, with no lag
+        for g, router in enumerate(routers):
+            if router.prompts is not None:
+                relay.join(f"gw{g}", router.prompts)
     started: dict[str, tuple[int, str]] = {}  # req_id -> (running on its engine at routing, engine)
     prefilling: dict[str, set[str]] = {k: set() for k in names}  # engine -> routed, no first token yet
 

@@ -32,6 +32,7 @@ from plugin.tls import server_credentials
 from plugin.watch import RedisWords, WatchRelay
 from plugin.status import RecentErrors, RoutingMix
 from routing.state.admission import Admission, Limiter, LocalLimiter, RedisLimiter
+from routing.state.prompt_relay import PromptRelay
 from routing.state.counts import LocalCounts, RedisCounts, RunningCounts, build_counts, default_gateway_id
 from routing.discovery.static import StaticSource
 from routing.state.engine_metrics import EngineLoad, EngineMetrics, Saturation
@@ -233,6 +234,12 @@ class App:
                              engines=self.engines, config=strategy_config(s), metrics=self.routing_metrics,
                              saturation=Saturation(s.saturation_queue, s.saturation_kv_usage),
                              max_fallbacks=s.fallback_endpoints, capacity=self.capacity, sessions=session_store(s))
+        # every replica's running prompts (a tenant's burst dealt over the replicas is one burst), through Redis
+        self.prompt_relay: PromptRelay | None = None
+        if s.redis_url and self.router.prompts is not None:
+            from redis.asyncio import Redis
+            self.prompt_relay = PromptRelay(Redis.from_url(s.redis_url), self.router.prompts,
+                                            s.gateway_id or default_gateway_id(), registry=self.registry)
         self.tokenizer, self.verified_tokenizer, remote = _tokenizer(s, self.registry,
                                                                      known=lambda m: bool(self.pods.serving(m)))
         self.gateway_metrics = GatewayMetrics(self.registry)
@@ -349,6 +356,11 @@ class App:
                                  "models": self.verified_tokenizer.status() if self.verified_tokenizer else {}}
         if self.admission is not None:  # requests by outcome, waiting for room on a pod now, seconds waited
             snapshot["admission"] = self.admission.stats()
+        prompts = self.router.prompts
+        if prompts is not None:  # running requests whose prompts are counted on their pods, this replica's and others'
+            snapshot["running_prompts"] = {"requests": len(prompts), "shared": self.prompt_relay is not None,
+                                           **({"peer_claims": self.prompt_relay.peer_claims}
+                                              if self.prompt_relay is not None else {})}
         if self.relay is not None:  # routed requests whose Watch waits for the words of a watch stream
             snapshot["watch"] = {"waiting": self.relay.waiting, "gateway_id": self.relay.gateway_id}
         snapshot["routing_mix"] = self.mix.snapshot()
@@ -403,6 +415,8 @@ class App:
         await self.source.start(self.pods)
         self.subscriptions.sync(endpoint_specs(self.pods.pods()))
         await self.router.start()
+        if self.prompt_relay is not None:
+            self.prompt_relay.start()
         if self.prefill_counts is not None:
             await self.prefill_counts.start()
         if self.admission is not None and isinstance(self.admission.limiter, RedisLimiter):
@@ -452,6 +466,8 @@ class App:
             await self.relay.aclose()
         if self.relay_words is not None:
             await self.relay_words.aclose()
+        if self.prompt_relay is not None:
+            await self.prompt_relay.aclose()
         if self.pd is not None:
             await self.pd.aclose()
         if self._http is not None:

@@ -318,6 +318,12 @@ class Router:
             except Exception:  # one scorer's bookkeeping must not keep the others from theirs
                 log.exception("scorer %s failed to follow a pod change", scorer.name)
 
+    @property
+    def prompts(self) -> RunningPrompts | None:
+        """What this gateway's running requests' pods hold or are prefilling (None: the index counts no clears);
+        routing.state.prompt_relay shares it with the other replicas."""
+        return self._prompts
+
     # -- debugging ------------------------------------------------------------------------------
 
     def running(self) -> dict[str, int]:

@@ -9,13 +9,14 @@ so while it runs its pod holds, or is prefilling, its prompt's full blocks; unle
 meanwhile (reset_prefix_cache, a restart): a running request's blocks then stay with it, but no other request
 can hit them, so a pod's claims end at the index's next count of its clears (`clears`).
 
-Only this gateway's requests: another replica's reach the index with their events. Only plain prompts of a model
-of one KV cache group: a salted or multimodal prompt's blocks hash more than its tokens, and a hybrid model's hit
+This gateway's requests, and with a `listener` and `peer_added`/`peer_moved`/`peer_removed` the other replicas'
+(routing.state.prompt_relay carries them through Redis): a tenant's burst dealt over two replicas is one burst.
+Only plain prompts of a model of one KV cache group: a salted or multimodal prompt's blocks hash more than its tokens, and a hybrid model's hit
 is its groups' fixed point (kvcache.groups), neither of which a prompt's tokens alone answer.
 """
 from __future__ import annotations
 
-from typing import Iterable, Protocol, Sequence
+from typing import Callable, Hashable, Iterable, Protocol, Sequence
 
 from kvcache.blockkeys import BlockExtras, block_keys
 
@@ -40,7 +41,11 @@ class RunningPrompts:
         # target -> (its engine's clear count when these were counted, block key -> running prompts holding it).
         # A key is its whole prefix's (chained), so a target holding a prompt's block i holds the ones before.
         self._held: dict[str, tuple[int, dict[int, int]]] = {}
-        self._running: dict[int, tuple[str, int, list[int]]] = {}  # ticket -> (target, clear count, keys)
+        # ticket (this gateway's int, or a peer's (gateway, ticket)) -> (target, clear count, keys)
+        self._running: dict[Hashable, tuple[str, int, list[int]]] = {}
+        # told of each of this gateway's changes (the relay to the other replicas): ["add", ticket, target, pod,
+        # rank, keys], ["move", ticket, target, pod, rank], ["end", ticket]
+        self.listener: Callable[[list], None] | None = None
         # the last prompt's keys (the pick's held() then add() ask for the same prompt): its token list, model,
         # adapter and extras, by identity, then the keys
         self._last: tuple[object, str, str | None, object, list[int] | None] = (None, "", None, None, None)
@@ -82,24 +87,45 @@ class RunningPrompts:
         """Request `ticket` runs on `target` (of `pod`, `rank`)."""
         keys = self._keys(model, lora, token_ids, extras) if token_ids else None
         if keys:
-            epoch = self._index.clears(pod, rank)
-            self._running[ticket] = (target, epoch, keys)
-            self._count(target, epoch, keys, 1)
+            self.peer_added(ticket, target, pod, rank, keys)
+            if self.listener is not None:
+                self.listener(["add", ticket, target, pod, rank, keys])
 
     def moved(self, ticket: int, target: str, pod: str, rank: int) -> None:
         """Request `ticket` runs on `target` after all (the data plane's fallback served it)."""
-        entry = self._running.get(ticket)
-        if entry is not None and entry[0] != target:
-            self.remove(ticket)
-            epoch = self._index.clears(pod, rank)
-            self._running[ticket] = (target, epoch, entry[2])
-            self._count(target, epoch, entry[2], 1)
+        if self.peer_moved(ticket, target, pod, rank) and self.listener is not None:
+            self.listener(["move", ticket, target, pod, rank])
 
     def remove(self, ticket: int) -> None:
         """Request `ticket` ended (idempotent)."""
+        if self.peer_removed(ticket) and self.listener is not None:
+            self.listener(["end", ticket])
+
+    # Another replica's request (`ticket`: (its gateway, its ticket)), or this gateway's once its keys are known;
+    # nobody is told.
+
+    def peer_added(self, ticket: Hashable, target: str, pod: str, rank: int, keys: list[int]) -> None:
+        self.peer_removed(ticket)  # a restarted peer numbers its tickets again
+        epoch = self._index.clears(pod, rank)
+        self._running[ticket] = (target, epoch, keys)
+        self._count(target, epoch, keys, 1)
+
+    def peer_moved(self, ticket: Hashable, target: str, pod: str, rank: int) -> bool:
+        entry = self._running.get(ticket)
+        if entry is None or entry[0] == target:
+            return False
+        self.peer_removed(ticket)
+        epoch = self._index.clears(pod, rank)
+        self._running[ticket] = (target, epoch, entry[2])
+        self._count(target, epoch, entry[2], 1)
+        return True
+
+    def peer_removed(self, ticket: Hashable) -> bool:
         entry = self._running.pop(ticket, None)
-        if entry is not None:
-            self._count(*entry, -1)
+        if entry is None:
+            return False
+        self._count(*entry, -1)
+        return True
 
     def _keys(self, model: str, lora: str | None, token_ids: Sequence[int],
               extras: BlockExtras | None) -> list[int] | None:

@@ -360,3 +360,29 @@ async def test_an_slo_pick_asks_the_index_once():
     d = await r.pick(RouteRequest(MODEL, prompt(ctx, 1), strategy="slo"))
     assert d.pod.name == "b" and d.matched_blocks > 0
     assert len(calls) == 1, calls
+
+
+async def test_a_tenants_burst_dealt_over_two_replicas_follows_its_first_request():
+    """Envoy deals a burst over the replicas: with their running prompts shared (routing.state.prompt_relay;
+    LocalRelay here, Redis in a deployment) the other replica's requests go where the first is computing."""
+    from routing.state.prompt_relay import LocalRelay
+
+    async def burst(shared: bool) -> tuple[str, list[str]]:
+        (r0, r1), engines, _, _ = fleet(replicas=2)
+        if shared:
+            relay = LocalRelay()
+            relay.join("gw0", r0.prompts)
+            relay.join("gw1", r1.prompts)
+        engines.store("c", family(999))  # the index knows the block size
+        ctx = family(3)
+        first = await r0.pick(RouteRequest(MODEL, prompt(ctx, 0)))
+        # r1 has placed a family of its own there: a new family goes where it has placed none (the affinity)
+        await r1.release(await r1.pick(RouteRequest(MODEL, prompt(family(10), 0)),
+                                       subset=frozenset((first.pod.endpoint,))))
+        others = [await r1.pick(RouteRequest(MODEL, prompt(ctx, q))) for q in (1, 2, 3)]
+        return first.pod.name, [d.pod.name for d in others]
+
+    first, others = await burst(shared=True)
+    assert others == [first] * 3
+    first, others = await burst(shared=False)  # each replica saw its own half
+    assert others != [first] * 3

@@ -1,0 +1,171 @@
+"""routing.state.prompt_relay: every gateway replica's running prompts, through Redis (a real redis-server
+where it counts) or in one process (LocalRelay, bench routing's replicas)."""
+from __future__ import annotations
+
+import asyncio
+import shutil
+
+import msgpack
+import pytest
+from prometheus_client import CollectorRegistry
+
+from kvcache.events import AllBlocksCleared
+from routing.state.prompt_relay import BadChanges, LocalRelay, PromptRelay, decode, encode
+from routing.state.prompts import RunningPrompts
+
+from helpers import RedisServer, wait_until_async
+from test_prompts import MODEL, at, indexed, tokens
+
+SYSTEM = tokens(1, 10, tail=0)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class NoRedis:
+    """A client whose every call fails, as a Redis that is down."""
+
+    def __init__(self) -> None:
+        self.published: list[tuple[str, bytes]] = []
+
+    async def publish(self, channel: str, data: bytes) -> int:
+        raise ConnectionError("refused")
+
+    def pubsub(self, **kw):
+        raise ConnectionError("refused")
+
+    async def aclose(self) -> None:
+        pass
+
+
+def relay(gateway: str, clock: Clock | None = None, client=None) -> tuple[PromptRelay, RunningPrompts]:
+    prompts = RunningPrompts(indexed())
+    return PromptRelay(client or NoRedis(), prompts, gateway, ttl_s=30.0, clock=clock or Clock(),
+                       registry=CollectorRegistry()), prompts
+
+
+def count(r: PromptRelay, outcome: str) -> float:
+    return r.changes.labels(outcome)._value.get()
+
+
+def test_changes_round_trip_and_anything_else_is_a_bad_message():
+    changes = [["add", 7, "a#1", "a", 1, [3, 2**64 - 1]], ["move", 7, "b", "b", 0], ["end", 7]]
+    assert decode(encode("gw-a", changes)) == ("gw-a", changes)
+    for bad in (b"\xc1", msgpack.packb("gw"), msgpack.packb(["gw", "x"]), msgpack.packb([1, []]),
+                msgpack.packb(["gw", [["add", 1, "a", "a", 0, []]]]),  # no keys
+                msgpack.packb(["gw", [["add", 1, "a", "a", 0, [-1]]]]),
+                msgpack.packb(["gw", [["add", 1, "a", "a", 0, list(range(8193))]]]),
+                msgpack.packb(["gw", [["move", 1, "a", "a"]]]), msgpack.packb(["gw", [["end", "1"]]]),
+                msgpack.packb(["gw", [["drop", 1]]]), msgpack.packb(["gw", [[]]]), msgpack.packb({"gw": 1})):
+        with pytest.raises(BadChanges):
+            decode(bad)
+
+
+def test_a_peers_running_prompt_is_held_on_its_pod_until_it_ends_moves_or_expires():
+    clock = Clock()
+    a, mine = relay("gw-a", clock)
+    theirs = RunningPrompts(indexed())
+    told: list[list] = []
+    theirs.listener = told.append
+    first = SYSTEM + tokens(2, 3)
+    theirs.add(4, "b", "b", 0, MODEL, None, first, None)  # gw-b's request, on b
+    a.apply(encode("gw-b", told))
+    second = SYSTEM + tokens(3, 2)
+    assert mine.held(MODEL, None, second, None, at("a", "b", "c")) == {"b": 10}
+    assert a.peer_claims == 1 and count(a, "applied") == 1
+    a.apply(encode("gw-a", [["end", 4]]))  # its own changes: not applied again (it counted them itself)
+    assert mine.held(MODEL, None, second, None, at("b")) == {"b": 10}
+    theirs.moved(4, "c", "c", 0)  # gw-b's fallback served it on c
+    theirs.remove(4)
+    assert [c[0] for c in told] == ["add", "move", "end"]
+    a.apply(encode("gw-b", told[1:2]))
+    assert mine.held(MODEL, None, second, None, at("b", "c")) == {"c": 10}
+    a.apply(encode("gw-b", told[2:]))
+    assert mine.held(MODEL, None, second, None, at("b", "c")) == {} and a.peer_claims == 0
+    # a restarted peer numbers its tickets again: the new claim replaces the old, nothing left behind
+    a.apply(encode("gw-b", [["add", 1, "b", "b", 0, told[0][5]]]))
+    a.apply(encode("gw-b", [["add", 1, "c", "c", 0, told[0][5][:4]]]))
+    assert mine.held(MODEL, None, second, None, at("b", "c")) == {"c": 4}
+    # no end came (a message lost, the peer gone): the claim ends after its TTL
+    clock.t += 29.0
+    a.expire()
+    assert mine.held(MODEL, None, second, None, at("c")) == {"c": 4}
+    clock.t += 2.0
+    a.expire()
+    assert mine.held(MODEL, None, second, None, at("c")) == {} and count(a, "expired") == 1
+    a.apply(b"not msgpack")
+    assert count(a, "bad") == 1
+
+
+def test_a_peers_claim_ends_when_its_pods_cache_is_cleared():
+    a, mine = relay("gw-a")
+    keys = RunningPrompts(indexed())._keys(MODEL, None, SYSTEM, None)
+    a.apply(encode("gw-b", [["add", 1, "b", "b", 0, keys]]))
+    assert mine.held(MODEL, None, SYSTEM + [1], None, at("b")) == {"b": 10}
+    mine._index.apply("b", MODEL, 0, [AllBlocksCleared()])
+    assert mine.held(MODEL, None, SYSTEM + [1], None, at("b")) == {}
+
+
+async def test_without_redis_the_changes_are_dropped_counted_and_nothing_else_breaks():
+    a, mine = relay("gw-a")
+    a.start()
+    try:
+        mine.add(1, "a", "a", 0, MODEL, None, SYSTEM + [1], None)
+        assert await wait_until_async(lambda: count(a, "dropped") == 1, timeout=5)
+        assert mine.held(MODEL, None, SYSTEM + [2], None, at("a")) == {"a": 10}  # its own, counted as before
+        assert a.first_try.is_set()
+    finally:
+        await a.aclose()
+    assert mine.listener is None
+
+
+def test_local_relay_shares_the_replicas_running_prompts():
+    relay_ = LocalRelay()
+    one, two = RunningPrompts(indexed()), RunningPrompts(indexed())
+    relay_.join("gw0", one)
+    relay_.join("gw1", two)
+    one.add(1, "b", "b", 0, MODEL, None, SYSTEM + [1], None)
+    two.add(1, "c", "c", 0, MODEL, None, SYSTEM + tokens(5, 2), None)  # the same ticket number, another replica
+    for prompts in (one, two):
+        assert prompts.held(MODEL, None, SYSTEM + [9], None, at("b", "c")) == {"b": 10, "c": 10}
+    one.moved(1, "a", "a", 0)
+    one.remove(1)
+    assert two.held(MODEL, None, SYSTEM + [9], None, at("a", "b", "c")) == {"c": 10}
+
+
+@pytest.mark.skipif(not shutil.which("redis-server"), reason="redis-server (Debian) is installed by ./dev setup")
+async def test_two_replicas_share_their_running_prompts_through_redis_and_outlive_its_restart():
+    from redis.asyncio import Redis
+    server = RedisServer()
+    server.start()
+    a, mine = relay("gw-a", client=Redis.from_url(server.url))
+    b, theirs = relay("gw-b", client=Redis.from_url(server.url))
+    for r in (a, b):
+        r._retry_s = 0.1
+        r.start()
+    try:
+        for r in (a, b):
+            await asyncio.wait_for(r.first_try.wait(), 5)
+        await asyncio.sleep(0.1)  # both subscribed
+        theirs.add(1, "b", "b", 0, MODEL, None, SYSTEM + [1], None)
+        second = SYSTEM + [2]
+        assert await wait_until_async(lambda: mine.held(MODEL, None, second, None, at("b")) == {"b": 10}, timeout=5)
+        theirs.remove(1)
+        assert await wait_until_async(lambda: mine.held(MODEL, None, second, None, at("b")) == {}, timeout=5)
+        assert count(b, "sent") == 2 and count(a, "applied") == 2
+        server.kill()
+        theirs.add(2, "c", "c", 0, MODEL, None, SYSTEM + [3], None)
+        assert await wait_until_async(lambda: count(b, "dropped") >= 1, timeout=5)
+        server.start()  # the same port: both read the channel again
+        await asyncio.sleep(1.5)
+        theirs.add(3, "a", "a", 0, MODEL, None, SYSTEM + [4], None)
+        assert await wait_until_async(lambda: mine.held(MODEL, None, second, None, at("a")) == {"a": 10}, timeout=10)
+    finally:
+        for r in (a, b):
+            await r.aclose()
+        server.kill()
