@@ -52,3 +52,26 @@ async def test_app_without_redis_counts_in_process():
         assert app.router.running() == {}
     finally:
         await app.stop(0)
+
+
+async def test_two_apps_share_their_running_prompts_through_redis():
+    with Stack() as stack:
+        _, url = stack.redis()
+        apps = [App(settings(KVGATE_REDIS_URL=url, KVGATE_GATEWAY_ID=f"gw-{i}", KVGATE_ROUTING_STRATEGY="kv-sync"))
+                for i in (1, 2)]
+        for app in apps:
+            await app.start()
+        try:
+            one, two = (app.prompt_relay for app in apps)
+            assert one is not None and two is not None
+            for relay in (one, two):
+                await relay.first_try.wait()
+            # what RunningPrompts tells its listener when gw-1 routes a prompt (its keys known from the events)
+            one._changed(["add", 1, "a", "a", 0, [11, 12, 13]])
+            assert await wait_until_async(lambda: apps[1].debug()["running_prompts"]["peer_claims"] == 1, timeout=5)
+            assert apps[0].debug()["running_prompts"] == {"requests": 0, "shared": True, "peer_claims": 0}
+            one._changed(["end", 1])
+            assert await wait_until_async(lambda: two.peer_claims == 0, timeout=5)
+        finally:
+            for app in apps:
+                await app.stop(0)
