@@ -74,6 +74,17 @@ def _int(x: object) -> bool:
     return type(x) is int and x >= 0
 
 
+def apply_change(prompts: RunningPrompts, gateway: str, change: list) -> None:
+    """Another replica's change (checked by `decode`) to `prompts`, its ticket made (gateway, ticket)."""
+    kind, ticket = change[0], (gateway, change[1])
+    if kind == "add":
+        prompts.peer_added(ticket, change[2], change[3], change[4], change[5])
+    elif kind == "move":
+        prompts.peer_moved(ticket, change[2], change[3], change[4])
+    else:
+        prompts.peer_removed(ticket)
+
+
 class PromptRelay(BackgroundLoop):
     """This replica's running-prompt changes to the others and theirs to `prompts`, through `client` (an
     asyncio Redis client: publish and pubsub). Redis unreachable: the changes made meanwhile are dropped
@@ -125,15 +136,12 @@ class PromptRelay(BackgroundLoop):
             return
         prompts, now = self._prompts, self._clock()
         for c in changes:
+            apply_change(prompts, gateway, c)
             ticket = (gateway, c[1])
             if c[0] == "add":
-                prompts.peer_added(ticket, c[2], c[3], c[4], c[5])
                 at = self._expires[ticket] = now + self._ttl
                 self._order.append((at, ticket))
-            elif c[0] == "move":
-                prompts.peer_moved(ticket, c[2], c[3], c[4])
-            else:
-                prompts.peer_removed(ticket)
+            elif c[0] == "end":
                 self._expires.pop(ticket, None)
         self.changes.labels("applied").inc(len(changes))
         self.expire()
@@ -224,14 +232,7 @@ class LocalRelay:
         self._members.append((gateway_id, prompts))
         prompts.listener = lambda change: self._tell(gateway_id, change)
 
-    def _tell(self, gateway: str, c: list) -> None:
+    def _tell(self, gateway: str, change: list) -> None:
         for other, prompts in self._members:
-            if other == gateway:
-                continue
-            ticket = (gateway, c[1])
-            if c[0] == "add":
-                prompts.peer_added(ticket, c[2], c[3], c[4], c[5])
-            elif c[0] == "move":
-                prompts.peer_moved(ticket, c[2], c[3], c[4])
-            else:
-                prompts.peer_removed(ticket)
+            if other != gateway:
+                apply_change(prompts, gateway, change)
