@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import time
 
 import msgpack
 import pytest
@@ -43,7 +44,7 @@ class NoRedis:
         pass
 
 
-def relay(gateway: str, clock: Clock | None = None, client=None) -> tuple[PromptRelay, RunningPrompts]:
+def relay(gateway: str, clock=None, client=None) -> tuple[PromptRelay, RunningPrompts]:
     prompts = RunningPrompts(indexed())
     return PromptRelay(client or NoRedis(), prompts, gateway, ttl_s=30.0, clock=clock or Clock(),
                        registry=CollectorRegistry()), prompts
@@ -56,14 +57,17 @@ def count(r: PromptRelay, outcome: str) -> float:
 def test_changes_round_trip_and_anything_else_is_a_bad_message():
     changes = [["add", 7, "a#1", "a", 1, [3, 2**64 - 1]], ["move", 7, "b", "b", 0], ["end", 7]]
     assert decode(encode("gw-a", changes)) == ("gw-a", changes)
-    for bad in (b"\xc1", msgpack.packb("gw"), msgpack.packb(["gw", "x"]), msgpack.packb([1, []]),
-                msgpack.packb(["gw", [["add", 1, "a", "a", 0, []]]]),  # no keys
-                msgpack.packb(["gw", [["add", 1, "a", "a", 0, [-1]]]]),
-                msgpack.packb(["gw", [["add", 1, "a", "a", 0, list(range(8193))]]]),
-                msgpack.packb(["gw", [["move", 1, "a", "a"]]]), msgpack.packb(["gw", [["end", "1"]]]),
-                msgpack.packb(["gw", [["drop", 1]]]), msgpack.packb(["gw", [[]]]), msgpack.packb({"gw": 1})):
+    def wire(changes) -> bytes:
+        return b"gw\n" + msgpack.packb(changes)
+    for bad in (b"\xc1", b"gw", b"\n" + msgpack.packb([]), b"gw\n\xc1", b"\xff\xfe\n" + msgpack.packb([]),
+                wire("x"), wire({"gw": 1}), wire([["add", 1, "a", "a", 0, []]]),  # no keys
+                wire([["add", 1, "a", "a", 0, [-1]]]), wire([["add", 1, "a", "a", 0, [3, "4"]]]),
+                wire([["add", 1, "a", "a", 0, list(range(8193))]]), wire([["move", 1, "a", "a"]]),
+                wire([["end", "1"]]), wire([["drop", 1]]), wire([[]]), wire(["end"])):
         with pytest.raises(BadChanges):
             decode(bad)
+    with pytest.raises(ValueError, match="one line"):
+        PromptRelay(NoRedis(), RunningPrompts(indexed()), "gw\nx")
 
 
 def test_a_peers_running_prompt_is_held_on_its_pod_until_it_ends_moves_or_expires():
@@ -124,6 +128,38 @@ async def test_without_redis_the_changes_are_dropped_counted_and_nothing_else_br
     assert mine.listener is None
 
 
+class Recording(NoRedis):
+    """Publishes into a list; reads nothing."""
+
+    async def publish(self, channel: str, data: bytes) -> int:
+        self.published.append((channel, data))
+        return 1
+
+
+async def test_adds_leave_at_once_and_ends_with_the_next_message_or_shortly_after():
+    client = Recording()
+    prompts = RunningPrompts(indexed())
+    r = PromptRelay(client, prompts, "gw-a", end_delay_s=0.3, registry=CollectorRegistry())
+    r.start()
+    try:
+        sent = lambda: [decode(data)[1] for _, data in client.published]  # noqa: E731
+        prompts.add(1, "a", "a", 0, MODEL, None, SYSTEM + [1], None)
+        assert await wait_until_async(lambda: len(sent()) == 1, timeout=5)
+        prompts.remove(1)
+        await asyncio.sleep(0.1)
+        assert len(sent()) == 1  # the end waits
+        prompts.add(2, "b", "b", 0, MODEL, None, SYSTEM + [2], None)
+        assert await wait_until_async(lambda: len(sent()) == 2, timeout=5)
+        assert [c[0] for c in sent()[1]] == ["add", "end"] and sent()[1][1] == ["end", 1]
+        prompts.remove(2)
+        started = time.monotonic()
+        assert await wait_until_async(lambda: len(sent()) == 3, timeout=5)
+        assert 0.2 < time.monotonic() - started < 1.0 and sent()[2] == [["end", 2]]
+        assert client.published[0][0] == "kvgate:{prompts}" and count(r, "sent") == 4
+    finally:
+        await r.aclose()
+
+
 def test_local_relay_shares_the_replicas_running_prompts():
     relay_ = LocalRelay()
     one, two = RunningPrompts(indexed()), RunningPrompts(indexed())
@@ -143,8 +179,8 @@ async def test_two_replicas_share_their_running_prompts_through_redis_and_outliv
     from redis.asyncio import Redis
     server = RedisServer()
     server.start()
-    a, mine = relay("gw-a", client=Redis.from_url(server.url))
-    b, theirs = relay("gw-b", client=Redis.from_url(server.url))
+    a, mine = relay("gw-a", client=Redis.from_url(server.url), clock=time.monotonic)
+    b, theirs = relay("gw-b", client=Redis.from_url(server.url), clock=time.monotonic)
     for r in (a, b):
         r._retry_s = 0.1
         r.start()
