@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 CHANNEL = "kvgate:{prompts}"
 PEER_TTL_S = 30.0
 END_DELAY_S = 0.1  # a request's end waits at most this long for a message to go with
+MAX_PENDING = 4096  # changes waiting for Redis (a stuck publish): the oldest dropped past this, counted
+PUBLISH_TIMEOUT_S = 1.0
 MAX_KEYS = 8192  # RunningPrompts' own bound on a prompt's keys
 
 
@@ -145,6 +147,10 @@ class PromptRelay(BackgroundLoop):
         return len(self._expires)
 
     def _changed(self, change: list) -> None:
+        waiting = self._ends if change[0] == "end" else self._pending
+        if len(waiting) >= MAX_PENDING:  # Redis has not taken the last ones yet: the oldest go
+            del waiting[:len(waiting) // 2]
+            self.changes.labels("dropped").inc(MAX_PENDING - len(waiting))
         if change[0] == "end":  # not urgent: the blocks stay cached a while after their request ends
             if not self._ends:
                 self._ends_due = self._clock() + self._end_delay
@@ -207,7 +213,8 @@ class PromptRelay(BackgroundLoop):
             if not batch:
                 continue
             try:
-                await self._client.publish(CHANNEL, encode(self.gateway_id, batch))
+                async with asyncio.timeout(PUBLISH_TIMEOUT_S):
+                    await self._client.publish(CHANNEL, encode(self.gateway_id, batch))
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - Redis gone: this replica's changes are not shared meanwhile

@@ -160,6 +160,33 @@ async def test_adds_leave_at_once_and_ends_with_the_next_message_or_shortly_afte
         await r.aclose()
 
 
+class Hanging(NoRedis):
+    """A Redis that takes the connection and never answers."""
+
+    async def publish(self, channel: str, data: bytes) -> int:
+        await asyncio.Event().wait()
+        return 0
+
+
+async def test_a_redis_that_never_answers_bounds_what_waits_and_the_publish():
+    from routing.state import prompt_relay
+    prompts = RunningPrompts(indexed())
+    r = PromptRelay(Hanging(), prompts, "gw-a", registry=CollectorRegistry())
+    r.start()
+    try:
+        prompts.add(1, "a", "a", 0, MODEL, None, SYSTEM + [1], None)
+        await asyncio.sleep(0.05)  # that one is being published, and hangs
+        for i in range(prompt_relay.MAX_PENDING + 10):
+            r._changed(["add", 100 + i, "a", "a", 0, [1, 2]])
+        half = prompt_relay.MAX_PENDING // 2  # full: the oldest half dropped, then 10 more waited
+        assert len(r._pending) == half + 10 and count(r, "dropped") == half
+        # the hung publish gives up after PUBLISH_TIMEOUT_S: its one change dropped, the next batch tried
+        assert await wait_until_async(lambda: count(r, "dropped") == half + 1, timeout=5)
+        assert not r._pending
+    finally:
+        await r.aclose()
+
+
 def test_local_relay_shares_the_replicas_running_prompts():
     relay_ = LocalRelay()
     one, two = RunningPrompts(indexed()), RunningPrompts(indexed())
