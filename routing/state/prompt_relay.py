@@ -9,9 +9,10 @@ seeds: W5 (an engine joining) TTFT mean 54.5 -> 44.4 ms, p90 138 -> 100; W4 hit 
 Each replica publishes its changes on one channel and applies the others' to its RunningPrompts, in the
 background: a pick waits for no Redis round trip, and the changes made while a publish is under way leave
 together in the next message; a request's end, which nothing waits for (its blocks stay cached after it), goes
-with the next message or END_DELAY_S later. Each message costs every replica a wake-up of its event loop:
-relayed one by one, a request's add and end cost ~0.85 ms of CPU over two replicas on this machine. A peer's claim ends with its "end", or `ttl_s` after it came (a message lost,
-a replica gone): by then its prompt's blocks are in the index from its engine's events, if anywhere.
+with the next message or END_DELAY_S later. Each message costs every replica a wake-up of its event loop: on this
+machine a request's add and end cost ~0.7 ms of CPU over two replicas at 200 requests a second, ~0.1 ms back to
+back (docs/BENCHMARKS.md). A peer's claim ends with its "end", or `ttl_s` after it came (a message lost, a
+replica gone): by then its prompt's blocks are in the index from its engine's events, if anywhere.
 
 Wire: the gateway id, a newline, then msgpack [change, ...], each change ["add", ticket, target, pod, rank,
 [key, ...]], ["move", ticket, target, pod, rank] or ["end", ticket] (a replica reads its own messages too, and
@@ -131,6 +132,7 @@ class PromptRelay(BackgroundLoop):
         self._expires: dict[tuple[str, int], float] = {}  # a peer's ticket -> when its claim ends
         self._order: deque[tuple[float, tuple[str, int]]] = deque()  # (expiry, ticket), in arrival order
         self._failing = {"publish": False, "read": False}  # told once in the log until it works again
+        self._bad_told = False  # the first bad message is told in the log, the others counted
         self.changes = Counter(
             "kvgate_prompt_relay_changes_total", "Running-prompt changes between gateway replicas (a request's "
             "prompt counted on its pod until it ends; routing.state.prompt_relay), by outcome: sent, applied (a "
@@ -168,7 +170,10 @@ class PromptRelay(BackgroundLoop):
             gateway, changes = decode(data)
         except BadChanges as e:
             self.changes.labels("bad").inc()
-            log.debug("prompt relay: a message skipped: %s", e)
+            (log.debug if self._bad_told else log.warning)(
+                "prompt relay: a message on %s skipped (%s); counted in kvgate_prompt_relay_changes_total"
+                "{outcome=\"bad\"}", CHANNEL, e)
+            self._bad_told = True
             return
         prompts, now = self._prompts, self._clock()
         for c in changes:

@@ -3,6 +3,7 @@ where it counts) or in one process (LocalRelay, bench routing's replicas)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import shutil
 import time
 
@@ -70,7 +71,7 @@ def test_changes_round_trip_and_anything_else_is_a_bad_message():
         PromptRelay(NoRedis(), RunningPrompts(indexed()), "gw\nx")
 
 
-def test_a_peers_running_prompt_is_held_on_its_pod_until_it_ends_moves_or_expires():
+def test_a_peers_running_prompt_is_held_on_its_pod_until_it_ends_moves_or_expires(caplog):
     clock = Clock()
     a, mine = relay("gw-a", clock)
     theirs = RunningPrompts(indexed())
@@ -102,8 +103,11 @@ def test_a_peers_running_prompt_is_held_on_its_pod_until_it_ends_moves_or_expire
     clock.t += 2.0
     a.expire()
     assert mine.held(MODEL, None, second, None, at("c")) == {} and count(a, "expired") == 1
-    a.apply(b"not msgpack")
-    assert count(a, "bad") == 1
+    with caplog.at_level(logging.DEBUG, logger="routing.state.prompt_relay"):
+        a.apply(b"not msgpack")
+        a.apply(b"gw-b\n" + msgpack.packb([["end", -1]]))
+    assert count(a, "bad") == 2
+    assert [r.levelname for r in caplog.records] == ["WARNING", "DEBUG"]  # told once, then counted
 
 
 def test_a_peers_claim_ends_when_its_pods_cache_is_cleared():
