@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
 import threading
+import tempfile
 import time
 from pathlib import Path
 
@@ -95,7 +98,17 @@ class Demo:
         for pid in survivors:  # leave nothing behind, then fail
             subprocess.run(["kill", "-9", str(pid)], check=False)
         assert not survivors, f"children of the demo outlived it: {survivors}\n{self.stderr()[-3000:]}"
+        drop_stack_logs(self.stderr())
         return code
+
+
+def drop_stack_logs(stderr: str) -> None:
+    """The stack directory a demo that passed named ("logs in ..."): removed (the demo keeps it for its user)."""
+    m = re.search(r"logs in (\S+?)\)", stderr)
+    if m:
+        path = Path(m.group(1))
+        if path.parent == Path(tempfile.gettempdir()) and path.name.startswith("kvgate-stack-"):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def test_no_traffic_serves_then_sigint_stops_everything(tmp_path):
@@ -226,6 +239,7 @@ def test_short_comparison_prints_the_json_summary():
                            "--sims", "2", "--strategies", "round-robin,kv-sync,slo"], capture_output=True, text=True,
                           timeout=240, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    drop_stack_logs(proc.stderr)
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert set(result["strategies"]) == {"round-robin", "kv-sync", "slo"}
     for name, r in result["strategies"].items():
