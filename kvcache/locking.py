@@ -127,6 +127,10 @@ class LockedIndex:
         self._lock = lock
         self._wait_s = wait_s
         self._on_busy = on_busy
+        # read without the lock (a Counter and a dict the ingest thread changes under the GIL); an index
+        # without them (a stand-in): no clears counted, no model whose prompts' tokens alone answer a hit
+        self._clears = getattr(index, "clears", None)
+        self._single_group = getattr(index, "single_group", None)
 
     def _wait(self) -> bool:
         """The lock, after the uncontended try failed: at most `wait_s` (False: busy, counted)."""
@@ -169,12 +173,10 @@ class LockedIndex:
         return self._index.block_size(model)  # a dict the ingest thread changes under the GIL
 
     def clears(self, pod, rank=0):
-        inner = getattr(self._index, "clears", None)  # a Counter the ingest thread changes under the GIL
-        return inner(pod, rank) if inner is not None else 0
+        return self._clears(pod, rank) if self._clears is not None else 0
 
     def single_group(self, model):
-        inner = getattr(self._index, "single_group", None)  # likewise; an index without it: no prompt answers
-        return inner is not None and inner(model)
+        return self._single_group is not None and self._single_group(model)
 
     def stats(self) -> dict:
         if not (self._lock.acquire(False) or self._wait()):

@@ -259,7 +259,7 @@ def uncached_tokens(matches: Mapping[str, PrefixMatchLike], names: Sequence[str]
     return out
 
 
-_CLAIMED = "\x00claimed"  # ctx.state key: RunningPrompts.held's answer, asked once per pick
+_CLAIMED = "\x00claimed"  # ctx.state key: RunningPrompts.held's answer and the names it is for, asked once per pick
 
 
 def running_prompts_held(prompts: RunningPrompts | None, ctx: PickContext, pods: Sequence[Pod], n: int, bs: int,
@@ -269,10 +269,14 @@ def running_prompts_held(prompts: RunningPrompts | None, ctx: PickContext, pods:
     any, ctx.placed gets each pod's leading blocks held or computed (ctx.matched as filled, raised)."""
     if prompts is None:
         return uncached
-    claimed = ctx.state.get(_CLAIMED)  # slo's pick asks twice: its own cost model, then kv-sync's prefix score
-    if claimed is None:
-        claimed = ctx.state[_CLAIMED] = prompts.held(ctx.base_model, ctx.lora, ctx.request.token_ids,
-                                                     ctx.request.extras, [(p.name, p.pod_name, p.rank or 0) for p in pods])
+    # slo's pick asks twice, as index_matches: its own cost model, then kv-sync's prefix score among its safe pods
+    asked = ctx.state.get(_CLAIMED)
+    if asked is not None and asked[0].issuperset(p.name for p in pods):
+        claimed = asked[1]
+    else:
+        claimed = prompts.held(ctx.base_model, ctx.lora, ctx.request.token_ids, ctx.request.extras,
+                               [(p.name, p.pod_name, p.rank or 0) for p in pods])
+        ctx.state[_CLAIMED] = (frozenset(p.name for p in pods), claimed)
     if not claimed:
         return uncached
     cap = (n - 1) // bs

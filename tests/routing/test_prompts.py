@@ -116,3 +116,28 @@ def test_a_hybrid_models_prompts_claim_nothing():
     p = tokens(1, 4)
     prompts.add(1, "a", "a", 0, MODEL, None, p, None)
     assert len(prompts) == 0 and prompts.held(MODEL, None, p, None, at("a")) == {}
+
+
+def test_one_pick_asks_the_running_prompts_once_for_its_candidates_and_again_for_more():
+    """running_prompts_held keeps RunningPrompts' answer for the pick, as index_matches keeps the index's: a later
+    ask among the same or fewer candidates (slo's safe pods) reads it; one among more asks again."""
+    from routing.pods import Pod
+    from routing.scheduling.scorers import running_prompts_held
+    from routing.scheduling.scoring import PickContext, RouteRequest
+    prompts = RunningPrompts(indexed())
+    system = tokens(1, 10, tail=0)
+    prompts.add(1, "a", "a", 0, MODEL, None, system + tokens(2, 1), None)
+    prompts.add(2, "b", "b", 0, MODEL, None, system + tokens(3, 1), None)
+    asked = []
+    held = prompts.held
+    prompts.held = lambda *args: asked.append(args) or held(*args)  # type: ignore[method-assign]
+    second = system + tokens(4, 2)
+    ctx = PickContext(RouteRequest(MODEL, second), MODEL, None, {})
+    n, full = len(second), float(len(second))
+    a, b, c = (Pod(x, "10.0.0.1", 8000, MODEL) for x in "abc")
+    assert running_prompts_held(prompts, ctx, [a, c], n, BS, {"a": full, "c": full}) == {"a": n - 10 * BS, "c": full}
+    assert running_prompts_held(prompts, ctx, [a], n, BS, {"a": full}) == {"a": n - 10 * BS}
+    assert len(asked) == 1
+    assert running_prompts_held(prompts, ctx, [a, b], n, BS, {"a": full, "b": full}) == {"a": n - 10 * BS,
+                                                                                        "b": n - 10 * BS}
+    assert len(asked) == 2  # b was not among the candidates asked for: asked again
