@@ -49,18 +49,18 @@ engine would hit now, the blocks of prompts it has scheduled and not yet announc
 session 25 it read a mirror of the engines' events, which learns those a prefill later: W4, 3 seeds, 63.45
 -> 63.85%) and the load it created itself. It does not know the flush schedule: on W4, whose flushes
 rotate, the engine just flushed is the one flushed last again, so a policy that keeps a flushed engine's
-tenants there (prefix-cache, char-tree) holds their prefixes longest (docs/BENCHMARKS.md, routing). For each pod it predicts this request's TTFT
-with the engine's own timing model: admission (immediate below max_num_seqs, else the wait
-for enough decoding requests to finish), the serial prefill lane's backlog, the request's
-uncached tokens x prefill time + overhead. Greedy on that alone it spreads what it could keep
+tenants there (prefix-cache, char-tree) holds their prefixes longest (docs/BENCHMARKS.md, routing).
+For each pod it predicts this request's TTFT with the engine's own timing model: admission
+(immediate below max_num_seqs, else the wait for enough decoding requests to finish), the serial
+prefill lane's backlog, the request's uncached tokens x prefill time + overhead. Greedy on that alone it spreads what it could keep
 together: a burst of one prefix family, or a family no engine holds any more after a flush,
 lands on whichever lanes are free and every copy is computed again, so behind one replica the
 guessers (char-tree, prefix-cache) kept more hits than it in W3 and W4, and after flushes its
 TTFT p90 was worse than kv-sync's (W4, one seed: hit rate 60.0% against char-tree's 62.7%, p90
 0.30 s against kv-sync's 0.20 s). So it also remembers where it placed each prefix: per pod, the
 prompt blocks of its requests not finished yet, and the blocks a flush dropped and no eviction
-has removed since (a mirror fed by the engines' raw events keeps them). Its cost for a pod is the predicted TTFT plus the
-prefill time of the leading prompt tokens that some pod holds, was sent or held before a flush,
+has removed since (a mirror fed by the engines' raw events keeps them). Its cost for a pod is the
+predicted TTFT plus the prefill time of the leading prompt tokens that some pod holds, was sent or held before a flush,
 and this pod does not (ORACLE_AFFINITY = 1: a copy is charged again what it costs now). It picks
 the minimum (ties: fewer running, then name). With that memory, W3/W4 seed 1 (`--quick`): hit
 rate 73.4 -> 76.2% and 60.0 -> 63.1%, p90 0.160 -> 0.138 s and 0.303 -> 0.169 s; it costs some
@@ -271,7 +271,9 @@ class _Oracle:
              media: tuple[MediaItem, ...] = ()) -> tuple[str, tuple]:
         c = self._c
         # the engine's own hit: what it holds, the blocks of prompts it has scheduled and not yet announced too
-        hits = {pod: eng.prefix_hit(tokens, cache_salt=cache_salt, mm_items=media) for pod, eng in self._engines.items()}
+        # (the prompt hashed once for the fleet)
+        engines = list(self._engines.values())
+        hits = dict(zip(self._engines, engines[0].prefix_hits(engines, tokens, cache_salt=cache_salt, mm_items=media)))
         if self._exact:
             was = hits
         else:  # and the blocks a flush dropped, from the mirror
@@ -633,6 +635,7 @@ async def _run(workload: Workload, policy: Policy, seed: int, strategy_config: S
         else:
             r = reqs[i]
             handle: Any  # what finish() needs to release the pick: (router, decision), the replica, the oracle's
+            indexed_pick = False  # kv-sync's / slo's own pick: its hit at the pick counted (at_pick)
             stored = stored_on.get(r.session) if r.continues and r.session is not None else None
             if stored is not None:  # previous_response_id: the engine that stored the conversation, any policy
                 key, handle = await continue_on(stored, r, i)
@@ -645,8 +648,8 @@ async def _run(workload: Workload, policy: Policy, seed: int, strategy_config: S
                 pod, handle = decision.pod.name, (router, decision)
                 key = least_loaded_rank(pod) if decision.rank is None else ranks[pod][decision.rank]
                 if feed_index:
+                    indexed_pick = True
                     believed += decision.matched_blocks * (index.block_size(MODEL) or BLOCK_SIZE)
-                    at_pick += engines[key].prefix_hit(r.token_ids, cache_salt=r.cache_salt, mm_items=r.media)
                     announced += engines[key].prefix_hit(r.token_ids, cache_salt=r.cache_salt, mm_items=r.media,
                                                          announced=True)
             elif trees:
@@ -665,9 +668,11 @@ async def _run(workload: Workload, policy: Policy, seed: int, strategy_config: S
             routed[key] += 1
             hits = engines[key].prefix_hits([engines[k] for k in active_keys], r.token_ids, cache_salt=r.cache_salt,
                                             mm_items=r.media)
-            best = max(hits, default=0)
-            elsewhere += best - hits[active_keys.index(key)]
+            best, mine = max(hits, default=0), hits[active_keys.index(key)]
+            elsewhere += best - mine
             nowhere += len(r.token_ids) - best
+            if indexed_pick:
+                at_pick += mine
             engines[key].add_request(r.req_id, r.token_ids, r.max_tokens, t, cache_salt=r.cache_salt, mm_items=r.media)
             if capacity is not None:
                 started[r.req_id] = (running[key], key)
@@ -687,12 +692,11 @@ async def _run(workload: Workload, policy: Policy, seed: int, strategy_config: S
     out.evicted_blocks = evicted
     out.flushed_blocks = flushed
     out.routed = {p: n for p, n in routed.items() if n}
-    prompt_tokens = sum(len(r.token_ids) for r in reqs)
-    if prompt_tokens:
-        out.held_elsewhere_share = elsewhere / prompt_tokens
-        out.held_nowhere_share = nowhere / prompt_tokens
+    prompt = sum(len(r.token_ids) for r in reqs)
+    if prompt:
+        out.held_elsewhere_share = elsewhere / prompt
+        out.held_nowhere_share = nowhere / prompt
     if feed_index and routers:
-        prompt = sum(len(r.token_ids) for r in reqs)
         out.believed_share = believed / prompt if prompt else 0.0
         out.at_pick_share = at_pick / prompt if prompt else 0.0
         out.announced_share = announced / prompt if prompt else 0.0

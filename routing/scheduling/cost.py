@@ -32,9 +32,9 @@ UNCACHED = "\x00uncached"  # ctx.state key: the uncached tokens per candidate, l
 class PromptCache:
     """Per candidate, this request's prompt tokens the pod does not hold per the event-fed index: blocks on
     slower media count partly (GPU 1.0, CPU 0.8 by default); with `prompts`, less what it is computing for this
-    gateway's running requests (routing.state.prompts, as the `prefix` scorer counts them). Fills ctx.matched and ctx.total_blocks (the
-    Decision reports them; the `affinity` scorer reads them) and keeps its answer in ctx.state, so the
-    scorers of one pick ask the index once."""
+    gateway's running requests (routing.state.prompts, as the `prefix` scorer counts them). Fills ctx.matched
+    and ctx.total_blocks (the Decision reports them; the `affinity` scorer reads them) and keeps its answer in
+    ctx.state, so the scorers of one pick ask the index once."""
 
     def __init__(self, index: PrefixSource, medium_weights: Mapping[str, float] | None = None,
                  other_medium_weight: float = 0.8, prompts: RunningPrompts | None = None) -> None:

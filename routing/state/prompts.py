@@ -11,8 +11,9 @@ can hit them, so a pod's claims end at the index's next count of its clears (`cl
 
 This gateway's requests, and with a `listener` and `peer_added`/`peer_moved`/`peer_removed` the other replicas'
 (routing.state.prompt_relay carries them through Redis): a tenant's burst dealt over two replicas is one burst.
-Only plain prompts of a model of one KV cache group: a salted or multimodal prompt's blocks hash more than its tokens, and a hybrid model's hit
-is its groups' fixed point (kvcache.groups), neither of which a prompt's tokens alone answer.
+Only plain prompts of a model of one KV cache group: a salted or multimodal prompt's blocks hash more than its
+tokens, and a hybrid model's hit is its groups' fixed point (kvcache.groups), neither of which a prompt's tokens
+alone answer.
 """
 from __future__ import annotations
 
