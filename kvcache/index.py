@@ -277,6 +277,17 @@ class PrefixIndex:
         what it held before a change of this number it holds no more."""
         return self._cleared.get((pod, rank), 0)
 
+    def pod_blocks(self, pods: Sequence[str]) -> dict[str, int]:
+        """Per pod of `pods` the index knows, the distinct blocks it holds (all its ranks and media), as
+        stats()'s blocks_per_pod, kept as they change: nothing is scanned."""
+        group_blocks = self._core.group_blocks
+        out = {}
+        for pod in pods:
+            g = self._pod_group.get(pod)
+            if g is not None:
+                out[pod] = group_blocks(g)
+        return out
+
     def single_group(self, model: str) -> bool:
         """Whether `model`'s hits are one leading run of its blocks: no event has shown it several KV cache
         groups (a hybrid model's hit is their fixed point, kvcache.groups)."""

@@ -107,6 +107,8 @@ class IndexReader(Protocol):
 
     def single_group(self, model: str) -> bool: ...
 
+    def pod_blocks(self, pods: Sequence[str]) -> dict[str, int]: ...
+
     def stats(self) -> dict: ...
 
 
@@ -177,6 +179,14 @@ class LockedIndex:
 
     def single_group(self, model):
         return self._single_group is not None and self._single_group(model)
+
+    def pod_blocks(self, pods):
+        if not (self._lock.acquire(False) or self._wait()):
+            return {}
+        try:
+            return self._index.pod_blocks(pods)
+        finally:
+            self._lock.release()
 
     def stats(self) -> dict:
         if not (self._lock.acquire(False) or self._wait()):

@@ -16,7 +16,7 @@ from routing.errors import (NoEligibleEndpointError, NoReadyPodError, SaturatedE
 from routing.metrics import RoutingMetrics
 from routing.pods import Pod
 from routing.registry import PodRegistry
-from routing.scheduling.scorers import PrefixSource
+from routing.scheduling.scorers import PrecisePrefixScorer, PrefixSource
 from routing.scheduling.scoring import Decision, PickContext, RouteRequest, Scorer, Strategy
 from routing.scheduling.slo import default_capacity
 from routing.scheduling.sessions import SessionStore
@@ -343,6 +343,10 @@ class Router:
                 index_stats = {"error": f"{type(e).__name__}: {e}"}
         per_pod_blocks = _blocks_per_pod(index_stats)
         engines = self._engines.snapshot() if self._engines is not None else {}
+        cache_sizes: dict[str, int] = {}  # what each pod's cache has shown its size to be (kv-sync's CacheRoom)
+        for scorer in self._scorers:
+            if isinstance(scorer, PrecisePrefixScorer) and scorer.room is not None:
+                cache_sizes.update(scorer.room.sizes())
         pods = []
         for p in sorted(self._registry.pods(), key=lambda p: p.name):
             entry: dict[str, Any] = {
@@ -359,6 +363,8 @@ class Router:
                 entry["running_here"] = sum(local.get(t, 0) for t in ranks)
             if p.name in per_pod_blocks:
                 entry["blocks"] = per_pod_blocks[p.name]
+            if p.name in cache_sizes:
+                entry["cache_size_blocks"] = cache_sizes[p.name]
             if p.name in engines:
                 entry["engine"] = engines[p.name]
             pods.append(entry)

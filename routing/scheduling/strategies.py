@@ -20,10 +20,10 @@ from routing.scheduling.cost import PromptCache, TTFTScorer
 from routing.state.engine_metrics import EngineMetrics, Saturation
 from routing.state.prompts import RunningPrompts
 from routing.scheduling.fairness import TokenFairnessScorer
-from routing.scheduling.scorers import (AdmissionWait, ApproxPrefixScorer, EngineBusyScorer, FamilyAffinityScorer,
-                                        KVFreeScorer, KVUtilizationScorer, LatencyScorer, LoadScorer,
-                                        PrecisePrefixScorer, PrefillBacklog, PrefixSource, QueueScorer,
-                             ThroughputScorer)
+from routing.scheduling.scorers import (AdmissionWait, ApproxPrefixScorer, CacheRoom, EngineBusyScorer,
+                                        FamilyAffinityScorer, KVFreeScorer, KVUtilizationScorer, LatencyScorer,
+                                        LoadScorer, PrecisePrefixScorer, PrefillBacklog, PrefixSource, QueueScorer,
+                                        ThroughputScorer)
 from routing.scheduling.sessions import SessionAffinityScorer, SessionStore
 from routing.scheduling.slo import Capacity, SLOScorer
 from routing.scheduling.scoring import (Filter, LoadGuard, MaxScorePicker, Picker, PowerOfTwoPicker, RandomPicker,
@@ -113,8 +113,10 @@ def _prefix(r: Resources) -> Scorer:
     # the backlog every replica made, where the replicas share prefill counts (plugin.app: observing responses)
     shared = r.capacity.prefill if r.capacity is not None else None
     backlog = PrefillBacklog(c.prefill_tokens_per_s, c.clock, shared=shared)
+    blocks = getattr(r.index, "pod_blocks", None)  # optional in PrefixSource
     return PrecisePrefixScorer(r.index, c.medium_weights, backlog=backlog,
-                               admission=admission, tokens_per_s=c.prefill_tokens_per_s, prompts=r.prompts)
+                               admission=admission, tokens_per_s=c.prefill_tokens_per_s, prompts=r.prompts,
+                               room=CacheRoom(blocks) if blocks is not None else None)
 
 
 def _ttft(r: Resources) -> Scorer:
@@ -140,7 +142,9 @@ SCORERS: dict[str, ScorerSpec] = {s.name: s for s in (
                "finishes of the running requests, a learned decode step x mean output / (running + 1) each), on a "
                "pod holding some of the prompt only beyond the prefill of what it holds. A pod also holds the "
                "prompts of this gateway's requests running there (vLLM caches a scheduled request's blocks "
-               "before computing them), until its engine's cache is cleared"),
+               "before computing them), until its engine's cache is cleared. Once a pod's cache has shown its "
+               "size (it held fewer blocks than its most: evicting, or reset), the tokens it would cache beyond "
+               "its room count half again (they evict as many of other prefixes)"),
     ScorerSpec("ttft", _ttft, ("index",),
                "expected time to first token: (this gateway's prefill backlog on the pod + this request's "
                "uncached tokens from the index) / the pod's learned prefill rate + its learned TTFT overhead at "

@@ -300,3 +300,15 @@ def test_medium_tables_of_any_name_do_not_accumulate():
         ix.apply("a", "m", 0, [])
     assert ix.stats()["keys_by_medium"] == {"GPU": 1}
     assert ix.match("m", None, TOKENS, ["a"])["a"].blocks == 1
+
+
+def test_pod_blocks_counts_what_each_pod_holds_as_stats_do():
+    ix = PrefixIndex()
+    ix.apply("a", "m", 0, [chain(10, 4)])
+    ix.apply("a", "m", 1, [chain(10, 6, medium="CPU")])
+    ix.apply("b", "m", 0, [chain(10, 2)])
+    assert ix.pod_blocks(["a", "b", "never"]) == {"a": 6, "b": 2}
+    ix.apply("b", "m", 0, [AllBlocksCleared()])
+    ix.remove_pod("a")
+    assert ix.pod_blocks(["a", "b"]) == {"b": 0}
+    assert ix.pod_blocks(["a", "b"]) == {p: n for p, n in ix.stats()["blocks_per_pod"].items()}

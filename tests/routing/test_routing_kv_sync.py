@@ -386,3 +386,59 @@ async def test_a_tenants_burst_dealt_over_two_replicas_follows_its_first_request
     assert others == [first] * 3
     first, others = await burst(shared=False)  # each replica saw its own half
     assert others != [first] * 3
+
+
+def test_cache_room_is_known_once_a_pod_has_held_fewer_blocks_than_its_most():
+    from routing.scheduling.scorers import CacheRoom
+    held = {"a": 10, "b": 10}
+    room = CacheRoom(lambda pods: {p: held[p] for p in pods if p in held})
+    assert room.rooms(["a", "b", "c"]) == {}  # filling: no size shown
+    held["a"] = 40
+    held["b"] = 39  # b fell from nothing it had shown: still growing as far as anyone knows
+    assert room.rooms(["a", "b"]) == {}
+    held["a"] = 39  # a evicted: its cache holds 40
+    assert room.rooms(["a", "b"]) == {"a": 1}
+    held["a"] = 0  # reset
+    assert room.rooms(["a"]) == {"a": 40}
+    held["a"] = 45  # more than the size learnt (a cache grown): the most, not more room than there is
+    assert room.rooms(["a"]) == {"a": 0}
+    held["a"] = 5
+    assert room.rooms(["a"]) == {"a": 40}
+    room.forget("a")
+    assert room.rooms(["a"]) == {}
+
+
+async def test_a_prompt_nobody_holds_goes_where_caching_it_evicts_nothing():
+    """Every engine's cache is full (each has evicted) and `a`'s was just reset: a prompt no engine holds
+    costs a prefill anywhere, but on `b` or `c` its blocks evict as many of other prefixes. It goes to
+    `a`, though `a` runs two requests more (which alone decides it while no cache has shown its size);
+    once `a` is full again, load decides."""
+    async def place(full: bool) -> tuple[str, str]:
+        (r,), engines, clock, _ = fleet()
+        for i, pod in enumerate("abc"):
+            engines.store(pod, prompt(family(100 + i), 0))
+        await pick(r, prompt(family(300), 0))  # a pick sees how much each pod holds
+        clock.t += 1.0
+        for i, pod in enumerate("abc"):
+            ctx = family(100 + i)
+            if full:
+                engines.evict(pod, prompt(ctx, 0), keep_blocks=42)  # one block out: the size shown
+        engines.flush("a")
+        await hold(r, {"a": 2})
+        first = await pick(r, prompt(family(200), 0))
+        engines.store("a", prompt(family(201), 0))  # a refilled
+        clock.t += 1.0
+        then = await pick(r, prompt(family(202), 0))
+        return first, then
+
+    first, then = await place(full=True)
+    assert first == "a" and then in ("b", "c")
+    (r,), engines, _, _ = fleet()
+    engines.store("a", prompt(family(100), 0))
+    await pick(r, prompt(family(300), 0))
+    engines.flush("a")
+    await pick(r, prompt(family(301), 0))
+    sizes = {p["name"]: p.get("cache_size_blocks") for p in r.debug_snapshot()["pods"]}
+    assert sizes == {"a": 43, "b": None, "c": None}  # /debug: the size a's cache showed
+    first, then = await place(full=False)
+    assert first in ("b", "c") and then in ("b", "c")
