@@ -119,6 +119,7 @@ class PrefixIndex:
         self._applies = 0
         self._skipped: Counter[str] = Counter()
         self._cleared: Counter[tuple[str, int]] = Counter()  # (pod, rank) -> times its cache was cleared
+        self._removals: Counter[str] = Counter()  # pod -> BlockRemoved events applied (its engine evicting)
 
     # --- EventSink (kvcache.sink) ---------------------------------------------------------
 
@@ -126,6 +127,7 @@ class PrefixIndex:
         """Apply one (pod, rank)'s events in order. Bad events are logged, counted and skipped."""
         slot, model_id = self._ids(pod, rank, model)
         cleared = False
+        removals = 0
         sparse: list[tuple[int, tuple[BlockHash, ...]]] = []  # to resolve once the batch's other groups are in
         ev: Any  # dispatched on its exact type through `t`, which mypy does not follow
         for ev in events:
@@ -137,6 +139,7 @@ class PrefixIndex:
                         self._resolve(slot, model_id, sparse, waiting)
                         sparse.extend(waiting)  # still waiting for their dense store
                     self._remove(slot, model_id, ev)
+                    removals += 1
                 elif t is BlockStored:
                     self._store(slot, model, model_id, ev, sparse)
                 elif t is AllBlocksCleared:
@@ -156,6 +159,8 @@ class PrefixIndex:
             self._resolve(slot, model_id, sparse, left)
             if left:
                 self._carried[(pod, rank)] = left
+        if removals:
+            self._removals[pod] += removals
         self._after_batch(cleared)
 
     def apply_payload(self, pod: str, model: str, rank: int, payload: bytes) -> BatchApplied | None:
@@ -191,6 +196,8 @@ class PrefixIndex:
                 roots[lora] = r
         _, _, unknown_parent, unknown_removed = self._core.apply_batch(payload, model_id, medium_id, slot, root, roots)
         self._count_unknown(model, unknown_parent, unknown_removed)
+        if removed_events:
+            self._removals[pod] += removed_events
         self._core.maintain()  # _after_batch, inline: once per live batch
         self._applies += 1
         if not self._applies & 63:
@@ -229,6 +236,8 @@ class PrefixIndex:
             messages, start, seq, model_id, slot, root, self._block_size.get(model, 0), self._media,
             self._lora_roots.get(model) or _NO_ROOTS, max_batches, max_events, bounds, counts, max_blocks)
         self._count_unknown(model, unknown_parent, unknown_removed)
+        if removed:
+            self._removals[pod] += removed
         if n:
             before = self._applies
             self._applies = before + n
@@ -254,6 +263,7 @@ class PrefixIndex:
         if group is None:
             return
         self._core.remove_group(group)
+        self._removals.pop(pod, None)
         del self._pod_bits[pod]
         for key in [k for k in self._carried if k[0] == pod]:
             del self._carried[key]
@@ -277,15 +287,17 @@ class PrefixIndex:
         what it held before a change of this number it holds no more."""
         return self._cleared.get((pod, rank), 0)
 
-    def pod_blocks(self, pods: Sequence[str]) -> dict[str, int]:
-        """Per pod of `pods` the index knows, the distinct blocks it holds (all its ranks and media), as
-        stats()'s blocks_per_pod, kept as they change: nothing is scanned."""
+    def pod_cache(self, pods: Sequence[str]) -> dict[str, tuple[int, int]]:
+        """Per pod of `pods` the index knows: the distinct blocks it holds (all its ranks and media, as
+        stats()'s blocks_per_pod) and the BlockRemoved events applied for it (0 until its engine evicts;
+        a cache reset is not one). Both kept as they change: nothing is scanned."""
         group_blocks = self._core.group_blocks
+        removals = self._removals
         out = {}
         for pod in pods:
             g = self._pod_group.get(pod)
             if g is not None:
-                out[pod] = group_blocks(g)
+                out[pod] = (group_blocks(g), removals.get(pod, 0))
         return out
 
     def single_group(self, model: str) -> bool:

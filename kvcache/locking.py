@@ -107,7 +107,7 @@ class IndexReader(Protocol):
 
     def single_group(self, model: str) -> bool: ...
 
-    def pod_blocks(self, pods: Sequence[str]) -> dict[str, int]: ...
+    def pod_cache(self, pods: Sequence[str]) -> dict[str, tuple[int, int]]: ...
 
     def stats(self) -> dict: ...
 
@@ -180,11 +180,11 @@ class LockedIndex:
     def single_group(self, model):
         return self._single_group is not None and self._single_group(model)
 
-    def pod_blocks(self, pods):
+    def pod_cache(self, pods):
         if not (self._lock.acquire(False) or self._wait()):
             return {}
         try:
-            return self._index.pod_blocks(pods)
+            return self._index.pod_cache(pods)
         finally:
             self._lock.release()
 

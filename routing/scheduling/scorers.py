@@ -30,7 +30,7 @@ class PrefixMatchLike(Protocol):
 class PrefixSource(Protocol):
     """What `kv-sync` needs of kvcache.index.PrefixIndex. `extras`: what the prompt's block hashes carry besides
     tokens and LoRA (kvcache.blockkeys.BlockExtras); given only when there is some (None is never passed).
-    Optional: `block_size(model)` and `pod_blocks(pods)` (CacheRoom), read where the source has them."""
+    Optional: `block_size(model)` and `pod_cache(pods)` (CacheRoom), read where the source has them."""
 
     def match(self, model: str, lora: str | None, token_ids: Sequence[int],
               pods: Sequence[str], *, extras: BlockExtras | None = None) -> Mapping[str, PrefixMatchLike]: ...
@@ -149,40 +149,39 @@ class PrefillBacklog:
 
 
 class CacheRoom:
-    """Per pod, how many more blocks its prefix cache takes before it evicts, learnt from the index's count of
-    the blocks the pod holds (`blocks`: PrefixIndex.pod_blocks), read at each pick: the most it has held, once it
-    has held fewer since (its engine evicting, or its cache reset: either shows that most to be the cache's
-    size), less what it holds now. Unknown until then (a cache still filling evicts nothing, and a pod just joined has shown no
-    size yet): no answer for that pod. What the count misses (an index bounded below the fleet's blocks, a
-    stream dropped as untrusted) makes the room look larger than it is until the count is back."""
+    """Per pod, how many more blocks its prefix cache takes before it evicts, learnt from the index
+    (`cache`: PrefixIndex.pod_cache, the blocks a pod holds and the BlockRemoved events seen for it), read
+    at each pick: once its engine has evicted (its cache then has been full), the most blocks it was seen
+    holding, less what it holds now. Unknown until then: a cache still filling evicts nothing, a pod just
+    joined has shown no size yet, and a cache reset says nothing of the size (an engine reset half full
+    would otherwise look full at half its size). What the index's count misses (an index bounded below the
+    fleet's blocks, a stream dropped as untrusted) makes the room look larger than it is until it is back."""
 
-    def __init__(self, blocks: Callable[[Sequence[str]], Mapping[str, int]]) -> None:
-        self._blocks = blocks
-        self._most: dict[str, int] = {}  # pod -> the most blocks it has held
-        self._size: dict[str, int] = {}  # pod -> its cache's size, in blocks, once shown
+    def __init__(self, cache: Callable[[Sequence[str]], Mapping[str, tuple[int, int]]]) -> None:
+        self._cache = cache
+        self._most: dict[str, int] = {}  # pod -> the most blocks it was seen holding
+        self._full: set[str] = set()  # pods whose engine has evicted
 
     def rooms(self, pods: Sequence[str]) -> dict[str, int]:
         """Per pod of `pods` whose cache has shown its size, the blocks it takes before it evicts."""
         out = {}
-        most, size = self._most, self._size
-        for pod, held in self._blocks(pods).items():
+        most, full = self._most, self._full
+        for pod, (held, removals) in self._cache(pods).items():
             top = most.get(pod, 0)
             if held > top:
                 most[pod] = top = held
-            elif held < top:
-                size[pod] = top
-            known = size.get(pod)
-            if known is not None:
-                out[pod] = known - held if known > held else 0
+            if removals:
+                full.add(pod)
+                out[pod] = top - held
         return out
 
     def sizes(self) -> dict[str, int]:
         """Per pod whose cache has shown its size, that size in blocks (/debug)."""
-        return dict(self._size)
+        return {pod: self._most[pod] for pod in self._full if pod in self._most}
 
     def forget(self, pod: str) -> None:
         self._most.pop(pod, None)
-        self._size.pop(pod, None)
+        self._full.discard(pod)
 
 
 class AdmissionWait:

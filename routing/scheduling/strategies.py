@@ -113,10 +113,10 @@ def _prefix(r: Resources) -> Scorer:
     # the backlog every replica made, where the replicas share prefill counts (plugin.app: observing responses)
     shared = r.capacity.prefill if r.capacity is not None else None
     backlog = PrefillBacklog(c.prefill_tokens_per_s, c.clock, shared=shared)
-    blocks = getattr(r.index, "pod_blocks", None)  # optional in PrefixSource
+    cache = getattr(r.index, "pod_cache", None)  # optional in PrefixSource
     return PrecisePrefixScorer(r.index, c.medium_weights, backlog=backlog,
                                admission=admission, tokens_per_s=c.prefill_tokens_per_s, prompts=r.prompts,
-                               room=CacheRoom(blocks) if blocks is not None else None)
+                               room=CacheRoom(cache) if cache is not None else None)
 
 
 def _ttft(r: Resources) -> Scorer:
@@ -142,9 +142,9 @@ SCORERS: dict[str, ScorerSpec] = {s.name: s for s in (
                "finishes of the running requests, a learned decode step x mean output / (running + 1) each), on a "
                "pod holding some of the prompt only beyond the prefill of what it holds. A pod also holds the "
                "prompts of this gateway's requests running there (vLLM caches a scheduled request's blocks "
-               "before computing them), until its engine's cache is cleared. Once a pod's cache has shown its "
-               "size (it held fewer blocks than its most: evicting, or reset), the tokens it would cache beyond "
-               "its room count half again (they evict as many of other prefixes)"),
+               "before computing them), until its engine's cache is cleared. Once a pod's engine has evicted "
+               "(its cache has shown its size: the most blocks it was seen holding), the tokens it would cache "
+               "beyond its room count half again (they evict as many of other prefixes)"),
     ScorerSpec("ttft", _ttft, ("index",),
                "expected time to first token: (this gateway's prefill backlog on the pod + this request's "
                "uncached tokens from the index) / the pod's learned prefill rate + its learned TTFT overhead at "

@@ -174,7 +174,7 @@ async def test_an_index_held_past_the_wait_routes_as_if_nobody_held_the_prompt()
         assert (d.matched_blocks, d.total_blocks) == (0, 0)
         await r.release(d)
         assert shared.block_size("m") == BS  # read without the lock
-        assert shared.pod_blocks(["a"]) == {}  # counted busy, as a match
+        assert shared.pod_cache(["a"]) == {}  # counted busy, as a match
         try:
             shared.stats()
         except IndexBusy:
@@ -182,6 +182,6 @@ async def test_an_index_held_past_the_wait_routes_as_if_nobody_held_the_prompt()
         else:
             raise AssertionError("stats answered while the index was held")
     assert len(busy) == 3
-    assert shared.pod_blocks(["a", "b"]) == {"a": 8}
+    assert shared.pod_cache(["a", "b"]) == {"a": (8, 0)}
     d = await r.pick(RouteRequest("m", PROMPT))
     assert (d.pod.name, d.rank, d.matched_blocks) == ("a", 1, 8)

@@ -388,31 +388,32 @@ async def test_a_tenants_burst_dealt_over_two_replicas_follows_its_first_request
     assert others != [first] * 3
 
 
-def test_cache_room_is_known_once_a_pod_has_held_fewer_blocks_than_its_most():
+def test_cache_room_is_known_once_a_pods_engine_has_evicted():
     from routing.scheduling.scorers import CacheRoom
-    held = {"a": 10, "b": 10}
-    room = CacheRoom(lambda pods: {p: held[p] for p in pods if p in held})
+    cache = {"a": (10, 0), "b": (10, 0)}
+    room = CacheRoom(lambda pods: {p: cache[p] for p in pods if p in cache})
     assert room.rooms(["a", "b", "c"]) == {}  # filling: no size shown
-    held["a"] = 40
-    held["b"] = 39  # b fell from nothing it had shown: still growing as far as anyone knows
+    cache["a"] = (40, 0)
+    cache["b"] = (0, 0)  # b reset half full: that says nothing of its size
     assert room.rooms(["a", "b"]) == {}
-    held["a"] = 39  # a evicted: its cache holds 40
+    cache["a"] = (39, 3)  # a evicted: its cache holds 40
     assert room.rooms(["a", "b"]) == {"a": 1}
-    held["a"] = 0  # reset
+    cache["a"] = (0, 3)  # reset
     assert room.rooms(["a"]) == {"a": 40}
-    held["a"] = 45  # more than the size learnt (a cache grown): the most, not more room than there is
+    cache["a"] = (45, 4)  # more than it was seen holding: the cache is that large
     assert room.rooms(["a"]) == {"a": 0}
-    held["a"] = 5
+    cache["a"] = (5, 4)
     assert room.rooms(["a"]) == {"a": 40}
+    assert room.sizes() == {"a": 45}
     room.forget("a")
-    assert room.rooms(["a"]) == {}
+    assert room.rooms(["c"]) == {} and room.sizes() == {}
 
 
 async def test_a_prompt_nobody_holds_goes_where_caching_it_evicts_nothing():
     """Every engine's cache is full (each has evicted) and `a`'s was just reset: a prompt no engine holds
     costs a prefill anywhere, but on `b` or `c` its blocks evict as many of other prefixes. It goes to
-    `a`, though `a` runs two requests more (which alone decides it while no cache has shown its size);
-    once `a` is full again, load decides."""
+    `a`, though `a` runs two requests more (which alone decides it while no cache has shown its size:
+    nor does a reset, before any eviction); once `a` is full again, it goes elsewhere."""
     async def place(full: bool) -> tuple[str, str]:
         (r,), engines, clock, _ = fleet()
         for i, pod in enumerate("abc"):
@@ -433,12 +434,13 @@ async def test_a_prompt_nobody_holds_goes_where_caching_it_evicts_nothing():
 
     first, then = await place(full=True)
     assert first == "a" and then in ("b", "c")
+    # a cache reset before it was ever full says nothing of its size: load decides
+    first, _ = await place(full=False)
+    assert first in ("b", "c")
     (r,), engines, _, _ = fleet()
     engines.store("a", prompt(family(100), 0))
     await pick(r, prompt(family(300), 0))
-    engines.flush("a")
+    engines.evict("a", prompt(family(100), 0), keep_blocks=40)
     await pick(r, prompt(family(301), 0))
     sizes = {p["name"]: p.get("cache_size_blocks") for p in r.debug_snapshot()["pods"]}
     assert sizes == {"a": 43, "b": None, "c": None}  # /debug: the size a's cache showed
-    first, then = await place(full=False)
-    assert first in ("b", "c") and then in ("b", "c")
