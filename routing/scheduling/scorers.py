@@ -358,11 +358,11 @@ class PrecisePrefixScorer(Scorer):
 
     With `room` (CacheRoom), the tokens a pod would cache for this request beyond the room its cache has left
     cost `eviction_weight` (0.5) each: caching them there evicts as many tokens of other prefixes, the pod's
-    least recently used (worth less than the prompt's own). A pod whose cache was just reset takes a prompt no
-    pod holds for free, where a full one evicts for it. Bench routing, kv-sync (W4: an engine's cache reset
-    every 2 s; W8: a hybrid model, engines evicting; W12: agents' tool lists), 1 / 2 replicas: W4 hit rate
-    64.39 / 63.98 -> 64.99 / 64.41%, TTFT p50 58.5 / 53.7 -> 51.9 / 50.6 ms; W8 p90 197 / 209 -> 163 / 182
-    ms; W12 behind 2 replicas hit 74.79 -> 76.68%, mean 219 -> 186 ms; W10 (images) 0.5-0.7 point worse."""
+    least recently used (worth less than the prompt's own). A full pod whose cache was just reset takes a
+    prompt no pod holds for free, where the others evict for it. Bench routing, kv-sync, 1 / 2 replicas
+    (3 seeds): W8 (a hybrid model, engines evicting) TTFT mean 83.2 / 88.9 -> 77.0 / 89.1 ms, p90 204.5 /
+    229.1 -> 181.6 / 223.9; W12 (agents' tool lists) behind 2 replicas hit rate 77.14 -> 78.78%, mean 201.4
+    -> 171.4 ms; W3 p50 39.2 / 40.7 -> 37.5 / 39.8 ms; W9 (salted) and W10 (images) 0.15-0.36 point worse."""
 
     name = "prefix"
     needs_tokens = True
