@@ -120,6 +120,7 @@ class PrefixIndex:
         self._skipped: Counter[str] = Counter()
         self._cleared: Counter[tuple[str, int]] = Counter()  # (pod, rank) -> times its cache was cleared
         self._removals: Counter[str] = Counter()  # pod -> BlockRemoved events applied (its engine evicting)
+        self._resets: Counter[str] = Counter()  # pod -> its ranks' clears (AllBlocksCleared, a dropped stream)
 
     # --- EventSink (kvcache.sink) ---------------------------------------------------------
 
@@ -264,6 +265,7 @@ class PrefixIndex:
             return
         self._core.remove_group(group)
         self._removals.pop(pod, None)
+        self._resets.pop(pod, None)
         del self._pod_bits[pod]
         for key in [k for k in self._carried if k[0] == pod]:
             del self._carried[key]
@@ -287,17 +289,18 @@ class PrefixIndex:
         what it held before a change of this number it holds no more."""
         return self._cleared.get((pod, rank), 0)
 
-    def pod_cache(self, pods: Sequence[str]) -> dict[str, tuple[int, int]]:
+    def pod_cache(self, pods: Sequence[str]) -> dict[str, tuple[int, int, int]]:
         """Per pod of `pods` the index knows: the distinct blocks it holds (all its ranks and media, as
-        stats()'s blocks_per_pod) and the BlockRemoved events applied for it (0 until its engine evicts;
-        a cache reset is not one). Both kept as they change: nothing is scanned."""
+        stats()'s blocks_per_pod), the BlockRemoved events applied for it (0 until its engine evicts; a
+        cache reset is not one) and its ranks' clears (as clears()). Kept as they change: nothing is
+        scanned."""
         group_blocks = self._core.group_blocks
-        removals = self._removals
+        removals, resets = self._removals, self._resets
         out = {}
         for pod in pods:
             g = self._pod_group.get(pod)
             if g is not None:
-                out[pod] = (group_blocks(g), removals.get(pod, 0))
+                out[pod] = (group_blocks(g), removals.get(pod, 0), resets.get(pod, 0))
         return out
 
     def single_group(self, model: str) -> bool:
@@ -469,6 +472,7 @@ class PrefixIndex:
         background) and a fresh one takes its place. Returns the new slot."""
         s = self._slot.pop((pod, rank))
         self._cleared[(pod, rank)] += 1
+        self._resets[pod] += 1
         self._carried.pop((pod, rank), None)  # sparse stores waiting to be placed: gone with the rest
         del self._slot_owner[s]
         self._pod_bits[pod] &= ~(1 << s)

@@ -150,38 +150,49 @@ class PrefillBacklog:
 
 class CacheRoom:
     """Per pod, how many more blocks its prefix cache takes before it evicts, learnt from the index
-    (`cache`: PrefixIndex.pod_cache, the blocks a pod holds and the BlockRemoved events seen for it), read
-    at each pick: once its engine has evicted (its cache then has been full), the most blocks it was seen
-    holding, less what it holds now. Unknown until then: a cache still filling evicts nothing, a pod just
-    joined has shown no size yet, and a cache reset says nothing of the size (an engine reset half full
-    would otherwise look full at half its size). What the index's count misses (an index bounded below the
-    fleet's blocks, a stream dropped as untrusted) makes the room look larger than it is until it is back."""
+    (`cache`: PrefixIndex.pod_cache: the blocks a pod holds, the BlockRemoved events and the resets seen for
+    it), read at each pick. A cache that has evicted is full, and stays full: vLLM takes a new block from
+    the head of its free queue, the least recently freed, evicting whatever that held, so once every block
+    has held a prefix a new one evicts one whatever the count of blocks held says (blocks of running
+    requests not yet full are counted by no event). Its size then is the most blocks it was seen holding.
+    After a reset its blocks are free until it evicts again: the room is that size less what it holds.
+    Unknown until the first eviction (a cache still filling evicts nothing; a reset before any says nothing
+    of the size): no answer for that pod. A stream dropped as untrusted counts as a reset (the index forgets
+    what the engine holds): room is seen where there is none until the engine evicts again."""
 
-    def __init__(self, cache: Callable[[Sequence[str]], Mapping[str, tuple[int, int]]]) -> None:
+    def __init__(self, cache: Callable[[Sequence[str]], Mapping[str, tuple[int, int, int]]]) -> None:
         self._cache = cache
         self._most: dict[str, int] = {}  # pod -> the most blocks it was seen holding
-        self._full: set[str] = set()  # pods whose engine has evicted
+        self._seen: dict[str, tuple[int, int, bool]] = {}  # pod -> (removals, resets, reset since it evicted)
 
     def rooms(self, pods: Sequence[str]) -> dict[str, int]:
         """Per pod of `pods` whose cache has shown its size, the blocks it takes before it evicts."""
         out = {}
-        most, full = self._most, self._full
-        for pod, (held, removals) in self._cache(pods).items():
+        most, seen = self._most, self._seen
+        for pod, (held, removals, resets) in self._cache(pods).items():
             top = most.get(pod, 0)
             if held > top:
                 most[pod] = top = held
+            last = seen.get(pod)
+            fresh = False
+            if last is not None:  # a reset and evictions both since: the reset taken as the later
+                fresh = last[2]
+                if resets != last[1]:
+                    fresh = True
+                elif removals != last[0]:
+                    fresh = False
+            seen[pod] = (removals, resets, fresh)
             if removals:
-                full.add(pod)
-                out[pod] = top - held
+                out[pod] = top - held if fresh else 0
         return out
 
     def sizes(self) -> dict[str, int]:
         """Per pod whose cache has shown its size, that size in blocks (/debug)."""
-        return {pod: self._most[pod] for pod in self._full if pod in self._most}
+        return {pod: self._most.get(pod, 0) for pod, (removals, _, _) in self._seen.items() if removals}
 
     def forget(self, pod: str) -> None:
         self._most.pop(pod, None)
-        self._full.discard(pod)
+        self._seen.pop(pod, None)
 
 
 class AdmissionWait:

@@ -302,15 +302,16 @@ def test_medium_tables_of_any_name_do_not_accumulate():
     assert ix.match("m", None, TOKENS, ["a"])["a"].blocks == 1
 
 
-def test_pod_cache_counts_what_each_pod_holds_as_stats_do_and_its_evictions():
+def test_pod_cache_counts_what_each_pod_holds_as_stats_do_its_evictions_and_resets():
     ix = PrefixIndex()
     ix.apply("a", "m", 0, [chain(10, 4)])
     ix.apply("a", "m", 1, [chain(10, 6, medium="CPU")])
     ix.apply("b", "m", 0, [chain(10, 2)])
-    assert ix.pod_cache(["a", "b", "never"]) == {"a": (6, 0), "b": (2, 0)}
+    assert ix.pod_cache(["a", "b", "never"]) == {"a": (6, 0, 0), "b": (2, 0, 0)}
     ix.apply("b", "m", 0, [AllBlocksCleared()])  # a reset is no eviction
     ix.apply("a", "m", 1, [BlockRemoved((15,), "CPU")])
-    assert ix.pod_cache(["a", "b"]) == {"a": (5, 1), "b": (0, 0)}
-    assert {p: n for p, (n, _) in ix.pod_cache(["a", "b"]).items()} == ix.stats()["blocks_per_pod"]
+    assert ix.pod_cache(["a", "b"]) == {"a": (5, 1, 0), "b": (0, 0, 1)}
+    assert {p: n for p, (n, _, _) in ix.pod_cache(["a", "b"]).items()} == ix.stats()["blocks_per_pod"]
+    ix.drop("b", 0)  # a stream no longer trusted: what the index knew of it is gone, as with a reset
     ix.remove_pod("a")
-    assert ix.pod_cache(["a", "b"]) == {"b": (0, 0)}
+    assert ix.pod_cache(["a", "b"]) == {"b": (0, 0, 2)}

@@ -182,6 +182,6 @@ async def test_an_index_held_past_the_wait_routes_as_if_nobody_held_the_prompt()
         else:
             raise AssertionError("stats answered while the index was held")
     assert len(busy) == 3
-    assert shared.pod_cache(["a", "b"]) == {"a": (8, 0)}
+    assert shared.pod_cache(["a", "b"]) == {"a": (8, 0, 0)}
     d = await r.pick(RouteRequest("m", PROMPT))
     assert (d.pod.name, d.rank, d.matched_blocks) == ("a", 1, 8)

@@ -70,6 +70,15 @@ def fleet(names=("a", "b", "c"), replicas: int = 1):
     return routers, Engines(index), clock, registry
 
 
+def full(engines: Engines, pods: str = "abc") -> None:
+    """Every engine of `pods` has evicted: its cache is full (routing.scheduling.scorers.CacheRoom), so a copy
+    of a prefix costs what it evicts on any of them alike."""
+    for i, pod in enumerate(pods):
+        filler = family(900 + i, context_blocks=4)
+        engines.store(pod, filler)
+        engines.evict(pod, filler, keep_blocks=3)
+
+
 async def pick(router: Router, tokens: list[int], release: bool = True) -> str:
     d = await router.pick(RouteRequest(MODEL, tokens))
     if release:
@@ -104,6 +113,7 @@ async def test_flushed_family_rewarms_one_engine_instead_of_scattering():
 
 async def test_eviction_is_followed_exactly_and_a_family_evicted_everywhere_stays_together():
     (r,), engines, clock, _ = fleet()
+    full(engines)
     ctx = family(2)
     engines.store("a", prompt(ctx, 0))
     assert await pick(r, prompt(ctx, 1)) == "a"
@@ -272,6 +282,7 @@ async def test_a_near_call_goes_to_the_pod_holding_the_family():
     home = homes[0]
     for name in "abc":
         engines.store(name, TEMPLATE)
+    full(engines)
     engines.evict(home, prompt(tenant(0), 0), keep_blocks=2)  # the template and the tenant's first block
     await hold(r, {home: 4})
     clock.t += 1.0
@@ -388,23 +399,25 @@ async def test_a_tenants_burst_dealt_over_two_replicas_follows_its_first_request
     assert others != [first] * 3
 
 
-def test_cache_room_is_known_once_a_pods_engine_has_evicted():
+def test_cache_room_is_known_once_a_pods_engine_has_evicted_and_is_there_after_a_reset_until_it_evicts():
     from routing.scheduling.scorers import CacheRoom
-    cache = {"a": (10, 0), "b": (10, 0)}
+    cache = {"a": (10, 0, 0), "b": (10, 0, 0)}  # blocks held, removals, resets
     room = CacheRoom(lambda pods: {p: cache[p] for p in pods if p in cache})
     assert room.rooms(["a", "b", "c"]) == {}  # filling: no size shown
-    cache["a"] = (40, 0)
-    cache["b"] = (0, 0)  # b reset half full: that says nothing of its size
+    cache["a"] = (40, 0, 0)
+    cache["b"] = (0, 0, 1)  # b reset half full: that says nothing of its size
     assert room.rooms(["a", "b"]) == {}
-    cache["a"] = (39, 3)  # a evicted: its cache holds 40
-    assert room.rooms(["a", "b"]) == {"a": 1}
-    cache["a"] = (0, 3)  # reset
+    cache["a"] = (36, 3, 0)  # a evicted: full, whatever it holds (running requests' blocks are in no event)
+    assert room.rooms(["a", "b"]) == {"a": 0}
+    assert room.sizes() == {"a": 40}
+    cache["a"] = (0, 3, 1)  # reset: its blocks are free
     assert room.rooms(["a"]) == {"a": 40}
-    cache["a"] = (45, 4)  # more than it was seen holding: the cache is that large
+    cache["a"] = (30, 3, 1)
+    assert room.rooms(["a"]) == {"a": 10}
+    cache["a"] = (38, 4, 1)  # evicting again: full
     assert room.rooms(["a"]) == {"a": 0}
-    cache["a"] = (5, 4)
-    assert room.rooms(["a"]) == {"a": 40}
-    assert room.sizes() == {"a": 45}
+    cache["a"] = (44, 4, 1)  # more than it was seen holding: the cache is that large
+    assert room.rooms(["a"]) == {"a": 0} and room.sizes() == {"a": 44}
     room.forget("a")
     assert room.rooms(["c"]) == {} and room.sizes() == {}
 
