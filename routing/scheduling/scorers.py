@@ -369,11 +369,13 @@ class PrecisePrefixScorer(Scorer):
 
     With `room` (CacheRoom), the tokens a pod would cache for this request beyond the room its cache has left
     cost `eviction_weight` (0.5) each: caching them there evicts as many tokens of other prefixes, the pod's
-    least recently used (worth less than the prompt's own). A full pod whose cache was just reset takes a
-    prompt no pod holds for free, where the others evict for it. Bench routing, kv-sync, 1 / 2 replicas
-    (3 seeds): W8 (a hybrid model, engines evicting) TTFT mean 83.2 / 88.9 -> 77.0 / 89.1 ms, p90 204.5 /
-    229.1 -> 181.6 / 223.9; W12 (agents' tool lists) behind 2 replicas hit rate 77.14 -> 78.78%, mean 201.4
-    -> 171.4 ms; W3 p50 39.2 / 40.7 -> 37.5 / 39.8 ms; W9 (salted) and W10 (images) 0.15-0.36 point worse."""
+    least recently used (worth less than the prompt's own). Where engines evict steadily that is half the
+    uncached tokens again on every full pod (a copy of a prefix elsewhere evicts as much there); a full pod
+    whose cache was just reset takes a prompt no pod holds for free. Bench routing, kv-sync, 1 / 2 replicas,
+    3 seeds, without -> with it: W12 (agents' tool lists) hit rate 77.79 / 77.14 -> 77.94 / 78.78%, TTFT mean
+    212.5 / 201.4 -> 213.2 / 171.4 ms; W8 (a hybrid model) behind 2 replicas 72.44 -> 72.83%, p90 229.1 ->
+    201.8 ms (behind 1: 204.5 -> 210.7); W10 (images) 69.47 / 69.09 -> 69.68 / 69.50%; W3 p50 39.2 / 40.7 ->
+    38.2 / 40.0 ms (behind 2: p90 137.4 -> 141.1); W4 (resets, no eviction) unchanged."""
 
     name = "prefix"
     needs_tokens = True

@@ -142,9 +142,10 @@ SCORERS: dict[str, ScorerSpec] = {s.name: s for s in (
                "finishes of the running requests, a learned decode step x mean output / (running + 1) each), on a "
                "pod holding some of the prompt only beyond the prefill of what it holds. A pod also holds the "
                "prompts of this gateway's requests running there (vLLM caches a scheduled request's blocks "
-               "before computing them), until its engine's cache is cleared. Once a pod's engine has evicted "
-               "(its cache has shown its size: the most blocks it was seen holding), the tokens it would cache "
-               "beyond its room count half again (they evict as many of other prefixes)"),
+               "before computing them), until its engine's cache is cleared. On a pod whose engine has evicted "
+               "(its cache full) the tokens it would cache count half again: they evict as many of other "
+               "prefixes (after a reset, only those beyond the most blocks it was seen holding, until it "
+               "evicts again)"),
     ScorerSpec("ttft", _ttft, ("index",),
                "expected time to first token: (this gateway's prefill backlog on the pod + this request's "
                "uncached tokens from the index) / the pod's learned prefill rate + its learned TTFT overhead at "
