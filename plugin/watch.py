@@ -119,6 +119,9 @@ class WatchRelay:
         self._waiting: dict[str, _Waiting] = {}
         self.publish: Callable[[str, bytes], Any] | None = None  # (replica, data) -> awaitable; RedisWords'
         self._sends: set[asyncio.Task] = set()
+        # request id -> the publish of its first word while under way: its end word leaves after it (each word is
+        # its own task over the pool's connections, and an end word first ends the wait the first word fills in)
+        self._firsts: dict[str, asyncio.Task] = {}
 
     # --- the routing replica ---------------------------------------------------------------
     def expect(self, request_id: str, watch: observe.Watch, decision: Decision) -> bool:
@@ -189,12 +192,20 @@ class WatchRelay:
         if self.publish is None:
             self.metrics.words.labels(word[0], "unreachable").inc()
             return
-        task = asyncio.get_running_loop().create_task(self._publish(gateway, word))
+        request_id = word[1]
+        before = self._firsts.pop(request_id, None) if word[0] == END else None
+        task = asyncio.get_running_loop().create_task(self._publish(gateway, word, before))
         self._sends.add(task)
         task.add_done_callback(self._sends.discard)
+        if word[0] == FIRST:
+            self._firsts[request_id] = task
+            task.add_done_callback(lambda t: self._firsts.pop(request_id, None) if self._firsts.get(request_id) is t
+                                   else None)
 
-    async def _publish(self, gateway: str, word: list) -> None:
+    async def _publish(self, gateway: str, word: list, before: asyncio.Task | None = None) -> None:
         assert self.publish is not None  # as send found it
+        if before is not None and not before.done():
+            await asyncio.wait((before,))  # its request's first word out first (failed or not)
         try:
             await self.publish(gateway, json.dumps(word, separators=(",", ":")).encode())
             self.metrics.words.labels(word[0], "sent").inc()
