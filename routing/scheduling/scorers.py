@@ -386,7 +386,7 @@ class PrecisePrefixScorer(Scorer):
                  tokens_per_s: float = 10_000.0, prompts: RunningPrompts | None = None,
                  room: CacheRoom | None = None, eviction_weight: float = 0.5) -> None:
         self._index = index
-        self.room = self._room = room
+        self.room = room  # /debug reads its sizes
         self._eviction_weight = eviction_weight
         self._prompts = prompts
         self._admission = admission
@@ -432,8 +432,8 @@ class PrecisePrefixScorer(Scorer):
                     waited = wait(ctx, p) * rate - (n - u)  # beyond the prefill of what the pod holds
                     if waited > 0.0:
                         costs[p.name] += waited
-        if self._room is not None:  # what caching the uncached tokens there would evict
-            rooms = self._room.rooms(list({p.pod_name for p in pods}))
+        if self.room is not None:  # what caching the uncached tokens there would evict
+            rooms = self.room.rooms(list({p.pod_name for p in pods}))
             if rooms:
                 w = self._eviction_weight
                 for p in pods:
@@ -449,9 +449,9 @@ class PrecisePrefixScorer(Scorer):
             self.backlog.add(pod.name, uncached.get(pod.name, 0.0))
 
     def pods_changed(self, added: Sequence[Pod], removed: Sequence[Pod]) -> None:
-        if self._room is not None:
+        if self.room is not None:
             for p in removed:
-                self._room.forget(p.pod_name)
+                self.room.forget(p.pod_name)
 
 
 class FamilyAffinityScorer(Scorer):
