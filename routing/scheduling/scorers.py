@@ -456,10 +456,10 @@ class PrecisePrefixScorer(Scorer):
 
 class FamilyAffinityScorer(Scorer):
     """Where a prompt's family lives. The family: the prompts sharing it through its first block past the
-    opening most of the model's prompts begin with (routing.scheduling.family). Its home, scoring 1 (the others
-    0): where some pods but not all hold the family's own blocks per the index, the one holding the most of the
-    prompt (ties: rendezvous order); where none does, the pod this gateway last sent the family to; else a
-    placement (0.5): among the pods this gateway has given the fewest families, rendezvous order. Before the
+    opening most of the model's prompts begin with (routing.scheduling.family). Its home (the others 0): where
+    some pods but not all hold the family's own blocks per the index, the one holding the most of the prompt
+    (ties: rendezvous order), HOLDER; where none does, the pod this gateway last sent the family to, HOME; else a
+    placement, PLACED: among the pods this gateway has given the fewest families, rendezvous order. Before the
     opening is known (the model's first few prompts) the family is the first block, and the scorer is silent
     wherever a pod holds any of the prompt. Reads the index's answer from ctx.matched and ctx.total_blocks, which
     the `prefix` scorer fills (weigh this one after it); without that answer it gives nothing.
@@ -468,15 +468,27 @@ class FamilyAffinityScorer(Scorer):
     to the fleet's cache. Sent off the pod holding its prefix because that pod's prefill backlog is longer, a
     family gets a second copy of its prefix, which evicts another family's where KV is short, and its next
     requests split between the copies; left to load while nobody holds it (never seen, evicted everywhere, its
-    engine flushed) it scatters, and each engine it lands on misses its prefix. The home's point (half the
-    load scorer's weight by default, the load of 4 running requests) tips such near calls to the holder, and
-    makes every replica tip the same way. Bench bakeoff, evicting, 24 conversations at a time (the running
+    engine flushed) it scatters, and each engine it lands on misses its prefix. The holder's point (weighed as
+    kv-sync weighs it, 1, the load of 4 running requests) tips such near calls to the holder, and makes every
+    replica tip the same way. Bench bakeoff, evicting, 24 conversations at a time (the running
     conversations' KV more than the fleet's): keyed on the first block (a chat template's, so one family for
     every tenant) and silent wherever a pod held a block, a tenant's requests were on its busiest engine 63% of
     the time and the engines' hit rate was 43.8%, against SGLang's gateway's 1.00 and 69.9%; now 0.76 and 56.4%,
     TTFT p50 333 against 550 ms (docs/BENCHMARKS.md, bakeoff). Its price, where decode is the bottleneck: bench
     routing W3 heavy behind 2 replicas, 12 seeds, TTFT mean 65.3 against 62.2 ms (one seed's 112.5 against
     69.0; the median seed's 62.0 against 63.3), hit rate 75.3 against 75.0%.
+
+    A family nobody holds any more (its engine's cache reset, or evicted everywhere) goes home twice as firmly
+    as to a holder (the load of 8 running requests, or two thirds of a prompt's prefill in the prefix score):
+    it recomputes its prefix wherever it goes, so what draws it away is only the home's wait now, mostly the
+    home's other families recomputing theirs, which clears within their prefills; sent where that wait is
+    shortest at that moment, it moves for good. At the holder's weight a quarter of a reset engine's tenants
+    went elsewhere (bench bakeoff's flush-rotate, traced: docs/BENCHMARKS.md, bakeoff). Bench routing, kv-sync
+    at the holder's weight and at this one, hit rate / TTFT mean / p90, 8 seeds: W8 @1gw (a hybrid model,
+    evicting) 73.58% / 87.7 / 224.9 against 75.11% / 72.4 / 185.2 ms, W8 @2gw 73.05 / 82.9 / 204.3 against
+    73.85 / 78.7 / 191.3, W4 @1gw (resets) 64.20 / 76.4 / 162.3 against 64.91 / 74.4 / 160.5; W1, W3, W5, W7
+    and W4 with random resets within 0.1 point and 2%; W12 within 0.1 point (its p50 behind 2 replicas 6%
+    slower); W9 (salted) 1-2% slower, W10 @1gw (images) 2%.
 
     A new family goes where the fewest families live: each family brings its prefix's cache demand and its
     future requests, so homes placed by rendezvous alone (a binomial spread: with 150 families on 8 pods, 18 on
@@ -489,6 +501,8 @@ class FamilyAffinityScorer(Scorer):
 
     name = "affinity"
     needs_tokens = True
+    # the scores: a pod holding the family; the home of a family nobody holds; a new family's placement
+    HOLDER, HOME, PLACED = 0.5, 1.0, 0.25
 
     def __init__(self, block_size: Callable[[str], int | None] | None = None, default_block_size: int = 16,
                  capacity: int = 100_000, opening: SharedOpening | None = None) -> None:
@@ -528,15 +542,16 @@ class FamilyAffinityScorer(Scorer):
             holders = [p for p in pods if matched.get(p.name, 0) == best]
             if len(holders) == len(pods):
                 return {}  # every pod alike: nothing to keep together
-            return {max(holders, key=lambda p: rendezvous(key, p.name)).name: 1.0}
+            return {max(holders, key=lambda p: rendezvous(key, p.name)).name: self.HOLDER}
         home = self._homes.get(key)
         if home is not None and any(p.name == home for p in pods):
-            return {home: 1.0}
-        # never sent (or its home set aside by a filter): a placement, not a home to keep, so half
-        # as strong, below a load gap the load scorer counts in full (an idle newcomer wins)
+            return {home: self.HOME}
+        # never sent (or its home set aside by a filter): a placement, not a home to keep, so half as strong
+        # as a holder, below a load gap the load scorer counts in full (an idle newcomer wins)
         families = self._families
         fewest = min(families[p.name] for p in pods)
-        return {max((p for p in pods if families[p.name] == fewest), key=lambda p: rendezvous(key, p.name)).name: 0.5}
+        return {max((p for p in pods if families[p.name] == fewest),
+                    key=lambda p: rendezvous(key, p.name)).name: self.PLACED}
 
     def picked(self, ctx: PickContext, pod: Pod) -> None:
         key = ctx.family

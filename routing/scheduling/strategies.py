@@ -156,9 +156,9 @@ SCORERS: dict[str, ScorerSpec] = {s.name: s for s in (
                "per running request"),
     ScorerSpec("affinity", lambda r: FamilyAffinityScorer(getattr(r.index, "block_size", None)), (),
                "the prompt's family (the prompt through its first block past the opening most of the model's "
-               "recent prompts share) kept together: 1 for the pod holding the most of the prompt where some "
+               "recent prompts share) kept together: 0.5 for the pod holding the most of the prompt where some "
                "pods (not all) hold the family's blocks (rendezvous order among equals: every replica alike); "
-               "where none does, 1 for the pod this gateway last sent the family to; a family never sent: 0.5 "
+               "where none does, 1 for the pod this gateway last sent the family to; a family never sent: 0.25 "
                "for the pod this gateway gave the fewest families"),
     ScorerSpec("approx-prefix",
                lambda r: ApproxPrefixScorer(ApproxPrefixTable(r.config.approx_block_size, r.config.approx_capacity)),
@@ -198,7 +198,7 @@ SCORERS: dict[str, ScorerSpec] = {s.name: s for s in (
 
 _MAX = "max score, random tie-break"
 # kv-sync's scorers, also slo's choice among the pods safely within the targets (under the slo scorer's weight)
-_KV_SYNC = {"prefix": 3.0, "load": 1.0, "affinity": 0.5}
+_KV_SYNC = {"prefix": 3.0, "load": 1.0, "affinity": 1.0}
 
 STRATEGIES: dict[str, StrategySpec] = {s.name: s for s in (
     StrategySpec("random", RandomPicker, "uniform", "uniform among ready pods",
@@ -264,7 +264,7 @@ STRATEGIES: dict[str, StrategySpec] = {s.name: s for s in (
                  "prefill/decode disaggregation: the decode engine by `pd-decode`, then, unless it lacks fewer than "
                  "`KVGATE_PD_THRESHOLD_TOKENS` of the prompt (served there whole), the prefill engine by these "
                  "scores among the `role: prefill` pods (kvgate runs the prefill leg itself)",
-                 {"ttft": 3.0, "load": 1.0, "affinity": 0.5}, guard=True,
+                 {"ttft": 3.0, "load": 1.0, "affinity": 1.0}, guard=True,
                  aibrix="AIBrix's pd always splits and picks the prefill engine first by its prefix guess and load; "
                         "kvgate picks the decode engine first, splits only where it pays, and prices the prefill "
                         "engines on the event-fed index. In a mix: its scores, no split"),

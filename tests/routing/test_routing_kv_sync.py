@@ -111,6 +111,26 @@ async def test_flushed_family_rewarms_one_engine_instead_of_scattering():
     assert await pick(r, prompt(ctx, 10)) == "b"
 
 
+async def test_a_flushed_family_goes_home_behind_its_neighbours_recomputing():
+    """`a` held three families and is flushed. The first to come back recomputes there. Its prefix costs
+    the same prefill anywhere, so what draws a family away from home is only the wait there: a whole prompt's
+    prefill still ahead of it (the second) sends it elsewhere, half of one (the third) does not, where at
+    half the home's weight it did (bench bakeoff's flush-rotate: a quarter of a reset engine's tenants moved
+    for good to wherever the wait was shortest at that moment)."""
+    (r,), engines, clock, _ = fleet()
+    first, second, third = family(1), family(2), family(3)
+    for ctx in (first, second, third):
+        engines.store("a", prompt(ctx, 0))
+        assert await pick(r, prompt(ctx, 1)) == "a"
+    engines.flush("a")
+    clock.t += 1.0
+    assert await pick(r, prompt(first, 2)) == "a"  # nobody holds it: home, nothing waiting there yet
+    assert await pick(r, prompt(second, 2)) != "a"  # behind the first's whole prefill: moves
+    # half of each of those prefills done (StrategyConfig's 10,000 tokens/s): half a prompt ahead on a
+    clock.t += len(prompt(first, 2)) / 2 / StrategyConfig().prefill_tokens_per_s
+    assert await pick(r, prompt(third, 2)) == "a"
+
+
 async def test_eviction_is_followed_exactly_and_a_family_evicted_everywhere_stays_together():
     (r,), engines, clock, _ = fleet()
     full(engines)
