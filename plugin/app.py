@@ -162,9 +162,9 @@ def running_counts(s: Settings, metrics: RoutingMetrics) -> RunningCounts:
     """Counts shared through KVGATE_REDIS_URL (heartbeat at a fifth of the key TTL; a pick reads the other
     gateways' counts in the background while its view is younger than the TTL, as long as totals() trusts
     them: no Redis round trip on the request path, however long the gateway was idle within it; writes
-    batched every 5 ms), else in-process."""
+    batched every 5 ms; read only once another gateway has written since), else in-process."""
     return build_counts(s.redis_url, s.gateway_id, ttl_s=s.redis_key_ttl_s, heartbeat_s=s.redis_key_ttl_s / 5,
-                        stale_ok_s=s.redis_key_ttl_s, write_interval_s=0.005, metrics=metrics)
+                        stale_ok_s=s.redis_key_ttl_s, write_interval_s=0.005, notified=True, metrics=metrics)
 
 
 def strategy_config(s: Settings) -> StrategyConfig:
@@ -222,11 +222,11 @@ class App:
         # observed (a request's tokens leave at its first token), else each replica's own estimate.
         self.prefill_counts: RunningCounts | None = None
         if s.observe_responses:
-            # read and written like the running counts: a pick reads the others' shares in the background,
-            # the changes of a burst go out as one write every 5 ms
+            # read and written like the running counts: a pick reads the others' shares in the background once
+            # another gateway has written, the changes of a burst go out as one write every 5 ms
             self.prefill_counts = (RedisCounts(s.redis_url, s.gateway_id, key_prefix="kvgate:{prefill}:",
                                                ttl_s=s.redis_key_ttl_s, heartbeat_s=s.redis_key_ttl_s / 5,
-                                               stale_ok_s=s.redis_key_ttl_s, write_interval_s=0.005)
+                                               stale_ok_s=s.redis_key_ttl_s, write_interval_s=0.005, notified=True)
                                    if s.redis_url else LocalCounts())
         self.capacity = Capacity(self.profiles, self.predictor, targets=parse_targets(s.slo_targets),
                                  prefill=self.prefill_counts)

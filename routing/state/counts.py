@@ -5,9 +5,15 @@ Redis layout (one hash slot, so a Redis Cluster works too):
                              PEXPIRE ttl, rewritten whole by its gateway at each change
                              and every heartbeat, so a dead gateway's counts vanish within ttl.
   `{prefix}gateways`         set of gateway ids (readers drop ids whose hash expired).
+  `{prefix}changed`          channel: every write publishes its gateway's id there.
 A pod's total is this gateway's exact local count plus the sum over the other live
 gateways, read by one Lua script and cached for `read_max_age_s`; the script that writes this
-gateway's state answers with the same sums, so every write refreshes the view too.
+gateway's state answers with the same sums, so every write refreshes the view too. With `notified`,
+a gateway listens on the channel and reads only when another gateway has written since its view was
+read (or the view is two heartbeats old, or it is not listening): most picks find nothing changed (a
+request that begins and ends within the write interval is never written), and a read costs a replica
+as much CPU as a third of its decision (docs/BENCHMARKS.md, path). A gateway of a version that does
+not publish is then read at the others' heartbeats, at most two heartbeats late.
 
 The local count changes synchronously at the pick, so the next pick on this gateway sees it
 before any I/O. Writes never wait on the request path (a background writer publishes changes and
@@ -162,12 +168,14 @@ return out
 
 _READ = _SUM_OTHERS
 
-# This gateway's whole state (ARGV[3]: the key TTL in ms; ARGV[4..]: pod, count pairs), then the others' sums.
+# This gateway's whole state (ARGV[3]: the key TTL in ms; ARGV[4]: the channel told of the write; ARGV[5..]: pod,
+# count pairs), then the others' sums.
 _SYNC = """
 redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], '~', '1', unpack(ARGV, 4))
+redis.call('HSET', KEYS[1], '~', '1', unpack(ARGV, 5))
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 redis.call('SADD', KEYS[2], ARGV[2])
+redis.call('PUBLISH', ARGV[4], ARGV[2])
 """ + _SUM_OTHERS
 
 
@@ -177,7 +185,7 @@ class RedisCounts:
     def __init__(self, url: str, gateway_id: str = "", *, key_prefix: str = "kvgate:{running}:",
                  ttl_s: float = 5.0, heartbeat_s: float = 1.0, read_max_age_s: float = 0.005,
                  op_timeout_s: float = 0.1, backoff_min_s: float = 0.2, backoff_max_s: float = 2.0,
-                 stale_ok_s: float = 0.0, write_interval_s: float = 0.0,
+                 stale_ok_s: float = 0.0, write_interval_s: float = 0.0, notified: bool = False,
                  metrics: RoutingMetrics | None = None) -> None:
         if not url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"KVGATE_REDIS_URL: expected redis://, rediss:// or unix://, got {redact_url(url)!r}")
@@ -196,6 +204,8 @@ class RedisCounts:
         self._key = f"{key_prefix}gw:{self.gateway_id}"
         self._gw_prefix = f"{key_prefix}gw:"
         self._set_key = f"{key_prefix}gateways"
+        self._channel = f"{key_prefix}changed"
+        self._url = url
         self._ttl_ms = int(ttl_s * 1000)
         self._ttl_s = ttl_s
         self._heartbeat_s = heartbeat_s
@@ -225,6 +235,13 @@ class RedisCounts:
         self._written: dict[str, int] | None = None
         self._written_at = float("-inf")
         self._want_view = False  # a pick found the view stale: the writer reads one if it has nothing to write
+        # With `notified`: the other gateways' writes heard on the channel (a count), the count the view was read
+        # at, and whether the channel is listened to now (else views are read by age, as without).
+        self._notified = notified
+        self._heard = 0
+        self._view_heard = -1
+        self.listening = False
+        self._listener: asyncio.Task | None = None
         self._down_until = 0.0
         self._backoff = backoff_min_s
         self.up = False
@@ -253,6 +270,8 @@ class RedisCounts:
         age = now - self._others_at
         if age <= self._max_age or now < self._down_until:
             return
+        if self.listening and self._heard == self._view_heard and age <= 2 * self._heartbeat_s:
+            return  # no other gateway has written since this view was read
         if age <= self._stale_ok and self._writer is not None and self._write_interval > 0:
             # For the next picks, from the background writer once its interval is over (after this pick's answer):
             # with the write then due, else by a read of its own.
@@ -268,18 +287,21 @@ class RedisCounts:
         await asyncio.shield(reading)
 
     async def _read_others(self) -> None:
+        heard = self._heard  # a write heard from now on may have missed this read
         try:
             reply = await asyncio.wait_for(self._read(keys=[self._set_key], args=[self._gw_prefix, self.gateway_id]),
                                            self._timeout)
-            self._take_view(reply)
+            self._take_view(reply, heard)
             self._ok()
         except Exception as e:
             self._failed("read", e)
         finally:
             self._reading = None
 
-    def _take_view(self, reply: list) -> None:
-        """The other gateways' counts as a script answered them: [live gateways, pod, count, pod, count, ...]."""
+    def _take_view(self, reply: list, heard: int) -> None:
+        """The other gateways' counts as a script answered them: [live gateways, pod, count, pod, count, ...],
+        read after `heard` of their writes were heard."""
+        self._view_heard = heard
         self._live_others = int(reply[0])
         self._others = {reply[i]: int(reply[i + 1]) for i in range(1, len(reply), 2) if int(reply[i + 1]) > 0}
         self._others_at = time.monotonic()
@@ -322,9 +344,10 @@ class RedisCounts:
         state taken here is never overwritten by an older one."""
         async with self._write_lock:
             state = dict(self._local)
-            args: list[str | int] = [self._gw_prefix, self.gateway_id, self._ttl_ms]
+            args: list[str | int] = [self._gw_prefix, self.gateway_id, self._ttl_ms, self._channel]
             for pod, n in state.items():
                 args += [pod, n]
+            heard = self._heard
             try:
                 reply = await asyncio.wait_for(self._sync(keys=[self._key, self._set_key], args=args), self._timeout)
             except Exception as e:
@@ -333,7 +356,7 @@ class RedisCounts:
                 self._failed("write", e)
                 return False
             self._written, self._written_at = state, time.monotonic()
-            self._take_view(reply)
+            self._take_view(reply, heard)
             self._ok()
             return True
 
@@ -361,6 +384,44 @@ class RedisCounts:
         self._down_until = time.monotonic() + self._backoff
         self._backoff = min(self._backoff * 2, self._backoff_max)
 
+    # -- the channel (with `notified`) -------------------------------------------------------------
+
+    async def _listen(self) -> None:
+        """Counts the other gateways' writes published on the channel; on any failure stops listening (views
+        are read by age meanwhile) and subscribes again a heartbeat later."""
+        from redis.asyncio import Redis
+
+        # a client of its own: the other one's socket timeout would end every wait for a message
+        client = Redis.from_url(self._url, socket_connect_timeout=self._timeout * 2, decode_responses=True)
+        me = self.gateway_id
+        try:
+            while not self._closing:
+                pubsub = client.pubsub(ignore_subscribe_messages=True)
+                try:
+                    await asyncio.wait_for(pubsub.subscribe(self._channel), max(1.0, self._timeout * 10))
+                    self.listening = True
+                    self._heard += 1  # whatever was written before: the next pick reads once
+                    async for message in pubsub.listen():
+                        if message.get("type") == "message" and message.get("data") != me:
+                            self._heard += 1
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - Redis gone or refusing: views by age meanwhile
+                    log.debug("running counts: listening on %s stopped (%s: %s)", self._channel, type(e).__name__, e)
+                finally:
+                    self.listening = False
+                    self._heard += 1
+                    try:
+                        await pubsub.aclose()
+                    except Exception:  # noqa: BLE001 - the connection is gone already
+                        pass
+                await asyncio.sleep(self._heartbeat_s)
+        finally:
+            try:
+                await client.aclose()
+            except Exception:  # noqa: BLE001
+                pass
+
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def start(self) -> None:
@@ -368,6 +429,8 @@ class RedisCounts:
         if self._writer is None:
             self._writer = asyncio.create_task(self._write_loop(), name=f"kvgate-counts-{self.gateway_id}")
             self._dirty.set()
+        if self._notified and self._listener is None:
+            self._listener = asyncio.create_task(self._listen(), name=f"kvgate-counts-heard-{self.gateway_id}")
 
     async def close(self, *, unregister: bool = True) -> None:
         """Stop the heartbeat; with `unregister`, delete this gateway's counts now instead of at expiry."""
@@ -377,6 +440,10 @@ class RedisCounts:
             self._writer.cancel()
             await asyncio.wait([self._writer], timeout=self._timeout * 4 + self._heartbeat_s)
             self._writer = None
+        if self._listener is not None:
+            self._listener.cancel()
+            await asyncio.wait([self._listener], timeout=self._timeout * 4 + self._heartbeat_s)
+            self._listener = None
         if unregister and self.up:
             try:
                 await asyncio.wait_for(self._redis.delete(self._key), self._timeout)
@@ -399,6 +466,7 @@ class RedisCounts:
             "gateway_id": self.gateway_id,
             "redis_up": self.up,
             "other_gateways": self._live_others,
+            "listening": self.listening,
             "others_age_s": round(time.monotonic() - self._others_at, 3) if self._others_at > 0 else None,
             "local": self.local(),
             "totals": self.totals(),

@@ -483,3 +483,95 @@ async def test_the_gateways_counts_use_a_view_as_old_as_the_key_ttl_without_a_re
             call.send(None)
     finally:
         await counts.close()
+
+
+async def _counting_reads(counts: RedisCounts) -> list:
+    reads: list = []
+    real_read = counts._read
+
+    async def counting_read(keys, args):
+        reads.append(1)
+        return await real_read(keys=keys, args=args)
+
+    counts._read = counting_read
+    return reads
+
+
+async def test_a_notified_gateway_reads_only_once_another_gateway_has_written(redis_server):
+    # kvgate serve's reading: a stale view is read again only once another gateway's write was heard on the channel
+    a = RedisCounts(redis_server.url, "gw-a", **FAST)
+    b = RedisCounts(redis_server.url, "gw-b", **{**FAST, "stale_ok_s": 5.0, "notified": True})
+    reads = await _counting_reads(b)
+    try:
+        await b.start()
+        assert await wait_until_async(lambda: b.listening, timeout=5)
+        await b.refresh()  # listening began: whatever was written before is read once
+        assert await wait_until_async(lambda: len(reads) == 1 and b._reading is None, timeout=5)
+        n = len(reads)
+        for _ in range(20):  # stale by age (read_max_age_s 0), but nobody wrote: no read
+            await b.refresh()
+            await asyncio.sleep(0.005)
+        b.add("p1", 1)  # its own writes tell it nothing new either
+        assert await b.flush()
+        for _ in range(5):
+            await b.refresh()
+            await asyncio.sleep(0.005)
+        assert len(reads) == n, reads
+        a.add("p0", 2)
+        assert await a.flush()  # heard: the next pick reads
+        assert await wait_until_async(lambda: b._heard != b._view_heard, timeout=5)
+        await b.refresh()
+        assert await wait_until_async(lambda: b.totals() == {"p0": 2, "p1": 1}, timeout=5)
+        assert len(reads) == n + 1 and b.snapshot()["listening"]
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_a_notified_gateway_reads_by_age_while_not_listening_and_listens_again_after_redis_returns(redis_server):
+    a = RedisCounts(redis_server.url, "gw-a", **FAST)
+    b = RedisCounts(redis_server.url, "gw-b", **{**FAST, "stale_ok_s": 5.0, "notified": True})
+    try:
+        await b.start()
+        assert await wait_until_async(lambda: b.listening, timeout=5)
+        redis_server.kill()
+        assert await wait_until_async(lambda: not b.listening, timeout=5)
+        redis_server.start()  # empty
+        a.add("p0", 1)
+        assert await wait_until_async(a.flush, timeout=10, interval=0.05)
+
+        async def read_by_now() -> bool:  # listening or not, the view comes to hold a's count
+            await b.refresh()
+            return b.totals() == {"p0": 1}
+        assert await wait_until_async(read_by_now, timeout=10, interval=0.05, detail=b.snapshot)
+        assert await wait_until_async(lambda: b.listening, timeout=10, detail=b.snapshot)
+        a.add("p0", 1)
+        assert await a.flush()
+        assert await wait_until_async(lambda: _refreshed(b, {"p0": 2}), timeout=5,
+                                      interval=0.02, detail=b.snapshot)
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def _refreshed(counts: RedisCounts, expected: dict) -> bool:
+    await counts.refresh()
+    return counts.totals() == expected
+
+
+async def test_a_dead_gateways_counts_leave_a_notified_view_within_two_heartbeats_of_its_key_expiring(redis_server):
+    ra, ca = await gateway(redis_server.url, "gw-dead", ttl_s=1.0)
+    cb = RedisCounts(redis_server.url, "gw-alive", **{**FAST, "stale_ok_s": 5.0, "notified": True})
+    try:
+        await cb.start()
+        assert await wait_until_async(lambda: cb.listening, timeout=5)
+        for _ in range(3):
+            await ra.pick(RouteRequest("m"))
+        await ca.flush()
+        assert await wait_until_async(lambda: _refreshed(cb, {p: n for p, n in ca.local().items()}), timeout=5,
+                                      interval=0.02)
+        await ca.close(unregister=False)  # stops heartbeating and publishing: nothing more is heard from it
+        assert await wait_until_async(lambda: _refreshed(cb, {}), timeout=10, interval=0.05, detail=cb.snapshot)
+    finally:
+        await ra.close()
+        await cb.close()
