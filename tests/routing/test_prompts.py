@@ -141,3 +141,54 @@ def test_one_pick_asks_the_running_prompts_once_for_its_candidates_and_again_for
     assert running_prompts_held(prompts, ctx, [a, b], n, BS, {"a": full, "b": full}) == {"a": n - 10 * BS,
                                                                                         "b": n - 10 * BS}
     assert len(asked) == 2  # b was not among the candidates asked for: asked again
+
+
+def test_counted_in_bulk_it_answers_as_counting_every_prompt_afresh_would():
+    """Thousands of random starts, ends, moves and clears over three targets (past every rebuild of the bulk
+    counts): each answer equals the leading run a prompt shares with the running prompts counted on each target
+    since its engine's last clear, worked out from scratch."""
+    rng = random.Random(7)
+    index = indexed()
+    prompts = RunningPrompts(index)
+    families = [tokens(100 + f, 6, tail=0) for f in range(4)]
+    running: dict[int, tuple[str, int, list[int]]] = {}  # ticket -> (target, clears when counted, prompt)
+    targets = ["a", "b", "c"]
+
+    def expected(prompt: list[int]) -> dict[str, int]:
+        out = {}
+        for t in targets:
+            best = 0
+            for target, epoch, other in running.values():
+                if target == t and epoch == index.clears(t):
+                    n = 0
+                    while n < len(prompt) // BS and prompt[:(n + 1) * BS] == other[:(n + 1) * BS]:
+                        n += 1
+                    best = max(best, n)
+            if best:
+                out[t] = best
+        return out
+
+    next_ticket = 0
+    for step in range(3000):
+        r = rng.random()
+        if r < 0.45 or not running:
+            prompt = rng.choice(families)[:rng.randrange(1, 7) * BS] + tokens(step, rng.randrange(0, 4))
+            t = rng.choice(targets)
+            next_ticket += 1
+            prompts.add(next_ticket, t, t, 0, MODEL, None, prompt, None)
+            running[next_ticket] = (t, index.clears(t), prompt)
+        elif r < 0.85:
+            ticket = rng.choice(list(running))
+            prompts.remove(ticket)
+            del running[ticket]
+        elif r < 0.97:
+            ticket = rng.choice(list(running))
+            t = rng.choice(targets)
+            prompts.moved(ticket, t, t, 0)
+            if running[ticket][0] != t:
+                running[ticket] = (t, index.clears(t), running[ticket][2])
+        else:
+            index.apply(rng.choice(targets), MODEL, 0, [AllBlocksCleared()])
+        probe = rng.choice(families) + tokens(-step, 2)
+        assert prompts.held(MODEL, None, probe, None, at(*targets)) == expected(probe), step
+    assert len(prompts) == len(running)
