@@ -178,8 +178,10 @@ class RunningPrompts:
             entry.live += 1
             return
         entry.live -= 1
-        if entry.live <= 0:
-            del self._held[target]
+        if entry.live <= 0:  # kept, emptied: one request at a time would make a pair of Counters per request
+            entry.added.clear()
+            entry.gone.clear()
+            entry.live = entry.ended = 0
             return
         entry.gone.update(keys)
         entry.ended += 1
