@@ -191,6 +191,8 @@ def test_tokenize_ids_gives_tokenizes_ids_without_a_list_of_ints(local) -> None:
     first = run(cached.tokenize_ids(MODEL, item))
     assert type(first) is array and first.typecode == "I" and first.tolist() == expected
     first[0] = 0  # its own copy: what later requests get does not change
+    second = run(cached.tokenize_ids(MODEL, item))  # asked for again: assembled again, and now kept whole
+    assert type(second) is array and second.tolist() == expected
     again = run(cached.tokenize_ids(MODEL, item))
     assert type(again) is memoryview and again.readonly and again.tolist() == expected
     assert run(cached.tokenize(MODEL, item)) == expected and type(run(cached.tokenize(MODEL, item))) is list
@@ -552,15 +554,17 @@ def test_metrics_expose_what_prometheus_client_would(local, openmetrics) -> None
                              options=NO_VERIFY, registry=ours)
     system = {"role": "system", "content": "Shared rules."}
 
+    def chat(q: str) -> ChatInput:
+        return ChatInput(messages=(system, {"role": "user", "content": q}))
+
     async def go():
-        for q in ("one", "two", "one"):
-            item = ChatInput(messages=(system, {"role": "user", "content": q}))
-            await cached.tokenize(MODEL, item)
-            assert cached.cached(MODEL, item) is not None
+        for q in ("one", "one", "two", "one"):  # "one" kept whole once asked for twice, "two" not
+            await cached.tokenize(MODEL, chat(q))
+        assert cached.cached(MODEL, chat("one")) is not None and cached.cached(MODEL, chat("two")) is None
 
     run(go())
     m = cached._metrics
-    assert m.request_hit == 4 and m.request_miss == 2 and m.piece_hit > 0 and m.tokens_cache > 0
+    assert m.request_hit == 2 and m.request_miss == 3 and m.piece_hit > 0 and m.tokens_cache > 0
     # The same numbers through prometheus_client's own metrics, registered in the order the cache's come in.
     theirs = CollectorRegistry()
     lookups = Counter("kvgate_tokenizer_cache_lookups", "Tokenizer cache lookups", ["level", "result"], registry=theirs)
@@ -630,6 +634,7 @@ def _nested_input_is_keyed(local, depth: int) -> None:
         ids = run(cached.tokenize(MODEL, a))
     except TokenizerError:
         return
+    assert run(cached.tokenize(MODEL, a)) == ids  # asked for twice: kept whole
     assert list(cached.cached(MODEL, a)) == ids
 
 
@@ -642,3 +647,29 @@ def test_input_too_deep_even_for_repr_is_a_tokenizer_error(local) -> None:
     assert cached.cached(MODEL, too_deep) is None
     with pytest.raises(TokenizerError):
         run(cached.tokenize(MODEL, too_deep))
+
+
+def test_a_request_assembled_from_pieces_is_kept_whole_once_asked_for_twice(local) -> None:
+    """Most requests are asked for once (each turn of a chat is a new one): assembled from cached pieces, they are
+    not copied into the cache whole; the second time one is asked for, it is. Remembered among the last ONCE_KEPT
+    first sightings. A request the inner tokenizer answers whole (no piece level) is kept at once, as before."""
+    from tokenizer import cache as cache_mod
+
+    cached, inner = make_cached(local)
+    system = {"role": "system", "content": "Shared rules."}
+    turns = [ChatInput(messages=(system, {"role": "user", "content": f"question {i}"})) for i in range(3)]
+    for t in turns:
+        assert list(cached.tokenize_now(MODEL, t)) == local.encode_chat(t)
+    entries = len(cached._lru)  # the pieces only
+    assert all(cached.cached(MODEL, t) is None for t in turns)
+    assert list(cached.tokenize_now(MODEL, turns[0])) == local.encode_chat(turns[0])  # the second time: kept
+    assert len(cached._lru) == entries + 1 and list(cached.cached(MODEL, turns[0])) == local.encode_chat(turns[0])
+    for i in range(cache_mod.ONCE_KEPT):  # as many other first sightings: turns[1]'s is forgotten
+        cached.tokenize_now(MODEL, ChatInput(messages=(system, {"role": "user", "content": f"other {i}"})))
+    cached.tokenize_now(MODEL, turns[1])
+    assert cached.cached(MODEL, turns[1]) is None  # a first sighting again
+    cached.tokenize_now(MODEL, turns[1])
+    assert cached.cached(MODEL, turns[1]) is not None
+    whole = CachedTokenizer(CountingBackend({MODEL: local}), options=CacheOptions(verify_requests=0))
+    run(whole.tokenize(MODEL, turns[2]))
+    assert whole.cached(MODEL, turns[2]) is not None
