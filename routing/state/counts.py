@@ -311,12 +311,13 @@ class RedisCounts:
     async def _write_loop(self) -> None:
         while not self._closing:
             if not self._dirty.is_set():
-                # asyncio.wait, not wait_for: 3.11's wait_for can swallow a cancel when the event is already set
-                waiter = asyncio.ensure_future(self._dirty.wait())
+                # asyncio.timeout, not wait_for (3.11's can swallow a cancel when the event is already set), nor a
+                # task of Event.wait under asyncio.wait: that made three more callbacks at every pick's wake-up
                 try:
-                    await asyncio.wait([waiter], timeout=self._heartbeat_s)
-                finally:
-                    waiter.cancel()
+                    async with asyncio.timeout(self._heartbeat_s):
+                        await self._dirty.wait()
+                except TimeoutError:
+                    pass
             if self._closing:
                 return
             delay = self._down_until - time.monotonic()
