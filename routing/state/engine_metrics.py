@@ -223,12 +223,36 @@ class EngineMetrics:
     def put(self, pod: str, load: EngineLoad) -> None:
         self._loads[pod] = load
 
-    async def scrape_once(self) -> None:
+    async def scrape_once(self, spread_s: float = 0.0) -> None:
+        """Every ready pod's page, once; with `spread_s`, the scrapes start that long apart over all of them
+        (the registry's order: each pod at the same phase every round). Why spread: a scrape is ~1 ms of the event
+        loop (httpx's request, the page's lines), and all at once they queued ahead of every request's decision
+        arriving meanwhile: with 128 engines the loop lagged up to 62-76 ms once a second (p99 5.1-5.2 ms); spread,
+        13-19 ms (p99 1.0-1.2; docs/BENCHMARKS.md, request)."""
         client = self._client
         if client is None:
-            client = self._client = httpx.AsyncClient(timeout=self._timeout)
+            # one kept-alive connection per engine: httpx keeps 20 by default, and past 20 engines every scrape
+            # but 20 opened a connection of its own (and left one in TIME_WAIT) every round
+            client = self._client = httpx.AsyncClient(timeout=self._timeout, limits=httpx.Limits(
+                max_connections=None, max_keepalive_connections=None))
         pods = [p for p in self._registry.pods() if p.ready]
-        await asyncio.gather(*(self._scrape(client, p) for p in pods))
+        if not pods:
+            return
+        gap = spread_s / len(pods)
+        if gap <= 0:
+            await asyncio.gather(*(self._scrape(client, p) for p in pods))
+            return
+        started: list[asyncio.Future] = []
+        try:
+            for i, pod in enumerate(pods):
+                if i:
+                    await asyncio.sleep(gap)
+                started.append(asyncio.ensure_future(self._scrape(client, pod)))
+            await asyncio.gather(*started)
+        except asyncio.CancelledError:
+            for task in started:
+                task.cancel()
+            raise
 
     async def _scrape(self, client: httpx.AsyncClient, pod: Pod) -> None:
         try:
@@ -256,11 +280,13 @@ class EngineMetrics:
 
     async def _loop(self) -> None:
         while True:
+            began = time.monotonic()
             try:
-                await self.scrape_once()
+                await self.scrape_once(spread_s=self._interval)
             except Exception:
                 log.exception("engine metrics scrape round failed")
-            await asyncio.sleep(self._interval)
+            # the next round `interval` after this one began (a pod's scrape every interval), at once if it ran over
+            await asyncio.sleep(max(0.0, began + self._interval - time.monotonic()))
 
     async def start(self) -> None:
         if self._task is None:

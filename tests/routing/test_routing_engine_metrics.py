@@ -43,8 +43,9 @@ async def test_scrape_and_route_on_engine_load():
     r = Router(reg, default_strategy="least-request", engines=engines, config=cfg, metrics=metrics, seed=0)
     await r.start()
     try:
-        await wait_until_async(lambda: engines.get("busy") is not None and engines.get("idle") is not None,
-                               timeout=10)
+        await wait_until_async(lambda: engines.get("busy") is not None and engines.get("idle") is not None
+                               and metrics.registry.get_sample_value("kvgate_engine_metrics_scrape_errors_total"),
+                               timeout=10)  # the dead one's scrape comes last in its round
         assert engines.get("busy").waiting == 12 and engines.get("idle").kv_usage == 0.1
         assert engines.get("dead") is None
         assert metrics.registry.get_sample_value("kvgate_engine_metrics_scrape_errors_total") >= 1
@@ -56,3 +57,35 @@ async def test_scrape_and_route_on_engine_load():
         await r.close()
         await busy.cleanup()
         await idle.cleanup()
+
+
+async def test_each_round_spreads_its_scrapes_over_the_interval():
+    """Eight engines, one page server: within a round the scrapes start an eighth of the interval apart (all at once
+    they queued ahead of the requests' decisions), and every engine is scraped every round."""
+    import time
+
+    seen: list[tuple[float, str]] = []
+
+    async def metrics(request: web.Request) -> web.Response:
+        seen.append((time.monotonic(), request.query.get("pod", "")))
+        return web.Response(text=vllm_text(0, 0.1))
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner, port = await serve_app(app, shutdown_timeout=0.1)
+    reg = PodRegistry([Pod(f"p{i}", "127.0.0.1", port, "m") for i in range(8)])
+    interval = 0.4
+    engines = EngineMetrics(reg, interval_s=interval, timeout_s=2)
+    await engines.start()
+    try:
+        await wait_until_async(lambda: len(seen) >= 16, timeout=10)
+        first = [t for t, _ in seen[:8]]
+        gaps = [b - a for a, b in zip(first, first[1:])]
+        assert min(gaps) >= interval / 8 * 0.8, gaps  # an eighth of the interval apart, never a burst
+        assert first[-1] - first[0] <= interval * 1.5
+        second = [t for t, _ in seen[8:16]]
+        assert second[0] - first[0] >= interval * 0.9  # the next round an interval after this one began
+        assert all(engines.get(f"p{i}") is not None for i in range(8))
+    finally:
+        await engines.close()
+        await runner.cleanup()
