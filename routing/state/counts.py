@@ -169,13 +169,14 @@ return out
 _READ = _SUM_OTHERS
 
 # This gateway's whole state (ARGV[3]: the key TTL in ms; ARGV[4]: the channel told of the write; ARGV[5..]: pod,
-# count pairs), then the others' sums.
+# count pairs), then the others' sums. The PUBLISH may fail (a Redis user without channel rights: Redis 7's default
+# for a new ACL user): pcall, so the write stands and the others read by age, as without the channel.
 _SYNC = """
 redis.call('DEL', KEYS[1])
 redis.call('HSET', KEYS[1], '~', '1', unpack(ARGV, 5))
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 redis.call('SADD', KEYS[2], ARGV[2])
-redis.call('PUBLISH', ARGV[4], ARGV[2])
+redis.pcall('PUBLISH', ARGV[4], ARGV[2])
 """ + _SUM_OTHERS
 
 

@@ -575,3 +575,28 @@ async def test_a_dead_gateways_counts_leave_a_notified_view_within_two_heartbeat
     finally:
         await ra.close()
         await cb.close()
+
+
+async def test_a_redis_user_without_channel_rights_still_shares_counts_read_by_age(redis_server):
+    # Redis 7 gives a new ACL user no channels: the write's PUBLISH fails inside the script, the write stands, and a
+    # notified gateway that cannot subscribe reads by age, as without the channel
+    import redis.asyncio as aioredis
+
+    admin = aioredis.Redis.from_url(redis_server.url)
+    await admin.execute_command("ACL", "SETUSER", "counts", "on", ">pw", "~*", "+@all", "resetchannels")
+    await admin.aclose()
+    url = redis_server.url.replace("redis://", "redis://counts:pw@")
+    a = RedisCounts(url, "gw-a", **FAST)
+    b = RedisCounts(url, "gw-b", **{**FAST, "stale_ok_s": 5.0, "notified": True})
+    try:
+        await b.start()
+        a.add("p0", 2)
+        assert await a.flush() and a.up
+        assert await wait_until_async(lambda: _refreshed(b, {"p0": 2}), timeout=5, interval=0.02, detail=b.snapshot)
+        assert not b.listening
+        a.add("p0", 1)
+        assert await a.flush()
+        assert await wait_until_async(lambda: _refreshed(b, {"p0": 3}), timeout=5, interval=0.02, detail=b.snapshot)
+    finally:
+        await a.close()
+        await b.close()
