@@ -217,7 +217,10 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("KVGATE_PODS_POLL_S", "pods_poll_s", _positive_float, 1.0, "How often KVGATE_PODS_FILE is checked for changes."),
     Variable("KVGATE_REDIS_URL", "redis_url", _redis_url, "",
              "Redis for running-request counts shared by gateway replicas (`redis://`, `rediss://`); "
-             "empty: in-process counts.", secret=True),
+             "empty: in-process counts. With ACLs, the user needs the keys and channels under `kvgate:` (channels: "
+             "the replicas' running prompts, and word of each counts write, so a replica reads the others' counts "
+             "only when they changed; without channel rights counts are still shared, read every 5 ms).",
+             secret=True),
     Variable("KVGATE_REDIS_KEY_TTL_S", "redis_key_ttl_s", _positive_float, 5.0,
              "A gateway that stops heartbeating has its counts expire after this long (heartbeat: a fifth of it)."),
     Variable("KVGATE_GATEWAY_ID", "gateway_id", _text, "",
