@@ -1,8 +1,10 @@
-"""BackgroundLoop: one coroutine of an object's, run as a task from `start()` until `aclose()`; and
+"""BackgroundLoop: one coroutine of an object's, run as a task from `start()` until `aclose()`;
+`follow_channel`, a Redis channel's messages to a callback, subscribed again after a failure; and
 `cancel_swallowed`, for the request path's awaits on Redis."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any, Callable
 
 
 class BackgroundLoop:
@@ -26,6 +28,38 @@ class BackgroundLoop:
                 await task
             except asyncio.CancelledError:
                 pass
+
+
+async def follow_channel(client: Any, channel: str, on_message: Callable[[Any], None], *, retry_s: float,
+                         subscribed: Callable[[], None], ended: Callable[[BaseException | None], None],
+                         subscribe_timeout_s: float | None = None) -> None:
+    """Until cancelled: subscribe to `channel` through `client` (an asyncio Redis client) and hand each message's
+    data to `on_message`. `subscribed()` once the subscription stands; `ended(error)` once it is gone (what failed,
+    or None when the stream just ended; not when cancelled), then the next subscription `retry_s` later. With
+    `subscribe_timeout_s`, a subscription not answered within it fails."""
+    while True:
+        pubsub = None
+        error: BaseException | None = None
+        try:
+            pubsub = client.pubsub(ignore_subscribe_messages=True)
+            subscribing = pubsub.subscribe(channel)
+            await (subscribing if subscribe_timeout_s is None else asyncio.wait_for(subscribing, subscribe_timeout_s))
+            subscribed()
+            async for message in pubsub.listen():
+                if message.get("type") == "message":
+                    on_message(message["data"])
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - Redis gone or refusing: told, and subscribed again later
+            error = e
+        finally:
+            if pubsub is not None:
+                try:
+                    await pubsub.aclose()
+                except Exception:  # noqa: BLE001 - the connection is gone already
+                    pass
+        ended(error)
+        await asyncio.sleep(retry_s)
 
 
 def cancel_swallowed() -> bool:

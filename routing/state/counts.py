@@ -37,6 +37,7 @@ import time
 from typing import Protocol
 from urllib.parse import urlsplit
 
+from routing.background import follow_channel
 from routing.metrics import RoutingMetrics
 
 log = logging.getLogger(__name__)
@@ -395,34 +396,30 @@ class RedisCounts:
 
         # a client of its own: the other one's socket timeout would end every wait for a message
         client = Redis.from_url(self._url, socket_connect_timeout=self._timeout * 2, decode_responses=True)
-        me = self.gateway_id
         try:
-            while not self._closing:
-                pubsub = client.pubsub(ignore_subscribe_messages=True)
-                try:
-                    await asyncio.wait_for(pubsub.subscribe(self._channel), max(1.0, self._timeout * 10))
-                    self.listening = True
-                    self._heard += 1  # whatever was written before: the next pick reads once
-                    async for message in pubsub.listen():
-                        if message.get("type") == "message" and message.get("data") != me:
-                            self._heard += 1
-                except asyncio.CancelledError:
-                    raise
-                except Exception as e:  # noqa: BLE001 - Redis gone or refusing: views by age meanwhile
-                    log.debug("running counts: listening on %s stopped (%s: %s)", self._channel, type(e).__name__, e)
-                finally:
-                    self.listening = False
-                    self._heard += 1
-                    try:
-                        await pubsub.aclose()
-                    except Exception:  # noqa: BLE001 - the connection is gone already
-                        pass
-                await asyncio.sleep(self._heartbeat_s)
+            await follow_channel(client, self._channel, self._heard_write, retry_s=self._heartbeat_s,
+                                 subscribed=self._listening_now, ended=self._not_listening,
+                                 subscribe_timeout_s=max(1.0, self._timeout * 10))
         finally:
+            self.listening = False
             try:
                 await client.aclose()
             except Exception:  # noqa: BLE001
                 pass
+
+    def _heard_write(self, gateway_id: str) -> None:
+        if gateway_id != self.gateway_id:
+            self._heard += 1
+
+    def _listening_now(self) -> None:
+        self.listening = True
+        self._heard += 1  # whatever was written before: the next pick reads once
+
+    def _not_listening(self, e: BaseException | None) -> None:
+        self.listening = False
+        self._heard += 1
+        if e is not None:
+            log.debug("running counts: listening on %s stopped (%s: %s)", self._channel, type(e).__name__, e)
 
     # -- lifecycle ------------------------------------------------------------------------------
 

@@ -29,7 +29,7 @@ from typing import Any, Callable
 import msgpack
 from prometheus_client import CollectorRegistry, Counter
 
-from routing.background import BackgroundLoop
+from routing.background import BackgroundLoop, follow_channel
 from routing.state.prompts import RunningPrompts
 
 log = logging.getLogger(__name__)
@@ -230,28 +230,17 @@ class PromptRelay(BackgroundLoop):
             self._recovered("publish")
 
     async def _read_loop(self) -> None:
-        while True:
-            pubsub = None
-            try:
-                pubsub = self._client.pubsub(ignore_subscribe_messages=True)
-                await pubsub.subscribe(CHANNEL)
-                self.first_try.set()
-                self._recovered("read")
-                async for message in pubsub.listen():
-                    if message.get("type") == "message":
-                        self.apply(message["data"])
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # noqa: BLE001
-                self.first_try.set()
-                self._failed("read", e)
-            finally:
-                if pubsub is not None:
-                    try:
-                        await pubsub.aclose()
-                    except Exception:  # noqa: BLE001 - the connection is gone already
-                        pass
-            await asyncio.sleep(self._retry_s)
+        await follow_channel(self._client, CHANNEL, self.apply, retry_s=self._retry_s,
+                             subscribed=self._subscribed, ended=self._unsubscribed)
+
+    def _subscribed(self) -> None:
+        self.first_try.set()
+        self._recovered("read")
+
+    def _unsubscribed(self, e: BaseException | None) -> None:
+        if e is not None:
+            self.first_try.set()
+            self._failed("read", e)
 
     def _failed(self, what: str, e: BaseException) -> None:
         (log.debug if self._failing[what] else log.warning)(
