@@ -236,16 +236,11 @@ class EngineMetrics:
             client = self._client = httpx.AsyncClient(timeout=self._timeout, limits=httpx.Limits(
                 max_connections=None, max_keepalive_connections=None))
         pods = [p for p in self._registry.pods() if p.ready]
-        if not pods:
-            return
-        gap = spread_s / len(pods)
-        if gap <= 0:
-            await asyncio.gather(*(self._scrape(client, p) for p in pods))
-            return
+        gap = spread_s / len(pods) if pods else 0.0
         started: list[asyncio.Future] = []
         try:
             for i, pod in enumerate(pods):
-                if i:
+                if i and gap > 0:
                     await asyncio.sleep(gap)
                 started.append(asyncio.ensure_future(self._scrape(client, pod)))
             await asyncio.gather(*started)
