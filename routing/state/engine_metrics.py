@@ -4,16 +4,16 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import re
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, NamedTuple
 
-import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from routing.metrics import RoutingMetrics
 from routing.pods import Pod
 from routing.registry import PodRegistry
+from routing.state.page_client import ConnectFailed, PageClient
 
 log = logging.getLogger(__name__)
 
@@ -106,31 +106,136 @@ READ = frozenset({WAITING, RUNNING, *KV_USAGE, PROMPT_TOKENS, GENERATION_TOKENS,
 _READ_STARTS = tuple(READ)
 
 
-def read_lines(text: str) -> str:
-    """The lines of a Prometheus text exposition whose sample is one `READ` names (comments and every other
-    family dropped). Why: a vLLM server's page has 14 histograms, HTTP and process metrics besides (~430 lines
-    with one engine), of which kvgate reads 14; prometheus_client's parser takes ~15 us a line, so the whole page
-    cost 6.4 ms of the event loop per engine per scrape, the lines kept 0.29 ms (a page shaped as vLLM's,
-    tests/routing/test_engine_metrics_lines.py)."""
-    kept = []
-    for line in text.splitlines():
-        if line.startswith(_READ_STARTS):  # in C: most lines end here
-            end = len(line)
-            for sep in ("{", " ", "\t"):
-                i = line.find(sep)
-                if 0 <= i < end:
-                    end = i
-            if line[:end] in READ:
-                kept.append(line)
-    return "\n".join(kept) + "\n" if kept else ""
+class Sample(NamedTuple):
+    """One sample of a page: its name, labels and value, as the text format writes them."""
+    name: str
+    labels: dict[str, str]
+    value: float
+
+
+_ESCAPES = {"\\": "\\", '"': '"', "n": "\n"}  # any other backslash stays as it is, as the reference keeps it
+
+
+def _labels(line: str, i: int) -> tuple[dict[str, str], int]:
+    """The label set opening at line[i] ('{'), and the index after its '}'; ValueError if it is not one."""
+    labels: dict[str, str] = {}
+    i += 1
+    n = len(line)
+    while True:
+        while i < n and line[i] in " \t":
+            i += 1
+        if i < n and line[i] == "}":
+            return labels, i + 1
+        eq = line.find("=", i)
+        if eq < 0:
+            raise ValueError(f"no '=' in the labels of {line!r}")
+        name = line[i:eq].strip()
+        if not name or not name.isascii() or not (name[0].isalpha() or name[0] == "_") or not name.replace("_", "a").isalnum():
+            raise ValueError(f"bad label name {name!r} in {line!r}")
+        i = eq + 1
+        while i < n and line[i] in " \t":
+            i += 1
+        if i >= n or line[i] != '"':
+            raise ValueError(f"unquoted label value in {line!r}")
+        i += 1
+        close = line.find('"', i)
+        if close < 0:
+            raise ValueError(f"unterminated label value in {line!r}")
+        if line.find("\\", i, close) < 0:  # most values: no escape, one slice
+            value = line[i:close]
+            i = close + 1
+        else:
+            chars = []
+            while True:
+                if i >= n:
+                    raise ValueError(f"unterminated label value in {line!r}")
+                c = line[i]
+                if c == '"':
+                    i += 1
+                    break
+                if c == "\\" and i + 1 < n and line[i + 1] in _ESCAPES:
+                    chars.append(_ESCAPES[line[i + 1]])
+                    i += 2
+                else:
+                    chars.append(c)
+                    i += 1
+            value = "".join(chars)
+        if name in labels:
+            raise ValueError(f"label {name!r} repeated in {line!r}")
+        labels[name] = value
+        while i < n and line[i] in " \t":
+            i += 1
+        if i < n and line[i] == ",":
+            i += 1
+        elif i < n and line[i] != "}":
+            raise ValueError(f"expected ',' or '}}' in {line!r}")
+
+
+_LABEL = r'[A-Za-z_][A-Za-z0-9_]*="[^"\\\n]*"'
+# A sample's line after its name, in the shape exporters write: its labels (none escaped), value, timestamp
+_SIMPLE_LINE = re.compile(r'(?:\{((?:%s(?:,%s)*,?)?)\})?[ \t]+([^ \t]+)(?:[ \t]+([^ \t]+))?[ \t]*' % (_LABEL, _LABEL))
+_SIMPLE_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="([^"\\\n]*)"')
+
+
+def _value(text: str, line: str) -> float:
+    if "_" in text:  # float() takes 1_000; the text format does not
+        raise ValueError(f"bad value {text!r} in {line!r}")
+    return float(text)  # NaN, +Inf and -Inf as the format spells them
+
+
+def read_samples(text: str) -> list[Sample]:
+    """The samples of a Prometheus text exposition whose name `READ` has (comments and every other family
+    dropped, unparsed). Why not prometheus_client's parser: it took ~15 us a line, so a vLLM server's whole page
+    (14 histograms, HTTP and process families besides: ~430 lines with one engine, of which kvgate reads 14) cost
+    6.4 ms of the event loop per engine per scrape; its kept lines alone, 176 us; read here, ~20 (docs/BENCHMARKS.md,
+    request). The tests hold prometheus_client's parser as the reference. ValueError for a read line that is not a
+    sample (the scrape fails, counted, as with the reference)."""
+    out = []
+    lines = text.splitlines()
+    if text[:1] in (" ", "\t") or "\n " in text or "\n\t" in text:  # blanks before a line's name (allowed, rare)
+        lines = [line.lstrip(" \t") for line in lines]
+    for line in lines:
+        if not line.startswith(_READ_STARTS):  # in C: most lines end here
+            continue
+        end = len(line)
+        for sep in ("{", " ", "\t"):
+            i = line.find(sep)
+            if 0 <= i < end:
+                end = i
+        name = line[:end]
+        if name not in READ:
+            continue
+        simple = _SIMPLE_LINE.fullmatch(line, end)
+        if simple is not None:  # most lines: labels without escapes, a value, maybe a timestamp
+            pairs = _SIMPLE_LABEL.findall(simple[1]) if simple[1] else []
+            labels = dict(pairs)
+            if len(labels) == len(pairs):
+                if simple[3] is not None:
+                    _value(simple[3], line)
+                out.append(Sample(name, labels, _value(simple[2], line)))
+                continue
+        labels = {}
+        i = end
+        while i < len(line) and line[i] in " \t":
+            i += 1
+        if i < len(line) and line[i] == "{":
+            labels, i = _labels(line, i)
+        rest = line[i:].lstrip()
+        # the value, then what the reference reads as a timestamp (its last token, checked, not kept), split as it does
+        values = [v.strip() for v in rest.split(" " if " " in rest else "\t") if v.strip()]
+        if not values:
+            raise ValueError(f"no value in {line!r}")
+        if len(values) > 1:
+            _value(values[-1], line)
+        out.append(Sample(name, labels, _value(values[0], line)))
+    return out
 
 
 def parse_engine_metrics(text: str, at: float = 0.0) -> EngineLoad:
     """Queue lengths summed over an engine's series, KV usage averaged (DP ranks report one each,
     labelled `engine`); with several ranks, each one's own numbers in `ranks`. Only the lines of the samples
-    it reads are parsed (`read_lines`)."""
-    return load_from_samples((s for family in text_string_to_metric_families(read_lines(text)) for s in family.samples),
-                             at)
+    it reads are parsed (`read_samples`)."""
+    return load_from_samples(read_samples(text), at)
 
 
 def load_from_samples(samples: Iterable[Any], at: float) -> EngineLoad:
@@ -188,13 +293,12 @@ class EngineMetrics:
     """Scrapes every ready pod every `interval_s`; `get(pod)` is None when unknown or stale."""
 
     def __init__(self, registry: PodRegistry, *, interval_s: float = 1.0, timeout_s: float = 0.5,
-                 metrics: RoutingMetrics | None = None, client: httpx.AsyncClient | None = None) -> None:
+                 metrics: RoutingMetrics | None = None) -> None:
         self._registry = registry
         self._interval = interval_s
         self._timeout = timeout_s
         self._metrics = metrics or RoutingMetrics()
-        self._client = client
-        self._own_client = client is None
+        self._clients: dict[str, PageClient] = {}  # pod -> its kept-alive connection's client
         self._loads: dict[str, EngineLoad] = {}
         self.on_load: Callable[[str, EngineLoad], None] | None = None  # each fresh scrape (engine profiles)
         self._down: set[str] = set()  # pods whose engine refused the last scrape's connection
@@ -205,6 +309,9 @@ class EngineMetrics:
         for p in removed:
             self._loads.pop(p.name, None)
             self._down.discard(p.name)
+            client = self._clients.pop(p.name, None)
+            if client is not None:
+                client.close()
 
     def unreachable(self, pod: str) -> bool:
         """True when the pod's engine could not be connected to at the last scrape (down or restarting)."""
@@ -225,16 +332,11 @@ class EngineMetrics:
 
     async def scrape_once(self, spread_s: float = 0.0) -> None:
         """Every ready pod's page, once; with `spread_s`, the scrapes start that long apart over all of them
-        (the registry's order: each pod at the same phase every round). Why spread: a scrape is ~1 ms of the event
-        loop (httpx's request, the page's lines), and all at once they queued ahead of every request's decision
+        (the registry's order: each pod at the same phase every round). Why spread: a scrape was ~1 ms of the event
+        loop then (httpx's request, the page's lines), and all at once they queued ahead of every request's decision
         arriving meanwhile: with 128 engines the loop lagged up to 62-76 ms once a second (p99 5.1-5.2 ms); spread,
-        13-19 ms (p99 1.0-1.2; docs/BENCHMARKS.md, request)."""
-        client = self._client
-        if client is None:
-            # one kept-alive connection per engine: httpx keeps 20 by default, and past 20 engines every scrape
-            # but 20 opened a connection of its own (and left one in TIME_WAIT) every round
-            client = self._client = httpx.AsyncClient(timeout=self._timeout, limits=httpx.Limits(
-                max_connections=None, max_keepalive_connections=None))
+        13-19 ms (p99 1.0-1.2; docs/BENCHMARKS.md, request). Each pod's page comes over a connection of its own,
+        kept open between rounds (routing.state.page_client)."""
         pods = [p for p in self._registry.pods() if p.ready]
         gap = spread_s / len(pods) if pods else 0.0
         started: list[asyncio.Future] = []
@@ -242,17 +344,22 @@ class EngineMetrics:
             for i, pod in enumerate(pods):
                 if i and gap > 0:
                     await asyncio.sleep(gap)
-                started.append(asyncio.ensure_future(self._scrape(client, pod)))
+                started.append(asyncio.ensure_future(self._scrape(pod)))
             await asyncio.gather(*started)
         except asyncio.CancelledError:
             for task in started:
                 task.cancel()
             raise
 
-    async def _scrape(self, client: httpx.AsyncClient, pod: Pod) -> None:
+    async def _scrape(self, pod: Pod) -> None:
+        client = self._clients.get(pod.name)
+        if client is None or (client.host, client.port) != (pod.address, pod.port):
+            if client is not None:
+                client.close()
+            client = self._clients[pod.name] = PageClient(pod.address, pod.port, "/metrics")
         try:
-            resp = await client.get(f"{pod.base_url}/metrics", timeout=self._timeout)
-        except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+            text = await client.get(self._timeout)
+        except ConnectFailed as e:
             self._down.add(pod.name)  # nothing listens there: route elsewhere until it answers again
             self._loads.pop(pod.name, None)
             self._metrics.scrape_errors.inc()
@@ -264,8 +371,7 @@ class EngineMetrics:
             return
         self._down.discard(pod.name)
         try:
-            resp.raise_for_status()
-            load = parse_engine_metrics(resp.text, time.monotonic())
+            load = parse_engine_metrics(text, time.monotonic())
             load = self._loads[pod.name] = with_rates(load, self._loads.get(pod.name))
             if self.on_load is not None:
                 self.on_load(pod.name, load)
@@ -292,9 +398,9 @@ class EngineMetrics:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
-        if self._own_client and self._client is not None:
-            await self._client.aclose()
-            self._client = None
+        for client in self._clients.values():
+            client.close()
+        self._clients.clear()
 
     def snapshot(self) -> dict:
         now = time.monotonic()
