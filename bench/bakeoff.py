@@ -42,7 +42,7 @@ from typing import Any
 
 import httpx
 
-from bench.path import _cpu_seconds, _pct, start_replicas
+from bench.path import _cpu_seconds, _pct, start_replicas, start_sglang
 from devkit.demo import BLOCK_SIZE, _engine_counters, _reset_caches
 from devkit.stack import Proc, Stack, StackError, free_port
 from devkit.workload import _text, sse_events
@@ -246,11 +246,10 @@ async def drive(base_url: str, headers: dict[str, str], plan: Plan, w: Workload,
 
 
 def _start_sglang(stack: Stack, engine_urls: list[str], run: int) -> tuple[Proc, str]:
-    port = free_port()
-    proc = stack.start(f"sglang{run}", [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-                                        "--port", str(port), "--policy", "cache_aware", "--log-level", "warn",
-                                        "--worker-urls", *engine_urls], ready_port=("127.0.0.1", port), ready_timeout=60)
-    return proc, f"http://127.0.0.1:{port}"
+    started = start_sglang(stack, engine_urls, f"sglang{run}", model=MODEL)
+    if started is None:
+        raise StackError("sglang-router is not installed (pip install -e '.[bench]'): the bake-off's peer")
+    return started[0], f"http://127.0.0.1:{started[1]}"
 
 
 async def _wait_served(url: str, headers: dict[str, str], timeout: float = 20.0) -> None:
@@ -318,7 +317,6 @@ def run_scenario(scenario: str, routers: list[str], plans: list[Plan], w: Worklo
                 sglang = None
                 if router == "sglang":
                     sglang, url = _start_sglang(stack, engine_urls, rep)
-                    asyncio.run(_wait_served(url, {}))
                     asyncio.run(_reset_caches(engine_urls))  # the readiness chat's blocks
                     headers, pids = {}, [sglang.popen.pid]
                 else:

@@ -13,7 +13,10 @@ ways to the same engines (PATHS):
 - `native_noop` (where Node is installed): the same, with a processor without Python (bench/native_noop.js,
   below) in the no-op's place, answering as the no-op answers a request it does not watch: what any processor
   adds on this path, on this machine;
-- `kvgate`: the shipped stack.
+- `kvgate`: the shipped stack;
+- `sglang` (where sglang-router is installed, the bench extra): SGLang's model gateway (its Rust router,
+  `cache_aware`, the peer of `kvgate bench bakeoff`) in front of the same engines, in Envoy's place: what a
+  router that is itself the proxy adds, beside what Envoy and an ext_proc processor add.
 Then the processors alone (`floor`): Envoy answering the chat itself (a one-token event stream, its
 direct_response) after its filters ran, without ext_proc, with the no-op processor and with the same
 kvgate replicas, one request at a time, interleaved; with the processes' CPU per request. Beside them, where
@@ -57,7 +60,8 @@ from devkit.stack import Proc, Stack, StackError, envoy_routes, free_port, rende
 from tokenizer import testdata
 
 MODEL = "path-model"
-PATHS = ("direct", "envoy_only", "noop", "native_noop", "noop_nowait", "kvgate", "kvgate_two")  # native_noop: with Node
+PATHS = ("direct", "envoy_only", "noop", "native_noop", "noop_nowait", "kvgate", "kvgate_two",
+         "sglang")  # native_noop: with Node; sglang: with sglang-router
 # kvgate_two: the same kvgate replicas behind the shipped config with every request in two ext_proc messages
 # (headers, then body: runtime keys kvgate.one_message_percent and kvgate.watch_percent 0), as before the
 # one-message routes.
@@ -298,6 +302,9 @@ def run(requests: int, concurrency: int, n_engines: int, log, idle: int = 0, rep
             listen["noop_nowait"], admin["noop_nowait"] = free_port(), free_port()
             _envoy_nowait(stack, listen["noop_nowait"], admin["noop_nowait"], noop_port, pool)
         targets: dict[str, Any] = {"direct": pool, **{k: ("127.0.0.1", v) for k, v in listen.items()}}
+        sglang = start_sglang(stack, [f"http://127.0.0.1:{p['port']}" for p in pods], "sglang", log)
+        if sglang is not None:
+            targets["sglang"] = ("127.0.0.1", sglang[1])
 
         floor_ports = {name: free_port() for name in FLOOR_PATHS}
         _envoy_answering(stack, "floor_envoy", floor_ports["envoy_answers"], pool, None)
@@ -354,6 +361,35 @@ def start_replicas(stack: Stack, pods_file: Path, redis_url: str, n: int,
     for proc, port in zip(procs, grpc_ports):
         stack.ready(proc, ("127.0.0.1", port))
     return grpc_ports, http_ports, procs
+
+
+def start_sglang(stack: Stack, engine_urls: list[str], name: str, log=None,
+                 model: str = MODEL) -> tuple[Proc, int] | None:
+    """SGLang's model gateway (sglang-router, `cache_aware`, its defaults) in front of `engine_urls`, once it
+    serves a chat of `model` (it activates its workers after it listens): (its process, its port); None (said
+    through `log`) where sglang-router is not installed."""
+    try:
+        import sglang_router  # noqa: F401  (the bench extra)
+    except ImportError:
+        if log is not None:
+            log("  sglang-router not installed (pip install -e '.[bench]'): no sglang path")
+        return None
+    port = free_port()
+    proc = stack.start(name, [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+                              "--port", str(port), "--policy", "cache_aware", "--log-level", "warn",
+                              "--worker-urls", *engine_urls], ready_port=("127.0.0.1", port), ready_timeout=60)
+    payload = {"model": model, "messages": [{"role": "user", "content": "ready?"}], "max_tokens": 1}
+    deadline = time.monotonic() + 20.0
+    last: object = None
+    while time.monotonic() < deadline:
+        try:
+            last = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=payload, timeout=5.0).status_code
+        except httpx.HTTPError as e:
+            last = e
+        if last == 200:
+            return proc, port
+        time.sleep(0.2)
+    raise StackError(f"{name}: SGLang's router did not serve a chat within 20 s (last: {last})")
 
 
 def _start_native_noop(stack: Stack, upstream: str, log) -> tuple[int, int] | None:
@@ -600,6 +636,10 @@ def summarize(seq: Samples, load: Samples, quiet: Samples | None = None, **run: 
                                                           - paths["noop"][f"{phase}_p50_ms"], 3)
         if "native_noop" in paths:  # what any processor adds on this path: the floor under the target
             out[f"native_noop_{phase}_added_p50_ms"] = paths["native_noop"][f"{phase}_added_p50_ms"]
+        if "sglang" in paths:  # the bake-off's peer, a router that is the proxy itself
+            out[f"sglang_{phase}_added_p50_ms"] = paths["sglang"][f"{phase}_added_p50_ms"]
+            out[f"kvgate_{phase}_added_over_sglang_ms"] = round(paths["kvgate"][f"{phase}_p50_ms"]
+                                                                - paths["sglang"][f"{phase}_p50_ms"], 3)
     if quiet is not None and quiet.ttft["kvgate"] and quiet.ttft["direct"]:
         direct = statistics.median(quiet.ttft["direct"])
         out["idle"] = {"direct_p50_ms": _ms(direct), "kvgate_p50_ms": _ms(statistics.median(quiet.ttft["kvgate"])),
@@ -643,6 +683,11 @@ def table(r: dict) -> str:
         rows.append(f"a processor without Python in the no-op's place (native_noop) adds "
                     f"{r['native_noop_seq_added_p50_ms']:.3f} ms @1: what any ext_proc processor adds on this path, "
                     f"on this machine")
+    if r.get("sglang_seq_added_p50_ms") is not None:
+        rows.append(f"SGLang's router (sglang, in Envoy's place) adds {r['sglang_seq_added_p50_ms']:.3f} ms @1, "
+                    f"{r['sglang_load_added_p50_ms']:.3f} ms @{r['concurrency']}; kvgate over it "
+                    f"{r['kvgate_seq_added_over_sglang_ms']:+.3f} ms @1, {r['kvgate_load_added_over_sglang_ms']:+.3f} ms "
+                    f"@{r['concurrency']}")
     if r.get("kvgate_seq_one_over_two_message_ms") is not None:
         rows.append(f"one ext_proc message (the shipped routes) against two (kvgate_two): "
                     f"{r['kvgate_seq_one_over_two_message_ms']:+.3f} ms @1, "

@@ -54,7 +54,7 @@ def test_summary_added_time_is_each_paths_median_over_directs_and_the_target_rea
     seq, load = path.Samples(), path.Samples()
     for i in range(40):
         for name, extra in (("direct", 0.0), ("envoy_only", 0.0002), ("noop", 0.001), ("native_noop", 0.0007),
-                            ("noop_nowait", 0.0008), ("kvgate", 0.0014), ("kvgate_two", 0.0019)):
+                            ("noop_nowait", 0.0008), ("kvgate", 0.0014), ("kvgate_two", 0.0019), ("sglang", 0.0006)):
             seq.add(name, 0.004 + extra + i * 1e-6, 200)
             load.add(name, 0.010 + 3 * extra, 200)
     load.add("kvgate", 1.0, 503)
@@ -75,14 +75,21 @@ def test_summary_added_time_is_each_paths_median_over_directs_and_the_target_rea
     # a processor without Python through the same stack: the floor under the target, beside it
     assert r["native_noop_seq_added_p50_ms"] == 0.7 and r["native_noop_load_added_p50_ms"] == 2.1
     assert "a processor without Python in the no-op's place (native_noop) adds 0.700 ms @1" in path.table(r)
+    # SGLang's router in Envoy's place, beside kvgate
+    assert r["sglang_seq_added_p50_ms"] == 0.6 and r["sglang_load_added_p50_ms"] == 1.8
+    assert r["kvgate_seq_added_over_sglang_ms"] == pytest.approx(0.8, abs=0.002)
+    assert r["kvgate_load_added_over_sglang_ms"] == pytest.approx(2.4, abs=0.002)
+    assert "SGLang's router (sglang, in Envoy's place) adds 0.600 ms @1, 1.800 ms @8; kvgate over it +0.800 ms @1, " \
+           "+2.400 ms @8" in path.table(r)
 
 
-def test_without_node_the_summary_has_no_native_path_and_says_nothing_of_it():
-    paths = [p for p in path.PATHS if p != "native_noop"]
+def test_without_node_or_sglang_router_the_summary_has_no_such_path_and_says_nothing_of_it():
+    paths = [p for p in path.PATHS if p not in ("native_noop", "sglang")]
     seq, load = _flat(paths)
     r = path.summarize(seq, load, requests=1, concurrency=8, engines=2)
     assert "native_noop" not in r["paths"] and "native_noop_seq_added_p50_ms" not in r
-    assert "native_noop" not in path.table(r)
+    assert "sglang" not in r["paths"] and not any(k.startswith("sglang") or "over_sglang" in k for k in r)
+    assert "native_noop" not in path.table(r) and "SGLang" not in path.table(r)
 
 
 def test_floor_summary_is_each_processors_median_over_envoy_answering_alone_and_the_table_says_it():
