@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import itertools
 import json
 import os
@@ -368,9 +369,7 @@ def start_sglang(stack: Stack, engine_urls: list[str], name: str, log=None,
     """SGLang's model gateway (sglang-router, `cache_aware`, its defaults) in front of `engine_urls`, once it
     serves a chat of `model` (it activates its workers after it listens): (its process, its port); None (said
     through `log`) where sglang-router is not installed."""
-    try:
-        import sglang_router  # noqa: F401  (the bench extra)
-    except ImportError:
+    if importlib.util.find_spec("sglang_router") is None:  # the bench extra
         if log is not None:
             log("  sglang-router not installed (pip install -e '.[bench]'): no sglang path")
         return None

@@ -49,7 +49,8 @@ class PageClient:
         connecting = False
         try:
             async with asyncio.timeout(timeout_s), self._lock:
-                if self._writer is not None and (self._reader.at_eof() or self._writer.is_closing()):
+                reader, writer = self._reader, self._writer
+                if reader is not None and writer is not None and (reader.at_eof() or writer.is_closing()):
                     self.close()  # the server closed it while idle: known before writing
                 reused = self._writer is not None
                 try:
