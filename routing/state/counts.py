@@ -229,6 +229,9 @@ class RedisCounts:
         self._live_others = 0
         self._reading: asyncio.Future | None = None
         self._dirty = asyncio.Event()
+        # With `write_interval_s`: the timer that sets _dirty that long after the first change not yet gone out, so the
+        # writer wakes once per write (not at the change and again after sleeping out the interval)
+        self._due: asyncio.TimerHandle | None = None
         self._writer: asyncio.Task | None = None
         # One write in flight at a time: each rewrites the whole hash from the state it took, and two
         # writes on two pooled connections could land out of order (the older state last).
@@ -255,6 +258,18 @@ class RedisCounts:
 
     def add(self, pod: str, delta: int) -> None:
         _apply(self._local, pod, delta)
+        self._write_soon()
+
+    def _write_soon(self) -> None:
+        """The writer goes `write_interval_s` from the first change not yet gone out (every change made meanwhile goes
+        with it, after the answer that made the first), at once without an interval or before the writer runs."""
+        if self._write_interval <= 0 or self._writer is None:
+            self._dirty.set()
+        elif self._due is None:
+            self._due = asyncio.get_running_loop().call_later(self._write_interval, self._due_now)
+
+    def _due_now(self) -> None:
+        self._due = None
         self._dirty.set()
 
     def local(self) -> dict[str, int]:
@@ -278,7 +293,7 @@ class RedisCounts:
             # For the next picks, from the background writer once its interval is over (after this pick's answer):
             # with the write then due, else by a read of its own.
             self._want_view = True
-            self._dirty.set()
+            self._write_soon()
             return
         if self._reading is None:
             self._reading = asyncio.ensure_future(self._read_others())
@@ -291,8 +306,8 @@ class RedisCounts:
     async def _read_others(self) -> None:
         heard = self._heard  # a write heard from now on may have missed this read
         try:
-            reply = await asyncio.wait_for(self._read(keys=[self._set_key], args=[self._gw_prefix, self.gateway_id]),
-                                           self._timeout)
+            async with asyncio.timeout(self._timeout):  # not wait_for: no task of its own per read
+                reply = await self._read(keys=[self._set_key], args=[self._gw_prefix, self.gateway_id])
             self._take_view(reply, heard)
             self._ok()
         except Exception as e:
@@ -327,11 +342,6 @@ class RedisCounts:
                 await asyncio.sleep(min(delay, self._heartbeat_s))
                 if time.monotonic() < self._down_until:
                     continue
-            if self._dirty.is_set() and self._write_interval > 0:
-                # The burst this change opens goes out as one write, once the answer that made it is gone.
-                await asyncio.sleep(self._write_interval)
-                if self._closing:
-                    return
             self._dirty.clear()
             want_view, self._want_view = self._want_view, False
             if self._local == self._written and time.monotonic() - self._written_at < self._heartbeat_s:
@@ -352,7 +362,8 @@ class RedisCounts:
                 args += [pod, n]
             heard = self._heard
             try:
-                reply = await asyncio.wait_for(self._sync(keys=[self._key, self._set_key], args=args), self._timeout)
+                async with asyncio.timeout(self._timeout):  # not wait_for: no task of its own per write
+                    reply = await self._sync(keys=[self._key, self._set_key], args=args)
             except Exception as e:
                 self._written = None
                 self._dirty.set()
@@ -434,6 +445,9 @@ class RedisCounts:
     async def close(self, *, unregister: bool = True) -> None:
         """Stop the heartbeat; with `unregister`, delete this gateway's counts now instead of at expiry."""
         self._closing = True
+        if self._due is not None:
+            self._due.cancel()
+            self._due = None
         if self._writer is not None:
             self._dirty.set()
             self._writer.cancel()
