@@ -10,7 +10,10 @@ or running out of budget, raises TokenizerError quickly so routing can fall back
 
 The client keeps connections alive (HTTP/1.1 only), follows no redirects, keeps no
 cookies, reads proxies from the environment once, when it is made, and sends each
-request in one write (tokenizer.transport). httpcore asks `sniffio` which event loop runs ~14
+request in one write (tokenizer.transport). Where no proxy is set and the endpoint is a plain
+`http://` URL without credentials (an engine in the cluster, as a rule), requests go over
+tokenizer.http1 instead, with the same attempts, retries and budget: httpx took ~900 us of CPU per
+/tokenize call, ~10x that client's (docs/BENCHMARKS.md, request). httpcore asks `sniffio` which event loop runs ~14
 times per request; without sniffio installed each is a failed import (~50 us on a
 loaded 2-core machine), hence sniffio among the dependencies.
 """
@@ -22,6 +25,7 @@ import http.cookiejar
 import json
 import random
 import time
+import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -29,7 +33,8 @@ from typing import Any, TypeVar
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from tokenizer.transport import OneWriteTransport, environment_mounts
+from tokenizer.http1 import Http1Client, HttpError
+from tokenizer.transport import OneWriteTransport, environment_mounts, environment_proxies
 from tokenizer.types import (ChatInput, PromptInput, Rendered, RenderedMedia, TokenizeInput, TokenizerError,
                              TokenizerTimeout)
 
@@ -105,6 +110,11 @@ class RemoteTokenizer:
         self._options = options
         self._owns_client = client is None
         self._client = client  # made on first use
+        # tokenizer.http1 clients per endpoint (host, port), and per URL its client and path (None: httpx's); used
+        # only for this tokenizer's own client, and only where the environment sets no proxy (read once, with it)
+        self._lean: dict[tuple[str, int], Http1Client] = {}
+        self._lean_ok: bool | None = None  # no proxy in the environment (read at the first call)
+        self._lean_urls: dict[str, tuple[Http1Client, str] | None] = {}
         self._closed = False
         self._metrics = RemoteMetrics(registry if registry is not None else CollectorRegistry())
         self._rng = rng
@@ -192,9 +202,49 @@ class RemoteTokenizer:
             )
         return self._client
 
+    def _lean_for(self, url: str) -> tuple[Http1Client, str] | None:
+        """The tokenizer.http1 client and path for `url`, or None where httpx's client goes (a client given, a proxy
+        in the environment, https, credentials in the URL, or a URL it cannot read)."""
+        if url in self._lean_urls:
+            return self._lean_urls[url]
+        found = None
+        if self._owns_client and len(self._lean_urls) < 256:
+            if self._lean_ok is None:
+                self._lean_ok = not any(p is not None for p in environment_proxies().values())
+            parts = urllib.parse.urlsplit(url)
+            try:
+                port = parts.port or 80
+            except ValueError:
+                port = None
+            if (self._lean_ok and parts.scheme == "http" and parts.hostname and port is not None
+                    and parts.username is None and parts.password is None and not parts.fragment):
+                client = self._lean.get((parts.hostname, port))
+                if client is None:
+                    client = self._lean[(parts.hostname, port)] = Http1Client(
+                        parts.hostname, port, max_connections=self._options.max_connections, idle_s=4.0)
+                found = (client, (parts.path or "/") + (f"?{parts.query}" if parts.query else ""))
+            self._lean_urls[url] = found
+        return found
+
     async def _attempt(self, url: str, body: bytes, timeout_s: float) -> bytes:
         if timeout_s <= 0:
             raise _Retryable("no time left", timeout=True)
+        if self._closed:
+            raise TokenizerError("the remote tokenizer is closed")
+        lean = self._lean_for(url)
+        if lean is not None:
+            http1, path = lean
+            try:
+                reply = await http1.request(http1.head("POST", path, "application/json", len(body),
+                                                       accept="application/json"), body, timeout_s=timeout_s)
+            except TimeoutError:
+                self._metrics.attempts.labels("timeout").inc()
+                raise _Retryable(f"timed out after {timeout_s * 1000:.0f} ms", timeout=True) from None
+            except (HttpError, OSError) as e:
+                self._metrics.attempts.labels("connect_error").inc()
+                raise _Retryable(f"{type(e).__name__}: {e}") from None
+            retry_after = reply.headers.get(b"retry-after")
+            return self._answer(url, reply.status, retry_after.decode("latin-1") if retry_after else None, reply.body)
         client = self._http()
         try:
             # One bound on the whole attempt: connecting, sending, and reading every byte of the answer.
@@ -209,11 +259,13 @@ class RemoteTokenizer:
         except (httpx.TransportError, OSError) as e:
             self._metrics.attempts.labels("connect_error").inc()
             raise _Retryable(f"{type(e).__name__}: {e}") from None
-        status = resp.status_code
-        content = resp.content
+        return self._answer(url, resp.status_code, resp.headers.get("retry-after"), resp.content)
+
+    def _answer(self, url: str, status: int, retry_after: str | None, content: bytes) -> bytes:
+        """The answer's content where it is a 200; _Retryable for 429 and 5xx, TokenizerError for the rest."""
         if status == 429 or status >= 500:
             self._metrics.attempts.labels(f"{status // 100}xx" if status != 429 else "429").inc()
-            raise _Retryable(f"HTTP {status}", parse_retry_after(resp.headers.get("retry-after")))
+            raise _Retryable(f"HTTP {status}", parse_retry_after(retry_after))
         if status != 200:
             self._metrics.attempts.labels("refused").inc()
             text = content[:200].decode("utf-8", "replace")
@@ -227,6 +279,8 @@ class RemoteTokenizer:
 
     async def aclose(self) -> None:
         self._closed = True
+        for lean in self._lean.values():
+            lean.close()
         if self._owns_client and self._client is not None:
             await self._client.aclose()
             self._client = None

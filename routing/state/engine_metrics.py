@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterable, Mapping, NamedTuple
 from routing.metrics import RoutingMetrics
 from routing.pods import Pod
 from routing.registry import PodRegistry
-from routing.state.page_client import ConnectFailed, PageClient
+from tokenizer.http1 import ConnectFailed, Http1Client, HttpError
 
 log = logging.getLogger(__name__)
 
@@ -298,7 +298,7 @@ class EngineMetrics:
         self._interval = interval_s
         self._timeout = timeout_s
         self._metrics = metrics or RoutingMetrics()
-        self._clients: dict[str, PageClient] = {}  # pod -> its kept-alive connection's client
+        self._clients: dict[str, tuple[Http1Client, bytes]] = {}  # pod -> its kept-alive connection, the GET's head
         self._loads: dict[str, EngineLoad] = {}
         self.on_load: Callable[[str, EngineLoad], None] | None = None  # each fresh scrape (engine profiles)
         self._down: set[str] = set()  # pods whose engine refused the last scrape's connection
@@ -311,7 +311,7 @@ class EngineMetrics:
             self._down.discard(p.name)
             client = self._clients.pop(p.name, None)
             if client is not None:
-                client.close()
+                client[0].close()
 
     def unreachable(self, pod: str) -> bool:
         """True when the pod's engine could not be connected to at the last scrape (down or restarting)."""
@@ -336,7 +336,7 @@ class EngineMetrics:
         loop then (httpx's request, the page's lines), and all at once they queued ahead of every request's decision
         arriving meanwhile: with 128 engines the loop lagged up to 62-76 ms once a second (p99 5.1-5.2 ms); spread,
         13-19 ms (p99 1.0-1.2; docs/BENCHMARKS.md, request). Each pod's page comes over a connection of its own,
-        kept open between rounds (routing.state.page_client)."""
+        kept open between rounds (tokenizer.http1)."""
         pods = [p for p in self._registry.pods() if p.ready]
         gap = spread_s / len(pods) if pods else 0.0
         started: list[asyncio.Future] = []
@@ -352,13 +352,17 @@ class EngineMetrics:
             raise
 
     async def _scrape(self, pod: Pod) -> None:
-        client = self._clients.get(pod.name)
-        if client is None or (client.host, client.port) != (pod.address, pod.port):
-            if client is not None:
-                client.close()
-            client = self._clients[pod.name] = PageClient(pod.address, pod.port, "/metrics")
+        kept = self._clients.get(pod.name)
+        if kept is None or (kept[0].host, kept[0].port) != (pod.address, pod.port):
+            if kept is not None:
+                kept[0].close()
+            client = Http1Client(pod.address, pod.port)
+            kept = self._clients[pod.name] = (client, client.head("GET", "/metrics", accept="text/plain"))
         try:
-            text = await client.get(self._timeout)
+            reply = await kept[0].request(kept[1], timeout_s=self._timeout)
+            if reply.status != 200:
+                raise HttpError(f"HTTP {reply.status}")
+            text = reply.body.decode("utf-8", "replace")
         except ConnectFailed as e:
             self._down.add(pod.name)  # nothing listens there: route elsewhere until it answers again
             self._loads.pop(pod.name, None)
@@ -398,7 +402,7 @@ class EngineMetrics:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
-        for client in self._clients.values():
+        for client, _ in self._clients.values():
             client.close()
         self._clients.clear()
 

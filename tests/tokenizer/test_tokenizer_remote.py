@@ -433,9 +433,9 @@ async def test_every_pool_of_the_client_sends_requests_in_one_write(monkeypatch)
 
     proxy, proxy_url = await serve(tokenize_app(via_proxy))
     try:
-        for expected, env in (([1, 2, 3], None), ([7], proxy_url)):
-            if env is not None:
-                monkeypatch.setenv("HTTP_PROXY", env)
+        # direct: with a proxy for https only (so httpx's client, not tokenizer.http1, carries the http request)
+        for expected, env in (([1, 2, 3], ("HTTPS_PROXY", "http://proxy.invalid:3128")), ([7], ("HTTP_PROXY", proxy_url))):
+            monkeypatch.setenv(*env)
             writes.clear()
             remote = RemoteTokenizer({MODEL: engine_url}, options=FAST)
             try:
@@ -451,3 +451,32 @@ async def test_every_pool_of_the_client_sends_requests_in_one_write(monkeypatch)
         await proxy.cleanup()
     # httpcore asks sniffio for the event loop many times per request: without it, each is a failed import.
     assert importlib.util.find_spec("sniffio") is not None
+
+
+async def test_without_a_proxy_an_http_endpoint_is_asked_over_tokenizer_http1_in_one_write(monkeypatch) -> None:
+    """No proxy in the environment, a plain http:// endpoint: the request goes over tokenizer.http1 (httpx's pools see
+    none of it), head and body in one write, its connection kept for the next; the answers as httpx's."""
+    import tokenizer.http1 as http1
+
+    _clear_proxy_env(monkeypatch)
+    writes: list[bytes] = []
+    monkeypatch.setattr(httpcore, "AnyIOBackend", _counting_backend(writes))
+    sent: list[bytes] = []
+    real = http1._exchange
+
+    async def exchange(conn, data):
+        sent.append(data)
+        return await real(conn, data)
+
+    monkeypatch.setattr(http1, "_exchange", exchange)
+    seen: list = []
+    engine, engine_url = await serve(scripted([], seen))
+    remote = RemoteTokenizer({MODEL: engine_url}, options=FAST)
+    try:
+        for _ in range(3):
+            assert await remote.tokenize(MODEL, PromptInput(text="one write")) == [1, 2, 3]
+    finally:
+        await remote.aclose()
+        await engine.cleanup()
+    assert writes == [] and len(sent) == 3 and len(seen) == 3
+    assert all(w.startswith(b"POST /tokenize HTTP/1.1\r\n") and w.endswith(b'"add_special_tokens": true}') for w in sent)

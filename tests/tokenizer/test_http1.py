@@ -1,7 +1,8 @@
-"""PageClient, the scrapes' HTTP: a page over one kept-alive connection from a real HTTP server (aiohttp: plain,
-chunked, gzip), and from raw loopback servers that misbehave as engines and proxies can: closing a kept-alive
-connection while idle, closing before a reply, never answering, an HTTP/1.0 reply read to its close, a page too
-large, a reply that is not HTTP. Each failure is an error that says so, and the next GET works again."""
+"""Http1Client, the engines' HTTP (scrapes, /tokenize): GETs and POSTs over kept-alive connections to a real HTTP
+server (aiohttp: plain, chunked, gzip; several at once), and to raw loopback servers that misbehave as engines and
+proxies can: closing a kept-alive connection while idle, closing before a reply, never answering, an HTTP/1.0 reply
+read to its close, a reply too large, one that is not HTTP. Each failure is an error that says so, and the next
+request works again."""
 from __future__ import annotations
 
 import asyncio
@@ -11,7 +12,24 @@ import pytest
 from aiohttp import web
 
 from helpers import serve_app
-from routing.state.page_client import MAX_BODY, ConnectFailed, PageClient, PageError
+from tokenizer.http1 import MAX_BODY, ConnectFailed, Http1Client, HttpError
+
+
+class PageClient:
+    """GETs of /metrics as the scrapes make them: the body of a 200, HttpError for another status."""
+
+    def __init__(self, host: str, port: int, path: str = "/metrics") -> None:
+        self.client = Http1Client(host, port)
+        self.head = self.client.head("GET", path, accept="text/plain")
+
+    async def get(self, timeout_s: float) -> str:
+        reply = await self.client.request(self.head, timeout_s=timeout_s)
+        if reply.status != 200:
+            raise HttpError(f"HTTP {reply.status}")
+        return reply.body.decode()
+
+    def close(self) -> None:
+        self.client.close()
 
 PAGE = "vllm:num_requests_waiting 3\n" + "".join(f"line_{i} {i}\n" for i in range(300))
 
@@ -117,7 +135,7 @@ async def test_a_close_as_the_request_goes_out_is_retried_once_on_a_new_connecti
 async def test_a_fresh_connection_closed_before_a_reply_is_an_error():
     async with RawServer(ok, after=lambda n: "close-first") as srv:
         client = PageClient("127.0.0.1", srv.port)
-        with pytest.raises(PageError, match="closed before a reply"):
+        with pytest.raises(HttpError, match="closed before a reply"):
             await client.get(2.0)
         assert srv.connections == 1  # not retried: a fresh connection that closes is the server's answer
 
@@ -153,7 +171,7 @@ async def test_a_server_that_never_answers_times_out_and_the_next_get_works():
 async def test_a_bad_reply_is_an_error_that_says_what_and_the_next_get_works(reply, error):
     async with RawServer(lambda n: reply if n == 0 else ok(b"fine\n")) as srv:
         client = PageClient("127.0.0.1", srv.port)
-        with pytest.raises(PageError, match=error):
+        with pytest.raises(HttpError, match=error):
             await client.get(2.0)
         assert await client.get(2.0) == "fine\n"
         client.close()
@@ -164,5 +182,44 @@ async def test_an_http_1_0_reply_without_a_length_is_read_to_its_close():
         client = PageClient("127.0.0.1", srv.port)
         assert await client.get(2.0) == "old server\n"
         assert await client.get(2.0) == "old server\n"
+        assert srv.connections == 2
+        client.close()
+
+
+async def test_posts_at_once_share_at_most_max_connections_and_keep_them():
+    peers: list = []
+
+    async def echo(request: web.Request) -> web.Response:
+        peers.append(request.transport.get_extra_info("peername"))
+        await asyncio.sleep(0.02)
+        return web.Response(body=await request.read(), headers={"Retry-After": "3"}, status=429 if
+                            request.query.get("busy") else 200)
+
+    app = web.Application()
+    app.router.add_post("/tokenize", echo)
+    runner, port = await serve_app(app, shutdown_timeout=0.1)
+    client = Http1Client("127.0.0.1", port, max_connections=3)
+    try:
+        bodies = [b'{"prompt": "%d"}' % i for i in range(12)]
+        replies = await asyncio.gather(*(client.request(client.head("POST", "/tokenize", "application/json", len(b)), b,
+                                                        timeout_s=5.0) for b in bodies))
+        assert [r.body for r in replies] == bodies and {r.status for r in replies} == {200}
+        assert len(set(peers)) == 3  # three at a time, each connection kept for the next
+        busy = await client.request(client.head("POST", "/tokenize?busy=1", "application/json", 2), b"{}", timeout_s=5.0)
+        assert busy.status == 429 and busy.headers[b"retry-after"] == b"3" and busy.body == b"{}"
+        assert len(set(peers)) == 3
+    finally:
+        client.close()
+        await runner.cleanup()
+
+
+async def test_a_connection_idle_longer_than_idle_s_is_not_used_again():
+    async with RawServer(lambda n: ok(b"page %d\n" % n)) as srv:
+        client = Http1Client("127.0.0.1", srv.port, idle_s=0.05)
+        head = client.head("GET", "/metrics")
+        assert (await client.request(head, timeout_s=2.0)).body == b"page 0\n"
+        assert (await client.request(head, timeout_s=2.0)).body == b"page 1\n"
+        await asyncio.sleep(0.1)
+        assert (await client.request(head, timeout_s=2.0)).body == b"page 2\n"
         assert srv.connections == 2
         client.close()
