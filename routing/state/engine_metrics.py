@@ -384,12 +384,14 @@ class EngineMetrics:
             log.debug("scrape of %s failed: %s", pod.name, e)
 
     async def _loop(self) -> None:
+        spread = 0.0  # the first round at once: at start nothing is routed yet, and a dead pod is known within it
         while True:
             began = time.monotonic()
             try:
-                await self.scrape_once(spread_s=self._interval)
+                await self.scrape_once(spread_s=spread)
             except Exception:
                 log.exception("engine metrics scrape round failed")
+            spread = self._interval
             # the next round `interval` after this one began (a pod's scrape every interval), at once if it ran over
             await asyncio.sleep(max(0.0, began + self._interval - time.monotonic()))
 
