@@ -12,8 +12,8 @@ The client keeps connections alive (HTTP/1.1 only), follows no redirects, keeps 
 cookies, reads proxies from the environment once, when it is made, and sends each
 request in one write (tokenizer.transport). Where no proxy is set and the endpoint is a plain
 `http://` URL without credentials (an engine in the cluster, as a rule), requests go over
-tokenizer.http1 instead, with the same attempts, retries and budget: httpx took ~900 us of CPU per
-/tokenize call, ~10x that client's (docs/BENCHMARKS.md, request). httpcore asks `sniffio` which event loop runs ~14
+tokenizer.http1 instead, with the same attempts, retries and budget: a /tokenize call cost the client
+~1 ms of CPU with httpx, ~0.3 ms so, the JSON included (docs/BENCHMARKS.md, request). httpcore asks `sniffio` which event loop runs ~14
 times per request; without sniffio installed each is a failed import (~50 us on a
 loaded 2-core machine), hence sniffio among the dependencies.
 """
