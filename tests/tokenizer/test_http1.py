@@ -223,3 +223,16 @@ async def test_a_connection_idle_longer_than_idle_s_is_not_used_again():
         assert (await client.request(head, timeout_s=2.0)).body == b"page 2\n"
         assert srv.connections == 2
         client.close()
+
+
+def test_a_header_or_path_that_would_end_a_line_is_refused_before_anything_is_sent():
+    client = Http1Client("127.0.0.1", 1)
+    assert client.head("POST", "/v1/completions", "application/json", 2, extra=[("X-Request-Id", "r-1")]).endswith(
+        b"Content-Length: 2\r\nX-Request-Id: r-1\r\n\r\n")
+    for bad in ([("X-Request-Id", "r\r\nHost: elsewhere")], [("Authorization", "Bearer a\nb")]):
+        with pytest.raises(ValueError):
+            client.head("POST", "/v1/completions", extra=bad)
+    with pytest.raises(ValueError):
+        client.head("GET", "/metrics HTTP/1.1\r\nX: y")
+    with pytest.raises(ValueError):  # not latin-1
+        client.head("POST", "/x", extra=[("Authorization", "Bearer \u2603")])
