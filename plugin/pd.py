@@ -207,15 +207,14 @@ class PDHandoff:
         return params
 
     async def _call(self, pod: Pod, path: str, leg: bytes, request_id: str, authorization: str = "") -> dict[str, Any]:
-        started = time.perf_counter()
-        self.metrics.pd_in_flight.inc()
         extra = [("X-Request-Id", request_id)] + ([("Authorization", authorization)] if authorization else [])
+        client = self._http(pod)
         try:
-            client = self._http(pod)
             head = client.head("POST", path, "application/json", len(leg), accept="application/json", extra=extra)
         except ValueError as e:  # a header no HTTP/1.1 line can carry: the request is served whole
-            self.metrics.pd_in_flight.dec()
             raise PrefillFailed("invalid", str(e)) from None
+        started = time.perf_counter()
+        self.metrics.pd_in_flight.inc()
         try:
             reply = await client.request(head, leg, timeout_s=self.timeout_s)
         except TimeoutError:

@@ -129,7 +129,7 @@ def _labels(line: str, i: int) -> tuple[dict[str, str], int]:
         if eq < 0:
             raise ValueError(f"no '=' in the labels of {line!r}")
         name = line[i:eq].strip()
-        if not name or not name.isascii() or not (name[0].isalpha() or name[0] == "_") or not name.replace("_", "a").isalnum():
+        if _LABEL_NAME.fullmatch(name) is None:
             raise ValueError(f"bad label name {name!r} in {line!r}")
         i = eq + 1
         while i < n and line[i] in " \t":
@@ -170,10 +170,12 @@ def _labels(line: str, i: int) -> tuple[dict[str, str], int]:
             raise ValueError(f"expected ',' or '}}' in {line!r}")
 
 
-_LABEL = r'[A-Za-z_][A-Za-z0-9_]*="[^"\\\n]*"'
+_NAME = r'[A-Za-z_][A-Za-z0-9_]*'  # a label's name, as the text format has it
+_LABEL_NAME = re.compile(_NAME)
+_LABEL = _NAME + r'="[^"\\\n]*"'  # a label without an escape in its value
 # A sample's line after its name, in the shape exporters write: its labels (none escaped), value, timestamp
 _SIMPLE_LINE = re.compile(r'(?:\{((?:%s(?:,%s)*,?)?)\})?[ \t]+([^ \t]+)(?:[ \t]+([^ \t]+))?[ \t]*' % (_LABEL, _LABEL))
-_SIMPLE_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="([^"\\\n]*)"')
+_SIMPLE_LABEL = re.compile(r'(%s)="([^"\\\n]*)"' % _NAME)
 
 
 def _value(text: str, line: str) -> float:
