@@ -33,6 +33,7 @@ from plugin.watch import RedisWords, WatchRelay
 from plugin.status import RecentErrors, RoutingMix
 from routing.state.admission import Admission, Limiter, LocalLimiter, RedisLimiter
 from routing.state.prompt_relay import PromptRelay
+from routing.state.resp import shared_state_client
 from routing.state.counts import LocalCounts, RedisCounts, RunningCounts, build_counts, default_gateway_id
 from routing.discovery.static import StaticSource
 from routing.state.engine_metrics import EngineLoad, EngineMetrics, Saturation
@@ -237,8 +238,7 @@ class App:
         # every replica's running prompts (a tenant's burst dealt over the replicas is one burst), through Redis
         self.prompt_relay: PromptRelay | None = None
         if s.redis_url and self.router.prompts is not None:
-            from redis.asyncio import Redis
-            self.prompt_relay = PromptRelay(Redis.from_url(s.redis_url), self.router.prompts,
+            self.prompt_relay = PromptRelay(shared_state_client(s.redis_url), self.router.prompts,
                                             s.gateway_id or default_gateway_id(), registry=self.registry)
         self.tokenizer, self.verified_tokenizer, remote = _tokenizer(s, self.registry,
                                                                      known=lambda m: bool(self.pods.serving(m)))

@@ -36,7 +36,13 @@ async def follow_channel(client: Any, channel: str, on_message: Callable[[Any], 
     """Until cancelled: subscribe to `channel` through `client` (an asyncio Redis client) and hand each message's
     data to `on_message`. `subscribed()` once the subscription stands; `ended(error)` once it is gone (what failed,
     or None when the stream just ended; not when cancelled), then the next subscription `retry_s` later. With
-    `subscribe_timeout_s`, a subscription not answered within it fails."""
+    `subscribe_timeout_s`, a subscription not answered within it fails. A LeanRedis client (routing.state.resp)
+    follows the channel itself: each message handed over as it is read."""
+    from routing.state.resp import LeanRedis
+
+    if isinstance(client, LeanRedis):
+        return await client.follow(channel, on_message, retry_s=retry_s, subscribed=subscribed, ended=ended,
+                                   subscribe_timeout_s=subscribe_timeout_s)
     while True:
         pubsub = None
         error: BaseException | None = None

@@ -34,11 +34,12 @@ import socket
 import ssl
 import sys
 import time
-from typing import Protocol
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from routing.background import follow_channel
 from routing.metrics import RoutingMetrics
+from routing.state.resp import LeanRedis, lean_target
 
 log = logging.getLogger(__name__)
 
@@ -199,8 +200,13 @@ class RedisCounts:
 
         self.gateway_id = gateway_id or default_gateway_id()
         self._url_shown = redact_url(url)
-        self._redis = Redis.from_url(url, socket_timeout=op_timeout_s * 2, socket_connect_timeout=op_timeout_s * 2,
-                                     retry=Retry(NoBackoff(), 0), decode_responses=True)
+        self._redis: Any
+        target = lean_target(url)
+        if target is not None:  # every call below runs under asyncio.timeout(op_timeout_s)
+            self._redis = LeanRedis(target, decode=True, connect_timeout_s=op_timeout_s * 2)
+        else:  # TLS, or options of redis-py's
+            self._redis = Redis.from_url(url, socket_timeout=op_timeout_s * 2, socket_connect_timeout=op_timeout_s * 2,
+                                         retry=Retry(NoBackoff(), 0), decode_responses=True)
         self._sync = self._redis.register_script(_SYNC)
         self._read = self._redis.register_script(_READ)
         self._key = f"{key_prefix}gw:{self.gateway_id}"
@@ -406,7 +412,9 @@ class RedisCounts:
         from redis.asyncio import Redis
 
         # a client of its own: the other one's socket timeout would end every wait for a message
-        client = Redis.from_url(self._url, socket_connect_timeout=self._timeout * 2, decode_responses=True)
+        target = lean_target(self._url)
+        client: Any = (LeanRedis(target, decode=True, connect_timeout_s=self._timeout * 2) if target is not None
+                       else Redis.from_url(self._url, socket_connect_timeout=self._timeout * 2, decode_responses=True))
         try:
             await follow_channel(client, self._channel, self._heard_write, retry_s=self._heartbeat_s,
                                  subscribed=self._listening_now, ended=self._not_listening,
