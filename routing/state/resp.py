@@ -103,7 +103,8 @@ class _Connection(asyncio.Protocol):
     """One connection: replies to the commands waiting in order, or (subscribed) messages to `on_push`."""
 
     def __init__(self, encoding: str | None) -> None:
-        self._reader = hiredis.Reader(encoding=encoding) if encoding else hiredis.Reader()
+        # text that is not UTF-8 (a stranger's message on a channel) read with replacement characters, not a failure
+        self._reader = hiredis.Reader(encoding=encoding, errors="replace") if encoding else hiredis.Reader()
         self.waiting: deque[asyncio.Future] = deque()
         self.transport: asyncio.Transport | None = None
         self.on_push: Callable[[Any], None] | None = None
@@ -120,7 +121,7 @@ class _Connection(asyncio.Protocol):
             except hiredis.ProtocolError as e:
                 self.abort(ConnectionError(f"Redis sent what is not RESP: {e}"))
                 return
-            if reply is False:
+            if reply is False or self.closed.done():
                 return
             if self.on_push is not None:
                 self.on_push(reply)
@@ -145,12 +146,13 @@ class _Connection(asyncio.Protocol):
             self.closed.set_result(error)
 
     def send(self, args: tuple) -> asyncio.Future:
+        data = pack(args)  # before the waiter joins the queue: a command that cannot be sent takes no reply's place
         waiter = asyncio.get_running_loop().create_future()
         if self.closed.done() or self.transport is None:
             waiter.set_exception(ConnectionError("Redis connection closed"))
             return waiter
         self.waiting.append(waiter)
-        self.transport.write(pack(args))
+        self.transport.write(data)
         return waiter
 
     def abort(self, error: Exception | None = None) -> None:
@@ -242,12 +244,15 @@ class LeanRedis:
                 conn = await self._open()
                 confirmed = asyncio.get_running_loop().create_future()
 
-                def pushed(reply: Any, confirmed: asyncio.Future = confirmed) -> None:
+                def pushed(reply: Any, conn: _Connection = conn, confirmed: asyncio.Future = confirmed) -> None:
                     if not isinstance(reply, list) or len(reply) != 3:
                         return
                     kind = reply[0]
                     if kind in (b"message", "message"):
-                        on_message(reply[2])
+                        try:
+                            on_message(reply[2])
+                        except Exception as e:  # noqa: BLE001 - as follow_channel: this subscription ends with it
+                            conn.abort(e)
                     elif kind in (b"subscribe", "subscribe") and not confirmed.done():
                         confirmed.set_result(None)
 

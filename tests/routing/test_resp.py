@@ -102,6 +102,46 @@ async def test_a_caller_that_stops_waiting_closes_the_connection_and_no_reply_go
 
 
 @needs_redis
+async def test_a_command_that_cannot_be_sent_takes_no_replys_place(redis_server):
+    r = LeanRedis(lean_target(redis_server.url), decode=True)
+    try:
+        await r.call("SET", "k", "v")
+        with pytest.raises(TypeError):
+            await r.call("SET", "k", None)
+        assert await r.call("GET", "k") == "v"
+        assert await r.call("PING") == "PONG"
+    finally:
+        await r.aclose()
+
+
+@needs_redis
+async def test_a_channel_outlives_bad_text_and_a_failing_callback(redis_server):
+    sub = LeanRedis(lean_target(redis_server.url), decode=True)
+    pub = LeanRedis(lean_target(redis_server.url))
+    got, events = [], []
+
+    def take(m):
+        if m == "boom":
+            raise ValueError("boom")
+        got.append(m)
+    task = asyncio.ensure_future(sub.follow("ch", take, retry_s=0.05, subscribed=lambda: events.append("on"),
+                                            ended=events.append, subscribe_timeout_s=2.0))
+    try:
+        await wait_until_async(lambda: events == ["on"], timeout=10)
+        await pub.publish("ch", b"gw-\xff")  # not UTF-8: read with a replacement character
+        await wait_until_async(lambda: got == ["gw-\ufffd"], timeout=10)
+        await pub.publish("ch", b"boom")  # the callback fails: the subscription ends with its error, then again
+        await wait_until_async(lambda: events[-1:] == ["on"] and len(events) == 3, timeout=10)
+        assert isinstance(events[1], ValueError)
+        await pub.publish("ch", b"after")
+        await wait_until_async(lambda: got[-1:] == ["after"], timeout=10)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await pub.aclose()
+
+
+@needs_redis
 async def test_password_user_and_db():
     server = RedisServer(password="s3cret")
     server.start()
