@@ -484,6 +484,7 @@ class RedisCounts:
         return {
             "backend": "redis",
             "redis": self._url_shown,
+            "client": "kvgate" if isinstance(self._redis, LeanRedis) else "redis-py",  # routing.state.resp
             "gateway_id": self.gateway_id,
             "redis_up": self.up,
             "other_gateways": self._live_others,

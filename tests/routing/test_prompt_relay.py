@@ -205,13 +205,23 @@ def test_local_relay_shares_the_replicas_running_prompts():
     assert two.held(MODEL, None, SYSTEM + [9], None, at("a", "b", "c")) == {"c": 10}
 
 
-@pytest.mark.skipif(not shutil.which("redis-server"), reason="redis-server (Debian) is installed by ./dev setup")
-async def test_two_replicas_share_their_running_prompts_through_redis_and_outlive_its_restart():
+def _lean(url: str):
+    from routing.state.resp import LeanRedis, lean_target
+    return LeanRedis(lean_target(url))
+
+
+def _redis_py(url: str):
     from redis.asyncio import Redis
+    return Redis.from_url(url)
+
+
+@pytest.mark.skipif(not shutil.which("redis-server"), reason="redis-server (Debian) is installed by ./dev setup")
+@pytest.mark.parametrize("client", [_lean, _redis_py], ids=["lean", "redis-py"])
+async def test_two_replicas_share_their_running_prompts_through_redis_and_outlive_its_restart(client):
     server = RedisServer()
     server.start()
-    a, mine = relay("gw-a", client=Redis.from_url(server.url), clock=time.monotonic)
-    b, theirs = relay("gw-b", client=Redis.from_url(server.url), clock=time.monotonic)
+    a, mine = relay("gw-a", client=client(server.url), clock=time.monotonic)
+    b, theirs = relay("gw-b", client=client(server.url), clock=time.monotonic)
     for r in (a, b):
         r._retry_s = 0.1
         r.start()
@@ -232,6 +242,41 @@ async def test_two_replicas_share_their_running_prompts_through_redis_and_outliv
         await asyncio.sleep(1.5)
         theirs.add(3, "a", "a", 0, MODEL, None, SYSTEM + [4], None)
         assert await wait_until_async(lambda: mine.held(MODEL, None, second, None, at("a")) == {"a": 10}, timeout=10)
+    finally:
+        for r in (a, b):
+            await r.aclose()
+        server.kill()
+
+
+@pytest.mark.skipif(not shutil.which("redis-server"), reason="redis-server (Debian) is installed by ./dev setup")
+async def test_a_stopped_redis_drops_the_changes_meanwhile_and_the_relay_goes_on_once_it_answers():
+    """Redis stopped (SIGSTOP: it holds the connections and answers nothing): the publish gives up after
+    PUBLISH_TIMEOUT_S and its changes are counted dropped; once Redis answers again the next change reaches
+    the other replica (over kvgate's own client, whose timed-out command closed its connection)."""
+    import os
+    import signal
+    server = RedisServer()
+    server.start()
+    a, mine = relay("gw-a", client=_lean(server.url), clock=time.monotonic)
+    b, theirs = relay("gw-b", client=_lean(server.url), clock=time.monotonic)
+    for r in (a, b):
+        r._retry_s = 0.1
+        r.start()
+    try:
+        for r in (a, b):
+            await asyncio.wait_for(r.first_try.wait(), 5)
+        await asyncio.sleep(0.1)  # both subscribed
+        second = SYSTEM + [2]
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            theirs.add(1, "b", "b", 0, MODEL, None, SYSTEM + [1], None)
+            assert await wait_until_async(lambda: count(b, "dropped") == 1, timeout=5)
+            assert mine.held(MODEL, None, second, None, at("b")) == {}
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        theirs.add(2, "c", "c", 0, MODEL, None, SYSTEM + [3], None)
+        assert await wait_until_async(lambda: mine.held(MODEL, None, second, None, at("c")) == {"c": 10}, timeout=10)
+        assert count(b, "sent") == 1
     finally:
         for r in (a, b):
             await r.aclose()

@@ -202,6 +202,50 @@ async def test_redis_killed_and_restarted_under_load(redis_server):
         await rb.close()
 
 
+async def test_a_stopped_redis_costs_a_pick_nothing_and_the_counts_reconverge_once_it_answers(redis_server):
+    """Redis stopped (SIGSTOP: it keeps the connections and answers nothing), as a hung Redis or a partition: a
+    write gives up after op_timeout_s (kvgate's own client closes the connection its command waited on), picks
+    go on with local counts without waiting on it, and once Redis answers the next writes bring both views back
+    to what runs."""
+    import os
+    import signal
+    ra, ca = await gateway(redis_server.url, "gw-a", op_timeout_s=0.2)
+    rb, cb = await gateway(redis_server.url, "gw-b", op_timeout_s=0.2)
+    try:
+        assert ca.snapshot()["client"] == "kvgate"  # the lean client (redis://)
+        held = [await ra.pick(RouteRequest("m")) for _ in range(2)]
+        assert await ca.flush()
+        await cb.refresh()
+        assert sum(cb.totals().values()) == 2
+        os.kill(redis_server.proc.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            assert not await ca.flush()
+            assert time.monotonic() - started < 1.5 and not ca.up
+            t0 = time.monotonic()
+            more = [await rb.pick(RouteRequest("m")) for _ in range(3)]
+            assert time.monotonic() - t0 < 1.0, "a pick waited on the stopped Redis"
+        finally:
+            os.kill(redis_server.proc.pid, signal.SIGCONT)
+
+        async def agreed():
+            await ca.flush(), await cb.flush()
+            return await converged(ca, cb)
+        await wait_until_async(agreed, timeout=10, interval=0.05, detail=lambda: (ca.snapshot(), cb.snapshot()))
+        assert sum(ca.totals().values()) == 5 and ca.up and cb.up
+        for d in held:
+            await ra.release(d)
+        for d in more:
+            await rb.release(d)
+
+        async def none_left():
+            return await agreed() and ca.totals() == {}
+        await wait_until_async(none_left, timeout=10, interval=0.05, detail=lambda: (ca.snapshot(), cb.snapshot()))
+    finally:
+        await ra.close()
+        await rb.close()
+
+
 async def test_redis_down_from_the_start_means_local_counts():
     counts = RedisCounts(f"redis://127.0.0.1:{free_port()}/0", "gw-x", **FAST)
     r = Router(PodRegistry(pods(2)), default_strategy="least-request", counts=counts, seed=0)
@@ -263,6 +307,7 @@ async def test_tls_url(tmp_path):
     try:
         url = f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={certs['ca']}"
         a, b = RedisCounts(url, "tls-a", **FAST), RedisCounts(url, "tls-b", **FAST)
+        assert a.snapshot()["client"] == "redis-py"  # TLS stays on redis-py
         a.add("p0", 2)
         assert await a.flush(), "no TLS connection with certificates that should pass"
         await b.refresh()
