@@ -102,6 +102,20 @@ async def test_a_caller_that_stops_waiting_closes_the_connection_and_no_reply_go
 
 
 @needs_redis
+async def test_its_connections_probe_an_idle_peer(redis_server):
+    import socket
+    r = LeanRedis(lean_target(redis_server.url))
+    try:
+        await r.call("PING")
+        sock = r._conn.transport.get_extra_info("socket")
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 30
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == 3
+    finally:
+        await r.aclose()
+
+
+@needs_redis
 async def test_a_command_that_cannot_be_sent_takes_no_replys_place(redis_server):
     r = LeanRedis(lean_target(redis_server.url), decode=True)
     try:
