@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Callable
 
+from routing.state.resp import LeanRedis
+
 
 class BackgroundLoop:
     """Subclasses define `_run()` (a loop that handles its own errors); `start()` is idempotent and
@@ -38,8 +40,6 @@ async def follow_channel(client: Any, channel: str, on_message: Callable[[Any], 
     or None when the stream just ended; not when cancelled), then the next subscription `retry_s` later. With
     `subscribe_timeout_s`, a subscription not answered within it fails. A LeanRedis client (routing.state.resp)
     follows the channel itself: each message handed over as it is read."""
-    from routing.state.resp import LeanRedis
-
     if isinstance(client, LeanRedis):
         return await client.follow(channel, on_message, retry_s=retry_s, subscribed=subscribed, ended=ended,
                                    subscribe_timeout_s=subscribe_timeout_s)

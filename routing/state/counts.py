@@ -34,12 +34,12 @@ import socket
 import ssl
 import sys
 import time
-from typing import Any, Protocol
+from typing import Protocol
 from urllib.parse import urlsplit
 
 from routing.background import follow_channel
 from routing.metrics import RoutingMetrics
-from routing.state.resp import LeanRedis, lean_target
+from routing.state.resp import LeanRedis, shared_state_client
 
 log = logging.getLogger(__name__)
 
@@ -194,19 +194,15 @@ class RedisCounts:
             raise ValueError(f"KVGATE_REDIS_URL: expected redis://, rediss:// or unix://, got {redact_url(url)!r}")
         if heartbeat_s >= ttl_s:
             raise ValueError("heartbeat must be shorter than the key TTL")
-        from redis.asyncio import Redis
         from redis.asyncio.retry import Retry
         from redis.backoff import NoBackoff
 
         self.gateway_id = gateway_id or default_gateway_id()
         self._url_shown = redact_url(url)
-        self._redis: Any
-        target = lean_target(url)
-        if target is not None:  # every call below runs under asyncio.timeout(op_timeout_s)
-            self._redis = LeanRedis(target, decode=True, connect_timeout_s=op_timeout_s * 2)
-        else:  # TLS, or options of redis-py's
-            self._redis = Redis.from_url(url, socket_timeout=op_timeout_s * 2, socket_connect_timeout=op_timeout_s * 2,
-                                         retry=Retry(NoBackoff(), 0), decode_responses=True)
+        # kvgate's own client where it serves the URL (every call below runs under asyncio.timeout(op_timeout_s)),
+        # else redis-py's (TLS, other options)
+        self._redis = shared_state_client(url, decode=True, connect_timeout_s=op_timeout_s * 2,
+                                          socket_timeout=op_timeout_s * 2, retry=Retry(NoBackoff(), 0))
         self._sync = self._redis.register_script(_SYNC)
         self._read = self._redis.register_script(_READ)
         self._key = f"{key_prefix}gw:{self.gateway_id}"
@@ -409,12 +405,8 @@ class RedisCounts:
     async def _listen(self) -> None:
         """Counts the other gateways' writes published on the channel; on any failure stops listening (views
         are read by age meanwhile) and subscribes again a heartbeat later."""
-        from redis.asyncio import Redis
-
         # a client of its own: the other one's socket timeout would end every wait for a message
-        target = lean_target(self._url)
-        client: Any = (LeanRedis(target, decode=True, connect_timeout_s=self._timeout * 2) if target is not None
-                       else Redis.from_url(self._url, socket_connect_timeout=self._timeout * 2, decode_responses=True))
+        client = shared_state_client(self._url, decode=True, connect_timeout_s=self._timeout * 2)
         try:
             await follow_channel(client, self._channel, self._heard_write, retry_s=self._heartbeat_s,
                                  subscribed=self._listening_now, ended=self._not_listening,

@@ -75,13 +75,15 @@ def lean_target(url: str) -> Target | None:
     return Target(host=parts.hostname or "", port=port or DEFAULT_PORT, username=username, password=password, db=db)
 
 
-def shared_state_client(url: str, *, decode: bool = False, connect_timeout_s: float = 1.0) -> Any:
-    """LeanRedis where it serves the URL, else redis-py's asyncio client with redis-py's defaults."""
+def shared_state_client(url: str, *, decode: bool = False, connect_timeout_s: float | None = None,
+                        **redis_py_options: Any) -> Any:
+    """LeanRedis where it serves the URL (connecting within `connect_timeout_s`, else 1 s), else redis-py's asyncio
+    client with `redis_py_options` (and `connect_timeout_s` as its socket_connect_timeout: None, its default)."""
     target = lean_target(url)
     if target is not None:
-        return LeanRedis(target, decode=decode, connect_timeout_s=connect_timeout_s)
+        return LeanRedis(target, decode=decode, connect_timeout_s=connect_timeout_s or 1.0)
     from redis.asyncio import Redis
-    return Redis.from_url(url, decode_responses=decode)
+    return Redis.from_url(url, decode_responses=decode, socket_connect_timeout=connect_timeout_s, **redis_py_options)
 
 
 def pack(args: tuple) -> bytes:
