@@ -38,34 +38,39 @@ async def follow_channel(client: Any, channel: str, on_message: Callable[[Any], 
     """Until cancelled: subscribe to `channel` through `client` (an asyncio Redis client) and hand each message's
     data to `on_message`. `subscribed()` once the subscription stands; `ended(error)` once it is gone (what failed,
     or None when the stream just ended; not when cancelled), then the next subscription `retry_s` later. With
-    `subscribe_timeout_s`, a subscription not answered within it fails. A LeanRedis client (routing.state.resp)
-    follows the channel itself: each message handed over as it is read."""
-    if isinstance(client, LeanRedis):
-        return await client.follow(channel, on_message, retry_s=retry_s, subscribed=subscribed, ended=ended,
-                                   subscribe_timeout_s=subscribe_timeout_s)
+    `subscribe_timeout_s`, a subscription not answered within it fails. Through redis-py's pubsub, or a LeanRedis
+    client's own (routing.state.resp: each message handed over as it is read)."""
     while True:
-        pubsub = None
         error: BaseException | None = None
         try:
-            pubsub = client.pubsub(ignore_subscribe_messages=True)
-            subscribing = pubsub.subscribe(channel)
-            await (subscribing if subscribe_timeout_s is None else asyncio.wait_for(subscribing, subscribe_timeout_s))
-            subscribed()
-            async for message in pubsub.listen():
-                if message.get("type") == "message":
-                    on_message(message["data"])
+            if isinstance(client, LeanRedis):
+                await client.subscribed(channel, on_message, confirmed=subscribed, timeout_s=subscribe_timeout_s)
+            else:
+                await _subscribed(client, channel, on_message, subscribed, subscribe_timeout_s)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - Redis gone or refusing: told, and subscribed again later
             error = e
-        finally:
-            if pubsub is not None:
-                try:
-                    await pubsub.aclose()
-                except Exception:  # noqa: BLE001 - the connection is gone already
-                    pass
         ended(error)
         await asyncio.sleep(retry_s)
+
+
+async def _subscribed(client: Any, channel: str, on_message: Callable[[Any], None], confirmed: Callable[[], None],
+                      timeout_s: float | None) -> None:
+    """One subscription through redis-py's pubsub, until its stream ends (returns) or fails (raises)."""
+    pubsub = client.pubsub(ignore_subscribe_messages=True)
+    try:
+        subscribing = pubsub.subscribe(channel)
+        await (subscribing if timeout_s is None else asyncio.wait_for(subscribing, timeout_s))
+        confirmed()
+        async for message in pubsub.listen():
+            if message.get("type") == "message":
+                on_message(message["data"])
+    finally:
+        try:
+            await pubsub.aclose()
+        except Exception:  # noqa: BLE001 - the connection is gone already
+            pass
 
 
 def cancel_swallowed() -> bool:

@@ -253,48 +253,39 @@ class LeanRedis:
     def register_script(self, text: str) -> "LeanScript":
         return LeanScript(self, text)
 
-    async def follow(self, channel: str, on_message: Callable[[Any], None], *, retry_s: float,
-                     subscribed: Callable[[], None], ended: Callable[[BaseException | None], None],
-                     subscribe_timeout_s: float | None = None) -> None:
-        """routing.background.follow_channel's contract, each message handed to `on_message` as it is read."""
-        while True:
-            conn: _Connection | None = None
-            error: BaseException | None = None
-            try:
-                conn = await self._open()
-                confirmed = asyncio.get_running_loop().create_future()
+    async def subscribed(self, channel: str, on_message: Callable[[Any], None], *,
+                         confirmed: Callable[[], None], timeout_s: float | None = None) -> None:
+        """One subscription to `channel` on a connection of its own, each message handed to `on_message` as it
+        is read, `confirmed()` once Redis confirmed it; returns never: raises what ended it (ConnectionError
+        when Redis closed it, TimeoutError when no confirmation came within `timeout_s`, or what `on_message`
+        raised). routing.background.follow_channel subscribes again."""
+        conn = await self._open()
+        try:
+            confirmation = asyncio.get_running_loop().create_future()
 
-                def pushed(reply: Any, conn: _Connection = conn, confirmed: asyncio.Future = confirmed) -> None:
-                    if not isinstance(reply, list) or len(reply) != 3:
-                        return
-                    kind = reply[0]
-                    if kind in (b"message", "message"):
-                        try:
-                            on_message(reply[2])
-                        except Exception as e:  # noqa: BLE001 - as follow_channel: this subscription ends with it
-                            conn.abort(e)
-                    elif kind in (b"subscribe", "subscribe") and not confirmed.done():
-                        confirmed.set_result(None)
+            def pushed(reply: Any) -> None:
+                if not isinstance(reply, list) or len(reply) != 3:
+                    return
+                kind = reply[0]
+                if kind in (b"message", "message"):
+                    try:
+                        on_message(reply[2])
+                    except Exception as e:  # noqa: BLE001 - as with redis-py: the subscription ends with it
+                        conn.abort(e)
+                elif kind in (b"subscribe", "subscribe") and not confirmation.done():
+                    confirmation.set_result(None)
 
-                conn.on_push = pushed
-                assert conn.transport is not None
-                conn.transport.write(pack(("SUBSCRIBE", channel)))
-                await asyncio.wait([confirmed, conn.closed], timeout=subscribe_timeout_s,
-                                             return_when=asyncio.FIRST_COMPLETED)
-                if not confirmed.done():
-                    raise (conn.closed.result() if conn.closed.done()
-                           else TimeoutError(f"Redis did not confirm the subscription to {channel}"))
-                subscribed()
-                error = await conn.closed
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # noqa: BLE001 - Redis gone or refusing: told, and subscribed again later
-                error = e
-            finally:
-                if conn is not None:
-                    conn.abort()
-            ended(error)
-            await asyncio.sleep(retry_s)
+            conn.on_push = pushed
+            assert conn.transport is not None
+            conn.transport.write(pack(("SUBSCRIBE", channel)))
+            await asyncio.wait([confirmation, conn.closed], timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            if not confirmation.done():
+                raise (conn.closed.result() if conn.closed.done()
+                       else TimeoutError(f"Redis did not confirm the subscription to {channel}"))
+            confirmed()
+            raise await conn.closed
+        finally:
+            conn.abort()
 
     async def aclose(self) -> None:
         if self._connecting is not None:

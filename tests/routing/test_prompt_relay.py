@@ -3,6 +3,7 @@ where it counts) or in one process (LocalRelay, bench routing's replicas)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import shutil
 import time
@@ -215,9 +216,9 @@ def _redis_py(url: str):
     return Redis.from_url(url)
 
 
-@pytest.mark.skipif(not shutil.which("redis-server"), reason="redis-server (Debian) is installed by ./dev setup")
-@pytest.mark.parametrize("client", [_lean, _redis_py], ids=["lean", "redis-py"])
-async def test_two_replicas_share_their_running_prompts_through_redis_and_outlive_its_restart(client):
+@contextlib.asynccontextmanager
+async def two_replicas(client):
+    """A redis-server and two started relays through it (gw-a, gw-b), each with its running prompts, subscribed."""
     server = RedisServer()
     server.start()
     a, mine = relay("gw-a", client=client(server.url), clock=time.monotonic)
@@ -229,6 +230,17 @@ async def test_two_replicas_share_their_running_prompts_through_redis_and_outliv
         for r in (a, b):
             await asyncio.wait_for(r.first_try.wait(), 5)
         await asyncio.sleep(0.1)  # both subscribed
+        yield server, (a, mine), (b, theirs)
+    finally:
+        for r in (a, b):
+            await r.aclose()
+        server.kill()
+
+
+@pytest.mark.skipif(not shutil.which("redis-server"), reason="redis-server (Debian) is installed by ./dev setup")
+@pytest.mark.parametrize("client", [_lean, _redis_py], ids=["lean", "redis-py"])
+async def test_two_replicas_share_their_running_prompts_through_redis_and_outlive_its_restart(client):
+    async with two_replicas(client) as (server, (a, mine), (b, theirs)):
         theirs.add(1, "b", "b", 0, MODEL, None, SYSTEM + [1], None)
         second = SYSTEM + [2]
         assert await wait_until_async(lambda: mine.held(MODEL, None, second, None, at("b")) == {"b": 10}, timeout=5)
@@ -242,10 +254,6 @@ async def test_two_replicas_share_their_running_prompts_through_redis_and_outliv
         await asyncio.sleep(1.5)
         theirs.add(3, "a", "a", 0, MODEL, None, SYSTEM + [4], None)
         assert await wait_until_async(lambda: mine.held(MODEL, None, second, None, at("a")) == {"a": 10}, timeout=10)
-    finally:
-        for r in (a, b):
-            await r.aclose()
-        server.kill()
 
 
 @pytest.mark.skipif(not shutil.which("redis-server"), reason="redis-server (Debian) is installed by ./dev setup")
@@ -255,17 +263,7 @@ async def test_a_stopped_redis_drops_the_changes_meanwhile_and_the_relay_goes_on
     the other replica (over kvgate's own client, whose timed-out command closed its connection)."""
     import os
     import signal
-    server = RedisServer()
-    server.start()
-    a, mine = relay("gw-a", client=_lean(server.url), clock=time.monotonic)
-    b, theirs = relay("gw-b", client=_lean(server.url), clock=time.monotonic)
-    for r in (a, b):
-        r._retry_s = 0.1
-        r.start()
-    try:
-        for r in (a, b):
-            await asyncio.wait_for(r.first_try.wait(), 5)
-        await asyncio.sleep(0.1)  # both subscribed
+    async with two_replicas(_lean) as (server, (a, mine), (b, theirs)):
         second = SYSTEM + [2]
         os.kill(server.proc.pid, signal.SIGSTOP)
         try:
@@ -277,7 +275,3 @@ async def test_a_stopped_redis_drops_the_changes_meanwhile_and_the_relay_goes_on
         theirs.add(2, "c", "c", 0, MODEL, None, SYSTEM + [3], None)
         assert await wait_until_async(lambda: mine.held(MODEL, None, second, None, at("c")) == {"c": 10}, timeout=10)
         assert count(b, "sent") == 1
-    finally:
-        for r in (a, b):
-            await r.aclose()
-        server.kill()

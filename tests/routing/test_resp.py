@@ -11,6 +11,7 @@ import subprocess
 import pytest
 from redis.asyncio.connection import parse_url
 
+from routing.background import follow_channel
 from routing.state.resp import LeanRedis, RespError, Target, lean_target, pack, shared_state_client
 from helpers import RedisServer, free_port, wait_until_async
 
@@ -138,8 +139,8 @@ async def test_a_channel_outlives_bad_text_and_a_failing_callback(redis_server):
         if m == "boom":
             raise ValueError("boom")
         got.append(m)
-    task = asyncio.ensure_future(sub.follow("ch", take, retry_s=0.05, subscribed=lambda: events.append("on"),
-                                            ended=events.append, subscribe_timeout_s=2.0))
+    task = asyncio.ensure_future(follow_channel(sub, "ch", take, retry_s=0.05, subscribed=lambda: events.append("on"),
+                                                ended=events.append, subscribe_timeout_s=2.0))
     try:
         await wait_until_async(lambda: events == ["on"], timeout=10)
         await pub.publish("ch", b"gw-\xff")  # not UTF-8: read with a replacement character
@@ -232,8 +233,9 @@ async def test_a_channel_followed_through_a_restart(redis_server):
     sub = LeanRedis(lean_target(redis_server.url))
     pub = LeanRedis(lean_target(redis_server.url))
     got, events = [], []
-    task = asyncio.ensure_future(sub.follow("ch", got.append, retry_s=0.05, subscribed=lambda: events.append("on"),
-                                            ended=lambda e: events.append(e), subscribe_timeout_s=2.0))
+    task = asyncio.ensure_future(follow_channel(sub, "ch", got.append, retry_s=0.05,
+                                                subscribed=lambda: events.append("on"), ended=events.append,
+                                                subscribe_timeout_s=2.0))
     try:
         await wait_until_async(lambda: events == ["on"], timeout=10)
         for i in range(50):
@@ -303,8 +305,9 @@ async def test_a_subscription_never_confirmed_fails_and_is_tried_again():
     server, port = await _server(None)
     r = LeanRedis(Target(host="127.0.0.1", port=port))
     ended = []
-    task = asyncio.ensure_future(r.follow("ch", lambda m: None, retry_s=0.01, subscribed=lambda: ended.append("on"),
-                                          ended=ended.append, subscribe_timeout_s=0.05))
+    task = asyncio.ensure_future(follow_channel(r, "ch", lambda m: None, retry_s=0.01,
+                                                subscribed=lambda: ended.append("on"), ended=ended.append,
+                                                subscribe_timeout_s=0.05))
     try:
         await wait_until_async(lambda: len(ended) >= 2, timeout=5)
         assert "on" not in ended and all(isinstance(e, TimeoutError) for e in ended)
