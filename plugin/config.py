@@ -216,8 +216,10 @@ VARIABLES: tuple[Variable, ...] = (
              "How often each pod's `/metrics` is scraped (queue length, KV utilisation, liveness)."),
     Variable("KVGATE_PODS_POLL_S", "pods_poll_s", _positive_float, 1.0, "How often KVGATE_PODS_FILE is checked for changes."),
     Variable("KVGATE_REDIS_URL", "redis_url", _redis_url, "",
-             "Redis for running-request counts shared by gateway replicas (`redis://`, `rediss://`); "
-             "empty: in-process counts. With ACLs, the user needs the keys and channels under `kvgate:` (channels: "
+             "Redis for running-request counts shared by gateway replicas (`redis://`, `rediss://`, `unix://`; the "
+             "options redis-py reads in a URL); empty: in-process counts. The counts and the running prompts go "
+             "through kvgate's own lean client where the URL has no option but `db` (TLS and other options: "
+             "redis-py; `/debug`'s `counts.client` says which). With ACLs, the user needs the keys and channels under `kvgate:` (channels: "
              "the replicas' running prompts, and word of each counts write, so a replica reads the others' counts "
              "only when they changed; without channel rights counts are still shared, read every 5 ms).",
              secret=True),
