@@ -202,6 +202,36 @@ async def test_redis_killed_and_restarted_under_load(redis_server):
         await rb.close()
 
 
+async def test_a_gateway_on_kvgates_client_and_one_on_redis_py_share_their_counts(redis_server):
+    """The same keys, scripts and channel whichever client a gateway uses (a URL with a redis-py option keeps
+    redis-py): mixed replicas agree, each reading the other's counts once it heard the other's write (notified:
+    no read otherwise within two heartbeats)."""
+    ra, ca = await gateway(redis_server.url, "gw-lean", notified=True, heartbeat_s=1.0)
+    rb, cb = await gateway(redis_server.url + "?health_check_interval=0", "gw-redis-py", notified=True,
+                           heartbeat_s=1.0)
+
+    async def agree(total: int) -> bool:
+        await ca.refresh(), await cb.refresh()
+        return ca.totals() == cb.totals() and sum(ca.totals().values()) == total
+
+    try:
+        assert ca.snapshot()["client"] == "kvgate" and cb.snapshot()["client"] == "redis-py"
+        await wait_until_async(lambda: ca.listening and cb.listening, timeout=10)
+        held_a = [await ra.pick(RouteRequest("m")) for _ in range(2)]
+        held_b = [await rb.pick(RouteRequest("m")) for _ in range(3)]
+        assert await ca.flush() and await cb.flush()
+        await wait_until_async(lambda: agree(5), timeout=1.5, interval=0.05, detail=lambda: (ca.snapshot(), cb.snapshot()))
+        for d in held_a:
+            await ra.release(d)
+        for d in held_b:
+            await rb.release(d)
+        assert await ca.flush() and await cb.flush()
+        await wait_until_async(lambda: agree(0), timeout=1.5, interval=0.05, detail=lambda: (ca.snapshot(), cb.snapshot()))
+    finally:
+        await ra.close()
+        await rb.close()
+
+
 async def test_a_stopped_redis_costs_a_pick_nothing_and_the_counts_reconverge_once_it_answers(redis_server):
     """Redis stopped (SIGSTOP: it keeps the connections and answers nothing), as a hung Redis or a partition: a
     write gives up after op_timeout_s (kvgate's own client closes the connection its command waited on), picks
