@@ -5,9 +5,8 @@ The counts' scripts, the prompt relay's publishes and the three channels the rep
 replica's Redis work, and at load they cost it as much CPU as its routing decisions: through redis-py's asyncio
 client a script call took 90-135 us of client CPU besides the loop's wake-up and a channel message 54-59 with it
 (its pool, retry and response layers, an async generator per message); here 28-35 and 26-36 (docs/BENCHMARKS.md,
-request). Only what those callers use:
-plain redis:// and unix:// URLs with a password, a user and a db. rediss:// (TLS) and URLs with other options stay
-on redis-py (`lean_target` says which).
+request). Only what those callers use: plain redis:// and unix:// URLs with a password, a user and a db. rediss://
+(TLS) and URLs with other options stay on redis-py (`lean_target` says which).
 
 A command's reply comes back in order on its connection: a caller that stops waiting (a timeout, a cancel) closes
 the connection, as redis-py does, so no later reply is matched to the wrong caller; the next command connects
@@ -19,7 +18,7 @@ import asyncio
 import hashlib
 import socket
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 from urllib.parse import parse_qs, unquote, urlsplit
 
@@ -39,7 +38,7 @@ class Target:
     port: int = DEFAULT_PORT
     path: str = ""
     username: str | None = None
-    password: str | None = None
+    password: str | None = field(default=None, repr=False)  # never in a log line
     db: int = 0
 
 

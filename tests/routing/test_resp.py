@@ -45,6 +45,11 @@ def test_what_it_does_not_serve_is_left_to_redis_py(url):
     assert lean_target(url) is None
 
 
+def test_a_targets_password_is_never_shown():
+    t = lean_target("redis://user:s3cret@h:1/0")
+    assert t is not None and t.password == "s3cret" and "s3cret" not in repr(t)
+
+
 def test_the_client_for_a_url():
     assert isinstance(shared_state_client("redis://127.0.0.1:1/0"), LeanRedis)
     from redis.asyncio import Redis
