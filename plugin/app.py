@@ -287,8 +287,7 @@ class App:
                       if self.observer is not None else None)
         self.relay_words: RedisWords | None = None
         if self.relay is not None and s.redis_url:
-            from redis.asyncio import Redis
-            self.relay_words = RedisWords(Redis.from_url(s.redis_url), self.relay)
+            self.relay_words = RedisWords(shared_state_client(s.redis_url), self.relay)
         self.processor = ExternalProcessor(Gateway(
             router=self.router, registry=self.pods, tokenizer=self.tokenizer, metrics=self.gateway_metrics,
             default_strategy=s.routing_strategy, max_body_bytes=s.max_body_bytes,

@@ -32,7 +32,7 @@ from prometheus_client import CollectorRegistry
 from plugin import observe
 from plugin.metrics import LoopCounter
 from plugin.request import KINDS
-from routing.background import BackgroundLoop
+from routing.background import BackgroundLoop, follow_channel
 from routing.pods import Pod
 from routing.router import Decision
 
@@ -277,32 +277,27 @@ class RedisWords(BackgroundLoop):
         await self._client.publish(CHANNEL_PREFIX + gateway, data)
 
     async def _run(self) -> None:
-        channel = CHANNEL_PREFIX + self._relay.gateway_id
-        while True:
-            pubsub = self._client.pubsub(ignore_subscribe_messages=True)
-            try:
-                await pubsub.subscribe(channel)
-                self.first_try.set()
-                if self._failing:
-                    self._failing = False
-                    log.info("watch: reading Redis channel %s again", channel)
-                async for message in pubsub.listen():
-                    if message.get("type") == "message":
-                        self._relay.apply_data(message["data"])
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                self.first_try.set()
-                (log.debug if self._failing else log.warning)(
-                    "watch: reading Redis channel %s failed (%s); again every %.1f s, words from other replicas lost "
-                    "meanwhile", channel, e, self._retry_s)
-                self._failing = True
-            finally:
-                try:
-                    await pubsub.aclose()
-                except Exception:  # the connection is gone already
-                    pass
-            await asyncio.sleep(self._retry_s)
+        await follow_channel(self._client, self._channel, self._relay.apply_data, retry_s=self._retry_s,
+                             subscribed=self._subscribed, ended=self._ended)
+
+    @property
+    def _channel(self) -> str:
+        return CHANNEL_PREFIX + self._relay.gateway_id
+
+    def _subscribed(self) -> None:
+        self.first_try.set()
+        if self._failing:
+            self._failing = False
+            log.info("watch: reading Redis channel %s again", self._channel)
+
+    def _ended(self, e: BaseException | None) -> None:
+        if e is None:  # the stream just ended: subscribed again, nothing to tell
+            return
+        self.first_try.set()
+        (log.debug if self._failing else log.warning)(
+            "watch: reading Redis channel %s failed (%s); again every %.1f s, words from other replicas lost "
+            "meanwhile", self._channel, e, self._retry_s)
+        self._failing = True
 
     async def aclose(self) -> None:
         await super().aclose()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from plugin.metrics import GatewayMetrics
@@ -215,17 +216,21 @@ async def test_a_second_request_of_a_waiting_id_is_not_watched_from_a_stream_of_
     assert first.completion_tokens == 3 and second.completion_tokens == 0
 
 
-async def test_words_cross_replicas_through_a_real_redis_and_again_after_it_restarts(redis_server, caplog):
-    """Two replicas' relays over a real redis-server: a word for the other replica reaches its Watch; with Redis
-    down a word fails, counted, and the Watch it was for closes as cut after its wait; Redis back (same port,
-    every key lost), each replica subscribes again and words flow."""
+@pytest.mark.parametrize("lean", [True, False], ids=["kvgate-client", "redis-py"])
+async def test_words_cross_replicas_through_a_real_redis_and_again_after_it_restarts(redis_server, caplog, lean):
+    """Two replicas' relays over a real redis-server (through kvgate's own client, as a redis:// URL is, and
+    through redis-py, as rediss:// is): a word for the other replica reaches its Watch; with Redis down a word
+    fails, counted, and the Watch it was for closes as cut after its wait; Redis back (same port, every key lost),
+    each replica subscribes again and words flow."""
     from redis.asyncio import Redis
 
     from helpers import wait_until_async
     from plugin.watch import RedisWords
+    from routing.state.resp import LeanRedis, lean_target
     caplog.set_level("INFO", logger="kvgate.watch")
     a, b = Side("gw-a"), Side("gw-b", wait_s=0.3)
-    words = [RedisWords(Redis.from_url(redis_server.url), side.relay, retry_s=0.1) for side in (a, b)]
+    words = [RedisWords(LeanRedis(lean_target(redis_server.url)) if lean else Redis.from_url(redis_server.url),
+                        side.relay, retry_s=0.1) for side in (a, b)]
     for w in words:
         w.start()
     try:
