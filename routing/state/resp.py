@@ -1,8 +1,8 @@
 """A lean Redis client for the replicas' shared state: commands pipelined on one connection and channel messages
 handed to a callback as they are read, RESP2 parsed by hiredis.
 
-The counts' scripts, the prompt relay's publishes and the three channels the replicas listen on are most of a
-replica's Redis work, and at load they cost it as much CPU as its routing decisions: through redis-py's asyncio
+The counts' scripts, the prompt relay's and the watch words' publishes and the channels the replicas listen on are
+most of a replica's Redis work, and at load they cost it as much CPU as its routing decisions: through redis-py's asyncio
 client a script call took 90-135 us of client CPU besides the loop's wake-up and a channel message 54-59 with it
 (its pool, retry and response layers, an async generator per message); here 28-35 and 26-36 (docs/BENCHMARKS.md,
 request). Only what those callers use: plain redis:// and unix:// URLs with a password, a user and a db. rediss://
