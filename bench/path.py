@@ -374,8 +374,11 @@ def start_sglang(stack: Stack, engine_urls: list[str], name: str, log=None,
             log("  sglang-router not installed (pip install -e '.[bench]'): no sglang path")
         return None
     port = free_port()
+    # its metrics server too on loopback and a free port (its defaults, 0.0.0.0:29000, took every interface, and a
+    # second router on the machine, the other Python's suite in CI, failed to start)
     proc = stack.start(name, [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-                              "--port", str(port), "--policy", "cache_aware", "--log-level", "warn",
+                              "--port", str(port), "--prometheus-host", "127.0.0.1",
+                              "--prometheus-port", str(free_port()), "--policy", "cache_aware", "--log-level", "warn",
                               "--worker-urls", *engine_urls], ready_port=("127.0.0.1", port), ready_timeout=60)
     payload = {"model": model, "messages": [{"role": "user", "content": "ready?"}], "max_tokens": 1}
     deadline = time.monotonic() + 20.0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import shutil
 from collections import Counter
 
@@ -111,3 +112,48 @@ def test_a_short_bakeoff_runs_every_request_through_kvgate_and_sglang_with_the_f
     assert set(result["targets"]) == {f"flush-rotate: kv-sync {m}" for m in (
         "ttft_mean_ms <= sglang's", "ttft_p50_ms <= sglang's", "ttft_p90_ms <= sglang's",
         "hit_rate >= sglang's - 0.5 point")}
+
+
+def _listening(pid: int) -> set[tuple[str, int]]:
+    """The (address, port) pairs process `pid` listens on over TCP (IPv4 and IPv6), from /proc."""
+    import os
+    import socket
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    out = set()
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                    continue
+                address, port = fields[1].split(":")
+                raw = bytes.fromhex(address)
+                # /proc prints each 32-bit word in host order (little-endian here)
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                out.add((socket.inet_ntop(family, raw), int(port, 16)))
+    return out
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sglang_router") is None, reason="sglang-router (the bench extra)")
+def test_sglangs_router_listens_on_loopback_only_and_two_run_side_by_side():
+    """Its metrics server too (its default: 0.0.0.0:29000): two routers on one machine (the two Pythons' suites side
+    by side in CI) each start, and nothing of theirs listens beyond loopback."""
+    from bench.path import MODEL, SIM_ARGS, start_sglang
+    from devkit.stack import Stack
+    with Stack() as stack:
+        pods = stack.engines(1, model=MODEL, extra=SIM_ARGS)
+        urls = [f"http://127.0.0.1:{p['port']}" for p in pods]
+        started = [start_sglang(stack, urls, f"sglang{i}") for i in range(2)]
+        for s in started:
+            assert s is not None
+            proc, port = s
+            addresses = _listening(proc.popen.pid)
+            assert ("127.0.0.1", port) in addresses and len(addresses) >= 2, addresses  # the router and its metrics
+            assert {a for a, _ in addresses} == {"127.0.0.1"}, addresses
