@@ -187,8 +187,8 @@ def _check(reply: Any) -> Any:
 
 
 class LeanRedis:
-    """Commands over one pipelined connection (made on first use and again after a failure), and `follow` for a
-    channel on a connection of its own. `decode`: bulk replies and messages as str (UTF-8), else bytes."""
+    """Commands over one pipelined connection (made on first use and again after a failure), and `subscribed` for a
+    channel on a connection of its own (routing.background.follow_channel keeps it subscribed). `decode`: bulk replies and messages as str (UTF-8), else bytes."""
 
     def __init__(self, target: Target, *, decode: bool = False, connect_timeout_s: float = 1.0) -> None:
         self.target = target

@@ -5,6 +5,7 @@ channel followed through Redis restarts; against servers of our own that answer 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import subprocess
 
@@ -66,87 +67,96 @@ def test_commands_are_resp_arrays_of_bulk_strings():
 
 # --- against redis-server ------------------------------------------------------------------------
 
-@needs_redis
-async def test_commands_pipelined_each_get_their_own_reply(redis_server):
-    r = LeanRedis(lean_target(redis_server.url), decode=True)
+@pytest.fixture
+async def lean(redis_server):
+    """Makes LeanRedis clients of the test's redis-server (LeanRedis's keyword arguments), closed after the test."""
+    made: list[LeanRedis] = []
+
+    def make(**options) -> LeanRedis:
+        made.append(LeanRedis(lean_target(redis_server.url), **options))
+        return made[-1]
+    yield make
+    for client in made:
+        await client.aclose()
+
+
+@contextlib.asynccontextmanager
+async def following(client: LeanRedis, on_message, events: list):
+    """follow_channel on channel "ch" through `client` for the block's length, "on" and each end's error in `events`."""
+    task = asyncio.ensure_future(follow_channel(client, "ch", on_message, retry_s=0.05,
+                                                subscribed=lambda: events.append("on"), ended=events.append,
+                                                subscribe_timeout_s=2.0))
     try:
-        replies = await asyncio.gather(*(r.call("INCR", f"k{i % 3}") for i in range(60)))
-        assert sorted(replies) == sorted([n for _ in range(3) for n in range(1, 21)])
-        assert await r.call("GET", "k0") == "20"  # decoded
-        with pytest.raises(RespError, match="WRONGTYPE|ERR"):
-            await r.call("HGETALL", "k0")
-        assert await r.call("PING") == "PONG"  # an error reply leaves the connection as it was
-        raw = LeanRedis(lean_target(redis_server.url))
-        assert await raw.call("GET", "k1") == b"20"
-        await raw.aclose()
+        yield
     finally:
-        await r.aclose()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
 
 @needs_redis
-async def test_a_caller_that_stops_waiting_closes_the_connection_and_no_reply_goes_astray(redis_server):
-    r = LeanRedis(lean_target(redis_server.url), decode=True)
-    try:
-        await r.call("SET", "a", "1")
-        await r.call("SET", "b", "2")
-        blocked = asyncio.ensure_future(r.call("BLPOP", "nothing", 0))  # never answered
-        other = asyncio.ensure_future(r.call("GET", "a"))  # queued behind it on the same connection
-        await asyncio.sleep(0.05)
-        blocked.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await blocked
-        with pytest.raises(ConnectionError):  # its connection closed under it
-            await other
-        assert await r.call("GET", "b") == "2"  # a new connection, its own reply
-        async with asyncio.timeout(0.1):
-            with pytest.raises(TimeoutError):
-                async with asyncio.timeout(0.02):
-                    await r.call("BLPOP", "nothing", 0)
-        assert await r.call("GET", "a") == "1"
-    finally:
-        await r.aclose()
+async def test_commands_pipelined_each_get_their_own_reply(lean):
+    r = lean(decode=True)
+    replies = await asyncio.gather(*(r.call("INCR", f"k{i % 3}") for i in range(60)))
+    assert sorted(replies) == sorted([n for _ in range(3) for n in range(1, 21)])
+    assert await r.call("GET", "k0") == "20"  # decoded
+    with pytest.raises(RespError, match="WRONGTYPE|ERR"):
+        await r.call("HGETALL", "k0")
+    assert await r.call("PING") == "PONG"  # an error reply leaves the connection as it was
+    assert await lean().call("GET", "k1") == b"20"
 
 
 @needs_redis
-async def test_its_connections_probe_an_idle_peer(redis_server):
+async def test_a_caller_that_stops_waiting_closes_the_connection_and_no_reply_goes_astray(lean):
+    r = lean(decode=True)
+    await r.call("SET", "a", "1")
+    await r.call("SET", "b", "2")
+    blocked = asyncio.ensure_future(r.call("BLPOP", "nothing", 0))  # never answered
+    other = asyncio.ensure_future(r.call("GET", "a"))  # queued behind it on the same connection
+    await asyncio.sleep(0.05)
+    blocked.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await blocked
+    with pytest.raises(ConnectionError):  # its connection closed under it
+        await other
+    assert await r.call("GET", "b") == "2"  # a new connection, its own reply
+    async with asyncio.timeout(0.1):
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.02):
+                await r.call("BLPOP", "nothing", 0)
+    assert await r.call("GET", "a") == "1"
+
+
+@needs_redis
+async def test_its_connections_probe_an_idle_peer(lean):
     import socket
-    r = LeanRedis(lean_target(redis_server.url))
-    try:
-        await r.call("PING")
-        sock = r._conn.transport.get_extra_info("socket")
-        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
-        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 30
-        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == 3
-    finally:
-        await r.aclose()
+    r = lean()
+    await r.call("PING")
+    sock = r._conn.transport.get_extra_info("socket")
+    assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+    assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 30
+    assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == 3
 
 
 @needs_redis
-async def test_a_command_that_cannot_be_sent_takes_no_replys_place(redis_server):
-    r = LeanRedis(lean_target(redis_server.url), decode=True)
-    try:
-        await r.call("SET", "k", "v")
-        with pytest.raises(TypeError):
-            await r.call("SET", "k", None)
-        assert await r.call("GET", "k") == "v"
-        assert await r.call("PING") == "PONG"
-    finally:
-        await r.aclose()
+async def test_a_command_that_cannot_be_sent_takes_no_replys_place(lean):
+    r = lean(decode=True)
+    await r.call("SET", "k", "v")
+    with pytest.raises(TypeError):
+        await r.call("SET", "k", None)
+    assert await r.call("GET", "k") == "v"
+    assert await r.call("PING") == "PONG"
 
 
 @needs_redis
-async def test_a_channel_outlives_bad_text_and_a_failing_callback(redis_server):
-    sub = LeanRedis(lean_target(redis_server.url), decode=True)
-    pub = LeanRedis(lean_target(redis_server.url))
+async def test_a_channel_outlives_bad_text_and_a_failing_callback(lean):
+    pub = lean()
     got, events = [], []
 
     def take(m):
         if m == "boom":
             raise ValueError("boom")
         got.append(m)
-    task = asyncio.ensure_future(follow_channel(sub, "ch", take, retry_s=0.05, subscribed=lambda: events.append("on"),
-                                                ended=events.append, subscribe_timeout_s=2.0))
-    try:
+    async with following(lean(decode=True), take, events):
         await wait_until_async(lambda: events == ["on"], timeout=10)
         await pub.publish("ch", b"gw-\xff")  # not UTF-8: read with a replacement character
         await wait_until_async(lambda: got == ["gw-\ufffd"], timeout=10)
@@ -155,10 +165,6 @@ async def test_a_channel_outlives_bad_text_and_a_failing_callback(redis_server):
         assert isinstance(events[1], ValueError)
         await pub.publish("ch", b"after")
         await wait_until_async(lambda: got[-1:] == ["after"], timeout=10)
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        await pub.aclose()
 
 
 @needs_redis
@@ -203,45 +209,35 @@ async def test_a_unix_socket(tmp_path):
 
 
 @needs_redis
-async def test_a_script_is_sent_whole_once_then_by_its_sha(redis_server):
-    r = LeanRedis(lean_target(redis_server.url), decode=True)
-    try:
-        script = r.register_script("return {KEYS[1], ARGV[1] + 1}")
-        assert await script(keys=["k"], args=[41]) == ["k", 42]  # NOSCRIPT, then EVAL
-        assert await r.call("SCRIPT", "EXISTS", script.sha) == [1]
-        await r.call("SCRIPT", "FLUSH")
-        assert await script(keys=["j"], args=[1]) == ["j", 2]
-        with pytest.raises(RespError):
-            await r.register_script("return redis.call('NOPE')")(keys=[], args=[])
-    finally:
-        await r.aclose()
+async def test_a_script_is_sent_whole_once_then_by_its_sha(lean):
+    r = lean(decode=True)
+    script = r.register_script("return {KEYS[1], ARGV[1] + 1}")
+    assert await script(keys=["k"], args=[41]) == ["k", 42]  # NOSCRIPT, then EVAL
+    assert await r.call("SCRIPT", "EXISTS", script.sha) == [1]
+    await r.call("SCRIPT", "FLUSH")
+    assert await script(keys=["j"], args=[1]) == ["j", 2]
+    with pytest.raises(RespError):
+        await r.register_script("return redis.call('NOPE')")(keys=[], args=[])
 
 
 @needs_redis
-async def test_dead_redis_is_a_connection_error_and_a_restart_heals(redis_server):
-    r = LeanRedis(lean_target(redis_server.url), decode=True, connect_timeout_s=1.0)
-    try:
-        assert await r.call("PING") == "PONG"
-        redis_server.kill()
-        with pytest.raises(OSError):  # ConnectionError (lost, refused) is an OSError
-            await r.call("PING")
-        with pytest.raises(OSError):
-            await r.call("PING")
-        redis_server.start()
-        assert await r.call("PING") == "PONG"
-    finally:
-        await r.aclose()
+async def test_dead_redis_is_a_connection_error_and_a_restart_heals(redis_server, lean):
+    r = lean(decode=True, connect_timeout_s=1.0)
+    assert await r.call("PING") == "PONG"
+    redis_server.kill()
+    with pytest.raises(OSError):  # ConnectionError (lost, refused) is an OSError
+        await r.call("PING")
+    with pytest.raises(OSError):
+        await r.call("PING")
+    redis_server.start()
+    assert await r.call("PING") == "PONG"
 
 
 @needs_redis
-async def test_a_channel_followed_through_a_restart(redis_server):
-    sub = LeanRedis(lean_target(redis_server.url))
-    pub = LeanRedis(lean_target(redis_server.url))
+async def test_a_channel_followed_through_a_restart(redis_server, lean):
+    pub = lean()
     got, events = [], []
-    task = asyncio.ensure_future(follow_channel(sub, "ch", got.append, retry_s=0.05,
-                                                subscribed=lambda: events.append("on"), ended=events.append,
-                                                subscribe_timeout_s=2.0))
-    try:
+    async with following(lean(), got.append, events):
         await wait_until_async(lambda: events == ["on"], timeout=10)
         for i in range(50):
             await pub.publish("ch", b"m%d" % i)
@@ -255,10 +251,6 @@ async def test_a_channel_followed_through_a_restart(redis_server):
         await wait_until_async(lambda: events[-1] == "on", timeout=10)
         await pub.publish("ch", b"after")
         await wait_until_async(lambda: got[-1:] == [b"after"], timeout=10)
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        await pub.aclose()
 
 
 # --- servers that are not Redis ------------------------------------------------------------------
