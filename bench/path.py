@@ -14,6 +14,7 @@ ways to the same engines (PATHS):
   below) in the no-op's place, answering as the no-op answers a request it does not watch: what any processor
   adds on this path, on this machine;
 - `kvgate`: the shipped stack;
+- `kvgate_grpcio`: the same with the replicas on grpcio's gRPC server (KVGATE_GRPC_SERVER=grpcio);
 - `sglang` (where sglang-router is installed, the bench extra): SGLang's model gateway (its Rust router,
   `cache_aware`, the peer of `kvgate bench bakeoff`) in front of the same engines, in Envoy's place: what a
   router that is itself the proxy adds, beside what Envoy and an ext_proc processor add.
@@ -61,8 +62,10 @@ from devkit.stack import Proc, Stack, StackError, envoy_routes, free_port, rende
 from tokenizer import testdata
 
 MODEL = "path-model"
-PATHS = ("direct", "envoy_only", "noop", "native_noop", "noop_nowait", "kvgate", "kvgate_two",
+PATHS = ("direct", "envoy_only", "noop", "native_noop", "noop_nowait", "kvgate", "kvgate_grpcio", "kvgate_two",
          "sglang")  # native_noop: with Node; sglang: with sglang-router
+# kvgate_grpcio: two more replicas as shipped (their own Redis) but serving ext_proc on grpcio's asyncio server
+# (KVGATE_GRPC_SERVER=grpcio) instead of kvgate's own (plugin.grpcserver): the server's share, side by side.
 # kvgate_two: the same kvgate replicas behind the shipped config with every request in two ext_proc messages
 # (headers, then body: runtime keys kvgate.one_message_percent and kvgate.watch_percent 0), as before the
 # one-message routes.
@@ -281,12 +284,14 @@ def run(requests: int, concurrency: int, n_engines: int, log, idle: int = 0, rep
         pods_file = stack.pods_file(pods)
         redis_url = stack.redis()[1] if replicas > 1 else ""
         grpc_ports, http_ports, procs = start_replicas(stack, pods_file, redis_url, replicas)
+        grpcio_ports, _, _ = start_replicas(stack, pods_file, stack.redis(name="redis_grpcio")[1] if replicas > 1 else "",
+                                            replicas, env={"KVGATE_GRPC_SERVER": "grpcio"}, name="kvgate_grpcio")
         pool = [("127.0.0.1", p["port"]) for p in pods]
         noop_port = free_port()
         noop = stack.start("noop", [sys.executable, "-m", "bench.noop_processor", str(noop_port), f"127.0.0.1:{pods[0]['port']}",
                              "--bodies"], ready_port=("127.0.0.1", noop_port))
         native = _start_native_noop(stack, f"127.0.0.1:{pods[0]['port']}", log)
-        processors = {"kvgate": grpc_ports, "kvgate_two": grpc_ports, "noop": [noop_port]}
+        processors = {"kvgate": grpc_ports, "kvgate_grpcio": grpcio_ports, "kvgate_two": grpc_ports, "noop": [noop_port]}
         if native is not None:
             processors["native_noop"] = [native[0]]
         listen = {name: free_port() for name in ("envoy_only", *processors)}
@@ -345,13 +350,13 @@ def run(requests: int, concurrency: int, n_engines: int, log, idle: int = 0, rep
 
 
 def start_replicas(stack: Stack, pods_file: Path, redis_url: str, n: int,
-                   env: dict[str, str] | None = None) -> tuple[list[int], list[int], list[Proc]]:
+                   env: dict[str, str] | None = None, name: str = "kvgate") -> tuple[list[int], list[int], list[Proc]]:
     """`n` kvgate replicas as shipped (kv-sync, the local tokenizer, counts through `redis_url` if any), `env` on
-    top; returned ready: (gRPC ports, HTTP ports, processes)."""
+    top, named `name`0, 1...; returned ready: (gRPC ports, HTTP ports, processes)."""
     grpc_ports, http_ports, procs = [], [], []
     for g in range(n):
         grpc_port, http_port = free_port(), free_port()
-        procs.append(stack.kvgate(name=f"kvgate{g}", grpc_port=grpc_port, wait=False, env={
+        procs.append(stack.kvgate(name=f"{name}{g}", grpc_port=grpc_port, wait=False, env={
             "KVGATE_PODS_FILE": str(pods_file), "KVGATE_GRPC_PORT": str(grpc_port),
             "KVGATE_HTTP_PORT": str(http_port), "KVGATE_REDIS_URL": redis_url,
             "KVGATE_ROUTING_STRATEGY": "kv-sync", "KVGATE_GATEWAY_ID": f"kvgate{g}",
@@ -636,6 +641,10 @@ def summarize(seq: Samples, load: Samples, quiet: Samples | None = None, **run: 
             out[f"{name}_{phase}_added_p50_ms"] = paths[name][f"{phase}_added_p50_ms"]
         out[f"kvgate_{phase}_added_over_noop_ms"] = round(paths["kvgate"][f"{phase}_p50_ms"]
                                                           - paths["noop"][f"{phase}_p50_ms"], 3)
+        if "kvgate_grpcio" in paths:  # kvgate's own gRPC server against grpcio's, the same replicas otherwise
+            out[f"kvgate_grpcio_{phase}_added_p50_ms"] = paths["kvgate_grpcio"][f"{phase}_added_p50_ms"]
+            out[f"kvgate_{phase}_own_server_over_grpcio_ms"] = round(paths["kvgate"][f"{phase}_p50_ms"]
+                                                                     - paths["kvgate_grpcio"][f"{phase}_p50_ms"], 3)
         if "native_noop" in paths:  # what any processor adds on this path: the floor under the target
             out[f"native_noop_{phase}_added_p50_ms"] = paths["native_noop"][f"{phase}_added_p50_ms"]
         if "sglang" in paths:  # the bake-off's peer, a router that is the proxy itself
@@ -681,6 +690,10 @@ def table(r: dict) -> str:
                 f"Envoy alone {r['envoy_only_seq_added_p50_ms']:.3f} ms; kvgate over the no-op: "
                 f"{r['kvgate_seq_added_over_noop_ms']:.3f} ms @1, {r['kvgate_load_added_over_noop_ms']:.3f} ms "
                 f"@{r['concurrency']}")
+    if r.get("kvgate_grpcio_seq_added_p50_ms") is not None:
+        rows.append(f"the same replicas on grpcio's gRPC server (kvgate_grpcio) add {r['kvgate_grpcio_seq_added_p50_ms']:.3f} "
+                    f"ms @1; kvgate's own server against it {r['kvgate_seq_own_server_over_grpcio_ms']:+.3f} ms @1, "
+                    f"{r['kvgate_load_own_server_over_grpcio_ms']:+.3f} ms @{r['concurrency']}")
     if r.get("native_noop_seq_added_p50_ms") is not None:
         rows.append(f"a processor without Python in the no-op's place (native_noop) adds "
                     f"{r['native_noop_seq_added_p50_ms']:.3f} ms @1: what any ext_proc processor adds on this path, "

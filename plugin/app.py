@@ -28,7 +28,8 @@ from plugin.http import build_http_app
 from plugin.metrics import GatewayMetrics
 from plugin.observe import Observer
 from plugin.pd import PDHandoff
-from plugin.tls import server_credentials
+from plugin import grpcserver
+from plugin.tls import server_keys
 from plugin.watch import RedisWords, WatchRelay
 from plugin.status import RecentErrors, RoutingMix
 from routing.state.admission import Admission, Limiter, LocalLimiter, RedisLimiter
@@ -302,13 +303,13 @@ class App:
             render=remote.render if remote is not None else None,
             responses=self.responses, running=self.router.running, mix=self.mix, pd=self.pd, relay=self.relay))
         self.pods.add_listener(self._on_pods)
-        self._grpc: grpc.aio.Server | None = None
+        self._grpc: grpc.aio.Server | grpcserver.Server | None = None
         self.grpc_port: int | None = None  # once serving
         self._http: web.AppRunner | None = None
         self.health = health.aio.HealthServicer()
         # KVGATE_GRPC_TLS: the credentials (a bad certificate file fails here, naming its variable)
-        self._tls = server_credentials(s.grpc_tls, s.grpc_tls_cert, s.grpc_tls_key)
-        self._health_grpc: grpc.aio.Server | None = None  # KVGATE_GRPC_HEALTH_PORT's server, once serving
+        self._tls = server_keys(s.grpc_tls, s.grpc_tls_cert, s.grpc_tls_key)  # (certificate, key) PEM, or None
+        self._health_grpc: grpc.aio.Server | grpcserver.Server | None = None  # KVGATE_GRPC_HEALTH_PORT's server, once serving
 
     async def _load_profiles(self, client, interval_s: float = 10.0) -> None:
         """AIBrix's deployment profiles (`aibrix:profile_<model>_<deployment>`), re-read every 10 s."""
@@ -376,34 +377,25 @@ class App:
         """Serve gRPC (liveness SERVING, readiness not yet) and HTTP, then sync discovery, start the
         event subscriptions and the router: readiness SERVING."""
         s = self.settings
-        # so_reuseport off: a stale kvgate on the same port must not keep taking Envoy's streams.
-        # Envoy's buffer limit bounds bodies; gRPC's default 4 MiB would turn larger valid ones into 500s.
-        # gRPC refuses new streams beyond 1,000 (3,000 at most) not yet taken by the event loop: a burst of
-        # new HTTP requests above that failed with 500 while the loop caught up. One stream per in-flight
-        # request, 10,000+ of them: let them queue instead.
-        self._grpc = grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", -1),
-                                              ("grpc.max_send_message_length", -1),
-                                              ("grpc.server.max_pending_requests", 100_000),
-                                              ("grpc.server.max_pending_requests_hard_limit", 100_000)])
-        pb_grpc.add_ExternalProcessorServicer_to_server(self.processor, self._grpc)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
         address = _join(s.listen_host, s.grpc_port)
-        grpc_port = (self._grpc.add_insecure_port(address) if self._tls is None
-                     else self._grpc.add_secure_port(address, self._tls))
-        if grpc_port == 0:
-            raise OSError(f"KVGATE_GRPC_PORT: cannot listen on {address}"
-                          + ("" if self._tls is None else " with KVGATE_GRPC_TLS's certificate and key"))
         logging.getLogger().addHandler(self.recent_errors)
         await self.set_ready(False)
         await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
-        await self._grpc.start()
+        try:
+            grpc_port = await (self._serve_kvgate() if s.grpc_server == "kvgate" else self._serve_grpcio())
+        except OSError as e:
+            raise OSError(f"KVGATE_GRPC_PORT: cannot listen on {address}"
+                          + ("" if self._tls is None else " with KVGATE_GRPC_TLS's certificate and key")
+                          + (f" ({e.strerror or e})" if str(e) else "")) from None
         if s.grpc_health_port:
             # the health services alone, in plaintext: Kubernetes' gRPC probes speak no TLS
-            self._health_grpc = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-            health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_grpc)
-            if self._health_grpc.add_insecure_port(_join(s.listen_host, s.grpc_health_port)) == 0:
-                raise OSError(f"KVGATE_GRPC_HEALTH_PORT: cannot listen on {_join(s.listen_host, s.grpc_health_port)}")
-            await self._health_grpc.start()
+            health_address = _join(s.listen_host, s.grpc_health_port)
+            try:
+                self._health_grpc = await (self._serve_kvgate(health_only=True) if s.grpc_server == "kvgate"
+                                           else self._serve_grpcio(health_only=True))
+            except OSError as e:
+                raise OSError(f"KVGATE_GRPC_HEALTH_PORT: cannot listen on {health_address}"
+                              + (f" ({e.strerror or e})" if str(e) else "")) from None
         self.grpc_port = grpc_port
         http_app = build_http_app(self.registry, healthy=self.healthy, debug=self.debug)
         self._http = web.AppRunner(http_app, access_log=None)
@@ -440,6 +432,50 @@ class App:
                  _join(s.listen_host, grpc_port), "plaintext" if self._tls is None else f"TLS, {s.grpc_tls}",
                  s.listen_host, http_port, s.routing_strategy, len(self.pods.pods()))
         return grpc_port, http_port
+
+    async def _serve_kvgate(self, health_only: bool = False):
+        """kvgate's own gRPC server (plugin.grpcserver) on the gRPC port, or the health port alone: the port, or
+        for the health port the server."""
+        s = self.settings
+        server = grpcserver.Server(self.registry if not health_only else None)
+        if not health_only:
+            server.add(grpcserver.EXT_PROC_SERVICE, grpcserver.ext_proc_methods(self.processor))
+        server.add(grpcserver.HEALTH_SERVICE, grpcserver.health_methods(self.health))
+        tls = None if self._tls is None or health_only else grpcserver.tls_context(*self._tls)
+        port = await server.listen(s.listen_host, s.grpc_health_port if health_only else s.grpc_port, tls)
+        if health_only:
+            return server
+        self._grpc = server
+        return port
+
+    async def _serve_grpcio(self, health_only: bool = False):
+        """grpcio's asyncio server, as _serve_kvgate. so_reuseport off: a stale kvgate on the same port must not
+        keep taking Envoy's streams. Envoy's buffer limit bounds bodies; gRPC's default 4 MiB would turn larger
+        valid ones into 500s. gRPC refuses new streams beyond 1,000 (3,000 at most) not yet taken by the event
+        loop: a burst of new HTTP requests above that failed with 500 while the loop caught up. One stream per
+        in-flight request, 10,000+ of them: let them queue instead."""
+        s = self.settings
+        if health_only:
+            server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+            if server.add_insecure_port(_join(s.listen_host, s.grpc_health_port)) == 0:
+                raise OSError("")
+            await server.start()
+            return server
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", -1),
+                                          ("grpc.max_send_message_length", -1),
+                                          ("grpc.server.max_pending_requests", 100_000),
+                                          ("grpc.server.max_pending_requests_hard_limit", 100_000)])
+        pb_grpc.add_ExternalProcessorServicer_to_server(self.processor, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        address = _join(s.listen_host, s.grpc_port)
+        port = (server.add_insecure_port(address) if self._tls is None
+                else server.add_secure_port(address, grpc.ssl_server_credentials([(self._tls[1], self._tls[0])])))
+        if port == 0:
+            raise OSError("")
+        await server.start()
+        self._grpc = server
+        return port
 
     async def wait(self) -> None:
         assert self._grpc is not None

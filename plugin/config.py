@@ -145,6 +145,10 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("KVGATE_GRPC_TLS_CERT", "grpc_tls_cert", _text, "",
              "PEM certificate (chain) file, with KVGATE_GRPC_TLS=files."),
     Variable("KVGATE_GRPC_TLS_KEY", "grpc_tls_key", _text, "", "PEM private key file, with KVGATE_GRPC_TLS=files."),
+    Variable("KVGATE_GRPC_SERVER", "grpc_server", _choice("kvgate", "grpcio"), "kvgate",
+             "The gRPC server on the gRPC ports: `kvgate` (kvgate's own HTTP/2, on the event loop that routes: one "
+             "thread wake-up per message) or `grpcio` (grpcio's asyncio server, which hands each message across "
+             "three threads; docs/BENCHMARKS.md, ## path). Both serve ext_proc and health, plaintext and TLS."),
     Variable("KVGATE_GRPC_HEALTH_PORT", "grpc_health_port", PORT, 0,
              "A plaintext gRPC port serving only the health services (`liveness`, `readiness`), 0 for none: "
              "Kubernetes' gRPC probes do not speak TLS, so probe this port when KVGATE_GRPC_TLS is on."),
@@ -348,6 +352,7 @@ class Settings:
     grpc_tls: str = "off"
     grpc_tls_cert: str = ""
     grpc_tls_key: str = ""
+    grpc_server: str = "kvgate"
     grpc_health_port: int = 0
     discovery: str = "static"
     pods_file: str = ""

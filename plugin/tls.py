@@ -55,16 +55,20 @@ def _read_pem(variable: str, path: str, marker: bytes) -> bytes:
     return data
 
 
-def server_credentials(mode: str, cert_path: str = "", key_path: str = "") -> grpc.ServerCredentials | None:
-    """The gRPC port's credentials for KVGATE_GRPC_TLS `mode`: None for `off` (plaintext); ValueError
-    naming the variable when a configured file cannot be used."""
+def server_keys(mode: str, cert_path: str = "", key_path: str = "") -> tuple[bytes, bytes] | None:
+    """The gRPC port's certificate and key (PEM) for KVGATE_GRPC_TLS `mode`: None for `off` (plaintext);
+    ValueError naming the variable when a configured file cannot be used."""
     if mode == "off":
         return None
     if mode == "self-signed":
-        cert, key = self_signed()
-    elif mode == "files":
-        cert = _read_pem("KVGATE_GRPC_TLS_CERT", cert_path, b"-----BEGIN CERTIFICATE-----")
-        key = _read_pem("KVGATE_GRPC_TLS_KEY", key_path, b"PRIVATE KEY-----")
-    else:
-        raise ValueError(f"KVGATE_GRPC_TLS={mode!r}: expected off, self-signed or files")
-    return grpc.ssl_server_credentials([(key, cert)])
+        return self_signed()
+    if mode == "files":
+        return (_read_pem("KVGATE_GRPC_TLS_CERT", cert_path, b"-----BEGIN CERTIFICATE-----"),
+                _read_pem("KVGATE_GRPC_TLS_KEY", key_path, b"PRIVATE KEY-----"))
+    raise ValueError(f"KVGATE_GRPC_TLS={mode!r}: expected off, self-signed or files")
+
+
+def server_credentials(mode: str, cert_path: str = "", key_path: str = "") -> grpc.ServerCredentials | None:
+    """As server_keys, as grpcio's server credentials."""
+    keys = server_keys(mode, cert_path, key_path)
+    return None if keys is None else grpc.ssl_server_credentials([(keys[1], keys[0])])

@@ -54,7 +54,8 @@ def test_summary_added_time_is_each_paths_median_over_directs_and_the_target_rea
     seq, load = path.Samples(), path.Samples()
     for i in range(40):
         for name, extra in (("direct", 0.0), ("envoy_only", 0.0002), ("noop", 0.001), ("native_noop", 0.0007),
-                            ("noop_nowait", 0.0008), ("kvgate", 0.0014), ("kvgate_two", 0.0019), ("sglang", 0.0006)):
+                            ("noop_nowait", 0.0008), ("kvgate", 0.0014), ("kvgate_grpcio", 0.0017), ("kvgate_two", 0.0019),
+                            ("sglang", 0.0006)):
             seq.add(name, 0.004 + extra + i * 1e-6, 200)
             load.add(name, 0.010 + 3 * extra, 200)
     load.add("kvgate", 1.0, 503)
@@ -72,6 +73,11 @@ def test_summary_added_time_is_each_paths_median_over_directs_and_the_target_rea
     assert r["kvgate_seq_one_over_two_message_ms"] == pytest.approx(-0.5, abs=0.002)
     assert r["kvgate_load_one_over_two_message_ms"] == pytest.approx(-1.5, abs=0.002)
     assert "against two (kvgate_two): -0.499 ms @1, -1.500 ms @8" in path.table(r)
+    # the same replicas on grpcio's server, beside kvgate's own
+    assert r["kvgate_grpcio_seq_added_p50_ms"] == 1.7 and r["kvgate_grpcio_load_added_p50_ms"] == 5.1
+    assert r["kvgate_seq_own_server_over_grpcio_ms"] == pytest.approx(-0.3, abs=0.002)
+    assert r["kvgate_load_own_server_over_grpcio_ms"] == pytest.approx(-0.9, abs=0.002)
+    assert "(kvgate_grpcio) add 1.700 ms @1; kvgate's own server against it -0.300 ms @1, -0.900 ms @8" in path.table(r)
     # a processor without Python through the same stack: the floor under the target, beside it
     assert r["native_noop_seq_added_p50_ms"] == 0.7 and r["native_noop_load_added_p50_ms"] == 2.1
     assert "a processor without Python in the no-op's place (native_noop) adds 0.700 ms @1" in path.table(r)

@@ -6,6 +6,7 @@ import asyncio
 import json
 
 import grpc
+import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -13,6 +14,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
+from plugin import grpcserver
 from plugin.app import App
 from plugin.config import Settings
 from plugin.extproc import ExternalProcessor
@@ -49,16 +51,26 @@ PROMPT = json.dumps({"model": "m", "prompt": "hello"}).encode()
 
 
 class Conversation:
-    """One ext_proc server over loopback gRPC; `stream()` opens a Process call to write and read."""
+    """One ext_proc server over loopback gRPC; `stream()` opens a Process call to write and read. The server is
+    kvgate's own or grpcio's (`server`, each test run on both: the `_both_servers` fixture)."""
+
+    server_kind = "kvgate"
 
     def __init__(self, gw: Gateway) -> None:
         self.proc = ExternalProcessor(gw)
-        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        pb_grpc.add_ExternalProcessorServicer_to_server(self.proc, self.server)
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        if self.server_kind == "grpcio":
+            self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+            pb_grpc.add_ExternalProcessorServicer_to_server(self.proc, self.server)
+            self.port = self.server.add_insecure_port("127.0.0.1:0")
+        else:
+            self.server = grpcserver.Server()
+            self.server.add(grpcserver.EXT_PROC_SERVICE, grpcserver.ext_proc_methods(self.proc))
 
     async def __aenter__(self):
-        await self.server.start()
+        if self.server_kind == "grpcio":
+            await self.server.start()
+        else:
+            self.port = await self.server.listen("127.0.0.1", 0)
         self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{self.port}")
         return self
 
@@ -76,6 +88,12 @@ class Conversation:
             await call.write(m)
         await call.done_writing()
         return [r async for r in call]
+
+
+@pytest.fixture(autouse=True, params=["kvgate", "grpcio"])
+def _both_servers(request, monkeypatch):
+    monkeypatch.setattr(Conversation, "server_kind", request.param)
+    return request.param
 
 
 def setup(pods=PODS, strategy="least-request", **gw_kw):
@@ -258,8 +276,9 @@ class GatedSource(StaticSource):
         await super().start(registry)
 
 
-async def test_health_services_liveness_readiness_and_ext_proc():
-    settings = Settings(pods="p0=127.0.0.1:1/m", grpc_port=0, http_port=0, engine_metrics_interval_s=60)
+async def test_health_services_liveness_readiness_and_ext_proc(_both_servers):
+    settings = Settings(pods="p0=127.0.0.1:1/m", grpc_port=0, http_port=0, engine_metrics_interval_s=60,
+                        grpc_server=_both_servers)
     app = App(settings)
     gate = asyncio.Event()
     app.source = GatedSource("", settings.pods, gate=gate)

@@ -1,0 +1,349 @@
+"""plugin.grpcserver, kvgate's own gRPC server: grpcio's client against it for every kind of method (streams,
+unary, server streams), status codes, cancels, deadlines, large messages both ways, many streams at once,
+TLS and a graceful stop; and a raw socket for what a client library never sends (broken frames, a bad
+preface, a compressed message, a small window)."""
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+
+import grpc
+import pytest
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry
+
+from plugin import grpcserver, hpack
+from plugin.grpcserver import Server
+from plugin.tls import self_signed
+from helpers import wait_until_async
+
+
+class Echo:
+    """A processor answering each request with its body's bytes in the answer's dynamic metadata; a body of
+    b"fail" raises, b"big:N" answers N bytes, b"hang" waits forever."""
+
+    def __init__(self) -> None:
+        self.cancelled = 0
+        self.finished = 0
+
+    async def Process(self, requests, context):  # noqa: N802
+        try:
+            async for msg in requests:
+                body = msg.request_body.body
+                if body == b"fail":
+                    raise RuntimeError("the processor broke")
+                if body == b"hang":
+                    await asyncio.sleep(3600)
+                if body.startswith(b"big:"):
+                    body = b"z" * int(body[4:])
+                yield pb.ProcessingResponse(
+                    request_body=pb.BodyResponse(response=pb.CommonResponse(body_mutation=pb.BodyMutation(body=body))))
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        self.finished += 1
+
+
+def _body(data: bytes) -> pb.ProcessingRequest:
+    return pb.ProcessingRequest(request_body=pb.HttpBody(body=data, end_of_stream=True))
+
+
+def _answer(r: pb.ProcessingResponse) -> bytes:
+    return r.request_body.response.body_mutation.body
+
+
+@pytest.fixture
+async def served():
+    """(server, port, echo, health servicer, registry); stopped after the test."""
+    registry = CollectorRegistry()
+    server = Server(registry)
+    echo = Echo()
+    healthy = health.aio.HealthServicer()
+    await healthy.set("readiness", health_pb2.HealthCheckResponse.SERVING)
+    server.add(grpcserver.EXT_PROC_SERVICE, grpcserver.ext_proc_methods(echo))
+    server.add(grpcserver.HEALTH_SERVICE, grpcserver.health_methods(healthy))
+    port = await server.listen("127.0.0.1", 0)
+    yield server, port, echo, healthy, registry
+    await server.stop(0)
+
+
+async def test_a_stream_answers_each_request_in_order(served):
+    _, port, echo, _, _ = served
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = pb_grpc.ExternalProcessorStub(channel)
+        call = stub.Process()
+        for i in range(5):
+            await call.write(_body(f"m{i}".encode()))
+            assert _answer(await call.read()) == f"m{i}".encode()
+        await call.done_writing()
+        assert await call.read() == grpc.aio.EOF
+        assert await call.code() == grpc.StatusCode.OK
+    assert echo.finished == 1
+
+
+async def test_messages_of_8_mib_go_both_ways_under_flow_control(served):
+    _, port, _, _, _ = served
+    big = bytes(range(256)) * (8 << 12)  # 8 MiB: past both windows of each side
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=[
+            ("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]) as channel:
+        stub = pb_grpc.ExternalProcessorStub(channel)
+
+        async def requests():
+            yield _body(big)
+            yield _body(b"big:%d" % (9 << 20))
+        answers = [_answer(r) async for r in stub.Process(requests())]
+    assert answers[0] == big and answers[1] == b"z" * (9 << 20)
+
+
+async def test_many_streams_at_once_on_one_connection(served):
+    _, port, echo, _, _ = served
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = pb_grpc.ExternalProcessorStub(channel)
+
+        async def one(i: int) -> bytes:
+            answers = [_answer(r) async for r in stub.Process(iter([_body(b"%d" % i)]))]
+            return answers[0]
+        got = await asyncio.gather(*(one(i) for i in range(300)))
+    assert got == [b"%d" % i for i in range(300)]
+    assert echo.finished == 300
+
+
+async def test_a_failing_method_ends_its_call_unknown_and_the_connection_serves_on(served):
+    _, port, _, _, _ = served
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = pb_grpc.ExternalProcessorStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            [r async for r in stub.Process(iter([_body(b"fail")]))]
+        assert e.value.code() == grpc.StatusCode.UNKNOWN and "the processor broke" in e.value.details()
+        assert [_answer(r) async for r in stub.Process(iter([_body(b"ok")]))] == [b"ok"]
+
+
+async def test_a_clients_cancel_cancels_the_method(served):
+    _, port, echo, _, _ = served
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = pb_grpc.ExternalProcessorStub(channel).Process()
+        await call.write(_body(b"hang"))
+        await asyncio.sleep(0.1)
+        call.cancel()
+        await wait_until_async(lambda: echo.cancelled == 1, timeout=5)
+
+
+async def test_a_deadline_ends_the_call_on_the_server_too(served):
+    _, port, echo, _, _ = served
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = pb_grpc.ExternalProcessorStub(channel).Process(timeout=0.3)
+        await call.write(_body(b"hang"))
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await call.read()
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        await wait_until_async(lambda: echo.cancelled == 1, timeout=5)
+
+
+async def test_health_check_watch_and_an_unknown_service(served):
+    _, port, _, healthy, _ = served
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        answer = await stub.Check(health_pb2.HealthCheckRequest(service="readiness"))
+        assert answer.status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await stub.Check(health_pb2.HealthCheckRequest(service="nothing"))
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        watch = stub.Watch(health_pb2.HealthCheckRequest(service="readiness"))
+        assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+        await healthy.set("readiness", health_pb2.HealthCheckResponse.NOT_SERVING)
+        assert (await watch.read()).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        watch.cancel()
+
+
+async def test_an_unknown_method_is_unimplemented(served):
+    _, port, _, _, _ = served
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        method = channel.unary_unary("/no.Such/Method", request_serializer=lambda b: b,
+                                     response_deserializer=lambda b: b)
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await method(b"")
+        assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+async def test_tls_with_alpn_h2():
+    cert, key = self_signed()
+    server = Server()
+    healthy = health.aio.HealthServicer()
+    server.add(grpcserver.HEALTH_SERVICE, grpcserver.health_methods(healthy))
+    port = await server.listen("127.0.0.1", 0, grpcserver.tls_context(cert, key))
+    try:
+        creds = grpc.ssl_channel_credentials(root_certificates=cert)
+        async with grpc.aio.secure_channel(f"127.0.0.1:{port}", creds) as channel:
+            answer = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""))
+            assert answer.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        await server.stop(0)
+
+
+async def test_a_graceful_stop_lets_calls_in_flight_finish_and_refuses_new_ones(served):
+    server, port, echo, _, _ = served
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = pb_grpc.ExternalProcessorStub(channel)
+        call = stub.Process()
+        await call.write(_body(b"a"))
+        assert _answer(await call.read()) == b"a"
+        stopping = asyncio.create_task(server.stop(5))
+        await asyncio.sleep(0.1)
+        await call.write(_body(b"b"))  # the call in flight goes on
+        assert _answer(await call.read()) == b"b"
+        await call.done_writing()
+        assert await call.code() == grpc.StatusCode.OK
+        await asyncio.wait_for(stopping, 5)  # done once the last call ended, not after the grace
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            [r async for r in stub.Process(iter([_body(b"c")]), timeout=2)]
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert echo.finished == 1
+
+
+async def test_a_stop_cancels_what_outlives_the_grace(served):
+    server, port, echo, _, _ = served
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = pb_grpc.ExternalProcessorStub(channel).Process()
+        await call.write(_body(b"hang"))
+        await asyncio.sleep(0.1)
+        await asyncio.wait_for(server.stop(0.2), 5)
+        assert echo.cancelled == 1
+        with pytest.raises(grpc.aio.AioRpcError):
+            await call.read()
+
+
+# --- a raw socket: what no client library sends ---------------------------------------------------
+
+def _frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
+    return struct.pack(">IBI", (len(payload) << 8) | kind, flags, stream) + payload
+
+
+_REQUEST_HEADERS = hpack.encode([(":method", b"POST"), (":scheme", b"http"),
+                                 (":path", b"/envoy.service.ext_proc.v3.ExternalProcessor/Process"),
+                                 (":authority", b"x"), ("content-type", b"application/grpc"), ("te", b"trailers")])
+
+
+class Raw:
+    """A client speaking HTTP/2 by hand on a blocking socket (run in a thread)."""
+
+    def __init__(self, port: int, settings: bytes = b"") -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+        self.sock.sendall(grpcserver.PREFACE + _frame(4, 0, 0, settings))
+        self.buf = b""
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def frames(self, until) -> list[tuple[int, int, int, bytes]]:
+        """Frames read until `until(frame)` is true for one (or the connection closed)."""
+        out = []
+        while True:
+            while len(self.buf) >= 9:
+                length_kind, flags, stream = struct.unpack_from(">IBI", self.buf)
+                length = length_kind >> 8
+                if len(self.buf) < 9 + length:
+                    break
+                frame = (length_kind & 0xFF, flags, stream, self.buf[9:9 + length])
+                self.buf = self.buf[9 + length:]
+                out.append(frame)
+                if until(frame):
+                    return out
+            data = self.sock.recv(1 << 16)
+            if not data:
+                out.append((-1, 0, 0, b""))  # closed
+                return out
+            self.buf += data
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _message(msg: pb.ProcessingRequest, compressed: int = 0) -> bytes:
+    body = msg.SerializeToString()
+    return struct.pack(">BI", compressed, len(body)) + body
+
+
+@pytest.mark.parametrize("send, code, reason", [
+    (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b"x" * 30, 1, "preface"),
+    (_frame(0, 0, 3, b"x"), 1, "idle_stream"),  # DATA on a stream never opened
+    (_frame(1, 4, 1, b"\xff"), 9, "compression"),  # a header block that ends inside an integer
+    (_frame(0, 0, 0, b"x"), 1, "stream_zero"),
+    (_frame(6, 0, 0, b"short"), 6, "ping"),
+    (_frame(4, 0, 0, b"12345"), 6, "settings"),
+    (_frame(1, 0, 1, _REQUEST_HEADERS) + _frame(6, 0, 0, b"8 bytes!"), 1, "continuation"),
+    (struct.pack(">IBI", ((2 << 20) << 8) | 0, 0, 1), 6, "frame_size"),
+])
+async def test_a_peer_breaking_http2_gets_goaway_and_is_counted_and_others_go_on(served, send, code, reason):
+    _, port, _, _, registry = served
+
+    def broken() -> list:
+        if send.startswith(b"GET"):
+            sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+            sock.sendall(send)
+            raw = Raw.__new__(Raw)
+            raw.sock, raw.buf = sock, b""
+        else:
+            raw = Raw(port)
+            raw.send(send)
+        try:
+            return raw.frames(lambda f: f[0] == 7)
+        finally:
+            raw.close()
+    frames = await asyncio.to_thread(broken)
+    goaway = [f for f in frames if f[0] == 7]
+    assert goaway and struct.unpack(">I", goaway[0][3][4:8])[0] == code
+    assert registry.get_sample_value("kvgate_grpc_protocol_errors_total", {"reason": reason}) == 1
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = pb_grpc.ExternalProcessorStub(channel)
+        assert [_answer(r) async for r in stub.Process(iter([_body(b"still")]))] == [b"still"]
+
+
+async def test_ping_is_answered_and_a_compressed_message_ends_only_its_call(served):
+    _, port, _, _, _ = served
+
+    def talk() -> list:
+        raw = Raw(port)
+        try:
+            raw.send(_frame(6, 0, 0, b"pingpong"))
+            raw.send(_frame(1, 4, 1, _REQUEST_HEADERS) + _frame(0, 0, 1, _message(_body(b"x"), compressed=1)))
+            raw.send(_frame(1, 4, 3, _REQUEST_HEADERS) + _frame(0, 1, 3, _message(_body(b"y"))))
+            return raw.frames(lambda f: f[0] == 1 and f[2] == 3 and f[1] & 1)
+        finally:
+            raw.close()
+    frames = await asyncio.to_thread(talk)
+    assert (6, 1, 0, b"pingpong") in frames
+    decoder = hpack.Decoder()
+    by_stream: dict[int, list] = {}
+    for kind, _flags, stream, payload in frames:
+        if kind == 1:
+            by_stream.setdefault(stream, []).extend(decoder.decode(payload))
+    assert ("grpc-status", "12") in by_stream[1]  # UNIMPLEMENTED
+    assert ("grpc-status", "0") in by_stream[3]
+    data3 = b"".join(p for kind, _, stream, p in frames if kind == 0 and stream == 3)
+    assert pb.ProcessingResponse.FromString(data3[5:]).request_body.response.body_mutation.body == b"y"
+
+
+async def test_data_waits_on_the_peers_window_and_the_trailers_wait_on_the_data(served):
+    _, port, _, _, _ = served
+
+    def talk() -> list:
+        raw = Raw(port, settings=struct.pack(">HI", 4, 10))  # SETTINGS_INITIAL_WINDOW_SIZE 10
+        try:
+            raw.send(_frame(1, 4, 1, _REQUEST_HEADERS) + _frame(0, 1, 1, _message(_body(b"big:100"))))
+            first = raw.frames(lambda f: f[0] == 0)
+            assert sum(len(p) for kind, _, _, p in first if kind == 0) == 10
+            assert not any(kind == 1 and flags & 1 for kind, flags, _, _ in first)  # no trailers yet
+            rest = []
+            while not any(kind == 1 and flags & 1 for kind, flags, _, _ in rest):
+                raw.send(_frame(8, 0, 1, struct.pack(">I", 30)))
+                rest += raw.frames(lambda f: f[0] == 0 or (f[0] == 1 and f[1] & 1))
+            return first + rest
+        finally:
+            raw.close()
+    frames = await asyncio.to_thread(talk)
+    data = b"".join(p for kind, _, _, p in frames if kind == 0)
+    assert all(len(p) <= 30 for kind, _, _, p in frames if kind == 0)
+    assert pb.ProcessingResponse.FromString(data[5:]).request_body.response.body_mutation.body == b"z" * 100
