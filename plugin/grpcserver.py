@@ -282,7 +282,7 @@ class _Call:
         head = b""
         if not self.headers_sent:
             self.headers_sent = True
-            head = _frame(HEADERS, END_HEADERS, self.id, _RESPONSE_HEADERS)
+            head = _frame(HEADERS, END_HEADERS, self.id, conn.header_block(_RESPONSE_HEADERS))
         size = len(payload)
         if not self.held and size <= self.window and size <= conn.send_window and size <= conn.peer_max_frame:
             self.window -= size
@@ -320,7 +320,7 @@ class _Call:
             item = held[0]
             if type(item) is tuple:  # the trailers
                 held.popleft()
-                out.append(_frame(HEADERS, END_HEADERS | END_STREAM, self.id, item[0]))
+                out.append(_frame(HEADERS, END_HEADERS | END_STREAM, self.id, conn.header_block(item[0])))
                 if not self.ended:  # the peer may stop sending: what it still sends is dropped
                     self.reset = True
                     out.append(_frame(RST_STREAM, 0, self.id, _UINT.pack(NO_ERROR)))
@@ -366,6 +366,9 @@ class _Connection(asyncio.Protocol):
         self.going_away = False  # this side sent GOAWAY: no new streams
         self.peer_going_away = False
         self.closed = False
+        # The peer changed its decoder's table size (SETTINGS_HEADER_TABLE_SIZE): the next header block sent
+        # starts with a size update (to 0: this side's blocks never index, whatever the table holds).
+        self.table_size_update = False
 
     # --- asyncio.Protocol --------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -554,7 +557,8 @@ class _Connection(asyncio.Protocol):
                 call.timer = asyncio.get_running_loop().call_later(seconds, call.deadline)
 
     def _refuse(self, stream: int, code: grpc.StatusCode, details: str) -> None:
-        out = _frame(HEADERS, END_HEADERS | END_STREAM, stream, _status_block(code.value[0], details, True))
+        out = _frame(HEADERS, END_HEADERS | END_STREAM, stream,
+                     self.header_block(_status_block(code.value[0], details, True)))
         self.write(out + _frame(RST_STREAM, 0, stream, _UINT.pack(NO_ERROR)))
 
     def _settings(self, flags: int, stream: int, payload: bytes) -> None:
@@ -573,6 +577,8 @@ class _Connection(asyncio.Protocol):
                 self.peer_initial_window = value
                 for call in self.calls.values():
                     call.window += delta
+            elif key == SETTINGS_HEADER_TABLE_SIZE:
+                self.table_size_update = True
             elif key == SETTINGS_MAX_FRAME_SIZE:
                 if not DEFAULT_FRAME <= value <= (1 << 24) - 1:
                     raise ProtocolError(PROTOCOL_ERROR, "settings", f"a max frame size of {value}")
@@ -607,6 +613,13 @@ class _Connection(asyncio.Protocol):
             call.flush()
 
     # --- out and end ---------------------------------------------------------------------------
+    def header_block(self, block: bytes) -> bytes:
+        """`block` as the next header block sent: after a size update when the peer's SETTINGS asked for one."""
+        if self.table_size_update:
+            self.table_size_update = False
+            return b"\x20" + block
+        return block
+
     def write(self, data: bytes) -> None:
         if not self.closed and self.transport is not None:
             self.transport.write(data)

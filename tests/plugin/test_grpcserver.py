@@ -347,3 +347,21 @@ async def test_data_waits_on_the_peers_window_and_the_trailers_wait_on_the_data(
     data = b"".join(p for kind, _, _, p in frames if kind == 0)
     assert all(len(p) <= 30 for kind, _, _, p in frames if kind == 0)
     assert pb.ProcessingResponse.FromString(data[5:]).request_body.response.body_mutation.body == b"z" * 100
+
+
+async def test_a_peer_lowering_its_header_table_gets_a_size_update_first(served):
+    _, port, _, _, _ = served
+
+    def talk() -> list:
+        raw = Raw(port, settings=struct.pack(">HI", 1, 0))  # SETTINGS_HEADER_TABLE_SIZE 0
+        try:
+            raw.frames(lambda f: f[0] == 4 and f[1] & 1)  # its SETTINGS acknowledged
+            raw.send(_frame(1, 4, 1, _REQUEST_HEADERS) + _frame(0, 1, 1, _message(_body(b"t"))))
+            return raw.frames(lambda f: f[0] == 1 and f[1] & 1)
+        finally:
+            raw.close()
+    frames = await asyncio.to_thread(talk)
+    blocks = [payload for kind, _, stream, payload in frames if kind == 1 and stream == 1]
+    assert blocks[0][:1] == b"\x20" and blocks[1][:1] != b"\x20"  # once, at the first block after the change
+    decoder = hpack.Decoder(max_table_size=0)
+    assert (":status", "200") in decoder.decode(blocks[0]) and ("grpc-status", "0") in decoder.decode(blocks[1])
