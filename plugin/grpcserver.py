@@ -12,8 +12,8 @@ grpcio's asyncio server calls a servicer's method (a request iterator or a reque
 `abort`, `write`, `invocation_metadata`, `peer`, `cancelled`), so the same servicers run on either
 server. The HTTP/2 it needs: the connection preface and SETTINGS, HEADERS and CONTINUATION through
 plugin.hpack, DATA with flow control both ways (this side's windows large and replenished as bytes
-arrive, the peer's respected, with data held until it opens them), RST_STREAM (the call is cancelled,
-as a client's cancel cancels it under grpcio), PING, GOAWAY both ways, `grpc-timeout` as the call's
+arrive, the peer's respected, with data held until it opens them), RST_STREAM (the method's requests end,
+or it is cancelled: Call.peer_reset), PING, GOAWAY both ways, `grpc-timeout` as the call's
 deadline. No compression (a compressed message is refused, UNIMPLEMENTED), no server push. A peer that
 breaks the protocol gets GOAWAY with the HTTP/2 error code and its connection closed, logged and
 counted in kvgate_grpc_protocol_errors_total; its other calls are cancelled, no other connection is
@@ -55,6 +55,7 @@ CONNECTION_WINDOW = 16 << 20
 MAX_FRAME = 1 << 20  # the largest frame this side reads (announced)
 MAX_HEADER_BLOCK = 1 << 20  # HEADERS + CONTINUATION of one block, at most
 MAX_MESSAGE = (1 << 31) - 1  # gRPC's length field; Envoy's buffer limit bounds a body long before
+RESET_GRACE_S = 1.0  # a method whose requests ended with the peer's reset is cancelled if it runs on this long
 
 _HEAD = struct.Struct(">IBI")  # length (24 bits) and type (8) in one, flags, stream id
 _SETTING = struct.Struct(">HI")
@@ -272,6 +273,26 @@ class _Call:
     def deadline(self) -> None:
         self.fail(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
 
+    def peer_reset(self) -> None:
+        """The peer reset the stream, as Envoy does to an ext_proc stream at the end of every HTTP request. As
+        under grpcio: a method waiting for its next request sees its requests end and finishes as it would at
+        their end (an ext_proc stream's release, a watched response's last word); one busy elsewhere is
+        cancelled, and so is one still running RESET_GRACE_S after its requests ended."""
+        self.reset = True
+        self.ended = True
+        if self.timer is not None:
+            self.timer.cancel()
+        task = self.task
+        if task is None or task.done():
+            return
+        waiter = self.waiter
+        if waiter is None:  # busy elsewhere than its requests
+            task.cancel()
+            return
+        if not waiter.done():  # parked on its requests (or woken by the END_STREAM just before: Envoy sends both)
+            waiter.set_result(None)
+        self.timer = asyncio.get_running_loop().call_later(RESET_GRACE_S, task.cancel)
+
     # --- out -------------------------------------------------------------------------------
     def send(self, message: Any) -> None:
         if self.reset or self.finished:
@@ -478,10 +499,8 @@ class _Connection(asyncio.Protocol):
                 raise ProtocolError(PROTOCOL_ERROR, "rst_stream", "a malformed RST_STREAM")
             call = self.calls.pop(stream, None)
             if call is not None:
-                call.reset = True
                 self.blocked.discard(call)
-                if call.task is not None:
-                    call.task.cancel()
+                call.peer_reset()
                 self.server._idle_check()
             elif stream > self.last_stream:
                 raise ProtocolError(PROTOCOL_ERROR, "idle_stream", "RST_STREAM on an idle stream")

@@ -23,16 +23,20 @@ from helpers import wait_until_async
 
 class Echo:
     """A processor answering each request with its body's bytes in the answer's dynamic metadata; a body of
-    b"fail" raises, b"big:N" answers N bytes, b"hang" waits forever."""
+    b"fail" raises, b"big:N" answers N bytes, b"hang" waits forever, b"linger" waits forever once the requests
+    end."""
 
     def __init__(self) -> None:
         self.cancelled = 0
         self.finished = 0
+        self.ended = 0  # requests that ended (before anything else)
 
     async def Process(self, requests, context):  # noqa: N802
+        linger = False
         try:
             async for msg in requests:
                 body = msg.request_body.body
+                linger = linger or body == b"linger"
                 if body == b"fail":
                     raise RuntimeError("the processor broke")
                 if body == b"hang":
@@ -41,6 +45,9 @@ class Echo:
                     body = b"z" * int(body[4:])
                 yield pb.ProcessingResponse(
                     request_body=pb.BodyResponse(response=pb.CommonResponse(body_mutation=pb.BodyMutation(body=body))))
+            self.ended += 1
+            if linger:
+                await asyncio.sleep(3600)
         except asyncio.CancelledError:
             self.cancelled += 1
             raise
@@ -365,3 +372,43 @@ async def test_a_peer_lowering_its_header_table_gets_a_size_update_first(served)
     assert blocks[0][:1] == b"\x20" and blocks[1][:1] != b"\x20"  # once, at the first block after the change
     decoder = hpack.Decoder(max_table_size=0)
     assert (":status", "200") in decoder.decode(blocks[0]) and ("grpc-status", "0") in decoder.decode(blocks[1])
+
+
+async def test_a_reset_after_end_stream_ends_the_requests_and_the_method_finishes(served):
+    """Envoy ends an ext_proc stream with END_STREAM and RST_STREAM at once: the method, waiting for its next
+    request, sees its requests end and finishes (as under grpcio), and is not cancelled."""
+    _, port, echo, _, _ = served
+
+    def talk() -> None:
+        raw = Raw(port)
+        try:
+            raw.send(_frame(1, 4, 1, _REQUEST_HEADERS) + _frame(0, 0, 1, _message(_body(b"a"))))
+            raw.frames(lambda f: f[0] == 0 and f[2] == 1)
+            raw.send(_frame(0, 1, 1) + _frame(3, 0, 1, struct.pack(">I", 2)))  # END_STREAM, then RST_STREAM
+            raw.send(_frame(1, 4, 3, _REQUEST_HEADERS) + _frame(0, 0, 3, _message(_body(b"b"))))
+            raw.frames(lambda f: f[0] == 0 and f[2] == 3)
+            raw.send(_frame(3, 0, 3, struct.pack(">I", 8)))  # RST_STREAM alone (CANCEL), the method parked
+        finally:
+            raw.close()
+    await asyncio.to_thread(talk)
+    await wait_until_async(lambda: echo.finished == 2, timeout=5)
+    assert echo.cancelled == 0
+
+
+async def test_a_method_still_running_after_the_reset_ended_its_requests_is_cancelled_after_the_grace(
+        served, monkeypatch):
+    monkeypatch.setattr(grpcserver, "RESET_GRACE_S", 0.2)
+    _, port, echo, _, _ = served
+
+    def talk() -> None:
+        raw = Raw(port)
+        try:
+            raw.send(_frame(1, 4, 1, _REQUEST_HEADERS) + _frame(0, 0, 1, _message(_body(b"linger"))))
+            raw.frames(lambda f: f[0] == 0 and f[2] == 1)
+            raw.send(_frame(3, 0, 1, struct.pack(">I", 8)))
+        finally:
+            raw.close()
+    await asyncio.to_thread(talk)
+    await wait_until_async(lambda: echo.ended == 1, timeout=5)
+    assert echo.cancelled == 0
+    await wait_until_async(lambda: echo.cancelled == 1, timeout=5)
