@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import socket
 import time
 
@@ -203,6 +204,23 @@ def test_counts_return_to_zero_after_finished_cancelled_and_failed(env):
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
     assert wait_until(env.counts_are_zero, detail=env.debug)
+
+
+def _released(env, how: str) -> float:
+    m = re.search(r'^kvgate_requests_released_total\{how="%s"\} ([0-9.e+]+)$' % how, env.metrics(), re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_a_request_that_ended_is_released_as_completed_not_cancelled(env):
+    """Envoy ends each ext_proc stream with END_STREAM and RST_STREAM at once: kvgate's gRPC server ends the
+    stream's requests there (as grpcio does) and the release is `completed`; a cancel would cut a watched
+    response's stream before its last word."""
+    completed, cancelled = _released(env, "completed"), _released(env, "cancelled")
+    for stream in (False, True, False, True):
+        r = env.client.post("/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 2, "stream": stream})
+        assert r.status_code == 200
+    assert wait_until(lambda: _released(env, "completed") == completed + 4, detail=env.metrics)
+    assert _released(env, "cancelled") == cancelled
 
 
 def test_pods_file_change_is_picked_up_without_restart(env):
