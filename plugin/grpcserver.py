@@ -271,7 +271,13 @@ class _Call:
             self.task.cancel()
 
     def deadline(self) -> None:
-        self.fail(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+        """The call's grpc-timeout passed: the peer is told DEADLINE_EXCEEDED, and the method's requests end as
+        at a reset (as grpcio's server ends them)."""
+        if self.finished:
+            return
+        self.timer = None
+        self.finish(grpc.StatusCode.DEADLINE_EXCEEDED.value[0], "Deadline Exceeded")
+        self._end_or_cancel()
 
     def peer_reset(self) -> None:
         """The peer reset the stream, as Envoy does to an ext_proc stream at the end of every HTTP request. As
@@ -279,9 +285,12 @@ class _Call:
         their end (an ext_proc stream's release, a watched response's last word); one busy elsewhere is
         cancelled, and so is one still running RESET_GRACE_S after its requests ended."""
         self.reset = True
-        self.ended = True
         if self.timer is not None:
             self.timer.cancel()
+        self._end_or_cancel()
+
+    def _end_or_cancel(self) -> None:
+        self.ended = True
         task = self.task
         if task is None or task.done():
             return

@@ -412,3 +412,17 @@ async def test_a_method_still_running_after_the_reset_ended_its_requests_is_canc
     await wait_until_async(lambda: echo.ended == 1, timeout=5)
     assert echo.cancelled == 0
     await wait_until_async(lambda: echo.cancelled == 1, timeout=5)
+
+
+async def test_a_deadline_ends_the_requests_of_a_method_waiting_for_them(served):
+    """As grpcio's server: a method parked on its requests when the deadline passes sees them end."""
+    _, port, echo, _, _ = served
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = pb_grpc.ExternalProcessorStub(channel).Process(timeout=0.3)
+        await call.write(_body(b"a"))
+        assert _answer(await call.read()) == b"a"
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await call.read()
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        await wait_until_async(lambda: echo.finished == 1, timeout=5)
+        assert echo.cancelled == 0
