@@ -418,13 +418,10 @@ class _Connection(asyncio.Protocol):
         self._cancel_calls()
 
     def _cancel_calls(self) -> None:
+        """The connection is gone: every call's requests end as at a reset (as under grpcio; Server.stop
+        cancels what outlives its grace itself)."""
         for call in list(self.calls.values()):
-            call.reset = True
-            if call.task is not None:
-                call.task.cancel()
-            waiter = call.waiter
-            if waiter is not None and not waiter.done():
-                waiter.cancel()
+            call.peer_reset()
         self.calls.clear()
         self.blocked.clear()
         self.server._idle_check()

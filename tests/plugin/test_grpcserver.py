@@ -426,3 +426,19 @@ async def test_a_deadline_ends_the_requests_of_a_method_waiting_for_them(served)
         assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         await wait_until_async(lambda: echo.finished == 1, timeout=5)
         assert echo.cancelled == 0
+
+
+async def test_a_connection_lost_ends_the_requests_of_a_method_waiting_for_them(served):
+    """As grpcio's server: the peer's connection gone, a method parked on its requests sees them end."""
+    _, port, echo, _, _ = served
+
+    def talk() -> None:
+        raw = Raw(port)
+        try:
+            raw.send(_frame(1, 4, 1, _REQUEST_HEADERS) + _frame(0, 0, 1, _message(_body(b"a"))))
+            raw.frames(lambda f: f[0] == 0 and f[2] == 1)
+        finally:
+            raw.close()
+    await asyncio.to_thread(talk)
+    await wait_until_async(lambda: echo.finished == 1, timeout=5)
+    assert echo.cancelled == 0
