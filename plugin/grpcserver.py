@@ -13,10 +13,10 @@ grpcio's asyncio server calls a servicer's method (a request iterator or a reque
 server. The HTTP/2 it needs: the connection preface and SETTINGS, HEADERS and CONTINUATION through
 plugin.hpack, DATA with flow control both ways (this side's windows large and replenished as bytes
 arrive, the peer's respected, with data held until it opens them), RST_STREAM (the method's requests end,
-or it is cancelled: Call.peer_reset), PING, GOAWAY both ways, `grpc-timeout` as the call's
+or it is cancelled: _Call.peer_reset), PING, GOAWAY both ways, `grpc-timeout` as the call's
 deadline. No compression (a compressed message is refused, UNIMPLEMENTED), no server push. A peer that
-breaks the protocol gets GOAWAY with the HTTP/2 error code and its connection closed, logged and
-counted in kvgate_grpc_protocol_errors_total; its other calls are cancelled, no other connection is
+breaks the protocol gets GOAWAY with the HTTP/2 error code and its connection closed, logged (once per 10 s
+and kind) and counted in kvgate_grpc_protocol_errors_total; its calls' requests end, no other connection is
 touched.
 """
 from __future__ import annotations
@@ -35,6 +35,7 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter
 
 from plugin import hpack
+from plugin.throttle import LogThrottle
 
 log = logging.getLogger("kvgate.grpcserver")
 
@@ -666,7 +667,8 @@ class _Connection(asyncio.Protocol):
 
     def _abandon(self, e: ProtocolError) -> None:
         self.server.protocol_errors.labels(e.reason).inc()
-        log.warning("gRPC connection from %s: %s; closing it (HTTP/2 error %d)", self.peer, e, e.code)
+        self.server.log_throttle.log(log, logging.WARNING, e.reason, "gRPC connection from %s: %s; closing it "
+                                     "(HTTP/2 error %d)", self.peer, e, e.code)
         self.write(_frame(GOAWAY, 0, 0, _UINT.pack(self.last_stream) + _UINT.pack(e.code)))
         self._close()
 
@@ -706,6 +708,7 @@ class Server:
         self.protocol_errors = Counter(
             "kvgate_grpc_protocol_errors", "gRPC connections kvgate closed because the peer broke HTTP/2, by what "
             "it broke", ["reason"], registry=registry)
+        self.log_throttle = LogThrottle(10.0)  # a peer repeating its error is logged once per 10 s and reason
 
     def add(self, service: str, methods: dict[str, Method]) -> None:
         for name, method in methods.items():
