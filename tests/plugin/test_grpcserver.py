@@ -442,3 +442,48 @@ async def test_a_connection_lost_ends_the_requests_of_a_method_waiting_for_them(
     await asyncio.to_thread(talk)
     await wait_until_async(lambda: echo.finished == 1, timeout=5)
     assert echo.cancelled == 0
+
+
+async def test_continuation_padding_priority_split_messages_and_unknown_frames(served):
+    """What a client may send that grpcio's client does not here: a header block split over CONTINUATION, a
+    padded HEADERS carrying a priority, a message split over padded DATA frames, PRIORITY and unknown frames."""
+    _, port, _, _, _ = served
+    message = _message(_body(b"pieces"))
+
+    def talk() -> list:
+        raw = Raw(port)
+        try:
+            first, rest = _REQUEST_HEADERS[:10], _REQUEST_HEADERS[10:]
+            padded = bytes([3]) + b"\x00\x00\x00\x00\x10" + first + b"\x00" * 3  # pad length 3, priority, padding
+            raw.send(_frame(1, 0x8 | 0x20, 1, padded) + _frame(9, 0, 1, rest[:5]) + _frame(9, 4, 1, rest[5:]))
+            raw.send(_frame(2, 0, 1, b"\x00\x00\x00\x00\x10") + _frame(0xEE, 0, 0, b"unknown"))
+            half = len(message) // 2
+            raw.send(_frame(0, 0x8, 1, bytes([2]) + message[:half] + b"\x00\x00"))
+            raw.send(_frame(0, 0x1, 1, message[half:]))
+            raw.send(_frame(8, 0, 99, struct.pack(">I", 10)))  # a window update for a stream never opened: ignored
+            return raw.frames(lambda f: f[0] == 1 and f[2] == 1 and f[1] & 1)
+        finally:
+            raw.close()
+    frames = await asyncio.to_thread(talk)
+    assert not any(kind == 7 for kind, _, _, _ in frames)  # no GOAWAY
+    data = b"".join(p for kind, _, stream, p in frames if kind == 0 and stream == 1)
+    assert pb.ProcessingResponse.FromString(data[5:]).request_body.response.body_mutation.body == b"pieces"
+
+
+async def test_a_larger_window_from_settings_releases_held_data(served):
+    _, port, _, _, _ = served
+
+    def talk() -> list:
+        raw = Raw(port, settings=struct.pack(">HI", 4, 10))
+        try:
+            raw.send(_frame(1, 4, 1, _REQUEST_HEADERS) + _frame(0, 1, 1, _message(_body(b"big:100"))))
+            raw.frames(lambda f: f[0] == 0)
+            raw.send(_frame(4, 0, 0, struct.pack(">HI", 4, 1000)))  # the stream's window grows by 990
+            return raw.frames(lambda f: f[0] == 1 and f[1] & 1)
+        finally:
+            raw.close()
+    frames = await asyncio.to_thread(talk)
+    data = b"".join(p for kind, _, _, p in frames if kind == 0)
+    answer = pb.ProcessingResponse(request_body=pb.BodyResponse(
+        response=pb.CommonResponse(body_mutation=pb.BodyMutation(body=b"z" * 100)))).SerializeToString()
+    assert data == (struct.pack(">BI", 0, len(answer)) + answer)[10:]  # the rest, once the window opened
