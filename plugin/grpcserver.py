@@ -406,7 +406,11 @@ class _Connection(asyncio.Protocol):
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
         peername = transport.get_extra_info("peername")
-        self.peer = f"ipv4:{peername[0]}:{peername[1]}" if isinstance(peername, tuple) else str(peername)
+        if isinstance(peername, tuple):  # as grpcio names a peer
+            host = peername[0]
+            self.peer = f"ipv6:[{host}]:{peername[1]}" if ":" in host else f"ipv4:{host}:{peername[1]}"
+        else:
+            self.peer = f"unix:{peername}"
         settings = b"".join(_SETTING.pack(k, v) for k, v in (
             (SETTINGS_INITIAL_WINDOW_SIZE, STREAM_WINDOW), (SETTINGS_MAX_FRAME_SIZE, MAX_FRAME)))
         transport.write(_frame(SETTINGS, 0, 0, settings)
