@@ -3,7 +3,8 @@
 Five ways to the same upstream in one run, measured in alternating rounds:
 - `direct`: wrk straight to the upstream (no gateway at all);
 - `envoy_only`: Envoy without ext_proc;
-- `noop`: Envoy -> a no-op Python ext_proc that names a fixed upstream (bench.noop_processor), with
+- `noop`: Envoy -> a no-op Python ext_proc that names a fixed upstream (bench.noop_processor, on kvgate's
+  own gRPC server as kvgate serves), with
   Envoy's processing mode as shipped (request headers and body, response headers): the minimum a
   router needs, the targets' reference;
 - `noop_bodies`: the same no-op also watching responses as kvgate does (--observe on, the default): the

@@ -1,7 +1,7 @@
 """A no-op ext_proc server for `kvgate bench gateway`: the cheapest Python processor that
 still routes (it names one fixed upstream), so the benchmark isolates kvgate's own cost.
 
-    python -m bench.noop_processor PORT UPSTREAM_IP:PORT [--bodies [SHARE]]
+    python -m bench.noop_processor PORT UPSTREAM_IP:PORT [--bodies [SHARE]] [--server kvgate|grpcio]
 
 With `--bodies` it watches responses as kvgate does: a share of the requests (SHARE, by default
 kvgate's own KVGATE_OBSERVE_SAMPLE default, taken evenly by kvgate's Sampler) has its successful
@@ -9,9 +9,13 @@ response's body asked for with the same mode override (STREAMED for an event str
 for anything else), each body message answered with an empty one; the others are told in their
 headers answer to send nothing of the response (the same override as kvgate's). Envoy then sends it
 the messages it sends kvgate, and the difference in CPU is what kvgate does with them.
+
+`--server`: the gRPC server it runs on, kvgate's own (plugin.grpcserver, the default, as kvgate serves) or
+grpcio's asyncio server.
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import signal
 import sys
@@ -23,6 +27,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf import struct_pb2
 
+from plugin import grpcserver
 from plugin.config import Settings
 from plugin.pipeline import Sampler
 from plugin.observe import UNWATCHED, body_on
@@ -99,19 +104,35 @@ def native_answers(upstream: str) -> dict[str, str]:
         ("response_headers", p._response_headers), ("response_body", p._response_body))}
 
 
-async def _main(port: int, upstream: str, bodies: bool, share: float) -> None:
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    pb_grpc.add_ExternalProcessorServicer_to_server(NoopProcessor(upstream, bodies, share), server)
-    server.add_insecure_port(f"127.0.0.1:{port}")
-    await server.start()
+async def _main(port: int, upstream: str, bodies: bool, share: float, server_kind: str = "kvgate") -> None:
+    processor = NoopProcessor(upstream, bodies, share)
+    if server_kind == "grpcio":
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        pb_grpc.add_ExternalProcessorServicer_to_server(processor, server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+    else:
+        lean = grpcserver.Server()
+        lean.add(grpcserver.EXT_PROC_SERVICE, grpcserver.ext_proc_methods(processor))
+        await lean.listen("127.0.0.1", port)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     await stop.wait()
-    await server.stop(0)
+    await (server.stop(0) if server_kind == "grpcio" else lean.stop(0))
+
+
+def _args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.noop_processor")
+    p.add_argument("port", type=int)
+    p.add_argument("upstream")
+    p.add_argument("--bodies", nargs="?", type=float, const=Settings.observe_sample, default=None,
+                   help="watch responses as kvgate does, this share of them (default KVGATE_OBSERVE_SAMPLE's)")
+    p.add_argument("--server", choices=("kvgate", "grpcio"), default="kvgate")
+    return p.parse_args(argv)
 
 
 if __name__ == "__main__":
-    rest = sys.argv[3:]
-    share = float(rest[1]) if rest[:1] == ["--bodies"] and len(rest) > 1 else Settings.observe_sample
-    asyncio.run(_main(int(sys.argv[1]), sys.argv[2], "--bodies" in rest, share))
+    a = _args(sys.argv[1:])
+    asyncio.run(_main(a.port, a.upstream, a.bodies is not None,
+                      Settings.observe_sample if a.bodies is None else a.bodies, a.server))

@@ -9,7 +9,8 @@ ways to the same engines (PATHS):
 - `envoy_only`: Envoy without ext_proc (the pool's round robin): Envoy's own share;
 - `noop`: Envoy with the shipped filter settings and a no-op Python processor (bench.noop_processor
   `--bodies`: it routes to one engine and answers the very messages Envoy sends kvgate, the same
-  responses watched): the least a Python processor adds on this path;
+  responses watched; on kvgate's own gRPC server, as kvgate serves): the least a Python processor adds on
+  this path;
 - `native_noop` (where Node is installed): the same, with a processor without Python (bench/native_noop.js,
   below) in the no-op's place, answering as the no-op answers a request it does not watch: what any processor
   adds on this path, on this machine;
