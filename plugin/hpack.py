@@ -8,6 +8,7 @@ a time through a table of the code tree's states, built on first use.
 """
 from __future__ import annotations
 
+import functools
 from collections import deque
 
 
@@ -93,10 +94,9 @@ class _HuffmanTable:
                 for shift in (3, 2, 1, 0):
                     child = children[node][(group >> shift) & 1]
                     if child < 0:
-                        symbol = ~child
-                        out = EOS if symbol == EOS else symbol  # EOS in the input is an error: flagged as 256
+                        out = ~child  # EOS (256) in the input is an error: huffman_decode refuses it
                         node = 0
-                        if symbol == EOS:
+                        if out == EOS:
                             break
                     else:
                         node = child
@@ -104,31 +104,26 @@ class _HuffmanTable:
                 self.emit.append(out)
 
 
-_huffman: _HuffmanTable | None = None
+@functools.cache
+def _huffman_table() -> _HuffmanTable:
+    """The one decoding table (a constant), built on first use."""
+    return _HuffmanTable()
 
 
 def huffman_decode(data: bytes) -> bytes:
-    global _huffman  # noqa: PLW0603 -- a constant table, built once on first use
-    table = _huffman or _HuffmanTable()
-    _huffman = table
+    table = _huffman_table()
     nxt, emit = table.next_state, table.emit
     out = bytearray()
     state = 0
     for byte in data:
-        i = (state << 4) | (byte >> 4)
-        symbol = emit[i]
-        if symbol >= 0:
-            if symbol == EOS:
-                raise HpackError("EOS inside a Huffman-coded string")
-            out.append(symbol)
-        state = nxt[i]
-        i = (state << 4) | (byte & 15)
-        symbol = emit[i]
-        if symbol >= 0:
-            if symbol == EOS:
-                raise HpackError("EOS inside a Huffman-coded string")
-            out.append(symbol)
-        state = nxt[i]
+        for nibble in (byte >> 4, byte & 15):
+            i = (state << 4) | nibble
+            symbol = emit[i]
+            if symbol >= 0:
+                if symbol == EOS:
+                    raise HpackError("EOS inside a Huffman-coded string")
+                out.append(symbol)
+            state = nxt[i]
     if not table.accepting[state]:
         raise HpackError("a Huffman-coded string's padding is not a short run of ones")
     return bytes(out)
