@@ -74,6 +74,9 @@ def _frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
 
 
 def _status_block(code: int, details: str, with_headers: bool) -> bytes:
+    """The trailers of a call that ended with `code` (the response's headers first: `with_headers`)."""
+    if not code and not details:  # the usual end: made once
+        return _RESPONSE_HEADERS + _OK_TRAILERS if with_headers else _OK_TRAILERS
     fields = [("grpc-status", str(code).encode())]
     if details:
         # gRPC's percent-encoding of grpc-message: printable ASCII but '%' kept, the rest as UTF-8 escapes
@@ -334,11 +337,8 @@ class _Call:
         if self.reset or conn.closed:
             conn.forget(self)
             return
-        if not self.headers_sent:
-            self.headers_sent = True
-            block = _status_block(code, details, True) if code or details else _RESPONSE_HEADERS + _OK_TRAILERS
-        else:
-            block = _status_block(code, details, False) if code or details else _OK_TRAILERS
+        block = _status_block(code, details, not self.headers_sent)
+        self.headers_sent = True
         self.held.append((block,))  # type: ignore[arg-type]
         self.flush()
 
