@@ -29,7 +29,7 @@ from plugin.metrics import GatewayMetrics
 from plugin.observe import Observer
 from plugin.pd import PDHandoff
 from plugin import grpcserver
-from plugin.tls import server_keys
+from plugin.tls import grpcio_credentials, server_keys
 from plugin.watch import RedisWords, WatchRelay
 from plugin.status import RecentErrors, RoutingMix
 from routing.state.admission import Admission, Limiter, LocalLimiter, RedisLimiter
@@ -309,7 +309,8 @@ class App:
         self.health = health.aio.HealthServicer()
         # KVGATE_GRPC_TLS: the credentials (a bad certificate file fails here, naming its variable)
         self._tls = server_keys(s.grpc_tls, s.grpc_tls_cert, s.grpc_tls_key)  # (certificate, key) PEM, or None
-        self._health_grpc: grpc.aio.Server | grpcserver.Server | None = None  # KVGATE_GRPC_HEALTH_PORT's server, once serving
+        # KVGATE_GRPC_HEALTH_PORT's server, once serving
+        self._health_grpc: grpc.aio.Server | grpcserver.Server | None = None
 
     async def _load_profiles(self, client, interval_s: float = 10.0) -> None:
         """AIBrix's deployment profiles (`aibrix:profile_<model>_<deployment>`), re-read every 10 s."""
@@ -377,25 +378,14 @@ class App:
         """Serve gRPC (liveness SERVING, readiness not yet) and HTTP, then sync discovery, start the
         event subscriptions and the router: readiness SERVING."""
         s = self.settings
-        address = _join(s.listen_host, s.grpc_port)
         logging.getLogger().addHandler(self.recent_errors)
         await self.set_ready(False)
         await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
-        try:
-            grpc_port = await (self._serve_kvgate() if s.grpc_server == "kvgate" else self._serve_grpcio())
-        except OSError as e:
-            raise OSError(f"KVGATE_GRPC_PORT: cannot listen on {address}"
-                          + ("" if self._tls is None else " with KVGATE_GRPC_TLS's certificate and key")
-                          + (f" ({e.strerror or e})" if str(e) else "")) from None
+        self._grpc, grpc_port = await self._serve_grpc("KVGATE_GRPC_PORT", s.grpc_port, ext_proc=True, tls=self._tls)
         if s.grpc_health_port:
             # the health services alone, in plaintext: Kubernetes' gRPC probes speak no TLS
-            health_address = _join(s.listen_host, s.grpc_health_port)
-            try:
-                self._health_grpc = await (self._serve_kvgate(health_only=True) if s.grpc_server == "kvgate"
-                                           else self._serve_grpcio(health_only=True))
-            except OSError as e:
-                raise OSError(f"KVGATE_GRPC_HEALTH_PORT: cannot listen on {health_address}"
-                              + (f" ({e.strerror or e})" if str(e) else "")) from None
+            self._health_grpc, _ = await self._serve_grpc("KVGATE_GRPC_HEALTH_PORT", s.grpc_health_port,
+                                                          ext_proc=False, tls=None)
         self.grpc_port = grpc_port
         http_app = build_http_app(self.registry, healthy=self.healthy, debug=self.debug)
         self._http = web.AppRunner(http_app, access_log=None)
@@ -433,49 +423,54 @@ class App:
                  s.listen_host, http_port, s.routing_strategy, len(self.pods.pods()))
         return grpc_port, http_port
 
-    async def _serve_kvgate(self, health_only: bool = False):
-        """kvgate's own gRPC server (plugin.grpcserver) on the gRPC port, or the health port alone: the port, or
-        for the health port the server."""
-        s = self.settings
-        server = grpcserver.Server(self.registry if not health_only else None)
-        if not health_only:
+    async def _serve_grpc(self, variable: str, port: int, *, ext_proc: bool, tls: tuple[bytes, bytes] | None
+                          ) -> tuple[grpc.aio.Server | grpcserver.Server, int]:
+        """A gRPC server of KVGATE_GRPC_SERVER's kind on `port`: ext_proc and health, or health alone; TLS with
+        `tls`'s certificate and key. (The server, the port it listens on); OSError naming `variable` when it
+        cannot listen."""
+        address = _join(self.settings.listen_host, port)
+        try:
+            if self.settings.grpc_server == "kvgate":
+                return await self._kvgate_server(port, ext_proc, tls)
+            return await self._grpcio_server(address, ext_proc, tls)
+        except OSError as e:
+            raise OSError(f"{variable}: cannot listen on {address}"
+                          + ("" if tls is None else " with KVGATE_GRPC_TLS's certificate and key")
+                          + (f" ({e.strerror or e})" if str(e) else "")) from None
+
+    async def _kvgate_server(self, port: int, ext_proc: bool, tls: tuple[bytes, bytes] | None
+                             ) -> tuple[grpcserver.Server, int]:
+        # the protocol errors counted on the ext_proc port's server (one registration of the metric)
+        server = grpcserver.Server(self.registry if ext_proc else None)
+        if ext_proc:
             server.add(grpcserver.EXT_PROC_SERVICE, grpcserver.ext_proc_methods(self.processor))
         server.add(grpcserver.HEALTH_SERVICE, grpcserver.health_methods(self.health))
-        tls = None if self._tls is None or health_only else grpcserver.tls_context(*self._tls)
-        port = await server.listen(s.listen_host, s.grpc_health_port if health_only else s.grpc_port, tls)
-        if health_only:
-            return server
-        self._grpc = server
-        return port
+        context = None if tls is None else grpcserver.tls_context(*tls)
+        port = await server.listen(self.settings.listen_host, port, context)
+        return server, port
 
-    async def _serve_grpcio(self, health_only: bool = False):
-        """grpcio's asyncio server, as _serve_kvgate. so_reuseport off: a stale kvgate on the same port must not
-        keep taking Envoy's streams. Envoy's buffer limit bounds bodies; gRPC's default 4 MiB would turn larger
-        valid ones into 500s. gRPC refuses new streams beyond 1,000 (3,000 at most) not yet taken by the event
-        loop: a burst of new HTTP requests above that failed with 500 while the loop caught up. One stream per
-        in-flight request, 10,000+ of them: let them queue instead."""
-        s = self.settings
-        if health_only:
-            server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-            health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-            if server.add_insecure_port(_join(s.listen_host, s.grpc_health_port)) == 0:
-                raise OSError("")
-            await server.start()
-            return server
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", -1),
-                                          ("grpc.max_send_message_length", -1),
-                                          ("grpc.server.max_pending_requests", 100_000),
-                                          ("grpc.server.max_pending_requests_hard_limit", 100_000)])
-        pb_grpc.add_ExternalProcessorServicer_to_server(self.processor, server)
+    async def _grpcio_server(self, address: str, ext_proc: bool, tls: tuple[bytes, bytes] | None
+                             ) -> tuple[grpc.aio.Server, int]:
+        """so_reuseport off: a stale kvgate on the same port must not keep taking Envoy's streams. Envoy's buffer
+        limit bounds bodies; gRPC's default 4 MiB would turn larger valid ones into 500s. gRPC refuses new
+        streams beyond 1,000 (3,000 at most) not yet taken by the event loop: a burst of new HTTP requests above
+        that failed with 500 while the loop caught up. One stream per in-flight request, 10,000+ of them: let
+        them queue instead."""
+        options = [("grpc.so_reuseport", 0)]
+        if ext_proc:
+            options += [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1),
+                        ("grpc.server.max_pending_requests", 100_000),
+                        ("grpc.server.max_pending_requests_hard_limit", 100_000)]
+        server = grpc.aio.server(options=options)
+        if ext_proc:
+            pb_grpc.add_ExternalProcessorServicer_to_server(self.processor, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        address = _join(s.listen_host, s.grpc_port)
-        port = (server.add_insecure_port(address) if self._tls is None
-                else server.add_secure_port(address, grpc.ssl_server_credentials([(self._tls[1], self._tls[0])])))
+        port = (server.add_insecure_port(address) if tls is None
+                else server.add_secure_port(address, grpcio_credentials(tls)))
         if port == 0:
             raise OSError("")
         await server.start()
-        self._grpc = server
-        return port
+        return server, port
 
     async def wait(self) -> None:
         assert self._grpc is not None

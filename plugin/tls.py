@@ -68,7 +68,13 @@ def server_keys(mode: str, cert_path: str = "", key_path: str = "") -> tuple[byt
     raise ValueError(f"KVGATE_GRPC_TLS={mode!r}: expected off, self-signed or files")
 
 
+def grpcio_credentials(keys: tuple[bytes, bytes]) -> grpc.ServerCredentials:
+    """server_keys' (certificate, key) as grpcio's server credentials."""
+    cert, key = keys
+    return grpc.ssl_server_credentials([(key, cert)])
+
+
 def server_credentials(mode: str, cert_path: str = "", key_path: str = "") -> grpc.ServerCredentials | None:
     """As server_keys, as grpcio's server credentials."""
     keys = server_keys(mode, cert_path, key_path)
-    return None if keys is None else grpc.ssl_server_credentials([(keys[1], keys[0])])
+    return None if keys is None else grpcio_credentials(keys)
