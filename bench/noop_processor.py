@@ -106,20 +106,21 @@ def native_answers(upstream: str) -> dict[str, str]:
 
 async def _main(port: int, upstream: str, bodies: bool, share: float, server_kind: str = "kvgate") -> None:
     processor = NoopProcessor(upstream, bodies, share)
+    server: grpc.aio.Server | grpcserver.Server
     if server_kind == "grpcio":
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         pb_grpc.add_ExternalProcessorServicer_to_server(processor, server)
         server.add_insecure_port(f"127.0.0.1:{port}")
         await server.start()
     else:
-        lean = grpcserver.Server()
-        lean.add(grpcserver.EXT_PROC_SERVICE, grpcserver.ext_proc_methods(processor))
-        await lean.listen("127.0.0.1", port)
+        server = grpcserver.Server()
+        server.add(grpcserver.EXT_PROC_SERVICE, grpcserver.ext_proc_methods(processor))
+        await server.listen("127.0.0.1", port)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     await stop.wait()
-    await (server.stop(0) if server_kind == "grpcio" else lean.stop(0))
+    await server.stop(0)
 
 
 def _args(argv: list[str]) -> argparse.Namespace:
