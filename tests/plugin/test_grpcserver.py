@@ -234,12 +234,20 @@ _REQUEST_HEADERS = hpack.encode([(":method", b"POST"), (":scheme", b"http"),
 
 
 class Raw:
-    """A client speaking HTTP/2 by hand on a blocking socket (run in a thread)."""
+    """A client speaking HTTP/2 by hand on a blocking socket (run in a thread); without `preface`, nothing is
+    sent first. A context manager: the socket is closed on leaving."""
 
-    def __init__(self, port: int, settings: bytes = b"") -> None:
+    def __init__(self, port: int, settings: bytes = b"", preface: bool = True) -> None:
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=5)
-        self.sock.sendall(grpcserver.PREFACE + _frame(4, 0, 0, settings))
+        if preface:
+            self.sock.sendall(grpcserver.PREFACE + _frame(4, 0, 0, settings))
         self.buf = b""
+
+    def __enter__(self) -> Raw:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.sock.close()
 
     def send(self, data: bytes) -> None:
         self.sock.sendall(data)
@@ -264,9 +272,6 @@ class Raw:
                 return out
             self.buf += data
 
-    def close(self) -> None:
-        self.sock.close()
-
 
 def _message(msg: pb.ProcessingRequest, compressed: int = 0) -> bytes:
     body = msg.SerializeToString()
@@ -287,18 +292,9 @@ async def test_a_peer_breaking_http2_gets_goaway_and_is_counted_and_others_go_on
     _, port, _, _, registry = served
 
     def broken() -> list:
-        if send.startswith(b"GET"):
-            sock = socket.create_connection(("127.0.0.1", port), timeout=5)
-            sock.sendall(send)
-            raw = Raw.__new__(Raw)
-            raw.sock, raw.buf = sock, b""
-        else:
-            raw = Raw(port)
+        with Raw(port, preface=not send.startswith(b"GET")) as raw:
             raw.send(send)
-        try:
             return raw.frames(lambda f: f[0] == 7)
-        finally:
-            raw.close()
     frames = await asyncio.to_thread(broken)
     goaway = [f for f in frames if f[0] == 7]
     assert goaway and struct.unpack(">I", goaway[0][3][4:8])[0] == code
@@ -312,14 +308,11 @@ async def test_ping_is_answered_and_a_compressed_message_ends_only_its_call(serv
     _, port, _, _, _ = served
 
     def talk() -> list:
-        raw = Raw(port)
-        try:
+        with Raw(port) as raw:
             raw.send(_frame(6, 0, 0, b"pingpong"))
             raw.send(_frame(1, 4, 1, _REQUEST_HEADERS) + _frame(0, 0, 1, _message(_body(b"x"), compressed=1)))
             raw.send(_frame(1, 4, 3, _REQUEST_HEADERS) + _frame(0, 1, 3, _message(_body(b"y"))))
             return raw.frames(lambda f: f[0] == 1 and f[2] == 3 and f[1] & 1)
-        finally:
-            raw.close()
     frames = await asyncio.to_thread(talk)
     assert (6, 1, 0, b"pingpong") in frames
     decoder = hpack.Decoder()
@@ -337,8 +330,7 @@ async def test_data_waits_on_the_peers_window_and_the_trailers_wait_on_the_data(
     _, port, _, _, _ = served
 
     def talk() -> list:
-        raw = Raw(port, settings=struct.pack(">HI", 4, 10))  # SETTINGS_INITIAL_WINDOW_SIZE 10
-        try:
+        with Raw(port, settings=struct.pack(">HI", 4, 10)) as raw:  # SETTINGS_INITIAL_WINDOW_SIZE 10
             raw.send(_frame(1, 4, 1, _REQUEST_HEADERS) + _frame(0, 1, 1, _message(_body(b"big:100"))))
             first = raw.frames(lambda f: f[0] == 0)
             assert sum(len(p) for kind, _, _, p in first if kind == 0) == 10
@@ -348,8 +340,6 @@ async def test_data_waits_on_the_peers_window_and_the_trailers_wait_on_the_data(
                 raw.send(_frame(8, 0, 1, struct.pack(">I", 30)))
                 rest += raw.frames(lambda f: f[0] == 0 or (f[0] == 1 and f[1] & 1))
             return first + rest
-        finally:
-            raw.close()
     frames = await asyncio.to_thread(talk)
     data = b"".join(p for kind, _, _, p in frames if kind == 0)
     assert all(len(p) <= 30 for kind, _, _, p in frames if kind == 0)
@@ -360,13 +350,10 @@ async def test_a_peer_lowering_its_header_table_gets_a_size_update_first(served)
     _, port, _, _, _ = served
 
     def talk() -> list:
-        raw = Raw(port, settings=struct.pack(">HI", 1, 0))  # SETTINGS_HEADER_TABLE_SIZE 0
-        try:
+        with Raw(port, settings=struct.pack(">HI", 1, 0)) as raw:  # SETTINGS_HEADER_TABLE_SIZE 0
             raw.frames(lambda f: f[0] == 4 and f[1] & 1)  # its SETTINGS acknowledged
             raw.send(_frame(1, 4, 1, _REQUEST_HEADERS) + _frame(0, 1, 1, _message(_body(b"t"))))
             return raw.frames(lambda f: f[0] == 1 and f[1] & 1)
-        finally:
-            raw.close()
     frames = await asyncio.to_thread(talk)
     blocks = [payload for kind, _, stream, payload in frames if kind == 1 and stream == 1]
     assert blocks[0][:1] == b"\x20" and blocks[1][:1] != b"\x20"  # once, at the first block after the change
@@ -380,16 +367,13 @@ async def test_a_reset_after_end_stream_ends_the_requests_and_the_method_finishe
     _, port, echo, _, _ = served
 
     def talk() -> None:
-        raw = Raw(port)
-        try:
+        with Raw(port) as raw:
             raw.send(_frame(1, 4, 1, _REQUEST_HEADERS) + _frame(0, 0, 1, _message(_body(b"a"))))
             raw.frames(lambda f: f[0] == 0 and f[2] == 1)
             raw.send(_frame(0, 1, 1) + _frame(3, 0, 1, struct.pack(">I", 2)))  # END_STREAM, then RST_STREAM
             raw.send(_frame(1, 4, 3, _REQUEST_HEADERS) + _frame(0, 0, 3, _message(_body(b"b"))))
             raw.frames(lambda f: f[0] == 0 and f[2] == 3)
             raw.send(_frame(3, 0, 3, struct.pack(">I", 8)))  # RST_STREAM alone (CANCEL), the method parked
-        finally:
-            raw.close()
     await asyncio.to_thread(talk)
     await wait_until_async(lambda: echo.finished == 2, timeout=5)
     assert echo.cancelled == 0
@@ -401,13 +385,10 @@ async def test_a_method_still_running_after_the_reset_ended_its_requests_is_canc
     _, port, echo, _, _ = served
 
     def talk() -> None:
-        raw = Raw(port)
-        try:
+        with Raw(port) as raw:
             raw.send(_frame(1, 4, 1, _REQUEST_HEADERS) + _frame(0, 0, 1, _message(_body(b"linger"))))
             raw.frames(lambda f: f[0] == 0 and f[2] == 1)
             raw.send(_frame(3, 0, 1, struct.pack(">I", 8)))
-        finally:
-            raw.close()
     await asyncio.to_thread(talk)
     await wait_until_async(lambda: echo.ended == 1, timeout=5)
     assert echo.cancelled == 0
@@ -433,12 +414,9 @@ async def test_a_connection_lost_ends_the_requests_of_a_method_waiting_for_them(
     _, port, echo, _, _ = served
 
     def talk() -> None:
-        raw = Raw(port)
-        try:
+        with Raw(port) as raw:
             raw.send(_frame(1, 4, 1, _REQUEST_HEADERS) + _frame(0, 0, 1, _message(_body(b"a"))))
             raw.frames(lambda f: f[0] == 0 and f[2] == 1)
-        finally:
-            raw.close()
     await asyncio.to_thread(talk)
     await wait_until_async(lambda: echo.finished == 1, timeout=5)
     assert echo.cancelled == 0
@@ -451,8 +429,7 @@ async def test_continuation_padding_priority_split_messages_and_unknown_frames(s
     message = _message(_body(b"pieces"))
 
     def talk() -> list:
-        raw = Raw(port)
-        try:
+        with Raw(port) as raw:
             first, rest = _REQUEST_HEADERS[:10], _REQUEST_HEADERS[10:]
             padded = bytes([3]) + b"\x00\x00\x00\x00\x10" + first + b"\x00" * 3  # pad length 3, priority, padding
             raw.send(_frame(1, 0x8 | 0x20, 1, padded) + _frame(9, 0, 1, rest[:5]) + _frame(9, 4, 1, rest[5:]))
@@ -462,8 +439,6 @@ async def test_continuation_padding_priority_split_messages_and_unknown_frames(s
             raw.send(_frame(0, 0x1, 1, message[half:]))
             raw.send(_frame(8, 0, 99, struct.pack(">I", 10)))  # a window update for a stream never opened: ignored
             return raw.frames(lambda f: f[0] == 1 and f[2] == 1 and f[1] & 1)
-        finally:
-            raw.close()
     frames = await asyncio.to_thread(talk)
     assert not any(kind == 7 for kind, _, _, _ in frames)  # no GOAWAY
     data = b"".join(p for kind, _, stream, p in frames if kind == 0 and stream == 1)
@@ -474,14 +449,11 @@ async def test_a_larger_window_from_settings_releases_held_data(served):
     _, port, _, _, _ = served
 
     def talk() -> list:
-        raw = Raw(port, settings=struct.pack(">HI", 4, 10))
-        try:
+        with Raw(port, settings=struct.pack(">HI", 4, 10)) as raw:
             raw.send(_frame(1, 4, 1, _REQUEST_HEADERS) + _frame(0, 1, 1, _message(_body(b"big:100"))))
             raw.frames(lambda f: f[0] == 0)
             raw.send(_frame(4, 0, 0, struct.pack(">HI", 4, 1000)))  # the stream's window grows by 990
             return raw.frames(lambda f: f[0] == 1 and f[1] & 1)
-        finally:
-            raw.close()
     frames = await asyncio.to_thread(talk)
     data = b"".join(p for kind, _, _, p in frames if kind == 0)
     answer = pb.ProcessingResponse(request_body=pb.BodyResponse(
