@@ -9,7 +9,8 @@ given tokenizer files whose chat template is one character off the engines'. Pha
 completions of a few repeated prompts: the template is not used, B's index stays under its bound, every
 engine kvgate knows publishes, Redis is up; no rule may fire. Phase 2 ("faults") adds sim2 to the pods file,
 kills Redis and sends chat (A finds the disagreement, B silently routes on wrong tokens so believed and real
-hit rates drift apart) and long distinct prompts (B's index fills and evicts, so the replicas disagree);
+hit rates drift apart) and long distinct prompts (B's index fills and evicts, so the replicas disagree), and
+sends an HTTP/1.1 request to A's gRPC port at every step (as a health check pointed there would);
 every rule must fire. Each phase is a series of scrapes of every target; promtool's `test rules` takes them
 as input series, one scrape per step, the step chosen per rule so that a phase spans its window and `for`."""
 from __future__ import annotations
@@ -19,6 +20,7 @@ import json
 import math
 import re
 import shutil
+import socket
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -57,9 +59,11 @@ FIRING = {
     "KvgateIndexAtBound": {"instance": "kvgate-b"},
     "KvgateReplicasDisagree": {},
     "KvgateWatchWordsLost": {},
+    "KvgateGrpcProtocolErrors": {"instance": "kvgate-a", "reason": "preface"},
 }
 # alerts that must not fire in phase 2 either (label matchers): the conditions hold elsewhere only
-NOT_FIRING = {"KvgateEngineSilent": 'pod!="sim2"', "KvgateIndexAtBound": 'instance="kvgate-a"'}
+NOT_FIRING = {"KvgateEngineSilent": 'pod!="sim2"', "KvgateIndexAtBound": 'instance="kvgate-a"',
+              "KvgateGrpcProtocolErrors": 'instance="kvgate-b"'}
 
 
 def promtool() -> str:
@@ -186,6 +190,16 @@ def _post(client: httpx.Client, path: str, body: dict) -> None:
     assert r.status_code == 200, (path, r.status_code, r.text[:300])
 
 
+def _http1_at(port: int) -> None:
+    """An HTTP/1.1 request to a plaintext gRPC port, read until the server closes the connection (it
+    answers with SETTINGS and GOAWAY: not an HTTP/2 preface)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        with contextlib.suppress(ConnectionResetError):  # a close with the request unread resets
+            while sock.recv(4096):
+                pass
+
+
 @pytest.fixture(scope="module")
 def run():
     if shutil.which("redis-server") is None:
@@ -269,6 +283,7 @@ def run():
                 send([*((via_b, "/v1/chat/completions", _chat(i * 5 + k, i + k)) for k in range(5)),
                       (via_a, "/v1/chat/completions", _chat(i, i)),
                       (via_a, "/v1/completions", {"model": MODEL, "prompt": _distinct_prompt(r), "max_tokens": 4})])
+                _http1_at(a.grpc_port)
                 result.scrape("faults", pool_x)
         yield result
 
@@ -460,7 +475,8 @@ def test_the_dashboard_is_importable_with_its_datasource_a_variable(tmp_path) ->
     for shown in ("kvgate_routed_requests_total", "vllm:prefix_cache_hits_total", "kvgate_request_ttft_seconds_bucket",
                   "kvgate_request_tpot_seconds_bucket", "kvgate_kvevents_missed_batches_total",
                   "kvgate_tokenize_seconds_bucket", "kvgate_tokenizer_fallbacks_total", "kvgate_request_errors_total",
-                  "kvgate_counts_redis_up", "kvgate_index_max_entries", "kvgate_admission_wait_seconds_total"):
+                  "kvgate_counts_redis_up", "kvgate_index_max_entries", "kvgate_admission_wait_seconds_total",
+                  "kvgate_grpc_protocol_errors_total"):
         assert shown in text, shown
 
 
