@@ -440,8 +440,10 @@ class App:
 
     async def _kvgate_server(self, port: int, ext_proc: bool, tls: tuple[bytes, bytes] | None
                              ) -> tuple[grpcserver.Server, int]:
-        # the protocol errors counted on the ext_proc port's server (one registration of the metric)
-        server = grpcserver.Server(self.registry if ext_proc else None)
+        # one count of protocol errors for both ports, registered by the ext_proc port's server (started first)
+        ext_proc_server = self._grpc if isinstance(self._grpc, grpcserver.Server) else None
+        server = grpcserver.Server(self.registry if ext_proc else None,
+                                   None if ext_proc or ext_proc_server is None else ext_proc_server.protocol_errors)
         if ext_proc:
             server.add(grpcserver.EXT_PROC_SERVICE, grpcserver.ext_proc_methods(self.processor))
         server.add(grpcserver.HEALTH_SERVICE, grpcserver.health_methods(self.health))

@@ -702,16 +702,20 @@ def _timeout(value: str) -> float | None:
 class Server:
     """The methods by path (`/package.Service/Method`) on the sockets `listen` opened."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, protocol_errors: Counter | None = None) -> None:
         self.methods: dict[str, Method] = {}
         self._servers: list[asyncio.base_events.Server] = []
         self._connections: set[_Connection] = set()
         self.refusing = False
         self._terminated = asyncio.Event()
         self._idle = asyncio.Event()
-        self.protocol_errors = Counter(
+        # another server's counter (kvgate's health port counts on its ext_proc port's), or one in `registry`
+        self.protocol_errors = protocol_errors if protocol_errors is not None else Counter(
             "kvgate_grpc_protocol_errors", "gRPC connections kvgate closed because the peer broke HTTP/2, by what "
             "it broke", ["reason"], registry=registry)
+        # a series from the start for the reason a misconfigured peer gives (TLS or HTTP/1 at a plaintext
+        # gRPC port), so that its first occurrence shows in increase() too
+        self.protocol_errors.labels("preface")
         self.log_throttle = LogThrottle(10.0)  # a peer repeating its error is logged once per 10 s and reason
 
     def add(self, service: str, methods: dict[str, Method]) -> None:

@@ -2,6 +2,8 @@
 it builds from the settings, through the same functions the routing tests use (build_counts)."""
 from __future__ import annotations
 
+import asyncio
+
 import redis as redis_py
 
 from plugin.app import App
@@ -75,3 +77,24 @@ async def test_two_apps_share_their_running_prompts_through_redis():
         finally:
             for app in apps:
                 await app.stop(0)
+
+
+async def test_a_peer_breaking_http2_at_either_grpc_port_counts_in_the_replicas_metric():
+    """An HTTP/1 request (a load balancer's health check pointed at the wrong port, say) at the ext_proc port and
+    at the plaintext health port: each counted under `preface` in the one kvgate_grpc_protocol_errors_total the
+    replica exports, whose `preface` series is there from the start (its first error shows in increase())."""
+    health_port, = free_ports(1)
+    app = App(settings(KVGATE_GRPC_HEALTH_PORT=str(health_port)))
+    await app.start()
+    try:
+        def preface_errors() -> float | None:
+            return app.registry.get_sample_value("kvgate_grpc_protocol_errors_total", {"reason": "preface"})
+        assert preface_errors() == 0
+        for port in (app.grpc_port, health_port):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET /healthz HTTP/1.1\r\nHost: kvgate\r\n\r\n")
+            assert await asyncio.wait_for(reader.read(), 5)  # a GOAWAY, then the close
+            writer.close()
+        assert preface_errors() == 2
+    finally:
+        await app.stop(0)
