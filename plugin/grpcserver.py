@@ -17,7 +17,7 @@ or it is cancelled: _Call.peer_reset), PING, GOAWAY both ways, `grpc-timeout` as
 deadline. No compression (a compressed message is refused, UNIMPLEMENTED), no server push. A peer that
 breaks the protocol gets GOAWAY with the HTTP/2 error code and its connection closed, logged (once per 10 s
 and kind) and counted in kvgate_grpc_protocol_errors_total; its calls' requests end, no other connection is
-touched.
+touched. With TLS, a peer whose handshake fails (plaintext at a TLS port) is logged and counted too (`tls`).
 """
 from __future__ import annotations
 
@@ -56,6 +56,7 @@ CONNECTION_WINDOW = 16 << 20
 MAX_FRAME = 1 << 20  # the largest frame this side reads (announced)
 MAX_HEADER_BLOCK = 1 << 20  # HEADERS + CONTINUATION of one block, at most
 MAX_MESSAGE = (1 << 31) - 1  # gRPC's length field; Envoy's buffer limit bounds a body long before
+HANDSHAKE_TIMEOUT_S = 10.0  # a TLS peer's handshake must be done within this (asyncio's default: 60)
 RESET_GRACE_S = 1.0  # a method whose requests ended with the peer's reset is cancelled if it runs on this long
 
 _HEAD = struct.Struct(">IBI")  # length (24 bits) and type (8) in one, flags, stream id
@@ -405,12 +406,7 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
-        peername = transport.get_extra_info("peername")
-        if isinstance(peername, tuple):  # as grpcio names a peer
-            host = peername[0]
-            self.peer = f"ipv6:[{host}]:{peername[1]}" if ":" in host else f"ipv4:{host}:{peername[1]}"
-        else:
-            self.peer = f"unix:{peername}"
+        self.peer = _peer_name(transport)
         settings = b"".join(_SETTING.pack(k, v) for k, v in (
             (SETTINGS_INITIAL_WINDOW_SIZE, STREAM_WINDOW), (SETTINGS_MAX_FRAME_SIZE, MAX_FRAME)))
         transport.write(_frame(SETTINGS, 0, 0, settings)
@@ -683,6 +679,52 @@ class _Connection(asyncio.Protocol):
             self._cancel_calls()
 
 
+class _Handshake(asyncio.Protocol):
+    """A TLS connection until its handshake is done (loop.start_tls), then its _Connection's. asyncio's own TLS
+    server drops a failed handshake unseen (logged only in the loop's debug mode), so a peer speaking plaintext
+    at a TLS port (Envoy's cluster for kvgate without its TLS transport socket, a health check) is counted here
+    (reason `tls`) and logged as a broken HTTP/2 peer is. Reading waits until start_tls takes the socket, so
+    the peer's first bytes are the TLS layer's."""
+
+    def __init__(self, server: Server, tls: ssl.SSLContext) -> None:
+        self.server = server
+        self.tls = tls
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        transport.pause_reading()
+        task = asyncio.get_running_loop().create_task(self._handshake(transport))
+        self.server._handshakes.add(task)
+        task.add_done_callback(self.server._handshakes.discard)
+
+    async def _handshake(self, transport: asyncio.Transport) -> None:
+        conn = _Connection(self.server)
+        try:
+            secure = await asyncio.get_running_loop().start_tls(
+                transport, conn, self.tls, server_side=True, ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S)
+        except ssl.SSLError as e:  # the peer spoke, but not TLS (or not a TLS this side accepts)
+            self.server.protocol_errors.labels("tls").inc()
+            self.server.log_throttle.log(log, logging.WARNING, "tls", "gRPC connection from %s: TLS handshake "
+                                         "failed (%s); closing it", _peer_name(transport), e.reason or e)
+            transport.abort()
+            return
+        except (OSError, asyncio.TimeoutError, asyncio.CancelledError):  # gone before a word, or mute
+            transport.abort()
+            return
+        if secure is None:  # the peer closed as the handshake ended
+            return
+        conn.connection_made(secure)
+
+
+def _peer_name(transport: asyncio.BaseTransport) -> str:
+    """The peer as grpcio names it."""
+    peername = transport.get_extra_info("peername")
+    if isinstance(peername, tuple):
+        host = peername[0]
+        return f"ipv6:[{host}]:{peername[1]}" if ":" in host else f"ipv4:{host}:{peername[1]}"
+    return f"unix:{peername}"
+
+
 def _unpad(flags: int, payload: bytes) -> bytes:
     if not flags & PADDED:
         return payload
@@ -706,6 +748,7 @@ class Server:
         self.methods: dict[str, Method] = {}
         self._servers: list[asyncio.base_events.Server] = []
         self._connections: set[_Connection] = set()
+        self._handshakes: set[asyncio.Task] = set()  # TLS connections not yet through their handshake
         self.refusing = False
         self._terminated = asyncio.Event()
         self._idle = asyncio.Event()
@@ -724,8 +767,9 @@ class Server:
 
     async def listen(self, host: str, port: int, tls: ssl.SSLContext | None = None) -> int:
         """Listen on `host`:`port` (0: a free port); the port listened on. OSError when it cannot."""
-        server = await asyncio.get_running_loop().create_server(
-            lambda: _Connection(self), host or None, port, ssl=tls, reuse_port=False)
+        factory: Callable[[], asyncio.Protocol] = (
+            (lambda: _Connection(self)) if tls is None else (lambda: _Handshake(self, tls)))
+        server = await asyncio.get_running_loop().create_server(factory, host or None, port, reuse_port=False)
         self._servers.append(server)
         return server.sockets[0].getsockname()[1]
 
@@ -738,6 +782,8 @@ class Server:
         self.refusing = True
         for server in self._servers:
             server.close()
+        for handshake in list(self._handshakes):
+            handshake.cancel()
         for conn in list(self._connections):
             conn.go_away()
         self._idle_check()

@@ -192,6 +192,39 @@ async def test_tls_with_alpn_h2():
         await server.stop(0)
 
 
+async def test_a_plaintext_peer_at_a_tls_port_is_counted_and_logged_and_tls_peers_go_on(caplog):
+    """HTTP/2 in plaintext (Envoy's cluster for kvgate without its TLS transport socket) and HTTP/1 at a TLS port:
+    each a failed handshake, counted under `tls` and logged with the peer; a peer that connects and leaves
+    without a word is neither; a TLS client is served meanwhile."""
+    cert, key = self_signed()
+    registry = CollectorRegistry()
+    server = Server(registry)
+    echo = Echo()
+    server.add(grpcserver.EXT_PROC_SERVICE, grpcserver.ext_proc_methods(echo))
+    port = await server.listen("127.0.0.1", 0, grpcserver.tls_context(cert, key))
+    try:
+        async def send(data: bytes) -> bytes:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(data)
+            if not data:
+                writer.write_eof()
+            got = await asyncio.wait_for(reader.read(), 5)  # until the server closes
+            writer.close()
+            return got
+        for data in (grpcserver.PREFACE + _frame(4, 0, 0), b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", b""):
+            await send(data)
+        await wait_until_async(lambda: registry.get_sample_value(
+            "kvgate_grpc_protocol_errors_total", {"reason": "tls"}) == 2, timeout=5)
+        assert "gRPC connection from ipv4:127.0.0.1:" in caplog.text and "TLS handshake failed" in caplog.text
+        creds = grpc.ssl_channel_credentials(root_certificates=cert)
+        async with grpc.aio.secure_channel(f"127.0.0.1:{port}", creds) as channel:
+            stub = pb_grpc.ExternalProcessorStub(channel)
+            assert [_answer(a) async for a in stub.Process(iter([_body(b"tls")]))] == [b"tls"]
+        assert registry.get_sample_value("kvgate_grpc_protocol_errors_total", {"reason": "tls"}) == 2
+    finally:
+        await server.stop(0)
+
+
 async def test_a_graceful_stop_lets_calls_in_flight_finish_and_refuses_new_ones(served):
     server, port, echo, _, _ = served
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
