@@ -443,7 +443,8 @@ class App:
         # one count of protocol errors for both ports, registered by the ext_proc port's server (started first)
         ext_proc_server = self._grpc if isinstance(self._grpc, grpcserver.Server) else None
         server = grpcserver.Server(self.registry if ext_proc else None,
-                                   None if ext_proc or ext_proc_server is None else ext_proc_server.protocol_errors)
+                                   None if ext_proc or ext_proc_server is None else ext_proc_server.protocol_errors,
+                                   keepalive_s=self.settings.grpc_keepalive_s)
         if ext_proc:
             server.add(grpcserver.EXT_PROC_SERVICE, grpcserver.ext_proc_methods(self.processor))
         server.add(grpcserver.HEALTH_SERVICE, grpcserver.health_methods(self.health))
@@ -458,7 +459,9 @@ class App:
         streams beyond 1,000 (3,000 at most) not yet taken by the event loop: a burst of new HTTP requests above
         that failed with 500 while the loop caught up. One stream per in-flight request, 10,000+ of them: let
         them queue instead."""
-        options = [("grpc.so_reuseport", 0)]
+        keepalive_ms = round(self.settings.grpc_keepalive_s * 1000)
+        options = [("grpc.so_reuseport", 0), ("grpc.keepalive_time_ms", keepalive_ms),
+                   ("grpc.keepalive_timeout_ms", keepalive_ms), ("grpc.http2.max_pings_without_data", 0)]
         if ext_proc:
             options += [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1),
                         ("grpc.server.max_pending_requests", 100_000),

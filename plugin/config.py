@@ -149,6 +149,10 @@ VARIABLES: tuple[Variable, ...] = (
              "The gRPC server on the gRPC ports: `kvgate` (kvgate's own HTTP/2, on the event loop that routes: one "
              "thread wake-up per message) or `grpcio` (grpcio's asyncio server, which hands each message across "
              "three threads; docs/BENCHMARKS.md, ## path). Both serve ext_proc and health, plaintext and TLS."),
+    Variable("KVGATE_GRPC_KEEPALIVE_S", "grpc_keepalive_s", _positive_float, 30.0,
+             "A gRPC connection silent this long gets an HTTP/2 PING; one that leaves it unanswered as long again "
+             "is closed and its calls end, their requests released (a gateway whose host was lost sends no FIN; "
+             "each of its calls holds a routed request's running count). grpcio's server pings after 2 hours."),
     Variable("KVGATE_GRPC_HEALTH_PORT", "grpc_health_port", PORT, 0,
              "A plaintext gRPC port serving only the health services (`liveness`, `readiness`), 0 for none: "
              "Kubernetes' gRPC probes do not speak TLS, so probe this port when KVGATE_GRPC_TLS is on."),
@@ -353,6 +357,7 @@ class Settings:
     grpc_tls_cert: str = ""
     grpc_tls_key: str = ""
     grpc_server: str = "kvgate"
+    grpc_keepalive_s: float = 30.0
     grpc_health_port: int = 0
     discovery: str = "static"
     pods_file: str = ""

@@ -56,6 +56,11 @@ CONNECTION_WINDOW = 16 << 20
 MAX_FRAME = 1 << 20  # the largest frame this side reads (announced)
 MAX_HEADER_BLOCK = 1 << 20  # HEADERS + CONTINUATION of one block, at most
 MAX_MESSAGE = (1 << 31) - 1  # gRPC's length field; Envoy's buffer limit bounds a body long before
+# A connection silent this long gets a PING; one that leaves it unanswered as long again is closed, its calls'
+# requests ended (a peer whose host was lost sends no FIN: without this its calls, each holding a routed request's
+# running count, would wait for ever; grpcio's server pings after 2 hours)
+KEEPALIVE_S = 30.0
+_KEEPALIVE_PING = b"kvgate\x00\x00"
 HANDSHAKE_TIMEOUT_S = 10.0  # a TLS peer's handshake must be done within this (asyncio's default: 60)
 RESET_GRACE_S = 1.0  # a method whose requests ended with the peer's reset is cancelled if it runs on this long
 
@@ -401,12 +406,16 @@ class _Connection(asyncio.Protocol):
         # The peer changed its decoder's table size (SETTINGS_HEADER_TABLE_SIZE): the next header block sent
         # starts with a size update (to 0: this side's blocks never index, whatever the table holds).
         self.table_size_update = False
+        self.heard = False  # a byte arrived since the keepalive's last look
+        self.quiet_since = 0.0  # the loop's time at which the keepalive last found the peer heard
+        self.pinged: float | None = None  # when the keepalive's PING went out, unanswered as yet
 
     # --- asyncio.Protocol --------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
         self.peer = _peer_name(transport)
+        self.quiet_since = asyncio.get_running_loop().time()
         settings = b"".join(_SETTING.pack(k, v) for k, v in (
             (SETTINGS_INITIAL_WINDOW_SIZE, STREAM_WINDOW), (SETTINGS_MAX_FRAME_SIZE, MAX_FRAME)))
         transport.write(_frame(SETTINGS, 0, 0, settings)
@@ -430,6 +439,7 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.closed:
             return
+        self.heard = True
         buf = self.buffer
         buf += data
         try:
@@ -658,6 +668,23 @@ class _Connection(asyncio.Protocol):
             self._close()
         self.server._idle_check()
 
+    def keep_alive(self, now: float, period: float) -> None:
+        """The keepalive's look (Server._keep_alive): a PING once the peer has been silent for `period`, the
+        connection closed once that PING is `period` old without a byte from the peer since."""
+        if self.heard:
+            self.heard = False
+            self.quiet_since = now
+            self.pinged = None
+        elif self.pinged is None:
+            if now - self.quiet_since >= period:
+                self.pinged = now
+                self.write(_frame(PING, 0, 0, _KEEPALIVE_PING))
+        elif now - self.pinged >= period:
+            self.server.log_throttle.log(log, logging.WARNING, "keepalive", "gRPC connection from %s: no answer to "
+                                         "a PING in %.3g s; closing it (its %d calls end)", self.peer, period,
+                                         len(self.calls))
+            self._close(abort=True)
+
     def go_away(self) -> None:
         if not self.going_away and not self.closed:
             self.going_away = True
@@ -672,10 +699,14 @@ class _Connection(asyncio.Protocol):
         self.write(_frame(GOAWAY, 0, 0, _UINT.pack(self.last_stream) + _UINT.pack(e.code)))
         self._close()
 
-    def _close(self) -> None:
+    def _close(self, abort: bool = False) -> None:
+        """Close the connection (`abort`: without flushing what is written, as to a peer that reads no more)."""
         if self.transport is not None and not self.closed:
             self.closed = True
-            self.transport.close()  # connection_lost follows, from the loop
+            if abort:
+                self.transport.abort()
+            else:
+                self.transport.close()  # connection_lost follows, from the loop
             self._cancel_calls()
 
 
@@ -744,7 +775,12 @@ def _timeout(value: str) -> float | None:
 class Server:
     """The methods by path (`/package.Service/Method`) on the sockets `listen` opened."""
 
-    def __init__(self, registry: CollectorRegistry | None = None, protocol_errors: Counter | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, protocol_errors: Counter | None = None,
+                 keepalive_s: float = KEEPALIVE_S) -> None:
+        if not keepalive_s > 0:
+            raise ValueError("keepalive_s must be positive")
+        self.keepalive_s = keepalive_s
+        self._keepalive: asyncio.Task | None = None
         self.methods: dict[str, Method] = {}
         self._servers: list[asyncio.base_events.Server] = []
         self._connections: set[_Connection] = set()
@@ -771,7 +807,19 @@ class Server:
             (lambda: _Connection(self)) if tls is None else (lambda: _Handshake(self, tls)))
         server = await asyncio.get_running_loop().create_server(factory, host or None, port, reuse_port=False)
         self._servers.append(server)
+        if self._keepalive is None:
+            self._keepalive = asyncio.get_running_loop().create_task(self._keep_alive())
         return server.sockets[0].getsockname()[1]
+
+    async def _keep_alive(self) -> None:
+        """Every quarter of keepalive_s, each connection's keepalive look (_Connection.keep_alive): a silent peer
+        pinged after 1-1.25 periods, closed 1-1.25 periods after that."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.keepalive_s / 4)
+            now = loop.time()
+            for conn in list(self._connections):
+                conn.keep_alive(now, self.keepalive_s)
 
     def _idle_check(self) -> None:
         if self.refusing and not any(c.calls for c in self._connections):
@@ -782,6 +830,8 @@ class Server:
         self.refusing = True
         for server in self._servers:
             server.close()
+        if self._keepalive is not None:
+            self._keepalive.cancel()
         for handshake in list(self._handshakes):
             handshake.cancel()
         for conn in list(self._connections):

@@ -38,8 +38,10 @@ class Env(GatewayEnv):
         # No response sampled: only requests with SLO targets are watched (test_responses_are_observed...);
         # every other one asks Envoy for nothing of its response. None takes envoy/envoy.yaml's watched share
         # (runtime key kvgate.watch_percent, 10 by default): a plain request here is unwatched every time.
+        # KVGATE_GRPC_KEEPALIVE_S: Envoy's connections pinged after 0.3 s of silence (test_envoy_answers_...)
         self.start_gateway(pods, {"KVGATE_MAX_BODY_BYTES": "65536", "KVGATE_ROUTING_STRATEGY": "kv-sync",
-                                  "KVGATE_LOG_LEVEL": "info", "KVGATE_OBSERVE_SAMPLE": "0"}, watch_percent=0)
+                                  "KVGATE_LOG_LEVEL": "info", "KVGATE_OBSERVE_SAMPLE": "0",
+                                  "KVGATE_GRPC_KEEPALIVE_S": "0.3"}, watch_percent=0)
 
     def debug_pod(self, name: str) -> dict:
         return next(p for p in self.debug()["pods"] if p["name"] == name)
@@ -367,6 +369,26 @@ def test_an_unwatched_response_holds_its_count_until_it_ends_and_reaches_kvgate_
     labels = {"model": MODEL, "pod": pod}
     for name in ("kvgate_request_completion_tokens_total", "kvgate_request_ttft_seconds_count"):
         assert _sample(after, name, **labels) == _sample(before, name, **labels)
+
+
+def test_envoy_answers_kvgates_keepalive_pings_and_a_quiet_stream_lives_through_them(env):
+    """An unwatched response streams for ~2 s while its ext_proc stream carries nothing (KVGATE_GRPC_KEEPALIVE_S
+    0.3 here): kvgate pings Envoy's connection, Envoy answers, the connection and its call are kept; the request
+    stays counted until it ends and is released `completed`."""
+    completed = _released(env, "completed")
+    body = {"model": MODEL, "prompt": "a quiet stream", "max_tokens": 100, "stream": True}  # 100 x 20 ms
+    started = time.monotonic()
+    with env.client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        pod = r.headers["x-kvgate-pod"]
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        time.sleep(1.5)  # five keepalive periods with nothing on the ext_proc connection
+        assert env.debug_pod(pod)["running"] == 1
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]" and time.monotonic() - started > 1.5
+    assert wait_until(lambda: _released(env, "completed") == completed + 1, detail=env.metrics)
+    assert "no answer to a PING" not in env.kvgate.log_path.read_text(errors="replace")
 
 
 def test_session_affinity_and_a_weighted_mix_through_envoy(env):

@@ -409,6 +409,39 @@ async def test_mangled_conversations_are_counted_or_served_and_leave_nothing_beh
         assert [_answer(a) async for a in stub.Process(iter([_body(b"after")]))] == [b"after"]
 
 
+async def test_a_peer_that_stops_answering_pings_is_closed_and_its_calls_end(caplog):
+    """A peer gone without a word (its host lost: no FIN, no RST) leaves its calls parked on their requests, and
+    each of Envoy's holds a routed request's running count. With keepalive_s 0.2: a connection silent that long
+    gets a PING; one that does not answer it within as long again is closed and its calls' requests end, as at a
+    lost connection. A peer that answers (grpcio's client, idle 1 s) is kept, its call served on."""
+    server = Server(keepalive_s=0.2)
+    echo = Echo()
+    server.add(grpcserver.EXT_PROC_SERVICE, grpcserver.ext_proc_methods(echo))
+    port = await server.listen("127.0.0.1", 0)
+    try:
+        def mute() -> list:
+            with Raw(port) as raw:  # a stream opened, one message answered, then nothing more from this peer
+                raw.send(_frame(1, 4, 1, _REQUEST_HEADERS) + _frame(0, 0, 1, _message(_body(b"parked"))))
+                return raw.frames(lambda f: False)  # read (never answering) until the server closes
+        frames = await asyncio.to_thread(mute)
+        assert any(kind == 6 and not flags & 1 for kind, flags, _, _ in frames)  # the server's PING, unanswered
+        assert frames[-1][0] == -1  # then closed
+        await wait_until_async(lambda: echo.ended == 1 and echo.finished == 1, timeout=5)
+        assert "no answer to a PING" in caplog.text
+
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = pb_grpc.ExternalProcessorStub(channel).Process()
+            await call.write(_body(b"a"))
+            assert _answer(await call.read()) == b"a"
+            await asyncio.sleep(1.0)  # five keepalive periods: pinged, answered by grpcio
+            await call.write(_body(b"b"))
+            assert _answer(await call.read()) == b"b"
+            await call.done_writing()
+        assert echo.finished == 2
+    finally:
+        await server.stop(0)
+
+
 async def test_ping_is_answered_and_a_compressed_message_ends_only_its_call(served):
     _, port, _, _, _ = served
 
