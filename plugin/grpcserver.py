@@ -739,9 +739,12 @@ class _Handshake(asyncio.Protocol):
                                          "failed (%s); closing it", _peer_name(transport), e.reason or e)
             transport.abort()
             return
-        except (OSError, asyncio.TimeoutError, asyncio.CancelledError):  # gone before a word, or mute
+        except (OSError, asyncio.TimeoutError):  # gone before a word, or mute
             transport.abort()
             return
+        except asyncio.CancelledError:  # the server stops
+            transport.abort()
+            raise
         if secure is None:  # the peer closed as the handshake ended
             return
         conn.connection_made(secure)

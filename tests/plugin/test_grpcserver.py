@@ -225,6 +225,18 @@ async def test_a_plaintext_peer_at_a_tls_port_is_counted_and_logged_and_tls_peer
         await server.stop(0)
 
 
+async def test_a_stop_ends_tls_handshakes_in_progress():
+    """A peer connected to a TLS port that has sent nothing yet (its handshake pending, up to 10 s) does not
+    hold up a stop: its connection is closed."""
+    server = Server()
+    port = await server.listen("127.0.0.1", 0, grpcserver.tls_context(*self_signed()))
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    await asyncio.sleep(0.05)
+    await asyncio.wait_for(server.stop(0), 2)
+    assert await asyncio.wait_for(reader.read(), 2) == b""  # closed
+    writer.close()
+
+
 async def test_a_graceful_stop_lets_calls_in_flight_finish_and_refuses_new_ones(served):
     server, port, echo, _, _ = served
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
