@@ -38,10 +38,10 @@ class Env(GatewayEnv):
         # No response sampled: only requests with SLO targets are watched (test_responses_are_observed...);
         # every other one asks Envoy for nothing of its response. None takes envoy/envoy.yaml's watched share
         # (runtime key kvgate.watch_percent, 10 by default): a plain request here is unwatched every time.
-        # KVGATE_GRPC_KEEPALIVE_S: Envoy's connections pinged after 0.3 s of silence (test_envoy_answers_...)
+        # KVGATE_GRPC_KEEPALIVE_S: Envoy's connections pinged after 0.5 s of silence (test_envoy_answers_...)
         self.start_gateway(pods, {"KVGATE_MAX_BODY_BYTES": "65536", "KVGATE_ROUTING_STRATEGY": "kv-sync",
                                   "KVGATE_LOG_LEVEL": "info", "KVGATE_OBSERVE_SAMPLE": "0",
-                                  "KVGATE_GRPC_KEEPALIVE_S": "0.3"}, watch_percent=0)
+                                  "KVGATE_GRPC_KEEPALIVE_S": "0.5"}, watch_percent=0)
 
     def debug_pod(self, name: str) -> dict:
         return next(p for p in self.debug()["pods"] if p["name"] == name)
@@ -373,8 +373,9 @@ def test_an_unwatched_response_holds_its_count_until_it_ends_and_reaches_kvgate_
 
 def test_envoy_answers_kvgates_keepalive_pings_and_a_quiet_stream_lives_through_them(env):
     """An unwatched response streams for ~2 s while its ext_proc stream carries nothing (KVGATE_GRPC_KEEPALIVE_S
-    0.3 here): kvgate pings Envoy's connection, Envoy answers, the connection and its call are kept; the request
-    stays counted until it ends and is released `completed`."""
+    0.5 here: unanswered, the connection would be closed 1-1.25 s in): kvgate pings Envoy's connection twice,
+    Envoy answers, the connection and its call are kept; the request stays counted until it ends and is released
+    `completed`."""
     completed = _released(env, "completed")
     body = {"model": MODEL, "prompt": "a quiet stream", "max_tokens": 100, "stream": True}  # 100 x 20 ms
     started = time.monotonic()
@@ -383,7 +384,7 @@ def test_envoy_answers_kvgates_keepalive_pings_and_a_quiet_stream_lives_through_
         pod = r.headers["x-kvgate-pod"]
         lines = r.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))
-        time.sleep(1.5)  # five keepalive periods with nothing on the ext_proc connection
+        time.sleep(1.5)  # three keepalive periods with nothing on the ext_proc connection
         assert env.debug_pod(pod)["running"] == 1
         rest = [line for line in lines if line.startswith("data: ")]
     assert rest[-1] == "data: [DONE]" and time.monotonic() - started > 1.5

@@ -423,10 +423,10 @@ async def test_mangled_conversations_are_counted_or_served_and_leave_nothing_beh
 
 async def test_a_peer_that_stops_answering_pings_is_closed_and_its_calls_end(caplog):
     """A peer gone without a word (its host lost: no FIN, no RST) leaves its calls parked on their requests, and
-    each of Envoy's holds a routed request's running count. With keepalive_s 0.2: a connection silent that long
+    each of Envoy's holds a routed request's running count. With keepalive_s 0.5: a connection silent that long
     gets a PING; one that does not answer it within as long again is closed and its calls' requests end, as at a
-    lost connection. A peer that answers (grpcio's client, idle 1 s) is kept, its call served on."""
-    server = Server(keepalive_s=0.2)
+    lost connection. A peer that answers (grpcio's client, idle 2 s) is kept, its call served on."""
+    server = Server(keepalive_s=0.5)
     echo = Echo()
     server.add(grpcserver.EXT_PROC_SERVICE, grpcserver.ext_proc_methods(echo))
     port = await server.listen("127.0.0.1", 0)
@@ -445,7 +445,7 @@ async def test_a_peer_that_stops_answering_pings_is_closed_and_its_calls_end(cap
             call = pb_grpc.ExternalProcessorStub(channel).Process()
             await call.write(_body(b"a"))
             assert _answer(await call.read()) == b"a"
-            await asyncio.sleep(1.0)  # five keepalive periods: pinged, answered by grpcio
+            await asyncio.sleep(2.0)  # four keepalive periods: pinged, answered by grpcio
             await call.write(_body(b"b"))
             assert _answer(await call.read()) == b"b"
             await call.done_writing()
