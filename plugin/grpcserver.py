@@ -808,6 +808,8 @@ class Server:
         """Listen on `host`:`port` (0: a free port); the port listened on. OSError when it cannot."""
         factory: Callable[[], asyncio.Protocol] = (
             (lambda: _Connection(self)) if tls is None else (lambda: _Handshake(self, tls)))
+        if tls is not None:
+            self.protocol_errors.labels("tls")  # its series from the start, as `preface`'s
         server = await asyncio.get_running_loop().create_server(factory, host or None, port, reuse_port=False)
         self._servers.append(server)
         if self._keepalive is None:

@@ -203,6 +203,8 @@ async def test_a_plaintext_peer_at_a_tls_port_is_counted_and_logged_and_tls_peer
     server.add(grpcserver.EXT_PROC_SERVICE, grpcserver.ext_proc_methods(echo))
     port = await server.listen("127.0.0.1", 0, grpcserver.tls_context(cert, key))
     try:
+        assert registry.get_sample_value("kvgate_grpc_protocol_errors_total", {"reason": "tls"}) == 0  # exported
+
         async def send(data: bytes) -> bytes:
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             writer.write(data)
