@@ -693,9 +693,7 @@ class _Connection(asyncio.Protocol):
                 self._close()
 
     def _abandon(self, e: ProtocolError) -> None:
-        self.server.protocol_errors.labels(e.reason).inc()
-        self.server.log_throttle.log(log, logging.WARNING, e.reason, "gRPC connection from %s: %s; closing it "
-                                     "(HTTP/2 error %d)", self.peer, e, e.code)
+        self.server.peer_broke(e.reason, self.peer, f"{e}; closing it (HTTP/2 error {e.code})")
         self.write(_frame(GOAWAY, 0, 0, _UINT.pack(self.last_stream) + _UINT.pack(e.code)))
         self._close()
 
@@ -734,9 +732,7 @@ class _Handshake(asyncio.Protocol):
             secure = await asyncio.get_running_loop().start_tls(
                 transport, conn, self.tls, server_side=True, ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S)
         except ssl.SSLError as e:  # the peer spoke, but not TLS (or not a TLS this side accepts)
-            self.server.protocol_errors.labels("tls").inc()
-            self.server.log_throttle.log(log, logging.WARNING, "tls", "gRPC connection from %s: TLS handshake "
-                                         "failed (%s); closing it", _peer_name(transport), e.reason or e)
+            self.server.peer_broke("tls", _peer_name(transport), f"TLS handshake failed ({e.reason or e}); closing it")
             transport.abort()
             return
         except (OSError, asyncio.TimeoutError):  # gone before a word, or mute
@@ -799,6 +795,12 @@ class Server:
         # gRPC port), so that its first occurrence shows in increase() too
         self.protocol_errors.labels("preface")
         self.log_throttle = LogThrottle(10.0)  # a peer repeating its error is logged once per 10 s and reason
+
+    def peer_broke(self, reason: str, peer: str, what: str) -> None:
+        """A connection closed because its peer broke the protocol (`reason`, its label): counted, and logged
+        once per 10 s and reason."""
+        self.protocol_errors.labels(reason).inc()
+        self.log_throttle.log(log, logging.WARNING, reason, "gRPC connection from %s: %s", peer, what)
 
     def add(self, service: str, methods: dict[str, Method]) -> None:
         for name, method in methods.items():
