@@ -29,7 +29,7 @@ from plugin.metrics import GatewayMetrics
 from plugin.observe import Observer
 from plugin.pd import PDHandoff
 from plugin import grpcserver
-from plugin.tls import grpcio_credentials, server_keys
+from plugin.tls import ServerKeys, server_keys
 from plugin.watch import RedisWords, WatchRelay
 from plugin.status import RecentErrors, RoutingMix
 from routing.state.admission import Admission, Limiter, LocalLimiter, RedisLimiter
@@ -308,7 +308,8 @@ class App:
         self._http: web.AppRunner | None = None
         self.health = health.aio.HealthServicer()
         # KVGATE_GRPC_TLS: the credentials (a bad certificate file fails here, naming its variable)
-        self._tls = server_keys(s.grpc_tls, s.grpc_tls_cert, s.grpc_tls_key)  # (certificate, key) PEM, or None
+        # (files: read again once renewed), or None
+        self._tls = server_keys(s.grpc_tls, s.grpc_tls_cert, s.grpc_tls_key, registry=self.registry)
         # KVGATE_GRPC_HEALTH_PORT's server, once serving
         self._health_grpc: grpc.aio.Server | grpcserver.Server | None = None
 
@@ -423,7 +424,7 @@ class App:
                  s.listen_host, http_port, s.routing_strategy, len(self.pods.pods()))
         return grpc_port, http_port
 
-    async def _serve_grpc(self, variable: str, port: int, *, ext_proc: bool, tls: tuple[bytes, bytes] | None
+    async def _serve_grpc(self, variable: str, port: int, *, ext_proc: bool, tls: ServerKeys | None
                           ) -> tuple[grpc.aio.Server | grpcserver.Server, int]:
         """A gRPC server of KVGATE_GRPC_SERVER's kind on `port`: ext_proc and health, or health alone; TLS with
         `tls`'s certificate and key. (The server, the port it listens on); OSError naming `variable` when it
@@ -438,7 +439,7 @@ class App:
                           + ("" if tls is None else " with KVGATE_GRPC_TLS's certificate and key")
                           + (f" ({e.strerror or e})" if str(e) else "")) from None
 
-    async def _kvgate_server(self, port: int, ext_proc: bool, tls: tuple[bytes, bytes] | None
+    async def _kvgate_server(self, port: int, ext_proc: bool, tls: ServerKeys | None
                              ) -> tuple[grpcserver.Server, int]:
         # one count of protocol errors for both ports, registered by the ext_proc port's server (started first)
         ext_proc_server = self._grpc if isinstance(self._grpc, grpcserver.Server) else None
@@ -448,11 +449,10 @@ class App:
         if ext_proc:
             server.add(grpcserver.EXT_PROC_SERVICE, grpcserver.ext_proc_methods(self.processor))
         server.add(grpcserver.HEALTH_SERVICE, grpcserver.health_methods(self.health))
-        context = None if tls is None else grpcserver.tls_context(*tls)
-        port = await server.listen(self.settings.listen_host, port, context)
+        port = await server.listen(self.settings.listen_host, port, None if tls is None else tls.context)
         return server, port
 
-    async def _grpcio_server(self, address: str, ext_proc: bool, tls: tuple[bytes, bytes] | None
+    async def _grpcio_server(self, address: str, ext_proc: bool, tls: ServerKeys | None
                              ) -> tuple[grpc.aio.Server, int]:
         """so_reuseport off: a stale kvgate on the same port must not keep taking Envoy's streams. Envoy's buffer
         limit bounds bodies; gRPC's default 4 MiB would turn larger valid ones into 500s. gRPC refuses new
@@ -471,7 +471,7 @@ class App:
             pb_grpc.add_ExternalProcessorServicer_to_server(self.processor, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         port = (server.add_insecure_port(address) if tls is None
-                else server.add_secure_port(address, grpcio_credentials(tls)))
+                else server.add_secure_port(address, tls.grpcio_credentials()))
         if port == 0:
             raise OSError("")
         await server.start()

@@ -715,7 +715,7 @@ class _Handshake(asyncio.Protocol):
     (reason `tls`) and logged as a broken HTTP/2 peer is. Reading waits until start_tls takes the socket, so
     the peer's first bytes are the TLS layer's."""
 
-    def __init__(self, server: Server, tls: ssl.SSLContext) -> None:
+    def __init__(self, server: Server, tls: ssl.SSLContext | Callable[[], ssl.SSLContext]) -> None:
         self.server = server
         self.tls = tls
 
@@ -729,8 +729,9 @@ class _Handshake(asyncio.Protocol):
     async def _handshake(self, transport: asyncio.Transport) -> None:
         conn = _Connection(self.server)
         try:
+            context = self.tls() if callable(self.tls) else self.tls  # a callable: the certificate as it is now
             secure = await asyncio.get_running_loop().start_tls(
-                transport, conn, self.tls, server_side=True, ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S)
+                transport, conn, context, server_side=True, ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S)
         except ssl.SSLError as e:  # the peer spoke, but not TLS (or not a TLS this side accepts)
             self.server.peer_broke("tls", _peer_name(transport), f"TLS handshake failed ({e.reason or e}); closing it")
             transport.abort()
@@ -806,8 +807,10 @@ class Server:
         for name, method in methods.items():
             self.methods[f"/{service}/{name}"] = method
 
-    async def listen(self, host: str, port: int, tls: ssl.SSLContext | None = None) -> int:
-        """Listen on `host`:`port` (0: a free port); the port listened on. OSError when it cannot."""
+    async def listen(self, host: str, port: int, tls: ssl.SSLContext | Callable[[], ssl.SSLContext] | None = None
+                     ) -> int:
+        """Listen on `host`:`port` (0: a free port); the port listened on. OSError when it cannot. With `tls`, TLS
+        with that context, or the one it gives at each new connection (a certificate read again once renewed)."""
         factory: Callable[[], asyncio.Protocol] = (
             (lambda: _Connection(self)) if tls is None else (lambda: _Handshake(self, tls)))
         if tls is not None:

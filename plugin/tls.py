@@ -4,14 +4,31 @@ made at start-up, as the Inference Extension's reference endpoint picker does.
 Gateways that reach an InferencePool's endpoint picker over TLS (Envoy AI Gateway) do not verify its
 certificate: TLS there encrypts the stream, it does not authenticate kvgate. Kubernetes' gRPC probes
 speak plaintext only, so with TLS on the health services are also served on KVGATE_GRPC_HEALTH_PORT.
+
+Configured files (`files`) are read again once they change, so a renewed certificate (cert-manager
+rewriting the Secret that kubelet mounts) is served without a restart: looked at when a peer connects,
+at most every RELOAD_CHECK_S; a connection keeps the certificate it was made with. A pair that does not
+load (a certificate copied in before its key) leaves the one in use serving: logged, counted in
+kvgate_grpc_tls_reloads_total{result="failed"}, and tried again once the files change again.
 """
 from __future__ import annotations
 
 import datetime
 import ipaddress
+import logging
+import os
+import ssl
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
+from prometheus_client import CollectorRegistry, Counter
+
+log = logging.getLogger(__name__)
+
+RELOAD_CHECK_S = 5.0  # how often, at most, the configured files are looked at (at a new connection)
 
 SELF_SIGNED_DAYS = 3650  # the process restarts long before; the peer does not check it anyway
 
@@ -55,26 +72,107 @@ def _read_pem(variable: str, path: str, marker: bytes) -> bytes:
     return data
 
 
-def server_keys(mode: str, cert_path: str = "", key_path: str = "") -> tuple[bytes, bytes] | None:
-    """The gRPC port's certificate and key (PEM) for KVGATE_GRPC_TLS `mode`: None for `off` (plaintext);
-    ValueError naming the variable when a configured file cannot be used."""
+def _read_pair(cert_path: str, key_path: str) -> tuple[bytes, bytes]:
+    return (_read_pem("KVGATE_GRPC_TLS_CERT", cert_path, b"-----BEGIN CERTIFICATE-----"),
+            _read_pem("KVGATE_GRPC_TLS_KEY", key_path, b"PRIVATE KEY-----"))
+
+
+def _context(pem: tuple[bytes, bytes]) -> ssl.SSLContext:
+    from plugin.grpcserver import tls_context
+    return tls_context(*pem)
+
+
+class ServerKeys:
+    """The gRPC port's certificate and key: fixed, or (`paths`) KVGATE_GRPC_TLS=files' files, read again once
+    either changed (their inode, size or mtime), looked at no more often than `check_s`. `pem` is the pair in
+    use; `context()` the TLS context for a new connection (kvgate's server), `grpcio_credentials()` grpcio's."""
+
+    def __init__(self, pem: tuple[bytes, bytes], paths: tuple[str, str] | None = None, *,
+                 check_s: float = RELOAD_CHECK_S, clock: Callable[[], float] = time.monotonic,
+                 registry: CollectorRegistry | None = None) -> None:
+        self.pem = pem
+        self._context = _context(pem)  # a pair that does not load fails here, at start-up
+        self._paths = paths
+        self._check_s = check_s
+        self._clock = clock
+        self._checked = clock()
+        self._seen = self._stat()
+        self._lock = threading.Lock()  # grpcio asks from its own threads
+        self.reloads = Counter("kvgate_grpc_tls_reloads", "Reloads of KVGATE_GRPC_TLS=files' certificate and key "
+                               "after the files changed, by result: ok, or failed (the pair in use kept serving)",
+                               ["result"], registry=registry if registry is not None else CollectorRegistry())
+        for result in ("ok", "failed"):
+            self.reloads.labels(result)  # both series from the start
+
+    def _stat(self) -> tuple | None:
+        if self._paths is None:
+            return None
+        try:
+            return tuple((st.st_ino, st.st_size, st.st_mtime_ns) for st in map(os.stat, self._paths))
+        except OSError as e:
+            return ("unreadable", str(e))
+
+    def check(self) -> bool:
+        """Whether a new pair was taken: the files changed since they were last read, and load."""
+        if self._paths is None:
+            return False
+        with self._lock:
+            now = self._clock()
+            if now - self._checked < self._check_s:
+                return False
+            self._checked = now
+            seen = self._stat()
+            if seen == self._seen:
+                return False
+            self._seen = seen  # a pair that fails is tried again once the files change again, not at every look
+            try:
+                pem = _read_pair(*self._paths)
+                context = _context(pem)
+            except (ValueError, ssl.SSLError, OSError) as e:
+                self.reloads.labels("failed").inc()
+                log.error("gRPC TLS: the certificate or key file changed (%s, %s) but cannot be used (%s); still "
+                          "serving the certificate read before", *self._paths, e)
+                return False
+            self.pem, self._context = pem, context
+            self.reloads.labels("ok").inc()
+            log.info("gRPC TLS: certificate and key read again from %s and %s; new connections get them",
+                     *self._paths)
+            return True
+
+    def context(self) -> ssl.SSLContext:
+        self.check()
+        return self._context
+
+    def grpcio_credentials(self) -> grpc.ServerCredentials:
+        def pair() -> grpc.ServerCertificateConfiguration:
+            cert, key = self.pem
+            return grpc.ssl_server_certificate_configuration([(key, cert)])
+        if self._paths is None:
+            cert, key = self.pem
+            return grpc.ssl_server_credentials([(key, cert)])
+        # grpcio asks at each handshake: a new configuration once the files changed, else None (the one it has)
+        return grpc.dynamic_ssl_server_credentials(pair(), lambda: pair() if self.check() else None)
+
+
+def server_keys(mode: str, cert_path: str = "", key_path: str = "", *, registry: CollectorRegistry | None = None,
+                check_s: float = RELOAD_CHECK_S) -> ServerKeys | None:
+    """The gRPC port's certificate and key for KVGATE_GRPC_TLS `mode`: None for `off` (plaintext); ValueError
+    naming the variable when a configured file cannot be used."""
     if mode == "off":
         return None
     if mode == "self-signed":
-        return self_signed()
+        return ServerKeys(self_signed(), registry=registry)
     if mode == "files":
-        return (_read_pem("KVGATE_GRPC_TLS_CERT", cert_path, b"-----BEGIN CERTIFICATE-----"),
-                _read_pem("KVGATE_GRPC_TLS_KEY", key_path, b"PRIVATE KEY-----"))
+        try:
+            return ServerKeys(_read_pair(cert_path, key_path), (cert_path, key_path), registry=registry,
+                              check_s=check_s)
+        except ssl.SSLError as e:
+            raise ValueError(f"KVGATE_GRPC_TLS_CERT={cert_path!r} and KVGATE_GRPC_TLS_KEY={key_path!r}: they do not "
+                             f"load as a certificate and its key ({e.reason or e})") from None
     raise ValueError(f"KVGATE_GRPC_TLS={mode!r}: expected off, self-signed or files")
-
-
-def grpcio_credentials(keys: tuple[bytes, bytes]) -> grpc.ServerCredentials:
-    """server_keys' (certificate, key) as grpcio's server credentials."""
-    cert, key = keys
-    return grpc.ssl_server_credentials([(key, cert)])
 
 
 def server_credentials(mode: str, cert_path: str = "", key_path: str = "") -> grpc.ServerCredentials | None:
     """As server_keys, as grpcio's server credentials."""
     keys = server_keys(mode, cert_path, key_path)
-    return None if keys is None else grpcio_credentials(keys)
+    return None if keys is None else keys.grpcio_credentials()
