@@ -683,6 +683,7 @@ class _Connection(asyncio.Protocol):
             self.server.log_throttle.log(log, logging.WARNING, "keepalive", "gRPC connection from %s: no answer to "
                                          "a PING in %.3g s; closing it (its %d calls end)", self.peer, period,
                                          len(self.calls))
+            self.server.keepalive_closes.inc()
             self._close(abort=True)
 
     def go_away(self) -> None:
@@ -795,6 +796,11 @@ class Server:
         # a series from the start for the reason a misconfigured peer gives (TLS or HTTP/1 at a plaintext
         # gRPC port), so that its first occurrence shows in increase() too
         self.protocol_errors.labels("preface")
+        # (not registered without `registry`: the health port's peers are probes, connections of a moment)
+        self.keepalive_closes = Counter(
+            "kvgate_grpc_keepalive_closes", "gRPC connections kvgate closed because the peer answered no keepalive "
+            "PING (KVGATE_GRPC_KEEPALIVE_S): a gateway host lost without closing them; their calls ended, and the "
+            "running counts of their requests were released", registry=registry)
         self.log_throttle = LogThrottle(10.0)  # a peer repeating its error is logged once per 10 s and reason
 
     def peer_broke(self, reason: str, peer: str, what: str) -> None:

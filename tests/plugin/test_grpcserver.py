@@ -427,12 +427,15 @@ async def test_a_peer_that_stops_answering_pings_is_closed_and_its_calls_end(cap
     """A peer gone without a word (its host lost: no FIN, no RST) leaves its calls parked on their requests, and
     each of Envoy's holds a routed request's running count. With keepalive_s 0.5: a connection silent that long
     gets a PING; one that does not answer it within as long again is closed and its calls' requests end, as at a
-    lost connection. A peer that answers (grpcio's client, idle 2 s) is kept, its call served on."""
-    server = Server(keepalive_s=0.5)
+    lost connection, counted. A peer that answers (grpcio's client, idle 2 s) is kept, its call served on."""
+    registry = CollectorRegistry()
+    server = Server(registry, keepalive_s=0.5)
+    closes = lambda: registry.get_sample_value("kvgate_grpc_keepalive_closes_total")  # noqa: E731
     echo = Echo()
     server.add(grpcserver.EXT_PROC_SERVICE, grpcserver.ext_proc_methods(echo))
     port = await server.listen("127.0.0.1", 0)
     try:
+        assert closes() == 0  # exported from the start
         def mute() -> list:
             with Raw(port) as raw:  # a stream opened, one message answered, then nothing more from this peer
                 raw.send(_frame(1, 4, 1, _REQUEST_HEADERS) + _frame(0, 0, 1, _message(_body(b"parked"))))
@@ -441,7 +444,7 @@ async def test_a_peer_that_stops_answering_pings_is_closed_and_its_calls_end(cap
         assert any(kind == 6 and not flags & 1 for kind, flags, _, _ in frames)  # the server's PING, unanswered
         assert frames[-1][0] == -1  # then closed
         await wait_until_async(lambda: echo.ended == 1 and echo.finished == 1, timeout=5)
-        assert "no answer to a PING" in caplog.text
+        assert "no answer to a PING" in caplog.text and closes() == 1
 
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             call = pb_grpc.ExternalProcessorStub(channel).Process()
@@ -451,7 +454,7 @@ async def test_a_peer_that_stops_answering_pings_is_closed_and_its_calls_end(cap
             await call.write(_body(b"b"))
             assert _answer(await call.read()) == b"b"
             await call.done_writing()
-        assert echo.finished == 2
+        assert echo.finished == 2 and closes() == 1
     finally:
         await server.stop(0)
 
