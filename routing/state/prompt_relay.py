@@ -7,14 +7,15 @@ seeds: W5 (an engine joining) TTFT mean 54.5 -> 44.4 ms, p90 138 -> 100; W4 hit 
 49.71% (docs/BENCHMARKS.md, routing).
 
 Each replica publishes its changes on one channel and applies the others' to its RunningPrompts, in the
-background: a pick waits for no Redis round trip. An add leaves SEND_INTERVAL_S after it was made, with every
-change made meanwhile (as the running counts' writes do: routing.state.counts), so a burst of picks is one
-message; a request's end, which nothing waits for (its blocks stay cached after it), goes with the next message
-or END_DELAY_S later. Each message costs every replica (its sender too: it reads the channel) and Redis a wake-up:
-on this machine a request's add and end cost ~0.7 ms of CPU over two replicas at 200 requests a second, ~0.1 ms
-back to back (docs/BENCHMARKS.md). Sent at once, the add's wake-ups fell inside the request's own wait for its
-first token, on the cores Envoy and the engine were using: `kvgate bench path`, one request at a time, kvgate
-added 0.2 ms more than with no relay at all; 5 ms later they come after it there (docs/BENCHMARKS.md, path). A peer's claim ends with its "end", or `ttl_s` after it came (a message lost, a
+background: a pick waits for no Redis round trip, and the changes made while a publish is under way leave
+together in the next message; a request's end, which nothing waits for (its blocks stay cached after it), goes
+with the next message or END_DELAY_S later. Each message costs every replica a wake-up of its event loop: on this
+machine a request's add and end cost ~0.7 ms of CPU over two replicas at 200 requests a second, ~0.1 ms back to
+back (docs/BENCHMARKS.md). An add leaves at once, not batched over a few milliseconds: the replicas a burst is
+dealt over pick its requests within milliseconds of each other (tried, 8e85aa6 then reverted: adds sent 5 ms
+later spared bench path's one-at-a-time requests 0.2 ms of wake-ups on the two cores they share with Envoy and
+the engines, and left such a burst 5 ms to split: in the bake-off a new tenant's conversations picked 2-3 ms
+apart by the two replicas went to two engines). A peer's claim ends with its "end", or `ttl_s` after it came (a message lost, a
 replica gone): by then its prompt's blocks are in the index from its engine's events, if anywhere.
 
 Wire: the gateway id, a newline, then msgpack [change, ...], each change ["add", ticket, target, pod, rank,
@@ -40,7 +41,6 @@ log = logging.getLogger(__name__)
 CHANNEL = "kvgate:{prompts}"
 PEER_TTL_S = 30.0
 END_DELAY_S = 0.1  # a request's end waits at most this long for a message to go with
-SEND_INTERVAL_S = 0.005  # an add waits this long for the changes made after it (the running counts' write interval)
 MAX_PENDING = 4096  # changes waiting for Redis (a stuck publish): the oldest dropped past this, counted
 PUBLISH_TIMEOUT_S = 1.0
 MAX_KEYS = 8192  # RunningPrompts' own bound on a prompt's keys
@@ -117,8 +117,8 @@ class PromptRelay(BackgroundLoop):
     (counted), the reading resubscribes every `retry_s`, and each replica counts its own requests, as without."""
 
     def __init__(self, client: Any, prompts: RunningPrompts, gateway_id: str, *, ttl_s: float = PEER_TTL_S,
-                 retry_s: float = 1.0, end_delay_s: float = END_DELAY_S, send_interval_s: float = SEND_INTERVAL_S,
-                 registry: CollectorRegistry | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 retry_s: float = 1.0, end_delay_s: float = END_DELAY_S, registry: CollectorRegistry | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._client = client
         self._prompts = prompts
         if not gateway_id or "\n" in gateway_id:
@@ -128,9 +128,7 @@ class PromptRelay(BackgroundLoop):
         self._ttl = ttl_s
         self._retry_s = retry_s
         self._clock = clock
-        self._pending: list[list] = []  # adds and moves, sent `send_interval_s` after the first of them
-        self._send_interval = send_interval_s
-        self._send_due: asyncio.TimerHandle | None = None  # wakes the sender once that interval is over
+        self._pending: list[list] = []  # adds and moves, sent at once
         self._ends: list[list] = []  # ends, sent with the next message or END_DELAY_S after the first
         self._ends_due = 0.0
         self._end_delay = end_delay_s
@@ -165,14 +163,6 @@ class PromptRelay(BackgroundLoop):
             self._ends.append(change)
             return
         self._pending.append(change)
-        if self._send_due is None:
-            try:
-                self._send_due = asyncio.get_running_loop().call_later(self._send_interval, self._send_now)
-            except RuntimeError:  # no loop running (a caller outside one): the sender takes it when it runs
-                self._wake.set()
-
-    def _send_now(self) -> None:
-        self._send_due = None
         self._wake.set()
 
     def apply(self, data: bytes) -> None:
@@ -225,9 +215,6 @@ class PromptRelay(BackgroundLoop):
                 pass
             self._wake.clear()
             self.expire()
-            if self._send_due is not None:  # woken for the ends: the adds waiting go with them
-                self._send_due.cancel()
-                self._send_due = None
             batch, self._pending = self._pending, []
             if batch or (self._ends and self._clock() >= self._ends_due):
                 batch += self._ends  # the ends go with any message, else once END_DELAY_S has passed
@@ -272,9 +259,6 @@ class PromptRelay(BackgroundLoop):
 
     async def aclose(self) -> None:
         self._prompts.listener = None
-        if self._send_due is not None:
-            self._send_due.cancel()
-            self._send_due = None
         await super().aclose()
         await self._client.aclose()
 
