@@ -716,9 +716,9 @@ class _Handshake(asyncio.Protocol):
     (reason `tls`) and logged as a broken HTTP/2 peer is. Reading waits until start_tls takes the socket, so
     the peer's first bytes are the TLS layer's."""
 
-    def __init__(self, server: Server, tls: ssl.SSLContext | Callable[[], ssl.SSLContext]) -> None:
+    def __init__(self, server: Server, tls: Callable[[], ssl.SSLContext]) -> None:
         self.server = server
-        self.tls = tls
+        self.tls = tls  # the context for this connection, as the certificate is now
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -729,8 +729,8 @@ class _Handshake(asyncio.Protocol):
 
     async def _handshake(self, transport: asyncio.Transport) -> None:
         conn = _Connection(self.server)
+        context = self.tls()
         try:
-            context = self.tls() if callable(self.tls) else self.tls  # a callable: the certificate as it is now
             secure = await asyncio.get_running_loop().start_tls(
                 transport, conn, context, server_side=True, ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S)
         except ssl.SSLError as e:  # the peer spoke, but not TLS (or not a TLS this side accepts)
@@ -817,9 +817,10 @@ class Server:
                      ) -> int:
         """Listen on `host`:`port` (0: a free port); the port listened on. OSError when it cannot. With `tls`, TLS
         with that context, or the one it gives at each new connection (a certificate read again once renewed)."""
-        factory: Callable[[], asyncio.Protocol] = (
-            (lambda: _Connection(self)) if tls is None else (lambda: _Handshake(self, tls)))
+        factory: Callable[[], asyncio.Protocol] = lambda: _Connection(self)  # noqa: E731
         if tls is not None:
+            current = tls if callable(tls) else (lambda: tls)
+            factory = lambda: _Handshake(self, current)  # noqa: E731
             self.protocol_errors.labels("tls")  # its series from the start, as `preface`'s
         server = await asyncio.get_running_loop().create_server(factory, host or None, port, reuse_port=False)
         self._servers.append(server)

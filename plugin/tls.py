@@ -85,18 +85,24 @@ def _context(pem: tuple[bytes, bytes]) -> ssl.SSLContext:
 class ServerKeys:
     """The gRPC port's certificate and key: fixed, or (`paths`) KVGATE_GRPC_TLS=files' files, read again once
     either changed (their inode, size or mtime), looked at no more often than `check_s`. `pem` is the pair in
-    use; `context()` the TLS context for a new connection (kvgate's server), `grpcio_credentials()` grpcio's."""
+    use (`pem` None: read from `paths`); `context()` the TLS context for a new connection (kvgate's server),
+    `grpcio_credentials()` grpcio's."""
 
-    def __init__(self, pem: tuple[bytes, bytes], paths: tuple[str, str] | None = None, *,
+    def __init__(self, pem: tuple[bytes, bytes] | None, paths: tuple[str, str] | None = None, *,
                  check_s: float = RELOAD_CHECK_S, clock: Callable[[], float] = time.monotonic,
                  registry: CollectorRegistry | None = None) -> None:
+        self._paths = paths
+        # looked at before the files are read (`pem` None: read here), so that a change landing while they are
+        # read is taken at the next look, not missed until the files change again
+        self._seen = self._stat()
+        if pem is None:
+            assert paths is not None
+            pem = _read_pair(*paths)
         self.pem = pem
         self._context = _context(pem)  # a pair that does not load fails here, at start-up
-        self._paths = paths
         self._check_s = check_s
         self._clock = clock
         self._checked = clock()
-        self._seen = self._stat()
         self._lock = threading.Lock()  # grpcio asks from its own threads
         self.reloads = Counter("kvgate_grpc_tls_reloads", "Reloads of KVGATE_GRPC_TLS=files' certificate and key "
                                "after the files changed, by result: ok, or failed (the pair in use kept serving)",
@@ -144,12 +150,13 @@ class ServerKeys:
         return self._context
 
     def grpcio_credentials(self) -> grpc.ServerCredentials:
-        def pair() -> grpc.ServerCertificateConfiguration:
-            cert, key = self.pem
-            return grpc.ssl_server_certificate_configuration([(key, cert)])
         if self._paths is None:
             cert, key = self.pem
             return grpc.ssl_server_credentials([(key, cert)])
+
+        def pair() -> grpc.ServerCertificateConfiguration:
+            cert, key = self.pem
+            return grpc.ssl_server_certificate_configuration([(key, cert)])
         # grpcio asks at each handshake: a new configuration once the files changed, else None (the one it has)
         return grpc.dynamic_ssl_server_credentials(pair(), lambda: pair() if self.check() else None)
 
@@ -164,8 +171,7 @@ def server_keys(mode: str, cert_path: str = "", key_path: str = "", *, registry:
         return ServerKeys(self_signed(), registry=registry)
     if mode == "files":
         try:
-            return ServerKeys(_read_pair(cert_path, key_path), (cert_path, key_path), registry=registry,
-                              check_s=check_s)
+            return ServerKeys(None, (cert_path, key_path), registry=registry, check_s=check_s)
         except ssl.SSLError as e:
             raise ValueError(f"KVGATE_GRPC_TLS_CERT={cert_path!r} and KVGATE_GRPC_TLS_KEY={key_path!r}: they do not "
                              f"load as a certificate and its key ({e.reason or e})") from None

@@ -15,8 +15,9 @@ back (docs/BENCHMARKS.md). An add leaves at once, not batched over a few millise
 dealt over pick its requests within milliseconds of each other (tried, 8e85aa6 then reverted: adds sent 5 ms
 later spared bench path's one-at-a-time requests 0.2 ms of wake-ups on the two cores they share with Envoy and
 the engines, and left such a burst 5 ms to split: in the bake-off a new tenant's conversations picked 2-3 ms
-apart by the two replicas went to two engines). A peer's claim ends with its "end", or `ttl_s` after it came (a message lost, a
-replica gone): by then its prompt's blocks are in the index from its engine's events, if anywhere.
+apart by the two replicas went to two engines). A peer's claim ends with its "end", or `ttl_s` after it came
+(a message lost, a replica gone): by then its prompt's blocks are in the index from its engine's events, if
+anywhere.
 
 Wire: the gateway id, a newline, then msgpack [change, ...], each change ["add", ticket, target, pod, rank,
 [key, ...]], ["move", ticket, target, pod, rank] or ["end", ticket] (a replica reads its own messages too, and

@@ -116,6 +116,26 @@ def test_the_files_are_looked_at_no_more_often_than_the_check_period(tmp_path):
     assert not keys.check()  # unchanged since
 
 
+def test_a_renewal_landing_while_the_files_are_first_read_is_taken_at_the_next_look(tmp_path, monkeypatch):
+    """The files are looked at before they are read at start: a renewal written while they are being read (its
+    stat then differs from the one taken) is taken at the next look, not missed until the files change again."""
+    import plugin.tls as tls_module
+    first, second = self_signed(), self_signed()
+    _install(tmp_path, *first)
+    read = tls_module._read_pair
+
+    def read_then_renewed(cert_path: str, key_path: str) -> tuple[bytes, bytes]:
+        pem = read(cert_path, key_path)
+        _install(tmp_path, *second)  # renewed just after the first read
+        return pem
+
+    monkeypatch.setattr(tls_module, "_read_pair", read_then_renewed)
+    keys = server_keys("files", str(tmp_path / "tls.crt"), str(tmp_path / "tls.key"), check_s=0.0)
+    monkeypatch.setattr(tls_module, "_read_pair", read)
+    assert keys is not None and keys.pem == first
+    assert keys.check() and keys.pem == second
+
+
 def test_a_certificate_and_key_that_are_not_a_pair_fail_at_start_naming_both_variables(tmp_path):
     cert, _ = self_signed()
     _, other_key = self_signed()
