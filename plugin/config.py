@@ -142,9 +142,11 @@ VARIABLES: tuple[Variable, ...] = (
              "TLS on the gRPC port: `off` (plaintext h2c), `self-signed` (a certificate made at start, as the "
              "Inference Extension's picker serves; gateways that dial pickers over TLS, e.g. Envoy AI Gateway, do "
              "not verify it) or `files` (KVGATE_GRPC_TLS_CERT and KVGATE_GRPC_TLS_KEY, read again once they change: "
-             "looked at when a peer connects, at most every 5 s, so a renewed certificate (cert-manager's, in a "
-             "mounted Secret) serves new connections without a restart; a pair that does not load leaves the last "
-             "one serving, logged and counted in kvgate_grpc_tls_reloads_total{result=\"failed\"})."),
+             "looked at when a peer connects or /metrics is scraped, at most every 5 s, so a renewed certificate "
+             "(cert-manager's, in a mounted Secret) serves new connections without a restart; a pair that does not "
+             "load leaves the last one serving, logged and counted in kvgate_grpc_tls_reloads_total{result="
+             "\"failed\"}). The certificate in use expires at "
+             "kvgate_grpc_tls_certificate_expiry_timestamp_seconds (alert on it less `time()`)."),
     Variable("KVGATE_GRPC_TLS_CERT", "grpc_tls_cert", _text, "",
              "PEM certificate (chain) file, with KVGATE_GRPC_TLS=files."),
     Variable("KVGATE_GRPC_TLS_KEY", "grpc_tls_key", _text, "", "PEM private key file, with KVGATE_GRPC_TLS=files."),

@@ -10,6 +10,10 @@ rewriting the Secret that kubelet mounts) is served without a restart: looked at
 at most every RELOAD_CHECK_S; a connection keeps the certificate it was made with. A pair that does not
 load (a certificate copied in before its key) leaves the one in use serving: logged, counted in
 kvgate_grpc_tls_reloads_total{result="failed"}, and tried again once the files change again.
+
+kvgate_grpc_tls_certificate_expiry_timestamp_seconds is when the certificate in use expires (its notAfter): an
+alert on it catches a renewal that never came. Each scrape looks at the files too, as a new connection does:
+Envoy keeps its connections to kvgate for days, and a certificate renewed on disk must not look expired.
 """
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +37,10 @@ RELOAD_CHECK_S = 5.0  # how often, at most, the configured files are looked at (
 SELF_SIGNED_DAYS = 3650  # the process restarts long before; the peer does not check it anyway
 
 
-def self_signed(hosts: tuple[str, ...] = ("localhost", "127.0.0.1")) -> tuple[bytes, bytes]:
-    """A fresh P-256 key and a self-signed server certificate for `hosts` (names or IPs), both PEM."""
+def self_signed(hosts: tuple[str, ...] = ("localhost", "127.0.0.1"),
+                days: int = SELF_SIGNED_DAYS) -> tuple[bytes, bytes]:
+    """A fresh P-256 key and a self-signed server certificate for `hosts` (names or IPs), valid `days`, both
+    PEM."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -52,7 +58,7 @@ def self_signed(hosts: tuple[str, ...] = ("localhost", "127.0.0.1")) -> tuple[by
     cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
             .serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=SELF_SIGNED_DAYS))
+            .not_valid_after(now + datetime.timedelta(days=days))
             .add_extension(x509.SubjectAlternativeName(alt), critical=False)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
@@ -75,6 +81,18 @@ def _read_pem(variable: str, path: str, marker: bytes) -> bytes:
 def _read_pair(cert_path: str, key_path: str) -> tuple[bytes, bytes]:
     return (_read_pem("KVGATE_GRPC_TLS_CERT", cert_path, b"-----BEGIN CERTIFICATE-----"),
             _read_pem("KVGATE_GRPC_TLS_KEY", key_path, b"PRIVATE KEY-----"))
+
+
+def _not_after(cert: bytes) -> float:
+    """When the first certificate of PEM `cert` (the server's own, before its chain) expires, Unix seconds; NaN
+    for one the `cryptography` package does not read (OpenSSL took it: it serves)."""
+    from cryptography import x509
+    try:
+        return x509.load_pem_x509_certificate(cert).not_valid_after_utc.timestamp()
+    except ValueError as e:
+        log.warning("gRPC TLS: the certificate's expiry cannot be read (%s); "
+                    "kvgate_grpc_tls_certificate_expiry_timestamp_seconds is NaN", e)
+        return float("nan")
 
 
 def _context(pem: tuple[bytes, bytes]) -> ssl.SSLContext:
@@ -100,15 +118,20 @@ class ServerKeys:
             pem = _read_pair(*paths)
         self.pem = pem
         self._context = _context(pem)  # a pair that does not load fails here, at start-up
+        self._expiry = _not_after(pem[0])
         self._check_s = check_s
         self._clock = clock
         self._checked = clock()
-        self._lock = threading.Lock()  # grpcio asks from its own threads
+        self._lock = threading.Lock()  # grpcio asks from its own threads, the metrics server from its own
+        registry = registry if registry is not None else CollectorRegistry()
         self.reloads = Counter("kvgate_grpc_tls_reloads", "Reloads of KVGATE_GRPC_TLS=files' certificate and key "
                                "after the files changed, by result: ok, or failed (the pair in use kept serving)",
-                               ["result"], registry=registry if registry is not None else CollectorRegistry())
+                               ["result"], registry=registry)
         for result in ("ok", "failed"):
             self.reloads.labels(result)  # both series from the start
+        Gauge("kvgate_grpc_tls_certificate_expiry_timestamp_seconds", "When the gRPC port's certificate in use "
+              "expires (its notAfter, Unix seconds); KVGATE_GRPC_TLS=files' files are looked at again at each "
+              "scrape", registry=registry).set_function(self._expires)
 
     def _stat(self) -> tuple | None:
         if self._paths is None:
@@ -139,7 +162,7 @@ class ServerKeys:
                 log.error("gRPC TLS: the certificate or key file changed (%s, %s) but cannot be used (%s); still "
                           "serving the certificate read before", *self._paths, e)
                 return False
-            self.pem, self._context = pem, context
+            self.pem, self._context, self._expiry = pem, context, _not_after(pem[0])
             self.reloads.labels("ok").inc()
             log.info("gRPC TLS: certificate and key read again from %s and %s; new connections get them",
                      *self._paths)
@@ -148,6 +171,10 @@ class ServerKeys:
     def context(self) -> ssl.SSLContext:
         self.check()
         return self._context
+
+    def _expires(self) -> float:
+        self.check()  # a scrape looks at the files as a connection does
+        return self._expiry
 
     def grpcio_credentials(self) -> grpc.ServerCredentials:
         if self._paths is None:

@@ -150,3 +150,26 @@ def test_fixed_keys_are_never_read_again():
     assert isinstance(keys.context(), ssl.SSLContext)
     assert server_keys("off") is None
     assert isinstance(keys.grpcio_credentials(), grpc.ServerCredentials)  # grpcio's static ones for a fixed pair
+
+
+def test_the_served_certificates_expiry_is_exported_and_a_scrape_sees_a_renewal(tmp_path):
+    """kvgate_grpc_tls_certificate_expiry_timestamp_seconds: when the certificate new connections get expires. A
+    renewal is seen at a scrape too (Envoy's connections to kvgate live long: none may be made for days), so an
+    alert on the expiry does not fire for a certificate already renewed on disk."""
+    import time
+    old, new = self_signed(days=2), self_signed(days=90)
+    _install(tmp_path, *old)
+    registry = CollectorRegistry()
+    server_keys("files", str(tmp_path / "tls.crt"), str(tmp_path / "tls.key"), registry=registry, check_s=0.0)
+
+    def expiry() -> float | None:
+        return registry.get_sample_value("kvgate_grpc_tls_certificate_expiry_timestamp_seconds")
+    assert abs(expiry() - (time.time() + 2 * 86400)) < 600
+    _install(tmp_path, *new)
+    assert abs(expiry() - (time.time() + 90 * 86400)) < 600
+    assert _reloads(registry, "ok") == 1
+    _install(tmp_path, b"-----BEGIN CERTIFICATE-----\nnot base64\n-----END CERTIFICATE-----\n", new[1])
+    assert abs(expiry() - (time.time() + 90 * 86400)) < 600  # the pair in use is still the renewed one
+    made = CollectorRegistry()
+    server_keys("self-signed", registry=made)
+    assert made.get_sample_value("kvgate_grpc_tls_certificate_expiry_timestamp_seconds") > time.time() + 3000 * 86400
