@@ -117,6 +117,7 @@ class ServerKeys:
             assert paths is not None
             pem = _read_pair(*paths)
         self.pem = pem
+        self.loads = 1  # pairs taken so far: a reader that asks on its own (grpcio) compares it with its last
         self._context = _context(pem)  # a pair that does not load fails here, at start-up
         self._expiry = _not_after(pem[0])
         self._check_s = check_s
@@ -163,6 +164,7 @@ class ServerKeys:
                           "serving the certificate read before", *self._paths, e)
                 return False
             self.pem, self._context, self._expiry = pem, context, _not_after(pem[0])
+            self.loads += 1
             self.reloads.labels("ok").inc()
             log.info("gRPC TLS: certificate and key read again from %s and %s; new connections get them",
                      *self._paths)
@@ -181,11 +183,22 @@ class ServerKeys:
             cert, key = self.pem
             return grpc.ssl_server_credentials([(key, cert)])
 
+        given = [self.loads]  # the pair grpcio has
+
         def pair() -> grpc.ServerCertificateConfiguration:
             cert, key = self.pem
             return grpc.ssl_server_certificate_configuration([(key, cert)])
-        # grpcio asks at each handshake: a new configuration once the files changed, else None (the one it has)
-        return grpc.dynamic_ssl_server_credentials(pair(), lambda: pair() if self.check() else None)
+
+        def changed() -> grpc.ServerCertificateConfiguration | None:
+            # grpcio asks at each handshake: a new configuration once a new pair was taken (here, or by a scrape
+            # that looked first), else None (the one it has)
+            self.check()
+            with self._lock:
+                if self.loads == given[0]:
+                    return None
+                given[0] = self.loads
+                return pair()
+        return grpc.dynamic_ssl_server_credentials(pair(), changed)
 
 
 def server_keys(mode: str, cert_path: str = "", key_path: str = "", *, registry: CollectorRegistry | None = None,
