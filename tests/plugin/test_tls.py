@@ -4,6 +4,7 @@ throttled."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import ssl
 from pathlib import Path
@@ -81,32 +82,11 @@ async def test_renewed_files_are_served_to_new_connections_and_a_pair_that_does_
         await server.stop(0)
 
 
-async def test_grpcio_server_serves_renewed_files_too(tmp_path):
-    first, second = self_signed(), self_signed()
+@contextlib.asynccontextmanager
+async def _grpcio_serving(tmp_path: Path, first: tuple[bytes, bytes], registry: CollectorRegistry | None = None):
+    """grpcio's server on KVGATE_GRPC_TLS=files' files (`first` installed), the files looked at every time: (keys,
+    port)."""
     _install(tmp_path, *first)
-    keys = server_keys("files", str(tmp_path / "tls.crt"), str(tmp_path / "tls.key"), check_s=0.0)
-    assert keys is not None
-    server = grpc.aio.server()
-    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
-    port = server.add_secure_port("127.0.0.1:0", keys.grpcio_credentials())
-    await server.start()
-    try:
-        assert await _served_cert(port) == _der(first[0])
-        _install(tmp_path, *second)
-        assert await _served_cert(port) == _der(second[0])
-        async with grpc.aio.secure_channel(f"127.0.0.1:{port}", grpc.ssl_channel_credentials(second[0])) as channel:
-            answer = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
-            assert answer.status == health_pb2.HealthCheckResponse.SERVING
-    finally:
-        await server.stop(0)
-
-
-async def test_grpcio_gets_a_renewal_a_scrape_found_first(tmp_path):
-    """A scrape of the expiry looks at the files too: the renewal it takes must still reach grpcio's next handshake,
-    which asks only whether the pair changed since it last got one."""
-    first, second = self_signed(), self_signed()
-    _install(tmp_path, *first)
-    registry = CollectorRegistry()
     keys = server_keys("files", str(tmp_path / "tls.crt"), str(tmp_path / "tls.key"), registry=registry, check_s=0.0)
     assert keys is not None
     server = grpc.aio.server()
@@ -114,13 +94,33 @@ async def test_grpcio_gets_a_renewal_a_scrape_found_first(tmp_path):
     port = server.add_secure_port("127.0.0.1:0", keys.grpcio_credentials())
     await server.start()
     try:
+        yield keys, port
+    finally:
+        await server.stop(0)
+
+
+async def test_grpcio_server_serves_renewed_files_too(tmp_path):
+    first, second = self_signed(), self_signed()
+    async with _grpcio_serving(tmp_path, first) as (_, port):
+        assert await _served_cert(port) == _der(first[0])
+        _install(tmp_path, *second)
+        assert await _served_cert(port) == _der(second[0])
+        async with grpc.aio.secure_channel(f"127.0.0.1:{port}", grpc.ssl_channel_credentials(second[0])) as channel:
+            answer = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+            assert answer.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_grpcio_gets_a_renewal_a_scrape_found_first(tmp_path):
+    """A scrape of the expiry looks at the files too: the renewal it takes must still reach grpcio's next handshake,
+    which asks only whether the pair changed since it last got one."""
+    first, second = self_signed(), self_signed()
+    registry = CollectorRegistry()
+    async with _grpcio_serving(tmp_path, first, registry) as (keys, port):
         assert await _served_cert(port) == _der(first[0])
         _install(tmp_path, *second)
         registry.get_sample_value("kvgate_grpc_tls_certificate_expiry_timestamp_seconds")  # a scrape: reloads
         assert keys.pem == second
         assert await _served_cert(port) == _der(second[0])
-    finally:
-        await server.stop(0)
 
 
 def test_the_files_are_looked_at_no_more_often_than_the_check_period(tmp_path):
