@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import os
 import ssl
+import time
 from pathlib import Path
 
 import grpc
@@ -178,7 +179,6 @@ def test_the_served_certificates_expiry_is_exported_and_a_scrape_sees_a_renewal(
     """kvgate_grpc_tls_certificate_expiry_timestamp_seconds: when the certificate new connections get expires. A
     renewal is seen at a scrape too (Envoy's connections to kvgate live long: none may be made for days), so an
     alert on the expiry does not fire for a certificate already renewed on disk."""
-    import time
     old, new = self_signed(days=2), self_signed(days=90)
     _install(tmp_path, *old)
     registry = CollectorRegistry()
