@@ -145,8 +145,8 @@ VARIABLES: tuple[Variable, ...] = (
              "looked at when a peer connects or /metrics is scraped, at most every 5 s, so a renewed certificate "
              "(cert-manager's, in a mounted Secret) serves new connections without a restart; a pair that does not "
              "load leaves the last one serving, logged and counted in kvgate_grpc_tls_reloads_total{result="
-             "\"failed\"}). The certificate in use expires at "
-             "kvgate_grpc_tls_certificate_expiry_timestamp_seconds (alert on it less `time()`)."),
+             "\"failed\"}). The certificate in use expires at kvgate_grpc_tls_certificate_expiry_timestamp_seconds "
+             "(alert KvgateGrpcCertificateExpiring: 7 days before)."),
     Variable("KVGATE_GRPC_TLS_CERT", "grpc_tls_cert", _text, "",
              "PEM certificate (chain) file, with KVGATE_GRPC_TLS=files."),
     Variable("KVGATE_GRPC_TLS_KEY", "grpc_tls_key", _text, "", "PEM private key file, with KVGATE_GRPC_TLS=files."),

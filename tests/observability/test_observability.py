@@ -11,7 +11,8 @@ engine kvgate knows publishes, Redis is up; no rule may fire. Phase 2 ("faults")
 kills Redis and sends chat (A finds the disagreement, B silently routes on wrong tokens so believed and real
 hit rates drift apart) and long distinct prompts (B's index fills and evicts, so the replicas disagree), and
 sends an HTTP/1.1 request to A's gRPC port at every step (as a health check pointed there would);
-every rule must fire. Each phase is a series of scrapes of every target; promtool's `test rules` takes them
+every rule must fire. A third replica, C (a job of its own, routing nothing), serves its gRPC port over TLS from
+files: a certificate good for 30 days in phase 1, replaced in phase 2 by one good for 2 (a renewal gone wrong). Each phase is a series of scrapes of every target; promtool's `test rules` takes them
 as input series, one scrape per step, the step chosen per rule so that a phase spans its window and `for`."""
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import re
 import shutil
 import socket
 import subprocess
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +37,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from devkit import prometheusrule
 from devkit.stack import Stack, wait_for_readiness
-from helpers import envoy_pool, free_port, free_ports, refused_port, start_kvgate, wait_until
+from helpers import Kvgate, envoy_pool, free_port, free_ports, refused_port, start_kvgate, wait_until
+from plugin.tls import self_signed
 from tokenizer import testdata
 
 pytestmark = pytest.mark.integration
@@ -60,6 +63,7 @@ FIRING = {
     "KvgateReplicasDisagree": {},
     "KvgateWatchWordsLost": {},
     "KvgateGrpcProtocolErrors": {"instance": "kvgate-a", "reason": "preface"},
+    "KvgateGrpcCertificateExpiring": {"instance": "kvgate-c"},
 }
 # alerts that must not fire in phase 2 either (label matchers): the conditions hold elsewhere only
 NOT_FIRING = {"KvgateEngineSilent": 'pod!="sim2"', "KvgateIndexAtBound": 'instance="kvgate-a"',
@@ -120,17 +124,22 @@ class Run:
 
     targets: list[Target]
     scrapes: list[tuple[str, dict[str, str]]] = field(default_factory=list)  # (phase, instance -> text)
+    times: list[float] = field(default_factory=list)  # each scrape's wall-clock time (Unix seconds)
 
     def scrape(self, phase: str, pool: ThreadPoolExecutor) -> None:
+        self.times.append(time.time())
         texts = pool.map(lambda t: httpx.get(t.url, timeout=5).text, self.targets)
         self.scrapes.append((phase, dict(zip((t.instance for t in self.targets), texts))))
 
-    def series(self, names: set[str]) -> dict[str, list[float | None]]:
+    def series(self, names: set[str], step: int) -> dict[str, list[float | None]]:
         """Input series for promtool of the metrics named: `name{labels}` (with job and instance) -> one
-        value per scrape."""
+        value per scrape, scrape i read at promtool's i * `step` s. A Unix time (a `_timestamp_seconds`
+        series) is moved to that clock, as far as the scrape's wall-clock time is from it: against promtool's
+        time(), which starts at 0, it stays as far in the future as it was when scraped."""
         out: dict[str, list[float | None]] = {}
         jobs = {t.instance: t.job for t in self.targets}
         for i, (_, texts) in enumerate(self.scrapes):
+            shift = i * step - self.times[i]
             for instance, text in texts.items():
                 for family in text_string_to_metric_families(text):
                     for s in family.samples:
@@ -138,7 +147,8 @@ class Run:
                             continue
                         labels = {**s.labels, "job": jobs[instance], "instance": instance}
                         key = s.name + "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(labels.items())) + "}"
-                        out.setdefault(key, [None] * len(self.scrapes))[i] = s.value
+                        value = s.value + shift if s.name.endswith("_timestamp_seconds") else s.value
+                        out.setdefault(key, [None] * len(self.scrapes))[i] = value
         return out
 
     def exported_names(self, job: str) -> set[str]:
@@ -190,6 +200,23 @@ def _post(client: httpx.Client, path: str, body: dict) -> None:
     assert r.status_code == 200, (path, r.status_code, r.text[:300])
 
 
+def _write_certificate(tls: dict[str, str], days: int) -> None:
+    """A self-signed pair for 127.0.0.1 good for `days`, in place of KVGATE_GRPC_TLS_CERT's and _KEY's files (each
+    renamed over the last, as a Secret's update lands)."""
+    for pem, name in zip(self_signed(("127.0.0.1",), days=days), ("KVGATE_GRPC_TLS_CERT", "KVGATE_GRPC_TLS_KEY")):
+        path = Path(tls[name])
+        path.with_suffix(".new").write_bytes(pem)
+        path.with_suffix(".new").replace(path)
+
+
+def _expiry(gate: Kvgate) -> float:
+    """The gate's kvgate_grpc_tls_certificate_expiry_timestamp_seconds; 0 while its metrics do not answer."""
+    try:
+        return _gauge(gate.metrics(), "kvgate_grpc_tls_certificate_expiry_timestamp_seconds")
+    except httpx.HTTPError:
+        return 0.0
+
+
 def _http1_at(port: int) -> None:
     """An HTTP/1.1 request to a plaintext gRPC port, read until the server closes the connection (it
     answers with SETTINGS and GOAWAY: not an HTTP/2 preface)."""
@@ -235,6 +262,13 @@ def run():
         a = start_kvgate(stack, pods_file, {**common, "KVGATE_GATEWAY_ID": "a"}, name="kvgate-a", wait=False)
         b = start_kvgate(stack, pods_file, {**common, "KVGATE_GATEWAY_ID": "b", "KVGATE_TOKENIZER": "local",
                                             "KVGATE_INDEX_MAX_ENTRIES": str(B_INDEX_BOUND)}, name="kvgate-b", wait=False)
+        # C: TLS from files, a certificate good for 30 days (phase 2 puts one good for 2 in its place); no pods
+        tls = {"KVGATE_GRPC_TLS": "files", "KVGATE_GRPC_TLS_CERT": str(stack.workdir / "c-cert.pem"),
+               "KVGATE_GRPC_TLS_KEY": str(stack.workdir / "c-key.pem")}
+        _write_certificate(tls, days=30)
+        no_pods = stack.workdir / "no-pods.yaml"
+        no_pods.write_text("[]\n")
+        c = start_kvgate(stack, no_pods, {"KVGATE_GATEWAY_ID": "c", **tls}, name="kvgate-c", wait=False)
         pool = envoy_pool([*pods, silent])
         urls = {}
         for name, gate, other in (("a", a, b), ("b", b, a)):
@@ -248,7 +282,9 @@ def run():
         for gate in (a, b):
             wait_for_readiness("127.0.0.1", gate.grpc_port, timeout=30, proc=gate.proc.popen, name=gate.proc.name,
                                log_path=gate.proc.log_path)
+        wait_until(lambda: _expiry(c) > time.time() + 29 * 86400, timeout=30)
         targets = [Target("kvgate", "kvgate-a", a.metrics_url), Target("kvgate", "kvgate-b", b.metrics_url),
+                   Target("kvgate-tls", "kvgate-c", c.metrics_url),
                    *(Target("vllm", p["name"], f"http://127.0.0.1:{p['port']}/metrics") for p in [*pods, silent])]
         result = Run(targets)
         with httpx.Client(base_url=urls["a"], timeout=30) as via_a, httpx.Client(base_url=urls["b"], timeout=30) as via_b, \
@@ -276,6 +312,8 @@ def run():
             # the faults
             pods_file.write_text(yaml.safe_dump([*pods, silent], sort_keys=False))
             redis.kill()
+            _write_certificate(tls, days=2)
+            wait_until(lambda: _expiry(c) < time.time() + 3 * 86400, timeout=15)  # looked at within 5 s
             for gate in (a, b):
                 wait_until(lambda g=gate: any(p["name"] == "sim2" for p in g.debug()["pods"]), timeout=10)
             r = Random(7)
@@ -316,7 +354,8 @@ def _rule_test(rule: dict, run: Run) -> dict:
     matchers = "".join(f',{k}="{v}"' for k, v in FIRING[name].items())
     return {
         "interval": f"{step}s",
-        "input_series": [{"series": k, "values": _values(v)} for k, v in run.series(metric_names(rule["expr"])).items()],
+        "input_series": [{"series": k, "values": _values(v)}
+                         for k, v in run.series(metric_names(rule["expr"]), step).items()],
         "promql_expr_test": [
             {"expr": f'max(max_over_time(ALERTS{{alertname="{name}",alertstate="firing"}}[{end1 + 1}s]))',
              "eval_time": f"{end1}s", "exp_samples": []},
@@ -372,7 +411,7 @@ def _where_true(rule: dict, run: Run, tmp_path: Path) -> str:
 
 
 def test_every_metric_the_rules_use_is_exported(run: Run) -> None:
-    exported = run.exported_names("kvgate") | run.exported_names("vllm")
+    exported = run.exported_names("kvgate") | run.exported_names("kvgate-tls") | run.exported_names("vllm")
     for rule in _rules():
         assert metric_names(rule["expr"]) <= exported, (rule["alert"], metric_names(rule["expr"]) - exported)
 
