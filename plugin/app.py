@@ -41,7 +41,7 @@ from routing.state.engine_metrics import EngineLoad, EngineMetrics, Saturation
 from routing.discovery.inferencepool import InferencePoolConfig, InferencePoolSource
 from routing.discovery.k8s import KubernetesConfig, KubernetesSource
 from routing.discovery.kube import ApiConfig
-from routing.metrics import AdmissionCollector, RoutingMetrics
+from routing.metrics import AdmissionCollector, CostModelCollector, RoutingMetrics
 from routing.pods import Pod
 from routing.registry import PodRegistry
 from routing.pd import STRATEGY as PD_STRATEGY, PDConfig, PDPlanner
@@ -217,6 +217,7 @@ class App:
         self.predictor = OutputPredictor(window_s=s.predict_window_s, step_s=s.predict_step_s,
                                          cold=s.predict_cold_start, max_output=s.predict_max_output)
         self.profiles = EngineProfiles(prefill_tokens_per_s=s.routing_prefill_tokens_per_s)
+        CostModelCollector(self.profiles, lambda: (p.name for p in self.pods.pods()), self.registry)
         self.engines.on_load = self._on_engine_load
         self.mix = RoutingMix()  # the status page's routing mix and cache shares per minute
         self.recent_errors = RecentErrors()  # the status page's recent warnings and errors (root logger, once started)

@@ -1,10 +1,13 @@
 """Prometheus metrics of the routing layer, created on a registry the caller passes."""
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+if TYPE_CHECKING:
+    from routing.learning.profiles import EngineProfiles
 
 
 class RoutingMetrics:
@@ -74,3 +77,51 @@ class AdmissionCollector:
         limit = GaugeMetricFamily("kvgate_admission_max_running", "Requests a pod may run, over every replica "
                                   "(KVGATE_ADMISSION_MAX_RUNNING)", value=self._max_running)
         return [outcomes, waiting, waited, errors, limit]
+
+
+class CostModelCollector:
+    """The cost model's per-engine answers (routing.learning.profiles, learned from observed responses), read at
+    scrape time for every pod `pods()` names: the prefill rate it prices uncached tokens at, the TTFT overhead
+    and decode step it expects at 1 and 8 running, and how far its TTFT predictions were off (from the pod's
+    first prediction observed; decayed means). A rate or overhead far from its neighbours' says why the
+    strategies that read them (`slo`, the `ttft` scorer; the `prefix` scorer's admission wait reads the decode
+    step) send a pod less; a bad estimate drifts back to the priors while nothing observes the pod, so a dip
+    that heals is the design working. An AIBrix GPU profile, where one applies, overrides these per request and
+    is not shown."""
+
+    RUNNING = ("1", "8")
+
+    def __init__(self, profiles: EngineProfiles, pods: Callable[[], Iterable[str]],
+                 registry: CollectorRegistry | None = None) -> None:
+        self._profiles = profiles
+        self._pods = pods
+        if registry is not None:
+            registry.register(self)
+
+    def describe(self) -> list[Metric]:
+        return []  # collected on demand: no samples at registration time
+
+    def collect(self) -> Iterable[Metric]:
+        p = self._profiles
+        rate = GaugeMetricFamily("kvgate_cost_model_prefill_tokens_per_second", "Uncached prompt tokens a second the "
+                                 "cost model expects the pod to prefill (learned, else KVGATE_ROUTING_PREFILL_TOKENS_"
+                                 "PER_S)", labels=("pod",))
+        overhead = GaugeMetricFamily("kvgate_cost_model_ttft_overhead_seconds", "Seconds of a request's TTFT the cost "
+                                     "model expects beyond its queue and own prefill, with `running` requests on the "
+                                     "pod (learned, else the prior)", labels=("pod", "running"))
+        step = GaugeMetricFamily("kvgate_cost_model_decode_step_seconds", "Seconds a decode step takes with `running` "
+                                 "requests on the pod, as the cost model expects (learned, else the prior)",
+                                 labels=("pod", "running"))
+        error = GaugeMetricFamily("kvgate_cost_model_ttft_error_seconds", "Observed minus predicted TTFT of the "
+                                  "requests routed by the cost model to the pod: its decayed mean (`mean`) and mean "
+                                  "absolute value (`mean_abs`)", labels=("pod", "stat"))
+        for pod in sorted(set(self._pods())):
+            rate.add_metric((pod,), p.prefill_rate(pod))
+            for n in self.RUNNING:
+                overhead.add_metric((pod, n), p.ttft_overhead(pod, float(n)))
+                step.add_metric((pod, n), p.step_time(pod, float(n)))
+            err = p.ttft_error(pod)
+            if err is not None:
+                error.add_metric((pod, "mean"), err[0])
+                error.add_metric((pod, "mean_abs"), err[1])
+        return [rate, overhead, step, error]

@@ -455,6 +455,30 @@ def test_requests_reach_kvgate_in_one_message_and_slo_ones_are_watched_from_a_st
     assert wait_until(lambda: _sample(_samples(env), "kvgate_watch_waits_total", outcome="ended") - watched == 12)
 
 
+def test_the_cost_model_is_on_metrics_and_learns_how_far_off_slo_was_from_watched_streams(env):
+    """What the cost model expects of each pod is on /metrics for every pod (the priors until it learns), and
+    once slo's streamed responses were watched (its requests always are), how far its TTFT predictions were off,
+    for each pod it routed to."""
+    def off() -> set[str]:
+        return {dict(labels)["pod"] for name, labels in _samples(env)
+                if name == "kvgate_cost_model_ttft_error_seconds" and ("stat", "mean_abs") in labels}
+
+    samples = _samples(env)
+    assert set(env.sims) <= {dict(labels)["pod"] for name, labels in samples
+                             if name == "kvgate_cost_model_prefill_tokens_per_second"}
+    assert {dict(labels)["running"] for name, labels in samples
+            if name == "kvgate_cost_model_ttft_overhead_seconds"} == {"1", "8"}
+    by_slo = set()
+    for i in range(6):
+        with env.client.stream("POST", "/v1/chat/completions", headers={"routing-strategy": "slo"},
+                               json={"model": MODEL, "stream": True, "max_tokens": 2,
+                                     "messages": [{"role": "user", "content": f"cost model {i}"}]}) as r:
+            assert r.status_code == 200
+            r.read()
+            by_slo.add(r.headers["x-kvgate-pod"])
+    assert wait_until(lambda: by_slo <= off(), what="the TTFT error of every pod slo routed to"), (by_slo, off())
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_watched_route_is_one_message_and_its_response_read_from_a_stream_envoy_never_waits_on(env, stream):
     """On envoy/envoy.yaml's watched routes (here every request: runtime key kvgate.watch_percent 100) the request

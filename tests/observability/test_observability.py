@@ -430,7 +430,8 @@ def registry_names() -> set[str]:
     from kvcache.metrics import IndexCollector, KVEventMetrics
     from plugin.metrics import GatewayMetrics
     from plugin.observe import ObserveMetrics
-    from routing.metrics import AdmissionCollector, RoutingMetrics
+    from routing.learning.profiles import EngineProfiles
+    from routing.metrics import AdmissionCollector, CostModelCollector, RoutingMetrics
     from routing.state.admission import Admission, LocalLimiter
     from tokenizer.cache import CacheMetrics
     from tokenizer.remote import RemoteMetrics
@@ -441,6 +442,7 @@ def registry_names() -> set[str]:
         metrics(registry)
     IndexCollector(PrefixIndex(16).stats, registry)
     AdmissionCollector(Admission(LocalLimiter(), max_running=1).stats, 1, registry)
+    CostModelCollector(EngineProfiles(), lambda: (), registry)
     return {f.name + suffix for f in registry.collect() for suffix in SUFFIXES[f.type]}
 
 
@@ -515,7 +517,8 @@ def test_the_dashboard_is_importable_with_its_datasource_a_variable(tmp_path) ->
                   "kvgate_request_tpot_seconds_bucket", "kvgate_kvevents_missed_batches_total",
                   "kvgate_tokenize_seconds_bucket", "kvgate_tokenizer_fallbacks_total", "kvgate_request_errors_total",
                   "kvgate_counts_redis_up", "kvgate_index_max_entries", "kvgate_admission_wait_seconds_total",
-                  "kvgate_grpc_protocol_errors_total"):
+                  "kvgate_grpc_protocol_errors_total", "kvgate_cost_model_prefill_tokens_per_second",
+                  "kvgate_cost_model_ttft_overhead_seconds", "kvgate_cost_model_ttft_error_seconds"):
         assert shown in text, shown
 
 

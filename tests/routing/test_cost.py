@@ -200,6 +200,42 @@ async def test_kv_sync_tells_the_profiles_what_it_predicted_so_responses_teach_t
     assert profiles.ttft_overhead("a", 1) == pytest.approx(0.050)
 
 
+def test_the_scrape_shows_what_the_cost_model_expects_of_each_known_pod_and_how_far_it_was_off():
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+    from routing.metrics import CostModelCollector
+    clock = Clock(0.0)
+    profiles = EngineProfiles(prefill_tokens_per_s=10_000.0, ttft_overhead_s=0.0, ttft_overhead_per_request_s=0.001,
+                              overhead_prior_weight=0.0, clock=clock)
+    pods = ["a", "b"]
+    registry = CollectorRegistry()
+    CostModelCollector(profiles, lambda: pods, registry)
+
+    def scrape() -> dict[tuple, float]:
+        return {(s.name, *sorted(s.labels.items())): s.value
+                for f in text_string_to_metric_families(generate_latest(registry).decode()) for s in f.samples}
+
+    before = scrape()  # nothing observed: every known pod at the priors, no error yet
+    assert before[("kvgate_cost_model_prefill_tokens_per_second", ("pod", "a"))] == 10_000.0
+    assert before[("kvgate_cost_model_ttft_overhead_seconds", ("pod", "b"), ("running", "8"))] == pytest.approx(0.008)
+    assert before[("kvgate_cost_model_decode_step_seconds", ("pod", "a"), ("running", "1"))] == \
+        pytest.approx(profiles.step_time("a", 1))
+    assert not any(k[0] == "kvgate_cost_model_ttft_error_seconds" for k in before)
+    # a's responses came 300 ms later than the prior predicted, at 4 running
+    teach_overhead(profiles, "a", 0.300, running=4, n=20)
+    after = scrape()
+    overhead = ("kvgate_cost_model_ttft_overhead_seconds", ("pod", "a"), ("running", "1"))
+    assert after[overhead] == pytest.approx(profiles.ttft_overhead("a", 1))
+    assert after[overhead] > before[overhead] + 0.2
+    error = profiles.ttft_error("a")
+    assert error is not None and error[0] > 0.0  # late: observed minus predicted
+    assert after[("kvgate_cost_model_ttft_error_seconds", ("pod", "a"), ("stat", "mean"))] == pytest.approx(error[0])
+    assert after[("kvgate_cost_model_ttft_error_seconds", ("pod", "a"), ("stat", "mean_abs"))] == pytest.approx(error[1])
+    assert not any(k[0] == "kvgate_cost_model_ttft_error_seconds" and ("pod", "b") in k for k in after)
+    pods.remove("a")  # a pod gone from discovery leaves the scrape, whatever was learned of it
+    assert {dict(k[1:])["pod"] for k in scrape()} == {"b"}
+
+
 def test_mean_output_is_the_windows_mean_bucket():
     pred = OutputPredictor(rng=random.Random(0), clock=Clock(0.0))
     assert pred.mean_output("m") is None
