@@ -97,19 +97,57 @@ def test_the_overlays_are_there():
 def test_each_component_composes_with_the_base(component, tmp_path):
     """A component on the base alone (as an operator composes one into an overlay of their own): it
     renders, validates, and leaves kvgate with valid settings."""
-    rel = functools.partial(os.path.relpath, start=tmp_path)
-    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
-        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "namespace": "t",
-        "resources": [rel(KUSTOMIZE / "base")], "components": [rel(KUSTOMIZE / "components" / component)]}))
-    proc = subprocess.run([kubectl(), "kustomize", str(tmp_path)], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    docs = [d for d in yaml.safe_load_all(proc.stdout) if d]
+    docs = _with_component(component, tmp_path)
     for doc in docs:
         validate(doc)
+        if (doc["apiVersion"], doc["kind"]) in crd_schemas():
+            broken, _ = cel_violations(doc)
+            assert not broken, (doc["kind"], doc["metadata"]["name"], broken)
     deploy = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "kvgate")
     env = {e["name"]: e.get("value", "redis://from-secret:6379/0") for e in deploy["spec"]["template"]["spec"]["containers"][0]["env"]}
     settings = Settings.from_env({**env, "KVGATE_PODS": "p=127.0.0.1:1/m"})
-    assert settings.redis_url or settings.grpc_tls != "off", component  # the component did its part
+    # the component did its part: kvgate's settings, or resources the base has no kind of
+    added = {d["kind"] for d in docs} - {d["kind"] for d in _with_component(None, tmp_path / "base-alone")}
+    assert settings.redis_url or settings.grpc_tls != "off" or added, component
+
+
+def _with_component(component: str | None, workdir: Path) -> list[dict]:
+    """The base with `component` (None: alone), rendered in namespace `t` as an operator's overlay would."""
+    workdir.mkdir(exist_ok=True)
+    rel = functools.partial(os.path.relpath, start=workdir)
+    (workdir / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "namespace": "t",
+        "resources": [rel(KUSTOMIZE / "base")],
+        "components": [rel(KUSTOMIZE / "components" / component)] if component else []}))
+    proc = subprocess.run([kubectl(), "kustomize", str(workdir)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return [d for d in yaml.safe_load_all(proc.stdout) if d]
+
+
+def test_the_monitoring_component_scrapes_each_replica_once_and_brings_the_rules(tmp_path):
+    """The ServiceMonitor selects one Service of kvgate's, headless (a target per replica), by a port that is
+    kvgate's HTTP port (its /metrics) on the pods, in the namespace the ServiceMonitor is in, with job "kvgate"
+    from the Service's label; the PrometheusRule is deploy/observability's, the rules file's groups."""
+    docs = _with_component("monitoring", tmp_path)
+    monitor = next(d for d in docs if d["kind"] == "ServiceMonitor")
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    services = [d for d in docs if d["kind"] == "Service"
+                and selector.items() <= d["metadata"].get("labels", {}).items()]
+    assert [s["metadata"]["name"] for s in services] == ["kvgate-replicas"]
+    service = services[0]
+    assert service["spec"]["clusterIP"] == "None" and service["metadata"]["namespace"] == monitor["metadata"]["namespace"]
+    assert service["metadata"]["labels"][monitor["spec"]["jobLabel"]] == "kvgate"
+    (endpoint,) = monitor["spec"]["endpoints"]
+    port = next(p for p in service["spec"]["ports"] if p["name"] == endpoint["port"])
+    deploy = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "kvgate")
+    assert service["spec"]["selector"].items() <= deploy["spec"]["template"]["metadata"]["labels"].items()
+    container = deploy["spec"]["template"]["spec"]["containers"][0]
+    container_port = next(p for p in container["ports"] if p["name"] == port["targetPort"])
+    assert container_port["containerPort"] == Settings.from_env({"KVGATE_PODS": "p=127.0.0.1:1/m"}).http_port
+    assert endpoint["path"] == "/metrics"
+    rule = next(d for d in docs if d["kind"] == "PrometheusRule")
+    rules_file = yaml.safe_load((REPO / "deploy" / "observability" / "prometheus" / "kvgate-rules.yaml").read_text())
+    assert rule["spec"] == rules_file and rule["metadata"]["namespace"] == "t"
 
 
 # --- schemas ---------------------------------------------------------------------------------------------
@@ -161,7 +199,8 @@ def test_the_vendored_schemas_are_the_named_releases():
     for name, crd in crds().items():
         annotations = crd["metadata"].get("annotations", {})
         versions[name] = (annotations.get("gateway.networking.k8s.io/bundle-version")
-                               or annotations.get("inference.networking.k8s.io/bundle-version"))
+                          or annotations.get("inference.networking.k8s.io/bundle-version")
+                          or annotations.get("operator.prometheus.io/version"))
     readme = (SCHEMAS / "README.md").read_text()
     for name, version in versions.items():
         assert name in readme, name
