@@ -43,7 +43,21 @@ class RoutingMetrics:
                                      "Failed scrapes of an engine's /metrics.", registry=r)
 
 
-class AdmissionCollector:
+class _ReadAtScrape:
+    """A collector whose samples are read when Prometheus scrapes, registered on `registry` when one is given."""
+
+    def __init__(self, registry: CollectorRegistry | None) -> None:
+        if registry is not None:
+            registry.register(self)
+
+    def describe(self) -> list[Metric]:
+        return []  # collected on demand: no samples at registration time
+
+    def collect(self) -> Iterable[Metric]:
+        raise NotImplementedError  # each collector's own
+
+
+class AdmissionCollector(_ReadAtScrape):
     """Admission (KVGATE_ADMISSION_MAX_RUNNING) as it went, read from Admission.stats() at scrape time:
     requests by outcome, those waiting now, the seconds waited (a wait adds to the request's time to
     first token: their rate over the rate of every outcome but at_once is the mean wait), the limiter's
@@ -52,11 +66,7 @@ class AdmissionCollector:
     def __init__(self, stats: Callable[[], dict], max_running: int, registry: CollectorRegistry | None = None) -> None:
         self._stats = stats
         self._max_running = max_running
-        if registry is not None:
-            registry.register(self)
-
-    def describe(self) -> list[Metric]:
-        return []  # collected on demand: no samples at registration time
+        super().__init__(registry)
 
     def collect(self) -> Iterable[Metric]:
         stats = self._stats()
@@ -79,7 +89,7 @@ class AdmissionCollector:
         return [outcomes, waiting, waited, errors, limit]
 
 
-class CostModelCollector:
+class CostModelCollector(_ReadAtScrape):
     """The cost model's per-engine answers (routing.learning.profiles, learned from observed responses), read at
     scrape time for every pod `pods()` names: the prefill rate it prices uncached tokens at, the TTFT overhead
     and decode step it expects at 1 and 8 running, and how far its TTFT predictions were off (from the pod's
@@ -95,11 +105,7 @@ class CostModelCollector:
                  registry: CollectorRegistry | None = None) -> None:
         self._profiles = profiles
         self._pods = pods
-        if registry is not None:
-            registry.register(self)
-
-    def describe(self) -> list[Metric]:
-        return []  # collected on demand: no samples at registration time
+        super().__init__(registry)
 
     def collect(self) -> Iterable[Metric]:
         p = self._profiles
