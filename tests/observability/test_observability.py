@@ -12,8 +12,12 @@ kills Redis and sends chat (A finds the disagreement, B silently routes on wrong
 hit rates drift apart) and long distinct prompts (B's index fills and evicts, so the replicas disagree), and
 sends an HTTP/1.1 request to A's gRPC port at every step (as a health check pointed there would);
 every rule must fire. A third replica, C (a job of its own, routing nothing), serves its gRPC port over TLS from
-files: a certificate good for 30 days in phase 1, replaced in phase 2 by one good for 2 (a renewal gone wrong). Each phase is a series of scrapes of every target; promtool's `test rules` takes them
-as input series, one scrape per step, the step chosen per rule so that a phase spans its window and `for`."""
+files: a certificate good for 30 days in phase 1, replaced in phase 2 by one good for 2 (a renewal gone wrong).
+Each phase is a series of scrapes of every target; promtool's `test rules` takes them as input series, one
+scrape per step, the step chosen per rule so that a phase spans its window and `for`.
+A real Prometheus scrapes the same targets throughout, with the rules loaded: every dashboard query is asked of
+it at the end (each must return series, but the few whose events this run never has) and every rule must have
+evaluated without an error."""
 from __future__ import annotations
 
 import contextlib
@@ -120,11 +124,13 @@ class Target:
 
 @dataclass
 class Run:
-    """Scrapes of every target, in order, each tagged with its phase."""
+    """Scrapes of every target, in order, each tagged with its phase; and a real Prometheus's URL (None without
+    one installed) that scraped the same targets throughout, with the rules loaded."""
 
     targets: list[Target]
     scrapes: list[tuple[str, dict[str, str]]] = field(default_factory=list)  # (phase, instance -> text)
     times: list[float] = field(default_factory=list)  # each scrape's wall-clock time (Unix seconds)
+    prometheus: str | None = None
 
     def scrape(self, phase: str, pool: ThreadPoolExecutor) -> None:
         self.times.append(time.time())
@@ -195,8 +201,8 @@ def _chat(i: int, turn: int) -> dict:
         {"role": "user", "content": f"Question {turn % 3} about it?"}]}
 
 
-def _post(client: httpx.Client, path: str, body: dict) -> None:
-    r = client.post(path, json=body)
+def _post(client: httpx.Client, path: str, body: dict, headers: dict[str, str] | None = None) -> None:
+    r = client.post(path, json=body, headers=headers)
     assert r.status_code == 200, (path, r.status_code, r.text[:300])
 
 
@@ -215,6 +221,27 @@ def _expiry(gate: Kvgate) -> float:
         return _gauge(gate.metrics(), "kvgate_grpc_tls_certificate_expiry_timestamp_seconds")
     except httpx.HTTPError:
         return 0.0
+
+
+def _prometheus(stack: Stack, targets: list[Target]) -> str | None:
+    """A Prometheus scraping `targets` by job every 200 ms (the run lasts seconds), kvgate's rules loaded and
+    evaluated as often;
+    its URL, None where it is not installed (Debian's package prometheus, which ./dev setup installs)."""
+    binary = shutil.which("prometheus")
+    if binary is None:
+        return None
+    jobs: dict[str, list[str]] = {}
+    for t in targets:
+        jobs.setdefault(t.job, []).append(httpx.URL(t.url).netloc.decode())
+    config = stack.workdir / "prometheus.yml"
+    config.write_text(yaml.safe_dump({
+        "global": {"scrape_interval": "200ms", "scrape_timeout": "200ms", "evaluation_interval": "200ms"},
+        "rule_files": [str(RULES)],
+        "scrape_configs": [{"job_name": job, "static_configs": [{"targets": hosts}]} for job, hosts in jobs.items()]}))
+    port = free_port()
+    stack.start("prometheus", [binary, f"--config.file={config}", f"--storage.tsdb.path={stack.workdir / 'tsdb'}",
+                               f"--web.listen-address=127.0.0.1:{port}"], ready_port=("127.0.0.1", port))
+    return f"http://127.0.0.1:{port}"
 
 
 def _http1_at(port: int) -> None:
@@ -286,7 +313,7 @@ def run():
         targets = [Target("kvgate", "kvgate-a", a.metrics_url), Target("kvgate", "kvgate-b", b.metrics_url),
                    Target("kvgate-tls", "kvgate-c", c.metrics_url),
                    *(Target("vllm", p["name"], f"http://127.0.0.1:{p['port']}/metrics") for p in [*pods, silent])]
-        result = Run(targets)
+        result = Run(targets, prometheus=_prometheus(stack, targets))
         with httpx.Client(base_url=urls["a"], timeout=30) as via_a, httpx.Client(base_url=urls["b"], timeout=30) as via_b, \
                 ThreadPoolExecutor(5) as pool_x:
             def send(batch: list[tuple[httpx.Client, str, dict]]) -> None:
@@ -304,10 +331,13 @@ def run():
                        and _gauge(a.metrics(), "kvgate_index_entries") >= 8 * 15, timeout=10)
             send([(via_a if k % 2 else via_b, "/v1/completions",
                    {"model": MODEL, "prompt": _hot_prompt(k % 8), "max_tokens": 4}) for k in range(17)])
-            # phase 1: completions of the eight prompts again, half through each replica
+            # phase 1: completions of the eight prompts again, half through each replica, and one streamed by the
+            # slo strategy (its cost model learns from the response: the dashboard's SLO and prediction panels)
             for i in range(SCRAPES):
-                send([(via_a if k % 2 else via_b, "/v1/completions",
-                       {"model": MODEL, "prompt": _hot_prompt((i * 2 + k) % 8), "max_tokens": 4}) for k in range(2)])
+                send([*((via_a if k % 2 else via_b, "/v1/completions",
+                         {"model": MODEL, "prompt": _hot_prompt((i * 2 + k) % 8), "max_tokens": 4}) for k in range(2)),
+                      (via_a, "/v1/completions", {"model": MODEL, "prompt": _hot_prompt(i % 8), "max_tokens": 4,
+                                                  "stream": True}, {"routing-strategy": "slo"})])
                 result.scrape("quiet", pool_x)
             # the faults
             pods_file.write_text(yaml.safe_dump([*pods, silent], sort_keys=False))
@@ -520,6 +550,47 @@ def test_the_dashboard_is_importable_with_its_datasource_a_variable(tmp_path) ->
                   "kvgate_grpc_protocol_errors_total", "kvgate_cost_model_prefill_tokens_per_second",
                   "kvgate_cost_model_ttft_overhead_seconds", "kvgate_cost_model_ttft_error_seconds"):
         assert shown in text, shown
+
+
+# Panels with nothing to show in this run, and why (any other query must return series). A labelled counter has
+# no series until its first event, and these events do not happen here.
+EMPTY_HERE = {
+    "panel 'Load guard and scorer errors' A": "no pod is set aside by the load guard",
+    "panel 'Load guard and scorer errors' B": "no scorer fails",
+    "panel 'Event gaps' A": "no event batch is missed",
+    "panel 'Event gaps' B": "no replay fails",
+    "panel 'Event gaps' C": "no engine state is dropped",
+    "panel 'Event gaps' D": "no batch comes twice",
+    "panel 'Events and reconnections' C": "no event fails to decode",
+    "panel 'Events and reconnections' D": "no event is skipped",
+    "panel 'Tokenizer paths and fallbacks' B": "the tokenizer never fails over to load-only routing",
+    "panel 'Errors by status and code' A": "no request fails",
+    "panel 'Discovery' B": "the pods file is never refused",
+    "panel 'Index skips' A": "the index skips nothing",
+}
+
+
+def test_every_dashboard_query_returns_series_from_a_real_prometheus_and_every_rule_evaluates(run: Run) -> None:
+    """Each panel's and variable's query (Grafana's variables as Prometheus gets them: every job) asked of a real
+    Prometheus that scraped the stack throughout: none fails, and each returns series but those EMPTY_HERE names
+    (a label or metric misspelt, a selector no series matches, a vector match that fails on real labels all show
+    here, where promtool's syntax check passes them). And Prometheus evaluated every rule without an error."""
+    if run.prometheus is None:
+        pytest.skip("prometheus not installed (Debian package prometheus; ./dev setup installs it)")
+    failed, empty = {}, set()
+    for where, expr in dashboard_queries(json.loads(DASHBOARD.read_text())):
+        answer = httpx.get(run.prometheus + "/api/v1/query", params={"query": _grafana_free(expr)}, timeout=10).json()
+        if answer["status"] != "success":
+            failed[where] = answer.get("error")
+        elif not answer["data"]["result"]:
+            empty.add(where)
+    assert failed == {}
+    assert empty == set(EMPTY_HERE), {"empty, not expected": empty - set(EMPTY_HERE),
+                                      "expected empty, has series": set(EMPTY_HERE) - empty}
+    groups = httpx.get(run.prometheus + "/api/v1/rules", timeout=10).json()["data"]["groups"]
+    rules = [r for g in groups for r in g["rules"]]
+    assert sorted(r["name"] for r in rules) == sorted(FIRING)
+    assert all(r["health"] == "ok" for r in rules), [(r["name"], r.get("lastError")) for r in rules]
 
 
 def test_every_metric_the_dashboard_uses_is_one_kvgate_or_the_engines_export(run: Run) -> None:
