@@ -199,8 +199,10 @@ class Router:
         ticket = next(self._tickets)
         self._active[ticket] = target.name
         if self._prompts is not None:
+            # what the index answered for the pick, if a scorer asked it: the target's blocks of the prompt
+            held = ctx.matched.get(target.name, 0) if ctx.total_blocks else None
             self._prompts.add(ticket, target.name, target.pod_name, target.rank or 0, base, lora,
-                              request.token_ids, request.extras)
+                              request.token_ids, request.extras, held)
         decided = self._decided.get(name)
         if decided is None:
             decided = self._decided[name] = self._metrics.decisions.labels(name)

@@ -15,9 +15,10 @@ back (docs/BENCHMARKS.md). An add leaves at once, not batched over a few millise
 dealt over pick its requests within milliseconds of each other (tried, 8e85aa6 then reverted: adds sent 5 ms
 later spared bench path's one-at-a-time requests 0.2 ms of wake-ups on the two cores they share with Envoy and
 the engines, and left such a burst 5 ms to split: in the bake-off a new tenant's conversations picked 2-3 ms
-apart by the two replicas went to two engines). A peer's claim ends with its "end", or `ttl_s` after it came
-(a message lost, a replica gone): by then its prompt's blocks are in the index from its engine's events, if
-anywhere.
+apart by the two replicas went to two engines). A prompt its pod held but for its last two blocks at the pick
+is not sent at all (routing.state.prompts: the others have what it shares from the index), counted as kept. A
+peer's claim ends with its "end", or `ttl_s` after it came (a message lost, a replica gone): by then its prompt's
+blocks are in the index from its engine's events, if anywhere.
 
 Wire: the gateway id, a newline, then msgpack [change, ...], each change ["add", ticket, target, pod, rank,
 [key, ...]], ["move", ticket, target, pod, rank] or ["end", ticket] (a replica reads its own messages too, and
@@ -140,8 +141,8 @@ class PromptRelay(BackgroundLoop):
         self._bad_told = False  # the first bad message is told in the log, the others counted
         self.changes = Counter(
             "kvgate_prompt_relay_changes_total", "Running-prompt changes between gateway replicas (a request's "
-            "prompt counted on its pod until it ends; routing.state.prompt_relay), by outcome: sent, applied (a "
-            "peer's), expired (a peer's claim that no end came for within its TTL), dropped (not sent: Redis "
+            "prompt counted on its pod until it ends; routing.state.prompt_relay), by outcome: sent, kept (not "
+            "sent: its pod held all but its last two blocks already), applied (a peer's), expired (a peer's claim that no end came for within its TTL), dropped (not sent: Redis "
             "refused them), bad (a message that is not one)", ["outcome"],
             registry=registry if registry is not None else CollectorRegistry())
         # set once the first subscription succeeded or failed (a caller may wait a moment for it)
@@ -154,6 +155,9 @@ class PromptRelay(BackgroundLoop):
         return len(self._expires)
 
     def _changed(self, change: list) -> None:
+        if change[0] == "keep":  # counted here alone (routing.state.prompts: UNTOLD_BLOCKS)
+            self.changes.labels("kept").inc()
+            return
         waiting = self._ends if change[0] == "end" else self._pending
         if len(waiting) >= MAX_PENDING:  # Redis has not taken the last ones yet: the oldest go
             del waiting[:len(waiting) // 2]
@@ -275,6 +279,8 @@ class LocalRelay:
         prompts.listener = lambda change: self._tell(gateway_id, change)
 
     def _tell(self, gateway: str, change: list) -> None:
+        if change[0] == "keep":
+            return
         for other, prompts in self._members:
             if other != gateway:
                 apply_change(prompts, gateway, change)

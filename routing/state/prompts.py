@@ -11,6 +11,11 @@ can hit them, so a pod's claims end at the index's next count of its clears (`cl
 
 This gateway's requests, and with a `listener` and `peer_added`/`peer_moved`/`peer_removed` the other replicas'
 (routing.state.prompt_relay carries them through Redis): a tenant's burst dealt over two replicas is one burst.
+A prompt whose pod already holds all but its last UNTOLD_BLOCKS full blocks (the index's count at the pick: a
+cached system prompt or history, and this request's own question) is counted here and not told: the others see
+what it shares in the index already, and a request sharing its few new blocks could gain as many blocks' credit
+(two blocks: 32 tokens of prefill), while each message told wakes Redis and every replica. The listener hears
+"keep" for it instead, and nothing of its move or end.
 Only plain prompts of a model of one KV cache group: a salted or multimodal prompt's blocks hash more than its
 tokens, and a hybrid model's hit is its groups' fixed point (kvcache.groups), neither of which a prompt's tokens
 alone answer.
@@ -21,6 +26,8 @@ from collections import Counter
 from typing import Callable, Hashable, Iterable, Protocol, Sequence
 
 from kvcache.blockkeys import BlockExtras, block_keys
+
+UNTOLD_BLOCKS = 2  # a prompt adding at most this many full blocks to what its pod holds is not told (see above)
 
 
 class ClaimSource(Protocol):
@@ -67,6 +74,7 @@ class RunningPrompts:
         self._held: dict[str, _Held] = {}
         # ticket (this gateway's int, or a peer's (gateway, ticket)) -> (target, clear count, keys)
         self._running: dict[Hashable, tuple[str, int, list[int]]] = {}
+        self._untold: set[int] = set()  # this gateway's tickets the listener heard "keep" of
         # told of each of this gateway's changes (the relay to the other replicas): ["add", ticket, target, pod,
         # rank, keys], ["move", ticket, target, pod, rank], ["end", ticket]
         self.listener: Callable[[list], None] | None = None
@@ -107,22 +115,30 @@ class RunningPrompts:
         return out
 
     def add(self, ticket: int, target: str, pod: str, rank: int, model: str, lora: str | None,
-            token_ids: Sequence[int] | None, extras: BlockExtras | None) -> None:
-        """Request `ticket` runs on `target` (of `pod`, `rank`)."""
+            token_ids: Sequence[int] | None, extras: BlockExtras | None, held: int | None = None) -> None:
+        """Request `ticket` runs on `target` (of `pod`, `rank`). `held`: the prompt's leading full blocks the
+        target holds per the index (None: not looked up), for what the listener is told (see the module)."""
         keys = self._keys(model, lora, token_ids, extras) if token_ids else None
         if keys:
             self.peer_added(ticket, target, pod, rank, keys)
             if self.listener is not None:
-                self.listener(["add", ticket, target, pod, rank, keys])
+                if held is not None and len(keys) - held <= UNTOLD_BLOCKS:
+                    self._untold.add(ticket)
+                    self.listener(["keep", ticket])
+                else:
+                    self.listener(["add", ticket, target, pod, rank, keys])
 
     def moved(self, ticket: int, target: str, pod: str, rank: int) -> None:
         """Request `ticket` runs on `target` after all (the data plane's fallback served it)."""
-        if self.peer_moved(ticket, target, pod, rank) and self.listener is not None:
+        if self.peer_moved(ticket, target, pod, rank) and self.listener is not None and ticket not in self._untold:
             self.listener(["move", ticket, target, pod, rank])
 
     def remove(self, ticket: int) -> None:
         """Request `ticket` ended (idempotent)."""
-        if self.peer_removed(ticket) and self.listener is not None:
+        if ticket in self._untold:
+            self._untold.discard(ticket)
+            self.peer_removed(ticket)
+        elif self.peer_removed(ticket) and self.listener is not None:
             self.listener(["end", ticket])
 
     # Another replica's request (`ticket`: (its gateway, its ticket)), or this gateway's once its keys are known;

@@ -165,6 +165,33 @@ async def test_adds_leave_at_once_and_ends_with_the_next_message_or_shortly_afte
         await r.aclose()
 
 
+async def test_a_kept_prompt_is_counted_and_never_sent_and_a_new_one_still_is():
+    client = Recording()
+    prompts = RunningPrompts(indexed())
+    r = PromptRelay(client, prompts, "gw-a", end_delay_s=0.05, registry=CollectorRegistry())
+    r.start()
+    try:
+        sent = lambda: [c for _, data in client.published for c in decode(data)[1]]  # noqa: E731
+        prompts.add(1, "a", "a", 0, MODEL, None, SYSTEM + [1], None, 10)  # its pod holds all 10 full blocks
+        prompts.remove(1)
+        prompts.add(2, "a", "a", 0, MODEL, None, SYSTEM + [2], None, 0)  # its pod holds none of them
+        prompts.remove(2)
+        assert await wait_until_async(lambda: [c[:2] for c in sent()] == [["add", 2], ["end", 2]], timeout=5)
+        assert count(r, "kept") == 1 and count(r, "sent") == 2
+    finally:
+        await r.aclose()
+
+
+def test_local_relay_shares_no_kept_prompt():
+    relay_ = LocalRelay()
+    one, two = RunningPrompts(indexed()), RunningPrompts(indexed())
+    relay_.join("gw0", one)
+    relay_.join("gw1", two)
+    one.add(1, "b", "b", 0, MODEL, None, SYSTEM + [1], None, 9)
+    assert one.held(MODEL, None, SYSTEM, None, at("b")) == {"b": 10} and len(two) == 0
+    one.remove(1)
+
+
 class Hanging(NoRedis):
     """A Redis that takes the connection and never answers."""
 

@@ -419,6 +419,23 @@ async def test_a_tenants_burst_dealt_over_two_replicas_follows_its_first_request
     assert others != [first] * 3
 
 
+async def test_the_other_replicas_hear_of_a_pick_only_where_its_pod_lacks_more_than_two_blocks_of_the_prompt():
+    """The pick tells its running prompt the index's count for its pod: a prompt the pod holds but for its last
+    blocks (routing.state.prompts' UNTOLD_BLOCKS) is kept from the relay, a family new to every pod is told."""
+    (r,), engines, _, _ = fleet()
+    heard: list[list] = []
+    r.prompts.listener = heard.append
+    ctx = family(6)
+    engines.store("b", prompt(ctx, 0))
+    d = await r.pick(RouteRequest(MODEL, prompt(ctx, 0)))  # again: b holds every full block of it
+    assert d.pod.name == "b" and heard[-1] == ["keep", d.ticket]
+    await r.release(d)
+    d = await r.pick(RouteRequest(MODEL, prompt(family(7), 0)))  # nobody holds any of it
+    assert heard[-1][:2] == ["add", d.ticket]
+    await r.release(d)
+    assert [c[0] for c in heard] == ["keep", "add", "end"]
+
+
 def test_cache_room_is_known_once_a_pods_engine_has_evicted_and_is_there_after_a_reset_until_it_evicts():
     from routing.scheduling.scorers import CacheRoom
     cache = {"a": (10, 0, 0), "b": (10, 0, 0)}  # blocks held, removals, resets
