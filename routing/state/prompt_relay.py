@@ -142,8 +142,9 @@ class PromptRelay(BackgroundLoop):
         self.changes = Counter(
             "kvgate_prompt_relay_changes_total", "Running-prompt changes between gateway replicas (a request's "
             "prompt counted on its pod until it ends; routing.state.prompt_relay), by outcome: sent, kept (not "
-            "sent: its pod held all but its last two blocks already), applied (a peer's), expired (a peer's claim that no end came for within its TTL), dropped (not sent: Redis "
-            "refused them), bad (a message that is not one)", ["outcome"],
+            "sent: its pod held all but its last two blocks already), applied (a peer's), expired (a peer's claim "
+            "that no end came for within its TTL), dropped (not sent: Redis refused them), bad (a message that is "
+            "not one)", ["outcome"],
             registry=registry if registry is not None else CollectorRegistry())
         # set once the first subscription succeeded or failed (a caller may wait a moment for it)
         self.first_try = asyncio.Event()

@@ -15,7 +15,7 @@ A prompt whose pod already holds all but its last UNTOLD_BLOCKS full blocks (the
 cached system prompt or history, and this request's own question) is counted here and not told: the others see
 what it shares in the index already, and a request sharing its few new blocks could gain as many blocks' credit
 (two blocks: 32 tokens of prefill), while each message told wakes Redis and every replica. The listener hears
-"keep" for it instead, and nothing of its move or end.
+"keep" for it instead, and nothing of its end; if it moves to a fallback, it is told then.
 Only plain prompts of a model of one KV cache group: a salted or multimodal prompt's blocks hash more than its
 tokens, and a hybrid model's hit is its groups' fixed point (kvcache.groups), neither of which a prompt's tokens
 alone answer.
@@ -76,7 +76,7 @@ class RunningPrompts:
         self._running: dict[Hashable, tuple[str, int, list[int]]] = {}
         self._untold: set[int] = set()  # this gateway's tickets the listener heard "keep" of
         # told of each of this gateway's changes (the relay to the other replicas): ["add", ticket, target, pod,
-        # rank, keys], ["move", ticket, target, pod, rank], ["end", ticket]
+        # rank, keys], ["move", ticket, target, pod, rank], ["end", ticket], ["keep", ticket] (not to be sent)
         self.listener: Callable[[list], None] | None = None
         # the last prompt's keys (the pick's held() then add() ask for the same prompt): its token list, model,
         # adapter and extras, by identity, then the keys
@@ -129,8 +129,14 @@ class RunningPrompts:
                     self.listener(["add", ticket, target, pod, rank, keys])
 
     def moved(self, ticket: int, target: str, pod: str, rank: int) -> None:
-        """Request `ticket` runs on `target` after all (the data plane's fallback served it)."""
-        if self.peer_moved(ticket, target, pod, rank) and self.listener is not None and ticket not in self._untold:
+        """Request `ticket` runs on `target` after all (the data plane's fallback served it): a kept prompt is
+        told now, whole (what the fallback holds of it is not known)."""
+        if not self.peer_moved(ticket, target, pod, rank) or self.listener is None:
+            return
+        if ticket in self._untold:
+            self._untold.discard(ticket)
+            self.listener(["add", ticket, target, pod, rank, self._running[ticket][2]])
+        else:
             self.listener(["move", ticket, target, pod, rank])
 
     def remove(self, ticket: int) -> None:

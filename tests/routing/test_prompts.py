@@ -196,7 +196,8 @@ def test_counted_in_bulk_it_answers_as_counting_every_prompt_afresh_would():
 
 def test_a_prompt_its_pod_holds_all_but_two_blocks_of_is_counted_here_and_its_listener_hears_keep_alone():
     """held (the index's count for the pick) leaving at most UNTOLD_BLOCKS new full blocks: counted here as any
-    other, the listener hears "keep" and nothing of its move or end; three new blocks, or no count, are told."""
+    other, the listener hears "keep" and nothing of its end, unless it moves to a fallback (then it is told whole);
+    three new blocks, or no count, are told."""
     from routing.state.prompts import UNTOLD_BLOCKS
     assert UNTOLD_BLOCKS == 2
     heard: list[list] = []
@@ -205,11 +206,15 @@ def test_a_prompt_its_pod_holds_all_but_two_blocks_of_is_counted_here_and_its_li
     prompt = tokens(1, 12)  # 12 full blocks
     prompts.add(1, "a", "a", 0, MODEL, None, prompt, None, 10)  # two new: kept
     assert prompts.held(MODEL, None, prompt, None, at("a")) == {"a": 12}  # counted here all the same
-    prompts.moved(1, "b", "b", 0)
-    assert prompts.held(MODEL, None, prompt, None, at("a", "b")) == {"b": 12}
     prompts.remove(1)
     prompts.remove(1)
     assert heard == [["keep", 1]] and len(prompts) == 0
+    prompts.add(5, "a", "a", 0, MODEL, None, prompt, None, 11)  # kept, then served by a fallback: told there, whole
+    prompts.moved(5, "b", "b", 0)
+    assert prompts.held(MODEL, None, prompt, None, at("a", "b")) == {"b": 12}
+    prompts.remove(5)
+    assert heard[1:] == [["keep", 5], ["add", 5, "b", "b", 0, prompts._keys(MODEL, None, prompt, None)], ["end", 5]]
+    del heard[1:]
     prompts.add(2, "a", "a", 0, MODEL, None, prompt, None, 9)  # three new: told
     prompts.add(3, "a", "a", 0, MODEL, None, prompt, None)  # nobody asked the index: told
     prompts.add(4, "a", "a", 0, MODEL, None, prompt, None, 12)  # every block held already: kept
