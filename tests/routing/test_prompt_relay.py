@@ -182,16 +182,6 @@ async def test_a_kept_prompt_is_counted_and_never_sent_and_a_new_one_still_is():
         await r.aclose()
 
 
-def test_local_relay_shares_no_kept_prompt():
-    relay_ = LocalRelay()
-    one, two = RunningPrompts(indexed()), RunningPrompts(indexed())
-    relay_.join("gw0", one)
-    relay_.join("gw1", two)
-    one.add(1, "b", "b", 0, MODEL, None, SYSTEM + [1], None, 9)
-    assert one.held(MODEL, None, SYSTEM, None, at("b")) == {"b": 10} and len(two) == 0
-    one.remove(1)
-
-
 class Hanging(NoRedis):
     """A Redis that takes the connection and never answers."""
 
@@ -220,6 +210,8 @@ async def test_a_redis_that_never_answers_bounds_what_waits_and_the_publish():
 
 
 def test_local_relay_shares_the_replicas_running_prompts():
+    """The replicas' running prompts shared in one process (bench routing's), but a kept one (routing.state.prompts'
+    UNTOLD_BLOCKS)."""
     relay_ = LocalRelay()
     one, two = RunningPrompts(indexed()), RunningPrompts(indexed())
     relay_.join("gw0", one)
@@ -231,6 +223,9 @@ def test_local_relay_shares_the_replicas_running_prompts():
     one.moved(1, "a", "a", 0)
     one.remove(1)
     assert two.held(MODEL, None, SYSTEM + [9], None, at("a", "b", "c")) == {"c": 10}
+    one.add(2, "b", "b", 0, MODEL, None, SYSTEM + [2], None, 9)  # b holds all but its last block: kept
+    assert one.held(MODEL, None, SYSTEM, None, at("b")) == {"b": 10}
+    assert two.held(MODEL, None, SYSTEM, None, at("b")) == {}
 
 
 def _lean(url: str):
