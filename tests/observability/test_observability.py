@@ -225,8 +225,8 @@ def _expiry(gate: Kvgate) -> float:
 
 def _prometheus(stack: Stack, targets: list[Target]) -> str | None:
     """A Prometheus scraping `targets` by job every 200 ms (the run lasts seconds), kvgate's rules loaded and
-    evaluated as often;
-    its URL, None where it is not installed (Debian's package prometheus, which ./dev setup installs)."""
+    evaluated as often: its URL, None where it is not installed (Debian's package prometheus; ./dev setup installs
+    it)."""
     binary = shutil.which("prometheus")
     if binary is None:
         return None
