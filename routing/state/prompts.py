@@ -141,10 +141,9 @@ class RunningPrompts:
 
     def remove(self, ticket: int) -> None:
         """Request `ticket` ended (idempotent)."""
-        if ticket in self._untold:
-            self._untold.discard(ticket)
-            self.peer_removed(ticket)
-        elif self.peer_removed(ticket) and self.listener is not None:
+        told = ticket not in self._untold
+        self._untold.discard(ticket)
+        if self.peer_removed(ticket) and told and self.listener is not None:
             self.listener(["end", ticket])
 
     # Another replica's request (`ticket`: (its gateway, its ticket)), or this gateway's once its keys are known;
