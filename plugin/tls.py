@@ -183,7 +183,7 @@ class ServerKeys:
             cert, key = self.pem
             return grpc.ssl_server_credentials([(key, cert)])
 
-        given = [self.loads]  # the pair grpcio has
+        given = self.loads  # the pair grpcio has
 
         def pair() -> grpc.ServerCertificateConfiguration:
             cert, key = self.pem
@@ -192,11 +192,12 @@ class ServerKeys:
         def changed() -> grpc.ServerCertificateConfiguration | None:
             # grpcio asks at each handshake: a new configuration once a new pair was taken (here, or by a scrape
             # that looked first), else None (the one it has)
+            nonlocal given
             self.check()
             with self._lock:
-                if self.loads == given[0]:
+                if self.loads == given:
                     return None
-                given[0] = self.loads
+                given = self.loads
                 return pair()
         return grpc.dynamic_ssl_server_credentials(pair(), changed)
 
