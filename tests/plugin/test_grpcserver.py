@@ -143,7 +143,11 @@ async def test_a_clients_cancel_cancels_the_method(served):
 async def test_a_deadline_ends_the_call_on_the_server_too(served):
     _, port, echo, _, _ = served
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        call = pb_grpc.ExternalProcessorStub(channel).Process(timeout=0.3)
+        # connected first, and a second for the write: the deadline, counted from the call's start, must pass
+        # after the server has the body (at 0.3 s, from an unconnected channel, it once passed during the write
+        # on a loaded CI machine)
+        await channel.channel_ready()
+        call = pb_grpc.ExternalProcessorStub(channel).Process(timeout=1.0)
         await call.write(_body(b"hang"))
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await call.read()
@@ -554,7 +558,8 @@ async def test_a_deadline_ends_the_requests_of_a_method_waiting_for_them(served)
     """As grpcio's server: a method parked on its requests when the deadline passes sees them end."""
     _, port, echo, _, _ = served
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        call = pb_grpc.ExternalProcessorStub(channel).Process(timeout=0.3)
+        await channel.channel_ready()  # as above: the deadline must pass after the first answer, not during it
+        call = pb_grpc.ExternalProcessorStub(channel).Process(timeout=1.0)
         await call.write(_body(b"a"))
         assert _answer(await call.read()) == b"a"
         with pytest.raises(grpc.aio.AioRpcError) as e:
